@@ -1,0 +1,26 @@
+"""Backends: interchangeable implementations of the three attention operations.
+
+Every backend module exposes the same functions (the contract the dispatcher relies on):
+
+``unavailable_reason(device: torch.device) -> str | None``
+    ``None`` when the backend can run tensors on ``device``; otherwise a sentence saying why not.
+
+``forward(q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False)``
+    -> ``(out, lse, s_dmask)``.
+    Dense: q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``; out like q, lse fp32 ``(b, h, sq)``.
+    Varlen (``varlen`` a :class:`~flash_attn.params.VarlenLayout`): q ``(total_q, h, d)``,
+    k/v ``(total_k, hk, d)`` or paged; out like q, lse fp32 ``(h, total_q)``.
+    ``s_dmask`` is ``None`` unless ``return_softmax``; then fp32 ``(b, h, max_sq, max_sk)`` holding
+    the softmax probabilities, negated where dropout dropped the entry.
+    Rows that see no key: out 0, lse +inf.
+
+``backward(dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
+deterministic=False)`` -> ``(dq, dk, dv)`` shaped like q, k, v (for paged K/V: like the page pool).
+
+``forward_kvcache(q, params, cache, *, alibi_slopes=None)`` -> ``(out, lse)``
+    ``cache`` a :class:`~flash_attn.params.KVCacheInputs`; q ``(b, sq, h, d)``; appends
+    ``cache.k_new``/``v_new`` into the cache in place (after rotary on k) before attending.
+
+Arguments arrive already validated and normalised by :mod:`flash_attn.flash_attn_interface`
+(dtypes, shapes, devices, value ranges), so a backend only computes.
+"""

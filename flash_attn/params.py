@@ -1,0 +1,77 @@
+"""Plain-data descriptions of one attention call, shared by every backend.
+
+The public functions normalise user arguments into these objects once, so a backend never
+re-derives defaults (softmax scale, causal-as-window, ...) and all backends agree on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Scalar options of an attention call.
+
+    Masking is expressed only through the window: query ``i`` sees key ``j`` iff
+    ``i + sk - sq - window_left <= j <= i + sk - sq + window_right`` (bottom-right aligned; a
+    bound of ``-1`` is unbounded). ``causal=True`` is ``window_right=0``.
+    """
+
+    softmax_scale: float
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    # Key of the counter-based dropout RNG: drawn once per forward from PyTorch's CPU generator
+    # and handed to the backward, which regenerates the very same mask from it.
+    dropout_seed: int = 0
+
+    @property
+    def is_local(self) -> bool:
+        """True when any window bound applies (causal counts as local with left unbounded)."""
+        return self.window_left >= 0 or self.window_right >= 0
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """Sequences packed along dim 0: sequence ``b`` is rows ``cu[b]:cu[b+1]``.
+
+    With a ``block_table`` (paged K/V), ``k``/``v`` are ``(num_blocks, page_size, nheads_k, d)``
+    and sequence ``b``'s keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` rows of the
+    pages ``block_table[b, 0], block_table[b, 1], ...`` laid end to end.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_table: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class KVCacheInputs:
+    """Everything ``flash_attn_with_kvcache`` adds to a plain attention call.
+
+    ``cache_seqlens[b]`` counts cache rows from index 0 (the left padding included); the new
+    ``k``/``v`` rows are written at ``cache_seqlens[b], cache_seqlens[b] + 1, ...`` and the keys
+    attended to are cache rows ``cache_leftpad[b] : cache_seqlens[b] + seqlen_new``, whose
+    positions for masking and ALiBi start at 0 at ``cache_leftpad[b]``. Rotary angles use the
+    absolute cache row index.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    cache_seqlens: torch.Tensor  # int32 (batch,), always present after normalisation
+    k_new: Optional[torch.Tensor] = None
+    v_new: Optional[torch.Tensor] = None
+    cache_batch_idx: Optional[torch.Tensor] = None
+    cache_leftpad: Optional[torch.Tensor] = None
+    block_table: Optional[torch.Tensor] = None
+    rotary_cos: Optional[torch.Tensor] = None
+    rotary_sin: Optional[torch.Tensor] = None
+    rotary_interleaved: bool = True
+    num_splits: int = 0
