@@ -1,0 +1,28 @@
+"""flash_attn: exact FlashAttention with the flash-attn 2.8 Python API.
+
+GPU kernels are Triton code compiled ahead of time into the package; every other device runs an
+exact, memory-efficient PyTorch reference. ``FLASH_ATTN_BACKEND`` picks the backend
+(see :mod:`flash_attn.dispatch`).
+"""
+
+from flash_attn._version import __version__
+from flash_attn.flash_attn_interface import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
+
+__all__ = [
+    "__version__",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]

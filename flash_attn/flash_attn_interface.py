@@ -1,0 +1,398 @@
+"""The public functions of flash-attn 2.8, with the same names, parameters, defaults and returns.
+
+Each function checks its arguments (:mod:`flash_attn.validation`), normalises them (default
+softmax scale, ``causal`` as a window bound) and calls one ``flash_attn::*`` custom operator
+(:mod:`flash_attn.ops`), which runs the backend chosen by ``FLASH_ATTN_BACKEND``
+(:mod:`flash_attn.dispatch`): the ahead-of-time GPU kernels on CUDA tensors when installed,
+the exact PyTorch reference backend on every other device.
+
+Masking (every function): with ``causal=True`` the mask is aligned to the **bottom-right**
+corner of the ``seqlen_q x seqlen_k`` score matrix. With seqlen_q = 2 and seqlen_k = 5 the
+visible keys (1) are::
+
+    1 1 1 1 0
+    1 1 1 1 1
+
+and with seqlen_q = 5, seqlen_k = 2::
+
+    0 0
+    0 0
+    0 0
+    1 0
+    1 1
+
+``window_size=(left, right)`` lets query ``i`` see keys ``j`` with
+``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right`` (``-1`` = unbounded
+on that side); ``causal`` is ``right = 0``. A query row that sees no key gives output 0 and
+logsumexp +inf.
+
+MQA/GQA: k/v may have fewer heads than q (nheads % nheads_k == 0); query head ``h`` uses
+key/value head ``h // (nheads // nheads_k)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from flash_attn import validation
+from flash_attn.ops import attention_forward, attention_forward_kvcache
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def _scale(softmax_scale, headdim: int) -> float:
+    validation.check_softmax_scale(softmax_scale)
+    return float(headdim ** (-0.5) if softmax_scale is None else softmax_scale)
+
+
+def _window(causal: bool, window_size) -> tuple[int, int]:
+    left, right = window_size
+    return (left, 0) if causal else (left, right)
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+               dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic, return_attn_probs):
+    """Shared tail of the dense and varlen functions (inputs already shape-checked)."""
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    window_size = validation.check_options(
+        dropout_p, softcap, window_size, alibi_slopes, batch, q.shape[-2], q.device
+    )
+    left, right = _window(causal, window_size)
+    out, lse, s_dmask, _ = attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
+        max_seqlen_q, max_seqlen_k, _scale(softmax_scale, q.shape[-1]), left, right,
+        float(softcap), float(dropout_p), bool(return_attn_probs), bool(deterministic),
+    )
+    return (out, lse, s_dmask) if return_attn_probs else out
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Exact attention over a padded batch.
+
+    Arguments:
+        q: ``(batch, seqlen_q, nheads, headdim)``, float16/bfloat16/float32.
+        k, v: ``(batch, seqlen_k, nheads_k, headdim)``, same dtype and device as q.
+        dropout_p: probability of dropping an attention weight (use 0.0 in evaluation). The mask
+            is drawn from PyTorch's RNG: ``torch.manual_seed`` makes it reproducible, and the
+            backward uses the very mask of its forward.
+        softmax_scale: scale of ``q @ k^T``; default ``headdim ** -0.5``.
+        causal: bottom-right aligned causal mask (see the module docstring).
+        window_size: ``(left, right)`` sliding-window bounds, ``-1`` = unbounded.
+        softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling, before
+            masking).
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
+            ``-slope * |i + seqlen_k - seqlen_q - j|`` to the score of query i and key j.
+        deterministic: make the backward bit-reproducible run to run.
+        return_attn_probs: also return the logsumexp and the attention probabilities (testing).
+
+    Returns:
+        out ``(batch, seqlen_q, nheads, headdim)``; with ``return_attn_probs`` also
+        softmax_lse float32 ``(batch, nheads, seqlen_q)`` (natural log of the softmax denominator
+        of the scaled scores) and S_dmask float32 ``(batch, nheads, seqlen_q, seqlen_k)``: the
+        softmax probabilities, negative where dropout dropped the entry.
+    """
+    validation.check_dense_qkv(q, k, v)
+    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """:func:`flash_attn_func` with q, k, v stacked: qkv ``(batch, seqlen, 3, nheads, headdim)``.
+
+    Gradients flow back into ``qkv``. Returns as :func:`flash_attn_func`.
+    """
+    _check_packed(qkv, "qkv", 5, 3, "(batch, seqlen, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(dim=2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """:func:`flash_attn_func` with k, v stacked: kv ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
+    _check_packed(kv, "kv", 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(dim=2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """Exact attention over sequences of different lengths packed without padding.
+
+    Arguments:
+        q: ``(total_q, nheads, headdim)``: the queries of all sequences, one after another.
+        k, v: ``(total_k, nheads_k, headdim)``; or, with ``block_table`` (paged KV),
+            ``(num_blocks, page_block_size, nheads_k, headdim)``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` cumulative lengths starting at 0:
+            sequence ``b`` owns rows ``cu[b]:cu[b+1]``. Zero-length sequences are allowed.
+        max_seqlen_q, max_seqlen_k: int, at least the longest sequence.
+        block_table: optional int32 ``(batch, max_pages_per_seq)``: the pages holding sequence
+            ``b``'s keys and values, in order.
+        The other arguments as in :func:`flash_attn_func`; masks and ALiBi use each sequence's
+        own lengths.
+
+    Returns:
+        out ``(total_q, nheads, headdim)``; with ``return_attn_probs`` also softmax_lse float32
+        ``(nheads, total_q)`` and S_dmask float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)``.
+    """
+    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """:func:`flash_attn_varlen_func` with qkv ``(total, 3, nheads, headdim)`` and one set of
+    ``cu_seqlens``/``max_seqlen`` for queries and keys."""
+    _check_packed(qkv, "qkv", 4, 3, "(total, 3, nheads, headdim)")
+    q, k, v = qkv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """:func:`flash_attn_varlen_func` with kv ``(total_k, 2, nheads_k, headdim)``."""
+    _check_packed(kv, "kv", 4, 2, "(total_k, 2, nheads_k, headdim)")
+    k, v = kv.unbind(dim=1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def _check_packed(t, name: str, ndim: int, count: int, layout: str) -> None:
+    validation.check_tensor(t, name, ndim, layout)
+    pack_dim = ndim - 3
+    if t.shape[pack_dim] != count:
+        raise ValueError(f"{name} must have shape {layout}: dim {pack_dim} must be {count}, got shape {tuple(t.shape)}")
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    softcap=0.0,  # 0.0 means deactivated
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention for incremental decoding against a key/value cache (no backward).
+
+    If ``k``/``v`` are given they are written **in place** into ``k_cache``/``v_cache`` at rows
+    ``cache_seqlens[b], cache_seqlens[b] + 1, ...`` before attending, so one call appends the
+    new tokens and attends over the updated cache. The cache must have room for them.
+
+    Arguments:
+        q: ``(batch, seqlen_q, nheads, headdim)``.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, headdim)``, or with
+            ``block_table`` a page pool ``(num_blocks, page_block_size, nheads_k, headdim)``.
+        k, v: optional ``(batch, seqlen_new, nheads_k, headdim)``, the new tokens.
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)``; rotate the new k at
+            positions ``cache_seqlens[b] + t``, and q at the same positions when causal or local,
+            otherwise every q row at position ``cache_seqlens[b]``.
+        cache_seqlens: int or int32 ``(batch,)``: rows of the cache already filled (including any
+            left padding). ``None`` means the whole cache (only without new k/v).
+        cache_batch_idx: optional int32 ``(batch,)``: which cache row each batch entry uses.
+        cache_leftpad: optional int32 ``(batch,)``: the cache of entry ``b`` starts at this row;
+            positions for masking and ALiBi start at 0 there.
+        block_table: optional int32 ``(batch, max_pages_per_seq)`` for a paged cache.
+        rotary_interleaved: True rotates feature pairs (0, 1), (2, 3), ...; False rotates the
+            two halves of the rotary dims (GPT-NeoX style).
+        num_splits: how many key splits a GPU kernel may use (0 = heuristic); never changes the
+            result.
+        return_softmax_lse: also return the logsumexp ``(batch, nheads, seqlen_q)``.
+        The other arguments as in :func:`flash_attn_func`.
+
+    Returns:
+        out ``(batch, seqlen_q, nheads, headdim)``, and softmax_lse if requested.
+    """
+    q, k_new, v_new, cache_seqlens = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    batch, _, nheads, headdim = q.shape
+    _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits)
+    window_size = validation.check_options(0.0, softcap, window_size, alibi_slopes, batch, nheads, q.device)
+    left, right = _kvcache_window(causal, window_size, _cache_capacity(k_cache, block_table))
+    out, lse = attention_forward_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, rotary_cos, rotary_sin, alibi_slopes, _scale(softmax_scale, headdim), left,
+        right, float(softcap), bool(rotary_interleaved), int(num_splits),
+    )
+    return (out, lse) if return_softmax_lse else out
+
+
+def _cache_capacity(k_cache, block_table) -> int:
+    if block_table is None:
+        return k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def _kvcache_window(causal: bool, window_size, capacity: int) -> tuple[int, int]:
+    """Like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
+    rotated as a local/causal block or at one position)."""
+    left, right = _window(causal, window_size)
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    return left, right
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    validation.check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    cache_layout = "(num_blocks, page_block_size, nheads_k, headdim)" if block_table is not None else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    validation.check_tensor(k_cache, "k_cache", 4, cache_layout)
+    validation.check_tensor(v_cache, "v_cache", 4, cache_layout)
+    validation.check_same({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must agree except in headdim, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    validation.check_heads(q.shape[2], k_cache.shape[2], q.shape[3], k_cache.shape[3], v_cache.shape[3])
+    batch = q.shape[0]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or both None)")
+    if k is not None:
+        validation.check_tensor(k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
+        validation.check_tensor(v, "v", 4, "(batch, seqlen_new, nheads_k, headdim)")
+        validation.check_same({"q": q, "k": k, "v": v})
+        expected = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"k and v must have shape {expected} (batch, seqlen_new, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when new k/v are appended to the cache")
+    if block_table is not None:
+        validation.check_block_table(block_table, batch, q.device)
+    if cache_seqlens is None:
+        cache_seqlens = _cache_capacity(k_cache, block_table)
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape (batch,), got {type(cache_seqlens).__name__}")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    _check_index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    return q, k, v, cache_seqlens
+
+
+def _check_index_vector(t, name: str, batch: int, device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        raise TypeError(f"{name} must be an int32 tensor of shape ({batch},), got {validation._describe(t)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits):
+    batch = q.shape[0]
+    if cache_batch_idx is None and block_table is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass cache_batch_idx to map them")
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            _check_index_vector(t, name, batch, q.device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k_new is None:
+            raise ValueError("rotary_cos/rotary_sin only apply when new k/v are passed")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), got {validation._describe(t)}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if 2 * rotary_cos.shape[1] > q.shape[-1]:
+            raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must not exceed headdim {q.shape[-1]}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")

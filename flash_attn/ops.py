@@ -1,0 +1,263 @@
+"""The ``flash_attn::*`` custom operators: one boundary between Python and every backend.
+
+Registering through ``torch.library`` gives each operation a fake (meta) implementation for
+shape inference and an autograd formula, so ``torch.compile(fullgraph=True)`` traces calls to
+``flash_attn_func``/``flash_attn_varlen_func`` as single opaque nodes without graph breaks.
+The real implementations check argument *values*, pick a backend (:mod:`flash_attn.dispatch`)
+and call it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flash_attn import validation
+from flash_attn.dispatch import select_backend
+from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+
+def _draw_dropout_seed(dropout_p: float) -> int:
+    """A fresh 62-bit seed from PyTorch's CPU generator, so ``torch.manual_seed`` reproduces it.
+
+    The CPU generator is used for every device: reading it needs no device synchronisation.
+    """
+    if dropout_p == 0.0:
+        return 0
+    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+
+
+def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k) -> Optional[VarlenLayout]:
+    """Check cu_seqlens / block_table values and bundle them (``None`` for dense inputs)."""
+    if cu_seqlens_q is None:
+        return None
+    validation.check_cu_seqlens_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
+    paged = block_table is not None
+    seqlens_k = validation.check_cu_seqlens_values(
+        cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_seqlen_k, "max_seqlen_k"
+    )
+    if paged:
+        lengths = [b - a for a, b in zip(seqlens_k, seqlens_k[1:])]
+        validation.check_block_table_values(block_table, k.shape[0], k.shape[1], lengths)
+    return VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+
+
+def _batch_and_seqlens(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> tuple[int, int, int]:
+    if cu_seqlens_q is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    return cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
+
+
+def _empty_softmax(q: Tensor) -> Tensor:
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_attn::forward", mutates_args=())
+def attention_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    block_table: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    return_softmax: bool,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(out, lse, s_dmask or an empty tensor, rng_state)``; see the backend contract.
+
+    ``deterministic`` only matters to the backward; it is an input here so that autograd can
+    hand it on.
+    """
+    varlen = _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
+    if _nothing_to_attend(q, k, varlen):
+        return _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
+    seed = _draw_dropout_seed(dropout_p)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, seed)
+    backend = select_backend(q.device)
+    out, lse, s_dmask = backend.forward(
+        q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
+    )
+    if s_dmask is None:
+        s_dmask = _empty_softmax(q)
+    rng_state = torch.tensor([seed], dtype=torch.int64)
+    return out.contiguous(), lse.contiguous(), s_dmask.contiguous(), rng_state
+
+
+def _nothing_to_attend(q: Tensor, k: Tensor, varlen: Optional[VarlenLayout]) -> bool:
+    """Empty queries, or (dense) no keys at all: the answer is known without a backend."""
+    return q.numel() == 0 or (varlen is None and k.shape[1] == 0)
+
+
+def _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax):
+    """Rows that see no key: output 0 and logsumexp +inf (the fake shapes, filled in)."""
+    out, lse, s_dmask, rng_state = _forward_fake(
+        q, k, None, cu_seqlens_q, None, None, None, max_seqlen_q, max_seqlen_k, 1.0, -1, -1, 0.0, 0.0,
+        return_softmax, False,
+    )
+    return out.zero_(), lse.fill_(float("inf")), s_dmask.zero_(), rng_state.zero_()
+
+
+@attention_forward.register_fake
+def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic):
+    batch, sq, sk = _batch_and_seqlens(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    nheads = q.shape[-2]
+    if cu_seqlens_q is None:
+        lse = q.new_empty((batch, nheads, sq), dtype=torch.float32)
+    else:
+        lse = q.new_empty((nheads, q.shape[0]), dtype=torch.float32)
+    if return_softmax:
+        s_dmask = q.new_empty((batch, nheads, sq, sk), dtype=torch.float32)
+    else:
+        s_dmask = _empty_softmax(q)
+    rng_state = torch.empty((1,), dtype=torch.int64, device="cpu")
+    return q.new_empty(q.shape), lse, s_dmask, rng_state
+
+
+@torch.library.custom_op("flash_attn::backward", mutates_args=())
+def attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Optional[Tensor],
+    cu_seqlens_k: Optional[Tensor],
+    block_table: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    rng_state: Tensor,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    varlen = None
+    if cu_seqlens_q is not None:
+        varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    if q.numel() == 0 or k.numel() == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, int(rng_state[0]))
+    backend = select_backend(q.device)
+    dq, dk, dv = backend.backward(
+        dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes, deterministic=deterministic
+    )
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# Positions of the forward inputs that the backward needs besides q, k, v.
+_FORWARD_INPUTS = (
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "block_table", "alibi_slopes", "max_seqlen_q",
+    "max_seqlen_k", "softmax_scale", "window_left", "window_right", "softcap", "dropout_p",
+    "return_softmax", "deterministic",
+)
+
+
+def _setup_context(ctx, inputs, output):
+    named = dict(zip(_FORWARD_INPUTS, inputs))
+    out, lse, _, rng_state = output
+    ctx.save_for_backward(
+        named["q"], named["k"], named["v"], out, lse, named["cu_seqlens_q"], named["cu_seqlens_k"],
+        named["block_table"], named["alibi_slopes"], rng_state,
+    )
+    ctx.scalars = (
+        named["max_seqlen_q"], named["max_seqlen_k"], named["softmax_scale"], named["window_left"],
+        named["window_right"], named["softcap"], named["dropout_p"],
+    )
+    ctx.deterministic = named["deterministic"]
+
+
+def _backward(ctx, dout, *unused_grads):
+    q, k, v, out, lse, cu_q, cu_k, block_table, alibi, rng_state = ctx.saved_tensors
+    max_sq, max_sk, scale, left, right, softcap, dropout_p = ctx.scalars
+    dq, dk, dv = attention_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left,
+        right, softcap, dropout_p, rng_state, ctx.deterministic,
+    )
+    return (dq, dk, dv) + (None,) * (len(_FORWARD_INPUTS) - 3)
+
+
+attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flash_attn::forward_kvcache", mutates_args=("k_cache", "v_cache"))
+def attention_forward_kvcache(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Optional[Tensor],
+    v: Optional[Tensor],
+    cache_seqlens: Tensor,
+    cache_batch_idx: Optional[Tensor],
+    cache_leftpad: Optional[Tensor],
+    block_table: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    softmax_scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    rotary_interleaved: bool,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap)
+    cache = KVCacheInputs(
+        k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
+        rotary_cos, rotary_sin, rotary_interleaved, num_splits,
+    )
+    out, lse = select_backend(q.device).forward_kvcache(q, params, cache, alibi_slopes=alibi_slopes)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention_forward_kvcache.register_fake
+def _(q, k_cache, v_cache, *args):
+    batch, sq, nheads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, sq), dtype=torch.float32)
+
+
+def _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos) -> None:
+    """Cache rows, batch indices and pages named by the call all exist."""
+    seqlen_new = 0 if k is None else k.shape[1]
+    if block_table is not None:
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    else:
+        capacity = k_cache.shape[1]
+    seqlens = cache_seqlens.tolist()
+    if any(n < 0 for n in seqlens):
+        raise ValueError(f"cache_seqlens must be >= 0, got {seqlens}")
+    ends = [n + seqlen_new for n in seqlens]
+    what = "kv cache too small for the append" if seqlen_new else "cache_seqlens exceeds the kv cache"
+    validation.check_positions_fit(ends, capacity, what)
+    if rotary_cos is not None:
+        validation.check_positions_fit(ends, rotary_cos.shape[0], "rotary_cos/rotary_sin have too few positions")
+    if cache_leftpad is not None:
+        pads = cache_leftpad.tolist()
+        bad = [b for b, (pad, n) in enumerate(zip(pads, seqlens)) if pad < 0 or pad > n]
+        if bad:
+            raise ValueError(f"cache_leftpad must be in [0, cache_seqlens[b]], got {pads} for cache_seqlens {seqlens}")
+    if cache_batch_idx is not None:
+        rows = cache_batch_idx.tolist()
+        if any(r < 0 or r >= k_cache.shape[0] for r in rows):
+            raise IndexError(f"cache_batch_idx {rows} refers to rows outside the kv cache's batch of {k_cache.shape[0]}")
+    if block_table is not None:
+        validation.check_block_table_values(block_table, k_cache.shape[0], k_cache.shape[1], ends)

@@ -1,0 +1,183 @@
+"""Argument checks shared by every public function: a clear error instead of a wrong answer.
+
+Shape, dtype and device checks read only tensor metadata, so they are safe to run while
+``torch.compile`` traces. Checks that read tensor *values* (cu_seqlens, block tables, cache
+lengths) live in the ``check_*_values`` functions, which run inside the custom ops (opaque to
+the compiler), so they never cause a graph break.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEADDIM = 256
+
+
+def _fail(exc_type: type[Exception], message: str):
+    raise exc_type(message)
+
+
+def check_tensor(t, name: str, ndim: int, layout: str) -> None:
+    """``t`` is a tensor of rank ``ndim`` with a supported dtype and a contiguous last dim."""
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        _fail(ValueError, f"{name} must have shape {layout} ({ndim} dims), got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        _fail(TypeError, f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.numel() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+        _fail(
+            ValueError,
+            f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}; "
+            f"call .contiguous() on it",
+        )
+
+
+def check_same(tensors: dict[str, torch.Tensor]) -> None:
+    """All tensors share dtype and device."""
+    (first_name, first), *rest = tensors.items()
+    for name, t in rest:
+        if t.dtype != first.dtype:
+            _fail(TypeError, f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; they must match")
+        if t.device != first.device:
+            _fail(ValueError, f"{name} is on {t.device} but {first_name} is on {first.device}; they must be on the same device")
+
+
+def check_heads(q_heads: int, k_heads: int, q_dim: int, k_dim: int, v_dim: int) -> None:
+    if k_heads == 0 or q_heads % k_heads != 0:
+        _fail(ValueError, f"nheads of q ({q_heads}) must be a multiple of nheads of k/v ({k_heads}) for MQA/GQA")
+    if q_dim != k_dim or k_dim != v_dim:
+        _fail(ValueError, f"headdim of q ({q_dim}), k ({k_dim}) and v ({v_dim}) must be equal")
+    if not 1 <= q_dim <= MAX_HEADDIM:
+        _fail(ValueError, f"headdim must be between 1 and {MAX_HEADDIM}, got {q_dim}")
+
+
+def check_dense_qkv(q, k, v) -> None:
+    """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``."""
+    check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    check_tensor(k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_tensor(v, "v", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_same({"q": q, "k": k, "v": v})
+    if k.shape[:3] != v.shape[:3]:
+        _fail(ValueError, f"k and v must agree in (batch, seqlen_k, nheads_k), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        _fail(ValueError, f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    check_heads(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
+
+
+def check_cu_seqlens(cu, name: str, device: torch.device) -> None:
+    if not isinstance(cu, torch.Tensor):
+        _fail(TypeError, f"{name} must be an int32 torch.Tensor of shape (batch_size + 1,), got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        _fail(TypeError, f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        _fail(ValueError, f"{name} must be 1-D of shape (batch_size + 1,), got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        _fail(ValueError, f"{name} is on {cu.device} but q is on {device}; they must be on the same device")
+
+
+def check_max_seqlen(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        _fail(ValueError, f"{name} must be a non-negative int, got {value!r}")
+
+
+def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) -> None:
+    """q ``(total_q, h, d)``; k/v ``(total_k, hk, d)`` or pages ``(blocks, page, hk, d)``."""
+    check_tensor(q, "q", 3, "(total_q, nheads, headdim)")
+    kv_rank, kv_layout = (4, "(num_blocks, page_block_size, nheads_k, headdim)") if block_table is not None else (3, "(total_k, nheads_k, headdim)")
+    check_tensor(k, "k", kv_rank, kv_layout)
+    check_tensor(v, "v", kv_rank, kv_layout)
+    check_same({"q": q, "k": k, "v": v})
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(ValueError, f"k and v must have the same shape except headdim, got {tuple(k.shape)} and {tuple(v.shape)}")
+    check_heads(q.shape[1], k.shape[-2], q.shape[2], k.shape[-1], v.shape[-1])
+    check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.device)
+    check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q.device)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        _fail(ValueError, f"cu_seqlens_q and cu_seqlens_k must both have batch_size + 1 entries, got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    check_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    check_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    if block_table is not None:
+        check_block_table(block_table, cu_seqlens_q.shape[0] - 1, q.device)
+
+
+def check_block_table(block_table, batch: int, device: torch.device) -> None:
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        _fail(TypeError, f"block_table must be an int32 tensor of shape (batch_size, max_num_blocks_per_seq), got {_describe(block_table)}")
+    if block_table.shape[0] != batch:
+        _fail(ValueError, f"block_table must have batch_size ({batch}) rows, got {block_table.shape[0]}")
+    if block_table.device != device:
+        _fail(ValueError, f"block_table is on {block_table.device} but q is on {device}")
+
+
+def check_options(dropout_p, softcap, window_size, alibi_slopes, batch: int, nheads: int, device) -> tuple[int, int]:
+    """Scalar options; returns ``window_size`` as two ints."""
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        _fail(ValueError, f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if not isinstance(softcap, (int, float)) or float(softcap) < 0.0:
+        _fail(ValueError, f"softcap must be >= 0 (0 disables it), got {softcap!r}")
+    if window_size is None or len(window_size) != 2:
+        _fail(ValueError, f"window_size must be a pair (left, right), got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        _fail(ValueError, f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
+            _fail(TypeError, f"alibi_slopes must be a float32 tensor of shape (nheads,) or (batch_size, nheads), got {_describe(alibi_slopes)}")
+        if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+            _fail(ValueError, f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != device:
+            _fail(ValueError, f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    return left, right
+
+
+def check_softmax_scale(softmax_scale) -> None:
+    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
+        _fail(TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Value checks: these read tensor contents, so they run inside the custom ops.
+
+
+def check_cu_seqlens_values(cu: torch.Tensor, name: str, total: Optional[int], max_seqlen: int, max_name: str) -> list[int]:
+    """cu starts at 0, never decreases, ends at ``total`` (if given); returns it as a list."""
+    values = cu.tolist()
+    if values[0] != 0:
+        _fail(ValueError, f"{name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        _fail(ValueError, f"{name} must be non-decreasing, got {values}")
+    if total is not None and values[-1] != total:
+        _fail(ValueError, f"{name}[-1] ({values[-1]}) must equal the number of rows of the packed tensor ({total})")
+    if lengths and max(lengths) > max_seqlen:
+        _fail(ValueError, f"{max_name} ({max_seqlen}) is smaller than the longest sequence in {name} ({max(lengths)})")
+    return values
+
+
+def check_block_table_values(block_table: torch.Tensor, num_blocks: int, page_size: int, seqlens: Sequence[int]) -> None:
+    """Every page a sequence uses exists, and the table has enough columns for its length."""
+    for b, n in enumerate(seqlens):
+        needed = -(-n // page_size) if n > 0 else 0
+        if needed > block_table.shape[1]:
+            _fail(ValueError, f"block_table has {block_table.shape[1]} pages per sequence but sequence {b} needs {needed} pages of {page_size} rows")
+        if needed:
+            used = block_table[b, :needed]
+            lo, hi = int(used.min()), int(used.max())
+            if lo < 0 or hi >= num_blocks:
+                _fail(IndexError, f"block_table[{b}] refers to page {lo if lo < 0 else hi}, outside the page pool of {num_blocks} pages")
+
+
+def check_positions_fit(seqlens: Sequence[int], capacity: int, what: str) -> None:
+    for b, n in enumerate(seqlens):
+        if n > capacity:
+            _fail(ValueError, f"{what}: sequence {b} needs {n} rows but the cache holds only {capacity}")
