@@ -1,0 +1,477 @@
+"""Rotary embeddings against a naive per-token complex-number oracle in float64."""
+
+import math
+
+import pytest
+import torch
+
+from flash_attn.layers.rotary import (
+    RotaryEmbedding,
+    apply_rotary_emb,
+    apply_rotary_emb_kv_,
+    apply_rotary_emb_qkv_,
+    apply_rotary_emb_torch,
+)
+
+# Tolerances against the float64 oracle rounded to the output dtype: one unit in the last place
+# (a float32 computation may round a tie the other way), nothing more.
+TOL = {
+    torch.float32: dict(atol=1e-6, rtol=1e-5),
+    torch.float16: dict(atol=1e-5, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-4, rtol=8e-3),
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+}
+
+
+def assert_matches(out, ref):
+    """``out`` equals the float64 ``ref`` rounded once to ``out.dtype``, up to one ulp."""
+    torch.testing.assert_close(out, ref.to(out.dtype), **TOL[out.dtype])
+
+
+def random_table(seqlen_ro, half, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    angle = torch.rand(seqlen_ro, half, generator=g, dtype=torch.float64) * 2 * math.pi
+    return torch.cos(angle), torch.sin(angle)
+
+
+def rotate_token(vec, pos, cos, sin, interleaved):
+    """Rotate one token's features (headdim,) at position ``pos``; None means unrotated."""
+    out = vec.double().clone()
+    if pos is None:
+        return out
+    half = cos.shape[1]
+    rd = 2 * half
+    # Multiplying (a + ib) by (cos + i sin) is the rotation of the pair (a, b).
+    z = torch.complex(cos[pos].double(), sin[pos].double())
+    if interleaved:
+        pairs = torch.view_as_complex(out[:rd].reshape(half, 2).contiguous())
+        out[:rd] = torch.view_as_real(pairs * z).reshape(rd)
+    else:
+        pairs = torch.complex(out[:half], out[half:rd])
+        rot = pairs * z
+        out[:half], out[half:rd] = rot.real, rot.imag
+    return out
+
+
+def oracle_dense(x, cos, sin, interleaved, offsets):
+    """x (batch, seqlen, nheads, headdim); offsets: list of ints per batch."""
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for b in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            for h in range(x.shape[2]):
+                out[b, j, h] = rotate_token(x[b, j, h], j + offsets[b], cos, sin, interleaved)
+    return out
+
+
+def oracle_varlen(x, cos, sin, interleaved, cu, offsets):
+    """x (total, nheads, headdim); cu and offsets are Python lists."""
+    out = x.double().clone()
+    for b in range(len(cu) - 1):
+        for t in range(cu[b], cu[b + 1]):
+            for h in range(x.shape[1]):
+                out[t, h] = rotate_token(x[t, h], t - cu[b] + offsets[b], cos, sin, interleaved)
+    return out
+
+
+def make_offsets(kind, batch):
+    if kind == "zero":
+        return 0, [0] * batch
+    if kind == "int":
+        return 3, [3] * batch
+    values = [2, 0, 5][:batch]
+    dtype = torch.int32 if kind == "tensor32" else torch.int64
+    return torch.tensor(values, dtype=dtype), values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("offset_kind", ["zero", "int", "tensor32", "tensor64"])
+@pytest.mark.parametrize("rotary_dim", [8, 4])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_dense_matches_oracle(interleaved, rotary_dim, offset_kind, dtype):
+    batch, seqlen, nheads, headdim = 3, 5, 2, 8
+    x = torch.randn(batch, seqlen, nheads, headdim).to(dtype)
+    cos, sin = random_table(12, rotary_dim // 2)
+    offsets, offset_list = make_offsets(offset_kind, batch)
+    out = apply_rotary_emb(
+        x, cos.float(), sin.float(), interleaved=interleaved, seqlen_offsets=offsets
+    )
+    assert out.dtype == dtype and out.shape == x.shape
+    ref = oracle_dense(x, cos.float(), sin.float(), interleaved, offset_list)
+    assert_matches(out, ref)
+    # The features past rotary_dim are passed through bit for bit.
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])
+
+
+def test_rotation_changes_values_and_norm_is_kept():
+    x = torch.randn(2, 6, 3, 8, dtype=torch.float64)
+    cos, sin = random_table(6, 4)
+    out = apply_rotary_emb(x, cos, sin)
+    assert not torch.allclose(out, x)
+    # Each pair is rotated, so the per-pair norm (hence the total norm) is unchanged.
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_styles_differ():
+    x = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    cos, sin = random_table(4, 4)
+    assert not torch.allclose(
+        apply_rotary_emb(x, cos, sin, interleaved=True), apply_rotary_emb(x, cos, sin)
+    )
+
+
+def test_position_zero_with_zero_angle_is_identity():
+    x = torch.randn(2, 3, 2, 6)
+    cos, sin = torch.ones(3, 3), torch.zeros(3, 3)
+    torch.testing.assert_close(apply_rotary_emb(x, cos, sin), x)
+
+
+def test_computes_in_fp32_even_when_table_is_half():
+    # fp16 cos/sin are upcast, and the result is rounded to x's dtype only once.
+    x = torch.randn(2, 4, 2, 8, dtype=torch.float16)
+    cos, sin = random_table(4, 4)
+    out = apply_rotary_emb(x, cos.half(), sin.half())
+    ref = oracle_dense(x, cos.half(), sin.half(), False, [0, 0])
+    assert_matches(out, ref)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace(interleaved, dtype):
+    x = torch.randn(2, 4, 3, 8).to(dtype)
+    cos, sin = random_table(8, 3)
+    expected = apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=2)
+    x_before = x.clone()
+    out = apply_rotary_emb(x, cos, sin, interleaved, inplace=True, seqlen_offsets=2)
+    assert out is x
+    torch.testing.assert_close(x, expected, atol=0, rtol=0)
+    assert not torch.equal(x, x_before)
+    assert torch.equal(x[..., 6:], x_before[..., 6:])
+
+
+@pytest.mark.parametrize("offset_kind", ["zero", "int", "tensor32", "tensor64"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_varlen_matches_oracle(interleaved, offset_kind):
+    cu_list = [0, 3, 3, 7]  # the middle sequence is empty
+    total, nheads, headdim = 7, 2, 8
+    x = torch.randn(total, nheads, headdim)
+    cos, sin = random_table(10, 3)
+    offsets, offset_list = make_offsets(offset_kind, 3)
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    out = apply_rotary_emb(
+        x, cos, sin, interleaved, seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=4
+    )
+    ref = oracle_varlen(x, cos, sin, interleaved, cu_list, offset_list)
+    assert_matches(out, ref)
+
+
+def test_varlen_positions_restart_per_sequence():
+    # Two identical sequences packed together must be rotated identically.
+    seq = torch.randn(4, 2, 8)
+    x = torch.cat([seq, seq])
+    cos, sin = random_table(4, 4)
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    out = apply_rotary_emb(x, cos, sin, cu_seqlens=cu, max_seqlen=4)
+    torch.testing.assert_close(out[:4], out[4:])
+    torch.testing.assert_close(out[:4], apply_rotary_emb(seq[None], cos, sin)[0])
+
+
+def test_varlen_inplace_and_rows_outside_sequences_untouched():
+    x = torch.randn(6, 1, 4)
+    cos, sin = random_table(4, 2)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int64)
+    ref = oracle_varlen(x, cos, sin, False, [0, 2, 4], [0, 0])
+    x_tail = x[4:].clone()
+    out = apply_rotary_emb(x, cos, sin, inplace=True, cu_seqlens=cu, max_seqlen=2)
+    assert out is x
+    torch.testing.assert_close(x.double(), ref)
+    assert torch.equal(x[4:], x_tail)
+
+
+def test_tensor_offsets_past_table_are_left_unrotated():
+    x = torch.randn(2, 3, 1, 4)
+    cos, sin = random_table(4, 2)
+    out = apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([0, 2]))
+    # Batch 1 covers positions 2, 3, 4: the last one is past the 4-row table.
+    torch.testing.assert_close(out[1, 2], x[1, 2])
+    assert_matches(out[1, :2], oracle_dense(x[1:, :2], cos, sin, False, [2])[0])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gradcheck_dense(interleaved):
+    x = torch.randn(2, 3, 2, 6, dtype=torch.float64, requires_grad=True)
+    cos, sin = random_table(5, 2)
+    cos.requires_grad_()
+    sin.requires_grad_()
+    offsets = torch.tensor([0, 2])
+    assert torch.autograd.gradcheck(
+        lambda x, c, s: apply_rotary_emb(x, c, s, interleaved, seqlen_offsets=offsets),
+        (x, cos, sin),
+    )
+
+
+def test_gradcheck_varlen_and_inplace():
+    x = torch.randn(5, 2, 4, dtype=torch.float64, requires_grad=True)
+    cos, sin = random_table(4, 2)
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    assert torch.autograd.gradcheck(
+        lambda x: apply_rotary_emb(x, cos, sin, True, cu_seqlens=cu, max_seqlen=3), (x,)
+    )
+    assert torch.autograd.gradcheck(
+        lambda x: apply_rotary_emb(x.clone(), cos, sin, inplace=True, cu_seqlens=cu, max_seqlen=3),
+        (x,),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_is_rotation_by_minus_angle(dtype):
+    x = torch.randn(2, 4, 2, 8).to(dtype).requires_grad_()
+    cos, sin = random_table(6, 3)
+    grad = torch.randn(2, 4, 2, 8).to(dtype)
+    apply_rotary_emb(x, cos, sin, seqlen_offsets=1).backward(grad)
+    expected = oracle_dense(grad, cos, -sin, False, [1, 1])
+    assert_matches(x.grad, expected)
+
+
+def test_apply_rotary_emb_torch_matches_oracle():
+    x = torch.randn(2, 4, 2, 8, dtype=torch.float64)
+    cos, sin = random_table(4, 3)
+    for interleaved in (False, True):
+        ref = oracle_dense(x, cos, sin, interleaved, [0, 0])
+        torch.testing.assert_close(apply_rotary_emb_torch(x, cos, sin, interleaved), ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(shape=(2, 3, 2, 4), half=3), "rotary_dim"),
+        (dict(shape=(2, 3, 2, 8), half=2, sin_half=3), "same shape"),
+        (dict(shape=(2, 3, 2, 8), half=2, seqlen_ro=2), "exceeds"),
+        (dict(shape=(2, 3, 2, 8), half=2, seqlen_ro=4, offsets=2), "exceeds"),
+        (dict(shape=(2, 3, 2, 8), half=2, offsets=-1), ">= 0"),
+        (dict(shape=(2, 3, 2, 8), half=2, offsets=torch.tensor([1, 2, 3])), "shape"),
+        (dict(shape=(2, 3, 2, 8), half=2, offsets=torch.tensor([1.0, 2.0])), "int32 or int64"),
+        (dict(shape=(2, 3, 2, 8), half=2, seqlen_ro=2, offsets=torch.tensor([0, 0])), "longer"),
+        (dict(shape=(3, 2, 8), half=2), "batch, seqlen"),
+        (dict(shape=(2, 3, 2, 8), half=0), "at least one column"),
+    ],
+)
+def test_errors(kwargs, match):
+    x = torch.randn(*kwargs["shape"])
+    seqlen_ro = kwargs.get("seqlen_ro", 8)
+    cos = torch.randn(seqlen_ro, kwargs["half"])
+    sin = torch.randn(seqlen_ro, kwargs.get("sin_half", kwargs["half"]))
+    with pytest.raises(ValueError, match=match):
+        apply_rotary_emb(x, cos, sin, seqlen_offsets=kwargs.get("offsets", 0))
+
+
+def test_errors_varlen_and_table_rank():
+    cos, sin = torch.randn(4, 2), torch.randn(4, 2)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        apply_rotary_emb(torch.randn(5, 1, 4), cos, sin, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="total, nheads"):
+        apply_rotary_emb(torch.randn(1, 5, 1, 4), cos, sin, cu_seqlens=cu, max_seqlen=3)
+    with pytest.raises(ValueError, match="exceeds"):
+        apply_rotary_emb(torch.randn(5, 1, 4), cos, sin, 0, False, 2, cu, 3)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        apply_rotary_emb(torch.randn(5, 1, 4), cos, sin, cu_seqlens=cu.float(), max_seqlen=3)
+    with pytest.raises(ValueError, match="seqlen_ro"):
+        apply_rotary_emb(torch.randn(1, 2, 1, 4), torch.randn(8), torch.randn(8))
+
+
+def _qkv_reference(qkv, cos, sin, cos_k, sin_k, interleaved, offsets, num_heads_q):
+    """Oracle for packed qkv given per-batch offsets (list)."""
+    if qkv.ndim == 5:
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q_ref = oracle_dense(q, cos, sin, interleaved, offsets)
+        k_ref = oracle_dense(k, cos_k, sin_k, interleaved, offsets)
+        return torch.stack([q_ref, k_ref, v.double()], dim=2)
+    nk = (qkv.shape[2] - num_heads_q) // 2
+    q, k, v = qkv.split([num_heads_q, nk, nk], dim=2)
+    q_ref = oracle_dense(q, cos, sin, interleaved, offsets)
+    k_ref = oracle_dense(k, cos_k, sin_k, interleaved, offsets)
+    return torch.cat([q_ref, k_ref, v.double()], dim=2)
+
+
+@pytest.mark.parametrize("layout", ["packed3", "gqa"])
+@pytest.mark.parametrize("separate_k", [False, True])
+@pytest.mark.parametrize("offset_kind", ["zero", "tensor32"])
+def test_qkv_inplace(layout, separate_k, offset_kind):
+    batch, seqlen, headdim = 3, 4, 8
+    if layout == "packed3":
+        qkv, num_heads_q = torch.randn(batch, seqlen, 3, 2, headdim), None
+    else:
+        qkv, num_heads_q = torch.randn(batch, seqlen, 4 + 2 * 2, headdim), 4
+    cos, sin = random_table(10, 3)
+    cos_k, sin_k = random_table(10, 3, seed=1) if separate_k else (None, None)
+    offsets, offset_list = make_offsets(offset_kind, batch)
+    ref = _qkv_reference(
+        qkv, cos, sin, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k,
+        True, offset_list, num_heads_q,
+    )
+    out = apply_rotary_emb_qkv_(
+        qkv, cos.float(), sin.float(),
+        None if cos_k is None else cos_k.float(), None if sin_k is None else sin_k.float(),
+        interleaved=True, seqlen_offsets=offsets, num_heads_q=num_heads_q,
+    )
+    assert out is qkv
+    assert_matches(qkv, ref)
+
+
+def test_qkv_gradient():
+    leaf = torch.randn(2, 3, 3, 2, 4, dtype=torch.float64, requires_grad=True)
+    cos, sin = random_table(3, 2)
+    weight = torch.randn(leaf.shape, dtype=torch.float64)
+    (apply_rotary_emb_qkv_(leaf.clone(), cos, sin) * weight).sum().backward()
+    expected = weight.clone()
+    expected[:, :, 0] = oracle_dense(weight[:, :, 0], cos, -sin, False, [0, 0])
+    expected[:, :, 1] = oracle_dense(weight[:, :, 1], cos, -sin, False, [0, 0])
+    torch.testing.assert_close(leaf.grad, expected)
+
+
+def test_qkv_errors():
+    cos, sin = torch.randn(4, 2), torch.randn(4, 2)
+    with pytest.raises(ValueError, match="num_heads_q"):
+        apply_rotary_emb_qkv_(torch.randn(1, 2, 6, 4), cos, sin)
+    with pytest.raises(ValueError, match="heads"):
+        apply_rotary_emb_qkv_(torch.randn(1, 2, 7, 4), cos, sin, num_heads_q=4)
+    with pytest.raises(ValueError, match="3, nheads"):
+        apply_rotary_emb_qkv_(torch.randn(1, 2, 2, 2, 4), cos, sin)
+    with pytest.raises(ValueError, match="together"):
+        apply_rotary_emb_qkv_(torch.randn(1, 2, 3, 2, 4), cos, sin, cos_k=cos)
+
+
+def test_kv_inplace_rotates_only_k():
+    kv = torch.randn(2, 4, 2, 3, 8)
+    cos, sin = random_table(9, 4)
+    k_ref = oracle_dense(kv[:, :, 0], cos, sin, False, [5, 5])
+    v_before = kv[:, :, 1].clone()
+    out = apply_rotary_emb_kv_(kv, cos, sin, seqlen_offsets=5)
+    assert out is kv
+    assert_matches(kv[:, :, 0], k_ref)
+    assert torch.equal(kv[:, :, 1], v_before)
+    with pytest.raises(ValueError, match="2, nheads"):
+        apply_rotary_emb_kv_(torch.randn(2, 4, 3, 3, 8), cos, sin)
+
+
+def reference_tables(dim, base, length, scale_base=None):
+    """cos/sin (and XPos k tables) from the formulas, in float64."""
+    i = torch.arange(dim // 2, dtype=torch.float64)
+    inv_freq = base ** (-2 * i / dim)
+    pos = torch.arange(length, dtype=torch.float64)
+    angle = pos[:, None] * inv_freq[None, :]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    if scale_base is None:
+        return cos, sin, cos, sin
+    zeta = (2 * i + 0.4 * dim) / (1.4 * dim)
+    xpos = zeta[None, :] ** ((pos - length // 2) / scale_base)[:, None]
+    return cos * xpos, sin * xpos, cos / xpos, sin / xpos
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_embedding_module_qkv(interleaved):
+    dim, seqlen = 6, 5
+    module = RotaryEmbedding(dim, base=100.0, interleaved=interleaved)
+    qkv = torch.randn(2, seqlen, 3, 2, 8)
+    cos, sin, _, _ = reference_tables(dim, 100.0, seqlen + 2)
+    ref = _qkv_reference(qkv, cos, sin, cos, sin, interleaved, [2, 2], None)
+    out = module(qkv, seqlen_offset=2)
+    assert out is qkv
+    assert module._seq_len_cached == seqlen + 2
+    torch.testing.assert_close(qkv.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_embedding_module_kv_and_tensor_offsets():
+    dim = 8
+    module = RotaryEmbedding(dim)
+    q = torch.randn(2, 3, 4, 8)
+    kv = torch.randn(2, 3, 2, 2, 8)
+    offsets = torch.tensor([1, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        module(q.clone(), kv.clone(), seqlen_offset=offsets)
+    cos, sin, _, _ = reference_tables(dim, 10000.0, 16)
+    q_ref = oracle_dense(q, cos, sin, False, [1, 4])
+    k_ref = oracle_dense(kv[:, :, 0], cos, sin, False, [1, 4])
+    v_before = kv[:, :, 1].clone()
+    q_out, kv_out = module(q, kv, seqlen_offset=offsets, max_seqlen=16)
+    assert q_out is q and kv_out is kv
+    torch.testing.assert_close(q.double(), q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv[:, :, 0].double(), k_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kv[:, :, 1], v_before)
+
+
+def test_rotary_embedding_partial_dim_and_gqa():
+    module = RotaryEmbedding(4)
+    qkv = torch.randn(1, 3, 3 + 2, 8)  # 3 q heads, 1 k head, 1 v head
+    cos, sin, _, _ = reference_tables(4, 10000.0, 3)
+    ref = _qkv_reference(qkv, cos, sin, cos, sin, False, [0], 3)
+    module(qkv, num_heads_q=3)
+    torch.testing.assert_close(qkv.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_embedding_xpos():
+    dim, scale_base, seqlen = 8, 16.0, 6
+    module = RotaryEmbedding(dim, scale_base=scale_base)
+    qkv = torch.randn(1, seqlen, 3, 2, dim)
+    cos_q, sin_q, cos_k, sin_k = reference_tables(dim, 10000.0, seqlen, scale_base)
+    ref = _qkv_reference(qkv, cos_q, sin_q, cos_k, sin_k, False, [0], None)
+    module(qkv)
+    torch.testing.assert_close(qkv.double(), ref, atol=1e-5, rtol=1e-5)
+    # The decay is real: q and k were scaled in opposite directions.
+    assert not torch.allclose(cos_q, cos_k)
+
+    q = torch.randn(1, seqlen, 2, dim)
+    kv = torch.randn(1, seqlen, 2, 2, dim)
+    q_ref = oracle_dense(q, cos_q, sin_q, False, [0])
+    k_ref = oracle_dense(kv[:, :, 0], cos_k, sin_k, False, [0])
+    module(q, kv)
+    torch.testing.assert_close(q.double(), q_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kv[:, :, 0].double(), k_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_embedding_cache_policy():
+    module = RotaryEmbedding(4)
+    module(torch.randn(1, 4, 3, 1, 4))
+    first = module._cos_cached
+    assert module._seq_len_cached == 4
+    module(torch.randn(1, 2, 3, 1, 4))  # shorter: the cache is reused
+    assert module._cos_cached is first
+    module(torch.randn(1, 2, 3, 1, 4), seqlen_offset=5)  # needs 7 rows: rebuilt
+    assert module._seq_len_cached == 7 and module._cos_cached.shape == (7, 2)
+    module(torch.randn(1, 2, 3, 1, 4, dtype=torch.float64))  # new dtype: rebuilt
+    assert module._cos_cached.dtype == torch.float64
+    with torch.inference_mode():
+        module(torch.randn(1, 9, 3, 1, 4))
+    assert module._cos_cached.is_inference()
+    module.train()
+    module(torch.randn(1, 2, 3, 1, 4))
+    assert not module._cos_cached.is_inference()
+
+
+def test_rotary_embedding_half_module_keeps_fp32_tables():
+    module = RotaryEmbedding(8, base=10000.0).to(torch.bfloat16)
+    qkv = torch.randn(1, 64, 3, 1, 8, dtype=torch.bfloat16)
+    module(qkv)
+    cos_ref, _, _, _ = reference_tables(8, 10000.0, 64)
+    # Tables come out in bf16 but were computed in fp32: only the final rounding differs.
+    torch.testing.assert_close(module._cos_cached.double(), cos_ref, atol=4e-3, rtol=0)
+
+
+def test_torch_compile():
+    torch._dynamo.reset()
+    cos, sin = random_table(12, 3)
+    cos, sin = cos.float(), sin.float()
+
+    def fn(x, offsets, xv, cu):
+        a = apply_rotary_emb(x, cos, sin, seqlen_offsets=2)
+        b = apply_rotary_emb(x, cos, sin, interleaved=True, seqlen_offsets=offsets)
+        c = apply_rotary_emb(xv, cos, sin, cu_seqlens=cu, max_seqlen=4)
+        return a, b, c
+
+    x = torch.randn(2, 4, 2, 8)
+    xv = torch.randn(6, 2, 8)
+    offsets = torch.tensor([1, 3])
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    compiled = torch.compile(fn, backend="aot_eager")
+    for got, want in zip(compiled(x, offsets, xv, cu), fn(x, offsets, xv, cu)):
+        torch.testing.assert_close(got, want)
