@@ -1,0 +1,388 @@
+"""Exact, memory-bounded attention in plain PyTorch: the engine of the reference backend.
+
+Everything here works on one *batched problem* (:class:`Problem`): ``B`` sequences that share
+the query length ``sq``. Keys are read chunk by chunk through a loader, so the same code serves
+dense tensors, one varlen sequence, and the (possibly paged) KV cache, and never holds a full
+``(sq x sk)`` score matrix:
+
+* the forward walks query chunks and, inside each, the key chunks that can be visible to it,
+  with an online (running max / running sum) softmax, all in fp32;
+* the backward recomputes the probabilities tile by tile from the saved logsumexp (the flash
+  attention backward) and accumulates dq per query chunk and dk/dv per key column.
+
+Tiles keep the grouped-query layout ``(B, hk, g, rows, cols)`` (``h = hk * g``; query head
+``kh * g + gi`` reads kv head ``kh``), so K/V are never repeated across the group.
+
+Stored key *columns* ``c`` (what the loader indexes) map to key *positions* ``j = c - key_start``
+(``key_start`` is the KV-cache left padding, else 0); a sequence has ``key_len`` positions, and
+masking, ALiBi and dropout all use positions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from flash_attn.dropout import keep_mask
+from flash_attn.params import AttentionParams
+
+# Bytes of one fp32 score tile (B x h x chunk_q x chunk_k). A handful of tile-sized temporaries
+# are alive at once, so peak extra memory is a small multiple of this.
+TILE_BUDGET_BYTES = 64 << 20
+# Dropout regenerates its mask with int64 arithmetic (several tile-sized int64 temporaries),
+# so dropout tiles are made this many times smaller.
+DROPOUT_TILE_SHRINK = 8
+# Tests set ``(chunk_q, chunk_k)`` here to force many small chunks.
+FORCED_CHUNKS: Optional[tuple[int, int]] = None
+
+KVLoader = Callable[[int, int], tuple[Tensor, Tensor]]
+
+
+@dataclass
+class Problem:
+    """One batched attention problem.
+
+    q: ``(B, sq, h, d)``. ``load_kv(c0, c1)`` returns K and V columns ``c0:c1``, each
+    ``(B, c1 - c0, hk, d)`` / ``(B, c1 - c0, hk, dv)``. ``n_cols``: number of stored key
+    columns; ``head_dim_v``: V's head dimension. ``key_start`` /
+    ``key_len``: per-sequence python ints (length ``B``, or 1 when shared by all).
+    ``batch_ids``: int64 ``(B,)``, the batch index fed to the dropout RNG. ``alibi_slopes``:
+    fp32 ``(1 or B, h)`` or ``None``.
+    """
+
+    q: Tensor
+    load_kv: KVLoader
+    n_cols: int
+    nheads_k: int
+    head_dim_v: int
+    key_start: Sequence[int]
+    key_len: Sequence[int]
+    batch_ids: Tensor
+    alibi_slopes: Optional[Tensor] = None
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def seqlen_q(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def nheads(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def group(self) -> int:
+        return self.nheads // self.nheads_k
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunking and cheap visibility bounds
+# ----------------------------------------------------------------------------------------------
+
+
+def chunk_sizes(problem: Problem, params: AttentionParams) -> tuple[int, int]:
+    """``(chunk_q, chunk_k)`` so that one fp32 ``(B, h, chunk_q, chunk_k)`` tile fits the budget."""
+    if FORCED_CHUNKS is not None:
+        return FORCED_CHUNKS
+    budget = TILE_BUDGET_BYTES // (DROPOUT_TILE_SHRINK if params.dropout_p > 0 else 1)
+    area = max(1, budget // (4 * problem.batch * problem.nheads))
+    # Square-ish tiles by default; a short side (decoding: sq == 1) lets the other grow.
+    chunk_q = max(1, min(problem.seqlen_q, math.isqrt(area)))
+    chunk_k = max(1, min(max(problem.n_cols, 1), area // chunk_q))
+    chunk_q = max(1, min(problem.seqlen_q, area // chunk_k))
+    return chunk_q, chunk_k
+
+
+def _per_sequence(problem: Problem) -> list[tuple[int, int]]:
+    """``(key_start, key_len)`` of every sequence (the shared pair once when broadcast)."""
+    n = max(len(problem.key_start), len(problem.key_len))
+    starts = list(problem.key_start) * (n // len(problem.key_start))
+    lens = list(problem.key_len) * (n // len(problem.key_len))
+    return list(zip(starts, lens))
+
+
+def visible_columns(problem: Problem, params: AttentionParams, i0: int, i1: int) -> tuple[int, int]:
+    """Stored columns ``[lo, hi)`` that any query row in ``[i0, i1)`` of any sequence may see.
+
+    Key chunks outside it are skipped entirely (this is what makes causal cheap).
+    """
+    sq = problem.seqlen_q
+    lo, hi = problem.n_cols, 0
+    for start, length in _per_sequence(problem):
+        first, last = 0, length  # positions [first, last)
+        if params.window_left >= 0:
+            first = max(first, i0 + length - sq - params.window_left)
+        if params.window_right >= 0:
+            last = min(last, i1 - 1 + length - sq + params.window_right + 1)
+        if first < last:
+            lo, hi = min(lo, start + first), max(hi, start + last)
+    return (lo, hi) if lo < hi else (0, 0)
+
+
+def _tile_fully_visible(
+    problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int
+) -> bool:
+    """True when every (row, column) of the tile is visible in every sequence: no mask needed."""
+    sq = problem.seqlen_q
+    for start, length in _per_sequence(problem):
+        j0, j1 = c0 - start, c1 - 1 - start  # first and last key position of the tile
+        if j0 < 0 or j1 >= length:
+            return False
+        if params.window_left >= 0 and j0 < i1 - 1 + length - sq - params.window_left:
+            return False
+        if params.window_right >= 0 and j1 > i0 + length - sq + params.window_right:
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# One tile: scores, mask, bias, dropout
+# ----------------------------------------------------------------------------------------------
+
+
+class _TileGeometry:
+    """Index tensors of a tile, broadcastable to ``(B, hk, g, rows, cols)``."""
+
+    def __init__(self, problem: Problem, i0: int, i1: int, c0: int, c1: int):
+        device = problem.q.device
+        self.rows = torch.arange(i0, i1, device=device).view(1, 1, 1, -1, 1)
+        cols = torch.arange(c0, c1, device=device).view(1, 1, 1, 1, -1)
+        key_start = torch.tensor(list(problem.key_start), device=device).view(-1, 1, 1, 1, 1)
+        self.key_len = torch.tensor(list(problem.key_len), device=device).view(-1, 1, 1, 1, 1)
+        self.positions = cols - key_start  # key positions j, (1 or B, 1, 1, 1, cols)
+        # Bottom-right aligned diagonal: the key position "level" with query row i.
+        self.diagonal = self.rows + self.key_len - problem.seqlen_q  # (1 or B, 1, 1, rows, 1)
+
+    def visible(self, params: AttentionParams) -> Tensor:
+        """Bool ``(1 or B, 1, 1, rows, cols)``: key inside its sequence and inside the window."""
+        j = self.positions
+        mask = (j >= 0) & (j < self.key_len)
+        if params.window_left >= 0:
+            mask = mask & (j >= self.diagonal - params.window_left)
+        if params.window_right >= 0:
+            mask = mask & (j <= self.diagonal + params.window_right)
+        return mask
+
+    def alibi_distance(self) -> Tensor:
+        """fp32 ``|i + sk - sq - j|``, ``(1 or B, 1, 1, rows, cols)``."""
+        return (self.diagonal - self.positions).abs().to(torch.float32)
+
+
+def _tile_scores(
+    qc: Tensor,
+    kc: Tensor,
+    problem: Problem,
+    params: AttentionParams,
+    geometry: _TileGeometry,
+    needs_mask: bool,
+    keep_tanh: bool,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Scores of one tile, ready for the softmax, and the softcap ``tanh`` (if asked for).
+
+    qc: fp32 ``(B, hk, g, rows, d)``; kc: fp32 ``(B, hk, cols, d)``. Returns fp32
+    ``(B, hk, g, rows, cols)``: ``scale * q.k``, softcapped, plus ALiBi, ``-inf`` where masked.
+    """
+    B, hk, g, n, d = qc.shape
+    s = torch.matmul(qc.reshape(B, hk, g * n, d), kc.transpose(-1, -2)).view(B, hk, g, n, -1)
+    s.mul_(params.softmax_scale)
+    tanh = None
+    if params.softcap > 0:
+        if keep_tanh:
+            tanh = s.div_(params.softcap).tanh_()
+            s = tanh * params.softcap
+        else:
+            s.div_(params.softcap).tanh_().mul_(params.softcap)
+    if problem.alibi_slopes is not None:
+        slopes = problem.alibi_slopes.view(-1, hk, g, 1, 1)
+        s.sub_(slopes * geometry.alibi_distance())
+    if needs_mask:
+        s.masked_fill_(~geometry.visible(params), float("-inf"))
+    return s, tanh
+
+
+def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry) -> Tensor:
+    """Dropout keep mask of the tile, bool ``(B, hk, g, rows, cols)`` (positions as counters)."""
+    hk, g = problem.nheads_k, problem.group
+    heads = torch.arange(problem.nheads, device=problem.q.device).view(1, hk, g, 1, 1)
+    batch = problem.batch_ids.view(-1, 1, 1, 1, 1)
+    # Columns outside the sequence are masked anyway; clamp so the counters stay non-negative.
+    cols = geometry.positions.clamp(min=0)
+    return keep_mask(params.dropout_seed, batch, heads, geometry.rows, cols, params.dropout_p)
+
+
+def _grouped_rows(x: Tensor, i0: int, i1: int, nheads_k: int) -> Tensor:
+    """Rows ``i0:i1`` of ``x (B, s, h, d)`` as fp32 ``(B, hk, g, rows, d)`` (a contiguous copy)."""
+    B, _, h, d = x.shape
+    chunk = x[:, i0:i1].to(torch.float32).view(B, i1 - i0, nheads_k, h // nheads_k, d)
+    return chunk.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _ungroup_rows(x: Tensor) -> Tensor:
+    """Inverse of :func:`_grouped_rows`: ``(B, hk, g, rows, d)`` -> ``(B, rows, h, d)``."""
+    B, hk, g, n, d = x.shape
+    return x.permute(0, 3, 1, 2, 4).reshape(B, n, hk * g, d)
+
+
+def _load_columns(problem: Problem, c0: int, c1: int) -> tuple[Tensor, Tensor]:
+    """K and V columns ``c0:c1`` as fp32 ``(B, hk, cols, d)``."""
+    k, v = problem.load_kv(c0, c1)
+    return k.to(torch.float32).transpose(1, 2), v.to(torch.float32).transpose(1, 2)
+
+
+def _key_chunks(problem: Problem, params: AttentionParams, i0: int, i1: int, chunk_k: int):
+    """``(c0, c1)`` of the key chunks that may be visible to query rows ``i0:i1``."""
+    lo, hi = visible_columns(problem, params, i0, i1)
+    for c0 in range(lo, hi, chunk_k):
+        yield c0, min(hi, c0 + chunk_k)
+
+
+def _grouped_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a (B, hk, g, n, m) @ b (B, hk, m, e)`` with the group folded into rows -> ``(B, hk, g, n, e)``."""
+    B, hk, g, n, m = a.shape
+    return torch.matmul(a.reshape(B, hk, g * n, m), b).view(B, hk, g, n, -1)
+
+
+def _grouped_matmul_t(a: Tensor, b: Tensor) -> Tensor:
+    """``sum over g and n of a[..., n, m] * b[..., n, e]``: ``(B, hk, g, n, m), (B, hk, g, n, e)
+    -> (B, hk, m, e)`` (the transposed product that reduces over the group, for dk/dv)."""
+    B, hk, g, n, m = a.shape
+    return torch.matmul(a.reshape(B, hk, g * n, m).transpose(-1, -2), b.reshape(B, hk, g * n, -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def attention_forward(problem: Problem, params: AttentionParams) -> tuple[Tensor, Tensor]:
+    """Exact attention of one problem. Returns ``out`` like q and fp32 ``lse (B, h, sq)``."""
+    q = problem.q
+    B, sq, h, _ = q.shape
+    hk, g = problem.nheads_k, problem.group
+    chunk_q, chunk_k = chunk_sizes(problem, params)
+    out = q.new_empty(B, sq, h, problem.head_dim_v)
+    lse = torch.empty(B, h, sq, dtype=torch.float32, device=q.device)
+    for i0 in range(0, sq, chunk_q):
+        i1 = min(sq, i0 + chunk_q)
+        qc = _grouped_rows(q, i0, i1, hk)
+        row_max = torch.full(qc.shape[:-1], float("-inf"), device=q.device)
+        row_sum = torch.zeros(qc.shape[:-1], device=q.device)
+        acc = torch.zeros(*qc.shape[:-1], problem.head_dim_v, device=q.device)
+        for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
+            kc, vc = _load_columns(problem, c0, c1)
+            geometry = _TileGeometry(problem, i0, i1, c0, c1)
+            needs_mask = not _tile_fully_visible(problem, params, i0, i1, c0, c1)
+            s, _ = _tile_scores(qc, kc, problem, params, geometry, needs_mask, keep_tanh=False)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            # A row with nothing visible yet keeps max -inf; use 0 as its shift so no NaN appears.
+            shift = torch.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = torch.exp(row_max - shift)
+            p = s.sub_(shift.unsqueeze(-1)).exp_()
+            row_sum.mul_(rescale).add_(p.sum(-1))
+            if params.dropout_p > 0:
+                # lse uses the undropped probabilities; only the output sees the dropout.
+                keep = _tile_keep(problem, params, geometry)
+                p = p.masked_fill_(~keep, 0.0).mul_(1.0 / (1.0 - params.dropout_p))
+            acc.mul_(rescale.unsqueeze(-1)).add_(_grouped_matmul(p, vc))
+            row_max = new_max
+        # Rows that saw no key: row_sum 0 and acc 0, so out 0 and lse +inf.
+        seen = row_sum > 0
+        acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
+        out[:, i0:i1] = _ungroup_rows(acc).to(q.dtype)
+        chunk_lse = torch.where(seen, row_max + torch.log(row_sum), float("inf"))
+        lse[:, :, i0:i1] = chunk_lse.view(B, h, i1 - i0)
+    return out, lse
+
+
+@torch.no_grad()
+def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: Tensor, sk_out: int) -> Tensor:
+    """fp32 ``(B, h, sq, sk_out)``: normalised probabilities, negated where dropout drops them.
+
+    Recomputed tile by tile from the forward's ``lse (B, h, sq)``; column ``c`` is written at
+    key position ``c - key_start`` (needs the shared ``key_start`` of dense/varlen problems).
+    """
+    q = problem.q
+    B, sq, h, _ = q.shape
+    hk = problem.nheads_k
+    assert len(problem.key_start) == 1, "return_softmax needs one key_start for all sequences"
+    start = problem.key_start[0]
+    chunk_q, chunk_k = chunk_sizes(problem, params)
+    probs = torch.zeros(B, h, sq, sk_out, dtype=torch.float32, device=q.device)
+    for i0 in range(0, sq, chunk_q):
+        i1 = min(sq, i0 + chunk_q)
+        qc = _grouped_rows(q, i0, i1, hk)
+        lse_c = lse[:, :, i0:i1].reshape(qc.shape[:-1]).unsqueeze(-1)
+        for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
+            kc, _ = _load_columns(problem, c0, c1)
+            geometry = _TileGeometry(problem, i0, i1, c0, c1)
+            needs_mask = not _tile_fully_visible(problem, params, i0, i1, c0, c1)
+            s, _ = _tile_scores(qc, kc, problem, params, geometry, needs_mask, keep_tanh=False)
+            p = s.sub_(lse_c).exp_()
+            if params.dropout_p > 0:
+                p = torch.where(_tile_keep(problem, params, geometry), p, -p)
+            probs[:, :, i0:i1, c0 - start : c1 - start] = p.reshape(B, h, i1 - i0, c1 - c0)
+    return probs
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def attention_backward(
+    problem: Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Flash-attention backward of one problem, recomputing P tile by tile from ``lse``.
+
+    dout/out: ``(B, sq, h, dv)``; lse: fp32 ``(B, h, sq)``. Returns fp32 ``dq (B, sq, h, d)``
+    and fp32 ``dk, dv (B, n_cols, hk, d)`` (gradients w.r.t. the loaded key columns).
+    """
+    q = problem.q
+    B, sq, h, d = q.shape
+    hk, g = problem.nheads_k, problem.group
+    dev = q.device
+    dim_v = problem.head_dim_v
+    chunk_q, chunk_k = chunk_sizes(problem, params)
+    dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=dev)
+    dk = torch.zeros(B, hk, problem.n_cols, d, dtype=torch.float32, device=dev)
+    dv = torch.zeros(B, hk, problem.n_cols, dim_v, dtype=torch.float32, device=dev)
+    dropout_scale = 1.0 / (1.0 - params.dropout_p)
+    for i0 in range(0, sq, chunk_q):
+        i1 = min(sq, i0 + chunk_q)
+        qc = _grouped_rows(q, i0, i1, hk)
+        doc = _grouped_rows(dout, i0, i1, hk)
+        # D = rowsum(dO * O): the softmax Jacobian's correction term, one value per row.
+        delta = (doc * _grouped_rows(out, i0, i1, hk)).sum(-1, keepdim=True)
+        lse_c = lse[:, :, i0:i1].reshape(qc.shape[:-1]).unsqueeze(-1)
+        dq_c = torch.zeros_like(qc)
+        for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
+            kc, vc = _load_columns(problem, c0, c1)
+            geometry = _TileGeometry(problem, i0, i1, c0, c1)
+            needs_mask = not _tile_fully_visible(problem, params, i0, i1, c0, c1)
+            s, tanh = _tile_scores(qc, kc, problem, params, geometry, needs_mask, keep_tanh=True)
+            # Rows that saw no key have lse = +inf: s - inf = -inf, so P = 0 and no NaN appears.
+            p = s.sub_(lse_c).exp_()
+            dp = _grouped_matmul(doc, vc.transpose(-1, -2))
+            if params.dropout_p > 0:
+                keep = _tile_keep(problem, params, geometry)
+                dp.masked_fill_(~keep, 0.0).mul_(dropout_scale)
+                p_dropped = p.masked_fill(~keep, 0.0).mul_(dropout_scale)
+            else:
+                p_dropped = p
+            dv[:, :, c0:c1] += _grouped_matmul_t(p_dropped, doc)
+            ds = dp.sub_(delta).mul_(p)
+            if tanh is not None:
+                ds.mul_(tanh.mul_(tanh).neg_().add_(1.0))  # d softcap*tanh(x/softcap) / dx
+            dq_c += _grouped_matmul(ds, kc)
+            dk[:, :, c0:c1] += _grouped_matmul_t(ds, qc)
+        dq[:, i0:i1] = _ungroup_rows(dq_c)
+    scale = params.softmax_scale
+    return dq.mul_(scale), dk.mul_(scale).transpose(1, 2), dv.transpose(1, 2)
