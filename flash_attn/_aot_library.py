@@ -1,0 +1,188 @@
+"""Finds and loads the op library (``flash_attn/_C/libflash_attn_aot.so``) that launches the
+ahead-of-time compiled kernels, and says why when it cannot.
+
+The library is C++ on the LibTorch stable ABI, built by ``pip install`` (CMakeLists.txt) and loaded
+with ``torch.ops.load_library``; it registers these operators (schemas in ``csrc/README.md``):
+
+- ``flash_attn::aot_register_kernel(image_path, kernel_name, signature, num_warps, num_ctas,
+  shared_bytes, ...) -> int``: checks an image and its signature once, returns a kernel id;
+- ``flash_attn::aot_launch(kernel, grid, tensors, ints, floats)``: checks the arguments against the
+  signature and launches on PyTorch's current CUDA stream of the tensors' device;
+- ``flash_attn::aot_kernel_attributes(kernel, device) -> int[]``: loads it, reports registers etc.;
+- ``flash_attn::aot_cuda_info() -> (runtime, driver, device_count, error)``.
+
+Everything here is safe to call anywhere: nothing raises while *finding* or *loading* the library;
+:func:`status` carries the reason instead, for the dispatcher and the doctor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+LIBRARY_NAME = "libflash_attn_aot.so"
+# Set to a library path to load that one instead of the packaged one (development, tests).
+LIBRARY_ENV = "FLASH_ATTN_AOT_LIBRARY"
+
+
+@dataclass(frozen=True)
+class LibraryStatus:
+    loaded: bool
+    path: Optional[str]
+    reason: str  # empty when loaded
+    build_config: dict = field(default_factory=dict)
+
+
+_lock = threading.Lock()
+_status: Optional[LibraryStatus] = None
+
+
+def find_library() -> Optional[Path]:
+    """The library file: ``$FLASH_ATTN_AOT_LIBRARY``, else ``_C/`` in any folder of the package
+    (an editable install spreads the package over the source tree and site-packages)."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return Path(override)
+    import flash_attn
+
+    for folder in flash_attn.__path__:
+        candidate = Path(folder) / "_C" / LIBRARY_NAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _read_build_config(library: Path) -> dict:
+    try:
+        return json.loads((library.parent / "build_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _load() -> LibraryStatus:
+    try:
+        path = find_library()
+    except Exception as exc:  # a broken install must not break import
+        return LibraryStatus(False, None, f"cannot look for the op library: {exc}")
+    if path is None:
+        return LibraryStatus(
+            False,
+            None,
+            f"the op library {LIBRARY_NAME} is not installed (flash_attn was installed without its C++ part; "
+            f"reinstall with `pip install .` and a torch >= 2.10 present)",
+        )
+    if not path.is_file():
+        return LibraryStatus(False, str(path), f"the op library {path} does not exist ({LIBRARY_ENV} points there)")
+    config = _read_build_config(path)
+    try:
+        import torch
+
+        torch.ops.load_library(str(path))
+    except Exception as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return LibraryStatus(False, str(path), f"the op library {path} failed to load: {first_line}", config)
+    return LibraryStatus(True, str(path), "", config)
+
+
+def status() -> LibraryStatus:
+    """Finds and loads the library on the first call (once per process); never raises."""
+    global _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _status = _load()
+    return _status
+
+
+def is_available() -> bool:
+    return status().loaded
+
+
+def ops():
+    """``torch.ops.flash_attn`` with the ``aot_*`` operators registered; RuntimeError with the reason if not."""
+    s = status()
+    if not s.loaded:
+        raise RuntimeError(s.reason)
+    import torch
+
+    return torch.ops.flash_attn
+
+
+def cuda_info() -> dict:
+    """What the library's CUDA runtime sees: versions (e.g. 13000 = 13.0), device count, and the error
+    that explains a count of 0. Initializes the CUDA driver when there is one."""
+    runtime, driver, count, error = ops().aot_cuda_info()
+    return {"runtime_version": runtime, "driver_version": driver, "device_count": count, "error": error}
+
+
+# --- the calling contract, shared by the kernel build (manifest) and the dispatcher (launch) --------
+
+HIDDEN_ARGS = ("global_scratch", "profile_scratch")
+
+
+def triton_signature(src: Any) -> list[str]:
+    """The runtime signature of a ``triton.compiler.ASTSource``: its non-constexpr arguments in order
+    (pointer ``*fp16``, scalars ``i32``/``fp32``...), ``:16`` where the source's ``attrs`` told Triton
+    to assume 16-byte alignment / divisibility by 16, then Triton's two hidden scratch pointers."""
+    divisibility: dict[int, int] = {}
+    for key, attrs in (getattr(src, "attrs", None) or {}).items():
+        if isinstance(key, tuple) and len(key) == 1:
+            for name, value in attrs:
+                if name == "tt.divisibility":
+                    divisibility[key[0]] = int(value)
+    tokens = []
+    for index, ty in enumerate(src.signature.values()):
+        if not isinstance(ty, str):
+            raise ValueError(f"argument {index} has type {ty!r}: tuple arguments are not supported by the AOT launcher")
+        if ty == "constexpr":
+            continue
+        tokens.append(f"{ty}:{divisibility[index]}" if index in divisibility else ty)
+    return tokens + list(HIDDEN_ARGS)
+
+
+def manifest_entry(compiled: Any, src: Any) -> dict:
+    """A manifest entry for one kernel compiled by ``triton.compile(src, target=...)``: everything
+    :func:`register_kernel` needs besides the image file."""
+    md = compiled.metadata
+    return {
+        "name": md.name,
+        "signature": triton_signature(src),
+        "num_warps": md.num_warps,
+        "num_ctas": md.num_ctas,
+        "shared": md.shared,
+        "global_scratch_size": md.global_scratch_size,
+        "global_scratch_align": md.global_scratch_align,
+        "profile_scratch_size": md.profile_scratch_size,
+        "profile_scratch_align": md.profile_scratch_align,
+        "launch_cooperative_grid": bool(md.launch_cooperative_grid),
+        "launch_pdl": bool(md.launch_pdl),
+    }
+
+
+def register_kernel(image_path: str | os.PathLike, entry: dict) -> int:
+    """Registers one manifest entry with its image (cubin or PTX); returns the kernel id for
+    :func:`launch`. The same registration again returns the same id."""
+    return ops().aot_register_kernel(
+        str(image_path),
+        entry["name"],
+        ", ".join(entry["signature"]),
+        int(entry["num_warps"]),
+        int(entry.get("num_ctas", 1)),
+        int(entry["shared"]),
+        int(entry.get("global_scratch_size", 0)),
+        int(entry.get("global_scratch_align", 1)),
+        int(entry.get("profile_scratch_size", 0)),
+        int(entry.get("profile_scratch_align", 1)),
+        bool(entry.get("launch_cooperative_grid", False)),
+        bool(entry.get("launch_pdl", False)),
+    )
+
+
+def launch(kernel: int, grid: Sequence[int], tensors: Sequence, ints: Sequence[int] = (), floats: Sequence[float] = ()) -> None:
+    """Launches a registered kernel: ``tensors``, ``ints`` and ``floats`` fill the signature's pointer,
+    integer and float parameters, each list in signature order."""
+    ops().aot_launch(int(kernel), [int(g) for g in grid], list(tensors), [int(i) for i in ints], [float(f) for f in floats])

@@ -1,0 +1,450 @@
+"""The ahead-of-time op library (csrc/, flash_attn/_aot_library.py) and image selection
+(flash_attn/aot_images.py), checked on a CPU-only machine: it loads without a GPU or driver, links
+only the stable C shim, checks every argument before launching, and says clearly that there is no
+CUDA device. The launch itself needs a GPU (marked ``gpu``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_attn import _aot_library as aot
+from flash_attn.aot_images import Arch, parse_arch, parse_arch_list, select_image
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def _library_or_skip() -> Path:
+    status = aot.status()
+    if not status.loaded:
+        if os.environ.get("CI"):  # CI installs the package with its library: a missing one is a failure
+            pytest.fail(status.reason)
+        pytest.skip(status.reason)
+    return Path(status.path)
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    return _library_or_skip()
+
+
+@pytest.fixture(scope="module")
+def ops(library):
+    return torch.ops.flash_attn
+
+
+# A kernel image written by hand: what Triton emits for
+#   toy(out: *fp32, n: i32, alpha: fp32) with num_warps=4,
+# plus Triton's two hidden scratch pointers.
+TOY_PTX = """\
+.version 8.0
+.target sm_80
+.address_size 64
+
+.visible .entry toy(
+\t.param .u64 .ptr .global .align 1 toy_param_0,
+\t.param .u32 toy_param_1,
+\t.param .f32 toy_param_2,
+\t.param .u64 .ptr .global .align 1 toy_param_3,
+\t.param .u64 .ptr .global .align 1 toy_param_4
+)
+.reqntid 128
+{
+\tret;
+}
+"""
+TOY_SIG = "*fp32:16, i32:16, fp32, global_scratch, profile_scratch"
+
+
+@pytest.fixture(scope="module")
+def toy_ptx(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("images") / "toy.ptx"
+    path.write_text(TOY_PTX)
+    return path
+
+
+@pytest.fixture(scope="module")
+def toy(ops, toy_ptx) -> int:
+    return ops.aot_register_kernel(str(toy_ptx), "toy", TOY_SIG, 4, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and linking
+# ---------------------------------------------------------------------------------------------
+
+
+def test_library_loads_in_this_pytorch(library):
+    status = aot.status()
+    assert status.loaded and status.reason == ""
+    assert status.build_config.get("torch_target_version") == "2.10"
+    for name in ("aot_register_kernel", "aot_launch", "aot_kernel_attributes", "aot_cuda_info"):
+        assert hasattr(torch.ops.flash_attn, name), name
+
+
+def test_schemas(library):
+    schemas = {op: str(getattr(torch.ops.flash_attn, op).default._schema) for op in ("aot_launch", "aot_cuda_info")}
+    assert schemas["aot_launch"] == (
+        "flash_attn::aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()"
+    )
+    assert schemas["aot_cuda_info"] == "flash_attn::aot_cuda_info() -> (int, int, int, str)"
+
+
+def test_missing_library_gives_a_reason(monkeypatch):
+    monkeypatch.setenv(aot.LIBRARY_ENV, "/nonexistent/libflash_attn_aot.so")
+    status = aot._load()
+    assert not status.loaded
+    assert "does not exist" in status.reason and aot.LIBRARY_ENV in status.reason
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+SHIM = re.compile(r"^(aoti_torch_|torch_)[A-Za-z0-9_]*$")
+SYSTEM_VERSION = re.compile(r"@(GLIBC|GLIBCXX|CXXABI|GCC)_[0-9.]+$")
+ALLOWED_NEEDED = {
+    "libtorch_cpu.so", "libstdc++.so.6", "libgcc_s.so.1", "libc.so.6", "libm.so.6", "libdl.so.2",
+    "libpthread.so.0", "librt.so.1", "ld-linux-x86-64.so.2", "ld-linux-aarch64.so.1",
+}
+
+
+def test_only_stable_c_shim_and_system_symbols_are_undefined(library):
+    out = subprocess.run([_tool("nm"), "-D", "--undefined-only", str(library)], capture_output=True, text=True, check=True).stdout
+    offenders = []
+    for line in out.splitlines():
+        kind, name = line.split()[-2:]
+        if kind == "w":  # weak, optional: __gmon_start__, _ITM_* (toolchain hooks)
+            continue
+        if SHIM.match(name) or SYSTEM_VERSION.search(name):
+            continue
+        offenders.append(name)
+    assert not offenders, f"undefined symbols outside the stable C shim and libc/libstdc++/libgcc: {offenders}"
+    assert any(SHIM.match(line.split()[-1]) for line in out.splitlines())
+
+
+def test_links_no_cuda_runtime_and_no_unstable_torch_library(library):
+    dynamic = subprocess.run([_tool("readelf"), "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
+    assert needed <= ALLOWED_NEEDED, f"unexpected shared libraries: {needed - ALLOWED_NEEDED}"
+    assert "RPATH" not in dynamic and "RUNPATH" not in dynamic
+    ldd = subprocess.run([_tool("ldd"), str(library)], capture_output=True, text=True).stdout
+    assert "cudart" not in ldd and "libcuda" not in ldd and "libc10" not in ldd
+
+
+def test_exports_nothing(library):
+    out = subprocess.run([_tool("nm"), "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True).stdout
+    linker_markers = {"_edata", "_end", "__bss_start", "_init", "_fini"}
+    exported = [line.split()[-1] for line in out.splitlines() if line.split()[-1] not in linker_markers]
+    assert not exported, f"the library should export no symbol, exports {exported}"
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a usable GPU")
+def test_cuda_info_without_gpu(library):
+    info = aot.cuda_info()
+    assert info["device_count"] == 0
+    assert info["error"]  # e.g. "cudaGetDeviceCount failed with cudaErrorInsufficientDriver: ..."
+    if aot.status().build_config.get("cuda"):
+        assert info["runtime_version"] >= 12000
+
+
+# ---------------------------------------------------------------------------------------------
+# aot_register_kernel: the image and the signature are checked once, up front
+# ---------------------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent(ops, toy_ptx, toy):
+    assert ops.aot_register_kernel(str(toy_ptx), "toy", TOY_SIG, 4, 1, 0) == toy
+    assert aot.register_kernel(toy_ptx, {"name": "toy", "signature": TOY_SIG.split(", "), "num_warps": 4, "shared": 0}) == toy
+
+
+@pytest.mark.parametrize(
+    "kernel, signature, num_warps, extra, message",
+    [
+        ("nope", TOY_SIG, 4, {}, "has no kernel entry point named 'nope' (entry points: toy)"),
+        ("toy", "*fp32, i32, fp32", 4, {}, "takes 5 parameters of sizes [8, 4, 4, 8, 8] bytes but the signature"),
+        ("toy", "*fp32, i64, fp32, global_scratch, profile_scratch", 4, {}, "describes 5 of sizes [8, 8, 4, 8, 8]"),
+        ("toy", TOY_SIG, 8, {}, "compiled for 128 threads per block but num_warps=8 gives 256"),
+        ("toy", "*fp33, i32, fp32, global_scratch, profile_scratch", 4, {}, "unknown pointee type 'fp33'"),
+        ("toy", "*fp32, constexpr, i32, fp32, global_scratch, profile_scratch", 4, {}, "constexpr arguments are compiled into the kernel"),
+        ("toy", "*fp32, i32, fp16, global_scratch, profile_scratch", 4, {}, "'fp16' is not a supported type"),
+        ("toy", "*fp32:3, i32, fp32, global_scratch, profile_scratch", 4, {}, "must be a power of two"),
+        ("toy", "*fp32, i32, global_scratch, fp32, profile_scratch", 4, {}, "must be the last entries"),
+        ("toy", "*fp32, , i32", 4, {}, "has an empty entry"),
+        ("toy", TOY_SIG, 3, {}, "num_warps must be a power of two between 1 and 32"),
+        ("toy", TOY_SIG, 4, {"num_ctas": 0}, "num_ctas must be between 1 and 16"),
+        ("toy", TOY_SIG, 4, {"shared_bytes": -1}, "shared_bytes must be between 0 and 1 MiB"),
+        ("toy", "*fp32, i32, fp32", 4, {"global_scratch_bytes": 64}, "no global_scratch entry"),
+    ],
+)
+def test_register_rejects(ops, toy_ptx, kernel, signature, num_warps, extra, message):
+    kwargs = {"num_ctas": 1, "shared_bytes": 0, **extra}
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        ops.aot_register_kernel(str(toy_ptx), kernel, signature, num_warps, **kwargs)
+    assert str(info.value).startswith("flash_attn::aot_register_kernel: ")
+
+
+def test_register_rejects_unreadable_and_foreign_files(ops, tmp_path):
+    with pytest.raises(RuntimeError, match=r"image '/nonexistent/k.cubin' cannot be read \(No such file"):
+        ops.aot_register_kernel("/nonexistent/k.cubin", "toy", TOY_SIG, 4, 1, 0)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(RuntimeError, match="neither a cubin"):
+        ops.aot_register_kernel(str(text), "toy", TOY_SIG, 4, 1, 0)
+    elf = tmp_path / "host.so"
+    shutil.copy(aot.status().path, elf)
+    with pytest.raises(RuntimeError, match="not a CUDA cubin"):
+        ops.aot_register_kernel(str(elf), "toy", TOY_SIG, 4, 1, 0)
+    empty = tmp_path / "empty.cubin"
+    empty.write_bytes(b"")
+    with pytest.raises(RuntimeError, match="is empty"):
+        ops.aot_register_kernel(str(empty), "toy", TOY_SIG, 4, 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# aot_launch: every argument is checked before anything reaches CUDA
+# ---------------------------------------------------------------------------------------------
+
+OUT = torch.zeros(64)
+
+
+@pytest.mark.parametrize(
+    "grid, tensors, ints, floats, message",
+    [
+        ([1], [], [16], [1.0], "kernel 'toy' takes 1 tensor, 1 int, 1 float (signature: *fp32:16, i32:16, fp32, global_scratch, profile_scratch); got 0 tensors, 1 ints, 1 floats"),
+        ([1], [OUT], [16, 1], [1.0], "got 1 tensors, 2 ints, 1 floats"),
+        ([1], [OUT], [16], [], "got 1 tensors, 1 ints, 0 floats"),
+        ([1], [OUT.double()], [16], [1.0], "tensors[0] has dtype torch.float64 but kernel 'toy' expects torch.float32 ('*fp32:16')"),
+        ([], [OUT], [16], [1.0], "grid must have 1, 2 or 3 entries, got 0"),
+        ([1, 1, 1, 1], [OUT], [16], [1.0], "grid must have 1, 2 or 3 entries, got 4"),
+        ([-1], [OUT], [16], [1.0], "grid[0] = -1 is outside 0..2147483647"),
+        ([1, 65536], [OUT], [16], [1.0], "grid[1] = 65536 is outside 0..65535"),
+        ([1], [OUT], [2**31], [1.0], "ints[0] = 2147483648 does not fit the kernel's i32 parameter"),
+        ([1], [OUT], [24], [1.0], "ints[0] = 24 must be divisible by 16: the kernel was compiled assuming it ('i32:16')"),
+        ([1], [OUT[1:]], [16], [1.0], "is not 16-byte aligned as kernel 'toy' assumes ('*fp32:16')"),
+    ],
+)
+def test_launch_rejects(ops, toy, grid, tensors, ints, floats, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        ops.aot_launch(toy, grid, tensors, ints, floats)
+    assert str(info.value).startswith("flash_attn::aot_launch: ")
+
+
+def test_launch_rejects_unknown_kernel(ops, toy):
+    with pytest.raises(RuntimeError, match=r"unknown kernel id 123456 \(\d+ kernels are registered"):
+        ops.aot_launch(123456, [1], [OUT], [16], [1.0])
+
+
+def test_launch_rejects_mixed_devices(ops, library, tmp_path):
+    two = tmp_path / "two.ptx"
+    two.write_text(TOY_PTX.replace("\t.param .u32 toy_param_1,", "\t.param .u64 .ptr .global .align 1 toy_param_1b,\n\t.param .u32 toy_param_1,"))
+    kernel = ops.aot_register_kernel(str(two), "toy", "*fp32, *fp32, i32, fp32, global_scratch, profile_scratch", 4, 1, 0)
+    with pytest.raises(RuntimeError, match=r"tensors\[1\] is on meta but tensors\[0\] is on cpu; all must be on the same CUDA device"):
+        ops.aot_launch(kernel, [1], [OUT, OUT.to("meta")], [16], [1.0])
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a usable GPU")
+def test_launch_without_gpu_says_no_cuda_device(ops, toy):
+    with pytest.raises(RuntimeError, match=r"^flash_attn::aot_launch: no CUDA device is available: "):
+        ops.aot_launch(toy, [1], [OUT], [16], [1.0])
+    with pytest.raises(RuntimeError, match="no CUDA device is available"):
+        ops.aot_kernel_attributes(toy, 0)
+
+
+def test_launch_with_meta_tensors_only_checks(ops, toy):
+    ops.aot_launch(toy, [4, 2], [OUT.to("meta")], [32], [0.5])  # the Meta kernel: checks, no launch
+    with pytest.raises(RuntimeError, match="got 0 tensors"):
+        ops.aot_launch(toy, [4, 2], [], [32], [0.5])
+
+
+def test_python_helpers_pass_arguments_through(library, toy):
+    with pytest.raises(RuntimeError, match="ints\\[0\\] = 8 must be divisible by 16"):
+        aot.launch(toy, (1,), [OUT], [8], [1.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# A real Triton kernel compiled ahead of time here (no GPU needed), registered from its metadata
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton_add(tmp_path_factory, library):
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def aot_test_axpy(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        y = tl.load(y_ptr + offs, mask=mask)
+        tl.store(out_ptr + offs, alpha * x + y, mask=mask)
+
+    signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr"}
+    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    src = ASTSource(fn=aot_test_axpy, signature=signature, constexprs={"BLOCK": 256}, attrs=attrs)
+    folder = tmp_path_factory.mktemp("triton_aot")
+    out = {}
+    for cap in (80, 90):
+        compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32))
+        (folder / f"axpy.sm{cap}.cubin").write_bytes(compiled.asm["cubin"])
+        (folder / f"axpy.sm{cap}.ptx").write_text(compiled.asm["ptx"])
+        out[cap] = (aot.manifest_entry(compiled, src), folder / f"axpy.sm{cap}.cubin", folder / f"axpy.sm{cap}.ptx")
+    return out
+
+
+def test_triton_manifest_entry(triton_add):
+    entry, _, _ = triton_add[80]
+    assert entry["name"] == "aot_test_axpy"
+    assert entry["signature"] == ["*fp32:16", "*fp32:16", "*fp32:16", "i32", "fp32", "global_scratch", "profile_scratch"]
+    assert entry["num_warps"] == 4 and entry["num_ctas"] == 1
+
+
+@pytest.mark.parametrize("cap", [80, 90])
+@pytest.mark.parametrize("image", ["cubin", "ptx"])
+def test_triton_kernel_registers_and_launch_checks_pass(triton_add, cap, image):
+    entry, cubin, ptx = triton_add[cap]
+    kernel = aot.register_kernel(cubin if image == "cubin" else ptx, entry)
+    x, y, out = torch.ones(1000), torch.ones(1000), torch.empty(1000)
+    grid = [(1000 + 255) // 256]
+    aot.launch(kernel, grid, [x.to("meta"), y.to("meta"), out.to("meta")], [1000], [2.0])
+    if not HAS_GPU:
+        # Everything checks out; only the missing GPU stops it.
+        with pytest.raises(RuntimeError, match="^flash_attn::aot_launch: no CUDA device is available"):
+            aot.launch(kernel, grid, [x, y, out], [1000], [2.0])
+    with pytest.raises(RuntimeError, match="not 16-byte aligned"):
+        aot.launch(kernel, grid, [x[1:], y[1:], out[1:]], [999], [2.0])
+
+
+def test_triton_cubin_with_dropped_scratch_args_is_rejected(triton_add):
+    entry, cubin, _ = triton_add[80]
+    broken = dict(entry, signature=entry["signature"][:-2])
+    with pytest.raises(RuntimeError, match="takes 7 parameters .* describes 5"):
+        aot.register_kernel(cubin, broken)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+def test_triton_kernel_runs_on_gpu(triton_add):
+    major, minor = torch.cuda.get_device_capability()
+    archs = {80: "sm_80", 90: "sm_90a"}
+    choice = select_image((major, minor), list(archs.values()) + ["compute_80"])
+    if not choice.supported:
+        pytest.skip(choice.reason)
+    cap = 90 if choice.arch.name == "sm_90a" else 80
+    entry, cubin, ptx = triton_add[cap]
+    kernel = aot.register_kernel(ptx if choice.kind == "ptx" else cubin, entry)
+    x = torch.randn(1000, device="cuda")
+    y = torch.randn(1000, device="cuda")
+    out = torch.empty(1000, device="cuda")
+    aot.launch(kernel, [4], [x, y, out], [1000], [2.0])
+    torch.testing.assert_close(out, 2.0 * x + y)
+    regs, local, static_shared, max_threads, optin = torch.ops.flash_attn.aot_kernel_attributes(kernel, x.device.index)
+    assert regs > 0 and max_threads >= 128 and optin >= 48 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Image selection (pure Python)
+# ---------------------------------------------------------------------------------------------
+
+PORTABLE = ["sm_80", "sm_90", "sm_100", "sm_120", "compute_80"]  # 80;90;100;120;80+PTX
+TRITON = ["sm_80", "sm_90a", "sm_100a", "sm_120a", "compute_80"]  # what Triton emits for those targets
+
+
+@pytest.mark.parametrize(
+    "cap, portable, triton",
+    [
+        ((8, 0), ("cubin", "sm_80"), ("cubin", "sm_80")),
+        ((8, 6), ("cubin", "sm_80"), ("cubin", "sm_80")),
+        ((8, 9), ("cubin", "sm_80"), ("cubin", "sm_80")),
+        ((9, 0), ("cubin", "sm_90"), ("cubin", "sm_90a")),
+        ((10, 0), ("cubin", "sm_100"), ("cubin", "sm_100a")),
+        ((10, 3), ("cubin", "sm_100"), ("ptx", "compute_80")),  # sm_100a runs on 10.0 only
+        ((12, 0), ("cubin", "sm_120"), ("cubin", "sm_120a")),
+        ((12, 1), ("cubin", "sm_120"), ("ptx", "compute_80")),  # sm_120a runs on 12.0 only
+        ((13, 0), ("ptx", "compute_80"), ("ptx", "compute_80")),
+        ((7, 5), ("unsupported", None), ("unsupported", None)),
+    ],
+)
+def test_select_image(cap, portable, triton):
+    for available, (kind, arch) in ((PORTABLE, portable), (TRITON, triton)):
+        choice = select_image(cap, available)
+        assert (choice.kind, choice.arch.name if choice.arch else None) == (kind, arch), choice.reason
+        assert choice.supported == (kind != "unsupported")
+
+
+def test_select_image_details():
+    assert select_image((9, 0), ["sm_90", "sm_90a"]).arch.name == "sm_90a"  # the exact build wins a tie
+    assert select_image((8, 9), ["sm_80", "sm_86", "sm_89"]).arch.name == "sm_89"
+    assert select_image((8, 6), ["sm_80", "sm_89"]).arch.name == "sm_80"  # never a newer minor
+    assert select_image((10, 3), ["sm_100f"]).arch.name == "sm_100f"  # family cubins span the family
+    assert select_image((9, 0), ["compute_90a"]).kind == "ptx"
+    assert not select_image((10, 0), ["compute_90a"]).supported  # arch-specific PTX is not portable
+    assert "shipped: sm_80" in select_image((7, 5), ["sm_80"]).reason
+    assert not select_image((8, 0), []).supported
+
+
+def test_parse_arch():
+    assert parse_arch("sm_80") == parse_arch("sm80") == parse_arch("80") == parse_arch("8.0") == Arch(8, 0)
+    assert parse_arch("sm_90a") == parse_arch("9.0a") == Arch(9, 0, "a")
+    assert parse_arch("compute_80") == Arch(8, 0, ptx=True)
+    assert parse_arch("121").capability == (12, 1)
+    for bad in ("", "sm_8", "sm_80x", "gfx90a"):
+        with pytest.raises(ValueError):
+            parse_arch(bad)
+
+
+def test_parse_arch_list():
+    assert [a.name for a in parse_arch_list("80;90a;100a;120a;80+PTX")] == ["sm_80", "sm_90a", "sm_100a", "sm_120a", "compute_80"]
+    assert [a.name for a in parse_arch_list("8.0, 9.0a")] == ["sm_80", "sm_90a"]
+    assert parse_arch_list("") == parse_arch_list(None) == parse_arch_list("80;90a;100a;120a;80+PTX")
+    with pytest.raises(ValueError, match="arch-specific"):
+        parse_arch_list("90a+PTX")
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU-only build: no CUDA headers, no nvcc, no libcudart; the same ops, saying why no GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_only_build(tmp_path, library):
+    cmake = _tool("cmake")
+    _tool("ninja")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, FLASH_ATTN_TORCH_DIR=os.path.dirname(torch.__file__), CUDA_HOME="/nonexistent",
+               PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if "cuda" not in p.lower()))
+    build = tmp_path / "build"
+    configure = [cmake, "-S", str(root), "-B", str(build), "-G", "Ninja", "-DFLASH_ATTN_ENABLE_CUDA=OFF",
+                 f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON"]
+    subprocess.run(configure, check=True, capture_output=True, env=env)
+    subprocess.run([cmake, "--build", str(build)], check=True, capture_output=True, env=env)
+    built = build / "libflash_attn_aot.so"
+    assert '"cuda": false' in (build / "build_config.json").read_text()
+    assert b"cudaErrorNoDevice" not in built.read_bytes()  # the CUDA runtime's error table is not inside
+    script = (
+        "import torch, sys\n"
+        f"torch.ops.load_library({str(built)!r})\n"
+        "print(torch.ops.flash_attn.aot_cuda_info())\n"
+        f"k = torch.ops.flash_attn.aot_register_kernel(sys.argv[1], 'toy', {TOY_SIG!r}, 4, 1, 0)\n"
+        "try:\n"
+        "    torch.ops.flash_attn.aot_launch(k, [1], [torch.zeros(64)], [16], [1.0])\n"
+        "except RuntimeError as e:\n"
+        "    print(str(e).splitlines()[0])\n"
+    )
+    ptx = tmp_path / "toy.ptx"
+    ptx.write_text(TOY_PTX)
+    result = subprocess.run([sys.executable, "-c", script, str(ptx)], capture_output=True, text=True, check=True)
+    assert "(0, 0, 0, 'this flash_attn build has no CUDA support" in result.stdout
+    assert "flash_attn::aot_launch: no CUDA device is available: this flash_attn build has no CUDA support" in result.stdout
