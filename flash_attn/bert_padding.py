@@ -69,7 +69,8 @@ class IndexPutFirstAxis(torch.autograd.Function):
             )
         ctx.save_for_backward(indices)
         output = values.new_zeros((first_axis_dim, *values.shape[1:]))
-        output.index_copy_(0, indices, values)
+        # index_copy_ takes int64 indices only; transformers hands over int32 ones.
+        output.index_copy_(0, indices.long(), values)
         return output
 
     @staticmethod

@@ -220,6 +220,8 @@ def attention_forward_kvcache(
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
     _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+    if q.shape[0] == 0:  # no sequence: nothing to append, nothing to attend
+        return _kvcache_fake(q, k_cache, v_cache)
     params = AttentionParams(softmax_scale, window_left, window_right, softcap)
     cache = KVCacheInputs(
         k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
@@ -230,7 +232,7 @@ def attention_forward_kvcache(
 
 
 @attention_forward_kvcache.register_fake
-def _(q, k_cache, v_cache, *args):
+def _kvcache_fake(q, k_cache, v_cache, *args):
     batch, sq, nheads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, nheads, sq), dtype=torch.float32)
 

@@ -8,6 +8,7 @@ the compiler), so they never cause a graph break.
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -47,7 +48,9 @@ def check_same(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def check_heads(q_heads: int, k_heads: int, q_dim: int, k_dim: int, v_dim: int) -> None:
-    if k_heads == 0 or q_heads % k_heads != 0:
+    if q_heads == 0 or k_heads == 0:
+        _fail(ValueError, f"nheads of q ({q_heads}) and of k/v ({k_heads}) must be at least 1")
+    if q_heads % k_heads != 0:
         _fail(ValueError, f"nheads of q ({q_heads}) must be a multiple of nheads of k/v ({k_heads}) for MQA/GQA")
     if q_dim != k_dim or k_dim != v_dim:
         _fail(ValueError, f"headdim of q ({q_dim}), k ({k_dim}) and v ({v_dim}) must be equal")
@@ -79,9 +82,18 @@ def check_cu_seqlens(cu, name: str, device: torch.device) -> None:
         _fail(ValueError, f"{name} is on {cu.device} but q is on {device}; they must be on the same device")
 
 
-def check_max_seqlen(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+def as_max_seqlen(value, name: str) -> int:
+    """``value`` as a non-negative Python int; 0-d integer tensors (transformers passes them for
+    packed sequences) are accepted through ``operator.index``."""
+    if isinstance(value, bool):
         _fail(ValueError, f"{name} must be a non-negative int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail(ValueError, f"{name} must be a non-negative int, got {value!r}")
+    if number < 0:
+        _fail(ValueError, f"{name} must be a non-negative int, got {number}")
+    return number
 
 
 def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) -> None:
@@ -98,8 +110,6 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q.device)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         _fail(ValueError, f"cu_seqlens_q and cu_seqlens_k must both have batch_size + 1 entries, got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    check_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    check_max_seqlen(max_seqlen_k, "max_seqlen_k")
     if block_table is not None:
         check_block_table(block_table, cu_seqlens_q.shape[0] - 1, q.device)
 
