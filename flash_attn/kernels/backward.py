@@ -1,0 +1,331 @@
+"""Triton backward kernels of FlashAttention-2: preprocess, dK/dV and dQ, without atomics.
+
+* :func:`attn_bwd_preprocess_kernel`: ``delta = rowsum(dO * O)`` (fp32, laid out like lse).
+* :func:`attn_bwd_dkdv_kernel`: one program owns ``BLOCK_N`` key rows of one *kv* head and
+  walks the query tiles that see them (:func:`~flash_attn.kernels.masking.query_block_range`),
+  for every query head of its GQA group in turn, so dK/dV of a group are summed in registers.
+* :func:`attn_bwd_dq_kernel`: one program owns ``BLOCK_M`` query rows of one query head and walks
+  their key tiles (:func:`~flash_attn.kernels.masking.key_block_range`).
+
+Every output element is written by exactly one program and summed in a fixed order, so the
+backward is deterministic (bit-identical across runs) whatever ``deterministic`` says. The
+probabilities are recomputed from ``lse`` in both kernels (the price of having no atomics).
+
+Gradients, with ``P`` the softmax, ``Z`` the dropout keep mask over ``1 - p`` and
+``delta = rowsum(dO * O)``::
+
+    dV = (P * Z)^T dO
+    dS = P * (Z * (dO V^T) - delta)         (w.r.t. the logits)
+    dS_qk = dS * scale * (1 - tanh^2)       (softcap; without it just * scale)
+    dQ = dS_qk K,   dK = dS_qk^T Q
+
+The feature flags and argument conventions are those of :mod:`flash_attn.kernels.forward`
+(paged K/V is not supported here: the launcher falls back to the reference backend).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flash_attn.kernels import masking
+from flash_attn.kernels.dropout_rng import dropout_keep
+from flash_attn.kernels.forward import row_ptrs, sequence_bounds, stride_16b
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    Out, dOut, Delta, CuSeqlensQ,
+    stride_ob, stride_om, stride_oh,
+    stride_dob, stride_dom, stride_doh,
+    stride_lb, stride_lh,
+    seqlen_q, head_dim,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), nheads, batch)``; ``Delta`` laid out like lse."""
+    stride_ob, stride_om, stride_oh = stride_16b(stride_ob), stride_16b(stride_om), stride_16b(stride_oh)
+    stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < seqlen_q
+    mask = m_mask[:, None] & (offs_d < head_dim)[None, :]
+    b64 = b.to(tl.int64)
+    q0 = q_start.to(tl.int64)
+    o_rows = row_ptrs(Out + b64 * stride_ob + q0 * stride_om + h * stride_oh, start_m, stride_om, BLOCK_M)
+    do_rows = row_ptrs(dOut + b64 * stride_dob + q0 * stride_dom + h * stride_doh, start_m, stride_dom, BLOCK_M)
+    o = tl.load(o_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start + offs_m, delta, mask=m_mask)
+
+
+@triton.jit
+def _dkdv_query_tiles(
+    dk, dv, k, v, offs_n, offs_d, d_mask,
+    Q_head, dO_head, L_head, D_head, lo, hi,
+    stride_qm, stride_dom, seqlen_q, seqlen_k,
+    qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right,
+    dropout_p, dropout_seed, b, h,
+    MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head.
+
+    Tiles are laid out keys x queries (transposed scores), so both products are plain dots.
+    Interior tiles (``MASKED`` False) are fully inside ``seqlen_q`` and fully visible.
+    """
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_rows = row_ptrs(Q_head, start_m, stride_qm, BLOCK_M)
+        do_rows = row_ptrs(dO_head, start_m, stride_dom, BLOCK_M)
+        if MASKED:
+            m_mask = offs_m < seqlen_q
+            q_mask = m_mask[:, None] & d_mask[None, :]
+            q = tl.load(q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+            lse_log2 = tl.load(L_head + offs_m, mask=m_mask, other=0.0) * LOG2E
+            delta = tl.load(D_head + offs_m, mask=m_mask, other=0.0)
+        else:
+            if PAD_HEADDIM:
+                q = tl.load(q_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+                do = tl.load(do_rows[:, None] + offs_d[None, :], mask=d_mask[None, :],
+                             other=0.0)
+            else:
+                q = tl.load(q_rows[:, None] + offs_d[None, :])
+                do = tl.load(do_rows[:, None] + offs_d[None, :])
+            lse_log2 = tl.load(L_head + offs_m) * LOG2E
+            delta = tl.load(D_head + offs_m)
+        qk_t = tl.dot(k, tl.trans(q))
+        s_t, tanh_t = masking.logits_log2(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale_log2,
+                                          cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                          MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        p_t = tl.math.exp2(s_t - lse_log2[None, :])
+        dp_t = tl.dot(v, tl.trans(do))
+        if HAS_DROPOUT:
+            keep_t = dropout_keep(dropout_seed, b, h, offs_m[None, :], offs_n[:, None], dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            dv = tl.dot(tl.where(keep_t, p_t * inv_keep, 0.0).to(do.dtype), do, dv)
+            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, dOut, LSE, Delta, dK, dV,
+    CuSeqlensQ, CuSeqlensK, AlibiSlopes,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, group, head_dim,
+    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
+    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid ``(cdiv(max_seqlen_k, BLOCK_N), nheads_k, batch)``; ``LSE``/``Delta`` share strides.
+
+    dK/dV have K/V's shape (``(b, sk, hk, d)`` or ``(total_k, hk, d)``) and dtype.
+    """
+    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
+    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
+    stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
+    stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
+    stride_dkb, stride_dkn, stride_dkh = stride_16b(stride_dkb), stride_16b(stride_dkn), stride_16b(stride_dkh)
+    stride_dvb, stride_dvn, stride_dvh = stride_16b(stride_dvb), stride_16b(stride_dvn), stride_16b(stride_dvh)
+    pid_n = tl.program_id(0)
+    kv_h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
+    b64 = b.to(tl.int64)
+    k0 = k_start.to(tl.int64)
+    q0 = q_start.to(tl.int64)
+    k_rows = row_ptrs(K + b64 * stride_kb + k0 * stride_kn + kv_h * stride_kh, start_n, stride_kn, BLOCK_N)
+    v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vn + kv_h * stride_vh, start_n, stride_vn, BLOCK_N)
+    k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    qk_scale_log2 = softmax_scale * LOG2E
+    cap_in = softmax_scale
+    cap_out_log2 = LOG2E
+    if HAS_SOFTCAP:
+        cap_in = softmax_scale / softcap
+        cap_out_log2 = softcap * LOG2E
+    lo, mid_lo, mid_hi, hi = masking.query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                       BLOCK_M, BLOCK_N, IS_LOCAL)
+    # the query heads of this kv head's group, one after the other: no atomics across heads
+    for h in range(kv_h * group, kv_h * group + group):
+        slope_log2 = 0.0
+        if HAS_ALIBI:
+            slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+        Q_head = Q + b64 * stride_qb + q0 * stride_qm + h * stride_qh
+        dO_head = dOut + b64 * stride_dob + q0 * stride_dom + h * stride_doh
+        L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        dk, dv = _dkdv_query_tiles(
+            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, lo, mid_lo,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+            window_left, window_right, dropout_p, dropout_seed, b, h,
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
+        dk, dv = _dkdv_query_tiles(
+            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_lo, mid_hi,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+            window_left, window_right, dropout_p, dropout_seed, b, h,
+            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
+        dk, dv = _dkdv_query_tiles(
+            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_hi, hi,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+            window_left, window_right, dropout_p, dropout_seed, b, h,
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
+
+    dk = dk * softmax_scale
+    dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dkn + kv_h * stride_dkh, start_n, stride_dkn, BLOCK_N)
+    dv_rows = row_ptrs(dV + b64 * stride_dvb + k0 * stride_dvn + kv_h * stride_dvh, start_n, stride_dvn, BLOCK_N)
+    tl.store(dk_rows[:, None] + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_rows[:, None] + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_key_tiles(
+    dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask,
+    K_head, V_head, lo, hi, stride_kn, stride_vn, seqlen_q, seqlen_k,
+    qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right,
+    dropout_p, dropout_seed, b, h,
+    MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Accumulate dQ of one query block over the key tiles ``[lo, hi)``."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if MASKED:
+            kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k_ptrs = row_ptrs(K_head, start_n, stride_kn, BLOCK_N)[:, None] + offs_d[None, :]
+        v_ptrs = row_ptrs(V_head, start_n, stride_vn, BLOCK_N)[:, None] + offs_d[None, :]
+        if MASKED or PAD_HEADDIM:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k))
+        s, tanh_s = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
+                                        cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                        MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(s - lse_log2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh_s * tanh_s)
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, dOut, LSE, Delta, dQ,
+    CuSeqlensQ, CuSeqlensK, AlibiSlopes,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh,
+    stride_dqb, stride_dqm, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, group, head_dim,
+    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
+    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), nheads, batch)``; dQ has Q's shape and dtype."""
+    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
+    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
+    stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
+    stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
+    stride_dqb, stride_dqm, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqm), stride_16b(stride_dqh)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    kv_h = h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    m_mask = offs_m < seqlen_q
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    b64 = b.to(tl.int64)
+    q0 = q_start.to(tl.int64)
+    k0 = k_start.to(tl.int64)
+    q_rows = row_ptrs(Q + b64 * stride_qb + q0 * stride_qm + h * stride_qh, start_m, stride_qm, BLOCK_M)
+    do_rows = row_ptrs(dOut + b64 * stride_dob + q0 * stride_dom + h * stride_doh, start_m, stride_dom, BLOCK_M)
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(do_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    lse_offset = b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+    lse_log2 = tl.load(LSE + lse_offset + offs_m, mask=m_mask, other=0.0) * LOG2E
+    delta = tl.load(Delta + lse_offset + offs_m, mask=m_mask, other=0.0)
+    K_head = K + b64 * stride_kb + k0 * stride_kn + kv_h * stride_kh
+    V_head = V + b64 * stride_vb + k0 * stride_vn + kv_h * stride_vh
+
+    qk_scale_log2 = softmax_scale * LOG2E
+    cap_in = softmax_scale
+    cap_out_log2 = LOG2E
+    if HAS_SOFTCAP:
+        cap_in = softmax_scale / softcap
+        cap_out_log2 = softcap * LOG2E
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = masking.key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                     BLOCK_M, BLOCK_N, IS_LOCAL)
+    dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, lo, mid_lo,
+                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+                       window_left, window_right, dropout_p, dropout_seed, b, h,
+                       True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
+    dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, mid_lo, mid_hi,
+                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+                       window_left, window_right, dropout_p, dropout_seed, b, h,
+                       False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
+    dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, mid_hi, hi,
+                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+                       window_left, window_right, dropout_p, dropout_seed, b, h,
+                       True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
+    dq = dq * softmax_scale
+    dq_rows = row_ptrs(dQ + b64 * stride_dqb + q0 * stride_dqm + h * stride_dqh, start_m, stride_dqm, BLOCK_M)
+    tl.store(dq_rows[:, None] + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=q_mask)

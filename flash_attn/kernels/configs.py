@@ -1,0 +1,161 @@
+"""Where the GPU architecture is chosen: launch configurations of the attention kernels.
+
+A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. The tables are keyed by kernel
+kind, architecture family and head-dimension bucket; :func:`pick_config` looks one up. Nothing
+here is tuned at run time (the kernels are compiled ahead of time), so the table *is* the tuning.
+
+Shared memory is what limits the blocks: every entry must fit its architecture's per-block limit
+(:data:`SHARED_MEMORY_LIMIT`), which ``tests/test_triton_kernels.py`` checks with
+:func:`estimate_shared_memory` (and, for a few entries, with the compiler's own count).
+
+Kinds:
+
+* ``"fwd"``: forward; ``BLOCK_M`` query rows per program, key tiles of ``BLOCK_N``.
+* ``"bwd_dkdv"``: dK/dV; ``BLOCK_N`` key rows per program, query tiles of ``BLOCK_M``.
+* ``"bwd_dq"``: dQ; ``BLOCK_M`` query rows per program, key tiles of ``BLOCK_N``.
+
+The small kernels (backward preprocess, softmax probabilities for testing) reuse the ``fwd``
+blocks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+__all__ = [
+    "Config",
+    "HEADDIM_BUCKETS",
+    "SHARED_MEMORY_LIMIT",
+    "INTERPRETER_CONFIGS",
+    "arch_family",
+    "estimate_shared_memory",
+    "padded_headdim",
+    "pick_config",
+]
+
+
+class Config(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+HEADDIM_BUCKETS = (32, 64, 128, 256)
+KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
+
+# Bytes of shared memory one block may use (opt-in maximum) per architecture family.
+SHARED_MEMORY_LIMIT = {
+    "sm80": 163 * 1024,  # A100
+    "sm86": 99 * 1024,  # RTX 30xx / A10 / A40 (sm86), L4 / RTX 40xx (sm89), sm87
+    "sm90": 227 * 1024,  # H100 / H200
+    "sm100": 227 * 1024,  # B200 / GB200
+    "sm120": 99 * 1024,  # RTX 50xx
+}
+
+_C = Config
+# (kind, family) -> configs for headdim <= 32, <= 64, <= 128, <= 256.
+#
+# How the entries were chosen (no GPU needed): every entry fits its shared memory (the estimate
+# below, and the compiler's own count), and its causal/window variant compiles without register
+# spills (``ptxas -v`` / ``cuobjdump --dump-resource-usage``: at most a few dozen bytes of stack),
+# preferring the largest tiles that do. BLOCK_M/BLOCK_N are multiples of 16 (MMA shapes); 8 warps
+# almost everywhere, since 4 warps spill with 128-row blocks.
+_TABLE: dict[tuple[str, str], tuple[Config, Config, Config, Config]] = {
+    # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining.
+    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(64, 32, 8, 2)),
+    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 2), _C(16, 32, 8, 2)),
+    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2)),
+    # Consumer Ampere / Ada (sm86, sm87, sm89) and, below, consumer Blackwell (sm120): 99 KB.
+    ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1)),
+    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 2), _C(16, 32, 8, 2)),
+    ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
+    # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims.
+    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(64, 32, 8, 2)),
+    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(16, 32, 8, 2)),
+    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(32, 32, 8, 2)),
+}
+# Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
+_TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
+_TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
+
+# The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
+# work per tile small while still exercising several tiles per sequence (and tiles that straddle
+# pages of 16 rows). BLOCK_M != BLOCK_N on purpose, so that the stage bounds are tested properly.
+INTERPRETER_CONFIGS = {
+    "fwd": Config(32, 16, 1, 1),
+    "bwd_dkdv": Config(16, 32, 1, 1),
+    "bwd_dq": Config(32, 16, 1, 1),
+}
+
+
+def arch_family(capability: tuple[int, int]) -> str:
+    """The table family of a CUDA compute capability ``(major, minor)``."""
+    major, minor = capability
+    if major == 8:
+        return "sm80" if minor == 0 else "sm86"
+    if major == 9:
+        return "sm90"
+    if major in (10, 11):
+        return "sm100"
+    if major >= 12:
+        return "sm120"
+    return "sm80"  # sm75 and older are not supported by the kernels; keep a sane default
+
+
+def padded_headdim(headdim: int) -> int:
+    """``BLOCK_D``: the next power of two >= max(headdim, 16)."""
+    return max(16, 1 << (max(headdim, 1) - 1).bit_length())
+
+
+def _bucket(headdim: int) -> int:
+    for i, limit in enumerate(HEADDIM_BUCKETS):
+        if headdim <= limit:
+            return i
+    raise ValueError(f"head dimension {headdim} > {HEADDIM_BUCKETS[-1]} is not supported by the kernels")
+
+
+def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]]) -> Config:
+    """Launch configuration of kernel ``kind`` for ``headdim`` on ``capability``.
+
+    ``capability=None`` means Triton's interpreter (CPU).
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+    if capability is None:
+        return INTERPRETER_CONFIGS[kind]
+    return _TABLE[(kind, arch_family(capability))][_bucket(headdim)]
+
+
+# Blackwell's tcgen05 MMAs stage more operands (and their mbarriers) in shared memory than the
+# register-operand MMAs of sm80/sm90. Measured with the compiler: ~0.5 KB more for the forward,
+# up to ~22% more for the backward kernels (whose probability tiles feed two MMAs each).
+_SM100_BARRIER_BYTES = 1024
+_SM100_BACKWARD_FACTOR = 1.25
+
+
+def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str = "sm80",
+                           elem_bytes: int = 2) -> int:
+    """Upper estimate (bytes) of the shared memory one program of ``kind`` needs on ``family``.
+
+    Operand tiles that stay resident are counted once, tiles streamed through the software
+    pipeline ``num_stages`` times (one buffer per stage), plus one fp16/bf16 probability tile
+    (``BLOCK_M x BLOCK_N``) staged for the second matmul; on sm100 a margin for tcgen05 operand
+    staging. Compiled kernels use at most this (checked against the compiler's ``metadata.shared``
+    for every entry when the table was made, and for a few entries in the tests); usually less.
+    """
+    d = padded_headdim(headdim)
+    bm, bn, _, stages = config
+    stages = max(stages, 1)
+    if kind in ("fwd", "bwd_dq"):
+        resident = bm * d * (1 if kind == "fwd" else 2)  # Q (and dO)
+        streamed = 2 * bn * d  # K, V
+    elif kind == "bwd_dkdv":
+        resident = 2 * bn * d  # K, V
+        streamed = 2 * bm * d  # Q, dO (lse, delta: negligible)
+    else:
+        raise ValueError(f"unknown kernel kind {kind!r}")
+    estimate = elem_bytes * (resident + stages * streamed + bm * bn)
+    if family == "sm100":
+        estimate = estimate + _SM100_BARRIER_BYTES if kind == "fwd" else int(estimate * _SM100_BACKWARD_FACTOR)
+    return estimate

@@ -1,0 +1,373 @@
+"""Triton kernels of KV-cache attention (decoding): split-KV attention and the split combine.
+
+``flash_attn_with_kvcache`` usually has very few query rows (often one token) and many keys, so
+one program per (batch, head) would leave most of the GPU idle. :func:`split_kv_kernel` therefore
+
+* packs the whole query-head group of one kv head into the rows of a tile: row ``m`` of a tile
+  is query row ``t = m // group`` of head ``kv_head * group + m % group``, so decoding with
+  ``seqlen_q = 1`` and GQA still feeds ``BLOCK_M >= 16`` rows to the tensor cores, and K/V are
+  read once per kv head (never repeated per query head);
+* splits the visible key blocks of each sequence into ``num_splits`` contiguous ranges, one per
+  program, each producing a normalised partial output (fp32) and its logsumexp;
+
+and :func:`combine_splits_kernel` merges the partial results by their logsumexp. With a single
+split the attention kernel writes the final output directly and no combine runs.
+
+Keys of batch entry ``b`` are cache rows ``cache_leftpad[b] : cache_seqlens[b] + seqlen_new``
+(``sk`` of them) of cache sequence ``cache_batch_idx[b]`` or of the pages ``block_table[b]``; key
+``j`` (``j = 0`` at ``cache_leftpad[b]``) is visible to query row ``i`` iff
+``i + sk - sq - window_left <= j <= i + sk - sq + window_right`` (``-1`` = unbounded). Scores are
+``softcap * tanh(scale * q.k / softcap)`` (or ``scale * q.k``) minus ``slope * |i + sk - sq - j|``
+with ALiBi; the online softmax runs in base 2 with ``log2(e)`` folded into the scale.
+
+A row that sees no key produces out 0 and lse ``empty_lse`` (+inf for the final result, -inf
+for a partial result, so that it weighs nothing in the combine).
+
+AOT rules: sizes, strides and scalars are plain arguments; features are ``tl.constexpr`` flags;
+no autotuning. ``split_kv_kernel``'s specialisations: ``BLOCK_M``/``BLOCK_N``/``BLOCK_D`` (from
+:data:`flash_attn.kernels.decode_launch.DECODE_CONFIGS`), ``IS_LOCAL``, ``HAS_SOFTCAP``,
+``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``, ``HAS_LEFTPAD``, and the element type of ``Out``
+(fp32 scratch when split, the input dtype when not). Performance note for the compiled variants:
+the feature mask ``offs_d < headdim`` only lets K/V loads vectorise (16-byte loads, ``cp.async``
+pipelining) when the compiler knows ``headdim`` (and the strides, pointers) are multiples of 16;
+Triton's JIT specialises that automatically, an ahead-of-time build must declare it
+(``tt.divisibility``) for the variants where it holds. Without it the kernels are correct but
+issue scalar loads.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flash_attn.kernels import masking
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
+                     BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+    """Key blocks that query rows ``[t_first, t_last]`` visit: ``[lo, hi)``, of which
+    ``[mid_lo, mid_hi)`` are fully visible to every one of those rows (no mask needed).
+
+    The packed-row counterpart of :func:`flash_attn.kernels.masking.key_block_range` (a tile of
+    ``BLOCK_M`` packed rows holds a run of ``t_last - t_first + 1`` query rows that is not a
+    compile-time size). Block indices; divisions only of values clamped to ``>= 0``.
+    """
+    first = seqlen_k * 0
+    last = seqlen_k  # one past
+    full_first = first
+    full_last = seqlen_k
+    if IS_LOCAL:
+        diag = seqlen_k - seqlen_q
+        if window_left >= 0:
+            first = tl.maximum(t_first + diag - window_left, 0)
+            full_first = tl.maximum(t_last + diag - window_left, 0)
+        if window_right >= 0:
+            last = tl.minimum(tl.maximum(t_last + diag + window_right + 1, 0), seqlen_k)
+            full_last = tl.minimum(tl.maximum(t_first + diag + window_right + 1, 0), seqlen_k)
+    lo = first // BLOCK_N
+    hi = tl.maximum((last + BLOCK_N - 1) // BLOCK_N, lo)
+    mid_lo = tl.minimum(tl.maximum((full_first + BLOCK_N - 1) // BLOCK_N, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(full_last // BLOCK_N, hi), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _cache_rows(rows, row_mask, seq, bt_row, page_size, PAGED: tl.constexpr):
+    """Where cache rows ``rows`` (row indices of one sequence) live: ``(slot, row)`` int64, i.e.
+    the page and the row inside it when ``PAGED``, else the cache sequence ``seq`` and ``rows``."""
+    if PAGED:
+        page = tl.load(bt_row + rows // page_size, mask=row_mask, other=0).to(tl.int64)
+        return page, (rows % page_size).to(tl.int64)
+    else:
+        return seq + rows.to(tl.int64) * 0, rows.to(tl.int64)
+
+
+@triton.jit
+def _attend_blocks(
+    acc,
+    m_i,
+    l_i,
+    q,
+    row_pos,
+    slopes,
+    K,
+    V,
+    seq,
+    bt_row,
+    block_start,
+    block_end,
+    first_row,
+    seqlen_k,
+    seqlen_q,
+    offs_d,
+    d_mask,
+    page_size,
+    stride_kb,
+    stride_kt,
+    k_head,
+    stride_vb,
+    stride_vt,
+    v_head,
+    qk_scale,
+    softcap,
+    window_left,
+    window_right,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    IS_LOCAL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    PAGED: tl.constexpr,
+):
+    """Online softmax over key blocks ``[block_start, block_end)`` (positions ``j``, 0-based).
+
+    ``acc`` (fp32 ``(BLOCK_M, BLOCK_D)``), ``m_i`` (running max, base-2 units) and ``l_i`` (running
+    sum) are updated and returned. ``MASKED`` applies the key-range and window mask; blocks that
+    every row of the tile sees completely may skip it.
+    """
+    for block in range(block_start, block_end):
+        offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seqlen_k
+        rows = first_row + offs_n
+        slot, row = _cache_rows(rows, n_mask, seq, bt_row, page_size, PAGED)
+        k_off = slot * stride_kb + row * stride_kt + k_head
+        v_off = slot * stride_vb + row * stride_vt + v_head
+        if MASKED:
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if HAS_SOFTCAP:
+            s = masking.apply_softcap(qk * qk_scale, softcap) * LOG2E
+        else:
+            s = qk * (qk_scale * LOG2E)
+        if HAS_ALIBI:
+            s = s + masking.alibi_bias_at((slopes * LOG2E)[:, None], row_pos[:, None], offs_n[None, :], seqlen_q, seqlen_k)
+        if MASKED:
+            visible = masking.visible(row_pos, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead (p = 0)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def split_kv_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Seqlens,
+    Leftpad,
+    BatchIdx,
+    BlockTable,
+    Alibi,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_os,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    stride_btb,
+    stride_ab,
+    nheads_k,
+    seqlen_q,
+    seqlen_new,
+    group,
+    headdim,
+    page_size,
+    qk_scale,
+    softcap,
+    window_left,
+    window_right,
+    empty_lse,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_LOCAL: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    PAGED: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
+):
+    """Grid ``(num_splits, batch * nheads_k, cdiv(seqlen_q * group, BLOCK_M))``.
+
+    Program ``(split, b * nheads_k + kv_head, m_block)`` attends the packed rows
+    ``[m_block * BLOCK_M, ...)`` of kv head ``kv_head`` to its share of the visible key blocks and
+    stores the normalised result at ``Out + split * stride_os + ...`` and its natural-log
+    logsumexp at ``Lse + split * stride_ls + ...`` (``Out`` is fp32 scratch when split, the
+    final output otherwise; the store casts to its element type).
+    """
+    split = tl.program_id(0)
+    num_splits = tl.num_programs(0)
+    pid_bh = tl.program_id(1)
+    m_block = tl.program_id(2)
+    b = pid_bh // nheads_k
+    kv_head = pid_bh % nheads_k
+
+    # keys of this sequence: cache rows [first_row, first_row + seqlen_k)
+    if HAS_LEFTPAD:
+        first_row = tl.load(Leftpad + b)
+    else:
+        first_row = 0
+    seqlen_k = tl.load(Seqlens + b) + seqlen_new - first_row
+    if PAGED:
+        seq = b.to(tl.int64) * 0
+        bt_row = BlockTable + b.to(tl.int64) * stride_btb
+    else:
+        if HAS_BATCH_IDX:
+            seq = tl.load(BatchIdx + b).to(tl.int64)
+        else:
+            seq = b.to(tl.int64)
+        bt_row = BlockTable
+
+    # packed query rows: m -> (query row m // group, head kv_head * group + m % group)
+    rows_q = seqlen_q * group
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < rows_q
+    d_mask = offs_d < headdim
+    row_pos = offs_m // group
+    head = kv_head * group + offs_m % group
+    q_off = b.to(tl.int64) * stride_qb + row_pos.to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if HAS_ALIBI:
+        slopes = tl.load(Alibi + b * stride_ab + head, mask=m_mask, other=0.0).to(tl.float32)
+    else:
+        slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # key positions seen by some row of the tile [lo, hi), and by every row [full_lo, full_hi)
+    t_first = (m_block * BLOCK_M) // group
+    t_last = (tl.minimum((m_block + 1) * BLOCK_M, rows_q) - 1) // group
+    block_lo, mid_lo, mid_hi, block_hi = _key_block_range(
+        t_first, t_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, IS_LOCAL)
+    # this split's share [start, end) of the visited blocks, cut into masked / interior / masked
+    per_split = (block_hi - block_lo + num_splits - 1) // num_splits
+    start = tl.minimum(block_lo + split * per_split, block_hi)
+    end = tl.minimum(start + per_split, block_hi)
+    a = tl.minimum(tl.maximum(mid_lo, start), end)
+    c = tl.minimum(tl.maximum(mid_hi, a), end)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_head = kv_head.to(tl.int64) * stride_kh
+    v_head = kv_head.to(tl.int64) * stride_vh
+    acc, m_i, l_i = _attend_blocks(
+        acc, m_i, l_i, q, row_pos, slopes, K, V, seq, bt_row, start, a, first_row, seqlen_k, seqlen_q,
+        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale,
+        softcap, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
+    acc, m_i, l_i = _attend_blocks(
+        acc, m_i, l_i, q, row_pos, slopes, K, V, seq, bt_row, a, c, first_row, seqlen_k, seqlen_q,
+        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale,
+        softcap, window_left, window_right, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
+    acc, m_i, l_i = _attend_blocks(
+        acc, m_i, l_i, q, row_pos, slopes, K, V, seq, bt_row, c, end, first_row, seqlen_k, seqlen_q,
+        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale,
+        softcap, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, empty_lse)
+    row_off = row_pos.to(tl.int64)
+    o_off = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + row_off * stride_ot + head * stride_oh
+    tl.store(Out + o_off[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=m_mask[:, None] & d_mask[None, :])
+    l_off = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + row_off * stride_lt + head * stride_lh
+    tl.store(Lse + l_off, lse, mask=m_mask)
+
+
+@triton.jit
+def combine_splits_kernel(
+    OutPart,
+    LsePart,
+    Out,
+    Lse,
+    stride_ps,
+    stride_pb,
+    stride_pt,
+    stride_ph,
+    stride_qs,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    num_splits,
+    seqlen_q,
+    nheads,
+    headdim,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Grid ``(cdiv(seqlen_q * nheads, BLOCK_R), batch)``: merge ``num_splits`` partial results.
+
+    Row ``r`` of batch entry ``b`` is query row ``r // nheads`` of head ``r % nheads``. With
+    partial logsumexps ``lse_s`` and normalised partial outputs ``o_s``:
+    ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) o_s``. Splits with
+    ``lse_s = -inf`` (no visible key) weigh nothing; a row with none at all gets out 0, lse +inf.
+    ``OutPart`` strides: ``stride_p*``; ``LsePart`` strides: ``stride_q*``.
+    """
+    pid_r = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_mask = offs_r < seqlen_q * nheads
+    d_mask = offs_d < headdim
+    t = (offs_r // nheads).to(tl.int64)
+    h = offs_r % nheads
+    lse_ptrs = LsePart + b * stride_qb + t * stride_qt + h * stride_qh
+    part_ptrs = OutPart + b * stride_pb + t[:, None] * stride_pt + h[:, None] * stride_ph + offs_d[None, :]
+    mask = r_mask[:, None] & d_mask[None, :]
+
+    lse_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(lse_ptrs + s * stride_qs, mask=r_mask, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse_s)
+    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(lse_ptrs + s * stride_qs, mask=r_mask, other=float("-inf"))
+        w = tl.math.exp2((lse_s - shift) * LOG2E)
+        o_s = tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0)
+        total += w
+        acc += w[:, None] * o_s
+    seen = total > 0.0
+    total_safe = tl.where(seen, total, 1.0)
+    out = acc / total_safe[:, None]
+    lse = tl.where(seen, shift + tl.log(total_safe), float("inf"))
+    o_ptrs = Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask)
+    tl.store(Lse + b * stride_lb + t * stride_lt + h * stride_lh, lse, mask=r_mask)

@@ -1,0 +1,322 @@
+"""Triton forward kernel of FlashAttention-2, dense and varlen in one family.
+
+One program computes ``BLOCK_M`` query rows of one (batch entry, query head): it walks the key
+tiles that the rows can see (:func:`~flash_attn.kernels.masking.key_block_range`, so causal and
+sliding-window attention skip every fully masked tile) in three stages - masked edge tiles, the
+unmasked interior, masked edge tiles - each a call of :func:`_attend_key_tiles`, and keeps an
+online softmax in fp32 with ``exp2`` (the softmax scale is folded into ``log2(e)``).
+
+Feature flags (``tl.constexpr``):
+
+``IS_VARLEN``   sequences packed along dim 0, boundaries from ``cu_seqlens_q/k`` (else dense
+                tensors with fixed per-batch offsets and the ``seqlen_q/k`` arguments)
+``IS_LOCAL``    window mask (causal is the window ``(-1, 0)``); bounds are run-time ints
+``HAS_SOFTCAP`` ``softcap * tanh(scale * qk / softcap)``
+``HAS_ALIBI``   ``- slope * |i + sk - sq - j|`` with per-(batch,)head fp32 slopes
+``HAS_DROPOUT`` counter-based Philox dropout (:mod:`flash_attn.kernels.dropout_rng`)
+``IS_PAGED``    K/V rows gathered through ``block_table`` pages of ``page_size`` rows (varlen only)
+``PAD_HEADDIM`` ``head_dim < BLOCK_D``: the padded feature columns are masked
+
+``BLOCK_M``/``BLOCK_N`` come from :mod:`flash_attn.kernels.configs`, ``BLOCK_D`` is the head dim
+padded to a power of two >= 16. Everything else (sizes, strides, scale, window, seed) is a plain
+argument, so one compiled specialisation serves every input with the same flags (ahead-of-time
+compilation). The last dimension of every tensor must be contiguous (stride 1).
+
+MHA/GQA/MQA: query head ``h`` reads kv head ``h // group``; K/V are never repeated.
+A row that sees no key gets output 0 and lse ``+inf``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flash_attn.kernels import masking
+from flash_attn.kernels.dropout_rng import dropout_keep
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def stride_16b(stride):
+    """``stride`` (elements), declared a multiple of 8 elements: 16 bytes for fp16/bf16.
+
+    The launchers guarantee it (:func:`flash_attn.kernels.launch.ready`) for every stride except
+    the last dimension's (which is 1). Knowing it lets the compiler use 16-byte vector loads and
+    the asynchronous-copy pipeline with a single compiled specialisation for all inputs
+    (``tl.multiple_of`` on a scalar argument is not propagated, the arithmetic is; it costs one
+    scalar shift per stride and program).
+    """
+    return (stride // 8) * 8
+
+
+@triton.jit
+def row_ptrs(Base, start, stride_row, BLOCK: tl.constexpr):
+    """Pointers to rows ``start .. start + BLOCK - 1`` (``stride_row`` apart) from ``Base``.
+
+    The row base is computed in 64 bits (sequences of millions of rows times wide rows overflow
+    32 bits), the in-tile offsets in 32 bits.
+    """
+    return Base + tl.cast(start, tl.int64) * stride_row + tl.arange(0, BLOCK) * stride_row
+
+
+@triton.jit
+def kv_row_ptrs(Base, start_n, seqlen_k, bt_row, page_size, stride_page, stride_row, BLOCK_N: tl.constexpr,
+                IS_PAGED: tl.constexpr):
+    """Pointers to the key rows ``start_n .. start_n + BLOCK_N - 1`` of a sequence (one kv head).
+
+    Paged: row ``j`` is slot ``j % page_size`` of page ``block_table[b, j // page_size]``, so the
+    rows of one tile may span several pages (any page size works). Otherwise rows are
+    ``stride_row`` apart from ``Base``.
+    """
+    if IS_PAGED:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_row + offs_n // page_size, mask=offs_n < seqlen_k, other=0)
+        return Base + page.to(tl.int64) * stride_page + (offs_n % page_size) * stride_row
+    else:
+        return row_ptrs(Base, start_n, stride_row, BLOCK_N)
+
+
+@triton.jit
+def sequence_bounds(b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
+    """``(start, length)`` of sequence ``b``: from ``cu_seqlens`` (varlen) or ``(0, seqlen)``."""
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + b)
+        end = tl.load(CuSeqlens + b + 1)
+        return start, end - start
+    else:
+        return b * 0, seqlen + b * 0
+
+
+@triton.jit
+def _attend_key_tiles(
+    acc, m_i, l_i, q, offs_m, offs_d, d_mask,
+    K_head, V_head, bt_row, lo, hi,
+    seqlen_q, seqlen_k, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn,
+    qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right,
+    dropout_p, dropout_seed, b, h,
+    MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online-softmax update of one query block over the key tiles ``[lo, hi)``.
+
+    ``MASKED`` applies bounds and window (edge tiles); interior tiles lie inside ``seqlen_k`` and
+    are fully visible, so they load without a row mask and compute no mask at all.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kpage, stride_kn, BLOCK_N, IS_PAGED)
+        v_rows = kv_row_ptrs(V_head, start_n, seqlen_k, bt_row, page_size, stride_vpage, stride_vn, BLOCK_N, IS_PAGED)
+        if MASKED:
+            kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        if MASKED or PAD_HEADDIM:
+            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_rows[:, None] + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k))
+        s, _ = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
+                                   cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                   MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have not seen a visible key keep m = -inf: shift by 0 so that p = 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
+            p = tl.where(keep, p, 0.0)
+        if MASKED or PAD_HEADDIM:
+            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(v_rows[:, None] + offs_d[None, :])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, Out, LSE,
+    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lb, stride_lh,
+    stride_btb, stride_ab,
+    seqlen_q, seqlen_k, group, head_dim, page_size,
+    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
+    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), nheads, batch)``.
+
+    Dense: q/out ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``, lse ``(b, h, sq)``. Varlen: q/out
+    ``(total_q, h, d)``, k/v ``(total_k, hk, d)`` (``stride_*b`` = 0) or, paged, page pools
+    ``(pages, page_size, hk, d)`` with ``stride_kb`` the page stride; lse ``(h, total_q)``.
+    ``stride_lb``/``stride_lh`` address lse (its row stride is 1). ``AlibiSlopes`` is fp32
+    ``(h,)`` (``stride_ab`` = 0) or ``(b, h)``.
+    """
+    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
+    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
+    stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
+    stride_ob, stride_om, stride_oh = stride_16b(stride_ob), stride_16b(stride_om), stride_16b(stride_oh)
+    # heavy causal blocks (large row index) first: better load balance at the tail of the grid
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    kv_h = h // group
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    m_mask = offs_m < seqlen_q
+    q_mask = m_mask[:, None]
+    if PAD_HEADDIM:
+        q_mask = q_mask & d_mask[None, :]
+
+    b64 = b.to(tl.int64)
+    Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
+    q = tl.load(row_ptrs(Q_head, start_m, stride_qm, BLOCK_M)[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    if IS_PAGED:
+        K_head = K + kv_h * stride_kh
+        V_head = V + kv_h * stride_vh
+        bt_row = BlockTable + b64 * stride_btb
+    else:
+        K_head = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_h * stride_kh
+        V_head = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_h * stride_vh
+        bt_row = BlockTable
+
+    qk_scale_log2 = softmax_scale * LOG2E
+    cap_in = softmax_scale
+    cap_out_log2 = LOG2E
+    if HAS_SOFTCAP:
+        cap_in = softmax_scale / softcap
+        cap_out_log2 = softcap * LOG2E
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, mid_lo, mid_hi, hi = masking.key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                     BLOCK_M, BLOCK_N, IS_LOCAL)
+    # stage 1: masked tiles left of the interior (sliding window's left edge)
+    acc, m_i, l_i = _attend_key_tiles(
+        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, lo, mid_lo,
+        seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+        qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
+    # stage 2: the interior, no mask
+    acc, m_i, l_i = _attend_key_tiles(
+        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_lo, mid_hi,
+        seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+        qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+        False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
+    # stage 3: masked tiles right of the interior (diagonal, last partial tile)
+    acc, m_i, l_i = _attend_key_tiles(
+        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_hi, hi,
+        seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+        qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
+
+    seen = l_i > 0.0
+    inv_l = 1.0 / tl.where(seen, l_i, 1.0)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("inf"))
+
+    O_head = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_om + h * stride_oh
+    o_rows = row_ptrs(O_head, start_m, stride_om, BLOCK_M)
+    tl.store(o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
+    L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+    tl.store(L_head + offs_m, lse, mask=m_mask)
+
+
+@triton.jit
+def attn_probs_kernel(
+    Q, K, LSE, S,
+    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes,
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_lb, stride_lh,
+    stride_sb, stride_sh, stride_sm,
+    stride_btb, stride_ab,
+    seqlen_q, seqlen_k, group, head_dim, page_size,
+    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
+    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``return_softmax`` (testing only): the probabilities ``exp(logit - lse)``, negated where
+    dropout drops them, into a zero-initialised fp32 ``S (b, h, max_sq, max_sk)`` (column stride 1).
+
+    Same grid and arguments as :func:`attn_fwd_kernel` (minus V/Out) and the same score helpers,
+    applied after the forward has produced ``lse``.
+    """
+    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
+    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    kv_h = h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    m_mask = offs_m < seqlen_q
+    b64 = b.to(tl.int64)
+    Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
+    q_rows = row_ptrs(Q_head, start_m, stride_qm, BLOCK_M)
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if IS_PAGED:
+        K_head = K + kv_h * stride_kh
+        bt_row = BlockTable + b64 * stride_btb
+    else:
+        K_head = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_h * stride_kh
+        bt_row = BlockTable
+    L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+    lse = tl.load(L_head + offs_m, mask=m_mask, other=float("inf"))
+    lse_log2 = lse * LOG2E
+    qk_scale_log2 = softmax_scale * LOG2E
+    cap_in = softmax_scale
+    cap_out_log2 = LOG2E
+    if HAS_SOFTCAP:
+        cap_in = softmax_scale / softcap
+        cap_out_log2 = softcap * LOG2E
+    slope_log2 = 0.0
+    if HAS_ALIBI:
+        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+    S_rows = row_ptrs(S + b64 * stride_sb + tl.cast(h, tl.int64) * stride_sh, start_m, stride_sm, BLOCK_M)[:, None]
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kb, stride_kn, BLOCK_N, IS_PAGED)
+        k = tl.load(k_rows[:, None] + offs_d[None, :], mask=(offs_n < seqlen_k)[:, None] & d_mask[None, :],
+                    other=0.0)
+        qk = tl.dot(q, tl.trans(k))
+        s, _ = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
+                                   cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                   True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(s - lse_log2[:, None])
+        if HAS_DROPOUT:
+            keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
+            p = tl.where(keep, p, -p)
+        tl.store(S_rows + offs_n[None, :], p, mask=m_mask[:, None] & (offs_n < seqlen_k)[None, :])

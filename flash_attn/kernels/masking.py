@@ -1,0 +1,196 @@
+"""Where the mask is computed: which (query, key) pairs are visible, ALiBi, softcap, tile ranges.
+
+Every Triton kernel of the package (forward, backward, decode) takes its masking from here, so
+the rule lives in one place. Positions are 0-based *inside one sequence*; with ``sq`` queries
+and ``sk`` keys, the diagonal offset is ``sk - sq`` (bottom-right alignment) and query ``i``
+sees key ``j`` iff::
+
+    0 <= i < sq,  0 <= j < sk,
+    i + (sk - sq) - window_left <= j <= i + (sk - sq) + window_right
+
+where a negative window bound means "unbounded on that side" (``-1`` in
+:class:`flash_attn.params.AttentionParams`). ``causal`` is the window ``(-1, 0)``, so kernels
+need a single ``IS_LOCAL`` flag for both causal and sliding-window attention.
+
+Two kinds of helper:
+
+* element-wise rules (``*_at``): ``q_pos`` and ``k_pos`` are integer tensors that broadcast
+  against each other, so a kernel may lay its tile out as (queries x keys) or, like the dK/dV
+  kernel, as (keys x queries); ``visible``/``alibi_bias`` are the (queries x keys) conveniences
+  taking 1-D row and column positions.
+* tile ranges (``key_block_range``/``query_block_range``): which key (or query) tiles a block can
+  see at all, split into the tiles that need the element-wise mask and the interior tiles that
+  are fully visible (and fully in bounds), so kernels skip every fully masked tile and only pay
+  for masking on the edges.
+
+All integer arithmetic here avoids dividing negative numbers: the GPU truncates towards zero but
+Triton's interpreter floors, so values are clamped to ``>= 0`` before every ``//``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# ---------------------------------------------------------------------------------------------
+# Element-wise rules.
+
+
+@triton.jit
+def visible_at(q_pos, k_pos, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL: tl.constexpr):
+    """Bool: query ``q_pos`` sees key ``k_pos`` (broadcasting; bounds and window, see module doc)."""
+    ok = (q_pos < seqlen_q) & (k_pos < seqlen_k)
+    if IS_LOCAL:
+        diag = q_pos + (seqlen_k - seqlen_q)  # the key aligned with this query
+        ok = ok & ((window_left < 0) | (k_pos >= diag - window_left))
+        ok = ok & ((window_right < 0) | (k_pos <= diag + window_right))
+    return ok
+
+
+@triton.jit
+def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL: tl.constexpr):
+    """(len(rows), len(cols)) bool tile of :func:`visible_at` for 1-D query/key positions."""
+    return visible_at(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL)
+
+
+@triton.jit
+def alibi_bias_at(slope, q_pos, k_pos, seqlen_q, seqlen_k):
+    """fp32 ALiBi bias ``-slope * |q_pos + sk - sq - k_pos|`` (broadcasting).
+
+    Pass ``slope * log2(e)`` to get the bias in the base-2 units of an exp2 softmax.
+    """
+    dist = (q_pos + (seqlen_k - seqlen_q) - k_pos).to(tl.float32)
+    return -slope * tl.abs(dist)
+
+
+@triton.jit
+def alibi_bias(slope, rows, cols, seqlen_q, seqlen_k):
+    """(len(rows), len(cols)) tile of :func:`alibi_bias_at` for 1-D query/key positions."""
+    return alibi_bias_at(slope, rows[:, None], cols[None, :], seqlen_q, seqlen_k)
+
+
+@triton.jit
+def tanh(x):
+    """fp32 ``tanh`` from one ``exp2``: ``1 - 2 / (2**(2x log2 e) + 1)``; exact limits +-1."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def apply_softcap(x, softcap):
+    """``softcap * tanh(x / softcap)`` for scaled scores ``x`` (fp32)."""
+    return softcap * tanh(x * (1.0 / softcap))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile ranges. Each returns ``(lo, mid_lo, mid_hi, hi)``: the block visits
+# ``[lo, mid_lo)`` with the mask, ``[mid_lo, mid_hi)`` without it and ``[mid_hi, hi)`` with it
+# again (tile starts step by the tile size from ``lo``); nothing outside ``[lo, hi)`` is visible.
+
+
+@triton.jit
+def _floor_to(x, BLOCK: tl.constexpr):
+    return (tl.maximum(x, 0) // BLOCK) * BLOCK
+
+
+@triton.jit
+def _ceil_to(x, BLOCK: tl.constexpr):
+    return ((tl.maximum(x, 0) + BLOCK - 1) // BLOCK) * BLOCK
+
+
+@triton.jit
+def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+    """Key positions that the query rows ``[start_m, start_m + BLOCK_M)`` must visit.
+
+    Interior key tiles ``[mid_lo, mid_hi)`` lie inside ``[0, seqlen_k)`` and are visible to
+    every valid row of the block, so they need no mask. Rows at or beyond ``seqlen_q`` do not
+    count (their results are never stored).
+    """
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    diag = seqlen_k - seqlen_q
+    lo = start_m * 0
+    hi = seqlen_k + lo
+    mid_lo = lo
+    mid_hi = _floor_to(seqlen_k, BLOCK_N)
+    if IS_LOCAL:
+        # every row of the block together: keys [start_m + diag - left, last_m + diag + right]
+        if window_left >= 0:
+            lo = _floor_to(start_m + diag - window_left, BLOCK_N)
+            mid_lo = _ceil_to(last_m + diag - window_left, BLOCK_N)
+        if window_right >= 0:
+            hi = tl.minimum(tl.maximum(last_m + diag + window_right + 1, 0), seqlen_k)
+            mid_hi = _floor_to(tl.minimum(start_m + diag + window_right + 1, seqlen_k), BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(mid_hi, hi), mid_lo)
+    # a block without valid rows visits nothing
+    empty = last_m < start_m
+    hi = tl.where(empty, lo, hi)
+    mid_lo = tl.where(empty, lo, mid_lo)
+    mid_hi = tl.where(empty, lo, mid_hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+    """Query positions that see any key of ``[start_n, start_n + BLOCK_N)`` (for dK/dV).
+
+    Interior query tiles ``[mid_lo, mid_hi)`` lie inside ``[0, seqlen_q)`` and see every valid
+    key of the block. Keys at or beyond ``seqlen_k`` do not count (never stored).
+    """
+    last_n = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+    diag = seqlen_k - seqlen_q
+    lo = start_n * 0
+    hi = seqlen_q + lo
+    mid_lo = lo
+    mid_hi = _floor_to(seqlen_q, BLOCK_M)
+    if IS_LOCAL:
+        # query i sees key j iff j - diag - right <= i <= j - diag + left
+        if window_right >= 0:
+            lo = _floor_to(start_n - diag - window_right, BLOCK_M)
+            mid_lo = _ceil_to(last_n - diag - window_right, BLOCK_M)
+        if window_left >= 0:
+            hi = tl.minimum(tl.maximum(last_n - diag + window_left + 1, 0), seqlen_q)
+            mid_hi = _floor_to(tl.minimum(start_n - diag + window_left + 1, seqlen_q), BLOCK_M)
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(mid_hi, hi), mid_lo)
+    empty = last_n < start_n
+    hi = tl.where(empty, lo, hi)
+    mid_lo = tl.where(empty, lo, mid_lo)
+    mid_hi = tl.where(empty, lo, mid_hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Scores -> logits.
+
+
+@triton.jit
+def logits_log2(qk, q_pos, k_pos, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+                window_left, window_right, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Logits in base-2 units from raw fp32 dot products ``qk`` (any tile orientation).
+
+    ``logit = softcap(scale * qk) + alibi`` times ``log2(e)``, ``-inf`` where ``MASKED`` and not
+    :func:`visible_at`. Scalars come precomputed per program: ``qk_scale_log2 = scale * log2 e``;
+    with softcap ``cap_in = scale / softcap`` and ``cap_out_log2 = softcap * log2 e``;
+    ``slope_log2 = slope * log2 e``. Returns ``(logits, t)`` with ``t = tanh(qk * cap_in)`` (the
+    backward's softcap derivative is ``1 - t**2``; ``t`` is unused and free without softcap).
+    """
+    if HAS_SOFTCAP:
+        t = tanh(qk * cap_in)
+        s = t * cap_out_log2
+    else:
+        t = qk
+        s = qk * qk_scale_log2
+    if HAS_ALIBI:
+        s = s + alibi_bias_at(slope_log2, q_pos, k_pos, seqlen_q, seqlen_k)
+    if MASKED:
+        s = tl.where(visible_at(q_pos, k_pos, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL),
+                     s, float("-inf"))
+    return s, t

@@ -1,0 +1,530 @@
+"""The Triton forward/backward kernels against the float64 oracle.
+
+Backends under test: ``interpret`` (the kernels in Triton's interpreter, CPU tensors; always runs)
+and ``triton`` (the same kernels compiled for the GPU; ``@pytest.mark.gpu``, only with CUDA). Each
+case calls the backend's contract functions (:mod:`flash_attn.backends`) and compares out, lse and
+dq/dk/dv with ``tests/oracle.py`` under the tolerance rule of ``tests/conftest.py``.
+
+``CASES`` is the representative matrix that CI runs; ``test_full_matrix`` is the whole cross
+product (``-m full_matrix``; hours in the interpreter, not run in CI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import math
+from types import SimpleNamespace
+from typing import Optional
+
+import pytest
+import torch
+
+import oracle
+from conftest import check_close, gen, oracle_pair
+
+from flash_attn import dispatch
+from flash_attn.dropout import keep_mask
+from flash_attn.kernels import configs
+from flash_attn.params import AttentionParams, VarlenLayout
+
+HAS_CUDA = torch.cuda.is_available()
+BACKENDS = [
+    pytest.param("interpret", id="interpret"),
+    pytest.param("triton", id="triton", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
+]
+DROPOUT_SEED = 2**40 + 12345  # exercises both 32-bit halves of the Philox key
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    name = request.param
+    device = torch.device("cpu" if name == "interpret" else "cuda")
+    try:
+        module = importlib.import_module(f"flash_attn.backends.{name}")
+    except ImportError as exc:  # pragma: no cover - triton missing
+        pytest.skip(str(exc))
+    reason = module.unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(reason)
+    return SimpleNamespace(name=name, module=module, device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# One attention call, checked end to end.
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    dtype: torch.dtype = torch.float16
+    headdim: int = 64
+    nheads: int = 2
+    nheads_k: int = 2
+    batch: int = 1
+    seqlen_q: int = 32
+    seqlen_k: int = 32
+    lens: Optional[tuple] = None  # varlen: ((len_q, ...), (len_k, ...)); overrides batch/seqlens
+    window: tuple = (-1, -1)  # (-1, 0) is causal
+    softcap: float = 0.0
+    alibi: Optional[str] = None  # "h" (nheads,) or "bh" (batch, nheads)
+    dropout_p: float = 0.0
+    page_size: Optional[int] = None  # paged K/V (varlen only)
+    grads: bool = True
+
+    def __str__(self):
+        dtype = "fp16" if self.dtype == torch.float16 else "bf16"
+        parts = [dtype, f"d{self.headdim}", f"h{self.nheads}-{self.nheads_k}"]
+        parts.append(f"varlen{self.lens}" if self.lens else f"b{self.batch}-{self.seqlen_q}x{self.seqlen_k}")
+        if self.window != (-1, -1):
+            parts.append("causal" if self.window == (-1, 0) else f"win{self.window}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap}")
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
+        if self.dropout_p:
+            parts.append(f"drop{self.dropout_p}")
+        if self.page_size:
+            parts.append(f"page{self.page_size}")
+        return "-".join(parts).replace(" ", "").replace(",", "_")
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    params: AttentionParams
+    varlen: Optional[VarlenLayout]
+    slopes: Optional[torch.Tensor]
+    keep: Optional[torch.Tensor]  # (b, h, max_sq, max_sk) dropout keep mask
+    oracle_fn: object
+    oracle_kwargs: dict
+
+
+def make_inputs(case: Case, seed: int = 0) -> Inputs:
+    """CPU inputs and the matching oracle call for ``case``."""
+    g = gen(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(case.dtype)  # noqa: E731
+    h, hk, d = case.nheads, case.nheads_k, case.headdim
+    left, right = case.window
+    params = AttentionParams(d ** -0.5, left, right, case.softcap, case.dropout_p,
+                             DROPOUT_SEED if case.dropout_p else 0)
+    kwargs = dict(window=case.window, softcap=case.softcap, dropout_p=case.dropout_p)
+    varlen = None
+    if case.lens is None:
+        b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+        q, k, v, dout = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d), rand(b, sq, h, d)
+        fn = oracle.attention_ref
+    else:
+        lens_q, lens_k = case.lens
+        b, sq, sk = len(lens_q), max(lens_q), max(lens_k)
+        cu_q = [0, *itertools.accumulate(lens_q)]
+        cu_k = [0, *itertools.accumulate(lens_k)]
+        q, dout = rand(cu_q[-1], h, d), rand(cu_q[-1], h, d)
+        block_table = None
+        if case.page_size is None:
+            k, v = rand(cu_k[-1], hk, d), rand(cu_k[-1], hk, d)
+        else:
+            page = case.page_size
+            need = [max(1, -(-n // page)) for n in lens_k]
+            num_pages = sum(need) + 2  # spare pages that no sequence uses
+            order = torch.randperm(num_pages, generator=g).tolist()
+            block_table, used = [], 0
+            for n in need:
+                block_table.append(order[used:used + n] + [0] * (max(need) - n))
+                used += n
+            k, v = rand(num_pages, page, hk, d), rand(num_pages, page, hk, d)
+            kwargs["block_table"] = block_table
+            block_table = torch.tensor(block_table, dtype=torch.int32)
+        varlen = VarlenLayout(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), sq, sk,
+                              block_table)
+        fn = oracle.attention_varlen_ref
+        kwargs.update(cu_q=cu_q, cu_k=cu_k, max_seqlen_q=sq, max_seqlen_k=sk)
+    slopes = None
+    if case.alibi:
+        slopes = 0.05 + 0.95 * torch.rand((h,) if case.alibi == "h" else (b, h), generator=g)
+        kwargs["alibi_slopes"] = slopes
+    keep = None
+    if case.dropout_p:
+        bi, hi = torch.arange(b).view(b, 1, 1, 1), torch.arange(h).view(1, h, 1, 1)
+        ri, ci = torch.arange(sq).view(1, 1, sq, 1), torch.arange(sk).view(1, 1, 1, sk)
+        keep = keep_mask(DROPOUT_SEED, bi, hi, ri, ci, case.dropout_p)
+        kwargs["keep"] = keep
+    return Inputs(q, k, v, dout, params, varlen, slopes, keep, fn, kwargs)
+
+
+def _to(x, device):
+    if x is None:
+        return None
+    if isinstance(x, VarlenLayout):
+        return dataclasses.replace(x, cu_seqlens_q=x.cu_seqlens_q.to(device), cu_seqlens_k=x.cu_seqlens_k.to(device),
+                                   block_table=_to(x.block_table, device))
+    return x.to(device)
+
+
+def run_forward(backend, inp: Inputs, return_softmax=False):
+    dev = backend.device
+    return backend.module.forward(_to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), inp.params,
+                                  varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev),
+                                  return_softmax=return_softmax)
+
+
+def run_backward(backend, inp: Inputs, out, lse, deterministic=False):
+    dev = backend.device
+    return backend.module.backward(_to(inp.dout, dev), _to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), out, lse,
+                                   inp.params, varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev),
+                                   deterministic=deterministic)
+
+
+def check_case(backend, case: Case, seed: int = 0):
+    inp = make_inputs(case, seed)
+    dout = inp.dout if case.grads else None
+    ref, ref_grads, naive, naive_grads = oracle_pair(inp.oracle_fn, [inp.q, inp.k, inp.v], dout=dout,
+                                                     **inp.oracle_kwargs)
+    out, lse, s_dmask = run_forward(backend, inp, return_softmax=True)
+    check_close(out, ref.out, naive.out, case.dtype, f"{case}: out")
+    check_close(lse, ref.lse, naive.lse, case.dtype, f"{case}: lse")
+    keep = inp.keep if case.dropout_p else torch.ones_like(ref.probs, dtype=torch.bool)
+    check_dropout_signs(s_dmask.cpu(), ref.probs, keep, case)
+    if case.grads:
+        grads = run_backward(backend, inp, out, lse)
+        for name, ours, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+            check_close(ours, r, n, case.dtype, f"{case}: {name}", grad=True)
+    return inp, out, lse
+
+
+def check_dropout_signs(s_dmask, probs, keep, case):
+    """S_dmask (``return_softmax``): |entries| are the probabilities, zero where masked, negative
+    exactly where dropout dropped them (``keep`` all True without dropout)."""
+    assert s_dmask.shape == probs.shape
+    assert torch.equal(s_dmask[probs == 0], torch.zeros_like(s_dmask[probs == 0])), f"{case}: S_dmask != 0 where masked"
+    clear = probs > 1e-30  # far from fp32 underflow (GPU exp2 flushes denormals to zero)
+    assert (s_dmask[clear] != 0).all(), f"{case}: S_dmask is 0 at visible entries"
+    assert torch.equal(s_dmask[clear] < 0, ~keep[clear]), f"{case}: S_dmask signs differ from the keep mask"
+    torch.testing.assert_close(s_dmask.abs().double(), probs.double(), atol=2e-3, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The representative matrix (CI).
+
+F16, B16 = torch.float16, torch.bfloat16
+CASES = [
+    # dense; seqlens multiples of the interpreter blocks (32 x 16) and not; sq != sk both ways
+    Case(F16, 64, 2, 2, batch=2, seqlen_q=64, seqlen_k=64),
+    Case(B16, 64, 4, 2, batch=2, seqlen_q=37, seqlen_k=45),
+    Case(F16, 59, 4, 1, seqlen_q=50, seqlen_k=20, window=(-1, 0)),  # MQA, causal, rows without keys
+    Case(B16, 32, 2, 1, seqlen_q=20, seqlen_k=70, window=(-1, 0)),
+    Case(F16, 128, 4, 2, seqlen_q=45, seqlen_k=64, window=(8, 3)),
+    Case(B16, 256, 1, 1, seqlen_q=33, seqlen_k=33, window=(-1, 0), softcap=5.0),
+    Case(F16, 64, 2, 2, seqlen_q=40, seqlen_k=40, window=(-1, 5), softcap=2.0, alibi="bh"),
+    Case(B16, 128, 2, 1, seqlen_q=1, seqlen_k=77, window=(-1, 0), alibi="h"),
+    Case(F16, 32, 1, 1, seqlen_q=1, seqlen_k=1),
+    Case(F16, 64, 2, 2, seqlen_q=30, seqlen_k=18, window=(5, -1)),  # left-only window, sq > sk
+    Case(B16, 64, 2, 2, seqlen_q=18, seqlen_k=30, window=(-1, 3)),  # right-only window
+    Case(F16, 32, 2, 2, seqlen_q=40, seqlen_k=24, window=(0, 0)),  # many rows see no key
+    # dropout (with the other features)
+    Case(F16, 64, 4, 2, batch=2, seqlen_q=48, seqlen_k=48, window=(-1, 0), dropout_p=0.25),
+    Case(B16, 59, 2, 2, seqlen_q=33, seqlen_k=21, softcap=3.0, alibi="h", dropout_p=0.3),
+    # varlen, zero-length sequences on either side
+    Case(F16, 64, 4, 2, lens=((5, 0, 33, 17), (9, 4, 0, 40)), window=(-1, 0)),
+    Case(B16, 128, 2, 2, lens=((20, 1, 40), (35, 1, 16)), window=(6, 2), dropout_p=0.2),
+    Case(F16, 32, 2, 1, lens=((17, 31), (64, 17)), alibi="bh", softcap=4.0),
+    # paged K/V (forward in the kernels; gradients through the reference fallback)
+    Case(F16, 64, 4, 2, lens=((20, 0, 37), (50, 7, 33)), window=(-1, 0), page_size=16),
+    Case(B16, 128, 2, 1, lens=((33, 8), (70, 300)), window=(10, 0), alibi="h", page_size=256),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernels_match_oracle(backend, case, recwarn):
+    check_case(backend, case)
+
+
+def test_backward_is_deterministic(backend):
+    case = Case(F16, 64, 4, 1, batch=2, seqlen_q=45, seqlen_k=45, window=(-1, 0), dropout_p=0.2, alibi="h")
+    inp = make_inputs(case)
+    out, lse, _ = run_forward(backend, inp)
+    first = run_backward(backend, inp, out, lse, deterministic=True)
+    second = run_backward(backend, inp, out, lse, deterministic=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_rows_without_keys(backend):
+    """Out 0, lse +inf, zero gradients and no NaN for rows that see no key."""
+    case = Case(F16, 32, 2, 2, seqlen_q=40, seqlen_k=8, window=(-1, 0), alibi="h", softcap=3.0)
+    inp = make_inputs(case)
+    out, lse, _ = run_forward(backend, inp)
+    blind = 40 - 8  # with sq > sk and causal, the first sq - sk rows see nothing
+    assert torch.equal(out[:, :blind].cpu(), torch.zeros_like(out[:, :blind].cpu()))
+    assert torch.isinf(lse[..., :blind]).all() and (lse[..., :blind] > 0).all()
+    assert torch.isfinite(lse[..., blind:]).all()
+    dq, dk, dv = run_backward(backend, inp, out, lse)
+    assert torch.equal(dq[:, :blind].cpu(), torch.zeros_like(dq[:, :blind].cpu()))
+    assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout: the very same mask as the reference backend and the PyTorch RNG.
+
+
+def test_dropout_masks_bit_equal_to_reference_backend(backend):
+    from flash_attn.backends import reference
+
+    case = Case(B16, 64, 3, 1, batch=2, seqlen_q=40, seqlen_k=56, window=(20, -1), dropout_p=0.4)
+    inp = make_inputs(case, seed=3)
+    _, _, ours = run_forward(backend, inp, return_softmax=True)
+    _, _, theirs = reference.forward(inp.q, inp.k, inp.v, inp.params, return_softmax=True)
+    ours = ours.cpu()
+    clear = theirs.abs() > 1e-30  # away from fp32 underflow
+    assert clear.float().mean() > 0.5
+    assert torch.equal(ours[theirs == 0], theirs[theirs == 0])
+    assert torch.equal(ours[clear] < 0, theirs[clear] < 0)  # bit-equal keep masks
+
+
+def test_dropout_kept_fraction(backend):
+    p = 0.3
+    case = Case(F16, 32, 4, 4, batch=2, seqlen_q=64, seqlen_k=64, dropout_p=p, grads=False)
+    inp = make_inputs(case, seed=5)
+    _, _, s_dmask = run_forward(backend, inp, return_softmax=True)
+    n = s_dmask.numel()
+    dropped = (s_dmask < 0).sum().item() / n
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(dropped - p) < 5 * sigma, f"dropped fraction {dropped:.4f}, expected {p} +- {5 * sigma:.4f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallbacks and plumbing.
+
+
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(dispatch, "_warned", set())
+
+
+def test_paged_backward_falls_back_to_reference_with_one_warning(backend, monkeypatch):
+    _fresh_warnings(monkeypatch)
+    case = Case(F16, 64, 2, 2, lens=((20, 9), (40, 17)), page_size=16)
+    inp = make_inputs(case)
+    out, lse, _ = run_forward(backend, inp)
+    with pytest.warns(UserWarning, match="paged"):
+        run_backward(backend, inp, out, lse)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is silent
+        run_backward(backend, inp, out, lse)
+
+
+def test_fp32_inputs_fall_back_to_reference(backend, monkeypatch):
+    _fresh_warnings(monkeypatch)
+    q, k, v = (torch.randn(1, 9, 2, 16, generator=gen(1)).to(backend.device) for _ in range(3))
+    params = AttentionParams(0.25)
+    with pytest.warns(UserWarning, match="float32"):
+        out, lse, _ = backend.module.forward(q, k, v, params)
+    from flash_attn.backends import reference
+
+    ref_out, ref_lse, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), params)
+    torch.testing.assert_close(out.cpu(), ref_out)
+
+
+def test_public_api_runs_on_the_backend(backend, monkeypatch):
+    """flash_attn_func with FLASH_ATTN_BACKEND=<backend>: forward and autograd go through the kernels."""
+    from flash_attn import flash_attn_func
+
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", backend.name)
+    g = gen(11)
+    q, k, v = (torch.randn(2, 24, 4, 40, generator=g).half().to(backend.device).requires_grad_() for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True)
+    out.float().square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
+    for t in (q, k, v):
+        t.grad = None
+    ref = flash_attn_func(q.cpu(), k.cpu(), v.cpu(), causal=True) if backend.device.type != "cpu" else \
+        flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), atol=2e-3, rtol=1e-2)
+    if backend.device.type == "cpu":
+        ref.float().square().sum().backward()
+        for ours, theirs in zip(grads, (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+
+
+def test_interpreter_leaves_triton_untouched():
+    """After an interpreted launch, triton.language and the interpreter are as they were."""
+    import triton.language as tl
+    from triton.runtime import interpreter as triton_interpreter
+    from triton.runtime.jit import JITFunction
+
+    from flash_attn.backends import interpret
+
+    before = {name: value for name, value in vars(tl).items()}
+    case = Case(B16, 32, 1, 1, seqlen_q=16, seqlen_k=16, dropout_p=0.5, grads=False)
+    inp = make_inputs(case)
+    interpret.forward(inp.q, inp.k, inp.v, inp.params)
+    assert isinstance(tl.philox, JITFunction) and isinstance(tl.sum, JITFunction)
+    assert {name: value for name, value in vars(tl).items()} == before
+    assert "create_dot" not in vars(triton_interpreter.interpreter_builder)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole cross product (not in CI).
+
+FULL_SHAPES = [(1, 1), (16, 16), (17, 64), (64, 17), (45, 45), (64, 96)]
+FULL_HEADS = [(2, 2), (4, 2), (4, 1)]
+FULL_MASKS = [(-1, -1), (-1, 0), (7, 3), (0, -1)]
+FULL_FEATURES = [{}, {"softcap": 5.0}, {"alibi": "bh"}, {"dropout_p": 0.2}]
+# Not in the matrix: dropout with a single key. There P == 1 exactly, the exact dQ is 0 and the
+# naive low-precision oracle gets exactly 0 too, so the rule leaves only its floor; FlashAttention's
+# delta = rowsum(dO * O) uses the output *rounded to the input dtype* (upstream does the same, and
+# so does our reference backend), which leaves an error of an ulp of O times |dO| |K| in dQ.
+FULL_CASES = [
+    Case(dtype, d, h, hk, batch=2, seqlen_q=sq, seqlen_k=sk, window=w, **feat)
+    for dtype in (F16, B16)
+    for d in (32, 59, 64, 128, 256)
+    for (sq, sk) in FULL_SHAPES
+    for (h, hk) in FULL_HEADS
+    for w in FULL_MASKS
+    for feat in FULL_FEATURES
+    if not (feat.get("dropout_p") and sk == 1)
+] + [
+    Case(dtype, d, 4, 2, lens=lens, window=w, page_size=page, **feat)
+    for dtype in (F16, B16)
+    for d in (32, 59, 128, 256)
+    for lens in (((1, 0, 17, 40), (3, 5, 0, 64)), ((64, 33), (17, 300)))
+    for w in FULL_MASKS
+    for page in (None, 16, 256)
+    for feat in FULL_FEATURES
+]
+
+
+@pytest.mark.full_matrix
+@pytest.mark.parametrize("case", FULL_CASES, ids=str)
+def test_full_matrix(backend, case, recwarn):
+    check_case(backend, case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configurations and GPU compilation (no GPU needed).
+
+def test_every_config_fits_its_architecture():
+    for (kind, family), table in configs._TABLE.items():
+        limit = configs.SHARED_MEMORY_LIMIT[family]
+        for headdim, config in zip(configs.HEADDIM_BUCKETS, table):
+            assert config.block_m % 16 == 0 and config.block_n % 16 == 0, (kind, family, config)
+            assert config.num_warps in (4, 8) and config.num_stages >= 1
+            estimate = configs.estimate_shared_memory(kind, config, headdim, family)
+            assert estimate <= limit, f"{kind} {family} d<={headdim} {config}: ~{estimate} B > {limit} B"
+
+
+@pytest.mark.parametrize("capability,family", [((8, 0), "sm80"), ((8, 6), "sm86"), ((8, 9), "sm86"), ((9, 0), "sm90"),
+                                               ((10, 0), "sm100"), ((10, 3), "sm100"), ((12, 0), "sm120")])
+def test_pick_config_per_architecture(capability, family):
+    assert configs.arch_family(capability) == family
+    for kind in configs.KINDS:
+        for headdim in (1, 32, 33, 59, 64, 100, 128, 129, 256):
+            config = configs.pick_config(kind, headdim, capability)
+            bucket = next(i for i, b in enumerate(configs.HEADDIM_BUCKETS) if headdim <= b)
+            assert config == configs._TABLE[(kind, family)][bucket]
+    with pytest.raises(ValueError):
+        configs.pick_config("fwd", 257, capability)
+
+
+def test_interpreter_uses_small_blocks():
+    for kind in configs.KINDS:
+        config = configs.pick_config(kind, 128, None)
+        assert config.block_m <= 32 and config.block_n <= 32
+
+
+def test_padded_headdim():
+    assert [configs.padded_headdim(d) for d in (1, 16, 17, 32, 59, 64, 65, 128, 200, 256)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
+
+
+ALL_FEATURES = dict(IS_VARLEN=True, IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True, IS_PAGED=True,
+                    PAD_HEADDIM=True)
+
+
+def _compile(kernel, kind, capability, headdim, flags, dtype="fp16"):
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flash_attn.kernels import launch
+
+    config = configs.pick_config(kind, headdim, capability)
+    constexprs = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=configs.padded_headdim(headdim))
+    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
+    signature, attrs = launch.kernel_signature(kernel, dtype, constexprs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=target,
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    return compiled, config
+
+
+def _kernels():
+    from flash_attn.kernels import backward, forward
+
+    return {
+        "fwd": (forward.attn_fwd_kernel, "fwd"),
+        "probs": (forward.attn_probs_kernel, "fwd"),
+        "bwd_preprocess": (backward.attn_bwd_preprocess_kernel, "fwd"),
+        "bwd_dkdv": (backward.attn_bwd_dkdv_kernel, "bwd_dkdv"),
+        "bwd_dq": (backward.attn_bwd_dq_kernel, "bwd_dq"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fwd", "probs", "bwd_preprocess", "bwd_dkdv", "bwd_dq"])
+def test_kernels_compile_for_the_gpu_with_every_feature(name):
+    """The interpreter is lenient (types, scoping); the GPU compiler is not. sm80, all flags on."""
+    kernel, kind = _kernels()[name]
+    compiled, _ = _compile(kernel, kind, (8, 0), 96, ALL_FEATURES, dtype="bf16")
+    assert "mma" in compiled.asm["ptx"] or name == "bwd_preprocess"
+
+
+@pytest.mark.parametrize("name,capability,headdim", [("fwd", (8, 0), 128), ("bwd_dkdv", (8, 6), 128)])
+def test_compiled_shared_memory_within_estimate_and_loads_pipelined(name, capability, headdim):
+    """Compile one table entry for its arch (no GPU needed) and read the compiler's shared memory.
+
+    The dense variant with unused pointers as ``None`` (what the JIT sees for a plain call). The
+    loads must be vectorised asynchronous copies (``cp.async``): that is what the 16-byte
+    alignment contract (:func:`flash_attn.kernels.launch.ready`) buys.
+    """
+    kernel, kind = _kernels()[name]
+    flags = dict(IS_VARLEN=False, IS_LOCAL=True, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False,
+                 IS_PAGED=False, PAD_HEADDIM=False, CuSeqlensQ=None, CuSeqlensK=None, BlockTable=None,
+                 AlibiSlopes=None)
+    compiled, config = _compile(kernel, kind, capability, headdim, flags)
+    family = configs.arch_family(capability)
+    estimate = configs.estimate_shared_memory(kind, config, headdim, family)
+    limit = configs.SHARED_MEMORY_LIMIT[family]
+    assert compiled.metadata.shared <= estimate <= limit
+    assert "cp.async" in compiled.asm["ptx"]
+
+
+def test_forward_kvcache_goes_to_the_decode_kernels(backend):
+    """The backend hands KV-cache calls to the decode launcher (or, without it, the reference)."""
+    from flash_attn.backends import reference
+    from flash_attn.params import KVCacheInputs
+
+    g = gen(21)
+    dev = backend.device
+    q = torch.randn(2, 1, 4, 64, generator=g).half()
+    k_cache, v_cache = (torch.randn(2, 40, 2, 64, generator=g).half() for _ in range(2))
+    k_new, v_new = (torch.randn(2, 1, 2, 64, generator=g).half() for _ in range(2))
+    seqlens = torch.tensor([7, 30], dtype=torch.int32)
+    params = AttentionParams(0.125, -1, 0)
+
+    def call(module, device):
+        cache = KVCacheInputs(k_cache.clone().to(device), v_cache.clone().to(device), seqlens.to(device),
+                              k_new.to(device), v_new.to(device))
+        out, lse = module.forward_kvcache(q.to(device), params, cache)
+        return out.cpu(), lse.cpu(), cache.k_cache.cpu()
+
+    out, lse, kc = call(backend.module, dev)
+    ref_out, ref_lse, ref_kc = call(reference, torch.device("cpu"))
+    torch.testing.assert_close(out, ref_out, atol=2e-3, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    assert torch.equal(kc, ref_kc)
