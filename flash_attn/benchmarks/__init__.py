@@ -1,0 +1,161 @@
+"""``python -m flash_attn bench [cpu|gpu|build]`` (``pixi run bench``): benchmarks.
+
+* ``cpu``: this package's reference backend vs naive eager attention vs PyTorch SDPA on the CPU,
+  time and peak memory over sequence length (:mod:`flash_attn.benchmarks.cpu`);
+* ``gpu``: forward / forward+backward TFLOPs of the ``aot`` and ``triton`` backends vs SDPA's
+  flash / efficient / cudnn backends and upstream ``flash_attn_2_cuda`` (:mod:`.gpu`);
+* ``build``: wall time, peak memory and size of the ahead-of-time kernel build (:mod:`.build`);
+* ``auto`` (default): ``gpu`` when PyTorch sees a CUDA device, else ``cpu``.
+
+Results go to ``--out`` (default ``bench-results/``) as ``bench-<mode>.json`` / ``.csv`` /
+``.png`` (the plot needs matplotlib), and a Markdown table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from flash_attn.benchmarks import common
+
+CPU_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_SEQLENS = (128, 256)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(",", " ").split()]
+
+
+def _words(text: str) -> list[str]:
+    return [x for x in text.replace(",", " ").split() if x]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("mode", nargs="?", choices=("auto", "cpu", "gpu", "build"), default="auto",
+                        help="what to benchmark (default: gpu if CUDA is available, else cpu)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default: bench-results)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke test)")
+    parser.add_argument("--seqlens", type=_ints, help="sequence lengths, e.g. 1024,2048 (cpu/gpu)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per case (median is reported)")
+    parser.add_argument("--warmup", type=int, help="untimed calls before timing")
+    parser.add_argument("--impls", type=_words, help="implementations to compare (cpu: flash_attn,eager,sdpa; gpu: "
+                        "flash_attn[aot],flash_attn[triton],sdpa[flash],sdpa[efficient],sdpa[cudnn],upstream)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    cpu = parser.add_argument_group("cpu mode")
+    cpu.add_argument("--batch", type=int, default=1)
+    cpu.add_argument("--heads", type=int, default=4)
+    cpu.add_argument("--headdim", type=int, default=64)
+    cpu.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    cpu.add_argument("--causal", action="store_true", help="causal attention (cpu mode; gpu mode runs both)")
+    cpu.add_argument("--backward", action="store_true", help="time forward+backward (cpu mode; gpu mode runs both)")
+    cpu.add_argument("--no-isolate", action="store_true",
+                     help="measure in this process (faster; peak memory less exact) instead of a child per case")
+    gpu = parser.add_argument_group("gpu mode")
+    gpu.add_argument("--headdims", type=_ints, default=[64, 128, 256])
+    gpu.add_argument("--dtypes", type=_words, default=["fp16", "bf16"])
+    gpu.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
+    gpu.add_argument("--hidden", type=int, default=2048, help="heads * headdim (default 2048)")
+    build = parser.add_argument_group("build mode")
+    build.add_argument("--build-command", help="command to time; {python}, {out} and {archs} are filled in "
+                       "(default: '{python} -m flash_attn build-kernels --out {out}')")
+    build.add_argument("--archs", help="FLASH_ATTN_CUDA_ARCHS for the build (default: the package default)")
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    mode = args.mode
+    if mode == "auto":
+        import torch  # noqa: PLC0415
+
+        mode = "gpu" if torch.cuda.is_available() else "cpu"
+    return {"cpu": run_cpu, "gpu": run_gpu, "build": run_build}[mode](args)
+
+
+def run_cpu(args: argparse.Namespace) -> int:
+    from flash_attn.benchmarks import cpu  # noqa: PLC0415
+
+    config = {
+        "seqlens": args.seqlens or list(QUICK_SEQLENS if args.quick else CPU_SEQLENS),
+        "impls": args.impls or list(cpu.IMPLEMENTATIONS),
+        "batch": args.batch, "heads": 2 if args.quick else args.heads, "headdim": 32 if args.quick else args.headdim,
+        "dtype": args.dtype, "causal": args.causal, "backward": args.backward,
+        "repeats": args.repeats or (2 if args.quick else 3), "warmup": args.warmup or 1,
+        "isolate": not args.no_isolate,
+    }
+    unknown = [i for i in config["impls"] if i not in cpu.IMPLEMENTATIONS]
+    if unknown:
+        print(f"unknown implementation(s) {unknown}; cpu mode knows {', '.join(cpu.IMPLEMENTATIONS)}", file=sys.stderr)
+        return 2
+    meta = {"mode": "cpu", "config": config, "machine": common.machine()}
+    _progress(f"cpu benchmark: {config}")
+    rows = cpu.run(config, progress=_progress)
+    columns = ("impl", "seqlen", "batch", "heads", "headdim", "dtype", "causal", "pass", "time_ms", "time_ms_min",
+               "repeats", "gflops", "peak_mib", "status", "note")
+    paths = common.write_results(args.out, "bench-cpu", meta, rows, columns)
+    if not args.no_plot:
+        title = (f"CPU, {meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads): batch {config['batch']}, "
+                 f"{config['heads']} heads, d={config['headdim']}, {config['dtype']}{', causal' if config['causal'] else ''}")
+        png = cpu.plot(rows, args.out / "bench-cpu.png", title)
+        paths["png"] = png or "(not written: matplotlib is not installed)"
+    print(common.markdown_table(rows, [("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "time (ms)"),
+                                       ("gflops", "GFLOP/s"), ("peak_mib", "peak extra memory (MiB)"),
+                                       ("status", "status")]))
+    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    return 0 if all(r.get("status") in ("ok", "skipped", "oom") for r in rows) else 1
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from flash_attn.benchmarks import gpu  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        print("gpu mode needs a CUDA device (this PyTorch sees none); `python -m flash_attn bench cpu` runs here",
+              file=sys.stderr)
+        return 2
+    config = {
+        "seqlens": args.seqlens or list(QUICK_SEQLENS if args.quick else GPU_SEQLENS),
+        "headdims": [64] if args.quick else args.headdims, "dtypes": ["bf16"] if args.quick else args.dtypes,
+        "causal": [False, True], "backward": [False, True], "impls": args.impls or list(gpu.DEFAULT_IMPLS),
+        "total_tokens": args.total_tokens, "hidden": args.hidden,
+        "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
+    }
+    meta = {"mode": "gpu", "config": config, "machine": common.machine()}
+    rows = gpu.run(config, progress=_progress)
+    columns = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "batch", "heads", "time_ms", "time_ms_min",
+               "repeats", "tflops", "status", "note")
+    paths = common.write_results(args.out, "bench-gpu", meta, rows, columns)
+    if not args.no_plot:
+        pngs = gpu.plot(rows, args.out, "bench-gpu", f"{meta['machine'].get('gpu')}, torch {meta['machine']['torch']}")
+        paths["png"] = ", ".join(map(str, pngs)) or "(not written: matplotlib is not installed)"
+    ok = [r for r in rows if r.get("status") == "ok"]
+    print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("causal", "causal"), ("pass", "pass"),
+                                     ("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "ms"),
+                                     ("tflops", "TFLOP/s")]))
+    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    return 0
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from flash_attn.benchmarks import build  # noqa: PLC0415
+
+    result = build.run(command=args.build_command, archs=args.archs)
+    result["machine"] = common.machine()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "bench-build.json"
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if result.get("status") == "ok":
+        print(f"build of {result['archs']}: {result['wall_s']:.1f} s wall, peak RSS {result['peak_rss_mib']:.0f} MiB, "
+              f"{result['files']} files, {result['size_mib']:.1f} MiB in {result['out']}")
+    else:
+        print(f"build failed ({result.get('status')}: {result.get('note', '')}); see {path}", file=sys.stderr)
+        for line in result.get("log_tail", [])[-5:]:
+            print(f"  {line}", file=sys.stderr)
+    print(f"json: {path}")
+    return 0 if result.get("status") == "ok" else 1

@@ -1,0 +1,196 @@
+"""``python -m flash_attn bench``: the CPU mode end to end on tiny sizes (in process and in child
+processes), that its memory measurement sees what eager attention allocates (quadratic) and that
+the reference backend's tiles keep it small, the GPU mode's plumbing with a fake timer on the CPU,
+and the build mode on a stand-in build command."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_attn import __main__ as cli
+from flash_attn.benchmarks import build, common, cpu, gpu
+
+
+def test_flop_count():
+    assert common.attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert common.attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+    assert common.attention_flops(1, 1, 4, 4, 8, causal=False, backward=True) == 3.5 * 4 * 4 * 4 * 8
+
+
+def test_cpu_quick_in_process(tmp_path, capsys):
+    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "64,96", "--repeats", "2",
+                       "--no-plot", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    data = json.loads((tmp_path / "bench-cpu.json").read_text())
+    assert data["meta"]["machine"]["torch"] == torch.__version__
+    rows = data["results"]
+    assert [(r["seqlen"], r["impl"]) for r in rows] == [(s, i) for s in (64, 96) for i in ("flash_attn", "eager", "sdpa")]
+    for r in rows:
+        assert r["status"] == "ok" and r["repeats"] == 2 and r["time_ms"] > 0
+        flops = common.attention_flops(r["batch"], r["heads"], r["seqlen"], r["seqlen"], r["headdim"], False)
+        assert r["gflops"] == pytest.approx(flops / (r["time_ms"] * 1e-3) / 1e9)
+    with (tmp_path / "bench-cpu.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == 6
+    assert "| seqlen | implementation | time (ms) |" in out
+
+
+def test_cpu_backward_and_causal_in_process(tmp_path):
+    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "64", "--repeats", "1", "--causal",
+                       "--backward", "--no-plot", "--out", str(tmp_path)])
+    assert status == 0
+    rows = json.loads((tmp_path / "bench-cpu.json").read_text())["results"]
+    assert {r["pass"] for r in rows} == {"fwd_bwd"} and all(r["causal"] for r in rows)
+
+
+LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak memory is read from /proc")
+
+
+@LINUX_PROC
+def test_memory_measurement_sees_eager_grow_quadratically():
+    """In fresh child processes: eager's extra peak memory holds at least its score matrix and
+    grows ~4x when the sequence doubles."""
+    config = {"seqlens": [1024, 2048], "impls": ["eager"], "batch": 1, "heads": 2, "headdim": 32, "dtype": "fp32",
+              "causal": False, "backward": False, "repeats": 1, "warmup": 1, "isolate": True}
+    small, large = cpu.run(config)
+    assert small["status"] == large["status"] == "ok", (small, large)
+    scores_mib = 2 * 2048 * 2048 * 4 / 2**20  # heads * s * s * fp32
+    assert large["peak_mib"] >= 0.9 * scores_mib, large
+    assert large["peak_mib"] / small["peak_mib"] >= 3.0, (small["peak_mib"], large["peak_mib"])
+
+
+@LINUX_PROC
+def test_reference_backend_memory_is_bounded_by_its_tiles():
+    """The same problem through this package with 1 MiB score tiles stays far below eager's
+    32 MiB score matrix (run in a child, so nothing freed earlier hides the peak)."""
+    script = textwrap.dedent("""
+        import json
+        from flash_attn.backends import _reference_core
+        from flash_attn.benchmarks import cpu
+        _reference_core.TILE_BUDGET_BYTES = 1 << 20
+        spec = dict(impl="flash_attn", seqlen=2048, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1, warmup=1)
+        print(json.dumps(cpu.measure(spec)))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["peak_mib"] < 8, result
+
+
+def test_eager_is_skipped_when_it_cannot_fit(monkeypatch):
+    monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 1 << 30)
+    config = {"seqlens": [65536], "impls": ["eager"], "batch": 1, "heads": 8, "headdim": 64, "dtype": "fp32",
+              "causal": False, "backward": False, "repeats": 1, "warmup": 1, "isolate": True}
+    (row,) = cpu.run(config)
+    assert row["status"] == "skipped" and "GiB" in row["note"]
+
+
+def test_cpu_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "32,64", "--repeats", "1",
+                       "--out", str(tmp_path)])
+    assert status == 0
+    assert (tmp_path / "bench-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU mode: everything but the CUDA timer, on the CPU.
+# ---------------------------------------------------------------------------------------------
+
+
+def _gpu_config(**overrides):
+    config = {"seqlens": [32, 64], "headdims": [32, 64], "dtypes": ["fp32"], "causal": [False, True],
+              "backward": [False, True], "impls": ["flash_attn[reference]", "flash_attn[aot]", "sdpa[math]", "upstream"],
+              "total_tokens": 128, "hidden": 128, "repeats": 3, "warmup": 0}
+    config.update(overrides)
+    return config
+
+
+def test_gpu_mode_plumbing_with_a_fake_timer():
+    calls = []
+
+    def fake_timer(fn, warmup, repeats):
+        fn()  # the measured call really runs
+        calls.append(repeats)
+        return [2.0, 1.0, 4.0]
+
+    config = _gpu_config()
+    rows = gpu.run(config, device="cpu", timer=fake_timer)
+    assert len(rows) == len(gpu.cases(config)) * len(config["impls"]) == 2 * 2 * 2 * 2 * 4
+    for r in rows:
+        assert r["batch"] * r["seqlen"] == 128 and r["heads"] * r["headdim"] == 128
+    ours = [r for r in rows if r["impl"] == "flash_attn[reference]"]
+    assert all(r["status"] == "ok" and r["time_ms"] == 2.0 for r in ours)
+    for r in ours:
+        flops = common.attention_flops(r["batch"], r["heads"], r["seqlen"], r["seqlen"], r["headdim"], r["causal"],
+                                       r["pass"] == "fwd_bwd")
+        assert r["tflops"] == pytest.approx(flops / 2e-3 / 1e12)
+    aot = [r for r in rows if r["impl"] == "flash_attn[aot]"]
+    assert all(r["status"] == "unavailable" for r in aot) and "aot" in aot[0]["note"]
+    assert all(r["status"] == "unavailable" and "CUDA only" in r["note"] for r in rows if r["impl"] == "upstream")
+    assert all(r["status"] == "ok" for r in rows if r["impl"] == "sdpa[math]")
+    assert len(calls) == 2 * len(ours)  # ours and sdpa[math]
+
+
+def test_gpu_mode_reports_a_backend_that_rejects_a_case():
+    rows = gpu.run(_gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False], impls=["sdpa[efficient]"]),
+                   device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:])
+    (row,) = rows
+    assert row["status"] in ("ok", "unsupported")  # no efficient kernel on this CPU: reported, not raised
+    if row["status"] == "unsupported":
+        assert row["note"]
+
+
+def test_gpu_mode_needs_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert cli.main(["bench", "gpu"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = gpu.run(_gpu_config(), device="cpu", timer=lambda fn, w, r: [1.0])
+    (png,) = gpu.plot(rows, tmp_path, "bench-gpu", "test")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------------------------
+# Build mode.
+# ---------------------------------------------------------------------------------------------
+
+FAKE_BUILD = textwrap.dedent("""
+    import os, sys
+    out = sys.argv[1]
+    ballast = bytearray(96 << 20)  # resident memory the measurement must see
+    for i in range(3):
+        with open(os.path.join(out, f"kernel{i}.cubin"), "wb") as fh:
+            fh.write(b"x" * (1 << 20))
+    print("archs", os.environ["FLASH_ATTN_CUDA_ARCHS"])
+""")
+
+
+def test_build_mode_measures_time_memory_and_size(tmp_path, capsys):
+    script = tmp_path / "fake_build.py"
+    script.write_text(FAKE_BUILD)
+    status = cli.main(["bench", "build", "--build-command", f"{{python}} {script} {{out}}", "--archs", "80;90a",
+                       "--out", str(tmp_path / "results")])
+    assert status == 0, capsys.readouterr()
+    result = json.loads((tmp_path / "results" / "bench-build.json").read_text())
+    assert result["status"] == "ok" and result["archs"] == "80;90a"
+    assert result["files"] == 3 and result["size_mib"] == pytest.approx(3.0)
+    assert result["peak_rss_mib"] >= 96
+    assert result["wall_s"] > 0 and result["log_tail"] == ["archs 80;90a"]
+
+
+def test_build_mode_reports_a_failing_build(tmp_path):
+    result = build.run(command="{python} -c 'import sys; print(\"boom\"); sys.exit(3)'", out_dir=tmp_path)
+    assert result["status"] == "error" and result["exit_status"] == 3 and result["log_tail"] == ["boom"]

@@ -1,0 +1,488 @@
+"""``python -m flash_attn doctor``: every problem it must explain is simulated here on a CPU-only
+machine, by replacing the doctor's probes (a GPU, an old driver, a CPU PyTorch), by the real
+environment knobs (``FLASH_ATTN_AOT_LIBRARY``, ``sys.modules``), and by fake packages and
+extensions on ``sys.path``. Also: the command line, and that warnings go through ``warnings``
+once per cause and never through ``print``."""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn import __main__ as cli
+from flash_attn import _aot_library, dispatch, doctor
+
+PACKAGE_DIR = Path(flash_attn.__file__).resolve().parent
+A100 = {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0], "memory_bytes": 80 << 30}
+RTX_PRO = {"index": 0, "name": "NVIDIA RTX PRO 6000", "capability": [12, 1], "memory_bytes": 96 << 30}
+T4 = {"index": 0, "name": "Tesla T4", "capability": [7, 5], "memory_bytes": 16 << 30}
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    """The doctor reads FLASH_ATTN_BACKEND; the test suite sets it to its backend for every test."""
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "auto")
+    monkeypatch.delenv(_aot_library.LIBRARY_ENV, raising=False)
+
+
+def run_json(capsys, *args) -> tuple[int, dict]:
+    status = doctor.main(["--json", *args])
+    out = capsys.readouterr().out
+    return status, json.loads(out)
+
+
+def checks(report: dict, severity: str | None = None) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for f in report["findings"]:
+        if severity is None or f["severity"] == severity:
+            out.setdefault(f["check"], []).append(f)
+    return out
+
+
+def driver(devices, cuda_version=12040, release="550.54.14"):
+    return {"found": True, "source": "libcuda", "library": "libcuda.so.1", "release": release,
+            "cuda_version": cuda_version, "cuda_version_text": doctor._cuda_version_text(cuda_version),
+            "devices": [dict(d) for d in devices], "error": None}
+
+
+def cpu_torch():
+    return {"installed": True, "version": "2.13.0+cpu", "cuda": None, "hip": None, "cxx11_abi": True,
+            "build": "CPU", "cuda_available": False, "devices": [], "mps_available": False}
+
+
+def cuda_torch(devices, cuda="12.8", available=True, warning=None):
+    info = {"installed": True, "version": f"2.13.0+cu{cuda.replace('.', '')}", "cuda": cuda, "hip": None,
+            "cxx11_abi": True, "build": "CUDA", "cuda_available": available,
+            "devices": [dict(d) for d in devices] if available else [], "mps_available": False}
+    if warning:
+        info["cuda_warning"] = warning
+    return info
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """Make the doctor see a machine: PyTorch's view, the driver's view, and, for a CUDA PyTorch
+    that can use the GPU, the pieces of torch.cuda the real dispatcher consults."""
+
+    def setup(torch_info, driver_info, triton_installed=True):
+        # The ahead-of-time backend needs a real GPU; simulated GPUs never get it (and these tests
+        # stay independent of how that backend probes the device).
+        monkeypatch.setitem(dispatch._MODULES, "aot", "flash_attn.backends._aot_not_on_simulated_gpus")
+        monkeypatch.setattr(doctor, "probe_torch", lambda: torch_info)
+        monkeypatch.setattr(doctor, "probe_driver", lambda: driver_info)
+        if not triton_installed:
+            monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+            monkeypatch.setattr(doctor, "probe_triton", lambda: {"installed": False, "error": "not installed"})
+        if torch_info.get("cuda_available"):
+            caps = {d["index"]: tuple(d["capability"]) for d in torch_info["devices"]}
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            monkeypatch.setattr(torch.cuda, "get_device_capability",
+                                lambda device=None: caps[torch.device(device).index or 0])
+        return torch_info
+
+    return setup
+
+
+# ---------------------------------------------------------------------------------------------
+# This machine, as it is.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_this_machine_is_healthy_and_reports_everything(capsys):
+    status, report = run_json(capsys)
+    assert status == 0, [f for f in report["findings"] if f["severity"] == "error"]
+    assert report["healthy"] and report["exit_status"] == 0
+    assert report["flash_attn"]["version"] == flash_attn.__version__
+    assert Path(report["flash_attn"]["location"]) == PACKAGE_DIR
+    assert report["flash_attn"]["install"] in ("editable", "pip", "conda", "uv", "source tree (not installed)")
+    assert report["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    assert report["torch"]["version"] == torch.__version__
+    assert report["torch"]["build"] == ("CUDA" if torch.version.cuda else "CPU")
+    for key in ("driver", "gpus", "op_library", "aot_kernels", "triton", "copies", "foreign_extensions", "backends"):
+        assert key in report
+    assert report["op_library"]["loaded"] == _aot_library.status().loaded
+
+
+def test_text_output_and_exit_status(capsys):
+    status = doctor.main([])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "flash_attn doctor" in out and f"{flash_attn.__version__} at {PACKAGE_DIR}" in out
+    assert "Result: healthy" in out
+
+
+def test_command_line_entry_points():
+    env = dict(os.environ, FLASH_ATTN_BACKEND="auto")
+    proc = subprocess.run([sys.executable, "-m", "flash_attn", "doctor", "--json"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["flash_attn"]["version"] == flash_attn.__version__
+    proc = subprocess.run([sys.executable, "-m", "flash_attn", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "doctor" in proc.stdout and "bench" in proc.stdout
+
+
+def test_cli_reports_a_command_whose_module_is_broken(monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "broken", ("flash_attn._no_such_module", "a command that cannot load"))
+    assert cli.main(["broken"]) == 2
+    assert "flash_attn._no_such_module cannot be loaded" in capsys.readouterr().err
+    assert cli.main(["doctor", "--json"]) == 0  # the others still work
+
+
+# ---------------------------------------------------------------------------------------------
+# PyTorch, driver and GPUs.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cpu_pytorch_on_a_gpu_machine(capsys, gpu_machine):
+    gpu_machine(cpu_torch(), driver([A100], cuda_version=12040))
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["torch-cpu-build"][0]
+    assert "CPU build" in finding["summary"] and "A100" in finding["summary"]
+    assert "CUDA 12" in finding["fix"] and "12.4" in finding["fix"]
+    gpu = report["gpus"][0]
+    assert gpu["arch"] == "sm_80" and gpu["seen_by"] == "driver" and gpu["auto"] == "reference"
+    assert "CPU build" in gpu["why_not_aot"][0]
+
+
+def test_driver_too_old_for_pytorchs_cuda(capsys, gpu_machine):
+    warning = "The NVIDIA driver on your system is too old (found version 11040)."
+    gpu_machine(cuda_torch([A100], cuda="12.8", available=False, warning=warning),
+                driver([A100], cuda_version=11040, release="470.82.01"))
+    status, report = run_json(capsys)
+    assert status == 1
+    found = checks(report, "error")
+    finding = found["driver-too-old"][0]
+    assert "470.82.01" in finding["summary"] and "11.4" in finding["summary"] and "12.8" in finding["summary"]
+    assert ">= 525.60.13" in finding["fix"]
+    assert "torch-cuda-unusable" not in found  # one cause, explained once
+
+
+def test_driver_too_old_for_the_op_librarys_runtime(capsys, gpu_machine, monkeypatch):
+    gpu_machine(cuda_torch([A100], cuda="12.8"), driver([A100], cuda_version=12080))
+    monkeypatch.setattr(doctor, "probe_op_library", lambda: {
+        "loaded": True, "path": "/x/libflash_attn_aot.so", "reason": "", "installed": True,
+        "build_config": {"cuda": True, "cuda_runtime": "13.0.48"}})
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["driver-too-old"][0]
+    assert "13.0.48" in finding["summary"] and ">= 580" in finding["detail"]
+
+
+def test_cuda_pytorch_that_cannot_see_the_gpu(capsys, gpu_machine, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    gpu_machine(cuda_torch([A100], available=False, warning="CUDA initialization: no CUDA-capable device is detected"),
+                driver([A100]))
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["torch-cuda-unusable"][0]
+    assert "no CUDA-capable device" in finding["detail"] and "CUDA_VISIBLE_DEVICES" in finding["fix"]
+
+
+def _write_manifest(tmp_path, monkeypatch, archs) -> Path:
+    manifest = tmp_path / "manifest.json"
+    # The per-image layout (what the kernel build writes next to each cubin/PTX).
+    manifest.write_text(json.dumps({"kernels": [{"name": "fwd", "images": [{"arch": a, "file": f"fwd.{a}"} for a in archs]}]}))
+    monkeypatch.setattr(doctor, "MANIFEST_LOCATIONS", (str(manifest),))
+    return manifest
+
+
+def test_gpu_arch_without_a_shipped_kernel_covered_by_triton(capsys, gpu_machine, tmp_path, monkeypatch):
+    _write_manifest(tmp_path, monkeypatch, ["sm_80", "sm_90a", "sm_100a", "sm_120a"])
+    gpu_machine(cuda_torch([RTX_PRO]), driver([RTX_PRO]))
+    status, report = run_json(capsys)
+    assert report["aot_kernels"]["archs"] == ["sm_80", "sm_90a", "sm_100a", "sm_120a"]
+    gpu = report["gpus"][0]
+    assert gpu["image"]["kind"] == "unsupported" and gpu["arch"] == "sm_121"
+    finding = checks(report)["arch-not-shipped"][0]
+    assert finding["severity"] == "warning" and "Triton compiles" in finding["detail"]
+    assert "FLASH_ATTN_CUDA_ARCHS='121'" in finding["fix"]
+    assert gpu["auto"] == "triton"  # the real dispatcher: no aot backend here, Triton can run
+    assert status == 0  # works, only slower to start
+
+
+def test_gpu_arch_without_a_shipped_kernel_and_no_triton(capsys, gpu_machine, tmp_path, monkeypatch):
+    _write_manifest(tmp_path, monkeypatch, ["sm_80", "sm_90a", "sm_100a", "sm_120a"])
+    gpu_machine(cuda_torch([RTX_PRO]), driver([RTX_PRO]), triton_installed=False)
+    status, report = run_json(capsys)
+    assert status == 1
+    errors = checks(report, "error")
+    assert "only the exact but slow PyTorch reference backend" in errors["arch-not-shipped"][0]["detail"]
+    assert "pip install triton" in errors["triton-missing"][0]["fix"]
+    assert report["gpus"][0]["auto"] == "reference"
+    assert any("triton is not installed" in r for r in report["gpus"][0]["why_not_aot"])
+
+
+def test_gpu_arch_covered_by_shipped_ptx(capsys, gpu_machine, tmp_path, monkeypatch):
+    _write_manifest(tmp_path, monkeypatch, ["sm_80", "sm_90a", "compute_80"])
+    gpu_machine(cuda_torch([RTX_PRO]), driver([RTX_PRO]))
+    _, report = run_json(capsys)
+    assert report["gpus"][0]["image"] == {"kind": "ptx", "arch": "compute_80",
+                                          "reason": "no shipped cubin runs on compute capability 12.1; the driver compiles compute_80 PTX"}
+    assert checks(report)["arch-not-shipped"][0]["severity"] == "info"
+
+
+def test_gpu_too_old_for_the_kernels(capsys, gpu_machine):
+    gpu_machine(cuda_torch([T4]), driver([T4]))
+    status, report = run_json(capsys)
+    gpu = report["gpus"][0]
+    assert gpu["auto"] == "reference"
+    assert any("below the kernels' minimum 8.0" in r for r in gpu["why_not_aot"])
+    finding = checks(report)["gpu-backend"][0]
+    assert finding["severity"] == "warning" and "8.0" in finding["fix"]
+    assert status == 0  # nothing to fix: the reference backend is exact
+
+
+def test_triton_missing_where_it_is_needed(capsys, gpu_machine):
+    # no ahead-of-time kernels in this installation, an sm_80 GPU, no Triton: auto falls back to reference
+    gpu_machine(cuda_torch([A100]), driver([A100]), triton_installed=False)
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["triton-missing"][0]
+    assert "GPU 0" in finding["summary"] and "reference backend" in finding["summary"]
+    assert "aot:" in finding["detail"]  # says why the ahead-of-time kernels cannot run either
+
+
+def test_triton_missing_on_a_cpu_machine_is_only_information(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)
+    status, report = run_json(capsys)
+    assert report["triton"]["installed"] is False
+    assert checks(report)["triton-missing"][0]["severity"] == "info"
+    assert status == 0
+
+
+def test_invalid_backend_setting(capsys, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "cudnn")
+    status, report = run_json(capsys)
+    assert status == 1
+    assert "FLASH_ATTN_BACKEND='cudnn'" in checks(report, "error")["backend-env"][0]["summary"]
+
+
+def test_backend_setting_that_cannot_run_on_the_gpu(capsys, gpu_machine, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+    gpu_machine(cuda_torch([A100]), driver([A100]))
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["backend-env"][0]
+    assert "FLASH_ATTN_BACKEND=interpret" in finding["summary"] and "CPU tensors only" in finding["detail"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Other copies of flash_attn, and upstream's compiled extension.
+# ---------------------------------------------------------------------------------------------
+
+
+def _fake_upstream_package(root: Path, version="2.8.3") -> Path:
+    package = root / "flash_attn"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f'__version__ = "{version}"\n\nfrom flash_attn.flash_attn_interface import flash_attn_func\n')
+    (package / "flash_attn_interface.py").write_text("import flash_attn_2_cuda as flash_attn_gpu\n")
+    return package
+
+
+def test_upstream_wheel_shadowing_this_package(capsys, tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"
+    package = _fake_upstream_package(site)
+    monkeypatch.syspath_prepend(str(site))
+    status, report = run_json(capsys)
+    assert status == 1
+    assert report["copies"]["import_resolves_to"] == str(package.resolve())
+    finding = checks(report, "error")["shadowed"][0]
+    assert str(package.resolve()) in finding["summary"] and "2.8.3" in finding["summary"]
+    assert "upstream flash-attn" in finding["detail"] and str(PACKAGE_DIR) in finding["detail"]
+    assert "pip uninstall flash-attn" in finding["fix"]
+
+
+def test_another_copy_later_on_sys_path(capsys, tmp_path, monkeypatch):
+    site = tmp_path / "old-site"
+    package = _fake_upstream_package(site, version="2.7.4.post1")
+    monkeypatch.syspath_prepend(str(PACKAGE_DIR.parent))  # this package first ...
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site)])  # ... the other one last
+    status, report = run_json(capsys)
+    assert Path(report["copies"]["import_resolves_to"]) == PACKAGE_DIR
+    finding = checks(report, "warning")["other-copy"][0]
+    assert str(package.resolve()) in finding["summary"] and "2.7.4.post1" in finding["summary"]
+    assert "shadowed" not in checks(report)
+    assert status == 0
+
+
+UNDEFINED = "_ZN3c104cuda9SetDeviceEi"
+UNDEFINED_CXX11 = "_ZN3c105ErrorC2ENS_14SourceLocationENSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEE"
+
+
+def _fake_extension(root: Path, symbol: str) -> Path:
+    """A stand-in for upstream's flash_attn_2_cuda that fails exactly like a mismatched build."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "flash_attn_2_cuda.py"
+    so = root / f"flash_attn_2_cuda{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    path.write_text(f"raise ImportError({f'{so}: undefined symbol: {symbol}'!r})\n")
+    return path
+
+
+def test_upstream_extension_with_an_undefined_symbol(capsys, tmp_path, monkeypatch):
+    _fake_extension(tmp_path / "ext", UNDEFINED)
+    monkeypatch.syspath_prepend(str(tmp_path / "ext"))
+    monkeypatch.delitem(sys.modules, "flash_attn_2_cuda", raising=False)
+    status, report = run_json(capsys)
+    (ext,) = report["foreign_extensions"]
+    assert ext["module"] == "flash_attn_2_cuda" and not ext["imports"]
+    assert ext["undefined_symbol"]["name"] == "c10::cuda::SetDevice"
+    finding = checks(report)["foreign-extension"][0]
+    if doctor.demangle(UNDEFINED):
+        assert "c10::cuda::SetDevice(int)" in finding["summary"]
+    assert "C++ ABI / PyTorch version mismatch" in finding["detail"]
+    assert f"installed torch {torch.__version__}" in finding["detail"]
+    assert "pip uninstall flash-attn" in finding["fix"]
+    assert status == 0  # this package is fine; the leftover is a warning
+
+
+def test_undefined_symbol_of_the_other_cxx_abi(capsys, tmp_path, monkeypatch):
+    _fake_extension(tmp_path / "ext", UNDEFINED_CXX11)
+    monkeypatch.syspath_prepend(str(tmp_path / "ext"))
+    monkeypatch.delitem(sys.modules, "flash_attn_2_cuda", raising=False)
+    real = doctor.probe_torch()
+    monkeypatch.setattr(doctor, "probe_torch", lambda: dict(real, cxx11_abi=False))  # a pre-C++11-ABI torch
+    _, report = run_json(capsys)
+    detail = checks(report)["foreign-extension"][0]["detail"]
+    assert "C++ ABI mismatch" in detail
+    assert "built with _GLIBCXX_USE_CXX11_ABI=1" in detail and "torch with _GLIBCXX_USE_CXX11_ABI=0" in detail
+
+
+def test_undefined_symbol_explanations():
+    torch_new_abi = {"installed": True, "version": "2.13.0", "cxx11_abi": True}
+    same_abi = doctor.explain_undefined_symbol(UNDEFINED_CXX11, torch_new_abi)["explanation"]
+    assert "ABI mismatch" not in same_abi and "different PyTorch version" in same_abi
+    old_abi_symbol = "_ZN3c106detail14torchCheckFailEPKcS2_jRKSs"  # std::string of the old ABI (Ss)
+    assert "_GLIBCXX_USE_CXX11_ABI=0" in doctor.explain_undefined_symbol(old_abi_symbol, torch_new_abi)["explanation"]
+    other = doctor.explain_undefined_symbol("_ZN5cudnn7backend4initEv", torch_new_abi)["explanation"]
+    assert "PyTorch" not in other and "different version" in other
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="needs a C compiler")
+def test_real_shared_library_with_an_undefined_symbol(capsys, tmp_path, monkeypatch):
+    """A real extension module whose loading fails in the dynamic linker, as upstream's does."""
+    source = tmp_path / "ext.c"
+    source.write_text(textwrap.dedent(f"""
+        extern void {UNDEFINED}(int);
+        void *PyInit_flash_attn_2_cuda(void) {{ {UNDEFINED}(0); return 0; }}
+    """))
+    folder = tmp_path / "site"
+    folder.mkdir()
+    target = folder / f"flash_attn_2_cuda{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(target), str(source)], check=True, capture_output=True)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "flash_attn_2_cuda", raising=False)
+    _, report = run_json(capsys)
+    (ext,) = report["foreign_extensions"]
+    assert ext["path"] == str(target)
+    assert ext["undefined_symbol"]["symbol"] == UNDEFINED
+    assert "PyTorch C++ symbol" in ext["undefined_symbol"]["explanation"]
+
+
+def test_demangling():
+    assert doctor.qualified_name_hint(UNDEFINED) == "c10::cuda::SetDevice"
+    assert doctor.qualified_name_hint("_ZNK2at10TensorBase8data_ptrEv") == "at::TensorBase::data_ptr"
+    assert doctor.qualified_name_hint("not_mangled") is None
+    assert doctor.demangle("plain_c_symbol") is None
+    readable = doctor.demangle(UNDEFINED_CXX11)
+    if readable is None:
+        pytest.skip("neither libstdc++'s __cxa_demangle nor c++filt is available")
+    assert readable == ("c10::Error::Error(c10::SourceLocation, std::__cxx11::basic_string<char, "
+                        "std::char_traits<char>, std::allocator<char> >)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The op library and the install method.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_op_library_that_fails_to_load(capsys, tmp_path, monkeypatch):
+    broken = tmp_path / "libflash_attn_aot.so"
+    broken.write_bytes(b"this is not an ELF file")
+    monkeypatch.setenv(_aot_library.LIBRARY_ENV, str(broken))
+    monkeypatch.setattr(_aot_library, "_status", None)  # load afresh (restored after the test)
+    status, report = run_json(capsys)
+    assert status == 1
+    assert report["op_library"]["loaded"] is False and report["op_library"]["installed"] is True
+    finding = checks(report, "error")["op-library"][0]
+    assert "fails to load" in finding["summary"] and str(broken) in finding["detail"]
+    assert "--force-reinstall" in finding["fix"]
+
+
+def test_op_library_path_that_does_not_exist(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(_aot_library.LIBRARY_ENV, str(tmp_path / "missing.so"))
+    monkeypatch.setattr(_aot_library, "_status", None)
+    status, report = run_json(capsys)
+    assert status == 1
+    assert "FLASH_ATTN_AOT_LIBRARY" in checks(report, "error")["op-library"][0]["summary"]
+
+
+def test_missing_op_library_matters_only_with_a_gpu(capsys, gpu_machine, monkeypatch):
+    missing = {"loaded": False, "path": None, "reason": "not installed", "installed": False, "build_config": {}}
+    monkeypatch.setattr(doctor, "probe_op_library", lambda: missing)
+    _, report = run_json(capsys)
+    assert checks(report)["op-library"][0]["severity"] == "info"
+    gpu_machine(cuda_torch([A100]), driver([A100]))
+    _, report = run_json(capsys)
+    assert checks(report)["op-library"][0]["severity"] == "warning"
+
+
+def test_conda_install_is_recognised(tmp_path, monkeypatch):
+    meta = tmp_path / "conda-meta"
+    meta.mkdir()
+    init = os.path.relpath(PACKAGE_DIR / "__init__.py", tmp_path)
+    (meta / "flash-attn-2.9.0-py_cuda12_0.json").write_text(json.dumps({
+        "name": "flash-attn", "version": "2.9.0", "build": "py_cuda12_0", "channel": "conda-forge",
+        "files": ["lib/python3/site-packages/flash_attn/_version.py", init]}))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    info = doctor.probe_package()
+    assert info["install"] == "conda"
+    assert info["conda"] == {"name": "flash-attn", "version": "2.9.0", "build": "py_cuda12_0", "channel": "conda-forge"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Warnings: through `warnings`/`logging`, once per cause, never print.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fallback_warning_once_per_cause(monkeypatch):
+    monkeypatch.setattr(dispatch, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert dispatch.select_backend(torch.device("cuda", 0)).__name__.endswith("reference")
+        dispatch.select_backend(torch.device("cuda", 1))
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert len(messages) == 2, messages
+    assert "cuda:0" in messages[0] and "cuda:1" in messages[1]
+    assert all("reference backend" in m and "aot:" in m and "triton:" in m for m in messages)
+
+
+LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor.py"}
+
+
+def test_library_code_never_prints():
+    """Only the command-line front ends print; everything else warns or logs."""
+    offenders = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_DIR)
+        if path.name in LIBRARY_MODULES_THAT_MAY_PRINT or relative.parts[0] == "benchmarks":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+                offenders.append(f"{relative}:{node.lineno}")
+    assert not offenders, f"print() in library code: {offenders}"
