@@ -87,10 +87,13 @@ def as_max_seqlen(value, name: str) -> int:
     packed sequences) are accepted through ``operator.index``."""
     if isinstance(value, bool):
         _fail(ValueError, f"{name} must be a non-negative int, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        _fail(ValueError, f"{name} must be a non-negative int, got {value!r}")
+    if isinstance(value, (int, torch.SymInt)):
+        number = value  # kept as is: operator.index would specialise a traced SymInt
+    else:
+        try:
+            number = operator.index(value)
+        except TypeError:
+            _fail(ValueError, f"{name} must be a non-negative int, got {value!r}")
     if number < 0:
         _fail(ValueError, f"{name} must be a non-negative int, got {number}")
     return number
