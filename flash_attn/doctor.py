@@ -56,7 +56,7 @@ from typing import Any, Optional, Sequence
 # Oldest Linux driver of each CUDA major version (NVIDIA's CUDA compatibility tables).
 MIN_DRIVER_FOR_CUDA_MAJOR = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 # Where the kernel build puts the manifest of shipped images, relative to a folder of the package.
-MANIFEST_LOCATIONS = ("_C/manifest.json", "aot/manifest.json", "manifest.json")
+MANIFEST_LOCATIONS = ("_aot/manifest.json", "_C/manifest.json", "aot/manifest.json", "manifest.json")
 # Compiled extensions of upstream flash-attn that, when left behind, break in telling ways.
 FOREIGN_EXTENSIONS = ("flash_attn_2_cuda",)
 # The oldest GPU the Triton kernels support.

@@ -1,0 +1,386 @@
+"""``python -m flash_attn build-kernels``: compile the ahead-of-time kernels (no GPU needed).
+
+Compiles every specialisation of :mod:`flash_attn.kernels.specializations` for each architecture
+of ``--archs`` / ``FLASH_ATTN_CUDA_ARCHS`` (default ``80;90;100;120``; ``native``: the local GPU)
+with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``, in ``--jobs``
+worker processes (``MAX_JOBS``, default: the CPU count), and writes into the output folder
+(default ``flash_attn/_aot/`` of the package):
+
+* ``images/<arch>/<spec>.cubin`` per architecture, plus ``images/compute_80/<spec>.ptx``: the
+  sm_80 PTX of every kernel, which the driver compiles for GPUs newer than every cubin;
+* ``manifest.json``: per image, the spec and everything the launcher needs, taken from Triton's
+  metadata (:func:`flash_attn._aot_library.manifest_entry`);
+* ``build-report.json``: per image, registers / spills (``STACK``/``LOCAL``) / shared bytes from
+  ``cuobjdump --dump-resource-usage``, the MMA family found in its SASS and PTX, compile seconds;
+  totals (kernel count, wall seconds, peak RSS of the build's process tree, bytes).
+
+``TRITON_PTXAS_PATH`` pins ptxas (also for sm_90+ unless ``TRITON_PTXAS_BLACKWELL_PATH`` is set:
+Triton 3.9 uses that second tool from sm_90 on); the ptxas used per architecture is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Optional
+
+ARCHS_ENV = "FLASH_ATTN_CUDA_ARCHS"
+DEFAULT_ARCHS = "80;90;100;120"
+MANIFEST = "manifest.json"
+REPORT = "build-report.json"
+FORMAT = 1
+
+
+def default_output_dir() -> Path:
+    return Path(__file__).resolve().parent / "_aot"
+
+
+# --- architectures --------------------------------------------------------------------------------
+
+
+def resolve_archs(text: Optional[str]) -> tuple[list[int], list[int]]:
+    """``(cubin capabilities, ptx capabilities)`` as Triton targets (``80``, ``90``...).
+
+    ``native`` is the local GPU. The lowest portable cubin architecture also gets PTX (driver JIT
+    on future GPUs) unless PTX was asked for explicitly (``80+PTX``, ``compute_80``)."""
+    from flash_attn import aot_images  # noqa: PLC0415
+
+    text = (text or "").strip() or DEFAULT_ARCHS
+    if text.lower() == "native":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            raise SystemExit(f"{ARCHS_ENV}=native needs a visible CUDA GPU (none here); name architectures, e.g. 80;90")
+        major, minor = torch.cuda.get_device_capability()
+        text = f"{major}{minor}"
+    archs = aot_images.parse_arch_list(text)
+    cubins = sorted({a.major * 10 + a.minor for a in archs if not a.ptx})
+    ptxs = sorted({a.major * 10 + a.minor for a in archs if a.ptx})
+    if not ptxs and cubins:
+        ptxs = [min(cubins)]
+    for cap in cubins + ptxs:
+        if cap < 80:
+            raise SystemExit(f"architecture sm_{cap} is below the kernels' minimum sm_80")
+    return cubins, ptxs
+
+
+def ptxas_for(cap: int) -> dict:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: PLC0415
+
+        tool = get_ptxas(cap)
+        return {"path": tool.path, "version": tool.version}
+    except Exception as exc:  # noqa: BLE001
+        return {"path": None, "error": str(exc)}
+
+
+def _pin_ptxas() -> None:
+    pinned = os.environ.get("TRITON_PTXAS_PATH")
+    if pinned and not os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"):
+        os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = pinned
+
+
+# --- one compile job (runs in a worker process) ---------------------------------------------------
+
+_MMA_SASS = (("UTC*MMA", re.compile(r"\bUTC\w*MMA")), ("HGMMA", re.compile(r"\bHGMMA\b")),
+             ("HMMA", re.compile(r"\bHMMA\b")))
+_MMA_PTX = (("tcgen05.mma", "tcgen05.mma"), ("wgmma", "wgmma.mma_async"), ("mma.sync", "mma.sync"))
+
+
+def cuobjdump_path() -> Optional[str]:
+    try:
+        import triton  # noqa: PLC0415
+
+        candidate = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if candidate.is_file():
+            return str(candidate)
+    except ImportError:
+        pass
+    return shutil.which("cuobjdump")
+
+
+def resource_usage(cubin: Path, cuobjdump: Optional[str]) -> dict:
+    """Registers, spills and shared memory of a cubin's kernel, and its SASS MMA families."""
+    if cuobjdump is None:
+        return {"error": "cuobjdump not found"}
+    out: dict = {}
+    text = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                          check=False).stdout
+    for field_name in ("REG", "STACK", "SHARED", "LOCAL"):
+        match = re.search(rf"\b{field_name}:(\d+)", text)
+        if match:
+            out[field_name.lower()] = int(match.group(1))
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
+    out["sass_mma"] = [name for name, pattern in _MMA_SASS if pattern.search(sass)]
+    return out
+
+
+def compile_job(job: dict) -> dict:
+    """Compile one spec for one target; write its images; return manifest and report rows."""
+    _pin_ptxas()
+    import resource  # noqa: PLC0415
+
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from flash_attn import _aot_library  # noqa: PLC0415
+    from flash_attn.kernels import specializations as S  # noqa: PLC0415
+
+    spec = S.Spec(**{**job["spec"], "flags": tuple(tuple(x) for x in job["spec"]["flags"])})
+    cap, want_cubin, want_ptx = job["cap"], job["cubin"], job["ptx"]
+    out_dir = Path(job["out"])
+    fn = S.kernel_function(spec.kernel)
+    sig, attrs = S.signature(spec)
+    src = ASTSource(fn, sig, constexprs=spec.constexprs, attrs=attrs)
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                                  options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+    except Exception as exc:  # noqa: BLE001
+        raise RuntimeError(f"compiling {spec.key} for sm_{cap} failed: {type(exc).__name__}: {exc}") from None
+    seconds = time.perf_counter() - start
+    entry = _aot_library.manifest_entry(compiled, src)
+    ptx = compiled.asm["ptx"]
+    target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
+    arch = target.group(1) if target else f"sm_{cap}"
+    ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
+    rows = []
+    base = {"key": spec.key, "kernel": spec.kernel, "spec": job["spec"], "constexprs": spec.constexprs,
+            "num_stages": spec.num_stages, "target": cap, **entry}
+    if want_cubin:
+        path = out_dir / "images" / arch / f"{spec.key}.cubin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(compiled.asm["cubin"])
+        usage = resource_usage(path, job.get("cuobjdump"))
+        rows.append(({**base, "arch": arch, "image": str(path.relative_to(out_dir))},
+                     {"key": spec.key, "kernel": spec.kernel, "arch": arch, "image": "cubin",
+                      "bytes": path.stat().st_size, "compile_seconds": round(seconds, 2), "ptx_mma": ptx_mma,
+                      "dtype": spec.dtype, "block_d": spec.block_d, **usage}))
+    if want_ptx:
+        ptx_arch = f"compute_{cap}"
+        path = out_dir / "images" / ptx_arch / f"{spec.key}.ptx"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(ptx)
+        rows.append(({**base, "arch": ptx_arch, "image": str(path.relative_to(out_dir))},
+                     {"key": spec.key, "kernel": spec.kernel, "arch": ptx_arch, "image": "ptx",
+                      "bytes": path.stat().st_size, "compile_seconds": 0.0 if want_cubin else round(seconds, 2),
+                      "ptx_mma": ptx_mma, "dtype": spec.dtype, "block_d": spec.block_d}))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    return {"rows": rows, "worker_rss_mb": rss}
+
+
+# --- the build ------------------------------------------------------------------------------------
+
+
+def plan(cubin_caps: list[int], ptx_caps: list[int]) -> list[dict]:
+    from dataclasses import asdict  # noqa: PLC0415
+
+    from flash_attn.kernels import specializations as S  # noqa: PLC0415
+
+    jobs = []
+    for cap in sorted(set(cubin_caps) | set(ptx_caps)):
+        for spec in S.specs_for_capability((cap // 10, cap % 10)):
+            d = asdict(spec)
+            d["flags"] = [list(x) for x in spec.flags]
+            jobs.append({"spec": d, "cap": cap, "cubin": cap in cubin_caps, "ptx": cap in ptx_caps})
+    return jobs
+
+
+class _Progress:
+    """tqdm when installed, else one line per completed job with counts and ETA."""
+
+    def __init__(self, total: int, quiet: bool):
+        self.total, self.done, self.start, self.quiet = total, 0, time.time(), quiet
+        self.bar = None
+        if not quiet:
+            try:
+                from tqdm import tqdm  # noqa: PLC0415
+
+                self.bar = tqdm(total=total, unit="kernel", desc="build-kernels", file=sys.stderr)
+            except ImportError:
+                pass
+
+    def update(self, label: str) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+            return
+        elapsed = time.time() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        print(f"[{self.done}/{self.total}] {elapsed:5.0f}s elapsed, ETA {eta:4.0f}s  {label}", file=sys.stderr,
+              flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _tree_rss_mb(root: int) -> float:
+    """Resident memory (MB) of ``root`` and all its descendants, from /proc."""
+    total = 0
+    try:
+        children: dict[int, list[int]] = {}
+        rss: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(entry))
+                rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        stack = [root]
+        while stack:
+            pid = stack.pop()
+            total += rss.get(pid, 0)
+            stack.extend(children.get(pid, []))
+    except OSError:
+        return 0.0
+    return total / 2**20
+
+
+def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None, quiet: bool = False,
+          fresh_cache: bool = True) -> dict:
+    """Compile everything; returns the report (also written to ``out_dir``)."""
+    import multiprocessing  # noqa: PLC0415
+
+    import triton  # noqa: PLC0415
+
+    _pin_ptxas()
+    cubin_caps, ptx_caps = resolve_archs(archs if archs is not None else os.environ.get(ARCHS_ENV))
+    jobs = int(jobs or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (out_dir / MANIFEST, out_dir / REPORT):
+        stale.unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "images", ignore_errors=True)
+    work = plan(cubin_caps, ptx_caps)
+    cuobjdump = cuobjdump_path()
+    tmp_cache = None
+    if fresh_cache:
+        tmp_cache = tempfile.mkdtemp(prefix="flash_attn_aot_cache_")
+        os.environ["TRITON_CACHE_DIR"] = tmp_cache
+    for job in work:
+        job["out"], job["cuobjdump"] = str(out_dir), cuobjdump
+
+    peak = [0.0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _tree_rss_mb(os.getpid()))
+            stop.wait(0.5)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.time()
+    progress = _Progress(len(work), quiet)
+    manifest_rows, report_rows, worker_rss = [], [], 0
+    try:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            pending = {pool.submit(compile_job, job): job for job in work}
+            while pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    job = pending.pop(future)
+                    label = f"{job['spec']['kernel']} {job['spec']['dtype']} d{job['spec']['block_d']} sm_{job['cap']}"
+                    try:
+                        result = future.result()
+                    except Exception as exc:  # noqa: BLE001
+                        for other in pending:
+                            other.cancel()
+                        progress.close()
+                        raise RuntimeError(f"build-kernels: {label}: {exc}") from None
+                    for entry, row in result["rows"]:
+                        manifest_rows.append(entry)
+                        report_rows.append(row)
+                    worker_rss = max(worker_rss, result["worker_rss_mb"])
+                    progress.update(label)
+    finally:
+        stop.set()
+        sampler.join()
+        progress.close()
+        if tmp_cache:
+            shutil.rmtree(tmp_cache, ignore_errors=True)
+    wall = time.time() - start
+    manifest_rows.sort(key=lambda e: (e["arch"], e["key"]))
+    report_rows.sort(key=lambda e: (e["arch"], e["key"]))
+    archs_built = sorted({e["arch"] for e in manifest_rows})
+    manifest = {
+        "format": FORMAT,
+        "triton": triton.__version__,
+        "archs": archs_built,
+        "kernels": manifest_rows,
+    }
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    image_bytes = sum(r["bytes"] for r in report_rows)
+    report = {
+        "format": FORMAT,
+        "triton": triton.__version__,
+        "archs": archs_built,
+        "requested": {"cubin": cubin_caps, "ptx": ptx_caps},
+        "ptxas": {f"sm_{cap}": ptxas_for(cap) for cap in sorted(set(cubin_caps) | set(ptx_caps))},
+        "cuobjdump": cuobjdump,
+        "jobs": jobs,
+        "totals": {
+            "kernels": len(report_rows),
+            "specs_compiled": len(work),
+            "wall_seconds": round(wall, 1),
+            "compile_cpu_seconds": round(sum(r["compile_seconds"] for r in report_rows), 1),
+            "peak_rss_mb": round(peak[0], 1),
+            "max_worker_rss_mb": worker_rss,
+            "bytes": image_bytes,
+            "bytes_by_arch": {a: sum(r["bytes"] for r in report_rows if r["arch"] == a) for a in archs_built},
+        },
+        "kernels": report_rows,
+    }
+    (out_dir / REPORT).write_text(json.dumps(report, indent=1, sort_keys=True))
+    return report
+
+
+# --- CLI (flash_attn.__main__ conventions) --------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--archs", default=None,
+                        help=f"GPU architectures, e.g. '80;90' or 'native' (default: ${ARCHS_ENV} or {DEFAULT_ARCHS})")
+    parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile processes (default: $MAX_JOBS or CPUs)")
+    parser.add_argument("--output", "-o", default=None, help="output folder (default: the package's flash_attn/_aot/)")
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    parser.add_argument("--use-triton-cache", action="store_true",
+                        help="reuse Triton's compile cache (fast rebuilds; default: a fresh cache, honest timings)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.output) if args.output else default_output_dir()
+    try:
+        report = build(out, args.archs, args.jobs, args.quiet, fresh_cache=not args.use_triton_cache)
+    except RuntimeError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    t = report["totals"]
+    print(f"built {t['kernels']} images ({', '.join(report['archs'])}) into {out}: {t['bytes'] / 1e6:.1f} MB, "
+          f"{t['wall_seconds']:.0f} s wall, peak RSS {t['peak_rss_mb']:.0f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m flash_attn.aot_build")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

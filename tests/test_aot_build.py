@@ -1,0 +1,330 @@
+"""The ahead-of-time kernel build (``python -m flash_attn build-kernels``) and the ``aot`` backend's
+selection logic, without a GPU.
+
+One build per test session: the installed ``flash_attn/_aot/`` when it holds sm_80 and sm_90a
+images (``pip install`` with CUDA enabled builds it), else ``build-kernels --archs 80;90`` into a
+temporary folder (a few minutes on 2 cores). GPU-only checks are marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from flash_attn import _aot_library, aot_images  # noqa: E402
+from flash_attn.backends import aot  # noqa: E402
+from flash_attn.kernels import configs  # noqa: E402
+from flash_attn.kernels import specializations as S  # noqa: E402
+from flash_attn.params import AttentionParams  # noqa: E402
+
+HAS_GPU = torch.cuda.is_available()
+BUILT_ARCHS = {"sm_80": [(8, 0), (8, 6), (8, 9)], "sm_90a": [(9, 0)]}
+
+
+@pytest.fixture(scope="session")
+def aot_dir(tmp_path_factory) -> Path:
+    installed = aot.find_manifest_dir()
+    if installed is not None and os.environ.get("FLASH_ATTN_TEST_REBUILD") != "1":
+        archs = set(json.loads((installed / "manifest.json").read_text()).get("archs", []))
+        if {"sm_80", "sm_90a", "compute_80"} <= archs and (installed / "build-report.json").is_file():
+            return installed
+    out = tmp_path_factory.mktemp("aot")
+    from flash_attn import aot_build
+
+    aot_build.build(out, "80;90", quiet=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def manifest(aot_dir) -> aot.Manifest:
+    return aot.Manifest.load(aot_dir)
+
+
+@pytest.fixture(scope="session")
+def report(aot_dir) -> dict:
+    return json.loads((aot_dir / "build-report.json").read_text())
+
+
+# --- the specialisation set and the selection logic (no build needed) ----------------------------
+
+
+def _params(causal=False, window=(-1, -1), softcap=0.0, dropout_p=0.0) -> AttentionParams:
+    left, right = window
+    if causal:
+        right = 0
+    return AttentionParams(softmax_scale=0.125, window_left=left, window_right=right,
+                           softcap=softcap, dropout_p=dropout_p, dropout_seed=0)
+
+
+def test_spec_set_size_is_deliberate():
+    # 4 kernels x 2 dtypes x 4 head-dim buckets, plus the sm86 configs on the sm_80 image
+    assert len(S.specs_for_capability((9, 0))) == 32
+    assert len(S.specs_for_capability((10, 0))) == 32
+    assert len(S.specs_for_capability((12, 0))) == 32
+    assert 32 < len(S.specs_for_capability((8, 0))) <= 48
+    for spec in S.specs_for_capability((8, 0)):
+        flags = dict(spec.flags)
+        assert flags.get("IS_LOCAL", True) and flags.get("PAD_HEADDIM", True) and flags["IS_VARLEN"]
+        assert not any(flags.get(f) for f in S.UNSHIPPED_FLAGS)
+
+
+@pytest.mark.parametrize("head_dim,block_d", [(8, 32), (16, 32), (32, 32), (40, 64), (64, 64), (72, 128),
+                                              (96, 128), (128, 128), (160, 256), (256, 256)])
+def test_head_dims_map_to_padded_buckets(head_dim, block_d):
+    spec, why = S.spec_for_call("attn_fwd_kernel", torch.float16, head_dim, configs.pick_config("fwd", head_dim, (8, 0)),
+                                {"IS_LOCAL": False, "IS_VARLEN": False})
+    assert why == "" and spec.block_d == block_d and dict(spec.flags)["PAD_HEADDIM"]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ({"HAS_SOFTCAP": True}, "softcapping"), ({"HAS_ALIBI": True}, "ALiBi"), ({"HAS_DROPOUT": True}, "dropout"),
+    ({"IS_PAGED": True}, "paged"),
+])
+def test_unshipped_features_say_why(flags, needle):
+    spec, why = S.spec_for_call("attn_fwd_kernel", torch.bfloat16, 128, configs.pick_config("fwd", 128, (9, 0)), flags)
+    assert spec is None and needle in why and "ahead of time" in why
+
+
+def test_unsupported_calls_say_why():
+    cfg = configs.pick_config("fwd", 128, (9, 0))
+    assert "multiple of 8" in S.spec_for_call("attn_fwd_kernel", torch.float16, 20, cfg, {})[1]
+    assert "fp16/bf16" in S.spec_for_call("attn_fwd_kernel", torch.float32, 64, cfg, {})[1]
+    assert "testing" in S.spec_for_call("attn_probs_kernel", torch.float16, 64, cfg, {})[1]
+    specs, why = aot.required_specs("forward", torch.float16, 64, (9, 0), {}, return_softmax=True)
+    assert specs == [] and "return_attn_probs" in why
+
+
+def test_dense_as_varlen_rebases_batch_strides():
+    # q (b=3, sq=5, h=2, d=64) contiguous: strides (640, 128, 64); lse (3, 2, 5)
+    names = ["stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh", "stride_lb", "stride_lh",
+             "stride_ab", "seqlen_q", "seqlen_k", "CuSeqlensQ", "CuSeqlensK"]
+    values = dict(stride_qb=640, stride_qm=128, stride_qh=64, stride_kb=7 * 128, stride_kn=128, stride_kh=64,
+                  stride_lb=10, stride_lh=5, stride_ab=0, seqlen_q=5, seqlen_k=7)
+    out = S.dense_as_varlen(names, values, batch=3)
+    # the varlen kernel adds b * stride_b + (b * s) * stride_row: the dense address again
+    for b in range(3):
+        assert b * out["stride_qb"] + b * 5 * 128 == b * 640
+        assert b * out["stride_kb"] + b * 7 * 128 == b * 7 * 128
+        assert b * out["stride_lb"] + b * 5 == b * 10
+    assert "stride_ab" not in out
+    assert out["CuSeqlensQ"] == ("arange", 3, 5) and out["CuSeqlensK"] == ("arange", 3, 7)
+
+
+def test_pack_arguments_range_checks_int32():
+    entry = {"key": "k", "signature": ["*fp16:16", "i32", "fp32", "global_scratch", "profile_scratch"]}
+    x = torch.empty(8, dtype=torch.float16)
+    tensors, ints, floats = aot.pack_arguments(entry, ["X", "n", "s"], {"X": x, "n": 5, "s": 0.5})
+    assert len(tensors) == 1 and ints == [5] and floats == [0.5]
+    with pytest.raises(aot.AotUnsupported, match="int32"):
+        aot.pack_arguments(entry, ["X", "n", "s"], {"X": x, "n": 2**31, "s": 0.5})
+
+
+def test_unavailable_reason_on_cpu():
+    reason = aot.unavailable_reason(torch.device("cpu"))
+    assert reason is not None and "CUDA tensors" in reason
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the behaviour without a usable GPU")
+def test_unavailable_reason_on_cuda_without_gpu():
+    reason = aot.unavailable_reason(torch.device("cuda"))
+    assert reason
+
+
+# --- the build: manifest, signatures, report ------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", sorted(BUILT_ARCHS))
+@pytest.mark.parametrize("op", ["forward", "backward"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_manifest_has_every_spec_the_dispatcher_requests(manifest, arch, op, dtype):
+    for capability in BUILT_ARCHS[arch]:
+        assert manifest.image_for(capability).arch.name == arch
+        for head_dim in (8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256):
+            for flags in ({}, {"IS_LOCAL": True}, {"IS_VARLEN": True, "IS_LOCAL": True}):
+                reason = aot.call_reason(manifest, capability, op, dtype, head_dim, flags)
+                assert reason is None, (capability, head_dim, flags, reason)
+
+
+def test_ptx_covers_newer_gpus(manifest):
+    choice = manifest.image_for((13, 0))
+    assert choice.kind == "ptx" and choice.arch.name == "compute_80"
+    assert aot.call_reason(manifest, (13, 0), "forward", torch.float16, 128, {}) is None
+    assert "no shipped image" in aot.call_reason(manifest, (7, 5), "forward", torch.float16, 128, {})
+
+
+def test_manifest_entries_come_from_triton_metadata(manifest):
+    for entry in manifest.entries.values():
+        assert entry["signature"][-2:] == ["global_scratch", "profile_scratch"]
+        assert entry["name"] == entry["kernel"]
+        spec = S.make_spec(entry["kernel"], entry["spec"]["dtype"], entry["spec"]["block_d"],
+                           configs.Config(entry["spec"]["block_m"], entry["spec"]["block_n"],
+                                          entry["spec"]["num_warps"], entry["spec"]["num_stages"]))
+        assert spec.key == entry["key"]
+        assert entry["num_warps"] == spec.num_warps
+        assert (manifest.folder / entry["image"]).is_file()
+
+
+def test_signature_agrees_with_an_independent_compile(manifest):
+    """Recompile one spec with Triton here and compare its metadata with the manifest."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    entry = manifest.lookup("sm_80", next(k for (a, k) in manifest.entries if a == "sm_80"
+                                          and k.startswith("attn_bwd_preprocess_kernel.fp16.d64")))
+    spec = S.Spec(**{**entry["spec"], "flags": tuple(tuple(x) for x in entry["spec"]["flags"])})
+    sig, attrs = S.signature(spec)
+    src = ASTSource(S.kernel_function(spec.kernel), sig, constexprs=spec.constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 80, 32),
+                              options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
+    fresh = _aot_library.manifest_entry(compiled, src)
+    for key, value in fresh.items():
+        assert entry[key] == value, key
+
+
+def _library_or_skip():
+    if not _aot_library.status().loaded:
+        pytest.skip(_aot_library.status().reason)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "compute_80"])
+def test_every_image_registers(manifest, arch):
+    """``aot_register_kernel`` checks each image's parameter count and sizes (ELF .nv.info / PTX
+    .param list) and block size against the manifest's signature and warps."""
+    _library_or_skip()
+    entries = [e for (a, _), e in manifest.entries.items() if a == arch]
+    assert entries
+    for entry in entries:
+        assert isinstance(_aot_library.register_kernel(manifest.folder / entry["image"], entry), int)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capability, varlen):
+    """The real launchers (forward + backward) through the AOT executor; every launch goes through
+    ``aot_launch``'s argument checks (count, dtypes, alignment, int ranges) on meta tensors."""
+    _library_or_skip()
+    from flash_attn.kernels import launch
+    from flash_attn.params import VarlenLayout
+
+    monkeypatch.setattr(launch, "_capability", lambda device, interpret: capability)
+    arch = manifest.image_for(capability).arch.name
+    executor = aot.AotExecutor(manifest, arch)
+    launched = []
+    real_launch = _aot_library.launch
+
+    def meta_launch(kid, grid, tensors, ints, floats):
+        real_launch(kid, grid, [t.to("meta") for t in tensors], ints, floats)
+        launched.append(kid)
+
+    monkeypatch.setattr(aot._aot_library, "launch", meta_launch)
+    params = _params(causal=True)
+    if varlen:
+        q = torch.randn(12, 4, 96, dtype=torch.bfloat16)
+        k = torch.randn(20, 2, 96, dtype=torch.bfloat16)
+        cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
+        cu_k = torch.tensor([0, 9, 20], dtype=torch.int32)
+        layout = VarlenLayout(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=11)
+    else:
+        q = torch.randn(2, 7, 4, 96, dtype=torch.bfloat16)
+        k = torch.randn(2, 11, 2, 96, dtype=torch.bfloat16)
+        layout = None
+    v = torch.randn_like(k)
+    out, lse, _ = launch.forward(q, k, v, params, varlen=layout, executor=executor)
+    launch.backward(torch.randn_like(q), q, k, v, out, lse, params, varlen=layout, executor=executor)
+    assert len(launched) == 4
+
+
+def test_build_report_tensor_cores_and_spills(report):
+    """What the build report says about the machine code, stated as measured (Triton 3.9):
+
+    * sm_80: every forward/backward kernel uses ``HMMA`` (mma.sync);
+    * sm_90a: every forward kernel and every backward kernel whose tile has >= 64 rows uses
+      ``HGMMA`` (wgmma). The head-dim-256 backward configs use 16/32-row tiles (to fit 256-wide
+      tiles without spilling), and Triton only emits wgmma for >= 64 rows per warpgroup, so those
+      four use ``HMMA`` (mma.sync) on Hopper;
+    * no ``LOCAL`` memory anywhere, but some head-dim <= 128 kernels of the folded specialisation
+      (IS_LOCAL + PAD_HEADDIM + IS_VARLEN) keep a small stack frame (8-80 bytes) at 255 registers:
+      asserted as a budget here (<= 96 bytes), not as zero.
+    """
+    rows = [r for r in report["kernels"] if r["image"] == "cubin"]
+    big = [r for r in rows if r["kernel"] != "attn_bwd_preprocess_kernel"]
+    assert big
+    problems = []
+    for r in big:
+        spec = r["key"].split(".")
+        block_m = int(spec[3][1:spec[3].index("n")])
+        if r["arch"] == "sm_80" and "HMMA" not in r["sass_mma"]:
+            problems.append((r["arch"], r["key"], r["sass_mma"]))
+        if r["arch"] == "sm_90a":
+            small_tile = r["kernel"] != "attn_fwd_kernel" and block_m < 64 and r["block_d"] == 256
+            want = "HMMA" if small_tile else "HGMMA"
+            if want not in r["sass_mma"]:
+                problems.append((r["arch"], r["key"], r["sass_mma"]))
+    assert not problems, problems
+    assert all(r["local"] == 0 for r in rows)
+    over = [(r["arch"], r["key"], r["stack"]) for r in rows if r["block_d"] <= 128 and r["stack"] > 96]
+    assert not over, over
+    totals = report["totals"]
+    assert totals["kernels"] == len(report["kernels"]) and totals["bytes"] > 0 and totals["peak_rss_mb"] > 0
+    assert all(r["compile_seconds"] > 0 for r in rows)
+    assert report["ptxas"]["sm_80"]["path"]
+
+
+def test_info_command(aot_dir):
+    env = dict(os.environ, FLASH_ATTN_AOT_DIR=str(aot_dir))
+    result = subprocess.run([sys.executable, "-m", "flash_attn", "info", "--aot-dir", str(aot_dir)],
+                            capture_output=True, text=True, env=env, check=True)
+    assert "sm_80" in result.stdout and "sm_90a" in result.stdout and "compute_80" in result.stdout
+    assert "specialisations" in result.stdout and "op library" in result.stdout
+    data = json.loads(subprocess.run([sys.executable, "-m", "flash_attn", "info", "--json", "--aot-dir", str(aot_dir)],
+                                     capture_output=True, text=True, env=env, check=True).stdout)
+    assert data["images"] > 0 and data["bytes"] > 0
+
+
+def test_build_kernels_command_reports_a_failing_arch(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "flash_attn", "build-kernels", "--archs", "75", "-o", str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "sm_75" in (result.stderr + result.stdout)
+
+
+def test_resolve_archs_default_keeps_sm80_ptx():
+    from flash_attn import aot_build
+
+    assert aot_build.resolve_archs("") == ([80, 90, 100, 120], [80])
+    assert aot_build.resolve_archs("90") == ([90], [90])
+    assert aot_build.resolve_archs("80;90;compute_80") == ([80, 90], [80])
+
+
+# --- on a GPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_aot_matches_reference_on_gpu(monkeypatch, causal, head_dim):
+    if aot.unavailable_reason(torch.device("cuda")) is not None:
+        pytest.skip(aot.unavailable_reason(torch.device("cuda")))
+    from flash_attn.backends import reference
+
+    q = torch.randn(2, 300, 4, head_dim, dtype=torch.float16, device="cuda", requires_grad=False)
+    k = torch.randn(2, 257, 2, head_dim, dtype=torch.float16, device="cuda")
+    v = torch.randn_like(k)
+    params = _params(causal=causal)
+    out, lse, _ = aot.forward(q, k, v, params)
+    ref, ref_lse, _ = reference.forward(q.float(), k.float(), v.float(), params)
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+    dout = torch.randn_like(q)
+    dq, dk, dv = aot.backward(dout, q, k, v, out, lse, params)
+    rq, rk, rv = reference.backward(dout.float(), q.float(), k.float(), v.float(), ref, ref_lse, params)
+    for ours, theirs in ((dq, rq), (dk, rk), (dv, rv)):
+        torch.testing.assert_close(ours.float(), theirs, atol=1e-2, rtol=1e-2)
