@@ -1,5 +1,7 @@
 """The ``aot`` backend: the kernels compiled ahead of time (``python -m flash_attn build-kernels``),
-launched by the op library (``flash_attn/_C/libflash_attn_aot.so``) without Triton at run time.
+launched by the op library (``flash_attn/_C/libflash_attn_aot.so``) without Triton at run time:
+nothing on this path imports Triton (the launchers name their kernels, see
+:mod:`flash_attn.kernels.registry`), so it runs where Triton is not installed.
 
 It reuses the Python launchers of :mod:`flash_attn.kernels.launch`: their single launch point
 ``_run`` hands every launch to :class:`AotExecutor`, which maps the call onto a shipped
@@ -21,7 +23,7 @@ from typing import Optional
 import torch
 
 from flash_attn import _aot_library, aot_images
-from flash_attn.kernels import configs
+from flash_attn.kernels import configs, registry
 from flash_attn.kernels import specializations as S
 
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "AotUnsupported"]
@@ -95,11 +97,6 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
         return f"it launches precompiled GPU kernels and needs CUDA tensors, not {device.type}"
     if getattr(torch.version, "hip", None):
         return "its kernels are NVIDIA cubins/PTX, not ROCm"
-    import importlib.util  # noqa: PLC0415
-
-    if importlib.util.find_spec("triton") is None:
-        # The launchers that compute grids and arguments live next to the @triton.jit sources.
-        return "its Python launchers still import triton, which is not installed"
     status = _aot_library.status()
     if not status.loaded:
         return status.reason
@@ -179,11 +176,6 @@ def _arange_cu(device, batch: int, step: int) -> torch.Tensor:
     return t
 
 
-def _kernel_name(kernel) -> str:
-    fn = getattr(kernel, "fn", kernel)
-    return getattr(fn, "__name__", str(kernel))
-
-
 def pack_arguments(entry: dict, names: list[str], values: dict) -> tuple[list, list, list]:
     """Tensors / ints / floats in signature order; ints range-checked (AotUnsupported)."""
     tensors, ints, floats = [], [], []
@@ -224,9 +216,10 @@ class AotExecutor:
             raise AotUnsupported(f"{spec.key} is not in the {self.arch} image set of this installation")
         return entry
 
-    def __call__(self, kernel, grid, args: list, flags: dict, config, device) -> None:
-        name = _kernel_name(kernel)
-        launch_names = [n for n in kernel.arg_names if n not in flags]
+    def __call__(self, name: str, grid, args: list, flags: dict, config, device) -> None:
+        """One launch of :func:`flash_attn.kernels.launch._run`: the kernel's name, its grid, the
+        runtime arguments in signature order and the constexpr flags (no Triton involved)."""
+        launch_names = [n for n in registry.arg_names(name) if n not in flags]
         values = dict(zip(launch_names, args))
         first = next(v for v in args if isinstance(v, torch.Tensor))
         cfg = configs.Config(flags.get("BLOCK_M", config.block_m), flags.get("BLOCK_N", config.block_n),

@@ -11,9 +11,11 @@
 ``launch``             forward/backward launchers shared by the ``triton`` and ``interpret``
                        backends, and the kernels' ABI (:func:`launch.kernel_signature`)
 ``decode_launch``      the KV-cache launcher
+``registry``           the kernels by name (launchers name them; only Triton executors import them)
 ``interpreter``        running these kernels in Triton's interpreter on CPU tensors
 =====================  ==========================================================================
 
-Kernel modules import :mod:`triton`; this package's ``__init__`` does not, so importing
-:mod:`flash_attn` never requires Triton.
+Kernel modules (and ``interpreter``) import :mod:`triton`; this package's ``__init__``, ``configs``,
+``registry``, ``specializations`` and the launchers do not, so importing :mod:`flash_attn` never
+requires Triton and the ``aot`` backend runs without it.
 """

@@ -20,9 +20,8 @@ import functools
 from typing import Optional
 
 import torch
-import triton
 
-from flash_attn.kernels import configs, decode, interpreter, kvcache_append
+from flash_attn.kernels import configs, registry
 from flash_attn.params import AttentionParams, KVCacheInputs
 
 # ----------------------------------------------------------------------------------------------
@@ -144,12 +143,15 @@ def _max_visible_keys(capacity: int, params: AttentionParams, query_rows_per_til
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch(kernel, grid, interpret: bool, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, compiled for the GPU or run in Triton's interpreter."""
+def _launch(kernel: str, grid, interpret: bool, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, compiled for the GPU or run in Triton's interpreter;
+    ``kernel`` is a name of :mod:`flash_attn.kernels.registry`, resolved (importing Triton) here only."""
     if interpret:
-        interpreter.launch(kernel, grid, *args, **kwargs)
+        from flash_attn.kernels import interpreter  # noqa: PLC0415
+
+        interpreter.launch(registry.jit_function(kernel), grid, *args, **kwargs)
     else:
-        kernel[grid](*args, **kwargs)
+        registry.jit_function(kernel)[grid](*args, **kwargs)
 
 
 def append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheInputs, *, interpret: bool) -> torch.Tensor:
@@ -175,9 +177,9 @@ def append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheIn
     block_d = configs.padded_headdim(headdim)
     num_warps = 1 if interpret else 4
     if seqlen_new > 0 and batch * nheads_k > 0:
-        grid = (triton.cdiv(seqlen_new, APPEND_BLOCK_T), batch * nheads_k)
+        grid = (registry.cdiv(seqlen_new, APPEND_BLOCK_T), batch * nheads_k)
         _launch(
-            kvcache_append.append_kv_kernel, grid, interpret,
+            "append_kv_kernel", grid, interpret,
             k_new, v_new, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
             k_new.stride(0), k_new.stride(1), k_new.stride(2),
             v_new.stride(0), v_new.stride(1), v_new.stride(2),
@@ -194,9 +196,9 @@ def append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheIn
         return q
     q_rot = torch.empty((batch, seqlen_q, nheads, headdim), dtype=q.dtype, device=q.device)
     if q.numel() > 0:
-        grid = (triton.cdiv(seqlen_q, APPEND_BLOCK_T), batch * nheads)
+        grid = (registry.cdiv(seqlen_q, APPEND_BLOCK_T), batch * nheads)
         _launch(
-            kvcache_append.rotary_q_kernel, grid, interpret,
+            "rotary_q_kernel", grid, interpret,
             q, q_rot, cos, sin, seqlens,
             q.stride(0), q.stride(1), q.stride(2),
             q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
@@ -240,10 +242,10 @@ def forward_kvcache(
     rows = seqlen_q * group
     config = pick_decode_config(decode_family(device, interpret), headdim, rows, q.dtype)
     block_m, block_n = config.block_m, config.block_n
-    m_blocks = triton.cdiv(rows, block_m)
-    query_rows_per_tile = min(seqlen_q, triton.cdiv(block_m, group) + 1)
-    key_blocks = triton.cdiv(_max_visible_keys(capacity, params, query_rows_per_tile), block_n) + 1
-    key_blocks = min(key_blocks, max(triton.cdiv(capacity, block_n), 1))
+    m_blocks = registry.cdiv(rows, block_m)
+    query_rows_per_tile = min(seqlen_q, registry.cdiv(block_m, group) + 1)
+    key_blocks = registry.cdiv(_max_visible_keys(capacity, params, query_rows_per_tile), block_n) + 1
+    key_blocks = min(key_blocks, max(registry.cdiv(capacity, block_n), 1))
     splits = choose_num_splits(cache.num_splits, batch * nheads_k * m_blocks, key_blocks,
                                num_sms(device, interpret))
 
@@ -271,7 +273,7 @@ def forward_kvcache(
 
     grid = (splits, batch * nheads_k, m_blocks)
     _launch(
-        decode.split_kv_kernel, grid, interpret,
+        "split_kv_kernel", grid, interpret,
         q, k_cache, v_cache, out_buf, lse_buf, seqlens, leftpad, batch_idx, block_table, alibi,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -289,9 +291,9 @@ def forward_kvcache(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
-        grid = (triton.cdiv(seqlen_q * nheads, COMBINE_BLOCK_R), batch)
+        grid = (registry.cdiv(seqlen_q * nheads, COMBINE_BLOCK_R), batch)
         _launch(
-            decode.combine_splits_kernel, grid, interpret,
+            "combine_splits_kernel", grid, interpret,
             out_buf, lse_buf, out, lse,
             out_buf.stride(0), out_buf.stride(1), out_buf.stride(2), out_buf.stride(3),
             lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2), lse_buf.stride(3),

@@ -4,6 +4,9 @@ They allocate outputs, pick the launch configuration (:mod:`flash_attn.kernels.c
 grids and the feature flags, and launch either compiled (``interpret=False``, CUDA tensors) or in
 Triton's interpreter (``interpret=True``, CPU tensors; :mod:`flash_attn.kernels.interpreter`).
 Shapes and conventions are those of the backend contract (:mod:`flash_attn.backends`).
+This module does not import Triton: a launch names its kernel, and only the Triton executors of
+:func:`_run` resolve the name (:mod:`flash_attn.kernels.registry`), so the ``aot`` backend runs
+these launchers without Triton installed.
 
 :func:`supported` says which calls the kernels handle; the backends send the others to the
 reference backend (``contract_*``).
@@ -22,11 +25,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 
-from flash_attn.kernels import configs
-from flash_attn.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel
-from flash_attn.kernels.forward import attn_fwd_kernel, attn_probs_kernel
+from flash_attn.kernels import configs, registry
 from flash_attn.params import AttentionParams, VarlenLayout
 
 __all__ = ["forward", "backward", "supported", "ready", "kernel_signature", "MAX_HEADDIM"]
@@ -75,20 +75,31 @@ def _capability(device: torch.device, interpret: bool):
     return None if interpret else torch.cuda.get_device_capability(device)
 
 
-def _run(kernel, grid, args: list, flags: dict, config: configs.Config, interpret: bool, device,
-         executor=None) -> None:
-    """The single launch point. ``executor(kernel, grid, args, flags, config, device)``, when given,
-    launches instead of Triton (the ``aot`` backend: precompiled images, see
-    :mod:`flash_attn.backends.aot`)."""
-    if executor is not None:
-        executor(kernel, grid, args, flags, config, device)
-    elif interpret:
-        from flash_attn.kernels import interpreter  # noqa: PLC0415
+def _compiled(kernel: str, grid, args: list, flags: dict, config: configs.Config, device) -> None:
+    """Executor: ``kernel`` compiled just in time by Triton for ``device``."""
+    with torch.cuda.device(device):
+        registry.jit_function(kernel)[grid](*args, **flags, num_warps=config.num_warps,
+                                            num_stages=config.num_stages)
 
-        interpreter.launch(kernel, grid, *args, **flags)
-    else:
-        with torch.cuda.device(device):
-            kernel[grid](*args, **flags, num_warps=config.num_warps, num_stages=config.num_stages)
+
+def _interpreted(kernel: str, grid, args: list, flags: dict, config: configs.Config, device) -> None:
+    """Executor: ``kernel`` run by Triton's interpreter (CPU tensors)."""
+    from flash_attn.kernels import interpreter  # noqa: PLC0415
+
+    interpreter.launch(registry.jit_function(kernel), grid, *args, **flags)
+
+
+def _run(kernel: str, grid, args: list, flags: dict, config: configs.Config, interpret: bool, device,
+         executor=None) -> None:
+    """The single launch point. A launch is described without Triton: the kernel's *name* (see
+    :mod:`flash_attn.kernels.registry`), the grid, the runtime ``args`` in signature order, the
+    constexpr ``flags`` and the launch ``config``. ``executor(kernel, grid, args, flags, config,
+    device)`` runs it: by default Triton (compiled, or interpreted when ``interpret``), which alone
+    resolves the name to the ``@triton.jit`` function; the ``aot`` backend passes its own
+    (precompiled images, see :mod:`flash_attn.backends.aot`), so it never imports Triton."""
+    if executor is None:
+        executor = _interpreted if interpret else _compiled
+    executor(kernel, grid, args, flags, config, device)
 
 
 def _scalars(params: AttentionParams) -> list:
@@ -149,7 +160,7 @@ class _Problem:
         return [lse.stride(0), lse.stride(1)]
 
     def grid(self, block: int, rows: int, heads: int):
-        return (triton.cdiv(rows, block), heads, self.batch)
+        return (registry.cdiv(rows, block), heads, self.batch)
 
     def sizes(self) -> list[int]:
         return [self.seqlen_q, self.seqlen_k, self.group, self.headdim]
@@ -176,7 +187,7 @@ def forward(q, k, v, params: AttentionParams, *, varlen: Optional[VarlenLayout] 
         0 if pb.block_table is None else pb.block_table.stride(0), pb.stride_ab,
         *pb.sizes(), pb.page_size, *_scalars(params),
     ]
-    _run(attn_fwd_kernel, pb.grid(config.block_m, pb.seqlen_q, pb.nheads), args, flags, config, interpret, q.device,
+    _run("attn_fwd_kernel", pb.grid(config.block_m, pb.seqlen_q, pb.nheads), args, flags, config, interpret, q.device,
          executor)
     s_dmask = None
     if return_softmax:
@@ -188,7 +199,7 @@ def forward(q, k, v, params: AttentionParams, *, varlen: Optional[VarlenLayout] 
             0 if pb.block_table is None else pb.block_table.stride(0), pb.stride_ab,
             *pb.sizes(), pb.page_size, *_scalars(params),
         ]
-        _run(attn_probs_kernel, pb.grid(config.block_m, pb.seqlen_q, pb.nheads), args, flags, config, interpret,
+        _run("attn_probs_kernel", pb.grid(config.block_m, pb.seqlen_q, pb.nheads), args, flags, config, interpret,
              q.device, executor)
     return out, lse, s_dmask
 
@@ -211,19 +222,19 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, *, varlen: Option
     delta = torch.empty_like(lse)
 
     pre = configs.pick_config("fwd", pb.headdim, capability)
-    _run(attn_bwd_preprocess_kernel, pb.grid(pre.block_m, pb.seqlen_q, pb.nheads),
+    _run("attn_bwd_preprocess_kernel", pb.grid(pre.block_m, pb.seqlen_q, pb.nheads),
          [out, dout, delta, pb.cu_q, *pb.rows(out), *pb.rows(dout), *pb.lse_strides(lse), pb.seqlen_q, pb.headdim],
          dict(IS_VARLEN=pb.varlen, BLOCK_M=pre.block_m, BLOCK_D=block_d), pre, interpret, q.device, executor)
 
     common = [pb.cu_q, pb.cu_k, pb.alibi, *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout)]
     tail = [*pb.lse_strides(lse), pb.stride_ab, *pb.sizes(), *_scalars(params)]
     cfg = configs.pick_config("bwd_dkdv", pb.headdim, capability)
-    _run(attn_bwd_dkdv_kernel, pb.grid(cfg.block_n, pb.seqlen_k, pb.nheads_k),
+    _run("attn_bwd_dkdv_kernel", pb.grid(cfg.block_n, pb.seqlen_k, pb.nheads_k),
          [q, k, v, dout, lse, delta, dk, dv, *common, *pb.rows(dk), *pb.rows(dv), *tail],
          dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d), cfg, interpret, q.device,
          executor)
     cfg = configs.pick_config("bwd_dq", pb.headdim, capability)
-    _run(attn_bwd_dq_kernel, pb.grid(cfg.block_m, pb.seqlen_q, pb.nheads),
+    _run("attn_bwd_dq_kernel", pb.grid(cfg.block_m, pb.seqlen_q, pb.nheads),
          [q, k, v, dout, lse, delta, dq, *common, *pb.rows(dq), *tail],
          dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d), cfg, interpret, q.device,
          executor)

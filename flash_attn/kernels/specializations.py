@@ -53,7 +53,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from flash_attn.kernels import configs
+from flash_attn.kernels import configs, registry
 
 DTYPES = ("fp16", "bf16")
 BLOCK_DS = (32, 64, 128, 256)
@@ -133,21 +133,13 @@ class Spec:
                 f"w{self.num_warps}s{self.num_stages}.{digest}")
 
 
-_ARG_NAMES: dict[str, tuple[str, ...]] = {}
-
-
 def _arg_names(kernel: str) -> tuple[str, ...]:
-    if kernel not in _ARG_NAMES:
-        _ARG_NAMES[kernel] = tuple(kernel_function(kernel).arg_names)
-    return _ARG_NAMES[kernel]
+    return registry.arg_names(kernel)  # read from the kernel source: no triton import
 
 
 def kernel_function(kernel: str):
     """The ``@triton.jit`` function (imports triton)."""
-    import importlib  # noqa: PLC0415
-
-    module, _, _ = KERNELS[kernel]
-    return getattr(importlib.import_module(module), kernel)
+    return registry.jit_function(kernel)
 
 
 def make_spec(kernel: str, dtype: str, block_d: int, config: configs.Config) -> Spec:
