@@ -548,10 +548,12 @@ def _import_resolution(name: str) -> Optional[str]:
             continue
         if spec is None:
             continue
+        # The origin (the package's __init__.py) first: an editable install's finder may list a
+        # folder holding only build outputs (scikit-build-core: _C/, _aot/) before the sources.
+        if spec.origin and spec.has_location:
+            return str(Path(spec.origin).resolve().parent)
         if spec.submodule_search_locations:
             return str(Path(list(spec.submodule_search_locations)[0]).resolve())
-        if spec.origin:
-            return str(Path(spec.origin).resolve().parent)
     return None
 
 

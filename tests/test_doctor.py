@@ -82,6 +82,11 @@ def gpu_machine(monkeypatch):
         monkeypatch.setitem(dispatch._MODULES, "aot", "flash_attn.backends._aot_not_on_simulated_gpus")
         monkeypatch.setattr(doctor, "probe_torch", lambda: torch_info)
         monkeypatch.setattr(doctor, "probe_driver", lambda: driver_info)
+        # Independent of whether this checkout built the op library (its CUDA runtime version
+        # would meet the simulated driver): a simulated machine has none installed.
+        monkeypatch.setattr(doctor, "probe_op_library", lambda: {
+            "loaded": False, "path": None, "reason": "not installed on the simulated machine",
+            "build_config": {}, "installed": False})
         if not triton_installed:
             monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
             monkeypatch.setattr(doctor, "probe_triton", lambda: {"installed": False, "error": "not installed"})
@@ -296,6 +301,10 @@ def test_upstream_wheel_shadowing_this_package(capsys, tmp_path, monkeypatch):
     site = tmp_path / "site-packages"
     package = _fake_upstream_package(site)
     monkeypatch.syspath_prepend(str(site))
+    # As in a regular (conda/pip) install, sys.path order decides: drop an editable install's
+    # redirecting finder, which would otherwise win over any sys.path entry.
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if "Editable" not in type(f).__name__
+                                           and "Redirect" not in type(f).__name__])
     status, report = run_json(capsys)
     assert status == 1
     assert report["copies"]["import_resolves_to"] == str(package.resolve())
@@ -471,7 +480,8 @@ def test_fallback_warning_once_per_cause(monkeypatch):
     assert all("reference backend" in m and "aot:" in m and "triton:" in m for m in messages)
 
 
-LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor.py"}
+# Command-line front ends: their output is the product.
+LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor.py", "aot_build.py", "aot_info.py"}
 
 
 def test_library_code_never_prints():

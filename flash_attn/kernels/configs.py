@@ -57,26 +57,47 @@ _C = Config
 # (kind, family) -> configs for headdim <= 32, <= 64, <= 128, <= 256.
 #
 # How the entries were chosen (no GPU needed): every entry fits its shared memory (the estimate
-# below, and the compiler's own count), and its causal/window variant compiles without register
-# spills (``ptxas -v`` / ``cuobjdump --dump-resource-usage``: at most a few dozen bytes of stack),
-# preferring the largest tiles that do. BLOCK_M/BLOCK_N are multiples of 16 (MMA shapes); 8 warps
-# almost everywhere, since 4 warps spill with 128-row blocks.
+# below, and the compiler's own count), and every head-dim <= 128 entry compiles to the folded
+# specialisation (IS_LOCAL + PAD_HEADDIM + IS_VARLEN) with no stack frame and no local memory on
+# its architecture (``cuobjdump --dump-resource-usage``: STACK:0 LOCAL:0, checked by
+# ``tests/test_aot_build.py`` on the build report), preferring the largest tiles that do; ties go
+# to deeper pipelines. 8 warps everywhere: 4 warps spill with these tiles and 16 warps cap a
+# thread at 128 registers. Measured with Triton 3.9 (registers, bf16 == fp16):
+#
+# * sm80 fwd d128: 128x64 s3 kept 16 B of stack at 255 registers -> 128x32 s3 (196).
+# * sm80/sm86 bwd_dq d64: 128x64 -> 128x32 (178; 128x64 s2 and 64x64 spill).
+# * sm80/sm86 bwd_dkdv d64: 32x128 s2 spilled 16 B; 16x128 s2 8 B, 32x64 s2 64 B -> 32x128 s1
+#   (237; the streamed Q/dO tiles lose their second buffer, the key tile stays 128 rows).
+# * sm80/sm86 bwd_dkdv d128: 32x64 s2 (40 B) -> 16x64 s2 (246).
+# * sm90 fwd d128: 128x64 s3 (64 B) -> 128x64 s2 (220). sm90 bwd_dkdv d128: 16x128 (80 B) ->
+#   16x64 (249).
+# * sm100 bwd_dkdv d128 (tcgen05): every s2 tile with >= 64 key rows spills 270-800 B (16x128:
+#   464 B); 32x64 s1 has none (214). Tiles with 32 key rows compile to mma.sync instead.
+# * head dim 256 (spills allowed there; the tensor-core family is not): wgmma/tcgen05 need >= 64
+#   rows per MMA tile. sm90/sm100 bwd_dq: 32x32 (mma.sync) -> 64x16 wgmma (229, no spill) on sm90
+#   and 64x32 tcgen05 (128, no spill) on sm100. sm90 bwd_dkdv: 16x32 (mma.sync, 8 B) -> 16x64
+#   wgmma, which keeps a 504 B stack frame (the 64x256 fp32 dK and dV accumulators are 128 registers
+#   a thread on their own; 16 warps spill more). sm100 bwd_dkdv stays at 16x32 (mma.sync): with
+#   64 key rows the two 64x256 fp32 accumulators fill the 512 tensor-memory columns and Triton
+#   emits an empty kernel (4 registers, no MMA) instead of an error.
 _TABLE: dict[tuple[str, str], tuple[Config, Config, Config, Config]] = {
     # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining.
-    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(64, 32, 8, 2)),
-    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 2), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2)),
+    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2)),
+    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
+    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2)),
     # Consumer Ampere / Ada (sm86, sm87, sm89) and, below, consumer Blackwell (sm120): 99 KB.
     ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1)),
-    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 2), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
+    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
+    ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims.
-    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(64, 32, 8, 2)),
-    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(32, 32, 8, 2)),
+    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 2), _C(64, 32, 8, 2)),
+    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 8, 2), _C(16, 64, 8, 2)),
+    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 16, 8, 2)),
 }
 # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
 _TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
+_TABLE[("bwd_dkdv", "sm100")] = (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2))
+_TABLE[("bwd_dq", "sm100")] = (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2))
 _TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
 
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
