@@ -997,7 +997,8 @@ def diagnose(facts: dict) -> list[Finding]:
         cap = tuple(gpu.get("capability") or (0, 0))
         triton_covers = cap >= TRITON_MIN_CAPABILITY and triton.get("installed")
         image = gpu.get("image")
-        if image and image["kind"] == "unsupported":
+        # Below the kernels' minimum (8.0) no build could ship one: the `gpu-backend` check says so.
+        if image and image["kind"] == "unsupported" and cap >= TRITON_MIN_CAPABILITY:
             cover = ("Triton compiles the kernels on first use (slower start, same results)" if triton_covers
                      else "only the exact but slow PyTorch reference backend covers it")
             add(Finding(
