@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds flash-attn into $PREFIX: the op library (CMake through scikit-build-core) and, for CUDA
+# variants, the ahead-of-time kernels. Used by rattler-build and, with PREFIX/SP_DIR/PYTHON set by
+# hand, by tests/test_packaging.py.
+set -euxo pipefail
+
+export MAX_JOBS="${MAX_JOBS:-${CPU_COUNT:-2}}"
+export CMAKE_BUILD_PARALLEL_LEVEL="${MAX_JOBS}"
+export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${SP_DIR}/torch}"
+
+if [[ "${cuda_compiler_version:-None}" == "None" ]]; then
+    export FLASH_ATTN_CPU_ONLY=1
+    export FLASH_ATTN_ENABLE_CUDA=OFF
+else
+    export FLASH_ATTN_ENABLE_CUDA=ON
+    export CUDA_HOME="${CUDA_HOME:-${BUILD_PREFIX}}"
+    # Every architecture here is supported by both CUDA 12.9 and 13.0 (13.0 dropped only < sm_75).
+    case "${cuda_compiler_version}" in
+        12.*) default_archs="80;90;100;120" ;;
+        13.*) default_archs="80;90;100;120" ;;
+        *) echo "unknown cuda_compiler_version ${cuda_compiler_version}" >&2; exit 1 ;;
+    esac
+    export FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS:-${default_archs}}"
+    # Triton must use the toolchain's ptxas (pinned by cuda_compiler_version), not the one in its wheel.
+    export TRITON_PTXAS_PATH="${TRITON_PTXAS_PATH:-${BUILD_PREFIX}/bin/ptxas}"
+    export TRITON_PTXAS_BLACKWELL_PATH="${TRITON_PTXAS_BLACKWELL_PATH:-${TRITON_PTXAS_PATH}}"
+    # No source file names (absolute build paths) in the PTX/cubin line tables of a release build.
+    export TRITON_DISABLE_LINE_INFO="${TRITON_DISABLE_LINE_INFO:-1}"
+    # The kernel build runs with the build machine's Python (it has triton; cross-compiling safe).
+    KERNEL_PYTHON="${KERNEL_PYTHON:-${BUILD_PREFIX}/bin/python}"
+    set -- -Ccmake.define.Python_EXECUTABLE="${KERNEL_PYTHON}"
+fi
+
+"${PYTHON}" -m pip install . -vv --no-deps --no-build-isolation --ignore-installed \
+    --prefix="${PREFIX}" -Cbuild-dir="${SRC_DIR:-.}/build/conda-${cuda_compiler_version:-None}" "$@"
+# pip records the temporary source folder here: an absolute build path, and of no use in a conda package.
+find "${PREFIX}" -path '*/flash_attn-*.dist-info/direct_url.json' -delete
+# The kernel build report names the tools it used; keep their names, not the build machine's paths.
+find "${PREFIX}" -path '*/flash_attn/_aot/build-report.json' -exec sed -i "s#${BUILD_PREFIX:-/nonexistent}#\$BUILD_PREFIX#g" {} +

@@ -1,0 +1,170 @@
+"""Helpers of tests/test_packaging.py: render the recipe, run its build script, assemble and open
+a ``.conda`` file. Nothing here needs a conda channel or the network."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipe" / "recipe.yaml"
+BUILD_SCRIPT = REPO / "recipe" / "build.sh"
+VARIANTS = REPO / "conda_build_config.yaml"
+PIXI = REPO / "pixi.toml"
+# In this workplace and in CI, shared/ lies beside the clone.
+SCHEMAS = REPO.parent / "shared" / "schemas"
+
+
+@dataclass
+class Rendered:
+    variant: dict
+    recipe: dict  # the stage-1 recipe: every Jinja expression and `if:` evaluated
+
+    @property
+    def cuda(self) -> str:
+        return str(self.variant.get("cuda_compiler_version", "None"))
+
+
+def render(platform: str) -> list[Rendered]:
+    """The recipe rendered with conda_build_config.yaml for ``platform`` (no solving)."""
+    from rattler_build import JinjaConfig, PlatformConfig, RenderConfig, Stage0Recipe, VariantConfig
+
+    platform_config = PlatformConfig(target_platform=platform)
+    variants = VariantConfig.from_conda_build_config(VARIANTS, JinjaConfig(platform_config))
+    recipe = Stage0Recipe.from_file(RECIPE)
+    return [Rendered(dict(v.variant), v.recipe.to_dict())
+            for v in recipe.render(variants, RenderConfig(platform=platform_config))]
+
+
+def copy_source(dest: Path) -> Path:
+    """The files rattler-build's ``source: path: ..`` takes: tracked and untracked, not ignored."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
+@dataclass
+class BuildRun:
+    seconds: float
+    peak_rss_mib: float  # of the largest single process of the build (ru_maxrss of the children)
+    log: str
+
+
+def run_build_script(src: Path, prefix: Path, python: Path, env: dict) -> BuildRun:
+    """recipe/build.sh, as rattler-build runs it, with this machine's toolchain in place of the
+    conda build environment: ``PREFIX`` is a staging folder, ``PYTHON`` the given interpreter."""
+    import resource
+
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    full_env = {**os.environ, "PREFIX": str(prefix), "PYTHON": str(python), "SP_DIR": site,
+                "SRC_DIR": str(src), "PIP_NO_INDEX": "1", **env}
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(BUILD_SCRIPT)], cwd=src, env=full_env, capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"recipe/build.sh failed ({proc.returncode}):\n{log[-6000:]}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return BuildRun(seconds, peak, log)
+
+
+def staged_site_packages(prefix: Path) -> Path:
+    found = sorted(prefix.glob("lib/python3*/site-packages"))
+    assert len(found) == 1, f"expected one site-packages under {prefix}: {found}"
+    return found[0]
+
+
+def assemble(rendered: Rendered, prefix: Path, output_dir: Path, platform: str) -> Path:
+    """A ``.conda`` from the staged files and the rendered metadata. CEP-20 layout: a
+    Python-version-independent package keeps its Python files in ``site-packages/`` (no
+    ``lib/pythonX.Y``), like ``noarch: python``; the console script is the recipe's entry point,
+    which the installer writes, so ``bin/`` from pip is not packaged."""
+    from rattler_build import FileEntry, assemble_package
+
+    site = staged_site_packages(prefix)
+    files = [FileEntry.from_paths(path, Path("site-packages") / path.relative_to(site))
+             for path in sorted(site.rglob("*")) if path.is_file() and "__pycache__" not in path.parts]
+    recipe = rendered.recipe
+    about = recipe.get("about", {})
+    out = assemble_package(
+        name=recipe["package"]["name"], version=str(recipe["package"]["version"]),
+        target_platform=platform, build_string=recipe["build"]["string"], output_dir=output_dir,
+        files=files, homepage=about.get("homepage"), license=about.get("license"),
+        summary=about.get("summary"), description=about.get("description"),
+        depends=[str(d) for d in recipe["requirements"].get("run", [])],
+        constrains=[str(d) for d in recipe["requirements"].get("run_constraints", [])],
+        build_number=int(recipe["build"].get("number", 0)),
+        license_files=[REPO / name for name in _as_list(about.get("license_file"))],
+        recipe_dir=RECIPE.parent, compression_level=19,
+    )
+    return Path(out.path)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+@dataclass
+class CondaArchive:
+    index: dict
+    files: dict  # path in the package -> bytes (payload and info/)
+
+
+def open_conda(path: Path) -> CondaArchive:
+    """Reads a ``.conda`` (a zip of two zstd-compressed tars) with the ``zstd`` tool."""
+    files: dict[str, bytes] = {}
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.namelist():
+            if not member.endswith(".tar.zst"):
+                continue
+            raw = subprocess.run(["zstd", "-d", "-c", "-q"], input=archive.read(member),
+                                 check=True, capture_output=True).stdout
+            with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+                for info in tar.getmembers():
+                    if info.isfile():
+                        files[info.name] = tar.extractfile(info).read()
+    return CondaArchive(json.loads(files["info/index.json"]), files)
+
+
+def extract_into_venv(archive: CondaArchive, python: Path) -> Path:
+    """Installs the package's ``site-packages/`` payload into a venv (what a conda installer does
+    with a CEP-20 package) and returns that site-packages."""
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    for name, data in archive.files.items():
+        if name.startswith("site-packages/"):
+            target = site / name[len("site-packages/"):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            if name.endswith(".so"):
+                target.chmod(0o755)
+    return site
+
+
+def make_venv(path: Path, *requirements: str) -> Path:
+    """A fresh venv with ``requirements`` from the local wheel store (no index is contacted
+    beyond what pip is configured with; torch 2.13.0 is on local disk)."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    python = path / "bin" / "python"
+    proc = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *requirements],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"pip install {requirements} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return python

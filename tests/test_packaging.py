@@ -1,0 +1,303 @@
+"""The conda packaging, checked offline: recipe/recipe.yaml, conda_build_config.yaml, pixi.toml.
+
+* the manifests validate against the pixi and rattler-build schemas in ../shared/schemas;
+* py-rattler-build renders the recipe with the variant matrix: exactly the expected variants per
+  platform, build strings naming the CUDA version, the declared dependencies, CEP-20 version
+  independence and no exact pin of Python or PyTorch;
+* (slow) a local package build: recipe/build.sh with this machine's toolchain into a staging
+  prefix, a ``.conda`` assembled from it with the rendered metadata, inspected, then installed
+  into a fresh venv with torch 2.13.0 where the import and a CPU test subset run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from packaging_helpers import (  # noqa: I001  (tests/ is on sys.path: pytest's rootdir-relative import)
+    PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, assemble, copy_source, extract_into_venv, make_venv,
+    open_conda, render, run_build_script,
+)
+
+yaml = pytest.importorskip("yaml")
+NO_RATTLER = "py-rattler-build is not installed (pip install py-rattler-build): cannot render or assemble"
+
+LINUX = ["linux-64", "linux-aarch64"]
+CUDA_VARIANTS = {"12.9": "cuda129", "13.0": "cuda130", "None": "cpu"}
+TORCH_MIN = "2.10"
+PYTHON_MIN = "3.10"
+
+
+def _version() -> str:
+    text = (REPO / "flash_attn" / "_version.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+
+
+def _schema(name: str) -> dict:
+    path = SCHEMAS / name
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the schemas live in shared/ beside the repository "
+                    "(this workplace and CI); a checkout elsewhere cannot validate offline")
+    return json.loads(path.read_text())
+
+
+def _validate(schema: dict, document: dict) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def _specs(rendered, section: str) -> list[str]:
+    return [str(s) for s in rendered.recipe["requirements"].get(section, [])]
+
+
+def _names(specs: list[str]) -> list[str]:
+    return [s.split()[0] for s in specs]
+
+
+# --- the manifests ----------------------------------------------------------------------------------
+
+
+def test_pixi_manifest_matches_the_schema():
+    errors = _validate(_schema("pixi-manifest.schema.json"), tomllib.loads(PIXI.read_text()))
+    assert not errors, "\n".join(errors)
+
+
+def test_recipe_matches_the_schema():
+    schema = _schema("rattler-recipe.schema.json")
+    recipe = yaml.safe_load(RECIPE.read_text())
+    errors = _validate(schema, recipe)
+    assert not errors, "\n".join(errors)
+    # The schema is strict enough to notice a misspelt key (else this test would prove nothing).
+    assert _validate(schema, {**recipe, "build": {**recipe["build"], "scirpt": "x"}})
+
+
+def test_recipe_version_is_the_package_version():
+    assert str(yaml.safe_load(RECIPE.read_text())["context"]["version"]) == _version()
+    assert tomllib.loads(PIXI.read_text())["workspace"]["version"] == _version()
+
+
+def test_pixi_workspace_tasks_and_environments():
+    manifest = tomllib.loads(PIXI.read_text())
+    assert set(manifest["workspace"]["platforms"]) == {"linux-64", "linux-aarch64", "osx-arm64"}
+    build = manifest["tasks"]["build"]["cmd"]
+    assert "rattler-build build" in build and "recipe/recipe.yaml" in build
+    assert "conda_build_config.yaml" in build and "--output-dir output" in build
+    tasks = set(manifest["tasks"]) | set(manifest["feature"]["pkg"]["tasks"])
+    assert {"build", "test", "bench", "doctor", "lint"} <= tasks
+    envs = manifest["environments"]
+    assert set(envs) >= {"cuda12", "cuda13", "cpu"}
+    # Tests run against the package built from the recipe (the local channel), never an editable
+    # install: flash-attn comes from ./output, with the build string of the environment's variant.
+    channels = manifest["feature"]["pkg"]["channels"]
+    assert {"channel": "./output", "priority": 10} in channels
+    assert "pytest" in manifest["feature"]["pkg"]["tasks"]["test"]["cmd"].split()[0]
+    for env, build in (("cuda12", "cuda129*"), ("cuda13", "cuda130*"), ("cpu", "cpu*")):
+        assert "pkg" in envs[env]["features"]
+        feature = manifest["feature"][env if env != "cpu" else "cpu"]
+        assert feature["dependencies"]["flash-attn"]["build"] == build
+    assert "pypi-dependencies" not in json.dumps(manifest)  # no editable/pypi copy anywhere
+
+
+# --- rendering ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=LINUX)
+def rendered(request):
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    start = time.monotonic()
+    variants = render(request.param)
+    print(f"\nrender {request.param}: {len(variants)} variants in {time.monotonic() - start:.3f} s")
+    return request.param, variants
+
+
+def test_render_gives_exactly_the_matrix(rendered):
+    platform, variants = rendered
+    assert len(variants) <= 3
+    assert sorted(v.cuda for v in variants) == ["12.9", "13.0", "None"]
+    for v in variants:
+        assert v.variant["target_platform"] == platform
+        assert "python" not in v.variant and "pytorch" not in v.variant  # not variant keys
+        assert re.fullmatch(rf"{CUDA_VARIANTS[v.cuda]}_h[0-9a-f]{{7}}_0", v.recipe["build"]["string"])
+        assert v.recipe["package"] == {"name": "flash-attn", "version": _version()}
+
+
+def test_render_requirements(rendered):
+    platform, variants = rendered
+    for v in variants:
+        build, host, run = _specs(v, "build"), _specs(v, "host"), _specs(v, "run")
+        arch = platform.replace("linux-", "")
+        assert f"gcc_linux-{arch} 14.*" in build and f"gxx_linux-{arch} 14.*" in build
+        assert f"sysroot_linux-{arch} 2.28.*" in build
+        assert {"cmake", "ninja"} <= set(_names(build))
+        assert f"pytorch {TORCH_MIN}.*" in host and "python-abi3" in host
+        assert f"pytorch >={TORCH_MIN}" in run and f"python >={PYTHON_MIN}" in run
+        constraints = _specs(v, "run_constraints")
+        if v.cuda == "None":
+            assert not any("cuda" in s for s in build + host + run + constraints), (build, host, run)
+            assert "triton" not in _names(build)
+        else:
+            major = v.cuda.split(".")[0]
+            assert f"cuda-nvcc_linux-{arch} {v.cuda}.*" in build
+            assert "triton" in _names(build) and "python" in _names(build)  # kernel build only
+            assert f"cuda-version {v.cuda}.*" in host
+            assert {"cuda-cudart-dev", "cuda-cudart-static"} <= set(_names(host))
+            assert "pytorch * cuda*" in run
+            assert constraints == [f"__cuda >={major}"]
+        assert "triton" not in _names(run)
+
+
+def test_render_is_python_and_torch_version_independent(rendered):
+    _, variants = rendered
+    for v in variants:
+        assert v.recipe["build"]["python"]["version_independent"] is True
+        ignored = v.recipe["requirements"]["ignore_run_exports"]["from_package"]
+        assert {"pytorch", "libtorch"} <= set(ignored)
+        for spec in _specs(v, "run") + _specs(v, "run_constraints"):
+            name, *rest = spec.split()
+            if name in {"python", "pytorch", "libtorch"}:
+                version = rest[0] if rest else "*"
+                # a lower bound or a build selector only: never ==, a pinned x.y.*, or an upper bound
+                assert version == "*" or re.fullmatch(r">=[\d.]+", version), spec
+
+
+def test_render_declares_tests_and_about(rendered):
+    _, variants = rendered
+    for v in variants:
+        about = v.recipe["about"]
+        assert about["license"] == "BSD-3-Clause"
+        for key in ("summary", "description", "homepage", "repository", "documentation"):
+            assert about.get(key), key
+        text = json.dumps(v.recipe.get("tests", []))
+        assert "flash_attn" in text and "doctor" in text and "pytest" in text
+        assert ("cuda.is_available" in text) == (v.cuda != "None")
+
+
+def test_build_script_defaults():
+    """The architecture list per CUDA major, and that the environment overrides it."""
+    script = (REPO / "recipe" / "build.sh").read_text()
+    assert re.search(r'12\.\*\) default_archs="80;90;100;120"', script)
+    assert re.search(r'13\.\*\) default_archs="80;90;100;120"', script)
+    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS:-${default_archs}}"' in script
+    assert 'MAX_JOBS="${MAX_JOBS:-' in script and "TRITON_PTXAS_PATH" in script
+
+
+# --- a local package build ------------------------------------------------------------------------------
+
+# One architecture keeps the CI run near 5 minutes on 2 cores; "80;90" measured 9 minutes.
+BUILD_ARCHS = os.environ.get("FLASH_ATTN_PACKAGING_ARCHS", "80")
+# The size budget of a full release build (80;90;100;120 + sm_80 PTX); this build has fewer archs.
+SIZE_BUDGET_MIB = 100
+
+
+def _local_cuda() -> tuple[Path, str] | None:
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return None
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    match = re.search(r"release (\d+\.\d+)", out)
+    home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    return (home, match.group(1)) if match and (home / "bin" / "ptxas").exists() else None
+
+
+@pytest.fixture(scope="module")
+def local_package(tmp_path_factory):
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    cuda = _local_cuda()
+    if cuda is None:
+        pytest.skip("no CUDA toolkit (nvcc, ptxas) on this machine: the local CUDA package build needs one")
+    cuda_home, cuda_version = cuda
+    [variant] = [v for v in render("linux-64") if v.cuda == cuda_version] or [None]
+    if variant is None:
+        pytest.skip(f"this machine's CUDA {cuda_version} is not a variant of conda_build_config.yaml")
+    work = tmp_path_factory.mktemp("package")
+    build_python = make_venv(work / "build-venv", "torch==2.13.0", "triton>=3.4", "scikit-build-core>=0.11")
+    src = copy_source(work / "src")
+    prefix = work / "prefix"
+    run = run_build_script(src, prefix, build_python, {
+        # The build venv plays the conda build prefix (python, triton); ptxas is the local toolkit's.
+        "cuda_compiler_version": cuda_version, "CUDA_HOME": str(cuda_home),
+        "BUILD_PREFIX": str(build_python.parents[1]), "KERNEL_PYTHON": str(build_python),
+        "TRITON_PTXAS_PATH": str(cuda_home / "bin" / "ptxas"), "FLASH_ATTN_CUDA_ARCHS": BUILD_ARCHS, "MAX_JOBS": "2",
+    })
+    start = time.monotonic()
+    path = assemble(variant, prefix, work / "output", "linux-64")
+    assemble_s = time.monotonic() - start
+    print(f"\nlocal build (CUDA {cuda_version}, archs {BUILD_ARCHS}): {run.seconds:.0f} s, "
+          f"peak RSS {run.peak_rss_mib:.0f} MiB; assemble {assemble_s:.1f} s; "
+          f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB")
+    return variant, path, open_conda(path), {"work": work, "src": src, "prefix": prefix}
+
+
+@pytest.mark.slow
+def test_package_index(local_package):
+    variant, path, archive, _ = local_package
+    index = archive.index
+    assert path.name == f"flash-attn-{_version()}-{index['build']}.conda"
+    assert index["name"] == "flash-attn" and index["version"] == _version()
+    assert index["build"] == variant.recipe["build"]["string"]
+    assert index["subdir"] == "linux-64"
+    assert sorted(index["depends"]) == sorted(_specs(variant, "run"))
+    assert sorted(index.get("constrains", [])) == sorted(_specs(variant, "run_constraints"))
+    assert index["license"] == "BSD-3-Clause"
+
+
+@pytest.mark.slow
+def test_package_files(local_package):
+    _, path, archive, _ = local_package
+    names = set(archive.files)
+    site = "site-packages/flash_attn"
+    assert f"{site}/__init__.py" in names and f"{site}/_version.py" in names
+    assert f"{site}/_C/libflash_attn_aot.so" in names and f"{site}/_C/build_config.json" in names
+    assert any(n.startswith("site-packages/flash_attn-") and n.endswith(".dist-info/METADATA") for n in names)
+    assert not any(n.startswith("lib/python") for n in names), "CEP-20: no lib/pythonX.Y paths"
+    assert any(n.startswith("info/licenses/") for n in names), "the license travels with the package"
+    config = json.loads(archive.files[f"{site}/_C/build_config.json"])
+    assert config["cuda"] is True
+    manifest_name = f"{site}/_aot/manifest.json"
+    assert manifest_name in names, "the CUDA variant ships the AOT kernels"
+    for arch in BUILD_ARCHS.split(";"):
+        # sm_90 and newer are built as their arch-specific "a" targets (sm_90a) where the kernels need it
+        cubins = [n for n in names if re.match(rf"{site}/_aot/images/sm_{arch}a?/.+\.cubin$", n)]
+        assert cubins, f"no cubins for sm_{arch}"
+    assert any(n.startswith(f"{site}/_aot/images/compute_80/") and n.endswith(".ptx") for n in names)
+    assert path.stat().st_size <= SIZE_BUDGET_MIB * 2**20
+
+
+@pytest.mark.slow
+def test_package_has_no_build_paths(local_package):
+    _, _, archive, dirs = local_package
+    needles = {str(REPO).encode(), str(dirs["work"]).encode(), str(dirs["src"]).encode(), str(dirs["prefix"]).encode()}
+    offenders = []
+    for name, data in archive.files.items():
+        if name.startswith("info/") or b"\0" in data[:8192]:
+            continue  # binary files are not text; info/ holds the recipe and metadata
+        offenders += [f"{name}: {n.decode()}" for n in needles if n in data]
+    assert not offenders, offenders
+
+
+@pytest.mark.slow
+def test_package_installs_and_runs_in_a_fresh_venv(local_package, tmp_path):
+    _, _, archive, _ = local_package
+    python = make_venv(tmp_path / "venv", "torch==2.13.0", "pytest>=8", "hypothesis>=6")
+    site = extract_into_venv(archive, python)
+    probe = subprocess.run([str(python), "-c", "import flash_attn, json; print(flash_attn.__file__)"],
+                           cwd=tmp_path, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    assert Path(probe.stdout.strip()).is_relative_to(site), probe.stdout
+    doctor = subprocess.run([str(python), "-m", "flash_attn", "doctor"], cwd=tmp_path, capture_output=True, text=True)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    # The CPU subset, from a folder outside the source tree so flash_attn comes from the venv.
+    tests = [str(REPO / "tests" / name) for name in ("test_reference_backend.py", "test_bad_input.py")]
+    result = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+                            cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout
