@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 # {out} is replaced by the output folder, {archs} by the architecture list.
-DEFAULT_COMMAND = "{python} -m flash_attn build-kernels --out {out}"
+DEFAULT_COMMAND = "{python} -m flash_attn build-kernels --output {out}"
 
 
 def folder_size(path: Path) -> tuple[int, int]:
