@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from flash_attn.backends._kernel_launchers import kernel_backend
+
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache"]
 
 _NAME = "triton"
@@ -37,21 +39,4 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
-def _launch():
-    from flash_attn.kernels import launch  # noqa: PLC0415
-
-    return launch
-
-
-def forward(q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False):
-    return _launch().contract_forward(_NAME, False, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes,
-                                      return_softmax=return_softmax)
-
-
-def backward(dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None, deterministic=False):
-    return _launch().contract_backward(_NAME, False, dout, q, k, v, out, lse, params, varlen=varlen,
-                                       alibi_slopes=alibi_slopes, deterministic=deterministic)
-
-
-def forward_kvcache(q, params, cache, *, alibi_slopes=None):
-    return _launch().contract_forward_kvcache(_NAME, False, q, params, cache, alibi_slopes=alibi_slopes)
+forward, backward, forward_kvcache = kernel_backend(_NAME, interpret=False)
