@@ -101,6 +101,18 @@ def _ceil_to(x, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _ordered_range(lo, mid_lo, mid_hi, hi, empty):
+    """Clamp to ``lo <= mid_lo <= mid_hi <= hi``; an ``empty`` block gets the empty range at ``lo``."""
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.maximum(tl.minimum(mid_hi, hi), mid_lo)
+    hi = tl.where(empty, lo, hi)
+    mid_lo = tl.where(empty, lo, mid_lo)
+    mid_hi = tl.where(empty, lo, mid_hi)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
     """Key positions that the query rows ``[start_m, start_m + BLOCK_M)`` must visit.
@@ -123,15 +135,8 @@ def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
         if window_right >= 0:
             hi = tl.minimum(tl.maximum(last_m + diag + window_right + 1, 0), seqlen_k)
             mid_hi = _floor_to(tl.minimum(start_m + diag + window_right + 1, seqlen_k), BLOCK_N)
-    hi = tl.maximum(hi, lo)
-    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
-    mid_hi = tl.maximum(tl.minimum(mid_hi, hi), mid_lo)
     # a block without valid rows visits nothing
-    empty = last_m < start_m
-    hi = tl.where(empty, lo, hi)
-    mid_lo = tl.where(empty, lo, mid_lo)
-    mid_hi = tl.where(empty, lo, mid_hi)
-    return lo, mid_lo, mid_hi, hi
+    return _ordered_range(lo, mid_lo, mid_hi, hi, last_m < start_m)
 
 
 @triton.jit
@@ -156,14 +161,7 @@ def query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
         if window_left >= 0:
             hi = tl.minimum(tl.maximum(last_n - diag + window_left + 1, 0), seqlen_q)
             mid_hi = _floor_to(tl.minimum(start_n - diag + window_left + 1, seqlen_q), BLOCK_M)
-    hi = tl.maximum(hi, lo)
-    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
-    mid_hi = tl.maximum(tl.minimum(mid_hi, hi), mid_lo)
-    empty = last_n < start_n
-    hi = tl.where(empty, lo, hi)
-    mid_lo = tl.where(empty, lo, mid_lo)
-    mid_hi = tl.where(empty, lo, mid_hi)
-    return lo, mid_lo, mid_hi, hi
+    return _ordered_range(lo, mid_lo, mid_hi, hi, last_n < start_n)
 
 
 # ---------------------------------------------------------------------------------------------
