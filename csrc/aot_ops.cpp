@@ -149,12 +149,15 @@ auto with_op_name(const char* op, F&& body) -> decltype(body()) {
   }
 }
 
+// `image` (may be empty): the image's bytes when the caller has them (the packaged images are
+// stored compressed and inflated in Python); empty: read the file `image_path`.
 int64_t register_kernel(const std::string& image_path, const std::string& kernel_name, const std::string& signature,
-                        const LaunchConfig& config) {
+                        const LaunchConfig& config, std::vector<uint8_t> image) {
   if (image_path.empty()) throw AotError("image_path is empty");
   if (kernel_name.empty()) throw AotError("kernel_name is empty");
   auto spec = std::make_unique<KernelSpec>();
   spec->image_path = image_path;
+  spec->image = std::move(image);
   spec->kernel_name = kernel_name;
   spec->signature_text = signature;
   spec->config = config;
@@ -370,9 +373,25 @@ std::string take_string(StableIValue v) {
   return out;
 }
 
+// The bytes of an optional 1-D contiguous uint8 CPU tensor (empty when absent).
+std::vector<uint8_t> take_image_bytes(StableIValue v) {
+  auto image = torch::stable::detail::to<std::optional<Tensor>>(v);
+  if (!image.has_value()) return {};
+  int32_t device_type = 0, dtype = 0;
+  shim_check(aoti_torch_get_device_type(image->get(), &device_type), "aoti_torch_get_device_type");
+  shim_check(aoti_torch_get_dtype(image->get(), &dtype), "aoti_torch_get_dtype");
+  if (device_type != aoti_torch_device_type_cpu() || dtype != aoti_torch_dtype_uint8() || image->dim() != 1 ||
+      !image->is_contiguous()) {
+    throw AotError("image must be a 1-D contiguous uint8 CPU tensor of the image's bytes");
+  }
+  if (image->numel() == 0) throw AotError("image is empty");
+  const auto* data = static_cast<const uint8_t*>(image->data_ptr());
+  return std::vector<uint8_t>(data, data + image->numel());
+}
+
 void boxed_register_kernel(StableIValue* stack, uint64_t num_args, uint64_t num_outputs) {
   using torch::stable::detail::to;
-  STD_TORCH_CHECK(num_args == 12 && num_outputs == 1, "flash_attn::aot_register_kernel: schema mismatch");
+  STD_TORCH_CHECK(num_args == 13 && num_outputs == 1, "flash_attn::aot_register_kernel: schema mismatch");
   std::string image_path = take_string(stack[0]);
   std::string kernel_name = take_string(stack[1]);
   std::string signature = take_string(stack[2]);
@@ -387,7 +406,7 @@ void boxed_register_kernel(StableIValue* stack, uint64_t num_args, uint64_t num_
   config.cooperative = to<bool>(stack[10]);
   config.pdl = to<bool>(stack[11]);
   const int64_t id = with_op_name("aot_register_kernel", [&] {
-    return register_kernel(image_path, kernel_name, signature, config);
+    return register_kernel(image_path, kernel_name, signature, config, take_image_bytes(stack[12]));
   });
   stack[0] = torch::stable::detail::from(id);
 }
@@ -427,7 +446,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
   m.def(
       "aot_register_kernel(str image_path, str kernel_name, str signature, int num_warps, int num_ctas, "
       "int shared_bytes, int global_scratch_bytes=0, int global_scratch_align=1, int profile_scratch_bytes=0, "
-      "int profile_scratch_align=1, bool launch_cooperative_grid=False, bool launch_pdl=False) -> int");
+      "int profile_scratch_align=1, bool launch_cooperative_grid=False, bool launch_pdl=False, Tensor? image=None) -> int");
   m.def("aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()");
   m.def("aot_kernel_attributes(int kernel, int device) -> int[]");
   m.def("aot_cuda_info() -> (int, int, int, str)");

@@ -341,13 +341,15 @@ EntryFacts inspect_ptx(const std::string& text, const std::string& kernel) {
 
 void load_and_check_image(KernelSpec& spec) {
   const std::string where = "image '" + spec.image_path + "'";
-  std::ifstream file(spec.image_path, std::ios::binary);
-  if (!file) {
-    throw AotError(where + " cannot be read (" + std::string(std::strerror(errno)) + ")");
+  if (spec.image.empty()) {
+    std::ifstream file(spec.image_path, std::ios::binary);
+    if (!file) {
+      throw AotError(where + " cannot be read (" + std::string(std::strerror(errno)) + ")");
+    }
+    spec.image.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+    if (file.bad()) throw AotError(where + " cannot be read (I/O error)");
+    if (spec.image.empty()) throw AotError(where + " is empty");
   }
-  spec.image.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
-  if (file.bad()) throw AotError(where + " cannot be read (I/O error)");
-  if (spec.image.empty()) throw AotError(where + " is empty");
 
   EntryFacts facts;
   const bool is_elf = spec.image.size() >= 4 && spec.image[0] == 0x7f && spec.image[1] == 'E' &&

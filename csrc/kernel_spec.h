@@ -50,7 +50,7 @@ struct KernelSpec {
   std::string image_path;
   std::string kernel_name;
   std::string signature_text;
-  std::vector<uint8_t> image;  // the file's bytes; PTX gets a trailing NUL
+  std::vector<uint8_t> image;  // the image's bytes (given, or read from image_path); PTX gets a trailing NUL
   bool image_is_ptx = false;
   std::vector<ArgSpec> args;
   int num_tensors = 0;
@@ -70,7 +70,8 @@ std::vector<ArgSpec> parse_signature(const std::string& text, int32_t (*dtype_co
 // Checks the launch configuration numbers (warps, CTAs, shared memory, scratch).
 void check_config(const LaunchConfig& config);
 
-// Reads the image file and checks that it is a CUDA ELF (cubin) or PTX text that defines
+// Reads the image file (unless `spec.image` already holds the image's bytes, e.g. decompressed by
+// the caller; `image_path` then only names it) and checks that it is a CUDA ELF (cubin) or PTX text that defines
 // `kernel_name`, and, where the image records them (ELF .nv.info, PTX .param lines), that the
 // entry's parameter count and sizes match `args`. Throws AotError with what is wrong.
 void load_and_check_image(KernelSpec& spec);

@@ -12,7 +12,9 @@ with ``torch.ops.load_library``; it registers these operators (schemas in ``csrc
 - ``flash_attn::aot_cuda_info() -> (runtime, driver, device_count, error)``.
 
 Everything here is safe to call anywhere: nothing raises while *finding* or *loading* the library;
-:func:`status` carries the reason instead, for the dispatcher and the doctor.
+:func:`status` carries the reason instead, for the dispatcher and the doctor. The CPU-only build
+ships no library at all, only ``_C/build_config.json`` saying so; :func:`status` then names that
+as the reason.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -41,26 +44,49 @@ _lock = threading.Lock()
 _status: Optional[LibraryStatus] = None
 
 
-def find_library() -> Optional[Path]:
-    """The library file: ``$FLASH_ATTN_AOT_LIBRARY``, else ``_C/`` in any folder of the package
-    (an editable install spreads the package over the source tree and site-packages)."""
-    override = os.environ.get(LIBRARY_ENV)
-    if override:
-        return Path(override)
+def _find_in_package(name: str) -> Optional[Path]:
+    """``_C/<name>`` in any folder of the package (an editable install spreads the package over
+    the source tree and site-packages)."""
     import flash_attn
 
     for folder in flash_attn.__path__:
-        candidate = Path(folder) / "_C" / LIBRARY_NAME
+        candidate = Path(folder) / "_C" / name
         if candidate.is_file():
             return candidate
     return None
 
 
-def _read_build_config(library: Path) -> dict:
+def find_library() -> Optional[Path]:
+    """The library file: ``$FLASH_ATTN_AOT_LIBRARY``, else ``_C/`` in any folder of the package."""
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return Path(override)
+    return _find_in_package(LIBRARY_NAME)
+
+
+def _read_json(path: Optional[Path]) -> dict:
     try:
-        return json.loads((library.parent / "build_config.json").read_text())
+        return json.loads(path.read_text()) if path is not None else {}
     except (OSError, ValueError):
         return {}
+
+
+def _read_build_config(library: Path) -> dict:
+    return _read_json(library.parent / "build_config.json")
+
+
+# The CPU-only build (FLASH_ATTN_CPU_ONLY=1, the conda `cpu` build) installs no library on purpose
+# and says so in _C/build_config.json with `"library": null` (CMakeLists.txt).
+CPU_ONLY_REASON = (
+    "this is a CPU-only build of flash_attn (built with FLASH_ATTN_CPU_ONLY=1, or the conda `cpu` build): "
+    "it ships no op library and no ahead-of-time kernels, so the `aot` backend is unavailable; "
+    "CPU tensors use the reference backend, and a GPU needs a CUDA build of flash-attn"
+)
+
+
+def is_cpu_only_build(config: dict) -> bool:
+    """Whether a build_config.json is that of the CPU-only build (no op library by design)."""
+    return "library" in config and config["library"] is None and config.get("cuda") is False
 
 
 def _load() -> LibraryStatus:
@@ -69,6 +95,12 @@ def _load() -> LibraryStatus:
     except Exception as exc:  # a broken install must not break import
         return LibraryStatus(False, None, f"cannot look for the op library: {exc}")
     if path is None:
+        try:
+            config = _read_json(_find_in_package("build_config.json"))
+        except Exception:  # same as above: explain, never raise
+            config = {}
+        if is_cpu_only_build(config):
+            return LibraryStatus(False, None, CPU_ONLY_REASON, config)
         return LibraryStatus(
             False,
             None,
@@ -163,9 +195,34 @@ def manifest_entry(compiled: Any, src: Any) -> dict:
     }
 
 
+COMPRESSED_SUFFIX = ".zlib"
+
+
+def compress_image(data: bytes) -> bytes:
+    """How the build stores an image (``<name>.cubin.zlib``): zlib, 4-6x smaller for cubins/PTX."""
+    return zlib.compress(data, 9)
+
+
+def read_image(image_path: str | os.PathLike) -> bytes:
+    """An image's bytes, inflated when it is stored compressed."""
+    data = Path(image_path).read_bytes()
+    return zlib.decompress(data) if str(image_path).endswith(COMPRESSED_SUFFIX) else data
+
+
 def register_kernel(image_path: str | os.PathLike, entry: dict) -> int:
     """Registers one manifest entry with its image (cubin or PTX); returns the kernel id for
-    :func:`launch`. The same registration again returns the same id."""
+    :func:`launch`. The same registration again returns the same id. Compressed images
+    (:data:`COMPRESSED_SUFFIX`) are inflated here and handed over as bytes; others are read by
+    the library itself."""
+    image = None
+    if str(image_path).endswith(COMPRESSED_SUFFIX):
+        import torch  # noqa: PLC0415
+
+        try:
+            data = read_image(image_path)
+        except (OSError, zlib.error) as exc:
+            raise RuntimeError(f"flash_attn: image '{image_path}' cannot be read: {exc}") from None
+        image = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return ops().aot_register_kernel(
         str(image_path),
         entry["name"],
@@ -179,6 +236,7 @@ def register_kernel(image_path: str | os.PathLike, entry: dict) -> int:
         int(entry.get("profile_scratch_align", 1)),
         bool(entry.get("launch_cooperative_grid", False)),
         bool(entry.get("launch_pdl", False)),
+        image,
     )
 
 

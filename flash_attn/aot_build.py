@@ -6,8 +6,9 @@ with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``, in 
 worker processes (``MAX_JOBS``, default: the CPU count), and writes into the output folder
 (default ``flash_attn/_aot/`` of the package):
 
-* ``images/<arch>/<spec>.cubin`` per architecture, plus ``images/compute_80/<spec>.ptx``: the
-  sm_80 PTX of every kernel, which the driver compiles for GPUs newer than every cubin;
+* ``images/<arch>/<spec>.cubin.zlib`` per architecture, plus ``images/compute_80/<spec>.ptx.zlib``:
+  the sm_80 PTX of every kernel, which the driver compiles for GPUs newer than every cubin (all
+  images zlib-compressed, inflated by :func:`flash_attn._aot_library.register_kernel`);
 * ``manifest.json``: per image, the spec and everything the launcher needs, taken from Triton's
   metadata (:func:`flash_attn._aot_library.manifest_entry`);
 * ``build-report.json``: per image, registers / spills (``STACK``/``LOCAL``) / shared bytes from
@@ -125,6 +126,18 @@ def resource_usage(cubin: Path, cuobjdump: Optional[str]) -> dict:
     return out
 
 
+def _write_image(path: Path, data: bytes) -> Path:
+    """Stores an image compressed (``<path>.zlib``; the launcher inflates it when it registers the
+    kernel): cubins and PTX shrink 4-6x, which keeps every variant of four architectures inside the
+    package budget."""
+    from flash_attn import _aot_library  # noqa: PLC0415
+
+    out = path.with_name(path.name + _aot_library.COMPRESSED_SUFFIX)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(_aot_library.compress_image(data))
+    return out
+
+
 def compile_job(job: dict) -> dict:
     """Compile one spec for one target; write its images; return manifest and report rows."""
     _pin_ptxas()
@@ -155,27 +168,29 @@ def compile_job(job: dict) -> dict:
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
     arch = target.group(1) if target else f"sm_{cap}"
     ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
+    features = bool(dict(spec.flags).get("HAS_SOFTCAP"))  # the score-features variant
     rows = []
     base = {"key": spec.key, "kernel": spec.kernel, "spec": job["spec"], "constexprs": spec.constexprs,
             "num_stages": spec.num_stages, "target": cap, **entry}
     if want_cubin:
-        path = out_dir / "images" / arch / f"{spec.key}.cubin"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(compiled.asm["cubin"])
-        usage = resource_usage(path, job.get("cuobjdump"))
+        cubin = compiled.asm["cubin"]
+        with tempfile.TemporaryDirectory() as tmp:  # cuobjdump reads a file
+            raw = Path(tmp) / f"{spec.key}.cubin"
+            raw.write_bytes(cubin)
+            usage = resource_usage(raw, job.get("cuobjdump"))
+        path = _write_image(out_dir / "images" / arch / f"{spec.key}.cubin", cubin)
         rows.append(({**base, "arch": arch, "image": str(path.relative_to(out_dir))},
                      {"key": spec.key, "kernel": spec.kernel, "arch": arch, "image": "cubin",
-                      "bytes": path.stat().st_size, "compile_seconds": round(seconds, 2), "ptx_mma": ptx_mma,
-                      "dtype": spec.dtype, "block_d": spec.block_d, **usage}))
+                      "bytes": path.stat().st_size, "raw_bytes": len(cubin), "compile_seconds": round(seconds, 2),
+                      "ptx_mma": ptx_mma, "dtype": spec.dtype, "block_d": spec.block_d, "features": features, **usage}))
     if want_ptx:
         ptx_arch = f"compute_{cap}"
-        path = out_dir / "images" / ptx_arch / f"{spec.key}.ptx"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(ptx)
+        path = _write_image(out_dir / "images" / ptx_arch / f"{spec.key}.ptx", ptx.encode())
         rows.append(({**base, "arch": ptx_arch, "image": str(path.relative_to(out_dir))},
                      {"key": spec.key, "kernel": spec.kernel, "arch": ptx_arch, "image": "ptx",
-                      "bytes": path.stat().st_size, "compile_seconds": 0.0 if want_cubin else round(seconds, 2),
-                      "ptx_mma": ptx_mma, "dtype": spec.dtype, "block_d": spec.block_d}))
+                      "bytes": path.stat().st_size, "raw_bytes": len(ptx.encode()),
+                      "compile_seconds": 0.0 if want_cubin else round(seconds, 2),
+                      "ptx_mma": ptx_mma, "dtype": spec.dtype, "block_d": spec.block_d, "features": features}))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return {"rows": rows, "worker_rss_mb": rss}
 
@@ -345,7 +360,8 @@ def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None
             "compile_cpu_seconds": round(sum(r["compile_seconds"] for r in report_rows), 1),
             "peak_rss_mb": round(peak[0], 1),
             "max_worker_rss_mb": worker_rss,
-            "bytes": image_bytes,
+            "bytes": image_bytes,  # as stored (compressed)
+            "raw_bytes": sum(r["raw_bytes"] for r in report_rows),  # the cubins/PTX themselves
             "bytes_by_arch": {a: sum(r["bytes"] for r in report_rows if r["arch"] == a) for a in archs_built},
         },
         "kernels": report_rows,
@@ -375,7 +391,8 @@ def run(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     t = report["totals"]
-    print(f"built {t['kernels']} images ({', '.join(report['archs'])}) into {out}: {t['bytes'] / 1e6:.1f} MB, "
+    print(f"built {t['kernels']} images ({', '.join(report['archs'])}) into {out}: {t['bytes'] / 1e6:.1f} MB "
+          f"({t['raw_bytes'] / 1e6:.1f} MB uncompressed), "
           f"{t['wall_seconds']:.0f} s wall, peak RSS {t['peak_rss_mb']:.0f} MB")
     return 0
 

@@ -30,7 +30,7 @@ def summary(folder: Optional[Path] = None) -> dict:
         report = folder / "build-report.json"
         if report.is_file():
             data = json.loads(report.read_text())
-            out["build"] = {k: data["totals"].get(k) for k in ("wall_seconds", "peak_rss_mb", "bytes")}
+            out["build"] = {k: data["totals"].get(k) for k in ("wall_seconds", "peak_rss_mb", "bytes", "raw_bytes")}
             out["ptxas"] = data.get("ptxas")
     else:
         out.update(archs=[], images=0, specs=0, bytes=0)
@@ -55,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
         by_arch = ", ".join(f"{a}: {n}" for a, n in sorted(info["images_by_arch"].items()))
         print(f"  archs:         {', '.join(info['archs'])}")
         print(f"  kernels:       {info['specs']} specialisations, {info['images']} images ({by_arch})")
-        print(f"  bytes:         {info['bytes'] / 1e6:.1f} MB (triton {info['triton']})")
+        raw = (info.get("build") or {}).get("raw_bytes")
+        inflated = f", {raw / 1e6:.1f} MB uncompressed" if raw else ""
+        print(f"  bytes:         {info['bytes'] / 1e6:.1f} MB stored{inflated} (triton {info['triton']})")
         if info.get("build"):
             b = info["build"]
             print(f"  build:         {b['wall_seconds']} s wall, peak RSS {b['peak_rss_mb']} MB")

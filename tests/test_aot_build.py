@@ -64,16 +64,28 @@ def _params(causal=False, window=(-1, -1), softcap=0.0, dropout_p=0.0) -> Attent
                            softcap=softcap, dropout_p=dropout_p, dropout_seed=0)
 
 
+def _is_features(spec) -> bool:
+    return bool(dict(spec.flags).get("HAS_SOFTCAP"))
+
+
 def test_spec_set_size_is_deliberate():
-    # 4 kernels x 2 dtypes x 4 head-dim buckets, plus the sm86 configs on the sm_80 image
-    assert len(S.specs_for_capability((9, 0))) == 32
-    assert len(S.specs_for_capability((10, 0))) == 32
-    assert len(S.specs_for_capability((12, 0))) == 32
-    assert 32 < len(S.specs_for_capability((8, 0))) <= 48
-    for spec in S.specs_for_capability((8, 0)):
+    # lean: 4 kernels x 2 dtypes x 4 head-dim buckets; score features: 3 kernels x 2 dtypes x 3
+    # buckets; the sm_80 image also carries the sm86 configs where they differ
+    for capability in ((9, 0), (10, 0), (12, 0)):
+        specs = S.specs_for_capability(capability)
+        assert len([s for s in specs if not _is_features(s)]) == 32
+        assert len([s for s in specs if _is_features(s)]) == 18
+    specs = S.specs_for_capability((8, 0))
+    assert 32 < len([s for s in specs if not _is_features(s)]) <= 48
+    assert 18 <= len([s for s in specs if _is_features(s)]) <= 36
+    for spec in specs:
         flags = dict(spec.flags)
         assert flags.get("IS_LOCAL", True) and flags.get("PAD_HEADDIM", True) and flags["IS_VARLEN"]
         assert not any(flags.get(f) for f in S.UNSHIPPED_FLAGS)
+        # a variant has all three score features or none
+        assert len({flags.get(f, False) for f in S.SCORE_FEATURES}) == 1
+        if _is_features(spec):
+            assert "AlibiSlopes" not in flags and spec.block_d >= 64
 
 
 @pytest.mark.parametrize("head_dim,block_d", [(8, 32), (16, 32), (32, 32), (40, 64), (64, 64), (72, 128),
@@ -84,13 +96,29 @@ def test_head_dims_map_to_padded_buckets(head_dim, block_d):
     assert why == "" and spec.block_d == block_d and dict(spec.flags)["PAD_HEADDIM"]
 
 
-@pytest.mark.parametrize("flags,needle", [
-    ({"HAS_SOFTCAP": True}, "softcapping"), ({"HAS_ALIBI": True}, "ALiBi"), ({"HAS_DROPOUT": True}, "dropout"),
-    ({"IS_PAGED": True}, "paged"),
-])
-def test_unshipped_features_say_why(flags, needle):
-    spec, why = S.spec_for_call("attn_fwd_kernel", torch.bfloat16, 128, configs.pick_config("fwd", 128, (9, 0)), flags)
-    assert spec is None and needle in why and "ahead of time" in why
+FEATURES = {"HAS_SOFTCAP": True, "HAS_ALIBI": True, "HAS_DROPOUT": True}
+
+
+@pytest.mark.parametrize("head_dim,block_d", [(8, 64), (32, 64), (64, 64), (96, 128), (256, 256)])
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])
+def test_score_features_map_to_their_variant(head_dim, block_d, capability):
+    """Softcap / ALiBi / dropout calls (the launchers set the three flags together) run on the
+    score-features variant, which the build ships for every architecture family."""
+    for kernel, kind in (("attn_fwd_kernel", "fwd"), ("attn_bwd_dkdv_kernel", "bwd_dkdv"), ("attn_bwd_dq_kernel", "bwd_dq")):
+        config = configs.pick_config(kind, head_dim, capability, features=True)
+        spec, why = S.spec_for_call(kernel, torch.bfloat16, head_dim, config, dict(FEATURES, IS_LOCAL=True))
+        assert why == "" and spec.block_d == block_d and _is_features(spec)
+        assert spec in S.specs_for_capability(capability)
+    # the backward preprocess has no feature flags: its one variant serves these calls
+    spec, why = S.spec_for_call("attn_bwd_preprocess_kernel", torch.float16, head_dim,
+                                configs.pick_config("fwd", head_dim, capability), FEATURES)
+    assert why == "" and not _is_features(spec)
+
+
+def test_unshipped_features_say_why():
+    spec, why = S.spec_for_call("attn_fwd_kernel", torch.bfloat16, 128, configs.pick_config("fwd", 128, (9, 0)),
+                                {"IS_PAGED": True})
+    assert spec is None and "paged" in why and "ahead of time" in why
 
 
 def test_unsupported_calls_say_why():
@@ -148,7 +176,8 @@ def test_manifest_has_every_spec_the_dispatcher_requests(manifest, arch, op, dty
     for capability in BUILT_ARCHS[arch]:
         assert manifest.image_for(capability).arch.name == arch
         for head_dim in (8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256):
-            for flags in ({}, {"IS_LOCAL": True}, {"IS_VARLEN": True, "IS_LOCAL": True}):
+            for flags in ({}, {"IS_LOCAL": True}, {"IS_VARLEN": True, "IS_LOCAL": True}, dict(FEATURES),
+                          dict(FEATURES, IS_VARLEN=True, IS_LOCAL=True)):
                 reason = aot.call_reason(manifest, capability, op, dtype, head_dim, flags)
                 assert reason is None, (capability, head_dim, flags, reason)
 
@@ -164,12 +193,25 @@ def test_manifest_entries_come_from_triton_metadata(manifest):
     for entry in manifest.entries.values():
         assert entry["signature"][-2:] == ["global_scratch", "profile_scratch"]
         assert entry["name"] == entry["kernel"]
+        features = dict(tuple(x) for x in entry["spec"]["flags"]).get("HAS_SOFTCAP", False)
         spec = S.make_spec(entry["kernel"], entry["spec"]["dtype"], entry["spec"]["block_d"],
                            configs.Config(entry["spec"]["block_m"], entry["spec"]["block_n"],
-                                          entry["spec"]["num_warps"], entry["spec"]["num_stages"]))
+                                          entry["spec"]["num_warps"], entry["spec"]["num_stages"]), features)
         assert spec.key == entry["key"]
         assert entry["num_warps"] == spec.num_warps
         assert (manifest.folder / entry["image"]).is_file()
+
+
+def test_images_are_stored_compressed(manifest):
+    """Every image is zlib-compressed on disk and inflates to a cubin (ELF) or PTX text."""
+    entries = list(manifest.entries.values())
+    for entry in entries[:: max(1, len(entries) // 25)]:
+        assert entry["image"].endswith(_aot_library.COMPRESSED_SUFFIX)
+        data = _aot_library.read_image(manifest.folder / entry["image"])
+        if entry["arch"].startswith("compute_"):
+            assert b".entry " + entry["name"].encode() in data
+        else:
+            assert data[:4] == b"\x7fELF"
 
 
 def test_signature_agrees_with_an_independent_compile(manifest):
@@ -208,7 +250,8 @@ def test_every_image_registers(manifest, arch):
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capability, varlen):
+@pytest.mark.parametrize("feature", [None, "softcap", "alibi", "dropout"])
+def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capability, varlen, feature):
     """The real launchers (forward + backward) through the AOT executor; every launch goes through
     ``aot_launch``'s argument checks (count, dtypes, alignment, int ranges) on meta tensors."""
     _library_or_skip()
@@ -226,7 +269,9 @@ def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capabi
         launched.append(kid)
 
     monkeypatch.setattr(aot._aot_library, "launch", meta_launch)
-    params = _params(causal=True)
+    params = _params(causal=True, softcap=30.0 if feature == "softcap" else 0.0,
+                     dropout_p=0.1 if feature == "dropout" else 0.0)
+    slopes = torch.rand(4) if feature == "alibi" else None
     if varlen:
         q = torch.randn(12, 4, 96, dtype=torch.bfloat16)
         k = torch.randn(20, 2, 96, dtype=torch.bfloat16)
@@ -238,8 +283,9 @@ def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capabi
         k = torch.randn(2, 11, 2, 96, dtype=torch.bfloat16)
         layout = None
     v = torch.randn_like(k)
-    out, lse, _ = launch.forward(q, k, v, params, varlen=layout, executor=executor)
-    launch.backward(torch.randn_like(q), q, k, v, out, lse, params, varlen=layout, executor=executor)
+    out, lse, _ = launch.forward(q, k, v, params, varlen=layout, alibi_slopes=slopes, executor=executor)
+    launch.backward(torch.randn_like(q), q, k, v, out, lse, params, varlen=layout, alibi_slopes=slopes,
+                    executor=executor)
     assert len(launched) == 4
 
 
@@ -251,7 +297,8 @@ def test_build_report_tensor_cores_and_spills(report):
       sm_100a, with one exception: the two head-dim-256 dK/dV kernels on sm_100a use ``HMMA``.
       tcgen05 needs >= 64 rows per MMA tile, and with 64 key rows the two 64x256 fp32 dK/dV
       accumulators fill all 512 tensor-memory columns (Triton 3.9 then emits an empty kernel),
-      so that config keeps 32 key rows;
+      so that config keeps 32 key rows; and the head-dim-128 dK/dV kernel of the score-features
+      variant on sm_90a (``HMMA``): every wgmma tile of it spills (``configs._FEATURES_TABLE``);
     * no ``LOCAL`` memory anywhere, and no stack frame (no spills) in any kernel with head dim
       <= 128. Head dim 256 may spill (the sm_90a wgmma dK/dV kernel keeps ~0.5 KB of stack: its
       accumulators alone take 128 registers a thread).
@@ -264,6 +311,8 @@ def test_build_report_tensor_cores_and_spills(report):
     for r in big:
         want = want_by_arch.get(r["arch"], "HMMA")
         if r["arch"] == "sm_100a" and r["kernel"] == "attn_bwd_dkdv_kernel" and r["block_d"] == 256:
+            want = "HMMA"
+        if r["arch"] == "sm_90a" and r["kernel"] == "attn_bwd_dkdv_kernel" and r["block_d"] == 128 and r["features"]:
             want = "HMMA"
         if want not in r["sass_mma"]:
             problems.append((r["arch"], r["key"], r["sass_mma"]))

@@ -409,9 +409,12 @@ def test_full_matrix(backend, case, recwarn):
 # Launch configurations and GPU compilation (no GPU needed).
 
 def test_every_config_fits_its_architecture():
-    for (kind, family), table in configs._TABLE.items():
+    tables = list(configs._TABLE.items()) + list(configs._FEATURES_TABLE.items())
+    for (kind, family), table in tables:
         limit = configs.SHARED_MEMORY_LIMIT[family]
         for headdim, config in zip(configs.HEADDIM_BUCKETS, table):
+            if config is None:  # a features entry that keeps the lean config
+                continue
             assert config.block_m % 16 == 0 and config.block_n % 16 == 0, (kind, family, config)
             assert config.num_warps in (4, 8) and config.num_stages >= 1
             estimate = configs.estimate_shared_memory(kind, config, headdim, family)
@@ -429,6 +432,14 @@ def test_pick_config_per_architecture(capability, family):
             assert config == configs._TABLE[(kind, family)][bucket]
     with pytest.raises(ValueError):
         configs.pick_config("fwd", 257, capability)
+    # the score-features variant: its own entry where there is one, else the lean one; head dims
+    # <= 32 share the 64 bucket (the AOT build ships features kernels from BLOCK_D 64 up)
+    for kind in configs.KINDS:
+        for headdim in (1, 32, 64, 100, 128, 256):
+            bucket = max(1, next(i for i, b in enumerate(configs.HEADDIM_BUCKETS) if headdim <= b))
+            override = configs._FEATURES_TABLE.get((kind, family), (None,) * 4)[bucket]
+            want = override or configs._TABLE[(kind, family)][bucket]
+            assert configs.pick_config(kind, headdim, capability, features=True) == want
 
 
 def test_interpreter_uses_small_blocks():

@@ -7,7 +7,7 @@ It reuses the Python launchers of :mod:`flash_attn.kernels.launch`: their single
 ``_run`` hands every launch to :class:`AotExecutor`, which maps the call onto a shipped
 specialisation (:func:`flash_attn.kernels.specializations.spec_for_call`), registers its image
 once per process and calls ``torch.ops.flash_attn.aot_launch`` with the arguments packed per the
-manifest's signature. Calls without a shipped specialisation (softcap, ALiBi, dropout, paged
+manifest's signature. Calls without a shipped specialisation (paged
 forward, ``return_attn_probs``, head dims not a multiple of 8, the KV-cache path, int32 overflow)
 run on the ``triton`` backend when it can run, else on the reference, after a one-time warning.
 """
@@ -120,8 +120,12 @@ _KIND = {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "fwd", "attn_bw
 
 
 def call_flags(params, varlen, alibi_slopes) -> dict:
-    return dict(IS_VARLEN=varlen is not None, IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0,
-                HAS_ALIBI=alibi_slopes is not None, HAS_DROPOUT=params.dropout_p > 0.0,
+    """The launchers' constexpr flags for this call (see ``launch._feature_flags``)."""
+    from flash_attn.kernels.launch import uses_score_features  # noqa: PLC0415
+
+    features = uses_score_features(params, alibi_slopes is not None)
+    return dict(IS_VARLEN=varlen is not None, IS_LOCAL=params.is_local, HAS_SOFTCAP=features,
+                HAS_ALIBI=features, HAS_DROPOUT=features,
                 IS_PAGED=varlen is not None and varlen.block_table is not None)
 
 
@@ -132,8 +136,10 @@ def required_specs(op: str, dtype, head_dim: int, capability: tuple[int, int], f
     if return_softmax:
         return [], S.NOT_SHIPPED["attn_probs_kernel"]
     out = []
+    features = any(flags.get(name) for name in S.SCORE_FEATURES)
     for kernel in _FWD if op == "forward" else _BWD:
-        config = configs.pick_config(_KIND[kernel], max(head_dim, 1), capability)
+        config = configs.pick_config(_KIND[kernel], max(head_dim, 1), capability,
+                                     features and kernel in S.FEATURE_KERNELS)
         spec, why = S.spec_for_call(kernel, dtype, head_dim, config, flags)
         if spec is None:
             return [], why

@@ -73,7 +73,7 @@ def _dkdv_query_tiles(
     dk, dv, k, v, offs_n, offs_d, d_mask,
     Q_head, dO_head, L_head, D_head, lo, hi,
     stride_qm, stride_dom, seqlen_q, seqlen_k,
-    qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right,
+    qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -106,17 +106,18 @@ def _dkdv_query_tiles(
             delta = tl.load(D_head + offs_m)
         qk_t = tl.dot(k, tl.trans(q))
         s_t, tanh_t = masking.logits_log2(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale_log2,
-                                          cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                          cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                           MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
         dp_t = tl.dot(v, tl.trans(do))
+        p_drop_t = p_t
         if HAS_DROPOUT:
-            keep_t = dropout_keep(dropout_seed, b, h, offs_m[None, :], offs_n[:, None], dropout_p)
-            inv_keep = 1.0 / (1.0 - dropout_p)
-            dv = tl.dot(tl.where(keep_t, p_t * inv_keep, 0.0).to(do.dtype), do, dv)
-            dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
-        else:
-            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            if dropout_p > 0.0:  # compiled in, active per launch
+                keep_t = dropout_keep(dropout_seed, b, h, offs_m[None, :], offs_n[:, None], dropout_p)
+                inv_keep = 1.0 / (1.0 - dropout_p)
+                p_drop_t = tl.where(keep_t, p_t * inv_keep, 0.0)
+                dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
+        dv = tl.dot(p_drop_t.to(do.dtype), do, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
@@ -173,12 +174,7 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    qk_scale_log2 = softmax_scale * LOG2E
-    cap_in = softmax_scale
-    cap_out_log2 = LOG2E
-    if HAS_SOFTCAP:
-        cap_in = softmax_scale / softcap
-        cap_out_log2 = softcap * LOG2E
+    qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     lo, mid_lo, mid_hi, hi = masking.query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                        BLOCK_M, BLOCK_N, IS_LOCAL)
     # the query heads of this kv head's group, one after the other: no atomics across heads
@@ -192,17 +188,17 @@ def attn_bwd_dkdv_kernel(
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, lo, mid_lo,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
             window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_lo, mid_hi,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
             window_left, window_right, dropout_p, dropout_seed, b, h,
             False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_hi, hi,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
             window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
 
@@ -217,7 +213,7 @@ def attn_bwd_dkdv_kernel(
 def _dq_key_tiles(
     dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask,
     K_head, V_head, lo, hi, stride_kn, stride_vn, seqlen_q, seqlen_k,
-    qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right,
+    qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -239,13 +235,14 @@ def _dq_key_tiles(
             v = tl.load(v_ptrs)
         qk = tl.dot(q, tl.trans(k))
         s, tanh_s = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
-                                        cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                        cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                         MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         p = tl.math.exp2(s - lse_log2[:, None])
         dp = tl.dot(do, tl.trans(v))
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            if dropout_p > 0.0:
+                keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
+                dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - tanh_s * tanh_s)
@@ -302,12 +299,7 @@ def attn_bwd_dq_kernel(
     K_head = K + b64 * stride_kb + k0 * stride_kn + kv_h * stride_kh
     V_head = V + b64 * stride_vb + k0 * stride_vn + kv_h * stride_vh
 
-    qk_scale_log2 = softmax_scale * LOG2E
-    cap_in = softmax_scale
-    cap_out_log2 = LOG2E
-    if HAS_SOFTCAP:
-        cap_in = softmax_scale / softcap
-        cap_out_log2 = softcap * LOG2E
+    qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
@@ -315,15 +307,15 @@ def attn_bwd_dq_kernel(
     lo, mid_lo, mid_hi, hi = masking.key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                      BLOCK_M, BLOCK_N, IS_LOCAL)
     dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, lo, mid_lo,
-                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
                        window_left, window_right, dropout_p, dropout_seed, b, h,
                        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
     dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, mid_lo, mid_hi,
-                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
                        window_left, window_right, dropout_p, dropout_seed, b, h,
                        False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
     dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, mid_hi, hi,
-                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
                        window_left, window_right, dropout_p, dropout_seed, b, h,
                        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
     dq = dq * softmax_scale

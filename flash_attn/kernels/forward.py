@@ -94,7 +94,7 @@ def _attend_key_tiles(
     acc, m_i, l_i, q, offs_m, offs_d, d_mask,
     K_head, V_head, bt_row, lo, hi,
     seqlen_q, seqlen_k, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn,
-    qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right,
+    qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
@@ -119,7 +119,7 @@ def _attend_key_tiles(
             k = tl.load(k_rows[:, None] + offs_d[None, :])
         qk = tl.dot(q, tl.trans(k))
         s, _ = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
-                                   cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                   cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                    MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have not seen a visible key keep m = -inf: shift by 0 so that p = 0, not NaN
@@ -128,8 +128,9 @@ def _attend_key_tiles(
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
-            p = tl.where(keep, p, 0.0)
+            if dropout_p > 0.0:  # compiled in, active per launch
+                keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
+                p = tl.where(keep, p, 0.0)
         if MASKED or PAD_HEADDIM:
             v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
@@ -198,12 +199,7 @@ def attn_fwd_kernel(
         V_head = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_h * stride_vh
         bt_row = BlockTable
 
-    qk_scale_log2 = softmax_scale * LOG2E
-    cap_in = softmax_scale
-    cap_out_log2 = LOG2E
-    if HAS_SOFTCAP:
-        cap_in = softmax_scale / softcap
-        cap_out_log2 = softcap * LOG2E
+    qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
@@ -218,25 +214,25 @@ def attn_fwd_kernel(
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, lo, mid_lo,
         seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
-        qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+        qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
         True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
     # stage 2: the interior, no mask
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_lo, mid_hi,
         seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
-        qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+        qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
         False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
     # stage 3: masked tiles right of the interior (diagonal, last partial tile)
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_hi, hi,
         seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
-        qk_scale_log2, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+        qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
         True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
 
     seen = l_i > 0.0
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
     if HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - dropout_p)
+        inv_l = inv_l / (1.0 - dropout_p)  # exactly 1 when dropout is off at run time
     out = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("inf"))
 
@@ -296,12 +292,7 @@ def attn_probs_kernel(
     L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
     lse = tl.load(L_head + offs_m, mask=m_mask, other=float("inf"))
     lse_log2 = lse * LOG2E
-    qk_scale_log2 = softmax_scale * LOG2E
-    cap_in = softmax_scale
-    cap_out_log2 = LOG2E
-    if HAS_SOFTCAP:
-        cap_in = softmax_scale / softcap
-        cap_out_log2 = softcap * LOG2E
+    qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = 0.0
     if HAS_ALIBI:
         slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
@@ -313,10 +304,11 @@ def attn_probs_kernel(
                     other=0.0)
         qk = tl.dot(q, tl.trans(k))
         s, _ = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
-                                   cap_in, cap_out_log2, slope_log2, window_left, window_right,
+                                   cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                    True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         p = tl.math.exp2(s - lse_log2[:, None])
         if HAS_DROPOUT:
-            keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
-            p = tl.where(keep, p, -p)
+            if dropout_p > 0.0:
+                keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
+                p = tl.where(keep, p, -p)
         tl.store(S_rows + offs_n[None, :], p, mask=m_mask[:, None] & (offs_n < seqlen_k)[None, :])

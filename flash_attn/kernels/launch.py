@@ -110,13 +110,26 @@ def _scalars(params: AttentionParams) -> list:
     ]
 
 
+def uses_score_features(params: AttentionParams, alibi: bool) -> bool:
+    """Softcap, ALiBi or dropout: the call runs the kernels' *score-features* variant."""
+    return params.softcap > 0.0 or alibi or params.dropout_p > 0.0
+
+
 def _feature_flags(params: AttentionParams, alibi: bool, varlen: bool, headdim: int) -> dict:
+    """The constexpr flags of a call.
+
+    Softcap, ALiBi and dropout are compiled in together (one *score-features* variant) and each is
+    switched at run time (``softcap > 0``, a zero slope, ``dropout_p > 0`` are exact no-ops), so
+    the Triton path runs exactly the kernel that the ahead-of-time build ships, and a feature
+    costs one extra specialisation, not three.
+    """
+    features = uses_score_features(params, alibi)
     return dict(
         IS_VARLEN=varlen,
         IS_LOCAL=params.is_local,
-        HAS_SOFTCAP=params.softcap > 0.0,
-        HAS_ALIBI=alibi,
-        HAS_DROPOUT=params.dropout_p > 0.0,
+        HAS_SOFTCAP=features,
+        HAS_ALIBI=features,
+        HAS_DROPOUT=features,
         PAD_HEADDIM=headdim != configs.padded_headdim(headdim),
     )
 
@@ -124,7 +137,7 @@ def _feature_flags(params: AttentionParams, alibi: bool, varlen: bool, headdim: 
 class _Problem:
     """Sizes and strides of one call in the kernels' (batch, row, head) addressing."""
 
-    def __init__(self, q, k, varlen: Optional[VarlenLayout], alibi_slopes):
+    def __init__(self, q, k, varlen: Optional[VarlenLayout], alibi_slopes, features: bool = False):
         self.varlen = varlen is not None
         self.paged = self.varlen and varlen.block_table is not None
         self.headdim = q.shape[-1]
@@ -143,6 +156,9 @@ class _Problem:
         self.page_size = k.shape[1] if self.paged else 0
         self.block_table = varlen.block_table.to(torch.int32) if self.paged else None
         self.alibi = None if alibi_slopes is None else alibi_slopes.to(torch.float32)
+        if self.alibi is None and features:
+            # the score-features variant always reads slopes: zero slopes add exactly nothing
+            self.alibi = torch.zeros(self.nheads, dtype=torch.float32, device=q.device)
         self.stride_ab = 0 if self.alibi is None or self.alibi.dim() == 1 else self.alibi.stride(0)
 
     def rows(self, t: torch.Tensor) -> list[int]:
@@ -170,8 +186,9 @@ def forward(q, k, v, params: AttentionParams, *, varlen: Optional[VarlenLayout] 
             return_softmax: bool = False, interpret: bool = False, executor=None):
     """``(out, lse, s_dmask or None)`` per the backend contract."""
     q, k, v = ready(q), ready(k), ready(v)
-    pb = _Problem(q, k, varlen, alibi_slopes)
-    config = configs.pick_config("fwd", pb.headdim, _capability(q.device, interpret))
+    features = uses_score_features(params, alibi_slopes is not None)
+    pb = _Problem(q, k, varlen, alibi_slopes, features)
+    config = configs.pick_config("fwd", pb.headdim, _capability(q.device, interpret), features)
     block_d = configs.padded_headdim(pb.headdim)
     out = _empty_aligned(q.shape, q.dtype, q.device)
     if pb.varlen:
@@ -212,7 +229,8 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, *, varlen: Option
     """
     dout, q, k, v, out = ready(dout), ready(q), ready(k), ready(v), ready(out)
     lse = lse.contiguous()
-    pb = _Problem(q, k, varlen, alibi_slopes)
+    features = uses_score_features(params, alibi_slopes is not None)
+    pb = _Problem(q, k, varlen, alibi_slopes, features)
     capability = _capability(q.device, interpret)
     block_d = configs.padded_headdim(pb.headdim)
     flags = _feature_flags(params, pb.alibi is not None, pb.varlen, pb.headdim)
@@ -228,12 +246,12 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, *, varlen: Option
 
     common = [pb.cu_q, pb.cu_k, pb.alibi, *pb.rows(q), *pb.rows(k), *pb.rows(v), *pb.rows(dout)]
     tail = [*pb.lse_strides(lse), pb.stride_ab, *pb.sizes(), *_scalars(params)]
-    cfg = configs.pick_config("bwd_dkdv", pb.headdim, capability)
+    cfg = configs.pick_config("bwd_dkdv", pb.headdim, capability, features)
     _run("attn_bwd_dkdv_kernel", pb.grid(cfg.block_n, pb.seqlen_k, pb.nheads_k),
          [q, k, v, dout, lse, delta, dk, dv, *common, *pb.rows(dk), *pb.rows(dv), *tail],
          dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d), cfg, interpret, q.device,
          executor)
-    cfg = configs.pick_config("bwd_dq", pb.headdim, capability)
+    cfg = configs.pick_config("bwd_dq", pb.headdim, capability, features)
     _run("attn_bwd_dq_kernel", pb.grid(cfg.block_m, pb.seqlen_q, pb.nheads),
          [q, k, v, dout, lse, delta, dq, *common, *pb.rows(dq), *tail],
          dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d), cfg, interpret, q.device,

@@ -169,7 +169,25 @@ def query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def logits_log2(qk, q_pos, k_pos, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap_out_log2, slope_log2,
+def score_scalars(softmax_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Per-program scalars of :func:`logits_log2`: ``(qk_scale_log2, cap_on, cap_in, cap_out_log2)``.
+
+    ``cap_on`` is ``softcap > 0``; with it off the cap scalars are finite placeholders (never a
+    division by zero) that :func:`logits_log2` does not use.
+    """
+    qk_scale_log2 = softmax_scale * LOG2E
+    cap_on = softcap > 0.0
+    cap_in = softmax_scale * 1.0
+    cap_out_log2 = qk_scale_log2 * 0.0 + LOG2E
+    if HAS_SOFTCAP:
+        safe_cap = tl.where(cap_on, softcap, 1.0)
+        cap_in = softmax_scale / safe_cap
+        cap_out_log2 = safe_cap * LOG2E
+    return qk_scale_log2, cap_on, cap_in, cap_out_log2
+
+
+@triton.jit
+def logits_log2(qk, q_pos, k_pos, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
                 window_left, window_right, MASKED: tl.constexpr, IS_LOCAL: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Logits in base-2 units from raw fp32 dot products ``qk`` (any tile orientation).
@@ -179,10 +197,16 @@ def logits_log2(qk, q_pos, k_pos, seqlen_q, seqlen_k, qk_scale_log2, cap_in, cap
     with softcap ``cap_in = scale / softcap`` and ``cap_out_log2 = softcap * log2 e``;
     ``slope_log2 = slope * log2 e``. Returns ``(logits, t)`` with ``t = tanh(qk * cap_in)`` (the
     backward's softcap derivative is ``1 - t**2``; ``t`` is unused and free without softcap).
+
+    ``HAS_SOFTCAP`` compiles softcapping in; the run-time ``cap_on`` (``softcap > 0``) decides per
+    launch, so one compiled kernel serves calls with and without it (``t`` is then 0). A zero
+    ALiBi slope adds exactly nothing.
     """
     if HAS_SOFTCAP:
-        t = tanh(qk * cap_in)
-        s = t * cap_out_log2
+        # selects on a uniform scalar, not a branch: a run-time `if` around tensors doubles the
+        # live tiles and made the backward kernels spill (sm_80 d128 dQ: 1440 B of stack)
+        t = tl.where(cap_on, tanh(qk * cap_in), 0.0)
+        s = tl.where(cap_on, t * cap_out_log2, qk * qk_scale_log2)
     else:
         t = qk
         s = qk * qk_scale_log2

@@ -11,7 +11,8 @@ doubles a build that must stay under 10 minutes on 2 cores and under 50 MB.
 Shipped axes
     ``dtype``    fp16, bf16 (the element type is part of the machine code);
     ``BLOCK_D``  32, 64, 128, 256 (head dim padded to a power of two; head dims <= 16 run on the
-                 32 specialisation, which is exact: the feature mask uses the run-time ``head_dim``);
+                 32 specialisation, which is exact: the feature mask uses the run-time ``head_dim``;
+                 the score-features variant starts at 64 the same way);
     ``config``   ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of :mod:`flash_attn.kernels.configs`
                  for the families an image runs on: the portable ``sm_80`` image also carries the
                  smaller-shared-memory ``sm86`` configs where they differ (consumer Ampere/Ada run
@@ -33,11 +34,17 @@ Flags folded into one specialisation (exact for every call they serve)
                           per-sequence positions (masks, ALiBi, dropout counters), so exact
                           (:func:`dense_as_varlen`).
 
+The score-features variant (one more specialisation per kernel, not three)
+    ``HAS_SOFTCAP``, ``HAS_ALIBI``, ``HAS_DROPOUT`` are compiled in together and each is switched
+    at run time: ``softcap > 0`` selects the softcapped logits (uniform ``tl.where``, not a branch),
+    zero ALiBi slopes add exactly nothing, ``dropout_p > 0`` guards the Philox draw. The launchers
+    use this variant for every call with any of the three (:func:`flash_attn.kernels.launch.
+    uses_score_features`), so the Triton path runs exactly what is shipped here. It has its own
+    launch configs (``configs.pick_config(..., features=True)``): the extra live tiles need
+    smaller ones to keep the no-spill rule. Calls without the three run the lean kernels.
+
 Not shipped (rare; the ``aot`` backend reports them unsupported and the dispatcher falls back to
 the ``triton`` backend, else the reference, with a one-time warning)
-    ``HAS_SOFTCAP``, ``HAS_ALIBI``, ``HAS_DROPOUT`` (inference-time softcapping/ALiBi are a few model
-    families; dropout is training-only and off in current LLM recipes). Each would double the set;
-    turning them into uniform run-time branches inside the kernels is the follow-up.
     ``IS_PAGED`` in the varlen forward (paged caches are served by the KV-cache path).
     ``attn_probs_kernel`` (``return_attn_probs``): testing only.
     The KV-cache (decode) kernels: not in this set yet; ``forward_kvcache`` goes to ``triton``.
@@ -57,6 +64,8 @@ from flash_attn.kernels import configs, registry
 
 DTYPES = ("fp16", "bf16")
 BLOCK_DS = (32, 64, 128, 256)
+# The score-features variant starts at 64: head dims <= 32 run on it exactly (run-time head-dim mask).
+FEATURE_BLOCK_DS = (64, 128, 256)
 HEADDIM_DIVISOR = 8
 
 # kernel function name -> (module, configs kind or None, constexpr flags fixed for the AOT build)
@@ -78,11 +87,11 @@ NOT_SHIPPED = {
 }
 # Call flags that no shipped specialisation serves, and why (value True means "needs a kernel").
 UNSHIPPED_FLAGS = {
-    "HAS_SOFTCAP": "softcapping",
-    "HAS_ALIBI": "ALiBi",
-    "HAS_DROPOUT": "dropout",
     "IS_PAGED": "paged K/V in the varlen forward",
 }
+# The score-features variant: these flags on together (each switched at run time in the kernel).
+SCORE_FEATURES = dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True)
+FEATURE_KERNELS = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 
 # Image architecture (compile target) -> config families whose launch configs it must carry.
 _FAMILIES_BY_MAJOR = {8: ("sm80", "sm86"), 9: ("sm90",), 10: ("sm100",), 11: ("sm100",), 12: ("sm120",)}
@@ -142,10 +151,19 @@ def kernel_function(kernel: str):
     return registry.jit_function(kernel)
 
 
-def make_spec(kernel: str, dtype: str, block_d: int, config: configs.Config) -> Spec:
+def variant_flags(kernel: str, features: bool) -> dict:
+    """The constexpr flags of ``kernel``'s lean (``features=False``) or score-features variant."""
     _, _, flags = KERNELS[kernel]
+    if not features:
+        return dict(flags)
+    out = {name: value for name, value in flags.items() if name != "AlibiSlopes"}  # a real pointer now
+    out.update(SCORE_FEATURES)
+    return out
+
+
+def make_spec(kernel: str, dtype: str, block_d: int, config: configs.Config, features: bool = False) -> Spec:
     return Spec(kernel, dtype, block_d, config.block_m, config.block_n, config.num_warps, config.num_stages,
-                tuple(sorted(flags.items())))
+                tuple(sorted(variant_flags(kernel, features).items())))
 
 
 def specs_for_capability(capability: tuple[int, int]) -> list[Spec]:
@@ -154,11 +172,13 @@ def specs_for_capability(capability: tuple[int, int]) -> list[Spec]:
     for family in families_for(capability):
         fcap = family_capability(family)
         for kernel, (_, kind, _) in KERNELS.items():
-            for dtype in DTYPES:
-                for block_d in BLOCK_DS:
-                    spec = make_spec(kernel, dtype, block_d, configs.pick_config(kind, block_d, fcap))
-                    if spec not in out:
-                        out.append(spec)
+            for features in (False, True) if kernel in FEATURE_KERNELS else (False,):
+                for dtype in DTYPES:
+                    for block_d in FEATURE_BLOCK_DS if features else BLOCK_DS:
+                        config = configs.pick_config(kind, block_d, fcap, features=features)
+                        spec = make_spec(kernel, dtype, block_d, config, features)
+                        if spec not in out:
+                            out.append(spec)
     return out
 
 
@@ -235,8 +255,11 @@ def spec_for_call(kernel: str, dtype, head_dim: int, config: configs.Config, fla
     why = unsupported_flags(flags)
     if why:
         return None, why
-    block_d = max(BLOCK_DS[0], configs.padded_headdim(head_dim))
-    return make_spec(kernel, name, block_d, config), ""
+    # kernels without the feature constexprs (backward preprocess) serve every call as they are
+    features = kernel in FEATURE_KERNELS and any(flags.get(flag) for flag in SCORE_FEATURES)
+    block_ds = FEATURE_BLOCK_DS if features else BLOCK_DS
+    block_d = max(block_ds[0], configs.padded_headdim(head_dim))
+    return make_spec(kernel, name, block_d, config, features), ""
 
 
 def dense_as_varlen(names: list[str], values: dict, batch: int) -> dict:
