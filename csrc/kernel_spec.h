@@ -1,6 +1,6 @@
 // What one ahead-of-time kernel is: its image, its entry point and the exact order and C types of
-// its parameters. Everything here is plain C++ (no torch, no CUDA) so it is checked the same way in
-// the CUDA build and in the CPU-only build.
+// its parameters. Everything here is plain C++ (no torch, no CUDA): the checks run without a GPU
+// or driver (and are tested that way).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // The CUDA side: load images per device, launch. Implemented by launcher_cuda.cpp (the static CUDA
-// runtime) or by launcher_disabled.cpp (a build without CUDA: every call explains that).
+// runtime). A CPU-only package builds no op library at all.
 // No torch types here: the op layer (aot_ops.cpp) turns tensors into pointers first.
 #pragma once
 

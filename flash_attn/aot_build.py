@@ -89,6 +89,9 @@ def _pin_ptxas() -> None:
     pinned = os.environ.get("TRITON_PTXAS_PATH")
     if pinned and not os.environ.get("TRITON_PTXAS_BLACKWELL_PATH"):
         os.environ["TRITON_PTXAS_BLACKWELL_PATH"] = pinned
+    # Triton 3.9 warns once per process that its FP-fusion default will change; state the value
+    # the kernels were tuned with (fused multiply-adds on), which also silences the warning.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 # --- one compile job (runs in a worker process) ---------------------------------------------------

@@ -971,8 +971,12 @@ def diagnose(facts: dict) -> list[Finding]:
             add(Finding("op-library", "error", "the op library set by FLASH_ATTN_AOT_LIBRARY does not exist",
                         op.get("reason", ""), "unset FLASH_ATTN_AOT_LIBRARY or point it at a built library"))
         else:
-            add(Finding("op-library", "warning" if gpu_machine else "info",
-                        "the op library (ahead-of-time kernel launcher) is not installed", op.get("reason", ""),
+            from flash_attn._aot_library import is_cpu_only_build  # noqa: PLC0415
+
+            cpu_only = is_cpu_only_build(op.get("build_config") or {})
+            summary = ("this is the CPU-only build of flash-attn: no op library (ahead-of-time kernel launcher)"
+                       if cpu_only else "the op library (ahead-of-time kernel launcher) is not installed")
+            add(Finding("op-library", "warning" if gpu_machine else "info", summary, op.get("reason", ""),
                         "install the CUDA build of flash-attn" if gpus else "nothing to do on a machine without an NVIDIA GPU"))
     elif gpu_machine and not (op.get("build_config") or {}).get("cuda", True):
         add(Finding("op-library", "warning", "the op library was built without CUDA (FLASH_ATTN_CPU_ONLY)",

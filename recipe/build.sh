@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Builds flash-attn into $PREFIX: the op library (CMake through scikit-build-core) and, for CUDA
-# variants, the ahead-of-time kernels. Used by rattler-build and, with PREFIX/SP_DIR/PYTHON set by
-# hand, by tests/test_packaging.py.
+# Builds flash-attn into $PREFIX on Linux and macOS (build.bat is the Windows twin, CPU only): for
+# CUDA variants the op library (CMake through scikit-build-core) and the ahead-of-time kernels; the
+# CPU variant compiles nothing (CMakeLists.txt). Used by rattler-build and, with PREFIX/SP_DIR/PYTHON
+# set by hand, by tests/test_packaging.py.
+#
+# Portable on purpose: macOS runs this with its /bin/bash 3.2 and BSD tools, so no `sed -i` (BSD sed
+# wants a suffix argument) and no bare "$@" under `set -u` (bash < 4.4 calls an empty "$@" unbound).
 set -euxo pipefail
 
 export MAX_JOBS="${MAX_JOBS:-${CPU_COUNT:-2}}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${MAX_JOBS}"
-export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${SP_DIR}/torch}"
 
 if [[ "${cuda_compiler_version:-None}" == "None" ]]; then
     export FLASH_ATTN_CPU_ONLY=1
     export FLASH_ATTN_ENABLE_CUDA=OFF
 else
     export FLASH_ATTN_ENABLE_CUDA=ON
+    export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${SP_DIR}/torch}"
     export CUDA_HOME="${CUDA_HOME:-${BUILD_PREFIX}}"
     # Every architecture here is supported by both CUDA 12.9 and 13.0 (13.0 dropped only < sm_75).
     case "${cuda_compiler_version}" in
@@ -31,9 +35,14 @@ else
     set -- -Ccmake.define.Python_EXECUTABLE="${KERNEL_PYTHON}"
 fi
 
+# ${1+"$@"}: the extra arguments set above, or nothing (see the note at the top).
 "${PYTHON}" -m pip install . -vv --no-deps --no-build-isolation --ignore-installed \
-    --prefix="${PREFIX}" -Cbuild-dir="${SRC_DIR:-.}/build/conda-${cuda_compiler_version:-None}" "$@"
+    --prefix="${PREFIX}" -Cbuild-dir="${SRC_DIR:-.}/build/conda-${cuda_compiler_version:-None}" ${1+"$@"}
 # pip records the temporary source folder here: an absolute build path, and of no use in a conda package.
 find "${PREFIX}" -path '*/flash_attn-*.dist-info/direct_url.json' -delete
-# The kernel build report names the tools it used; keep their names, not the build machine's paths.
-find "${PREFIX}" -path '*/flash_attn/_aot/build-report.json' -exec sed -i "s#${BUILD_PREFIX:-/nonexistent}#\$BUILD_PREFIX#g" {} +
+# The kernel build report (CUDA variants) names the tools it used; keep their names, not the build
+# machine's paths. sed to a temporary file and mv: the same on GNU and BSD sed.
+find "${PREFIX}" -path '*/flash_attn/_aot/build-report.json' -print0 | while IFS= read -r -d '' report; do
+    sed "s#${BUILD_PREFIX:-/nonexistent}#\$BUILD_PREFIX#g" "${report}" > "${report}.tmp"
+    mv "${report}.tmp" "${report}"
+done

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
@@ -18,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipe" / "recipe.yaml"
 BUILD_SCRIPT = REPO / "recipe" / "build.sh"
+BUILD_BAT = REPO / "recipe" / "build.bat"
 VARIANTS = REPO / "conda_build_config.yaml"
 PIXI = REPO / "pixi.toml"
 # In this workplace and in CI, shared/ lies beside the clone.
@@ -81,6 +83,24 @@ def run_build_script(src: Path, prefix: Path, python: Path, env: dict) -> BuildR
         raise AssertionError(f"recipe/build.sh failed ({proc.returncode}):\n{log[-6000:]}")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return BuildRun(seconds, peak, log)
+
+
+# Compiled code on Linux, macOS and Windows (shared libraries, Python extensions, objects).
+COMPILED_SUFFIXES = {".so", ".dylib", ".dll", ".pyd", ".o", ".obj", ".a", ".lib"}
+
+
+def compiled_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and (p.suffix in COMPILED_SUFFIXES or ".so." in p.name))
+
+
+def run_from_site(site_dir: Path, *args: str, cwd: Path, extra_paths=(), env=None) -> subprocess.CompletedProcess:
+    """``python -S *args`` with this interpreter, ``site_dir`` first on ``sys.path``, then
+    ``extra_paths`` and this interpreter's own site-packages (for torch). ``-S`` skips the ``.pth``
+    files, so an editable install of flash_attn (its import hook comes from a ``.pth`` file) cannot
+    stand in for the copy under test; ``cwd`` must not be the source tree for the same reason."""
+    paths = [str(site_dir), *map(str, extra_paths), *site.getsitepackages()]
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
+    return subprocess.run([sys.executable, "-S", *args], cwd=cwd, env=full_env, capture_output=True, text=True)
 
 
 def staged_site_packages(prefix: Path) -> Path:

@@ -186,6 +186,18 @@ def test_ptx_covers_newer_gpus(manifest):
     choice = manifest.image_for((13, 0))
     assert choice.kind == "ptx" and choice.arch.name == "compute_80"
     assert aot.call_reason(manifest, (13, 0), "forward", torch.float16, 128, {}) is None
+    # a GPU without its own cubin in this build runs the PTX with the configs it was built with:
+    # every call (lean, score features, KV cache) finds its specialisation, whatever the family
+    for capability in ((10, 0), (10, 3), (12, 0), (12, 1), (13, 0)):
+        assert manifest.image_for(capability).kind == "ptx"
+        assert aot.config_capability(capability, manifest.image_for(capability)) in ((8, 0), (8, 6))
+        for op in ("forward", "backward"):
+            for flags in ({}, dict(FEATURES, IS_LOCAL=True)):
+                assert aot.call_reason(manifest, capability, op, torch.bfloat16, 96, flags) is None, (capability, op)
+        assert aot.kvcache_reason(manifest, capability, torch.float16, 128) is None
+    # shared memory decides: sm_100-class PTX devices take the sm80 configs, sm_120-class the sm86 ones
+    assert aot.config_capability((10, 3), manifest.image_for((10, 3))) == (8, 0)
+    assert aot.config_capability((12, 1), manifest.image_for((12, 1))) == (8, 6)
     assert "no shipped image" in aot.call_reason(manifest, (7, 5), "forward", torch.float16, 128, {})
 
 
@@ -193,10 +205,14 @@ def test_manifest_entries_come_from_triton_metadata(manifest):
     for entry in manifest.entries.values():
         assert entry["signature"][-2:] == ["global_scratch", "profile_scratch"]
         assert entry["name"] == entry["kernel"]
-        features = dict(tuple(x) for x in entry["spec"]["flags"]).get("HAS_SOFTCAP", False)
-        spec = S.make_spec(entry["kernel"], entry["spec"]["dtype"], entry["spec"]["block_d"],
-                           configs.Config(entry["spec"]["block_m"], entry["spec"]["block_n"],
-                                          entry["spec"]["num_warps"], entry["spec"]["num_stages"]), features)
+        flags = dict(tuple(x) for x in entry["spec"]["flags"])
+        config = configs.Config(entry["spec"]["block_m"], entry["spec"]["block_n"], entry["spec"]["num_warps"],
+                                entry["spec"]["num_stages"])
+        if entry["kernel"] in S.DECODE_KERNELS:
+            spec = S.decode_spec(entry["kernel"], entry["spec"]["dtype"], entry["constexprs"], config)
+        else:
+            spec = S.make_spec(entry["kernel"], entry["spec"]["dtype"], entry["spec"]["block_d"], config,
+                               flags.get("HAS_SOFTCAP", False))
         assert spec.key == entry["key"]
         assert entry["num_warps"] == spec.num_warps
         assert (manifest.folder / entry["image"]).is_file()
@@ -289,6 +305,57 @@ def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capabi
     assert len(launched) == 4
 
 
+@pytest.mark.parametrize("arch", sorted(BUILT_ARCHS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_manifest_has_every_kvcache_spec(manifest, arch, dtype):
+    for capability in BUILT_ARCHS[arch]:
+        for head_dim in (8, 64, 72, 128, 136, 256):
+            assert aot.kvcache_reason(manifest, capability, dtype, head_dim) is None, (capability, head_dim)
+    assert "multiple of 8" in aot.kvcache_reason(manifest, (8, 0), torch.float16, 59)
+    assert "fp16/bf16" in aot.kvcache_reason(manifest, (8, 0), torch.float32, 64)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
+@pytest.mark.parametrize("paged,rotary,splits", [(False, False, 1), (True, True, 3), (False, True, 0)])
+def test_kvcache_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capability, paged, rotary, splits):
+    """The KV-cache launcher in superset mode through the AOT executor: every launch (append,
+    rotary, split-KV, combine) maps onto a shipped image and passes ``aot_launch``'s checks."""
+    _library_or_skip()
+    from flash_attn.kernels import decode_launch
+    from flash_attn.params import KVCacheInputs
+
+    arch = manifest.image_for(capability).arch.name
+    executor = aot.AotExecutor(manifest, arch)
+    launched = []
+    real_launch = _aot_library.launch
+
+    def meta_launch(kid, grid, tensors, ints, floats):
+        real_launch(kid, grid, [t.to("meta") for t in tensors], ints, floats)
+        launched.append(kid)
+
+    monkeypatch.setattr(aot._aot_library, "launch", meta_launch)
+    b, hk, d = 2, 2, 96
+    if paged:
+        k_cache = torch.zeros(6, 16, hk, d, dtype=torch.float16)
+        block_table = torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=torch.int32)
+    else:
+        k_cache = torch.zeros(b, 48, hk, d, dtype=torch.float16)
+        block_table = None
+    cos = sin = None
+    if rotary:
+        cos, sin = torch.rand(48, d // 2), torch.rand(48, d // 2)
+    cache = KVCacheInputs(k_cache=k_cache, v_cache=torch.zeros_like(k_cache),
+                          cache_seqlens=torch.tensor([5, 30], dtype=torch.int32),
+                          k_new=torch.randn(b, 2, hk, d, dtype=torch.float16),
+                          v_new=torch.randn(b, 2, hk, d, dtype=torch.float16), block_table=block_table,
+                          rotary_cos=cos, rotary_sin=sin, num_splits=splits)
+    q = torch.randn(b, 2, 8, d, dtype=torch.float16)
+    decode_launch.forward_kvcache(q, _params(causal=True, softcap=20.0), cache, interpret=False, executor=executor,
+                                  superset=True, family=configs.arch_family(capability))
+    expected = 1 + (2 if rotary else 1) + (splits != 1)  # append, [rotary q], split-KV, [combine]
+    assert len(launched) == expected
+
+
 def test_build_report_tensor_cores_and_spills(report):
     """What the build report says about the machine code, stated as measured (Triton 3.9):
 
@@ -304,8 +371,11 @@ def test_build_report_tensor_cores_and_spills(report):
       accumulators alone take 128 registers a thread).
     """
     rows = [r for r in report["kernels"] if r["image"] == "cubin"]
-    big = [r for r in rows if r["kernel"] != "attn_bwd_preprocess_kernel"]
+    big = [r for r in rows if r["kernel"] in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")]
     assert big
+    # split-KV decode: 16-row tiles are below the wgmma/tcgen05 minimum, so any tensor-core family
+    decode = [r for r in rows if r["kernel"] == "split_kv_kernel"]
+    assert decode and all(r["sass_mma"] for r in decode), [r["key"] for r in decode if not r["sass_mma"]]
     want_by_arch = {"sm_80": "HMMA", "sm_90a": "HGMMA", "sm_100a": "UTC*MMA", "sm_120a": "HMMA"}
     problems = []
     for r in big:

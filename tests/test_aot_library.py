@@ -1,22 +1,25 @@
 """The ahead-of-time op library (csrc/, flash_attn/_aot_library.py) and image selection
 (flash_attn/aot_images.py), checked on a CPU-only machine: it loads without a GPU or driver, links
 only the stable C shim, checks every argument before launching, and says clearly that there is no
-CUDA device. The launch itself needs a GPU (marked ``gpu``)."""
+CUDA device. The launch itself needs a GPU (marked ``gpu``). The CPU-only build has no library at
+all: checked at the end, with how the package explains that."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import check_close
 from flash_attn import _aot_library as aot
 from flash_attn.aot_images import Arch, parse_arch, parse_arch_list, select_image
+from packaging_helpers import compiled_files, run_from_site
 
 HAS_GPU = torch.cuda.is_available()
 
@@ -208,6 +211,29 @@ def test_register_rejects_unreadable_and_foreign_files(ops, tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(RuntimeError, match="is empty"):
         ops.aot_register_kernel(str(empty), "toy", TOY_SIG, 4, 1, 0)
+
+
+def test_register_takes_image_bytes(ops, tmp_path):
+    """Packaged images are stored zlib-compressed: Python inflates them and hands the bytes over
+    (the path then only names the image in messages); the bytes get the same checks as a file."""
+    toy = torch.frombuffer(bytearray(TOY_PTX.encode()), dtype=torch.uint8)
+    assert isinstance(ops.aot_register_kernel("label/toy.ptx", "toy", TOY_SIG, 4, 1, 0, image=toy), int)
+    for bad, message in ((toy.float(), "1-D contiguous uint8 CPU tensor"), (toy[::2], "1-D contiguous uint8"),
+                         (torch.empty(0, dtype=torch.uint8), "image is empty")):
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            ops.aot_register_kernel("label/bad.ptx", "toy", TOY_SIG, 4, 1, 0, image=bad)
+    with pytest.raises(RuntimeError, match=r"image 'label/notes.ptx': neither a cubin"):
+        ops.aot_register_kernel("label/notes.ptx", "toy", TOY_SIG, 4, 1, 0,
+                                image=torch.frombuffer(bytearray(b"hello"), dtype=torch.uint8))
+    # through the Python helper, from a compressed file, as the aot backend does it
+    stored = tmp_path / ("toy.ptx" + aot.COMPRESSED_SUFFIX)
+    stored.write_bytes(aot.compress_image(TOY_PTX.encode()))
+    assert stored.stat().st_size < len(TOY_PTX)
+    entry = {"name": "toy", "signature": TOY_SIG.split(", "), "num_warps": 4, "shared": 0}
+    assert isinstance(aot.register_kernel(stored, entry), int)
+    stored.write_bytes(b"not zlib")
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        aot.register_kernel(stored, entry)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,37 +440,91 @@ def test_parse_arch_list():
 
 
 # ---------------------------------------------------------------------------------------------
-# The CPU-only build: no CUDA headers, no nvcc, no libcudart; the same ops, saying why no GPU
+# The CPU-only build: no op library at all (no compiler, no torch headers, no CUDA), and a package
+# that says why it has no `aot` backend
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_cpu_only_build(tmp_path, library):
+def _package_with(monkeypatch, tmp_path, build_config: dict | None) -> None:
+    """flash_attn as an install whose only ``_C/`` content is this build_config.json (or nothing)."""
+    import flash_attn
+
+    folder = tmp_path / "flash_attn"
+    (folder / "_C").mkdir(parents=True)
+    if build_config is not None:
+        (folder / "_C" / "build_config.json").write_text(json.dumps(build_config))
+    monkeypatch.delenv(aot.LIBRARY_ENV, raising=False)
+    monkeypatch.setattr(flash_attn, "__path__", [str(folder)])
+
+
+def test_cpu_only_build_config_is_the_reason(monkeypatch, tmp_path):
+    _package_with(monkeypatch, tmp_path, {"library": None, "cuda": False, "cuda_runtime": "", "cuda_archs": ""})
+    status = aot._load()
+    assert not status.loaded and status.path is None
+    assert status.reason == aot.CPU_ONLY_REASON and status.build_config["cuda"] is False
+
+
+@pytest.mark.parametrize("build_config", [None, {"library": "libflash_attn_aot.so", "cuda": True}])
+def test_missing_library_of_a_cuda_build_is_not_called_cpu_only(monkeypatch, tmp_path, build_config):
+    _package_with(monkeypatch, tmp_path, build_config)
+    status = aot._load()
+    assert not status.loaded and "is not installed" in status.reason and "CPU-only" not in status.reason
+
+
+def test_cpu_only_build(tmp_path):
+    """FLASH_ATTN_ENABLE_CUDA=OFF configures, builds and installs with no compiler, no torch and no
+    CUDA toolkit within reach; it compiles nothing and installs only _C/build_config.json. flash_attn
+    laid out as that install (the Python files plus what CMake installed) imports, explains in
+    status() and the doctor why there is no `aot` backend, and runs the reference backend (checked
+    against the oracle)."""
     cmake = _tool("cmake")
     _tool("ninja")
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, FLASH_ATTN_TORCH_DIR=os.path.dirname(torch.__file__), CUDA_HOME="/nonexistent",
+    env = dict(os.environ, CC="/nonexistent/cc", CXX="/nonexistent/c++", CUDA_HOME="/nonexistent",
+               FLASH_ATTN_TORCH_DIR="/nonexistent",
                PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if "cuda" not in p.lower()))
-    build = tmp_path / "build"
-    configure = [cmake, "-S", str(root), "-B", str(build), "-G", "Ninja", "-DFLASH_ATTN_ENABLE_CUDA=OFF",
-                 f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON"]
-    subprocess.run(configure, check=True, capture_output=True, env=env)
+    build, site = tmp_path / "build", tmp_path / "site"
+    configure = subprocess.run([cmake, "-S", str(root), "-B", str(build), "-G", "Ninja", "-DFLASH_ATTN_ENABLE_CUDA=OFF"],
+                               check=True, capture_output=True, text=True, env=env)
     subprocess.run([cmake, "--build", str(build)], check=True, capture_output=True, env=env)
-    built = build / "libflash_attn_aot.so"
-    assert '"cuda": false' in (build / "build_config.json").read_text()
-    assert b"cudaErrorNoDevice" not in built.read_bytes()  # the CUDA runtime's error table is not inside
+    subprocess.run([cmake, "--install", str(build), "--prefix", str(site)], check=True, capture_output=True, env=env)
+    assert "CPU-only build" in configure.stdout and "flash_attn: torch" not in configure.stdout  # no torch lookup
+    cache = (build / "CMakeCache.txt").read_text()
+    assert "CMAKE_CXX_COMPILER" not in cache and "CMAKE_C_COMPILER" not in cache  # no language enabled
+    assert compiled_files(tmp_path) == []
+    assert [str(p.relative_to(site)) for p in site.rglob("*") if p.is_file()] == ["flash_attn/_C/build_config.json"]
+    assert aot.is_cpu_only_build(json.loads((site / "flash_attn" / "_C" / "build_config.json").read_text()))
+
+    shutil.copytree(root / "flash_attn", site / "flash_attn", dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "_C", "_aot", "*.so"))
     script = (
-        "import torch, sys\n"
-        f"torch.ops.load_library({str(built)!r})\n"
-        "print(torch.ops.flash_attn.aot_cuda_info())\n"
-        f"k = torch.ops.flash_attn.aot_register_kernel(sys.argv[1], 'toy', {TOY_SIG!r}, 4, 1, 0)\n"
-        "try:\n"
-        "    torch.ops.flash_attn.aot_launch(k, [1], [torch.zeros(64)], [16], [1.0])\n"
-        "except RuntimeError as e:\n"
-        "    print(str(e).splitlines()[0])\n"
+        "import json, sys, torch\n"
+        "import flash_attn\n"
+        "from flash_attn import _aot_library, flash_attn_func\n"
+        "from oracle import attention_ref\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "q = torch.randn(2, 37, 4, 40, generator=g)\n"
+        "k, v = torch.randn(2, 53, 2, 40, generator=g), torch.randn(2, 53, 2, 40, generator=g)\n"
+        "out = flash_attn_func(q, k, v, causal=True)\n"
+        "ref = attention_ref(q, k, v, causal=True).out\n"
+        "naive = attention_ref(q, k, v, causal=True, compute_dtype=None).out\n"
+        "torch.save({'out': out, 'ref': ref, 'naive': naive}, sys.argv[1])\n"
+        "s = _aot_library.status()\n"
+        "print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))\n"
     )
-    ptx = tmp_path / "toy.ptx"
-    ptx.write_text(TOY_PTX)
-    result = subprocess.run([sys.executable, "-c", script, str(ptx)], capture_output=True, text=True, check=True)
-    assert "(0, 0, 0, 'this flash_attn build has no CUDA support" in result.stdout
-    assert "flash_attn::aot_launch: no CUDA device is available: this flash_attn build has no CUDA support" in result.stdout
+    tests = Path(__file__).resolve().parent
+    backend = {"FLASH_ATTN_BACKEND": "auto"}  # what a user gets: CPU tensors go to the reference backend
+    result = run_from_site(site, "-c", script, str(tmp_path / "out.pt"), cwd=tmp_path, extra_paths=[tests], env=backend)
+    assert result.returncode == 0, result.stderr
+    location, loaded, reason = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(location).is_relative_to(site) and not loaded and reason == aot.CPU_ONLY_REASON
+    saved = torch.load(tmp_path / "out.pt")
+    check_close(saved["out"], saved["ref"], saved["naive"], torch.float32, "out (CPU-only install)")
+
+    doctor = run_from_site(site, "-m", "flash_attn", "doctor", cwd=tmp_path, env=backend)
+    assert "op library" in doctor.stdout and f"not loaded: {aot.CPU_ONLY_REASON}" in doctor.stdout, doctor.stdout
+    report = run_from_site(site, "-m", "flash_attn", "doctor", "--json", cwd=tmp_path, env=backend)
+    [finding] = [f for f in json.loads(report.stdout)["findings"] if f["check"] == "op-library"]
+    assert finding["summary"].startswith("this is the CPU-only build of flash-attn")
+    assert finding["detail"] == aot.CPU_ONLY_REASON
+    assert finding["severity"] == ("warning" if HAS_GPU else "info")

@@ -179,17 +179,47 @@ def test_aot_unshipped_call_falls_back_to_reference_without_triton():
     got = _run_without_triton(AOT_SETUP, """
         q = torch.randn(1, 5, 2, 64, dtype=torch.float16)
         k = torch.randn(1, 6, 2, 64, dtype=torch.float16)
-        softcapped = AttentionParams(softmax_scale=0.125, window_left=-1, window_right=-1, softcap=30.0,
-                                     dropout_p=0.0, dropout_seed=0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out, lse, _ = aot.forward(q, k, k, softcapped)
-        assert out.shape == q.shape and torch.isfinite(out.float()).all()
+            out, lse, probs = aot.forward(q, k, k, params, return_softmax=True)
+        assert out.shape == q.shape and torch.isfinite(out.float()).all() and probs is not None
         assert_no_triton()
         print(json.dumps({"launched": launched, "warnings": [str(w.message) for w in caught]}))
     """)
     assert got["launched"] == []
-    assert any("softcapping" in w and "reference backend" in w for w in got["warnings"]), got["warnings"]
+    assert any("return_attn_probs" in w and "reference backend" in w for w in got["warnings"]), got["warnings"]
+
+
+def test_aot_features_and_kvcache_launch_without_triton():
+    """Softcap / ALiBi / dropout calls run the score-features kernels, and ``forward_kvcache`` the
+    superset KV-cache kernels: no fallback, no Triton."""
+    got = _run_without_triton(AOT_SETUP, """
+        from flash_attn.params import KVCacheInputs
+
+        q = torch.randn(2, 7, 4, 64, dtype=torch.float16)
+        k = torch.randn(2, 11, 2, 64, dtype=torch.float16)
+        capped = AttentionParams(softmax_scale=0.125, window_left=-1, window_right=0, softcap=30.0,
+                                 dropout_p=0.1, dropout_seed=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback would warn
+            out, lse, _ = aot.forward(q, k, k, capped, alibi_slopes=torch.rand(4))
+            aot.backward(torch.randn_like(q), q, k, k, out, lse, capped)
+            features = list(launched)
+            launched.clear()
+            cache = KVCacheInputs(k_cache=torch.zeros(2, 320, 2, 64, dtype=torch.bfloat16),
+                                  v_cache=torch.zeros(2, 320, 2, 64, dtype=torch.bfloat16),
+                                  cache_seqlens=torch.tensor([3, 290], dtype=torch.int32),
+                                  k_new=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16),
+                                  v_new=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16), num_splits=2)
+            aot.forward_kvcache(torch.randn(2, 1, 4, 64, dtype=torch.bfloat16), params, cache)
+        assert_no_triton()
+        print(json.dumps({"features": features, "kvcache": launched}))
+    """)
+    kernels = [row["key"].split(".")[0] for row in got["features"]]
+    assert kernels == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    assert [row["key"].split(".")[0] for row in got["kvcache"]] == [
+        "append_kv_kernel", "split_kv_kernel", "combine_splits_kernel"]
+    assert all(".bf16.d64." in row["key"] for row in got["kvcache"])
 
 
 def test_kernel_names_resolve_like_the_jit_functions():

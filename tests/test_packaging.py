@@ -2,8 +2,11 @@
 
 * the manifests validate against the pixi and rattler-build schemas in ../shared/schemas;
 * py-rattler-build renders the recipe with the variant matrix: exactly the expected variants per
-  platform, build strings naming the CUDA version, the declared dependencies, CEP-20 version
-  independence and no exact pin of Python or PyTorch;
+  platform (osx-arm64 and win-64: the CPU variant alone), build strings naming the CUDA version,
+  the declared dependencies, CEP-20 version independence and no exact pin of Python or PyTorch;
+* the build scripts: build.sh on Linux/macOS (portable to macOS's bash 3.2 and BSD sed),
+  build.bat on Windows, and that the recipe lets rattler-build pick the right one;
+* (slow) the CPU-only build through build.sh: no compiler, no torch, no compiled file;
 * (slow) a local package build: recipe/build.sh with this machine's toolchain into a staging
   prefix, a ``.conda`` assembled from it with the rendered metadata, inspected, then installed
   into a fresh venv with torch 2.13.0 where the import and a CPU test subset run.
@@ -23,14 +26,15 @@ from pathlib import Path
 import pytest
 
 from packaging_helpers import (  # noqa: I001  (tests/ is on sys.path: pytest's rootdir-relative import)
-    PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, assemble, copy_source, extract_into_venv, make_venv,
-    open_conda, render, run_build_script,
+    BUILD_BAT, BUILD_SCRIPT, PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, assemble, compiled_files, copy_source,
+    extract_into_venv, make_venv, open_conda, render, run_build_script, run_from_site, staged_site_packages,
 )
 
 yaml = pytest.importorskip("yaml")
 NO_RATTLER = "py-rattler-build is not installed (pip install py-rattler-build): cannot render or assemble"
 
 LINUX = ["linux-64", "linux-aarch64"]
+CPU_ONLY_PLATFORMS = ["osx-arm64", "win-64"]  # no CUDA variant outside Linux
 CUDA_VARIANTS = {"12.9": "cuda129", "13.0": "cuda130", "None": "cpu"}
 TORCH_MIN = "2.10"
 PYTHON_MIN = "3.10"
@@ -130,21 +134,33 @@ def test_render_gives_exactly_the_matrix(rendered):
         assert v.recipe["package"] == {"name": "flash-attn", "version": _version()}
 
 
+def _check_cpu_variant(v):
+    """The CPU variant compiles nothing (no op library): cmake and ninja run the empty CMake
+    project; no compiler, no CUDA, no torch headers at build time."""
+    build, host, run = _specs(v, "build"), _specs(v, "host"), _specs(v, "run")
+    constraints = _specs(v, "run_constraints")
+    assert build == ["cmake >=3.24", "ninja"], build
+    assert "pytorch" not in _names(host) and "python-abi3" in host
+    assert f"pytorch >={TORCH_MIN}" in run and f"python >={PYTHON_MIN}" in run
+    assert not any("cuda" in s for s in build + host + run + constraints), (build, host, run)
+    assert re.fullmatch(r"cpu_h[0-9a-f]{7}_0", v.recipe["build"]["string"])
+
+
 def test_render_requirements(rendered):
     platform, variants = rendered
     for v in variants:
         build, host, run = _specs(v, "build"), _specs(v, "host"), _specs(v, "run")
         arch = platform.replace("linux-", "")
-        assert f"gcc_linux-{arch} 14.*" in build and f"gxx_linux-{arch} 14.*" in build
-        assert f"sysroot_linux-{arch} 2.28.*" in build
         assert {"cmake", "ninja"} <= set(_names(build))
-        assert f"pytorch {TORCH_MIN}.*" in host and "python-abi3" in host
+        assert "python-abi3" in host
         assert f"pytorch >={TORCH_MIN}" in run and f"python >={PYTHON_MIN}" in run
         constraints = _specs(v, "run_constraints")
         if v.cuda == "None":
-            assert not any("cuda" in s for s in build + host + run + constraints), (build, host, run)
-            assert "triton" not in _names(build)
+            _check_cpu_variant(v)
         else:
+            assert f"gcc_linux-{arch} 14.*" in build and f"gxx_linux-{arch} 14.*" in build
+            assert f"sysroot_linux-{arch} 2.28.*" in build
+            assert f"pytorch {TORCH_MIN}.*" in host
             major = v.cuda.split(".")[0]
             assert f"cuda-nvcc_linux-{arch} {v.cuda}.*" in build
             assert "triton" in _names(build) and "python" in _names(build)  # kernel build only
@@ -181,13 +197,110 @@ def test_render_declares_tests_and_about(rendered):
         assert ("cuda.is_available" in text) == (v.cuda != "None")
 
 
+@pytest.mark.parametrize("platform", CPU_ONLY_PLATFORMS)
+def test_render_other_platforms_give_the_cpu_variant_only(platform):
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    variants = render(platform)
+    assert [v.cuda for v in variants] == ["None"], [v.recipe["build"]["string"] for v in variants]
+    [v] = variants
+    assert v.variant["target_platform"] == platform
+    assert v.recipe["package"] == {"name": "flash-attn", "version": _version()}
+    assert v.recipe["build"]["python"]["version_independent"] is True
+    _check_cpu_variant(v)
+    text = json.dumps(v.recipe.get("tests", []))
+    assert "cuda.is_available" not in text and "libflash_attn_aot" not in text
+
+
+# What rattler-build does with `build: script: file:` (rattler_build_script's Script::find_file and
+# platform_script_extensions): a name without an extension gets the platform's script extensions
+# in order (Windows: bat, then ps1; elsewhere: sh), and the extension picks the interpreter. A name
+# with an extension is taken as is on every platform (build.sh would be run with bash on Windows).
+SCRIPT_EXTENSIONS = {"win": ("bat", "ps1"), "unix": ("sh",)}
+
+
+def _resolve_build_script(file: str, platform: str) -> Path | None:
+    path = RECIPE.parent / file
+    if path.suffix:
+        return path if path.is_file() else None
+    family = "win" if platform.startswith("win") else "unix"
+    return next((c for c in (path.with_suffix(f".{e}") for e in SCRIPT_EXTENSIONS[family]) if c.is_file()), None)
+
+
+@pytest.mark.parametrize("platform", LINUX + CPU_ONLY_PLATFORMS)
+def test_build_script_resolves_per_platform(platform):
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    expected = BUILD_BAT if platform.startswith("win") else BUILD_SCRIPT
+    for v in render(platform):
+        script = v.recipe["build"]["script"]
+        # No interpreter pinned (it would apply on every platform): the file's extension decides.
+        assert "interpreter" not in script, script
+        assert _resolve_build_script(script["file"], platform) == expected, script
+
+
+def test_build_sh_is_portable_to_macos():
+    """macOS runs build.sh with /bin/bash 3.2 and BSD userland; the GNU-only constructs this script
+    once had must not come back."""
+    script = BUILD_SCRIPT.read_text()
+    code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
+    assert script.startswith("#!/usr/bin/env bash\n")
+    assert not re.search(r"\bsed\s+(-\w+\s+)*-\w*i\b", code), "sed -i: BSD sed needs a suffix argument"
+    # bash < 4.4 with `set -u` calls an empty "$@" unbound; ${1+"$@"} expands to nothing instead.
+    assert '"$@"' not in code.replace('${1+"$@"}', ""), 'a bare "$@" (use ${1+"$@"})'
+
+
+def test_build_bat_builds_the_cpu_variant():
+    script = BUILD_BAT.read_text()
+    lines = [line.strip() for line in script.splitlines() if line.strip() and not line.strip().startswith("::")]
+    assert 'set "FLASH_ATTN_CPU_ONLY=1"' in lines and 'set "FLASH_ATTN_ENABLE_CUDA=OFF"' in lines
+    # scikit-build-core would otherwise ask CMake for its Windows default, a Visual Studio generator.
+    assert 'set "CMAKE_GENERATOR=Ninja"' in lines
+    pip = next(i for i, line in enumerate(lines) if " -m pip install " in line)
+    assert lines[pip] == "%PYTHON% -m pip install . -vv --no-deps --no-build-isolation"
+    assert lines[pip + 1] == "if errorlevel 1 exit 1"
+    assert "direct_url.json" in script and "del /f /q" in script
+    # Every command that can fail is followed by the check (the del inside the loop as well).
+    assert script.count("if errorlevel 1 exit 1") == 2
+
+
 def test_build_script_defaults():
     """The architecture list per CUDA major, and that the environment overrides it."""
-    script = (REPO / "recipe" / "build.sh").read_text()
+    script = BUILD_SCRIPT.read_text()
     assert re.search(r'12\.\*\) default_archs="80;90;100;120"', script)
     assert re.search(r'13\.\*\) default_archs="80;90;100;120"', script)
     assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS:-${default_archs}}"' in script
     assert 'MAX_JOBS="${MAX_JOBS:-' in script and "TRITON_PTXAS_PATH" in script
+
+
+# --- the CPU-only build ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_only_build_compiles_nothing(tmp_path):
+    """recipe/build.sh for the CPU variant (what osx-arm64 and linux run; build.bat does the same
+    pip install on Windows) with a Python that has scikit-build-core and nothing else: no torch, no
+    triton, and a C/C++ compiler that does not exist. The staged package has no compiled file,
+    imports, and says why it has no `aot` backend."""
+    build_python = make_venv(tmp_path / "build-venv", "scikit-build-core>=0.11")
+    src = copy_source(tmp_path / "src")
+    prefix = tmp_path / "prefix"
+    run = run_build_script(src, prefix, build_python, {
+        "cuda_compiler_version": "None", "CC": "/nonexistent/cc", "CXX": "/nonexistent/c++",
+    })
+    assert "CPU-only build" in run.log
+    site = staged_site_packages(prefix)
+    assert compiled_files(prefix) == []
+    assert [p.name for p in (site / "flash_attn" / "_C").iterdir()] == ["build_config.json"]
+    assert not (site / "flash_attn" / "_aot").exists()
+    [dist_info] = site.glob("flash_attn-*.dist-info")
+    assert not (dist_info / "direct_url.json").exists()
+    assert "Tag: py3-none-any" in (dist_info / "WHEEL").read_text()  # a pure wheel, no platform
+    probe = run_from_site(site, "-c", "import flash_attn, json; from flash_attn import _aot_library as a; "
+                          "s = a.status(); print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))", cwd=tmp_path)
+    assert probe.returncode == 0, probe.stderr
+    location, loaded, reason = json.loads(probe.stdout)
+    assert Path(location).is_relative_to(site)
+    assert not loaded and reason.startswith("this is a CPU-only build of flash_attn")
+    print(f"\nCPU-only build.sh: {run.seconds:.1f} s")
 
 
 # --- a local package build ------------------------------------------------------------------------------
@@ -266,9 +379,10 @@ def test_package_files(local_package):
     assert manifest_name in names, "the CUDA variant ships the AOT kernels"
     for arch in BUILD_ARCHS.split(";"):
         # sm_90 and newer are built as their arch-specific "a" targets (sm_90a) where the kernels need it
-        cubins = [n for n in names if re.match(rf"{site}/_aot/images/sm_{arch}a?/.+\.cubin$", n)]
+        # (images may be stored zlib-compressed: <name>.cubin.zlib, flash_attn/_aot_library.py)
+        cubins = [n for n in names if re.match(rf"{site}/_aot/images/sm_{arch}a?/.+\.cubin(\.zlib)?$", n)]
         assert cubins, f"no cubins for sm_{arch}"
-    assert any(n.startswith(f"{site}/_aot/images/compute_80/") and n.endswith(".ptx") for n in names)
+    assert any(re.match(rf"{site}/_aot/images/compute_80/.+\.ptx(\.zlib)?$", n) for n in names)
     assert path.stat().st_size <= SIZE_BUDGET_MIB * 2**20
 
 

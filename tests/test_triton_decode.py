@@ -14,7 +14,7 @@ Besides out and lse, each case checks the cache after the call: rows the call wr
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -103,8 +103,10 @@ def make_inputs(case: Case, dtype, device, seed: int = 0) -> dict:
     return {k: v.to(device) for k, v in args.items()}
 
 
-def run_kernels(case: Case, args: dict, mode: str, num_splits: Optional[int] = None):
-    """Our kernels on ``args`` (the cache tensors are mutated). Returns ``(out, lse)``."""
+def run_kernels(case: Case, args: dict, mode: str, num_splits: Optional[int] = None, **launch_kwargs):
+    """Our kernels on ``args`` (the cache tensors are mutated). Returns ``(out, lse)``.
+
+    ``launch_kwargs`` go to ``forward_kvcache`` (``superset``, ``family``, ``executor``)."""
     left, right = case.window
     if case.causal:
         right = 0
@@ -119,7 +121,7 @@ def run_kernels(case: Case, args: dict, mode: str, num_splits: Optional[int] = N
         num_splits=case.num_splits if num_splits is None else num_splits,
     )
     return decode_launch.forward_kvcache(args["q"], params, cache, alibi_slopes=args.get("alibi_slopes"),
-                                         interpret=mode == "interpret")
+                                         interpret=mode == "interpret", **launch_kwargs)
 
 
 def oracle_result(case: Case, args: dict, compute_dtype=oracle.F64) -> oracle.KVCacheRef:
@@ -153,11 +155,16 @@ def check_cache(name: str, after: torch.Tensor, before: torch.Tensor, expected: 
         assert torch.equal(got, want), f"{name}: appended rows differ from the new rows"
 
 
-def check_case(case: Case, dtype, mode: str, seed: int = 0, num_splits: Optional[int] = None):
+def check_case(case: Case, dtype, mode: str, seed: int = 0, num_splits: Optional[int] = None,
+               transform: Optional[Callable[[dict], dict]] = None, **launch_kwargs):
+    """Run ``case`` and check out, lse and the cache against the oracle. ``transform`` may change
+    the inputs' layout (same values) before the call; ``launch_kwargs`` go to ``forward_kvcache``."""
     device = torch.device("cuda" if mode == "triton" else "cpu")
     args = make_inputs(case, dtype, device, seed)
+    if transform is not None:
+        args = transform(args)
     before = {"k": args["k_cache"].clone(), "v": args["v_cache"].clone()}
-    out, lse = run_kernels(case, args, mode, num_splits)
+    out, lse = run_kernels(case, args, mode, num_splits, **launch_kwargs)
     ref = oracle_result(case, {**args, "k_cache": before["k"], "v_cache": before["v"]})
     naive = oracle_result(case, {**args, "k_cache": before["k"], "v_cache": before["v"]}, compute_dtype=None)
     assert out.dtype == dtype and out.shape == args["q"].shape

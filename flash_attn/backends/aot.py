@@ -7,9 +7,11 @@ It reuses the Python launchers of :mod:`flash_attn.kernels.launch`: their single
 ``_run`` hands every launch to :class:`AotExecutor`, which maps the call onto a shipped
 specialisation (:func:`flash_attn.kernels.specializations.spec_for_call`), registers its image
 once per process and calls ``torch.ops.flash_attn.aot_launch`` with the arguments packed per the
-manifest's signature. Calls without a shipped specialisation (paged
-forward, ``return_attn_probs``, head dims not a multiple of 8, the KV-cache path, int32 overflow)
-run on the ``triton`` backend when it can run, else on the reference, after a one-time warning.
+manifest's signature. ``forward_kvcache`` runs the KV-cache launcher the same way in its
+*superset* mode (:mod:`flash_attn.kernels.decode_configs`). Calls without a shipped specialisation
+(paged varlen forward, ``return_attn_probs``, fp32, head dims not a multiple of 8, caches that are
+not 16-byte aligned, int32 overflow) run on the ``triton`` backend when it can run, else on the
+reference, after a one-time warning.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "AotU
 _NAME = "aot"
 DIR_ENV = "FLASH_ATTN_AOT_DIR"
 _I32 = (-(2**31), 2**31 - 1)
+_ELEMENT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class AotUnsupported(RuntimeError):
@@ -153,7 +156,7 @@ def call_reason(m: Manifest, capability: tuple[int, int], op: str, dtype, head_d
     choice = m.image_for(capability)
     if not choice.supported:
         return choice.reason
-    specs, why = required_specs(op, dtype, head_dim, capability, flags, return_softmax)
+    specs, why = required_specs(op, dtype, head_dim, config_capability(capability, choice), flags, return_softmax)
     if not specs:
         return why
     for spec in specs:
@@ -207,11 +210,22 @@ def pack_arguments(entry: dict, names: list[str], values: dict) -> tuple[list, l
     return tensors, ints, floats
 
 
+def config_capability(capability: tuple[int, int], choice: aot_images.ImageChoice) -> tuple[int, int]:
+    """Whose launch configs a device runs: its own on a cubin (compiled for its family), and on
+    the sm_80 PTX (a GPU newer than every cubin, e.g. sm_103 or sm_121) the configs that PTX was
+    built with: the sm80 ones where the device has A100-sized shared memory, else sm86's."""
+    if choice.kind != "ptx":
+        return capability
+    shared = configs.SHARED_MEMORY_LIMIT[configs.arch_family(capability)]
+    return (8, 0) if shared >= configs.SHARED_MEMORY_LIMIT["sm80"] else (8, 6)
+
+
 class AotExecutor:
     """Launches the launchers' calls on the precompiled images of one architecture."""
 
-    def __init__(self, m: Manifest, arch: str):
+    def __init__(self, m: Manifest, arch: str, capability: Optional[tuple[int, int]] = None):
         self.manifest, self.arch = m, arch
+        self.capability = capability  # whose launch configs (see config_capability)
 
     def resolve(self, kernel_name: str, dtype, head_dim: int, config, flags: dict) -> dict:
         spec, why = S.spec_for_call(kernel_name, dtype, head_dim, config, flags)
@@ -227,11 +241,14 @@ class AotExecutor:
         runtime arguments in signature order and the constexpr flags (no Triton involved)."""
         launch_names = [n for n in registry.arg_names(name) if n not in flags]
         values = dict(zip(launch_names, args))
-        first = next(v for v in args if isinstance(v, torch.Tensor))
+        tensors = [v for v in args if isinstance(v, torch.Tensor)]
+        # the element type of the specialisation: the first fp16/bf16 tensor (the decode combine
+        # kernel starts with its fp32 partial results)
+        first = next((t for t in tensors if t.dtype in _ELEMENT_DTYPES), tensors[0])
         cfg = configs.Config(flags.get("BLOCK_M", config.block_m), flags.get("BLOCK_N", config.block_n),
                              config.num_warps, config.num_stages)
         entry = self.resolve(name, first.dtype, int(values["head_dim"]), cfg, flags)
-        if not flags.get("IS_VARLEN", False):
+        if "IS_VARLEN" in flags and not flags["IS_VARLEN"]:
             for key, value in S.dense_as_varlen(launch_names, values, int(grid[2])).items():
                 values[key] = _arange_cu(first.device, value[1], value[2]) if isinstance(value, tuple) else value
         spec_names = S.runtime_arg_names(name, entry["constexprs"])
@@ -248,10 +265,11 @@ def _executor(device) -> AotExecutor:
     m, why = manifest()
     if m is None:
         raise AotUnsupported(why)
-    choice = m.image_for(torch.cuda.get_device_capability(device))
+    capability = torch.cuda.get_device_capability(device)
+    choice = m.image_for(capability)
     if not choice.supported:
         raise AotUnsupported(choice.reason)
-    return AotExecutor(m, choice.arch.name)
+    return AotExecutor(m, choice.arch.name, config_capability(capability, choice))
 
 
 # --- the backend contract -------------------------------------------------------------------------
@@ -286,8 +304,9 @@ def forward(q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=F
         from flash_attn.kernels import launch  # noqa: PLC0415
 
         try:
-            return launch.forward(q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes,
-                                  executor=_executor(q.device))
+            executor = _executor(q.device)
+            return launch.forward(q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, executor=executor,
+                                  capability=executor.capability)
         except AotUnsupported as exc:
             reason = str(exc)
     return _fallback("forward", q.device, reason).forward(
@@ -301,14 +320,53 @@ def backward(dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
 
         try:
             # deterministic: these kernels use no atomics
+            executor = _executor(q.device)
             return launch.backward(dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes,
-                                   executor=_executor(q.device))
+                                   executor=executor, capability=executor.capability)
         except AotUnsupported as exc:
             reason = str(exc)
     return _fallback("backward", q.device, reason).backward(
         dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
+def kvcache_reason(m: Manifest, capability: tuple[int, int], dtype, head_dim: int) -> Optional[str]:
+    """Why the shipped kernels cannot run a ``forward_kvcache`` of this dtype and head dim on
+    ``capability``, or ``None``: every specialisation its head-dim bucket may launch (both split
+    configs, each append / rotary variant, the combine) must be in the image set, so that a call
+    never stops half-way (the append writes the cache in place)."""
+    choice = m.image_for(capability)
+    if not choice.supported:
+        return choice.reason
+    name = S.dtype_name(dtype)
+    if name is None:
+        return f"{dtype} inputs (the AOT kernels take fp16/bf16)"
+    if head_dim % S.HEADDIM_DIVISOR or head_dim > S.BLOCK_DS[-1]:
+        return f"head dimension {head_dim} (the AOT kernels need a multiple of {S.HEADDIM_DIVISOR} up to 256)"
+    from flash_attn.kernels import decode_configs  # noqa: PLC0415
+
+    block_d = decode_configs.superset_block_d(head_dim)
+    family = configs.arch_family(config_capability(capability, choice))
+    for spec in S.decode_specs(family, name, block_d):
+        if m.lookup(choice.arch.name, spec.key) is None:
+            return f"{spec.key} is not in the {choice.arch.name} image set of this installation"
+    return None
+
+
 def forward_kvcache(q, params, cache, *, alibi_slopes=None):
-    return _fallback("forward_kvcache", q.device, "the KV-cache kernels are not compiled ahead of time yet") \
-        .forward_kvcache(q, params, cache, alibi_slopes=alibi_slopes)
+    from flash_attn.kernels import decode_configs, decode_launch  # noqa: PLC0415
+
+    m, reason = manifest()
+    if m is not None:
+        reason = kvcache_reason(m, torch.cuda.get_device_capability(q.device), q.dtype, q.shape[-1])
+    if reason is None:
+        try:
+            executor = _executor(q.device)
+            return decode_launch.forward_kvcache(q, params, cache, alibi_slopes=alibi_slopes, interpret=False,
+                                                 executor=executor, superset=True,
+                                                 family=configs.arch_family(executor.capability))
+        except (AotUnsupported, decode_configs.DecodeLayoutUnsupported) as exc:
+            # raised before the first launch (layout) or by the argument packing (int32 range); a
+            # retry appends the same rows again, which is idempotent
+            reason = str(exc)
+    return _fallback("forward_kvcache", q.device, reason).forward_kvcache(
+        q, params, cache, alibi_slopes=alibi_slopes)

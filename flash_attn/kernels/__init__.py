@@ -10,12 +10,14 @@
 ``configs``            where the GPU architecture is chosen: launch tables per arch and head dim
 ``launch``             forward/backward launchers shared by the ``triton`` and ``interpret``
                        backends, and the kernels' ABI (:func:`launch.kernel_signature`)
-``decode_launch``      the KV-cache launcher
+``decode_launch``      the KV-cache launcher (``superset`` mode: only the ahead-of-time variants)
+``decode_configs``     KV-cache launch configs, and the decode kernels' ahead-of-time variants and ABI
+``specializations``    the set compiled ahead of time, and which specialisation a launch maps onto
 ``registry``           the kernels by name (launchers name them; only Triton executors import them)
 ``interpreter``        running these kernels in Triton's interpreter on CPU tensors
 =====================  ==========================================================================
 
 Kernel modules (and ``interpreter``) import :mod:`triton`; this package's ``__init__``, ``configs``,
-``registry``, ``specializations`` and the launchers do not, so importing :mod:`flash_attn` never
+``registry``, ``specializations``, ``decode_configs`` and the launchers do not, so importing :mod:`flash_attn` never
 requires Triton and the ``aot`` backend runs without it.
 """

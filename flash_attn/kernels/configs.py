@@ -122,8 +122,9 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dq", "sm90"): (None, None, _C(64, 32, 8, 2), None),
     ("fwd", "sm100"): (None, _F, _F, None),
     ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
-    ("bwd_dq", "sm100"): (None, _C(64, 32, 8, 2), _C(64, 32, 8, 2), None),
-    ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), None, None),
+    ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None),  # d64: 64x32 keeps 8 B, 128x64 none
+    # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
+    ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
 }
 

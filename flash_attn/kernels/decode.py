@@ -18,21 +18,26 @@ Keys of batch entry ``b`` are cache rows ``cache_leftpad[b] : cache_seqlens[b] +
 ``j`` (``j = 0`` at ``cache_leftpad[b]``) is visible to query row ``i`` iff
 ``i + sk - sq - window_left <= j <= i + sk - sq + window_right`` (``-1`` = unbounded). Scores are
 ``softcap * tanh(scale * q.k / softcap)`` (or ``scale * q.k``) minus ``slope * |i + sk - sq - j|``
-with ALiBi; the online softmax runs in base 2 with ``log2(e)`` folded into the scale.
+with ALiBi (:func:`flash_attn.kernels.masking.logits_log2`); the online softmax runs in base 2
+with ``log2(e)`` folded into the scale.
 
 A row that sees no key produces out 0 and lse ``empty_lse`` (+inf for the final result, -inf
 for a partial result, so that it weighs nothing in the combine).
 
 AOT rules: sizes, strides and scalars are plain arguments; features are ``tl.constexpr`` flags;
-no autotuning. ``split_kv_kernel``'s specialisations: ``BLOCK_M``/``BLOCK_N``/``BLOCK_D`` (from
-:data:`flash_attn.kernels.decode_launch.DECODE_CONFIGS`), ``IS_LOCAL``, ``HAS_SOFTCAP``,
-``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``, ``HAS_LEFTPAD``, and the element type of ``Out``
-(fp32 scratch when split, the input dtype when not). Performance note for the compiled variants:
-the feature mask ``offs_d < headdim`` only lets K/V loads vectorise (16-byte loads, ``cp.async``
-pipelining) when the compiler knows ``headdim`` (and the strides, pointers) are multiples of 16;
-Triton's JIT specialises that automatically, an ahead-of-time build must declare it
-(``tt.divisibility``) for the variants where it holds. Without it the kernels are correct but
-issue scalar loads.
+no autotuning; every pointer has one element type per q/k/v dtype (the final output ``Out`` and
+the fp32 partial output ``OutPart`` are separate arguments, chosen at run time by the number of
+splits). ``split_kv_kernel``'s specialisations: ``BLOCK_M``/``BLOCK_N``/``BLOCK_D`` (from
+:data:`flash_attn.kernels.decode_configs.DECODE_CONFIGS`), ``IS_LOCAL``, ``HAS_SOFTCAP``,
+``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``, ``HAS_LEFTPAD``; each flag's "on" variant is exact
+for calls without the feature (``-1`` window bounds, ``softcap = 0``, zero slopes, a non-paged
+cache as pages of its whole length, zero left padding), which the launcher's *superset mode*
+uses (:mod:`flash_attn.kernels.decode_configs`). Performance note for the compiled variants: the
+feature mask ``offs_d < head_dim`` only lets K/V loads vectorise (16-byte loads, ``cp.async``
+pipelining) when the compiler knows ``head_dim`` (and the strides, pointers) are multiples of 8
+elements; Triton's JIT specialises that automatically, an ahead-of-time build must declare it
+(``tt.divisibility``, :func:`flash_attn.kernels.decode_configs.aot_divisibility`). Without it
+the kernels are correct but issue scalar loads.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ def _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_ri
 
     The packed-row counterpart of :func:`flash_attn.kernels.masking.key_block_range` (a tile of
     ``BLOCK_M`` packed rows holds a run of ``t_last - t_first + 1`` query rows that is not a
-    compile-time size). Block indices; divisions only of values clamped to ``>= 0``.
+    compile-time size). Block indices; divisions only of values clamped to ``>= 0``. A bound of
+    ``-1`` leaves its side exactly as without ``IS_LOCAL`` (as in ``masking.key_block_range``), so
+    ``IS_LOCAL=True`` serves non-local calls too (superset mode relies on it).
     """
     first = seqlen_k * 0
     last = seqlen_k  # one past
@@ -93,7 +100,7 @@ def _attend_blocks(
     l_i,
     q,
     row_pos,
-    slopes,
+    slope_log2,
     K,
     V,
     seq,
@@ -112,8 +119,10 @@ def _attend_blocks(
     stride_vb,
     stride_vt,
     v_head,
-    qk_scale,
-    softcap,
+    qk_scale_log2,
+    cap_on,
+    cap_in,
+    cap_out_log2,
     window_left,
     window_right,
     BLOCK_N: tl.constexpr,
@@ -127,7 +136,9 @@ def _attend_blocks(
 
     ``acc`` (fp32 ``(BLOCK_M, BLOCK_D)``), ``m_i`` (running max, base-2 units) and ``l_i`` (running
     sum) are updated and returned. ``MASKED`` applies the key-range and window mask; blocks that
-    every row of the tile sees completely may skip it.
+    every row of the tile sees completely may skip it. The score scalars come from
+    :func:`flash_attn.kernels.masking.score_scalars`; ``slope_log2`` is the ALiBi slope of each
+    row times ``log2(e)``.
     """
     for block in range(block_start, block_end):
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,15 +153,10 @@ def _attend_blocks(
             kv_mask = d_mask[None, :]
         k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        if HAS_SOFTCAP:
-            s = masking.apply_softcap(qk * qk_scale, softcap) * LOG2E
-        else:
-            s = qk * (qk_scale * LOG2E)
-        if HAS_ALIBI:
-            s = s + masking.alibi_bias_at((slopes * LOG2E)[:, None], row_pos[:, None], offs_n[None, :], seqlen_q, seqlen_k)
-        if MASKED:
-            visible = masking.visible(row_pos, offs_n, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL)
-            s = tl.where(visible, s, float("-inf"))
+        # softcap (switched at run time by cap_on), ALiBi and the mask: the rule of every kernel
+        s, _ = masking.logits_log2(qk, row_pos[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
+                                   cap_on, cap_in, cap_out_log2, slope_log2[:, None], window_left, window_right,
+                                   MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead (p = 0)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -170,6 +176,7 @@ def split_kv_kernel(
     K,
     V,
     Out,
+    OutPart,
     Lse,
     Seqlens,
     Leftpad,
@@ -185,10 +192,13 @@ def split_kv_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
-    stride_os,
     stride_ob,
     stride_ot,
     stride_oh,
+    stride_ps,
+    stride_pb,
+    stride_pt,
+    stride_ph,
     stride_ls,
     stride_lb,
     stride_lt,
@@ -199,9 +209,9 @@ def split_kv_kernel(
     seqlen_q,
     seqlen_new,
     group,
-    headdim,
+    head_dim,
     page_size,
-    qk_scale,
+    softmax_scale,
     softcap,
     window_left,
     window_right,
@@ -215,14 +225,22 @@ def split_kv_kernel(
     PAGED: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     """Grid ``(num_splits, batch * nheads_k, cdiv(seqlen_q * group, BLOCK_M))``.
 
+    ``ONE_PASS``: visit the split's key blocks in one masked loop instead of masked / interior /
+    masked stages. The same values (the mask is all-true on interior blocks); a third of the
+    code, so a third of the compile time (the ahead-of-time build uses it: decoding is bound by
+    reading K/V, not by the mask arithmetic).
+
     Program ``(split, b * nheads_k + kv_head, m_block)`` attends the packed rows
     ``[m_block * BLOCK_M, ...)`` of kv head ``kv_head`` to its share of the visible key blocks and
-    stores the normalised result at ``Out + split * stride_os + ...`` and its natural-log
-    logsumexp at ``Lse + split * stride_ls + ...`` (``Out`` is fp32 scratch when split, the
-    final output otherwise; the store casts to its element type).
+    stores the normalised result and its natural-log logsumexp at ``Lse + split * stride_ls +
+    ...``. The result goes to the final output ``Out`` (q's dtype, strides ``stride_o*``) when
+    there is one split, else to the fp32 scratch ``OutPart + split * stride_ps + ...``: two
+    pointers chosen at run time rather than one pointer of either type, so that the kernel has a
+    single signature per dtype (an ahead-of-time build compiles one kernel, not two).
     """
     split = tl.program_id(0)
     num_splits = tl.num_programs(0)
@@ -252,15 +270,16 @@ def split_kv_kernel(
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < rows_q
-    d_mask = offs_d < headdim
+    d_mask = offs_d < head_dim
     row_pos = offs_m // group
     head = kv_head * group + offs_m % group
     q_off = b.to(tl.int64) * stride_qb + row_pos.to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if HAS_ALIBI:
-        slopes = tl.load(Alibi + b * stride_ab + head, mask=m_mask, other=0.0).to(tl.float32)
+        slope_log2 = tl.load(Alibi + b * stride_ab + head, mask=m_mask, other=0.0).to(tl.float32) * LOG2E
     else:
-        slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+        slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
 
     # key positions seen by some row of the tile [lo, hi), and by every row [full_lo, full_hi)
     t_first = (m_block * BLOCK_M) // group
@@ -279,27 +298,39 @@ def split_kv_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_head = kv_head.to(tl.int64) * stride_kh
     v_head = kv_head.to(tl.int64) * stride_vh
+    if ONE_PASS:
+        a = end
+        c = end
     acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, row_pos, slopes, K, V, seq, bt_row, start, a, first_row, seqlen_k, seqlen_q,
-        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale,
-        softcap, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
-    acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, row_pos, slopes, K, V, seq, bt_row, a, c, first_row, seqlen_k, seqlen_q,
-        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale,
-        softcap, window_left, window_right, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
-    acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, row_pos, slopes, K, V, seq, bt_row, c, end, first_row, seqlen_k, seqlen_q,
-        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale,
-        softcap, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
+        acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, start, a, first_row, seqlen_k, seqlen_q,
+        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
+        cap_on, cap_in, cap_out_log2, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+        PAGED)
+    if not ONE_PASS:
+        acc, m_i, l_i = _attend_blocks(
+            acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, a, c, first_row, seqlen_k, seqlen_q,
+            offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
+            cap_on, cap_in, cap_out_log2, window_left, window_right, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP,
+            HAS_ALIBI, PAGED)
+        acc, m_i, l_i = _attend_blocks(
+            acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, c, end, first_row, seqlen_k, seqlen_q,
+            offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
+            cap_on, cap_in, cap_out_log2, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP,
+            HAS_ALIBI, PAGED)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, empty_lse)
     row_off = row_pos.to(tl.int64)
-    o_off = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob + row_off * stride_ot + head * stride_oh
-    tl.store(Out + o_off[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])
+    o_mask = m_mask[:, None] & d_mask[None, :]
+    # a branch on a uniform scalar around stores only: nothing is yielded, no extra live tiles
+    if num_splits == 1:
+        o_off = b.to(tl.int64) * stride_ob + row_off * stride_ot + head * stride_oh
+        tl.store(Out + o_off[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+    else:
+        p_off = split.to(tl.int64) * stride_ps + b.to(tl.int64) * stride_pb + row_off * stride_pt + head * stride_ph
+        tl.store(OutPart + p_off[:, None] + offs_d[None, :], out, mask=o_mask)
     l_off = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + row_off * stride_lt + head * stride_lh
     tl.store(Lse + l_off, lse, mask=m_mask)
 
@@ -327,7 +358,7 @@ def combine_splits_kernel(
     num_splits,
     seqlen_q,
     nheads,
-    headdim,
+    head_dim,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -344,7 +375,7 @@ def combine_splits_kernel(
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_mask = offs_r < seqlen_q * nheads
-    d_mask = offs_d < headdim
+    d_mask = offs_d < head_dim
     t = (offs_r // nheads).to(tl.int64)
     h = offs_r % nheads
     lse_ptrs = LsePart + b * stride_qb + t * stride_qt + h * stride_qh

@@ -1,4 +1,4 @@
-"""Host side of KV-cache attention: launch configs, the split heuristic and the launch sequence.
+"""Host side of KV-cache attention: the split heuristic and the launch sequence.
 
 :func:`forward_kvcache` runs ``flash_attn_with_kvcache`` with the Triton kernels of
 :mod:`flash_attn.kernels.kvcache_append` and :mod:`flash_attn.kernels.decode`:
@@ -9,63 +9,49 @@
    the key blocks;
 4. ``combine_splits_kernel`` merges the splits (skipped when there is a single split).
 
+Every launch goes through :func:`flash_attn.kernels.launch._run`, the package's single launch
+point, as the kernel's name, the grid, the runtime arguments in signature order, every constexpr
+by name and the launch config; ``executor`` (the ``aot`` backend's precompiled images, a test's
+recorder) runs it, by default Triton (compiled, or interpreted when ``interpret``).
+
+``superset=True`` restricts the launches to the fixed set of constexpr combinations of
+:func:`flash_attn.kernels.decode_configs.aot_variants` (every feature compiled in and switched
+at run time, exact for every call) and lays every argument out as an ahead-of-time build
+declares it; calls it cannot serve exactly raise
+:class:`~flash_attn.kernels.decode_configs.DecodeLayoutUnsupported` before anything runs.
+
 Nothing here reads tensor values on the host (no device synchronisation), so the sequence can be
-captured in a CUDA graph. Launch configurations come from :data:`DECODE_CONFIGS`, keyed by GPU
-architecture family and head-dim bucket.
+captured in a CUDA graph. Launch configurations come from
+:data:`~flash_attn.kernels.decode_configs.DECODE_CONFIGS`, keyed by GPU architecture family and
+head-dim bucket. This module does not import Triton.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from flash_attn.kernels import configs, registry
+from flash_attn.kernels import configs, launch, registry
+from flash_attn.kernels import decode_configs as dc
+from flash_attn.kernels.decode_configs import (  # noqa: F401  (also importable from here, as before)
+    APPEND_BLOCK_T,
+    AUX_CONFIG,
+    ROTARY_CONFIG,
+    COMBINE_BLOCK_R,
+    COMBINE_CONFIG,
+    DECODE_CONFIGS,
+    INTERPRET_NUM_SMS,
+    MAX_SPLITS,
+    DecodeLayoutUnsupported,
+)
 from flash_attn.params import AttentionParams, KVCacheInputs
-
-# ----------------------------------------------------------------------------------------------
-# Launch configurations
-# ----------------------------------------------------------------------------------------------
-
 
 Config = configs.Config  # (block_m, block_n, num_warps, num_stages)
 
-# (arch family, largest head dim of the bucket) -> (decode config, many-rows config). The first
-# is used when the packed query rows ``seqlen_q * nheads / nheads_k`` fit its BLOCK_M of 16 (one
-# MMA tile: decoding, also with GQA groups up to 16), the second otherwise (speculative decoding,
-# prefill against a cache). Decoding is bound by reading K/V: wide key blocks keep many loads in
-# flight. Every entry was compiled for its architecture (worst-case flags: paged, local, ALiBi,
-# softcap, leftpad) and fits its shared memory without register spills (cuobjdump STACK:0).
-_C = Config
-DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
-    # A100: 163 KB shared memory, mma.sync + cp.async
-    ("sm80", 64): (_C(16, 128, 4, 3), _C(64, 128, 8, 3)),
-    ("sm80", 128): (_C(16, 64, 4, 3), _C(32, 64, 4, 3)),
-    ("sm80", 256): (_C(16, 64, 8, 2), _C(32, 64, 8, 2)),
-    # consumer Ampere / Ada (sm86/87/89) and consumer Blackwell (sm120): 99 KB
-    ("sm86", 64): (_C(16, 128, 4, 2), _C(64, 64, 4, 2)),
-    ("sm86", 128): (_C(16, 64, 4, 2), _C(32, 64, 4, 2)),
-    ("sm86", 256): (_C(16, 32, 4, 2), _C(32, 32, 4, 2)),
-    # H100/H200 and B200: 227 KB; BLOCK_M = 16 rows use mma.sync, 64-row tiles wgmma on sm90
-    ("sm90", 64): (_C(16, 128, 4, 4), _C(64, 128, 8, 4)),
-    ("sm90", 128): (_C(16, 128, 4, 3), _C(64, 64, 8, 3)),
-    ("sm90", 256): (_C(16, 64, 8, 2), _C(32, 64, 8, 2)),
-    # Triton's interpreter: small key blocks so that the tests cross several blocks and pages
-    ("interpret", 64): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
-    ("interpret", 128): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
-    ("interpret", 256): (_C(16, 16, 1, 1), _C(32, 16, 1, 1)),
-}
-for _bucket in (64, 128, 256):
-    DECODE_CONFIGS[("sm100", _bucket)] = DECODE_CONFIGS[("sm90", _bucket)]
-    DECODE_CONFIGS[("sm120", _bucket)] = DECODE_CONFIGS[("sm86", _bucket)]
-# Rows per program of the append / rotary kernels and of the combine kernel.
-APPEND_BLOCK_T = 16
-COMBINE_BLOCK_R = 16
-# Most splits the heuristic picks (the combine reads every split of every row).
-MAX_SPLITS = 128
-# SM count assumed in Triton's interpreter (an A100's), so that the heuristic is exercised.
-INTERPRET_NUM_SMS = 108
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def decode_family(device: Optional[torch.device], interpret: bool) -> str:
@@ -76,22 +62,8 @@ def decode_family(device: Optional[torch.device], interpret: bool) -> str:
 
 
 def pick_decode_config(family: str, headdim: int, packed_rows: int, dtype: torch.dtype) -> Config:
-    """Launch configuration of ``split_kv_kernel`` for ``seqlen_q * group = packed_rows`` rows.
-
-    float32 inputs take the FMA path with tiles twice as big in bytes: key blocks of at most 32
-    (16 for head dim 256), at most 32 rows, no software pipelining (a rare case; it is correct
-    but may spill registers).
-    """
-    bucket = next((b for b in (64, 128, 256) if headdim <= b), None)
-    if bucket is None:
-        raise ValueError(f"head dim {headdim} > 256 is not supported by the decode kernels")
-    small, large = DECODE_CONFIGS[(family, bucket)]
-    config = small if packed_rows <= small.block_m else large
-    if dtype == torch.float32 and family != "interpret":
-        block_m = min(config.block_m, 32)
-        block_n = min(config.block_n, 32 if bucket <= 128 else 16)
-        config = Config(block_m, block_n, 8 if block_m > 16 else 4, 1)
-    return config
+    """Launch configuration of ``split_kv_kernel`` (:func:`decode_configs.decode_config`)."""
+    return dc.decode_config(family, headdim, packed_rows, fp32=dtype == torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -139,74 +111,168 @@ def _max_visible_keys(capacity: int, params: AttentionParams, query_rows_per_til
 
 
 # ----------------------------------------------------------------------------------------------
+# The arguments of one call
+# ----------------------------------------------------------------------------------------------
+
+
+def superset_refusal(q: torch.Tensor, cache: KVCacheInputs) -> Optional[str]:
+    """Why superset mode cannot run this call exactly, or ``None`` (no GPU, no launch needed).
+
+    The caches are written in place, so unlike the inputs they cannot be copied into the aligned
+    layout the compiled kernels assume (:func:`decode_configs.superset_refusal`).
+    """
+    caches = {name: (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+              for name, t in (("k_cache", cache.k_cache), ("v_cache", cache.v_cache))}
+    return dc.superset_refusal(_DTYPE_NAMES.get(q.dtype, str(q.dtype)), q.shape[-1], caches)
+
+
+def _cache_strides(t: torch.Tensor) -> list[int]:
+    """(slot, row, head) strides of a cache or page pool; 0 for a dimension of size 1, whose index
+    is always 0 (so its arbitrary stride neither matters nor breaks the multiple-of-8 contract)."""
+    return [s if n > 1 else 0 for n, s in zip(t.shape[:3], t.stride()[:3])]
+
+
+@dataclass
+class _Layout:
+    """The tensors and flags of one call as the kernels take them (placeholders where unused)."""
+
+    k_new: Optional[torch.Tensor]
+    v_new: Optional[torch.Tensor]
+    seqlens: torch.Tensor
+    leftpad: torch.Tensor
+    batch_idx: torch.Tensor
+    block_table: torch.Tensor
+    page_size: int
+    alibi: torch.Tensor
+    stride_ab: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_half: int
+    # constexpr flags
+    paged: bool
+    has_batch_idx: bool
+    has_leftpad: bool
+    has_alibi: bool
+
+
+def _layout(q: torch.Tensor, cache: KVCacheInputs, alibi_slopes: Optional[torch.Tensor], superset: bool) -> _Layout:
+    """The call's tensors, and in superset mode every tensor argument 16-byte aligned with strides
+    that are multiples of 8 elements (``launch.ready`` copies inputs only where needed; the caches
+    were checked by :func:`superset_refusal`) and the features switched on with neutral values."""
+    batch, nheads, device = q.shape[0], q.shape[2], q.device
+    k_cache = cache.k_cache
+    rotary = cache.rotary_cos is not None
+    if rotary:
+        cos, sin = cache.rotary_cos, cache.rotary_sin
+        rotary_half = cos.shape[1]
+    else:
+        cos = sin = torch.empty(1, dtype=torch.float32, device=device)
+        rotary_half = 0
+    if not superset:
+        seqlens = cache.cache_seqlens
+        paged = cache.block_table is not None
+        return _Layout(
+            k_new=cache.k_new, v_new=cache.v_new, seqlens=seqlens,
+            leftpad=cache.cache_leftpad if cache.cache_leftpad is not None else seqlens,
+            batch_idx=cache.cache_batch_idx if cache.cache_batch_idx is not None else seqlens,
+            block_table=cache.block_table if paged else seqlens, page_size=k_cache.shape[1],
+            alibi=alibi_slopes if alibi_slopes is not None else torch.empty(1, dtype=torch.float32, device=device),
+            stride_ab=alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+            cos=cos.contiguous(), sin=sin.contiguous(), rotary_half=rotary_half,
+            paged=paged, has_batch_idx=cache.cache_batch_idx is not None and not paged,
+            has_leftpad=cache.cache_leftpad is not None, has_alibi=alibi_slopes is not None,
+        )
+
+    ready = launch.ready
+    seqlens = ready(cache.cache_seqlens)
+    if cache.block_table is not None:
+        block_table = ready(cache.block_table.to(torch.int32))
+    else:
+        # a cache (b_cache, s, hk, d) is a pool of pages of s rows: sequence b is page
+        # cache_batch_idx[b] (or b), so the (b, 1) table addresses exactly the same elements
+        index = cache.cache_batch_idx
+        index = ready(index) if index is not None else torch.arange(batch, dtype=torch.int32, device=device)
+        block_table = index.view(batch, 1)
+    if alibi_slopes is not None:
+        alibi = ready(alibi_slopes.to(torch.float32))
+    else:
+        alibi = torch.zeros(nheads, dtype=torch.float32, device=device)  # a zero slope adds exactly 0
+    return _Layout(
+        k_new=None if cache.k_new is None else ready(cache.k_new),
+        v_new=None if cache.v_new is None else ready(cache.v_new),
+        seqlens=seqlens,
+        leftpad=ready(cache.cache_leftpad) if cache.cache_leftpad is not None
+        else torch.zeros(batch, dtype=torch.int32, device=device),
+        batch_idx=seqlens,  # unused: HAS_BATCH_IDX=False, the index is in the block table
+        block_table=block_table, page_size=k_cache.shape[1],
+        alibi=alibi, stride_ab=alibi.stride(0) if alibi.dim() == 2 else 0,
+        # fp32 tables whatever the caller's dtype (exact; the kernels compute in fp32), so the
+        # pointer types depend on the q/k/v dtype alone
+        cos=ready(cos.to(torch.float32)), sin=ready(sin.to(torch.float32)), rotary_half=rotary_half,
+        paged=True, has_batch_idx=False, has_leftpad=True, has_alibi=True,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # Launching
 # ----------------------------------------------------------------------------------------------
 
 
-def _launch(kernel: str, grid, interpret: bool, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, compiled for the GPU or run in Triton's interpreter;
-    ``kernel`` is a name of :mod:`flash_attn.kernels.registry`, resolved (importing Triton) here only."""
-    if interpret:
-        from flash_attn.kernels import interpreter  # noqa: PLC0415
-
-        interpreter.launch(registry.jit_function(kernel), grid, *args, **kwargs)
-    else:
-        registry.jit_function(kernel)[grid](*args, **kwargs)
-
-
-def append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheInputs, *, interpret: bool) -> torch.Tensor:
-    """Append ``cache.k_new``/``v_new`` to the cache (rotating k) and return q, rotated if asked."""
+def _append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheInputs, lay: _Layout, block_d: int,
+                       interpret: bool, executor) -> torch.Tensor:
     if cache.k_new is None:
         return q
     batch, seqlen_q, nheads, headdim = q.shape
-    k_new, v_new = cache.k_new, cache.v_new
+    k_new, v_new = lay.k_new, lay.v_new
     seqlen_new, nheads_k = k_new.shape[1], k_new.shape[2]
     rotary = cache.rotary_cos is not None
+    interleaved = bool(cache.rotary_interleaved)
     k_cache, v_cache = cache.k_cache, cache.v_cache
-    seqlens = cache.cache_seqlens
-    if rotary:
-        cos = cache.rotary_cos.contiguous()
-        sin = cache.rotary_sin.contiguous()
-        rotary_half = cos.shape[1]
-    else:
-        cos = sin = torch.empty(1, dtype=torch.float32, device=q.device)
-        rotary_half = 0
-    paged = cache.block_table is not None
-    block_table = cache.block_table if paged else seqlens
-    batch_idx = cache.cache_batch_idx if cache.cache_batch_idx is not None else seqlens
-    block_d = configs.padded_headdim(headdim)
-    num_warps = 1 if interpret else 4
+    device = q.device
     if seqlen_new > 0 and batch * nheads_k > 0:
         grid = (registry.cdiv(seqlen_new, APPEND_BLOCK_T), batch * nheads_k)
-        _launch(
-            "append_kv_kernel", grid, interpret,
-            k_new, v_new, k_cache, v_cache, cos, sin, seqlens, batch_idx, block_table,
+        args = [
+            k_new, v_new, k_cache, v_cache, lay.cos, lay.sin, lay.seqlens, lay.batch_idx, lay.block_table,
             k_new.stride(0), k_new.stride(1), k_new.stride(2),
             v_new.stride(0), v_new.stride(1), v_new.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_table.stride(0), cos.stride(0),
-            nheads_k, seqlen_new, headdim, rotary_half, k_cache.shape[1],
-            BLOCK_T=APPEND_BLOCK_T, BLOCK_D=block_d, PAGED=paged,
-            HAS_BATCH_IDX=cache.cache_batch_idx is not None and not paged,
-            HAS_ROTARY=rotary, INTERLEAVED=bool(cache.rotary_interleaved),
-            num_warps=num_warps,
-        )
+            *_cache_strides(k_cache), *_cache_strides(v_cache),
+            lay.block_table.stride(0), lay.cos.stride(0),
+            nheads_k, seqlen_new, headdim, lay.rotary_half, lay.page_size,
+        ]
+        flags = dc.append_constexprs(block_d, lay.paged, lay.has_batch_idx, rotary, interleaved)
+        launch._run("append_kv_kernel", grid, args, flags, AUX_CONFIG, interpret, device, executor)
     if not rotary:
         return q
-    q_rot = torch.empty((batch, seqlen_q, nheads, headdim), dtype=q.dtype, device=q.device)
+    q_rot = torch.empty((batch, seqlen_q, nheads, headdim), dtype=q.dtype, device=device)
     if q.numel() > 0:
         grid = (registry.cdiv(seqlen_q, APPEND_BLOCK_T), batch * nheads)
-        _launch(
-            "rotary_q_kernel", grid, interpret,
-            q, q_rot, cos, sin, seqlens,
+        args = [
+            q, q_rot, lay.cos, lay.sin, lay.seqlens,
             q.stride(0), q.stride(1), q.stride(2),
             q_rot.stride(0), q_rot.stride(1), q_rot.stride(2),
-            cos.stride(0), nheads, seqlen_q, headdim, rotary_half,
-            BLOCK_T=APPEND_BLOCK_T, BLOCK_D=block_d, PER_ROW_POSITION=params.is_local,
-            INTERLEAVED=bool(cache.rotary_interleaved), num_warps=num_warps,
-        )
+            lay.cos.stride(0), nheads, seqlen_q, headdim, lay.rotary_half,
+        ]
+        # causal/local calls rotate query row t at position cache_seqlens + t, others all at cache_seqlens
+        flags = dc.rotary_q_constexprs(block_d, params.is_local, interleaved)
+        launch._run("rotary_q_kernel", grid, args, flags, ROTARY_CONFIG, interpret, device, executor)
     return q_rot
+
+
+def _block_d(headdim: int, superset: bool) -> int:
+    """``BLOCK_D``: the head-dim bucket in superset mode (64/128/256), else the next power of two."""
+    return dc.superset_block_d(headdim) if superset else configs.padded_headdim(headdim)
+
+
+def append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheInputs, *, interpret: bool,
+                      executor=None, superset: bool = False) -> torch.Tensor:
+    """Append ``cache.k_new``/``v_new`` to the cache (rotating k) and return q, rotated if asked."""
+    if superset:
+        why = superset_refusal(q, cache)
+        if why is not None:
+            raise DecodeLayoutUnsupported(why)
+        q = launch.ready(q)
+    lay = _layout(q, cache, None, superset)
+    return _append_and_rotate(q, params, cache, lay, _block_d(q.shape[-1], superset), interpret, executor)
 
 
 def forward_kvcache(
@@ -216,31 +282,45 @@ def forward_kvcache(
     *,
     alibi_slopes: Optional[torch.Tensor] = None,
     interpret: bool,
+    executor=None,
+    superset: bool = False,
+    family: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flash_attn_with_kvcache`` on the Triton kernels; the backend contract's ``forward_kvcache``.
 
     Returns ``(out (b, sq, h, d) like q, lse fp32 (b, h, sq))``; mutates the cache in place.
-    ``interpret=True`` runs every kernel in Triton's interpreter (CPU tensors).
+    ``interpret=True`` runs every kernel in Triton's interpreter (CPU tensors). ``executor``: see
+    :func:`flash_attn.kernels.launch._run`. ``superset``: launch only the specialisations of
+    :func:`decode_configs.aot_variants` (fp16/bf16, head dims multiple of 8; raises
+    :class:`DecodeLayoutUnsupported` before touching anything otherwise). ``family``: the
+    architecture family whose launch configs to use (default: the device's, ``"interpret"`` in
+    the interpreter); lets the interpreter run, and a test check, exactly the launches a GPU
+    family would get.
     """
-    q = append_and_rotate(q, params, cache, interpret=interpret)
+    if superset:
+        why = superset_refusal(q, cache)
+        if why is not None:
+            raise DecodeLayoutUnsupported(why)
+        q = launch.ready(q)
     batch, seqlen_q, nheads, headdim = q.shape
+    device = q.device
+    block_d = _block_d(headdim, superset)
+    lay = _layout(q, cache, alibi_slopes, superset)
+    q = _append_and_rotate(q, params, cache, lay, block_d, interpret, executor)
     k_cache, v_cache = cache.k_cache, cache.v_cache
     nheads_k = k_cache.shape[2]
     group = nheads // nheads_k
-    device = q.device
     out = torch.empty((batch, seqlen_q, nheads, headdim), dtype=q.dtype, device=device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=device)
     if q.numel() == 0:
         return out, lse
 
-    paged = cache.block_table is not None
-    seqlens = cache.cache_seqlens
-    page_size = k_cache.shape[1]
-    capacity = cache.block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    capacity = (cache.block_table.shape[1] * lay.page_size if cache.block_table is not None
+                else k_cache.shape[1])
     seqlen_new = 0 if cache.k_new is None else cache.k_new.shape[1]
 
     rows = seqlen_q * group
-    config = pick_decode_config(decode_family(device, interpret), headdim, rows, q.dtype)
+    config = pick_decode_config(family or decode_family(device, interpret), headdim, rows, q.dtype)
     block_m, block_n = config.block_m, config.block_n
     m_blocks = registry.cdiv(rows, block_m)
     query_rows_per_tile = min(seqlen_q, registry.cdiv(block_m, group) + 1)
@@ -249,58 +329,46 @@ def forward_kvcache(
     splits = choose_num_splits(cache.num_splits, batch * nheads_k * m_blocks, key_blocks,
                                num_sms(device, interpret))
 
+    # one split writes out/lse directly; several write fp32 partial results for the combine
     if splits == 1:
-        out_buf, lse_buf = out, lse
-        o_strides = (0, out.stride(0), out.stride(1), out.stride(2))
+        out_part = torch.empty(1, dtype=torch.float32, device=device)  # unused placeholder
+        p_strides = (0, 0, 0, 0)
+        lse_buf = lse
         l_strides = (0, lse.stride(0), lse.stride(2), lse.stride(1))
         empty_lse = float("inf")
     else:
-        out_buf = torch.empty((splits, batch, seqlen_q, nheads, headdim), dtype=torch.float32, device=device)
+        out_part = torch.empty((splits, batch, seqlen_q, nheads, headdim), dtype=torch.float32, device=device)
+        p_strides = out_part.stride()[:4]
         lse_buf = torch.empty((splits, batch, seqlen_q, nheads), dtype=torch.float32, device=device)
-        o_strides = out_buf.stride()[:4]
         l_strides = lse_buf.stride()
         empty_lse = float("-inf")
 
-    if alibi_slopes is not None:
-        alibi = alibi_slopes
-        stride_ab = alibi.stride(0) if alibi.dim() == 2 else 0
+    if superset:
+        features = dc.SPLIT_KV_SUPERSET
     else:
-        alibi = torch.empty(1, dtype=torch.float32, device=device)
-        stride_ab = 0
-    block_table = cache.block_table if paged else seqlens
-    batch_idx = cache.cache_batch_idx if cache.cache_batch_idx is not None else seqlens
-    leftpad = cache.cache_leftpad if cache.cache_leftpad is not None else seqlens
-
-    grid = (splits, batch * nheads_k, m_blocks)
-    _launch(
-        "split_kv_kernel", grid, interpret,
-        q, k_cache, v_cache, out_buf, lse_buf, seqlens, leftpad, batch_idx, block_table, alibi,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *o_strides, *l_strides,
-        block_table.stride(0), stride_ab,
-        nheads_k, seqlen_q, seqlen_new, group, headdim, page_size,
-        float(params.softmax_scale), float(params.softcap),
-        int(params.window_left), int(params.window_right), empty_lse,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=configs.padded_headdim(headdim),
-        IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0,
-        HAS_ALIBI=alibi_slopes is not None, PAGED=paged,
-        HAS_BATCH_IDX=cache.cache_batch_idx is not None and not paged,
-        HAS_LEFTPAD=cache.cache_leftpad is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+        features = dict(IS_LOCAL=params.is_local, HAS_SOFTCAP=params.softcap > 0.0, HAS_ALIBI=lay.has_alibi,
+                        PAGED=lay.paged, HAS_BATCH_IDX=lay.has_batch_idx, HAS_LEFTPAD=lay.has_leftpad,
+                        ONE_PASS=False)
+    args = [
+        q, k_cache, v_cache, out, out_part, lse_buf, lay.seqlens, lay.leftpad, lay.batch_idx, lay.block_table,
+        lay.alibi,
+        q.stride(0), q.stride(1), q.stride(2), *_cache_strides(k_cache), *_cache_strides(v_cache),
+        out.stride(0), out.stride(1), out.stride(2), *p_strides, *l_strides,
+        lay.block_table.stride(0), lay.stride_ab,
+        nheads_k, seqlen_q, seqlen_new, group, headdim, lay.page_size,
+        float(params.softmax_scale), float(params.softcap), int(params.window_left), int(params.window_right),
+        empty_lse,
+    ]
+    launch._run("split_kv_kernel", (splits, batch * nheads_k, m_blocks), args,
+                dc.split_kv_constexprs(config, block_d, features), config, interpret, device, executor)
     if splits > 1:
-        grid = (registry.cdiv(seqlen_q * nheads, COMBINE_BLOCK_R), batch)
-        _launch(
-            "combine_splits_kernel", grid, interpret,
-            out_buf, lse_buf, out, lse,
-            out_buf.stride(0), out_buf.stride(1), out_buf.stride(2), out_buf.stride(3),
-            lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2), lse_buf.stride(3),
+        args = [
+            out_part, lse_buf, out, lse,
+            *out_part.stride()[:4], *lse_buf.stride(),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(2), lse.stride(1),
             splits, seqlen_q, nheads, headdim,
-            BLOCK_R=COMBINE_BLOCK_R, BLOCK_D=configs.padded_headdim(headdim),
-            num_warps=1 if interpret else 4,
-        )
+        ]
+        launch._run("combine_splits_kernel", (registry.cdiv(seqlen_q * nheads, COMBINE_BLOCK_R), batch), args,
+                    dc.combine_constexprs(block_d), COMBINE_CONFIG, interpret, device, executor)
     return out, lse

@@ -16,7 +16,11 @@ rotates feature pairs ``(2i, 2i + 1)`` (``INTERLEAVED``, GPT-J) or ``(i, i + rot
 fp32 and is rounded once to the tensor's dtype.
 
 AOT rules (as for every kernel in this package): sizes and strides are ordinary integer
-arguments, features are ``tl.constexpr`` flags, no autotuning, no host-side state.
+arguments, features are ``tl.constexpr`` flags, no autotuning, no host-side state. Every load and
+store masks ``offs_d < head_dim`` with the run-time head dim, so a ``BLOCK_D`` wider than the head
+dim is exact; ``PAGED=True`` also serves a non-paged cache ``(b_cache, s, hk, d)`` as pages of
+``s`` rows with a ``(b, 1)`` block table (the launcher's superset mode,
+:mod:`flash_attn.kernels.decode_configs`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def rotated_rows(
     Sin,
     stride_ro,
     rotary_half,
-    headdim,
+    head_dim,
     INTERLEAVED: tl.constexpr,
     HAS_ROTARY: tl.constexpr,
 ):
@@ -45,7 +49,7 @@ def rotated_rows(
     rotary position of each row (its ``cos``/``sin`` table row). Returns fp32
     ``(BLOCK_T, BLOCK_D)``; masked entries are 0.
     """
-    d_mask = offs_d < headdim
+    d_mask = offs_d < head_dim
     mask = row_mask[:, None] & d_mask[None, :]
     x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_ROTARY:
@@ -96,7 +100,7 @@ def append_kv_kernel(
     stride_ro,
     nheads_k,
     seqlen_new,
-    headdim,
+    head_dim,
     rotary_half,
     page_size,
     BLOCK_T: tl.constexpr,
@@ -135,9 +139,9 @@ def append_kv_kernel(
 
     k_src = K_new + b.to(tl.int64) * stride_knb + offs_t * stride_knt + h * stride_knh
     v_src = V_new + b.to(tl.int64) * stride_vnb + offs_t * stride_vnt + h * stride_vnh
-    k = rotated_rows(k_src, offs_d, t_mask, positions, Cos, Sin, stride_ro, rotary_half, headdim,
+    k = rotated_rows(k_src, offs_d, t_mask, positions, Cos, Sin, stride_ro, rotary_half, head_dim,
                      INTERLEAVED, HAS_ROTARY)
-    d_mask = offs_d < headdim
+    d_mask = offs_d < head_dim
     mask = t_mask[:, None] & d_mask[None, :]
     tl.store(k_dst[:, None] + offs_d[None, :], k.to(K_cache.dtype.element_ty), mask=mask)
     v = tl.load(v_src[:, None] + offs_d[None, :], mask=mask, other=0.0)
@@ -160,7 +164,7 @@ def rotary_q_kernel(
     stride_ro,
     nheads,
     seqlen_q,
-    headdim,
+    head_dim,
     rotary_half,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -186,7 +190,7 @@ def rotary_q_kernel(
         positions = start + offs_t * 0
     src = Q + b.to(tl.int64) * stride_qb + offs_t * stride_qt + h * stride_qh
     dst = Q_out + b.to(tl.int64) * stride_ob + offs_t * stride_ot + h * stride_oh
-    q = rotated_rows(src, offs_d, t_mask, positions, Cos, Sin, stride_ro, rotary_half, headdim,
+    q = rotated_rows(src, offs_d, t_mask, positions, Cos, Sin, stride_ro, rotary_half, head_dim,
                      INTERLEAVED, True)
-    mask = t_mask[:, None] & (offs_d < headdim)[None, :]
+    mask = t_mask[:, None] & (offs_d < head_dim)[None, :]
     tl.store(dst[:, None] + offs_d[None, :], q.to(Q_out.dtype.element_ty), mask=mask)

@@ -183,12 +183,14 @@ class _Problem:
 
 
 def forward(q, k, v, params: AttentionParams, *, varlen: Optional[VarlenLayout] = None, alibi_slopes=None,
-            return_softmax: bool = False, interpret: bool = False, executor=None):
-    """``(out, lse, s_dmask or None)`` per the backend contract."""
+            return_softmax: bool = False, interpret: bool = False, executor=None, capability=None):
+    """``(out, lse, s_dmask or None)`` per the backend contract. ``capability``: whose launch
+    configs to use (default: the device's; the ``aot`` backend passes its image's)."""
     q, k, v = ready(q), ready(k), ready(v)
     features = uses_score_features(params, alibi_slopes is not None)
     pb = _Problem(q, k, varlen, alibi_slopes, features)
-    config = configs.pick_config("fwd", pb.headdim, _capability(q.device, interpret), features)
+    capability = capability or _capability(q.device, interpret)
+    config = configs.pick_config("fwd", pb.headdim, capability, features)
     block_d = configs.padded_headdim(pb.headdim)
     out = _empty_aligned(q.shape, q.dtype, q.device)
     if pb.varlen:
@@ -222,7 +224,7 @@ def forward(q, k, v, params: AttentionParams, *, varlen: Optional[VarlenLayout] 
 
 
 def backward(dout, q, k, v, out, lse, params: AttentionParams, *, varlen: Optional[VarlenLayout] = None,
-             alibi_slopes=None, interpret: bool = False, executor=None):
+             alibi_slopes=None, interpret: bool = False, executor=None, capability=None):
     """``(dq, dk, dv)`` per the backend contract (not for paged K/V: see :func:`supported`).
 
     Always deterministic: no atomics, every gradient element is written by one program.
@@ -231,7 +233,7 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, *, varlen: Option
     lse = lse.contiguous()
     features = uses_score_features(params, alibi_slopes is not None)
     pb = _Problem(q, k, varlen, alibi_slopes, features)
-    capability = _capability(q.device, interpret)
+    capability = capability or _capability(q.device, interpret)
     block_d = configs.padded_headdim(pb.headdim)
     flags = _feature_flags(params, pb.alibi is not None, pb.varlen, pb.headdim)
     dq = _empty_aligned(q.shape, q.dtype, q.device)

@@ -47,7 +47,12 @@ Not shipped (rare; the ``aot`` backend reports them unsupported and the dispatch
 the ``triton`` backend, else the reference, with a one-time warning)
     ``IS_PAGED`` in the varlen forward (paged caches are served by the KV-cache path).
     ``attn_probs_kernel`` (``return_attn_probs``): testing only.
-    The KV-cache (decode) kernels: not in this set yet; ``forward_kvcache`` goes to ``triton``.
+
+The KV-cache (decode) kernels
+    ``split_kv_kernel``, ``append_kv_kernel``, ``rotary_q_kernel``, ``combine_splits_kernel``: the
+    *superset* specialisations of :func:`flash_attn.kernels.decode_configs.aot_variants` (every
+    feature compiled in and exact when off, non-paged caches addressed as pages), for each dtype
+    and head-dim bucket 64/128/256; their launch configs and argument types live there.
 
 Pure Python (no torch, no triton import at module level) so that the selection logic is
 unit-tested anywhere.
@@ -60,7 +65,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from flash_attn.kernels import configs, registry
+from flash_attn.kernels import configs, decode_configs, registry
 
 DTYPES = ("fp16", "bf16")
 BLOCK_DS = (32, 64, 128, 256)
@@ -166,9 +171,31 @@ def make_spec(kernel: str, dtype: str, block_d: int, config: configs.Config, fea
                 tuple(sorted(variant_flags(kernel, features).items())))
 
 
+DECODE_KERNELS = ("split_kv_kernel", "append_kv_kernel", "rotary_q_kernel", "combine_splits_kernel")
+_BLOCK_FIELDS = ("BLOCK_D", "BLOCK_M", "BLOCK_N")
+
+
+def decode_spec(kernel: str, dtype: str, constexprs: dict, config: configs.Config) -> Spec:
+    """A KV-cache kernel's specialisation: every constexpr of the launch (``flags`` keeps those
+    that are not block sizes) and its launch config."""
+    flags = {k: v for k, v in constexprs.items() if k not in _BLOCK_FIELDS}
+    return Spec(kernel, dtype, int(constexprs["BLOCK_D"]), int(constexprs.get("BLOCK_M", 0)),
+                int(constexprs.get("BLOCK_N", 0)), config.num_warps, config.num_stages, tuple(sorted(flags.items())))
+
+
+def decode_specs(family: str, dtype: str, block_d: Optional[int] = None) -> list[Spec]:
+    """The KV-cache specialisations of ``family`` for ``dtype`` (one head-dim bucket, or all)."""
+    return [decode_spec(kernel, dtype, constexprs, config)
+            for kernel, constexprs, config in decode_configs.aot_variants(family)
+            if block_d is None or constexprs["BLOCK_D"] == block_d]
+
+
 def specs_for_capability(capability: tuple[int, int]) -> list[Spec]:
     """Every specialisation an image compiled for ``capability`` ships (deduplicated)."""
     out: list[Spec] = []
+    for family in families_for(capability):
+        for dtype in DTYPES:
+            out.extend(spec for spec in decode_specs(family, dtype) if spec not in out)
     for family in families_for(capability):
         fcap = family_capability(family)
         for kernel, (_, kind, _) in KERNELS.items():
@@ -193,8 +220,11 @@ _I64_ARGS = frozenset({"dropout_seed"})
 def signature(spec: Spec) -> tuple[dict, dict]:
     """``(signature, attrs)`` for ``triton.compile(ASTSource(...))``: pointers ``*dtype`` (fp32 for
     LSE/Delta, i32 for cu_seqlens/block tables) declared 16-byte aligned, ``head_dim`` declared
-    divisible by 8, strides/sizes/window ``i32``, seed ``i64``, scale/softcap/dropout ``fp32``."""
+    divisible by 8, strides/sizes/window ``i32``, seed ``i64``, scale/softcap/dropout ``fp32``.
+    The KV-cache kernels declare theirs in :mod:`flash_attn.kernels.decode_configs`."""
     constexprs = spec.constexprs
+    if spec.kernel in DECODE_KERNELS:
+        return decode_configs.aot_signature(spec.kernel, spec.dtype, constexprs)
     sig, attrs = {}, {}
     for index, name in enumerate(_arg_names(spec.kernel)):
         if name in constexprs:
@@ -243,6 +273,11 @@ def spec_for_call(kernel: str, dtype, head_dim: int, config: configs.Config, fla
     """
     if kernel in NOT_SHIPPED:
         return None, NOT_SHIPPED[kernel]
+    if kernel in DECODE_KERNELS:
+        name = dtype_name(dtype)
+        if name is None:
+            return None, f"{dtype} inputs (the AOT kernels take fp16/bf16)"
+        return decode_spec(kernel, name, flags, config), ""
     if kernel not in KERNELS:
         return None, f"{kernel} is not compiled ahead of time"
     name = dtype_name(dtype)

@@ -1,0 +1,296 @@
+"""Superset mode of the KV-cache launcher: the fixed specialisation set an ahead-of-time build ships.
+
+``forward_kvcache(..., superset=True)`` launches only the ``(kernel, constexprs, config)``
+combinations of :func:`flash_attn.kernels.decode_configs.aot_variants`, with every tensor argument
+laid out as the build declares it. Checked here, in Triton's interpreter:
+
+* exactness: the feature matrix of ``tests/test_triton_decode.py`` against the float64 oracle
+  (and bit-for-bit against the specialised launches on a few cases);
+* the set: a recording executor runs the launches a GPU family (sm80, sm90) would get and checks
+  each one against ``aot_variants`` and each runtime argument against ``aot_arg_types`` /
+  ``aot_divisibility`` (types, int32 range, alignment, declared divisibility);
+* the refusals: layouts superset mode cannot serve raise ``DecodeLayoutUnsupported`` before any
+  launch, leaving the cache untouched.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+
+import pytest
+import torch
+
+from test_triton_decode import CASES, DTYPES, MODES, SPLIT_CASES, Case, check_case, make_inputs, run_kernels
+
+from flash_attn.kernels import decode_configs as dc
+from flash_attn.kernels import decode_launch, launch, registry
+from flash_attn.params import KVCacheInputs
+
+KERNELS = ("split_kv_kernel", "append_kv_kernel", "rotary_q_kernel", "combine_splits_kernel")
+_POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
+
+# head dims that are not a multiple of 8 are refused (test_refuses_what_it_cannot_serve)
+SUPERSET_CASES = {name: case for name, case in CASES.items() if case.headdim % 8 == 0}
+SUPERSET_CASES["d256_neox_causal"] = Case(seqlens=(33, 50), nheads=2, nheads_k=1, headdim=256, seqlen_cache=64,
+                                          seqlen_new=1, rotary="neox", causal=True)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """The same values in storage shifted by one element (not 16-byte aligned)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16
+    return out
+
+
+class Recorder:
+    """Executor that records every launch, then runs it in the interpreter."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, kernel, grid, args, flags, config, device):
+        self.launches.append((kernel, grid, list(args), dict(flags), config))
+        launch._interpreted(kernel, grid, args, flags, config, device)
+
+
+def check_launches(launches, family: str, dtype) -> set:
+    """Every launch is a variant of ``aot_variants(family)`` and its arguments honour the declared
+    types and divisibility. Returns the kernels seen."""
+    variants = dc.aot_variants(family)
+    dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    for kernel, _, args, flags, config in launches:
+        assert (kernel, flags, config) in variants, f"{family}: {kernel} {flags} {config} is not shipped"
+        names = [n for n in registry.arg_names(kernel) if n not in flags]
+        types = dc.aot_arg_types(kernel, dt)
+        assert len(names) == len(args) and set(names) == set(types), kernel
+        divisible = dc.aot_divisibility(kernel)
+        for name, value in zip(names, args):
+            ty = types[name]
+            if ty.startswith("*"):
+                assert isinstance(value, torch.Tensor) and _POINTER_TYPES[value.dtype] == ty, (kernel, name, ty)
+                assert value.data_ptr() % divisible[name] == 0, f"{kernel}.{name} is not 16-byte aligned"
+            elif ty == "i32":
+                assert isinstance(value, int) and not isinstance(value, bool), (kernel, name, value)
+                assert -(2**31) <= value < 2**31, (kernel, name, value)
+                assert value % divisible.get(name, 1) == 0, f"{kernel}.{name} = {value}: not its declared divisibility"
+            else:
+                assert ty == "fp32" and isinstance(value, float), (kernel, name, value)
+    return {launch_[0] for launch_ in launches}
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(SUPERSET_CASES))
+def test_superset_matches_oracle(name, dtype, mode):
+    check_case(SUPERSET_CASES[name], dtype, mode, superset=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_superset_num_splits(name, splits, dtype, mode):
+    check_case(SPLIT_CASES[name], dtype, mode, num_splits=splits, superset=True)
+
+
+@pytest.mark.parametrize("name", ["plain_d64", "batch_idx_leftpad", "window_softcap", "paged16_causal"])
+def test_superset_is_bitwise_the_specialised_kernel(name):
+    """Neutral values (zero slopes, softcap off, -1 window bounds, a non-paged cache as pages, zero
+    left padding) change nothing, not even the rounding (the interpreter's arithmetic)."""
+    case = CASES[name]
+    results = []
+    for superset in (False, True):
+        args = make_inputs(case, torch.float16, torch.device("cpu"))
+        out, lse = run_kernels(case, args, "interpret", superset=superset)
+        results.append((out, lse, args["k_cache"], args["v_cache"]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The launches are the shipped set
+
+FAMILY_CASES = {
+    # rotary per row (causal), interleaved; splits + combine
+    "causal_sq3_interleaved": (CASES["causal_sq3_interleaved"], 0),
+    # GQA decode on pages, rotary at one position (GPT-NeoX), 3 splits
+    "decode_gqa_paged": (SPLIT_CASES["decode_gqa_paged"], 3),
+    # the many-rows config, head dim 32 on BLOCK_D 64, one split (direct output)
+    "many_rows_gqa": (CASES["many_rows_gqa"], 1),
+    # head dim 128 bucket, ALiBi per batch + softcap, cache_batch_idx + leftpad, no rotary
+    "d128_alibi_softcap_batch_idx": (Case(seqlens=(25, 60), alibi="batch", softcap=5.0, headdim=128, batch_idx=True,
+                                          leftpad=(2, 0), seqlen_new=2, nheads=4, nheads_k=2), 0),
+    "d256": (SUPERSET_CASES["d256_neox_causal"], 0),
+}
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("name", list(FAMILY_CASES))
+def test_launches_are_aot_variants(name, family):
+    """The interpreter runs the very launches (configs included) a GPU of ``family`` gets."""
+    case, splits = FAMILY_CASES[name]
+    recorder = Recorder()
+    check_case(case, torch.float16, "interpret", num_splits=splits, superset=True, family=family, executor=recorder)
+    kernels = check_launches(recorder.launches, family, torch.float16)
+    grid = next(g for k, g, *_ in recorder.launches if k == "split_kv_kernel")
+    assert ("combine_splits_kernel" in kernels) == (grid[0] > 1)
+    if name == "decode_gqa_paged":
+        assert grid[0] > 1  # the combine is among the checked launches
+
+
+def test_misaligned_inputs_are_made_ready():
+    """Misaligned inputs are copied into the declared layout (the result stays exact); a size-1
+    cache dimension with an odd stride is fine (its stride is passed as 0)."""
+    case = Case(seqlens=(20, 37), nheads=4, nheads_k=1, seqlen_new=2, rotary="neox", alibi="batch", leftpad=(3, 0),
+                batch_idx=True, causal=True, dtype_tables=True)
+
+    def transform(args):
+        args = dict(args)
+        for name in ("q", "k", "v", "cache_seqlens", "cache_leftpad", "cache_batch_idx", "alibi_slopes",
+                     "rotary_cos", "rotary_sin"):
+            args[name] = _misaligned(args[name])
+        for name in ("k_cache", "v_cache"):  # (b, s, 1, d) with head stride 3
+            t = args[name]
+            odd = torch.empty_strided(t.shape, (t.stride(0), t.stride(1), 3, 1), dtype=t.dtype)
+            odd.copy_(t)
+            args[name] = odd
+        return args
+
+    recorder = Recorder()
+    for dtype in (torch.float16, torch.bfloat16):
+        check_case(case, dtype, "interpret", transform=transform, superset=True, family="sm80", executor=recorder)
+        kernels = check_launches(recorder.launches, "sm80", dtype)
+        assert {"append_kv_kernel", "rotary_q_kernel", "split_kv_kernel"} <= kernels
+        recorder.launches.clear()
+
+
+def _padded_cache(args):
+    """Caches that are views of a buffer 4 features wider: head stride d + 4, not a multiple of 8."""
+    args = dict(args)
+    for name in ("k_cache", "v_cache"):
+        t = args[name]
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 4, dtype=t.dtype)
+        wide[..., : t.shape[-1]] = t
+        args[name] = wide[..., : t.shape[-1]]
+    return args
+
+
+def _cache_of(args):
+    return KVCacheInputs(k_cache=args["k_cache"], v_cache=args["v_cache"], cache_seqlens=args["cache_seqlens"])
+
+
+def _shifted_cache(args):
+    args = dict(args)
+    args["k_cache"] = _misaligned(args["k_cache"])
+    return args
+
+
+@pytest.mark.parametrize("what, case, dtype, transform, needle", [
+    ("misaligned cache", CASES["gqa_append_d32"], torch.float16, _shifted_cache, "k_cache is not 16-byte aligned"),
+    ("strides not multiple of 8", CASES["gqa_append_d32"], torch.bfloat16, _padded_cache, "not multiples of 8"),
+    ("head dim 59", CASES["mqa_d59_neox_partial"], torch.float16, None, "head dimension 59"),
+    ("fp32", CASES["gqa_append_d32"], torch.float32, None, "fp32 inputs"),
+])
+def test_refuses_what_it_cannot_serve(what, case, dtype, transform, needle):
+    """Refused before any launch (the cache is untouched), with a reason; the Triton path
+    (superset=False) still runs the same call exactly."""
+    args = make_inputs(case, dtype, torch.device("cpu"))
+    if transform is not None:
+        args = transform(args)
+    before = args["k_cache"].clone()
+    recorder = Recorder()
+    with pytest.raises(dc.DecodeLayoutUnsupported, match=needle):
+        run_kernels(case, args, "interpret", superset=True, executor=recorder)
+    assert recorder.launches == [] and torch.equal(args["k_cache"], before)
+    assert decode_launch.superset_refusal(args["q"], _cache_of(args)) is not None
+    if what == "strides not multiple of 8":
+        check_case(case, dtype, "interpret", transform=transform)
+
+
+# ---------------------------------------------------------------------------------------------
+# The description itself (pure Python)
+
+
+def _constexpr_params(kernel: str) -> set:
+    return {p.name for p in registry.jit_function(kernel).params if p.is_constexpr}
+
+
+@pytest.mark.parametrize("family", dc.FAMILIES)
+def test_aot_variants_are_complete_and_distinct(family):
+    variants = dc.aot_variants(family)
+    keys = [(k, tuple(sorted(f.items())), c) for k, f, c in variants]
+    assert len(keys) == len(set(keys)) == 30  # 3 head-dim buckets x (2 split + 3 append + 4 rotary + 1 combine)
+    for kernel, constexprs, config in variants:
+        assert set(constexprs) == _constexpr_params(kernel), kernel
+        assert constexprs["BLOCK_D"] in dc.HEADDIM_BUCKETS
+        if kernel == "split_kv_kernel":
+            assert config in dc.DECODE_CONFIGS[(family, constexprs["BLOCK_D"])]
+            assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == (config.block_m, config.block_n)
+            assert {k: constexprs[k] for k in dc.SPLIT_KV_SUPERSET} == dc.SPLIT_KV_SUPERSET
+        else:
+            assert config in (dc.AUX_CONFIG, dc.ROTARY_CONFIG, dc.COMBINE_CONFIG)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_arg_types_cover_the_signature(kernel):
+    constexprs = _constexpr_params(kernel)
+    runtime = [n for n in registry.jit_function(kernel).arg_names if n not in constexprs]
+    for dtype in dc.SUPERSET_DTYPES:
+        types = dc.aot_arg_types(kernel, dtype)
+        assert list(types) == runtime  # every runtime argument, in signature order
+        assert set(types.values()) <= {f"*{dtype}", "*fp32", "*i32", "i32", "fp32"}
+    divisible = dc.aot_divisibility(kernel)
+    for name, div in divisible.items():
+        assert div == (16 if types[name].startswith("*") else 8), name
+    assert all(name in divisible for name, ty in types.items() if ty.startswith("*"))
+    signature, attrs = dc.aot_signature(kernel, "bf16", {n: 0 for n in constexprs})
+    assert list(signature) == list(registry.jit_function(kernel).arg_names)
+    assert len(attrs) == len(divisible)
+
+
+def test_decode_configs_is_pure_python():
+    import flash_attn.kernels.decode_configs as module
+
+    tree = ast.parse(inspect.getsource(module))
+    imported = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"torch", "triton", "numpy"}, imported
+
+
+def test_superset_head_dim_buckets():
+    assert [dc.superset_block_d(d) for d in (8, 32, 64, 72, 128, 136, 256)] == [64, 64, 64, 128, 128, 256, 256]
+    assert dc.superset_refusal("fp16", 264, {}) and dc.superset_refusal("fp16", 60, {})
+    assert dc.superset_refusal("bf16", 128, {}) is None
+
+
+def test_compiles_ahead_of_time_without_spills(tmp_path, monkeypatch):
+    """The sm80 head-dim-128 decode variant compiles from the declared signature (no GPU needed)
+    with no stack frame, and the declared alignment keeps its K/V loads 16-byte ``cp.async``."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from flash_attn.aot_build import cuobjdump_path, resource_usage
+
+    if cuobjdump_path() is None:
+        pytest.skip("cuobjdump not found")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    kernel, constexprs, config = next(v for v in dc.aot_variants("sm80")
+                                      if v[0] == "split_kv_kernel" and v[1]["BLOCK_D"] == 128)
+    signature, attrs = dc.aot_signature(kernel, "bf16", constexprs)
+    compiled = triton.compile(ASTSource(registry.jit_function(kernel), signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 80, 32),
+                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    cubin = tmp_path / "split_kv.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = resource_usage(cubin, cuobjdump_path())
+    assert usage["stack"] == 0 and usage["local"] == 0, usage
+    assert "HMMA" in usage["sass_mma"]
+    assert "cp.async.cg.shared.global" in compiled.asm["ptx"] and ", 0x10," in compiled.asm["ptx"]
