@@ -70,15 +70,19 @@ def _is_features(spec) -> bool:
 
 def test_spec_set_size_is_deliberate():
     # lean: 4 kernels x 2 dtypes x 4 head-dim buckets; score features: 3 kernels x 2 dtypes x 3
-    # buckets; the sm_80 image also carries the sm86 configs where they differ
-    for capability in ((9, 0), (10, 0), (12, 0)):
+    # buckets; KV cache: 2 dtypes x 3 buckets x (2 split-KV configs + 3 append + 4 rotary + 1
+    # combine); the sm_80 image also carries the sm86 configs where they differ
+    def counts(capability):
         specs = S.specs_for_capability(capability)
-        assert len([s for s in specs if not _is_features(s)]) == 32
-        assert len([s for s in specs if _is_features(s)]) == 18
-    specs = S.specs_for_capability((8, 0))
-    assert 32 < len([s for s in specs if not _is_features(s)]) <= 48
-    assert 18 <= len([s for s in specs if _is_features(s)]) <= 36
-    for spec in specs:
+        attention = [s for s in specs if s.kernel not in S.DECODE_KERNELS]
+        return (len([s for s in attention if not _is_features(s)]), len([s for s in attention if _is_features(s)]),
+                len(specs) - len(attention))
+
+    for capability in ((9, 0), (10, 0), (12, 0)):
+        assert counts(capability) == (32, 18, 60)
+    lean, features, decode = counts((8, 0))
+    assert 32 < lean <= 48 and 18 <= features <= 36 and 60 < decode <= 72
+    for spec in (s for s in S.specs_for_capability((8, 0)) if s.kernel not in S.DECODE_KERNELS):
         flags = dict(spec.flags)
         assert flags.get("IS_LOCAL", True) and flags.get("PAD_HEADDIM", True) and flags["IS_VARLEN"]
         assert not any(flags.get(f) for f in S.UNSHIPPED_FLAGS)
@@ -264,10 +268,25 @@ def test_every_image_registers(manifest, arch):
         assert isinstance(_aot_library.register_kernel(manifest.folder / entry["image"], entry), int)
 
 
+@pytest.fixture
+def launched(monkeypatch) -> list:
+    """Kernel ids launched through ``_aot_library.launch``, which runs ``aot_launch``'s argument
+    checks on meta tensors (no GPU, nothing executed)."""
+    ids = []
+    real_launch = _aot_library.launch
+
+    def meta_launch(kid, grid, tensors, ints, floats):
+        real_launch(kid, grid, [t.to("meta") for t in tensors], ints, floats)
+        ids.append(kid)
+
+    monkeypatch.setattr(aot._aot_library, "launch", meta_launch)
+    return ids
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("feature", [None, "softcap", "alibi", "dropout"])
-def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capability, varlen, feature):
+def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, launched, capability, varlen, feature):
     """The real launchers (forward + backward) through the AOT executor; every launch goes through
     ``aot_launch``'s argument checks (count, dtypes, alignment, int ranges) on meta tensors."""
     _library_or_skip()
@@ -277,14 +296,6 @@ def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capabi
     monkeypatch.setattr(launch, "_capability", lambda device, interpret: capability)
     arch = manifest.image_for(capability).arch.name
     executor = aot.AotExecutor(manifest, arch)
-    launched = []
-    real_launch = _aot_library.launch
-
-    def meta_launch(kid, grid, tensors, ints, floats):
-        real_launch(kid, grid, [t.to("meta") for t in tensors], ints, floats)
-        launched.append(kid)
-
-    monkeypatch.setattr(aot._aot_library, "launch", meta_launch)
     params = _params(causal=True, softcap=30.0 if feature == "softcap" else 0.0,
                      dropout_p=0.1 if feature == "dropout" else 0.0)
     slopes = torch.rand(4) if feature == "alibi" else None
@@ -316,8 +327,8 @@ def test_manifest_has_every_kvcache_spec(manifest, arch, dtype):
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
-@pytest.mark.parametrize("paged,rotary,splits", [(False, False, 1), (True, True, 3), (False, True, 0)])
-def test_kvcache_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, capability, paged, rotary, splits):
+@pytest.mark.parametrize("paged,rotary,splits", [(False, False, 1), (True, True, 3), (False, True, 3)])
+def test_kvcache_launcher_arguments_pass_the_launch_checks(manifest, launched, capability, paged, rotary, splits):
     """The KV-cache launcher in superset mode through the AOT executor: every launch (append,
     rotary, split-KV, combine) maps onto a shipped image and passes ``aot_launch``'s checks."""
     _library_or_skip()
@@ -326,33 +337,26 @@ def test_kvcache_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch
 
     arch = manifest.image_for(capability).arch.name
     executor = aot.AotExecutor(manifest, arch)
-    launched = []
-    real_launch = _aot_library.launch
-
-    def meta_launch(kid, grid, tensors, ints, floats):
-        real_launch(kid, grid, [t.to("meta") for t in tensors], ints, floats)
-        launched.append(kid)
-
-    monkeypatch.setattr(aot._aot_library, "launch", meta_launch)
     b, hk, d = 2, 2, 96
     if paged:
-        k_cache = torch.zeros(6, 16, hk, d, dtype=torch.float16)
-        block_table = torch.tensor([[0, 2, 4], [1, 3, 5]], dtype=torch.int32)
+        k_cache = torch.zeros(24, 16, hk, d, dtype=torch.float16)  # 12 pages of 16 rows per sequence
+        block_table = torch.arange(24, dtype=torch.int32).reshape(12, 2).t().contiguous()
     else:
-        k_cache = torch.zeros(b, 48, hk, d, dtype=torch.float16)
+        k_cache = torch.zeros(b, 192, hk, d, dtype=torch.float16)
         block_table = None
     cos = sin = None
     if rotary:
-        cos, sin = torch.rand(48, d // 2), torch.rand(48, d // 2)
+        cos, sin = torch.rand(192, d // 2), torch.rand(192, d // 2)
     cache = KVCacheInputs(k_cache=k_cache, v_cache=torch.zeros_like(k_cache),
-                          cache_seqlens=torch.tensor([5, 30], dtype=torch.int32),
+                          cache_seqlens=torch.tensor([5, 170], dtype=torch.int32),
                           k_new=torch.randn(b, 2, hk, d, dtype=torch.float16),
                           v_new=torch.randn(b, 2, hk, d, dtype=torch.float16), block_table=block_table,
                           rotary_cos=cos, rotary_sin=sin, num_splits=splits)
     q = torch.randn(b, 2, 8, d, dtype=torch.float16)
     decode_launch.forward_kvcache(q, _params(causal=True, softcap=20.0), cache, interpret=False, executor=executor,
                                   superset=True, family=configs.arch_family(capability))
-    expected = 1 + (2 if rotary else 1) + (splits != 1)  # append, [rotary q], split-KV, [combine]
+    expected = 1 + (2 if rotary else 1) + (splits > 1)  # append, [rotary q], split-KV, [combine]
+    # 192 cache rows are >= 2 key blocks on every family, so 3 requested splits stay > 1
     assert len(launched) == expected
 
 
