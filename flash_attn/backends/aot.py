@@ -48,6 +48,17 @@ class Manifest:
         self.data = data
         self.entries = {(e["arch"], e["key"]): e for e in data.get("kernels", [])}
         self.archs = sorted({e["arch"] for e in data.get("kernels", [])})
+        # call shape -> answer: which specialisation a call needs is the same for every call of
+        # that shape, and working it out (spec keys are hashes) costs 60-200 us, every call
+        self._answers: dict = {}
+
+    def memo(self, key: tuple, compute):
+        """``compute()`` once per ``key`` for this manifest (results are plain values)."""
+        try:
+            return self._answers[key]
+        except KeyError:
+            value = self._answers[key] = compute()
+            return value
 
     @classmethod
     def load(cls, folder: Path) -> "Manifest":
@@ -122,13 +133,12 @@ _KIND = {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "fwd", "attn_bw
          "attn_bwd_dq_kernel": "bwd_dq"}
 
 
-def call_flags(params, varlen, alibi_slopes) -> dict:
-    """The launchers' constexpr flags for this call (see ``launch._feature_flags``)."""
-    from flash_attn.kernels.launch import uses_score_features  # noqa: PLC0415
+def call_flags(params, varlen, alibi_slopes, head_dim: int) -> dict:
+    """The launchers' constexpr flags for this call (``launch.feature_flags``), and ``IS_PAGED``."""
+    from flash_attn.kernels import launch  # noqa: PLC0415
 
-    features = uses_score_features(params, alibi_slopes is not None)
-    return dict(IS_VARLEN=varlen is not None, IS_LOCAL=params.is_local, HAS_SOFTCAP=features,
-                HAS_ALIBI=features, HAS_DROPOUT=features,
+    features = launch.uses_score_features(params, alibi_slopes is not None)
+    return dict(launch.feature_flags(params, features, varlen is not None, head_dim),
                 IS_PAGED=varlen is not None and varlen.block_table is not None)
 
 
@@ -150,9 +160,18 @@ def required_specs(op: str, dtype, head_dim: int, capability: tuple[int, int], f
     return out, ""
 
 
+def _frozen(flags: dict) -> tuple:
+    return tuple(sorted(flags.items()))
+
+
 def call_reason(m: Manifest, capability: tuple[int, int], op: str, dtype, head_dim: int, flags: dict,
                 return_softmax: bool = False) -> Optional[str]:
     """Why the shipped kernels cannot run this call on ``capability``, or ``None``."""
+    return m.memo(("call", capability, op, dtype, head_dim, _frozen(flags), return_softmax),
+                  lambda: _call_reason(m, capability, op, dtype, head_dim, flags, return_softmax))
+
+
+def _call_reason(m, capability, op, dtype, head_dim, flags, return_softmax) -> Optional[str]:
     choice = m.image_for(capability)
     if not choice.supported:
         return choice.reason
@@ -168,21 +187,15 @@ def call_reason(m: Manifest, capability: tuple[int, int], op: str, dtype, head_d
 # --- the executor ---------------------------------------------------------------------------------
 
 _registered: dict[tuple[str, str, str], int] = {}
-_cu_cache: dict[tuple, torch.Tensor] = {}
 
 
 def _arange_cu(device, batch: int, step: int) -> torch.Tensor:
-    key = (str(device), batch, step)
-    t = _cu_cache.get(key)
-    if t is None:
-        if (batch + 1) * step > _I32[1]:
-            raise AotUnsupported(f"{batch} x {step} rows overflow the kernels' int32 offsets")
-        t = torch.arange(0, (batch + 1) * step, step, dtype=torch.int32, device=device) if step else \
-            torch.zeros(batch + 1, dtype=torch.int32, device=device)
-        if len(_cu_cache) > 256:
-            _cu_cache.clear()
-        _cu_cache[key] = t
-    return t
+    """``cu_seqlens = arange(batch + 1) * step`` of a dense call run as varlen."""
+    if (batch + 1) * step > _I32[1]:
+        raise AotUnsupported(f"{batch} x {step} rows overflow the kernels' int32 offsets")
+    from flash_attn.kernels import launch  # noqa: PLC0415
+
+    return launch.read_only_constant("arange", batch + 1, step, torch.int32, device)
 
 
 def pack_arguments(entry: dict, names: list[str], values: dict) -> tuple[list, list, list]:
@@ -228,13 +241,21 @@ class AotExecutor:
         self.capability = capability  # whose launch configs (see config_capability)
 
     def resolve(self, kernel_name: str, dtype, head_dim: int, config, flags: dict) -> dict:
+        entry, why = self.manifest.memo(("entry", self.arch, kernel_name, dtype, head_dim, tuple(config),
+                                         _frozen(flags)),
+                                        lambda: self._lookup(kernel_name, dtype, head_dim, config, flags))
+        if entry is None:
+            raise AotUnsupported(why)
+        return entry
+
+    def _lookup(self, kernel_name: str, dtype, head_dim: int, config, flags: dict) -> tuple[Optional[dict], str]:
         spec, why = S.spec_for_call(kernel_name, dtype, head_dim, config, flags)
         if spec is None:
-            raise AotUnsupported(why)
+            return None, why
         entry = self.manifest.lookup(self.arch, spec.key)
         if entry is None:
-            raise AotUnsupported(f"{spec.key} is not in the {self.arch} image set of this installation")
-        return entry
+            return None, f"{spec.key} is not in the {self.arch} image set of this installation"
+        return entry, ""
 
     def __call__(self, name: str, grid, args: list, flags: dict, config, device) -> None:
         """One launch of :func:`flash_attn.kernels.launch._run`: the kernel's name, its grid, the
@@ -295,7 +316,7 @@ def _precheck(op, q, params, varlen, alibi_slopes, return_softmax=False) -> Opti
     if m is None:
         return why
     return call_reason(m, torch.cuda.get_device_capability(q.device), op, q.dtype, q.shape[-1],
-                       call_flags(params, varlen, alibi_slopes), return_softmax)
+                       call_flags(params, varlen, alibi_slopes, q.shape[-1]), return_softmax)
 
 
 def forward(q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False):
@@ -334,16 +355,19 @@ def kvcache_reason(m: Manifest, capability: tuple[int, int], dtype, head_dim: in
     ``capability``, or ``None``: every specialisation its head-dim bucket may launch (both split
     configs, each append / rotary variant, the combine) must be in the image set, so that a call
     never stops half-way (the append writes the cache in place)."""
+    return m.memo(("kvcache", capability, dtype, head_dim), lambda: _kvcache_reason(m, capability, dtype, head_dim))
+
+
+def _kvcache_reason(m, capability, dtype, head_dim) -> Optional[str]:
+    from flash_attn.kernels import decode_configs  # noqa: PLC0415
+
     choice = m.image_for(capability)
     if not choice.supported:
         return choice.reason
     name = S.dtype_name(dtype)
-    if name is None:
-        return f"{dtype} inputs (the AOT kernels take fp16/bf16)"
-    if head_dim % S.HEADDIM_DIVISOR or head_dim > S.BLOCK_DS[-1]:
-        return f"head dimension {head_dim} (the AOT kernels need a multiple of {S.HEADDIM_DIVISOR} up to 256)"
-    from flash_attn.kernels import decode_configs  # noqa: PLC0415
-
+    why = decode_configs.superset_refusal(name or str(dtype).replace("torch.", ""), head_dim, {})
+    if why is not None:
+        return why
     block_d = decode_configs.superset_block_d(head_dim)
     family = configs.arch_family(config_capability(capability, choice))
     for spec in S.decode_specs(family, name, block_d):

@@ -368,7 +368,7 @@ def superset_refusal(dtype: str, head_dim: int, caches: dict) -> Optional[str]:
     if dtype not in SUPERSET_DTYPES:
         return f"{dtype} inputs (the decode kernels are compiled for fp16/bf16)"
     if head_dim % HEADDIM_DIVISOR or head_dim > HEADDIM_BUCKETS[-1]:
-        return f"head dimension {head_dim} (compiled for multiples of {HEADDIM_DIVISOR} up to {HEADDIM_BUCKETS[-1]})"
+        return f"head dimension {head_dim} (compiled for a multiple of {HEADDIM_DIVISOR} up to {HEADDIM_BUCKETS[-1]})"
     for name, (data_ptr, shape, strides) in caches.items():
         if data_ptr % 16:
             return f"{name} is not 16-byte aligned (data_ptr % 16 = {data_ptr % 16})"

@@ -190,19 +190,21 @@ def _layout(q: torch.Tensor, cache: KVCacheInputs, alibi_slopes: Optional[torch.
     else:
         # a cache (b_cache, s, hk, d) is a pool of pages of s rows: sequence b is page
         # cache_batch_idx[b] (or b), so the (b, 1) table addresses exactly the same elements
-        index = cache.cache_batch_idx
-        index = ready(index) if index is not None else torch.arange(batch, dtype=torch.int32, device=device)
+        if cache.cache_batch_idx is not None:
+            index = ready(cache.cache_batch_idx)
+        else:
+            index = launch.read_only_constant("arange", batch, 1, torch.int32, device)
         block_table = index.view(batch, 1)
     if alibi_slopes is not None:
         alibi = ready(alibi_slopes.to(torch.float32))
     else:
-        alibi = torch.zeros(nheads, dtype=torch.float32, device=device)  # a zero slope adds exactly 0
+        alibi = launch.read_only_constant("zeros", nheads, 1, torch.float32, device)  # a zero slope adds exactly 0
     return _Layout(
         k_new=None if cache.k_new is None else ready(cache.k_new),
         v_new=None if cache.v_new is None else ready(cache.v_new),
         seqlens=seqlens,
         leftpad=ready(cache.cache_leftpad) if cache.cache_leftpad is not None
-        else torch.zeros(batch, dtype=torch.int32, device=device),
+        else launch.read_only_constant("zeros", batch, 1, torch.int32, device),
         batch_idx=seqlens,  # unused: HAS_BATCH_IDX=False, the index is in the block table
         block_table=block_table, page_size=k_cache.shape[1],
         alibi=alibi, stride_ab=alibi.stride(0) if alibi.dim() == 2 else 0,
@@ -258,6 +260,17 @@ def _append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheI
     return q_rot
 
 
+def _checked_q(q: torch.Tensor, cache: KVCacheInputs, superset: bool) -> torch.Tensor:
+    """In superset mode: refuse (before anything runs) what the fixed specialisations cannot serve
+    exactly, and give q the aligned layout they assume. Otherwise q as it is."""
+    if not superset:
+        return q
+    why = superset_refusal(q, cache)
+    if why is not None:
+        raise DecodeLayoutUnsupported(why)
+    return launch.ready(q)
+
+
 def _block_d(headdim: int, superset: bool) -> int:
     """``BLOCK_D``: the head-dim bucket in superset mode (64/128/256), else the next power of two."""
     return dc.superset_block_d(headdim) if superset else configs.padded_headdim(headdim)
@@ -266,11 +279,7 @@ def _block_d(headdim: int, superset: bool) -> int:
 def append_and_rotate(q: torch.Tensor, params: AttentionParams, cache: KVCacheInputs, *, interpret: bool,
                       executor=None, superset: bool = False) -> torch.Tensor:
     """Append ``cache.k_new``/``v_new`` to the cache (rotating k) and return q, rotated if asked."""
-    if superset:
-        why = superset_refusal(q, cache)
-        if why is not None:
-            raise DecodeLayoutUnsupported(why)
-        q = launch.ready(q)
+    q = _checked_q(q, cache, superset)
     lay = _layout(q, cache, None, superset)
     return _append_and_rotate(q, params, cache, lay, _block_d(q.shape[-1], superset), interpret, executor)
 
@@ -297,11 +306,7 @@ def forward_kvcache(
     the interpreter); lets the interpreter run, and a test check, exactly the launches a GPU
     family would get.
     """
-    if superset:
-        why = superset_refusal(q, cache)
-        if why is not None:
-            raise DecodeLayoutUnsupported(why)
-        q = launch.ready(q)
+    q = _checked_q(q, cache, superset)
     batch, seqlen_q, nheads, headdim = q.shape
     device = q.device
     block_d = _block_d(headdim, superset)

@@ -71,6 +71,31 @@ def ready(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+_MAX_CONSTANTS = 256
+
+
+def read_only_constant(kind: str, length: int, step: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``zeros(length)`` (``kind="zeros"``) or ``arange(0, length * step, step)`` (``"arange"``),
+    made once per device and reused: the kernels only read these (neutral ALiBi slopes and left
+    padding, the block table of a non-paged cache, the ``cu_seqlens`` of a dense call), so a call
+    costs no fill kernel for them. Bounded: the cache is emptied past 256 entries."""
+    key = (kind, length, step, dtype, str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        if kind == "zeros":
+            t = torch.zeros(length, dtype=dtype, device=device)
+        elif kind == "arange":
+            t = torch.arange(0, length * step, step, dtype=dtype, device=device) if step else \
+                torch.zeros(length, dtype=dtype, device=device)
+        else:
+            raise ValueError(f"unknown constant kind {kind!r}")
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = t
+    return t
+
+
 def _capability(device: torch.device, interpret: bool):
     return None if interpret else torch.cuda.get_device_capability(device)
 
@@ -115,15 +140,14 @@ def uses_score_features(params: AttentionParams, alibi: bool) -> bool:
     return params.softcap > 0.0 or alibi or params.dropout_p > 0.0
 
 
-def _feature_flags(params: AttentionParams, alibi: bool, varlen: bool, headdim: int) -> dict:
-    """The constexpr flags of a call.
+def feature_flags(params: AttentionParams, features: bool, varlen: bool, headdim: int) -> dict:
+    """The constexpr flags of a call (``features``: :func:`uses_score_features`).
 
     Softcap, ALiBi and dropout are compiled in together (one *score-features* variant) and each is
     switched at run time (``softcap > 0``, a zero slope, ``dropout_p > 0`` are exact no-ops), so
     the Triton path runs exactly the kernel that the ahead-of-time build ships, and a feature
     costs one extra specialisation, not three.
     """
-    features = uses_score_features(params, alibi)
     return dict(
         IS_VARLEN=varlen,
         IS_LOCAL=params.is_local,
@@ -158,7 +182,7 @@ class _Problem:
         self.alibi = None if alibi_slopes is None else alibi_slopes.to(torch.float32)
         if self.alibi is None and features:
             # the score-features variant always reads slopes: zero slopes add exactly nothing
-            self.alibi = torch.zeros(self.nheads, dtype=torch.float32, device=q.device)
+            self.alibi = read_only_constant("zeros", self.nheads, 1, torch.float32, q.device)
         self.stride_ab = 0 if self.alibi is None or self.alibi.dim() == 1 else self.alibi.stride(0)
 
     def rows(self, t: torch.Tensor) -> list[int]:
@@ -197,7 +221,7 @@ def forward(q, k, v, params: AttentionParams, *, varlen: Optional[VarlenLayout] 
         lse = torch.empty((pb.nheads, q.shape[0]), dtype=torch.float32, device=q.device)
     else:
         lse = torch.empty((pb.batch, pb.nheads, pb.seqlen_q), dtype=torch.float32, device=q.device)
-    flags = _feature_flags(params, pb.alibi is not None, pb.varlen, pb.headdim)
+    flags = feature_flags(params, features, pb.varlen, pb.headdim)
     flags.update(IS_PAGED=pb.paged, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d)
     common = [pb.cu_q, pb.cu_k, pb.block_table, pb.alibi]
     args = [
@@ -235,7 +259,7 @@ def backward(dout, q, k, v, out, lse, params: AttentionParams, *, varlen: Option
     pb = _Problem(q, k, varlen, alibi_slopes, features)
     capability = capability or _capability(q.device, interpret)
     block_d = configs.padded_headdim(pb.headdim)
-    flags = _feature_flags(params, pb.alibi is not None, pb.varlen, pb.headdim)
+    flags = feature_flags(params, features, pb.varlen, pb.headdim)
     dq = _empty_aligned(q.shape, q.dtype, q.device)
     dk = _empty_aligned(k.shape, k.dtype, k.device)
     dv = _empty_aligned(v.shape, v.dtype, v.device)
