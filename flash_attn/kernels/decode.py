@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from flash_attn.kernels import masking
+from flash_attn.kernels.forward import online_softmax_step
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -157,16 +158,10 @@ def _attend_blocks(
         s, _ = masking.logits_log2(qk, row_pos[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
                                    cap_on, cap_in, cap_out_log2, slope_log2[:, None], window_left, window_right,
                                    MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead (p = 0)
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        m_i = m_new
     return acc, m_i, l_i
 
 
@@ -299,8 +294,7 @@ def split_kv_kernel(
     k_head = kv_head.to(tl.int64) * stride_kh
     v_head = kv_head.to(tl.int64) * stride_vh
     if ONE_PASS:
-        a = end
-        c = end
+        a = end  # the first (masked) loop covers the whole share
     acc, m_i, l_i = _attend_blocks(
         acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, start, a, first_row, seqlen_k, seqlen_q,
         offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,

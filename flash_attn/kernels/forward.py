@@ -90,6 +90,19 @@ def sequence_bounds(b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def online_softmax_step(s, m_i, l_i):
+    """One key tile of the online softmax in base 2: ``(p, alpha, m_new, l_new)`` for the logits
+    ``s`` (rows x keys) given the running row maxima ``m_i`` and sums ``l_i``; the caller rescales
+    its accumulator by ``alpha``. Rows that have not seen a visible key keep ``m = -inf``: they
+    shift by 0, so that ``p = 0``, not NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _attend_key_tiles(
     acc, m_i, l_i, q, offs_m, offs_d, d_mask,
     K_head, V_head, bt_row, lo, hi,
@@ -121,12 +134,7 @@ def _attend_key_tiles(
         s, _ = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
                                    cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                    MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows that have not seen a visible key keep m = -inf: shift by 0 so that p = 0, not NaN
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         if HAS_DROPOUT:
             if dropout_p > 0.0:  # compiled in, active per launch
                 keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
@@ -136,7 +144,6 @@ def _attend_key_tiles(
         else:
             v = tl.load(v_rows[:, None] + offs_d[None, :])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
     return acc, m_i, l_i
 
 
