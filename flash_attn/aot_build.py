@@ -171,10 +171,14 @@ def compile_job(job: dict) -> dict:
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
     arch = target.group(1) if target else f"sm_{cap}"
     ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
+    isa = re.search(r"^\.version\s+(\d+\.\d+)", ptx, re.M)
     features = bool(dict(spec.flags).get("HAS_SOFTCAP"))  # the score-features variant
     rows = []
+    # what a driver needs to load the images: a cubin the CUDA major release of the ptxas that
+    # built it, PTX its ISA version (flash_attn.backends.aot never picks an image it cannot load)
     base = {"key": spec.key, "kernel": spec.kernel, "spec": job["spec"], "constexprs": spec.constexprs,
-            "num_stages": spec.num_stages, "target": cap, **entry}
+            "num_stages": spec.num_stages, "target": cap, "ptxas": ptxas_for(cap).get("version"),
+            "ptx_isa": isa.group(1) if isa else None, **entry}
     if want_cubin:
         cubin = compiled.asm["cubin"]
         with tempfile.TemporaryDirectory() as tmp:  # cuobjdump reads a file

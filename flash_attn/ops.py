@@ -3,35 +3,52 @@
 Registering through ``torch.library`` gives each operation a fake (meta) implementation for
 shape inference and an autograd formula, so ``torch.compile(fullgraph=True)`` traces calls to
 ``flash_attn_func``/``flash_attn_varlen_func`` as single opaque nodes without graph breaks.
-The real implementations check argument *values*, pick a backend (:mod:`flash_attn.dispatch`)
-and call it.
+The real implementations pick a backend (:mod:`flash_attn.dispatch`) and call it. They read no
+tensor value on the host for CUDA tensors (no device synchronisation, so they run inside CUDA
+graph capture): the value checks (cu_seqlens, cache lengths, block tables) run for CPU tensors,
+and for CUDA tensors only with ``FLASH_ATTN_DEBUG=1``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from flash_attn import validation
-from flash_attn.dispatch import select_backend
+from flash_attn import dispatch, validation
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
 
-def _draw_dropout_seed(dropout_p: float) -> int:
-    """A fresh 62-bit seed from PyTorch's CPU generator, so ``torch.manual_seed`` reproduces it.
+DEBUG_ENV = "FLASH_ATTN_DEBUG"
 
-    The CPU generator is used for every device: reading it needs no device synchronisation.
-    """
+
+def _checks_values(t: Tensor) -> bool:
+    """Whether to check argument values on the host: always for CPU tensors; for others (reading
+    them waits for the device and breaks CUDA-graph capture) only with ``FLASH_ATTN_DEBUG=1``."""
+    return t.device.type == "cpu" or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _draw_dropout_seed(dropout_p: float, device) -> Tensor:
+    """The forward's ``rng_state``: an int64 seed drawn by ``device``'s generator on the device,
+    which ``torch.manual_seed`` reproduces and a CUDA graph replay draws anew (PyTorch advances
+    the generator's offset per replay). Without dropout nothing reads it: left uninitialised."""
     if dropout_p == 0.0:
-        return 0
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        return torch.empty((1,), dtype=torch.int64, device=device)
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
 def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k) -> Optional[VarlenLayout]:
-    """Check cu_seqlens / block_table values and bundle them (``None`` for dense inputs)."""
+    """Bundle the varlen arguments (``None`` for dense inputs), checking their values when
+    :func:`_checks_values`."""
     if cu_seqlens_q is None:
         return None
+    if _checks_values(q):
+        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
+    return VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+
+
+def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k) -> None:
     validation.check_cu_seqlens_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
     paged = block_table is not None
     seqlens_k = validation.check_cu_seqlens_values(
@@ -40,7 +57,6 @@ def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, 
     if paged:
         lengths = [b - a for a, b in zip(seqlens_k, seqlens_k[1:])]
         validation.check_block_table_values(block_table, k.shape[0], k.shape[1], lengths)
-    return VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
 
 
 def _batch_and_seqlens(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> tuple[int, int, int]:
@@ -80,15 +96,13 @@ def attention_forward(
     varlen = _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
-    seed = _draw_dropout_seed(dropout_p)
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, seed)
-    backend = select_backend(q.device)
-    out, lse, s_dmask = backend.forward(
-        q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
+    rng_state = _draw_dropout_seed(dropout_p, q.device)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    out, lse, s_dmask = dispatch.run(
+        "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
     )
     if s_dmask is None:
         s_dmask = _empty_softmax(q)
-    rng_state = torch.tensor([seed], dtype=torch.int64)
     return out.contiguous(), lse.contiguous(), s_dmask.contiguous(), rng_state
 
 
@@ -119,7 +133,7 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes
         s_dmask = q.new_empty((batch, nheads, sq, sk), dtype=torch.float32)
     else:
         s_dmask = _empty_softmax(q)
-    rng_state = torch.empty((1,), dtype=torch.int64, device="cpu")
+    rng_state = q.new_empty((1,), dtype=torch.int64)
     return q.new_empty(q.shape), lse, s_dmask, rng_state
 
 
@@ -150,10 +164,10 @@ def attention_backward(
         varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, int(rng_state[0]))
-    backend = select_backend(q.device)
-    dq, dk, dv = backend.backward(
-        dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes, deterministic=deterministic
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    dq, dk, dv = dispatch.run(
+        "backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
     )
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -219,7 +233,8 @@ def attention_forward_kvcache(
     rotary_interleaved: bool,
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
-    _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+    if _checks_values(q):
+        _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
     if q.shape[0] == 0:  # no sequence: nothing to append, nothing to attend
         return _kvcache_fake(q, k_cache, v_cache)
     params = AttentionParams(softmax_scale, window_left, window_right, softcap)
@@ -227,7 +242,7 @@ def attention_forward_kvcache(
         k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits,
     )
-    out, lse = select_backend(q.device).forward_kvcache(q, params, cache, alibi_slopes=alibi_slopes)
+    out, lse = dispatch.run("forward_kvcache", q.device, q, params, cache, alibi_slopes=alibi_slopes)
     return out.contiguous(), lse.contiguous()
 
 

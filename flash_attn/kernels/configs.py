@@ -30,6 +30,7 @@ __all__ = [
     "arch_family",
     "estimate_shared_memory",
     "padded_headdim",
+    "pick",
     "pick_config",
 ]
 
@@ -164,18 +165,16 @@ def _bucket(headdim: int) -> int:
     raise ValueError(f"head dimension {headdim} > {HEADDIM_BUCKETS[-1]} is not supported by the kernels")
 
 
-def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False) -> Config:
-    """Launch configuration of kernel ``kind`` for ``headdim`` on ``capability``.
-
-    ``capability=None`` means Triton's interpreter (CPU). ``features``: the score-features
-    variant (softcap, ALiBi and dropout compiled in), whose extra live tiles need smaller blocks
-    in places (:data:`_FEATURES_TABLE`).
-    """
+def pick(kind: str, headdim: int, family: str, features: bool = False) -> Config:
+    """Launch configuration of kernel ``kind`` for ``headdim`` on architecture ``family``
+    (``"sm80"``, ..., or ``"interpret"`` for Triton's interpreter). ``features``: the
+    score-features variant (softcap, ALiBi and dropout compiled in), whose extra live tiles need
+    smaller blocks in places (:data:`_FEATURES_TABLE`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
-    if capability is None:
+    if family == "interpret":
         return INTERPRETER_CONFIGS[kind]
-    key = (kind, arch_family(capability))
+    key = (kind, family)
     bucket = _bucket(headdim)
     if features:
         # the score-features kernels are built from head-dim bucket 64 up (see specializations)
@@ -185,6 +184,11 @@ def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], 
         if override is not None:
             return override
     return _TABLE[key][bucket]
+
+
+def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False) -> Config:
+    """:func:`pick` for a compute capability (``None``: Triton's interpreter)."""
+    return pick(kind, headdim, "interpret" if capability is None else arch_family(capability), features)
 
 
 # Blackwell's tcgen05 MMAs stage more operands (and their mbarriers) in shared memory than the
