@@ -53,12 +53,20 @@ def requested_backend() -> str:
     return name
 
 
+_loaded: dict[str, tuple] = {}
+
+
 def _load(name: str) -> tuple[ModuleType | None, str | None]:
     """The backend module, or ``(None, reason)`` when it is not part of this installation."""
-    try:
-        return importlib.import_module(_MODULES[name]), None
-    except ImportError as exc:
-        return None, f"the {name!r} backend is not installed ({exc})"
+    module = _MODULES[name]
+    found = _loaded.get(module)
+    if found is None:
+        try:
+            found = importlib.import_module(module), None
+        except ImportError as exc:
+            found = None, f"the {name!r} backend is not installed ({exc})"
+        _loaded[module] = found
+    return found
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:

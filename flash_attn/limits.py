@@ -1,14 +1,14 @@
 """The limits of the GPU kernels and of a launch, in one place.
 
 Validation, the planner, the backends and the doctor all read these; nothing else states them.
+Pure Python (the doctor reads it without importing torch).
 """
 
 from __future__ import annotations
 
-import torch
-
-# Element types the Triton kernels compute in (fp32 inputs run on the reference backend).
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# Element types the Triton kernels compute in, as torch names them (fp32 inputs run on the
+# reference backend).
+KERNEL_DTYPES = ("torch.float16", "torch.bfloat16")
 # Largest head dimension of any backend (validation) and of the kernels.
 MAX_HEADDIM = 256
 # The ahead-of-time kernels declare head_dim a multiple of this (vectorised masked loads).

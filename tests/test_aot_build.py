@@ -378,12 +378,25 @@ def test_build_kernels_command_reports_a_failing_arch(tmp_path):
     assert result.returncode != 0 and "sm_75" in (result.stderr + result.stdout)
 
 
-def test_resolve_archs_default_keeps_sm80_ptx():
+def test_resolve_archs():
     from flash_attn import aot_build
 
-    assert aot_build.resolve_archs("") == ([80, 90, 100, 120], [80])
-    assert aot_build.resolve_archs("90") == ([90], [90])
-    assert aot_build.resolve_archs("80;90;compute_80") == ([80, 90], [80])
+    names = lambda archs: [a.name for a in archs]  # noqa: E731
+    cubins, ptxs = aot_build.resolve_archs("")
+    # the default: family cubins for Blackwell and Thor where this ptxas assembles them
+    assert {"sm_80", "sm_90a"} <= set(names(cubins)) and names(ptxs) == ["compute_80"]
+    targets = aot_build.ptxas_targets(100)
+    for family in ("sm_100f", "sm_110f", "sm_120f"):
+        assert (family in names(cubins)) == (family in targets)
+    assert tuple(map(names, aot_build.resolve_archs("90"))) == (["sm_90a"], [])  # sm_90a PTX is not portable
+    with pytest.raises(SystemExit, match="portable"):
+        aot_build.resolve_archs("90;compute_90")
+    assert tuple(map(names, aot_build.resolve_archs("80;90;compute_80"))) == (["sm_80", "sm_90a"], ["compute_80"])
+    # one compile feeds a family group: Thor's image comes from the sm_100 compile
+    from flash_attn.aot_images import parse_arch
+
+    assert [aot_build.triton_capability(parse_arch(a)) for a in ("sm_100f", "sm_110f", "sm_120f", "sm_90a")] == \
+        [100, 100, 120, 90]
 
 
 # --- on a GPU -----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ run in order, its result slots returned. Nothing reads a tensor value on the hos
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -85,8 +85,7 @@ def kvcache_inputs(q, cache, alibi_slopes=None) -> dict:
 def _aligned_empty(shape, dtype, device) -> torch.Tensor:
     """Fresh (so 16-byte aligned) storage whose strides but the last are multiples of 8
     elements: the last dimension padded, the tensor a view of its first ``shape[-1]`` columns."""
-    storage = torch.empty(P.padded_shape(tuple(shape)), dtype=dtype, device=device)
-    return storage[..., : shape[-1]] if storage.dim() and storage.shape[-1] != shape[-1] else storage
+    return _allocator(P.Buffer("", tuple(shape), dtype, padded=True))(device)
 
 
 _PREPARE = {
@@ -98,33 +97,67 @@ _PREPARE = {
 }
 
 
-def _allocate(buffer: P.Buffer, device) -> torch.Tensor:
-    if buffer.zeroed:
-        return torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
-    if buffer.padded:
-        return _aligned_empty(buffer.shape, buffer.dtype, device)
-    return torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+_unused: dict[tuple, torch.Tensor] = {}
 
 
-def slots(plan: P.Plan, inputs: dict, device) -> dict:
-    """The call's tensors by slot: inputs (prepared where the plan asks) and the plan's buffers."""
-    tensors = dict(inputs)
-    if plan.needs_seed and not isinstance(tensors.get("seed"), torch.Tensor):
-        # a plain int seed from a direct backend call (the public API draws one on the device)
-        tensors["seed"] = torch.tensor([int(tensors.get("seed") or 0)], dtype=torch.int64, device=device)
-    for prep in plan.prepare:
+def _placeholder(dtype, device) -> torch.Tensor:
+    """A tensor nothing reads or writes, one per device and dtype (made outside CUDA-graph capture;
+    one made during a capture belongs to that graph's memory and is not kept)."""
+    key = (dtype, device)
+    found = _unused.get(key)
+    if found is None:
+        found = torch.empty(16, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _unused[key] = found
+    return found
+
+
+def _allocator(buffer: P.Buffer):
+    """``device -> tensor`` for ``buffer``, with its shapes worked out once."""
+    if buffer.unused:
+        return lambda device: _placeholder(buffer.dtype, device)
+    make, storage, dtype, columns = (torch.zeros if buffer.zeroed else torch.empty), buffer.storage, buffer.dtype, \
+        buffer.shape[-1] if buffer.storage != buffer.shape else None
+    if columns is None:
+        return lambda device: make(storage, dtype=dtype, device=device)
+    return lambda device: make(storage, dtype=dtype, device=device)[..., :columns]
+
+
+class Ready(NamedTuple):
+    """A plan made ready to run once per call shape: its buffers' allocators, and its launches in
+    whatever form the backend runs them (the plan's own, or the ``aot`` backend's packed ones)."""
+
+    plan: P.Plan
+    buffers: tuple  # (slot, device -> tensor)
+    launches: tuple
+
+
+def ready(plan: P.Plan, launches: Optional[tuple] = None) -> Ready:
+    return Ready(plan, tuple((b.slot, _allocator(b)) for b in plan.buffers),
+                 plan.launches if launches is None else launches)
+
+
+def slots(run: Ready, inputs: dict, device) -> dict:
+    """The call's tensors by slot (``inputs`` is extended in place): the inputs, prepared where the
+    plan asks, and the plan's buffers."""
+    tensors = inputs
+    if run.plan.needs_seed and not isinstance(tensors.get("seed"), torch.Tensor):
+        # a plain int seed from a direct backend call (the public API draws one on the device):
+        # a fill on the device, no copy from the host
+        tensors["seed"] = torch.full((1,), int(tensors.get("seed") or 0), dtype=torch.int64, device=device)
+    for prep in run.plan.prepare:
         tensors[prep.slot] = _PREPARE[prep.how](tensors[prep.source or prep.slot])
-    for buffer in plan.buffers:
-        tensors[buffer.slot] = _allocate(buffer, device)
+    for slot, make in run.buffers:
+        tensors[slot] = make(device)
     return tensors
 
 
-def execute(plan: P.Plan, inputs: dict, device, run_launch: Callable) -> tuple:
-    """Run ``plan`` for one call: ``run_launch(launch, tensors, device)`` per launch, in order."""
-    tensors = slots(plan, inputs, device)
-    for launch in plan.launches:
+def execute(run: Ready, inputs: dict, device, run_launch: Callable) -> tuple:
+    """Run a plan for one call: ``run_launch(launch, tensors, device)`` per launch, in order."""
+    tensors = slots(run, inputs, device)
+    for launch in run.launches:
         run_launch(launch, tensors, device)
-    return tuple(tensors[slot] for slot in plan.results)
+    return tuple(tensors[slot] for slot in run.plan.results)
 
 
 def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
@@ -157,9 +190,9 @@ class KernelBackend:
         self.run_launch = run_launch
         self.plans = PlanCache()
 
-    # what a plan becomes for this backend (the AOT backend packs its arguments once)
-    def executable(self, plan: P.Plan, target: P.Target, device):
-        return plan
+    # what a plan becomes for this backend, once per call shape (the AOT backend packs arguments)
+    def executable(self, plan: P.Plan, target: P.Target, device) -> Ready | str:
+        return ready(plan)
 
     def plan_cache(self, device) -> PlanCache:
         return self.plans

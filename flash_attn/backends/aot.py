@@ -29,7 +29,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from flash_attn import _aot_library, aot_images, limits
-from flash_attn.backends._execute import KernelBackend, PlanCache, slots
+from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, ready, slots
 from flash_attn.kernels import configs
 from flash_attn.kernels import plan as P
 from flash_attn.kernels import specializations as S
@@ -205,14 +205,15 @@ class _DeviceImages:
     plans: PlanCache = field(default_factory=PlanCache)  # call shape -> packed launches or refusal
 
 
-_devices: dict[tuple, _DeviceImages | str] = {}
+_devices: dict[torch.device, _DeviceImages | str] = {}
 
 
 def _device_images(device: torch.device) -> _DeviceImages | str:
-    key = (device.index if device.index is not None else torch.cuda.current_device(), find_manifest_dir())
-    found = _devices.get(key)
+    """The images of ``device`` (worked out on its first call; ``FLASH_ATTN_AOT_DIR`` is read then)."""
+    found = _devices.get(device)
     if found is None:
-        found = _devices[key] = _make_device_images(key[0])
+        found = _devices[device] = _make_device_images(
+            device.index if device.index is not None else torch.cuda.current_device())
     return found
 
 
@@ -229,8 +230,8 @@ def _make_device_images(index: int) -> _DeviceImages | str:
     return _DeviceImages(m, choice.arch.name, P.Target(family, sms, aot=True))
 
 
-def _target(device) -> P.Target | str:
-    images = _device_images(torch.device(device))
+def _target(device: torch.device) -> P.Target | str:
+    images = _device_images(device)
     if isinstance(images, str):
         return images
     return images.broken or images.target
@@ -245,11 +246,6 @@ class _Packed(NamedTuple):
     slots: list  # tensor arguments, by slot, in signature order
     ints: list
     floats: list
-
-
-class _Compiled(NamedTuple):
-    plan: P.Plan
-    launches: tuple
 
 
 _registered: dict[tuple, int] = {}
@@ -290,10 +286,10 @@ def pack(launch: P.Launch, entry: dict) -> _Packed | str:
 
 class _AotBackend(KernelBackend):
     def plan_cache(self, device) -> PlanCache:
-        return _device_images(torch.device(device)).plans
+        return _device_images(device).plans
 
     def executable(self, plan: P.Plan, target: P.Target, device):
-        images = _device_images(torch.device(device))
+        images = _device_images(device)
         dtype = S.dtype_name(plan.dtype)
         packed = []
         for launch in plan.launches:
@@ -311,14 +307,14 @@ class _AotBackend(KernelBackend):
                 images.broken = f"the driver cannot load the {images.arch} images: {_first_line(exc)}"
                 return images.broken
             packed.append(p._replace(kernel=kid))
-        return _Compiled(plan, tuple(packed))
+        return ready(plan, tuple(packed))
 
-    def run(self, compiled: _Compiled, inputs: dict, device) -> tuple:
-        tensors = slots(compiled.plan, inputs, device)
+    def run(self, run: Ready, inputs: dict, device) -> tuple:
+        tensors = slots(run, inputs, device)
         launch = _launch_op()
-        for p in compiled.launches:
+        for p in run.launches:
             launch(p.kernel, p.grid, [tensors[name] for name in p.slots], p.ints, p.floats)
-        return tuple(tensors[slot] for slot in compiled.plan.results)
+        return tuple(tensors[slot] for slot in run.plan.results)
 
 
 _loaded: set = set()

@@ -97,11 +97,11 @@ APPEND_BLOCK_T = 16
 COMBINE_BLOCK_R = 16
 # Launch configs of those small kernels (they have no BLOCK_M/BLOCK_N: the block fields are 0).
 # The append/rotary kernels have no loop, so there is nothing to pipeline; the combine loops over
-# the splits and keeps Triton's default 3 stages. Append and rotary q run 8 warps: with 4, some
-# variants keep 8 bytes of stack (fp16 d64 GPT-NeoX append on sm_90a with ptxas 13.0; fp16 d128
-# per-row GPT-NeoX rotary q on sm_100a); with 8 none does, on any architecture.
-AUX_CONFIG = Config(0, 0, 8, 1)
-ROTARY_CONFIG = Config(0, 0, 8, 1)
+# the splits and keeps Triton's default 3 stages. Append and rotary q run 16 warps: with 4 or 8,
+# ptxas 13.0 spills a register pair in some variants (e.g. the fp16 GPT-NeoX append at 48
+# registers on sm_90a); with 16, none of them on sm_80/90a/100a/120a, fp16 or bf16, any bucket.
+AUX_CONFIG = Config(0, 0, 16, 1)
+ROTARY_CONFIG = Config(0, 0, 16, 1)
 COMBINE_CONFIG = Config(0, 0, 4, 3)
 # Most splits the heuristic picks (the combine reads every split of every row).
 MAX_SPLITS = 128

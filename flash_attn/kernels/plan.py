@@ -59,10 +59,13 @@ class TensorInfo(NamedTuple):
     aligned: bool  # data pointer 16-byte aligned
 
 
+_new_info = tuple.__new__  # a TensorInfo without NamedTuple's Python-level __new__ (once per call)
+
+
 def info(t: Optional[torch.Tensor]) -> Optional[TensorInfo]:
     if t is None:
         return None
-    return TensorInfo(tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % limits.POINTER_ALIGNMENT == 0)
+    return _new_info(TensorInfo, (t.shape, t.stride(), t.dtype, t.data_ptr() % limits.POINTER_ALIGNMENT == 0))
 
 
 @dataclass(frozen=True)
@@ -82,13 +85,20 @@ class Launch:
 class Buffer:
     """A tensor the call allocates: ``padded``: the last dimension rounded up to a multiple of 8
     (the kernels' layout) and the slot a view of its first ``shape[-1]`` columns; ``zeroed``:
-    filled with zeros (the kernel writes only part of it)."""
+    filled with zeros (the kernel writes only part of it); ``unused``: never read nor written
+    (any tensor of that type will do)."""
 
     slot: str
     shape: tuple
     dtype: torch.dtype
     padded: bool = False
     zeroed: bool = False
+    unused: bool = False  # a pointer no launch reads (a placeholder of the right type)
+
+    @property
+    def storage(self) -> tuple:
+        """The shape allocated (the slot is a view of its first ``shape[-1]`` columns)."""
+        return padded_shape(self.shape) if self.padded else self.shape
 
 
 @dataclass(frozen=True)
@@ -142,8 +152,8 @@ class Scalars(NamedTuple):
 
 
 def _scalars(params) -> Scalars:
-    return Scalars(float(params.softmax_scale), int(params.window_left), int(params.window_right),
-                   float(params.softcap), float(params.dropout_p))
+    return _new_info(Scalars, (float(params.softmax_scale), int(params.window_left), int(params.window_right),
+                               float(params.softcap), float(params.dropout_p)))
 
 
 def _varlen_info(varlen) -> Optional[VarlenInfo]:
@@ -285,8 +295,9 @@ class _Layouts:
         self.strides[slot] = (1, 0)
         return Slot(slot)
 
-    def buffer(self, slot: str, shape: tuple, dtype, padded: bool = False, zeroed: bool = False) -> Slot:
-        self.buffers.append(Buffer(slot, tuple(shape), dtype, padded, zeroed))
+    def buffer(self, slot: str, shape: tuple, dtype, padded: bool = False, zeroed: bool = False,
+               unused: bool = False) -> Slot:
+        self.buffers.append(Buffer(slot, tuple(shape), dtype, padded, zeroed, unused))
         strides = _padded_strides(shape) if padded else _contiguous(shape)
         self.strides[slot] = _effective_strides(TensorInfo(tuple(shape), strides, dtype, True))
         return Slot(slot)
@@ -317,7 +328,7 @@ def _grid_refusal(launches) -> Optional[str]:
 
 
 def _kernel_refusal(dtype, head_dim: int, target: Target) -> Optional[str]:
-    if dtype not in limits.KERNEL_DTYPES:
+    if str(dtype) not in limits.KERNEL_DTYPES:
         return f"{dtype} inputs (the kernels take fp16/bf16)"
     if head_dim > limits.MAX_HEADDIM:
         return f"head dimension {head_dim} > {limits.MAX_HEADDIM}"
@@ -381,7 +392,7 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
     if packed:
         cu_q, cu_k = lay.input("cu_q", s.varlen.cu_q, "plain"), lay.input("cu_k", s.varlen.cu_k, "plain")
     else:
-        cu_q = cu_k = lay.buffer("no_cu", (1,), torch.int32)  # not read (packed = 0)
+        cu_q = cu_k = lay.buffer("no_cu", (1,), torch.int32, unused=True)  # not read (packed = 0)
     block_table = lay.input("block_table", s.varlen.block_table, "plain") if paged else None
     alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else (lse if features else None)
     seed = _seed_slot(lay, s.seed, features)
@@ -484,7 +495,7 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     if packed:
         cu_q, cu_k = lay.input("cu_q", s.varlen.cu_q, "plain"), lay.input("cu_k", s.varlen.cu_k, "plain")
     else:
-        cu_q = cu_k = lay.buffer("no_cu", (1,), torch.int32)
+        cu_q = cu_k = lay.buffer("no_cu", (1,), torch.int32, unused=True)
     alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else (lse if features else None)
     seed = _seed_slot(lay, s.seed, features)
     lse_strides = list(lay.strides["lse"][:2]) if not packed else [0, lay.strides["lse"][0]]
