@@ -88,19 +88,9 @@ def fake_gpu(monkeypatch):
     """An H100 as the ``aot`` backend sees it, for CPU tensors: a synthesised sm_90a manifest
     (every shipped specialisation, signatures per the declarations), image registration recorded,
     the chain ``aot`` -> ``reference``."""
-    import types
+    from synthetic_images import synthetic_manifest
 
-    from flash_attn import _aot_library
-    from flash_attn.kernels import specializations as S
-
-    entries = []
-    for spec in S.specs_for_capability((9, 0)):
-        sig, attrs = S.signature(spec)
-        entries.append({"arch": "sm_90a", "key": spec.key, "kernel": spec.kernel, "name": spec.kernel,
-                        "image": f"images/sm_90a/{spec.key}.cubin", "constexprs": spec.constexprs,
-                        "signature": _aot_library.triton_signature(types.SimpleNamespace(signature=sig, attrs=attrs)),
-                        "num_warps": spec.num_warps, "shared": 0})
-    images = aot._DeviceImages(_manifest(entries), "sm_90a", P.Target("sm90", 132, aot=True))
+    images = aot._DeviceImages(synthetic_manifest(), "sm_90a", P.Target("sm90", 132, aot=True))
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
     monkeypatch.setattr(aot._aot_library, "register_kernel", lambda image, entry: 0)
     monkeypatch.setattr(aot, "_registered", {})

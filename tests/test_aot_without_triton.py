@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -86,8 +87,8 @@ def test_import_and_reference_backend_without_triton():
     assert got["interpret"] and "triton" in got["interpret"].lower()  # the interpreter does need Triton
 
 
-AOT_SETUP = """
-    import json, os, types, warnings
+AOT_SETUP = f"    TESTS = {str(Path(__file__).parent)!r}\n" + """
+    import json, os, sys, warnings
     import torch
     from flash_attn import _aot_library, aot_images
     from flash_attn import dispatch
@@ -97,15 +98,10 @@ AOT_SETUP = """
     from flash_attn.params import AttentionParams, VarlenLayout
 
     # A manifest for one sm_90a image, synthesised from the specialisation set (no compile).
-    entries = []
-    for spec in S.specs_for_capability((9, 0)):
-        sig, attrs = S.signature(spec)
-        entries.append({"arch": "sm_90a", "key": spec.key, "kernel": spec.kernel, "name": spec.kernel,
-                        "image": f"images/sm_90a/{spec.key}.cubin", "constexprs": spec.constexprs,
-                        "signature": _aot_library.triton_signature(types.SimpleNamespace(signature=sig,
-                                                                                         attrs=attrs)),
-                        "num_warps": spec.num_warps, "shared": 0})
-    m = aot.Manifest("/nonexistent", {"archs": ["sm_90a"], "kernels": entries})
+    sys.path.insert(0, TESTS)
+    from synthetic_images import synthetic_manifest
+
+    m = synthetic_manifest()
     # an H100, as far as the backend asks (CPU tensors stand in for its memory)
     images = aot._DeviceImages(m, "sm_90a", plan.Target("sm90", 132, aot=True))
     aot._device_images = lambda device: images

@@ -234,6 +234,13 @@ class KernelBackend:
         shape = P.describe_kvcache(q, params, cache, alibi_slopes)
         return self._prepare(P.plan_kvcache, shape, kvcache_inputs(q, cache, alibi_slopes), q.device)
 
+    def contract(self) -> tuple:
+        """The module-level functions of a backend: ``prepare_forward``, ``prepare_backward``,
+        ``prepare_forward_kvcache`` (for the dispatcher), ``forward``, ``backward``,
+        ``forward_kvcache`` (direct calls; a refused call raises :class:`KernelsCannotRun`)."""
+        return (self.prepare_forward, self.prepare_backward, self.prepare_forward_kvcache, self.forward, self.backward,
+                self.forward_kvcache)
+
     def forward(self, *args, **kwargs):
         return _run_or_raise(self.name, "forward", self.prepare_forward(*args, **kwargs))
 

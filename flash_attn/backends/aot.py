@@ -347,9 +347,4 @@ def _launch_op():
 
 
 _backend = _AotBackend(_NAME, _target)
-prepare_forward = _backend.prepare_forward
-prepare_backward = _backend.prepare_backward
-prepare_forward_kvcache = _backend.prepare_forward_kvcache
-forward = _backend.forward
-backward = _backend.backward
-forward_kvcache = _backend.forward_kvcache
+prepare_forward, prepare_backward, prepare_forward_kvcache, forward, backward, forward_kvcache = _backend.contract()

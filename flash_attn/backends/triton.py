@@ -64,9 +64,4 @@ def _run_launch(launch, tensors: dict, device) -> None:
 
 
 _backend = KernelBackend(_NAME, _target, _run_launch)
-prepare_forward = _backend.prepare_forward
-prepare_backward = _backend.prepare_backward
-prepare_forward_kvcache = _backend.prepare_forward_kvcache
-forward = _backend.forward
-backward = _backend.backward
-forward_kvcache = _backend.forward_kvcache
+prepare_forward, prepare_backward, prepare_forward_kvcache, forward, backward, forward_kvcache = _backend.contract()

@@ -364,23 +364,38 @@ def _attention_constexprs(kernel: str, target: Target, features: bool, exact: di
 # Forward
 
 
-def plan_forward(s: ForwardShape, target: Target) -> Planned:
-    head_dim = s.q.shape[-1]
-    why = _kernel_refusal(s.q.dtype, head_dim, target)
-    if why is not None:
-        return why
+class _Sizes(NamedTuple):
+    head_dim: int
+    nheads: int
+    nheads_k: int
+    batch: int
+    seqlen_q: int  # the longest sequence, varlen
+    seqlen_k: int
+    packed: bool  # varlen
+    paged: bool
+    features: bool  # softcap, ALiBi or dropout: the score-features variant
+
+
+def _sizes(s) -> _Sizes:
+    """What the forward and backward planners share about a call."""
     packed = s.varlen is not None
-    paged = packed and s.varlen.block_table is not None
-    if target.aot and paged:
-        return "paged K/V in the varlen forward (not compiled ahead of time)"
-    if target.aot and s.return_softmax:
-        return "return_attn_probs (a testing feature) is not compiled ahead of time"
-    features = uses_score_features(s.scalars, s.alibi is not None)
-    nheads, nheads_k = s.q.shape[-2], s.k.shape[-2]
     if packed:
         batch, seqlen_q, seqlen_k = s.varlen.batch, s.varlen.max_seqlen_q, s.varlen.max_seqlen_k
     else:
         batch, seqlen_q, seqlen_k = s.q.shape[0], s.q.shape[1], s.k.shape[1]
+    return _Sizes(s.q.shape[-1], s.q.shape[-2], s.k.shape[-2], batch, seqlen_q, seqlen_k, packed,
+                  packed and s.varlen.block_table is not None, uses_score_features(s.scalars, s.alibi is not None))
+
+
+def plan_forward(s: ForwardShape, target: Target) -> Planned:
+    head_dim, nheads, nheads_k, batch, seqlen_q, seqlen_k, packed, paged, features = _sizes(s)
+    why = _kernel_refusal(s.q.dtype, head_dim, target)
+    if why is not None:
+        return why
+    if target.aot and paged:
+        return "paged K/V in the varlen forward (not compiled ahead of time)"
+    if target.aot and s.return_softmax:
+        return "return_attn_probs (a testing feature) is not compiled ahead of time"
     config = configs.pick("fwd", head_dim, target.family, features)
     block_d = _block_d(head_dim, features, target)
 
@@ -467,19 +482,12 @@ def _finish(dtype, lay: _Layouts, launches: list, results: tuple) -> Planned:
 
 
 def plan_backward(s: BackwardShape, target: Target) -> Planned:
-    head_dim = s.q.shape[-1]
+    head_dim, nheads, nheads_k, batch, seqlen_q, seqlen_k, packed, paged, features = _sizes(s)
     why = _kernel_refusal(s.q.dtype, head_dim, target)
     if why is not None:
         return why
-    packed = s.varlen is not None
-    if packed and s.varlen.block_table is not None:
+    if paged:
         return "the backward of paged K/V (pages may be shared between sequences, which needs atomics)"
-    features = uses_score_features(s.scalars, s.alibi is not None)
-    nheads, nheads_k = s.q.shape[-2], s.k.shape[-2]
-    if packed:
-        batch, seqlen_q, seqlen_k = s.varlen.batch, s.varlen.max_seqlen_q, s.varlen.max_seqlen_k
-    else:
-        batch, seqlen_q, seqlen_k = s.q.shape[0], s.q.shape[1], s.k.shape[1]
     block_d = _block_d(head_dim, features, target)
     lean_block_d = _block_d(head_dim, False, target)
 
