@@ -16,7 +16,9 @@ if [[ "${cuda_compiler_version:-None}" == "None" ]]; then
     export FLASH_ATTN_ENABLE_CUDA=OFF
 else
     export FLASH_ATTN_ENABLE_CUDA=ON
-    export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${SP_DIR}/torch}"
+    # conda-forge's libtorch (host): headers in $PREFIX/include/torch, libtorch_cpu.so in $PREFIX/lib
+    # (its pytorch ships no site-packages/torch/include).
+    export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${PREFIX}}"
     export CUDA_HOME="${CUDA_HOME:-${BUILD_PREFIX}}"
     # Every architecture here is supported by both CUDA 12.9 and 13.0 (13.0 dropped only < sm_75).
     case "${cuda_compiler_version}" in
@@ -30,8 +32,9 @@ else
     export TRITON_PTXAS_BLACKWELL_PATH="${TRITON_PTXAS_BLACKWELL_PATH:-${TRITON_PTXAS_PATH}}"
     # No source file names (absolute build paths) in the PTX/cubin line tables of a release build.
     export TRITON_DISABLE_LINE_INFO="${TRITON_DISABLE_LINE_INFO:-1}"
-    # The kernel build runs with the build machine's Python (it has triton; cross-compiling safe).
-    KERNEL_PYTHON="${KERNEL_PYTHON:-${BUILD_PREFIX}/bin/python}"
+    # The kernel build runs with the build machine's Python, which has triton. Its versioned name:
+    # when cross-compiling, cross-python replaces bin/python with a shim to its crossenv.
+    KERNEL_PYTHON="${KERNEL_PYTHON:-${BUILD_PREFIX}/bin/python${PYTHON_MIN:-3}}"
     set -- -Ccmake.define.Python_EXECUTABLE="${KERNEL_PYTHON}"
 fi
 
