@@ -111,7 +111,8 @@ def conda_build_merge(base: Spec, override: Spec, source: str = "recipe/conda_bu
     value the base does not have, set without its group, is ambiguous. Then the lengths must agree."""
     check_zip_lengths(base, "global pinning")
     check_zip_lengths(override, source)
-    zip_keys = [list(g) for g in {tuple(g) for g in base.get("zip_keys", []) + override.get("zip_keys", [])}]
+    # (conda-build collects the groups in a set; here in a stable order, so a run is repeatable)
+    zip_keys = [list(g) for g in dict.fromkeys(tuple(g) for g in base.get("zip_keys", []) + override.get("zip_keys", []))]
     merged = {k: list(v) for k, v in base.items() if k != "zip_keys"}
     for key, values in override.items():
         if key == "zip_keys":
