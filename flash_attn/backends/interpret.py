@@ -21,6 +21,7 @@ __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prep
            "prepare_forward_kvcache", "TARGET", "run_launch"]
 
 _NAME = "interpret"
+MIN_TRITON = (3, 7)
 TARGET = Target("interpret", decode_configs.INTERPRET_NUM_SMS)
 
 
@@ -29,10 +30,15 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
         return "it runs Triton's interpreter on CPU tensors only"
     try:
         import numpy  # noqa: F401, PLC0415
-        import triton  # noqa: F401, PLC0415
+        import triton  # noqa: PLC0415
         from triton.runtime import interpreter  # noqa: F401, PLC0415
     except ImportError as exc:
         return f"Triton's interpreter cannot be imported ({exc})"
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+    if version < MIN_TRITON:
+        # measured: 3.6's interpreter fails the KV-cache kernels (a TypeError in its load), 3.7 runs them
+        return (f"Triton {triton.__version__}'s interpreter cannot run these kernels "
+                f"(needs {MIN_TRITON[0]}.{MIN_TRITON[1]} or newer; its GPU compiler is fine)")
     return None
 
 

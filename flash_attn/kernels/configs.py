@@ -109,14 +109,16 @@ _TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
 # * fwd: 128x128 spills on sm90 (56 B) and sm100 (536 B); 128x64 d128 too (8 B, 32 B) -> 128x32.
 #   Also smaller code: the sm100 128x128 features kernel is a 2.8 MB cubin and 38 s to compile.
 # * bwd_dkdv: 32x128 spills 144-608 B everywhere at d64; 16x64 s1 does not (sm80/86/100/120).
+#   sm80/86 d128: 16x64 s1 sits at 255 registers and keeps 8 B of stack with Triton 3.7 -> 16x32
+#   s2 (236 with 3.7, 241 with 3.9).
 #   sm90 d128: every wgmma tile spills (16x64 s1 128 B, s2 48 B, 4 warps 216 B, 32x64 432 B), so
 #   16x32 s2 (mma.sync, 200 registers) - the one features kernel without its arch's best MMA.
 # * bwd_dq d128: 64x64 s2 / 128x64 s2 spill on sm86 (24 B with 4 warps), sm90 (208 B), sm100 (96 B),
 #   sm120 (8 B) -> 64x32 8 warps everywhere (none spills).
 _F = Config(128, 32, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
-    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
+    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
+    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
     ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None),
     ("fwd", "sm90"): (None, _F, _F, None),
     ("bwd_dkdv", "sm90"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
