@@ -116,10 +116,10 @@ def _make_chain(name: str, device: torch.device) -> tuple[str, ...]:
 def chain(device: torch.device) -> tuple[str, ...]:
     """The backends a call on ``device`` may run on, in order (what each can run on the device
     is worked out once per process)."""
-    key = (requested_backend(), device)
+    key = (os.environ.get(BACKEND_ENV), device)  # the raw setting: normalised only on a miss
     found = _chains.get(key)
     if found is None:
-        found = _chains[key] = _make_chain(*key)
+        found = _chains[key] = _make_chain(requested_backend(), device)
     return found
 
 

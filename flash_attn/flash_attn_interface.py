@@ -339,7 +339,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     cache_layout = "(num_blocks, page_block_size, nheads_k, headdim)" if block_table is not None else "(batch_cache, seqlen_cache, nheads_k, headdim)"
     validation.check_tensor(k_cache, "k_cache", 4, cache_layout)
     validation.check_tensor(v_cache, "v_cache", 4, cache_layout)
-    validation.check_same({"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    validation.check_same(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must agree except in headdim, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     validation.check_heads(q.shape[2], k_cache.shape[2], q.shape[3], k_cache.shape[3], v_cache.shape[3])
@@ -349,7 +349,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     if k is not None:
         validation.check_tensor(k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
         validation.check_tensor(v, "v", 4, "(batch, seqlen_new, nheads_k, headdim)")
-        validation.check_same({"q": q, "k": k, "v": v})
+        validation.check_same(("q", q), ("k", k), ("v", v))
         expected = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
             raise ValueError(f"k and v must have shape {expected} (batch, seqlen_new, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}")

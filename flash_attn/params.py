@@ -7,14 +7,14 @@ re-derives defaults (softmax scale, causal-as-window, ...) and all backends agre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 
-@dataclass(frozen=True)
-class AttentionParams:
-    """Scalar options of an attention call.
+class AttentionParams(NamedTuple):
+    """Scalar options of an attention call (a named tuple: made on every call, and a tuple is
+    the cheapest immutable record).
 
     Masking is expressed only through the window: query ``i`` sees key ``j`` iff
     ``i + sk - sq - window_left <= j <= i + sk - sq + window_right`` (bottom-right aligned; a

@@ -22,30 +22,34 @@ def _fail(exc_type: type[Exception], message: str):
     raise exc_type(message)
 
 
-def check_tensor(t, name: str, ndim: int, layout: str) -> None:
-    """``t`` is a tensor of rank ``ndim`` with a supported dtype and a contiguous last dim."""
+def check_tensor(t, name: str, ndim: int, layout: str) -> torch.Size:
+    """``t`` is a tensor of rank ``ndim`` with a supported dtype and a contiguous last dim; returns
+    its shape (the checks run on every call: each tensor attribute is read once)."""
     if not isinstance(t, torch.Tensor):
         _fail(TypeError, f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
-    if t.dim() != ndim:
-        _fail(ValueError, f"{name} must have shape {layout} ({ndim} dims), got shape {tuple(t.shape)}")
+    shape = t.shape
+    if len(shape) != ndim:
+        _fail(ValueError, f"{name} must have shape {layout} ({ndim} dims), got shape {tuple(shape)}")
     if t.dtype not in SUPPORTED_DTYPES:
         _fail(TypeError, f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.stride(-1) != 1 and t.shape[-1] > 1 and t.numel() > 0:
+    if t.stride(-1) != 1 and shape[-1] > 1 and t.numel() > 0:
         _fail(
             ValueError,
             f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}; "
             f"call .contiguous() on it",
         )
+    return shape
 
 
-def check_same(tensors: dict[str, torch.Tensor]) -> None:
-    """All tensors share dtype and device."""
-    (first_name, first), *rest = tensors.items()
+def check_same(*named: tuple[str, torch.Tensor]) -> None:
+    """All tensors (given as ``(name, tensor)``) share dtype and device."""
+    (first_name, first), *rest = named
+    dtype, device = first.dtype, first.device
     for name, t in rest:
-        if t.dtype != first.dtype:
-            _fail(TypeError, f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}; they must match")
-        if t.device != first.device:
-            _fail(ValueError, f"{name} is on {t.device} but {first_name} is on {first.device}; they must be on the same device")
+        if t.dtype != dtype:
+            _fail(TypeError, f"{name} has dtype {t.dtype} but {first_name} has {dtype}; they must match")
+        if t.device != device:
+            _fail(ValueError, f"{name} is on {t.device} but {first_name} is on {device}; they must be on the same device")
 
 
 def check_heads(q_heads: int, k_heads: int, q_dim: int, k_dim: int, v_dim: int) -> None:
@@ -61,15 +65,15 @@ def check_heads(q_heads: int, k_heads: int, q_dim: int, k_dim: int, v_dim: int) 
 
 def check_dense_qkv(q, k, v) -> None:
     """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``."""
-    check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
-    check_tensor(k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
-    check_tensor(v, "v", 4, "(batch, seqlen_k, nheads_k, headdim)")
-    check_same({"q": q, "k": k, "v": v})
-    if k.shape[:3] != v.shape[:3]:
-        _fail(ValueError, f"k and v must agree in (batch, seqlen_k, nheads_k), got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        _fail(ValueError, f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    check_heads(q.shape[2], k.shape[2], q.shape[3], k.shape[3], v.shape[3])
+    q_shape = check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    k_shape = check_tensor(k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    v_shape = check_tensor(v, "v", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    check_same(("q", q), ("k", k), ("v", v))
+    if k_shape[:3] != v_shape[:3]:
+        _fail(ValueError, f"k and v must agree in (batch, seqlen_k, nheads_k), got {tuple(k_shape)} and {tuple(v_shape)}")
+    if q_shape[0] != k_shape[0]:
+        _fail(ValueError, f"q and k must have the same batch size, got {q_shape[0]} and {k_shape[0]}")
+    check_heads(q_shape[2], k_shape[2], q_shape[3], k_shape[3], v_shape[3])
 
 
 def check_cu_seqlens(cu, name: str, device: torch.device) -> None:
@@ -106,7 +110,7 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     kv_rank, kv_layout = (4, "(num_blocks, page_block_size, nheads_k, headdim)") if block_table is not None else (3, "(total_k, nheads_k, headdim)")
     check_tensor(k, "k", kv_rank, kv_layout)
     check_tensor(v, "v", kv_rank, kv_layout)
-    check_same({"q": q, "k": k, "v": v})
+    check_same(("q", q), ("k", k), ("v", v))
     if k.shape[:-1] != v.shape[:-1]:
         _fail(ValueError, f"k and v must have the same shape except headdim, got {tuple(k.shape)} and {tuple(v.shape)}")
     check_heads(q.shape[1], k.shape[-2], q.shape[2], k.shape[-1], v.shape[-1])

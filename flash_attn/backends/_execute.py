@@ -118,9 +118,12 @@ def _allocator(buffer: P.Buffer):
         return lambda device: _placeholder(buffer.dtype, device)
     make, storage, dtype, columns = (torch.zeros if buffer.zeroed else torch.empty), buffer.storage, buffer.dtype, \
         buffer.shape[-1] if buffer.storage != buffer.shape else None
+    # sizes as separate arguments: PyTorch's argument parser takes them ~0.5 us faster than a tuple
+    if not storage:
+        return lambda device: make((), dtype=dtype, device=device)
     if columns is None:
-        return lambda device: make(storage, dtype=dtype, device=device)
-    return lambda device: make(storage, dtype=dtype, device=device)[..., :columns]
+        return lambda device: make(*storage, dtype=dtype, device=device)
+    return lambda device: make(*storage, dtype=dtype, device=device)[..., :columns]
 
 
 class Ready(NamedTuple):
@@ -204,7 +207,7 @@ class KernelBackend:
         target = self.target(device)
         if isinstance(target, str):
             return target
-        key = (planner.__name__, shape, target, device)
+        key = (planner, shape, target)  # plans do not depend on the device (its target aside)
         executable = self.plan_cache(device).get(key, lambda: self._make(planner, shape, target, device))
         if isinstance(executable, str):
             return executable

@@ -40,8 +40,7 @@ class Slot(str):
     __slots__ = ()
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     """What a plan is made for: the launch configs of ``family`` (an architecture family of
     :mod:`flash_attn.kernels.configs`, or ``"interpret"``), the SM count the KV-cache split
     heuristic fills, and ``aot``: launch only the specialisations an ahead-of-time build ships
@@ -207,7 +206,8 @@ class KVCacheShape(NamedTuple):
 
 def _seed_info(params) -> Optional[TensorInfo]:
     seed = params.dropout_seed
-    return info(seed) if isinstance(seed, torch.Tensor) else None
+    # without dropout no kernel reads the seed: its layout does not matter (one plan fewer to tell apart)
+    return info(seed) if params.dropout_p and isinstance(seed, torch.Tensor) else None
 
 
 def describe_forward(q, k, v, params, varlen=None, alibi_slopes=None, return_softmax=False) -> ForwardShape:
