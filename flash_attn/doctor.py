@@ -429,10 +429,10 @@ def probe_driver() -> dict:
 
 
 def probe_op_library() -> dict:
-    from flash_attn import _aot_library  # noqa: PLC0415
+    from flash_attn.aot import library as op_library  # noqa: PLC0415
 
     try:
-        status = _aot_library.status()
+        status = op_library.status()
     except Exception as exc:  # noqa: BLE001  (status() should never raise; a doctor double-checks)
         return {"loaded": False, "path": None, "reason": _error_text(exc), "build_config": {}, "installed": False}
     info = {
@@ -444,7 +444,7 @@ def probe_op_library() -> dict:
     }
     if status.loaded and status.build_config.get("cuda", True):
         try:
-            info["cuda_info"] = _aot_library.cuda_info()
+            info["cuda_info"] = op_library.cuda_info()
         except Exception as exc:  # noqa: BLE001
             info["cuda_info_error"] = _error_text(exc)
     return info
@@ -475,7 +475,7 @@ def _archs_in(manifest: Any) -> list[str]:
 def probe_kernels() -> dict:
     """The ahead-of-time kernel images this installation ships (``manifest.json``)."""
     import flash_attn  # noqa: PLC0415
-    from flash_attn.aot_images import parse_arch  # noqa: PLC0415
+    from flash_attn.aot.archs import parse_arch  # noqa: PLC0415
 
     info: dict[str, Any] = {"manifest": None, "archs": [], "error": None}
     for folder in flash_attn.__path__:
@@ -769,7 +769,7 @@ def collect() -> dict:
 
 def _merge_gpus(facts: dict) -> list[dict]:
     """One row per GPU: PyTorch's view when it has one, else the driver's; plus the backend."""
-    from flash_attn.aot_images import select_image  # noqa: PLC0415
+    from flash_attn.aot.archs import select_image  # noqa: PLC0415
 
     torch_devices = facts["torch"].get("devices") or []
     source = "torch" if torch_devices else "driver"
@@ -973,7 +973,7 @@ def diagnose(facts: dict) -> list[Finding]:
             add(Finding("op-library", "error", "the op library set by FLASH_ATTN_AOT_LIBRARY does not exist",
                         op.get("reason", ""), "unset FLASH_ATTN_AOT_LIBRARY or point it at a built library"))
         else:
-            from flash_attn._aot_library import is_cpu_only_build  # noqa: PLC0415
+            from flash_attn.aot.library import is_cpu_only_build  # noqa: PLC0415
 
             cpu_only = is_cpu_only_build(op.get("build_config") or {})
             summary = ("this is the CPU-only build of flash-attn: no op library (ahead-of-time kernel launcher)"

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import types
 
-from flash_attn import _aot_library
+from flash_attn.aot import library as op_library, manifest as aot_manifest, specializations as S
 from flash_attn.backends import aot
-from flash_attn.kernels import specializations as S
 
 
-def synthetic_manifest(capability=(9, 0), arch: str = "sm_90a") -> aot.Manifest:
+def synthetic_manifest(capability=(9, 0), arch: str = "sm_90a") -> aot_manifest.Manifest:
     entries = []
     for spec in S.specs_for_capability(capability):
         sig, attrs = S.signature(spec)
         entries.append({"arch": arch, "key": spec.key, "kernel": spec.kernel, "name": spec.kernel,
                         "image": f"images/{arch}/{spec.key}.cubin", "constexprs": spec.constexprs,
-                        "signature": _aot_library.triton_signature(types.SimpleNamespace(signature=sig, attrs=attrs)),
+                        "signature": op_library.triton_signature(types.SimpleNamespace(signature=sig, attrs=attrs)),
                         "num_warps": spec.num_warps, "shared": 0})
-    return aot.Manifest("/nonexistent", {"archs": [arch], "kernels": entries})
+    return aot_manifest.Manifest("/nonexistent", {"archs": [arch], "kernels": entries})

@@ -20,11 +20,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from flash_attn import _aot_library, aot_images  # noqa: E402
+from flash_attn.aot import archs, library as op_library, manifest as aot_manifest, specializations as S  # noqa: E402
 from flash_attn.backends import aot  # noqa: E402
-from flash_attn.kernels import configs  # noqa: E402
-from flash_attn.kernels import plan as P  # noqa: E402
-from flash_attn.kernels import specializations as S  # noqa: E402
+from flash_attn.planning import configs, plan as P  # noqa: E402
 from flash_attn.params import AttentionParams, VarlenLayout  # noqa: E402
 
 from calls import attention_calls, kvcache_calls  # noqa: E402
@@ -35,21 +33,21 @@ BUILT_ARCHS = {"sm_80": [(8, 0), (8, 6), (8, 9)], "sm_90a": [(9, 0)]}
 
 @pytest.fixture(scope="session")
 def aot_dir(tmp_path_factory) -> Path:
-    installed = aot.find_manifest_dir()
+    installed = aot_manifest.find_manifest_dir()
     if installed is not None and os.environ.get("FLASH_ATTN_TEST_REBUILD") != "1":
         archs = set(json.loads((installed / "manifest.json").read_text()).get("archs", []))
         if {"sm_80", "sm_90a", "compute_80"} <= archs and (installed / "build-report.json").is_file():
             return installed
     out = tmp_path_factory.mktemp("aot")
-    from flash_attn import aot_build
+    from flash_attn.aot import build as aot_build
 
     aot_build.build(out, "80;90", quiet=True)
     return out
 
 
 @pytest.fixture(scope="session")
-def manifest(aot_dir) -> aot.Manifest:
-    return aot.Manifest.load(aot_dir)
+def manifest(aot_dir) -> aot_manifest.Manifest:
+    return aot_manifest.Manifest.load(aot_dir)
 
 
 @pytest.fixture(scope="session")
@@ -189,7 +187,7 @@ def test_unavailable_reason_on_cuda_without_gpu():
 def _missing_from_manifest(manifest, capability, dtype, head_dims=(8, 40, 64, 96, 128, 160, 256)):
     """Planned specialisations for a device of ``capability`` that its image does not ship."""
     choice = manifest.image_for(capability)
-    family = configs.arch_family(aot.config_capability(capability, choice))
+    family = configs.arch_family(archs.config_capability(capability, choice))
     target = P.Target(family, 132, aot=True)
     missing = []
     for head_dim in head_dims:
@@ -215,11 +213,11 @@ def test_ptx_covers_newer_gpus(manifest):
     # every call (lean, score features, KV cache) finds its specialisation, whatever the family
     for capability in ((10, 0), (10, 3), (12, 0), (12, 1), (13, 0)):
         assert manifest.image_for(capability).kind == "ptx"
-        assert aot.config_capability(capability, manifest.image_for(capability)) in ((8, 0), (8, 6))
+        assert archs.config_capability(capability, manifest.image_for(capability)) in ((8, 0), (8, 6))
         assert _missing_from_manifest(manifest, capability, torch.bfloat16, head_dims=(96,)) == []
     # shared memory decides: sm_100-class PTX devices take the sm80 configs, sm_120-class the sm86 ones
-    assert aot.config_capability((10, 3), manifest.image_for((10, 3))) == (8, 0)
-    assert aot.config_capability((12, 1), manifest.image_for((12, 1))) == (8, 6)
+    assert archs.config_capability((10, 3), manifest.image_for((10, 3))) == (8, 0)
+    assert archs.config_capability((12, 1), manifest.image_for((12, 1))) == (8, 6)
     assert "no shipped image" in manifest.image_for((7, 5)).reason
 
 
@@ -239,8 +237,8 @@ def test_images_are_stored_compressed(manifest):
     """Every image is zlib-compressed on disk and inflates to a cubin (ELF) or PTX text."""
     entries = list(manifest.entries.values())
     for entry in entries[:: max(1, len(entries) // 25)]:
-        assert entry["image"].endswith(_aot_library.COMPRESSED_SUFFIX)
-        data = _aot_library.read_image(manifest.folder / entry["image"])
+        assert entry["image"].endswith(op_library.COMPRESSED_SUFFIX)
+        data = op_library.read_image(manifest.folder / entry["image"])
         if entry["arch"].startswith("compute_"):
             assert b".entry " + entry["name"].encode() in data
         else:
@@ -260,14 +258,14 @@ def test_signature_agrees_with_an_independent_compile(manifest):
     src = ASTSource(S.kernel_function(spec.kernel), sig, constexprs=spec.constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 80, 32),
                               options=dict(num_warps=spec.num_warps, num_stages=spec.num_stages))
-    fresh = _aot_library.manifest_entry(compiled, src)
+    fresh = op_library.manifest_entry(compiled, src)
     for key, value in fresh.items():
         assert entry[key] == value, key
 
 
 def _library_or_skip():
-    if not _aot_library.status().loaded:
-        pytest.skip(_aot_library.status().reason)
+    if not op_library.status().loaded:
+        pytest.skip(op_library.status().reason)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "compute_80"])
@@ -278,7 +276,7 @@ def test_every_image_registers(manifest, arch):
     entries = [e for (a, _), e in manifest.entries.items() if a == arch]
     assert entries
     for entry in entries:
-        assert isinstance(_aot_library.register_kernel(manifest.folder / entry["image"], entry), int)
+        assert isinstance(op_library.register_kernel(manifest.folder / entry["image"], entry), int)
 
 
 @pytest.fixture
@@ -299,7 +297,7 @@ def launched(monkeypatch) -> list:
 def images_for(monkeypatch, manifest, capability):
     """The ``aot`` backend as it runs on a device of ``capability``, for meta tensors."""
     choice = manifest.image_for(capability)
-    family = configs.arch_family(aot.config_capability(capability, choice))
+    family = configs.arch_family(archs.config_capability(capability, choice))
     images = aot._DeviceImages(manifest, choice.arch.name, P.Target(family, 132, aot=True))
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
     return images
@@ -379,7 +377,7 @@ def test_build_kernels_command_reports_a_failing_arch(tmp_path):
 
 
 def test_resolve_archs():
-    from flash_attn import aot_build
+    from flash_attn.aot import build as aot_build
 
     names = lambda archs: [a.name for a in archs]  # noqa: E731
     cubins, ptxs = aot_build.resolve_archs("")
@@ -393,7 +391,7 @@ def test_resolve_archs():
         aot_build.resolve_archs("90;compute_90")
     assert tuple(map(names, aot_build.resolve_archs("80;90;compute_80"))) == (["sm_80", "sm_90a"], ["compute_80"])
     # one compile feeds a family group: Thor's image comes from the sm_100 compile
-    from flash_attn.aot_images import parse_arch
+    from flash_attn.aot.archs import parse_arch
 
     assert [aot_build.triton_capability(parse_arch(a)) for a in ("sm_100f", "sm_110f", "sm_120f", "sm_90a")] == \
         [100, 100, 120, 90]

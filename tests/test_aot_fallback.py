@@ -1,7 +1,7 @@
 """The ``aot`` backend fails over instead of crashing when the driver cannot run its images.
 
 Simulated here (no GPU): the driver's version as the op library reads it
-(``_aot_library.cuda_info``), and the answers of image registration and loading, raised exactly
+(``op_library.cuda_info``), and the answers of image registration and loading, raised exactly
 as the op library raises them (``flash_attn::<op>: <what>: <CUDA error name>: <CUDA's text>``).
 What these stand-ins cannot show: that a real driver answers with these errors in these cases
 (CUDA's documented behaviour; the GPU runner loads the real images).
@@ -21,14 +21,15 @@ import warnings
 import pytest
 import torch
 
-from flash_attn import aot_images, dispatch
+from flash_attn import dispatch
+from flash_attn.aot import archs, manifest as aot_manifest
 from flash_attn.backends import aot
-from flash_attn.kernels import plan as P
 from flash_attn.params import AttentionParams
+from flash_attn.planning import plan as P
 
 
-def _manifest(entries: list[dict]) -> aot.Manifest:
-    return aot.Manifest("/nonexistent", {"kernels": entries})
+def _manifest(entries: list[dict]) -> aot_manifest.Manifest:
+    return aot_manifest.Manifest("/nonexistent", {"kernels": entries})
 
 
 def _entry(arch: str, ptxas: str = "13.0", ptx_isa: str = "9.0", key: str = "k") -> dict:
@@ -38,7 +39,7 @@ def _entry(arch: str, ptxas: str = "13.0", ptx_isa: str = "9.0", key: str = "k")
 @pytest.mark.parametrize("isa,release", [("8.0", (12, 0)), ("8.4", (12, 4)), ("8.7", (12, 8)), ("8.8", (12, 9)),
                                          ("9.0", (13, 0)), ("9.1", (13, 1)), ("9.4", (13, 4))])
 def test_ptx_isa_to_cuda_release(isa, release):
-    assert aot.ptx_isa_release(*map(int, isa.split("."))) == release
+    assert aot_manifest.ptx_isa_release(*map(int, isa.split("."))) == release
 
 
 def test_cubins_need_the_driver_major_of_their_ptxas():
@@ -62,9 +63,9 @@ def test_ptx_needs_a_driver_that_knows_its_isa():
 
 
 def test_unavailable_reason_names_the_old_driver(monkeypatch):
-    monkeypatch.setattr(aot._aot_library, "status", lambda: aot._aot_library.LibraryStatus(True, "lib", ""))
+    monkeypatch.setattr(aot.op_library, "status", lambda: aot.op_library.LibraryStatus(True, "lib", ""))
     monkeypatch.setattr(aot, "manifest", lambda: (_manifest([_entry("sm_90a", ptxas="13.0")]), ""))
-    monkeypatch.setattr(aot._aot_library, "cuda_info", lambda: {"runtime_version": 13000, "driver_version": 12040,
+    monkeypatch.setattr(aot.op_library, "cuda_info", lambda: {"runtime_version": 13000, "driver_version": 12040,
                                                                  "device_count": 1, "error": ""})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -92,7 +93,7 @@ def fake_gpu(monkeypatch):
 
     images = aot._DeviceImages(synthetic_manifest(), "sm_90a", P.Target("sm90", 132, aot=True))
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
-    monkeypatch.setattr(aot._aot_library, "register_kernel", lambda image, entry: 0)
+    monkeypatch.setattr(aot.op_library, "register_kernel", lambda image, entry: 0)
     monkeypatch.setattr(aot, "_registered", {})
     monkeypatch.setattr(aot, "_loaded", set())
     launched = []
@@ -146,7 +147,7 @@ def test_an_image_that_fails_to_register_fails_over(fake_gpu, monkeypatch):
         raise RuntimeError(f"flash_attn::aot_register_kernel: image '{image}' cannot be read: Error -3 while "
                            f"decompressing data: invalid stored block lengths")
 
-    monkeypatch.setattr(aot._aot_library, "register_kernel", invalid)
+    monkeypatch.setattr(aot.op_library, "register_kernel", invalid)
     with pytest.warns(UserWarning, match="cannot be read"):
         _call()
     assert launched == []
@@ -162,6 +163,6 @@ def test_the_images_run_when_the_driver_loads_them(fake_gpu, monkeypatch):
 
 
 def test_selection_prefers_a_loadable_image_over_none():
-    archs = ["sm_80", "sm_90a", "compute_80"]
-    assert aot_images.select_image((9, 0), archs).arch.name == "sm_90a"
-    assert aot_images.select_image((9, 0), ["sm_80", "compute_80"]).kind == "ptx"
+    shipped = ["sm_80", "sm_90a", "compute_80"]
+    assert archs.select_image((9, 0), shipped).arch.name == "sm_90a"
+    assert archs.select_image((9, 0), ["sm_80", "compute_80"]).kind == "ptx"

@@ -1,5 +1,5 @@
-"""The ahead-of-time op library (csrc/, flash_attn/_aot_library.py) and image selection
-(flash_attn/aot_images.py), checked on a CPU-only machine: it loads without a GPU or driver, links
+"""The ahead-of-time op library (csrc/, flash_attn/aot/library.py) and image selection
+(flash_attn/aot/archs.py), checked on a CPU-only machine: it loads without a GPU or driver, links
 only the stable C shim, checks every argument before launching, and says clearly that there is no
 CUDA device. The launch itself needs a GPU (marked ``gpu``). The CPU-only build has no library at
 all: checked at the end, with how the package explains that."""
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import check_close
-from flash_attn import _aot_library as aot
-from flash_attn.aot_images import DEFAULT_CUDA_ARCHS, Arch, parse_arch, parse_arch_list, select_image
+from flash_attn.aot import library as aot
+from flash_attn.aot.archs import Arch, DEFAULT_CUDA_ARCHS, parse_arch, parse_arch_list, select_image
 from packaging_helpers import compiled_files, run_from_site
 
 HAS_GPU = torch.cuda.is_available()
@@ -508,7 +508,8 @@ def test_cpu_only_build(tmp_path):
     script = (
         "import json, sys, torch\n"
         "import flash_attn\n"
-        "from flash_attn import _aot_library, flash_attn_func\n"
+        "from flash_attn import flash_attn_func\n"
+        "from flash_attn.aot import library as op_library\n"
         "from oracle import attention_ref\n"
         "g = torch.Generator().manual_seed(0)\n"
         "q = torch.randn(2, 37, 4, 40, generator=g)\n"
@@ -517,7 +518,7 @@ def test_cpu_only_build(tmp_path):
         "ref = attention_ref(q, k, v, causal=True).out\n"
         "naive = attention_ref(q, k, v, causal=True, compute_dtype=None).out\n"
         "torch.save({'out': out, 'ref': ref, 'naive': naive}, sys.argv[1])\n"
-        "s = _aot_library.status()\n"
+        "s = op_library.status()\n"
         "print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))\n"
     )
     tests = Path(__file__).resolve().parent

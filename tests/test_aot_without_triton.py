@@ -61,7 +61,11 @@ def test_import_and_reference_backend_without_triton():
         import torch
         import flash_attn
         from flash_attn import dispatch, flash_attn_func
-        from flash_attn.kernels import configs, declarations, plan, registry, specializations  # noqa: F401
+        from flash_attn.planning import registry
+        from flash_attn.planning import declarations
+        from flash_attn.planning import configs
+        from flash_attn.planning import plan
+        from flash_attn.aot import specializations  # noqa: F401
         from flash_attn.backends import aot, reference  # noqa: F401
 
         torch.manual_seed(0)
@@ -90,11 +94,12 @@ def test_import_and_reference_backend_without_triton():
 AOT_SETUP = f"    TESTS = {str(Path(__file__).parent)!r}\n" + """
     import json, os, sys, warnings
     import torch
-    from flash_attn import _aot_library, aot_images
+    from flash_attn.aot import library as op_library
+    from flash_attn.aot import archs
     from flash_attn import dispatch
     from flash_attn.backends import aot
-    from flash_attn.kernels import plan
-    from flash_attn.kernels import specializations as S
+    from flash_attn.planning import plan
+    from flash_attn.aot import specializations as S
     from flash_attn.params import AttentionParams, VarlenLayout
 
     # A manifest for one sm_90a image, synthesised from the specialisation set (no compile).
@@ -117,7 +122,7 @@ AOT_SETUP = f"    TESTS = {str(Path(__file__).parent)!r}\n" + """
         launched.append({"key": key, "grid": [int(g) for g in grid], "tensors": len(tensors),
                          "ints": len(ints), "floats": len(floats)})
 
-    _aot_library.register_kernel = register_kernel
+    op_library.register_kernel = register_kernel
     aot._launch_op = lambda: launch
     params = AttentionParams(softmax_scale=0.125, window_left=-1, window_right=0, softcap=0.0, dropout_p=0.0,
                              dropout_seed=0)
@@ -227,7 +232,7 @@ def test_kernel_names_resolve_like_the_jit_functions():
     """:func:`registry.arg_names` and :func:`registry.constexpr_names` (read from the source, no
     Triton) are what the ``JITFunction`` says."""
     pytest.importorskip("triton")
-    from flash_attn.kernels import registry
+    from flash_attn.planning import registry
 
     for name in registry.KERNEL_MODULES:
         fn = registry.jit_function(name)

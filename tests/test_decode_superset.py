@@ -1,8 +1,8 @@
 """The ahead-of-time KV-cache launches: the fixed superset specialisations an AOT build ships.
 
-The planner's ahead-of-time target (``Target(aot=True)``, :func:`flash_attn.kernels.plan.plan_kvcache`)
+The planner's ahead-of-time target (``Target(aot=True)``, :func:`flash_attn.planning.plan.plan_kvcache`)
 launches only the ``(kernel, constexprs, config)`` combinations of
-:func:`flash_attn.kernels.decode_configs.aot_variants`, with every tensor argument laid out as the
+:func:`flash_attn.planning.decode_configs.aot_variants`, with every tensor argument laid out as the
 kernels' declarations say. Checked here, in Triton's interpreter:
 
 * exactness: the feature matrix of ``tests/test_triton_decode.py`` against the float64 oracle
@@ -24,11 +24,10 @@ import torch
 
 from test_triton_decode import CASES, DTYPES, MODES, SPLIT_CASES, Case, check_case, make_inputs, run_kernels
 
+from flash_attn.aot import specializations as S
 from flash_attn.backends import interpret
 from flash_attn.backends._execute import KernelsCannotRun
-from flash_attn.kernels import declarations, plan, registry
-from flash_attn.kernels import decode_configs as dc
-from flash_attn.kernels import specializations as S
+from flash_attn.planning import declarations, decode_configs as dc, plan, registry
 
 KERNELS = ("split_kv_kernel", "append_kv_kernel", "rotary_q_kernel", "combine_splits_kernel")
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -249,7 +248,7 @@ def test_aot_variants_are_complete_and_distinct(family):
 
 
 def test_decode_configs_is_pure_python():
-    import flash_attn.kernels.decode_configs as module
+    import flash_attn.planning.decode_configs as module
 
     tree = ast.parse(inspect.getsource(module))
     imported = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
@@ -268,7 +267,7 @@ def test_compiles_ahead_of_time_without_spills(tmp_path, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flash_attn.aot_build import cuobjdump_path, resource_usage
+    from flash_attn.aot.build import cuobjdump_path, resource_usage
 
     if cuobjdump_path() is None:
         pytest.skip("cuobjdump not found")

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import flash_attn
-from flash_attn import __main__ as cli
-from flash_attn import _aot_library, dispatch, doctor
+from flash_attn import __main__ as cli, dispatch, doctor
+from flash_attn.aot import library as op_library
 
 PACKAGE_DIR = Path(flash_attn.__file__).resolve().parent
 A100 = {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0], "memory_bytes": 80 << 30}
@@ -34,7 +34,7 @@ T4 = {"index": 0, "name": "Tesla T4", "capability": [7, 5], "memory_bytes": 16 <
 def _clean(monkeypatch):
     """The doctor reads FLASH_ATTN_BACKEND; the test suite sets it to its backend for every test."""
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "auto")
-    monkeypatch.delenv(_aot_library.LIBRARY_ENV, raising=False)
+    monkeypatch.delenv(op_library.LIBRARY_ENV, raising=False)
 
 
 def run_json(capsys, *args) -> tuple[int, dict]:
@@ -117,7 +117,7 @@ def test_this_machine_is_healthy_and_reports_everything(capsys):
     assert report["torch"]["build"] == ("CUDA" if torch.version.cuda else "CPU")
     for key in ("driver", "gpus", "op_library", "aot_kernels", "triton", "copies", "foreign_extensions", "backends"):
         assert key in report
-    assert report["op_library"]["loaded"] == _aot_library.status().loaded
+    assert report["op_library"]["loaded"] == op_library.status().loaded
 
 
 def test_text_output_and_exit_status(capsys):
@@ -422,8 +422,8 @@ def test_demangling():
 def test_op_library_that_fails_to_load(capsys, tmp_path, monkeypatch):
     broken = tmp_path / "libflash_attn_aot.so"
     broken.write_bytes(b"this is not an ELF file")
-    monkeypatch.setenv(_aot_library.LIBRARY_ENV, str(broken))
-    monkeypatch.setattr(_aot_library, "_status", None)  # load afresh (restored after the test)
+    monkeypatch.setenv(op_library.LIBRARY_ENV, str(broken))
+    monkeypatch.setattr(op_library, "_status", None)  # load afresh (restored after the test)
     status, report = run_json(capsys)
     assert status == 1
     assert report["op_library"]["loaded"] is False and report["op_library"]["installed"] is True
@@ -433,8 +433,8 @@ def test_op_library_that_fails_to_load(capsys, tmp_path, monkeypatch):
 
 
 def test_op_library_path_that_does_not_exist(capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv(_aot_library.LIBRARY_ENV, str(tmp_path / "missing.so"))
-    monkeypatch.setattr(_aot_library, "_status", None)
+    monkeypatch.setenv(op_library.LIBRARY_ENV, str(tmp_path / "missing.so"))
+    monkeypatch.setattr(op_library, "_status", None)
     status, report = run_json(capsys)
     assert status == 1
     assert "FLASH_ATTN_AOT_LIBRARY" in checks(report, "error")["op-library"][0]["summary"]
@@ -482,7 +482,7 @@ def test_fallback_warning_once_per_cause(monkeypatch):
 
 
 # Command-line front ends: their output is the product.
-LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor.py", "aot_build.py", "aot_info.py"}
+LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor.py", "build.py", "info.py"}  # build.py, info.py: flash_attn/aot/
 
 
 def test_library_code_never_prints():

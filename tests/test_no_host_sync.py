@@ -24,10 +24,9 @@ import pytest
 import torch
 
 from flash_attn import dispatch, ops
-from flash_attn.backends import aot
-from flash_attn.backends import triton as triton_backend
-from flash_attn.kernels import configs
-from flash_attn.kernels import plan as P
+from flash_attn.aot import manifest as aot_manifest, archs
+from flash_attn.backends import aot, triton as triton_backend
+from flash_attn.planning import configs, plan as P
 
 META = torch.device("meta")
 
@@ -54,17 +53,17 @@ def only(monkeypatch):
 @pytest.fixture
 def aot_on_meta(monkeypatch, only):
     """The ``aot`` backend as it runs on an H100 (sm_90a images of this installation)."""
-    status = aot._aot_library.status()
+    status = aot.op_library.status()
     if not status.loaded:
         pytest.skip(status.reason)
-    manifest, why = aot.manifest()
+    manifest, why = aot_manifest.manifest()
     if manifest is None:
         pytest.skip(why)
     choice = manifest.image_for((9, 0))
     if not choice.supported:
         pytest.skip(choice.reason)
     images = aot._DeviceImages(manifest, choice.arch.name,
-                               P.Target(configs.arch_family(aot.config_capability((9, 0), choice)), 132, aot=True))
+                               P.Target(configs.arch_family(archs.config_capability((9, 0), choice)), 132, aot=True))
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
     launched = []
     real = aot._launch_op()

@@ -379,7 +379,7 @@ def test_cpu_only_build_compiles_nothing(tmp_path):
     [dist_info] = site.glob("flash_attn-*.dist-info")
     assert not (dist_info / "direct_url.json").exists()
     assert "Tag: py3-none-any" in (dist_info / "WHEEL").read_text()  # a pure wheel, no platform
-    probe = run_from_site(site, "-c", "import flash_attn, json; from flash_attn import _aot_library as a; "
+    probe = run_from_site(site, "-c", "import flash_attn, json; from flash_attn.aot import library as a; "
                           "s = a.status(); print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))", cwd=tmp_path)
     assert probe.returncode == 0, probe.stderr
     location, loaded, reason = json.loads(probe.stdout)
@@ -467,7 +467,7 @@ def test_package_files(local_package):
     assert manifest_name in names, "the CUDA variant ships the AOT kernels"
     for arch in BUILD_ARCHS.split(";"):
         # sm_90 and newer are built as their arch-specific "a" targets (sm_90a) where the kernels need it
-        # (images may be stored zlib-compressed: <name>.cubin.zlib, flash_attn/_aot_library.py)
+        # (images may be stored zlib-compressed: <name>.cubin.zlib, flash_attn/aot/library.py)
         cubins = [n for n in names if re.match(rf"{site}/_aot/images/sm_{arch}a?/.+\.cubin(\.zlib)?$", n)]
         assert cubins, f"no cubins for sm_{arch}"
     assert any(re.match(rf"{site}/_aot/images/compute_80/.+\.ptx(\.zlib)?$", n) for n in names)

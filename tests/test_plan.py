@@ -1,4 +1,4 @@
-"""The launch planner (:mod:`flash_attn.kernels.plan`) and the kernel declarations it reads.
+"""The launch planner (:mod:`flash_attn.planning.plan`) and the kernel declarations it reads.
 
 Plans are made from meta tensors here (shapes, strides and alignment, no data): what the planner
 may look at. Checked: grids stay within CUDA's limits for any batch x heads, refusals say why,
@@ -13,9 +13,8 @@ import torch
 
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend
-from flash_attn.kernels import declarations, registry
-from flash_attn.kernels import plan as P
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.planning import declarations, plan as P, registry
 
 H100 = P.Target("sm90", 132)
 H100_AOT = P.Target("sm90", 132, aot=True)

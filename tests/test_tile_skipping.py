@@ -19,7 +19,9 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from flash_attn.kernels import configs, forward, interpreter, masking  # noqa: E402
+from flash_attn.backends import _interpreter as interpreter
+from flash_attn.kernels import forward, masking
+from flash_attn.planning import configs  # noqa: E402
 from flash_attn.params import AttentionParams
 
 

@@ -1,6 +1,6 @@
 """KV-cache attention on the Triton kernels (append + rotary, split-KV attention, combine).
 
-Every case runs the launches of :func:`flash_attn.kernels.plan.plan_kvcache` and compares with the
+Every case runs the launches of :func:`flash_attn.planning.plan.plan_kvcache` and compares with the
 float64 oracle of ``tests/oracle.py`` under the tolerance rule of ``tests/conftest.py``:
 
 * ``interpret`` mode: Triton's interpreter on CPU tensors (always runs; shapes are kept small);
@@ -24,8 +24,8 @@ from conftest import check_close, gen
 
 from flash_attn.backends import interpret
 from flash_attn.backends._execute import KernelBackend
-from flash_attn.kernels import plan
 from flash_attn.params import AttentionParams, KVCacheInputs
+from flash_attn.planning import plan
 
 HAS_CUDA = torch.cuda.is_available()
 

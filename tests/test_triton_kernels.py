@@ -26,8 +26,8 @@ from conftest import check_close, gen, oracle_pair
 
 from flash_attn import dispatch
 from flash_attn.dropout import keep_mask
-from flash_attn.kernels import configs, declarations
 from flash_attn.params import AttentionParams, VarlenLayout
+from flash_attn.planning import configs, declarations
 
 HAS_CUDA = torch.cuda.is_available()
 BACKENDS = [
@@ -466,8 +466,9 @@ def _compile(name, capability, headdim, flags, dtype="fp16"):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flash_attn.kernels import declarations, registry
-    from flash_attn.kernels import specializations as S
+    from flash_attn.planning import registry
+    from flash_attn.planning import declarations
+    from flash_attn.aot import specializations as S
 
     kernel = KERNEL_NAMES[name]
     config = configs.pick_config(declarations.get(kernel).config_kind, headdim, capability)

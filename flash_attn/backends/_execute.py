@@ -1,6 +1,6 @@
-"""Running launch plans (:mod:`flash_attn.kernels.plan`): what the three kernel backends share.
+"""Running launch plans (:mod:`flash_attn.planning.plan`): what the three kernel backends share.
 
-A kernel backend is a :class:`KernelBackend`: a way to find the :class:`~flash_attn.kernels.plan.
+A kernel backend is a :class:`KernelBackend`: a way to find the :class:`~flash_attn.planning.plan.
 Target` of a device (or why it cannot run there) and a way to run one planned launch. For each
 call it looks the plan up in a cache keyed by the call's shape and target (planning happens once
 per shape), and returns either a closure that executes it or the planner's reason for refusing
@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from flash_attn.kernels import plan as P
+from flash_attn.planning import plan as P
 
 __all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
 
@@ -182,7 +182,7 @@ class KernelBackend:
     """The backend contract (``prepare_*`` for the dispatcher, and the plain functions) on top of
     the planner, for one way of running launches.
 
-    ``target(device)``: the :class:`~flash_attn.kernels.plan.Target` to plan for, or why the
+    ``target(device)``: the :class:`~flash_attn.planning.plan.Target` to plan for, or why the
     backend cannot run on ``device``. ``run_launch(launch, tensors, device)``: one launch.
     Subclasses may override :meth:`executable` to turn a plan into something faster to run.
     """

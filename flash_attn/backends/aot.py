@@ -2,7 +2,7 @@
 launched by the op library (``flash_attn/_C/libflash_attn_aot.so``) without Triton at run time.
 
 A call is planned for the device's image (``Target(aot=True)``: only the shipped specialisations,
-:mod:`flash_attn.kernels.plan`); the first call of each shape then turns the plan into packed
+:mod:`flash_attn.planning.plan`); the first call of each shape then turns the plan into packed
 launches: for each, the manifest entry of its specialisation, the kernel registered and loaded on
 the device, the integer and float arguments checked against the image's signature and stored.
 Every later call of that shape fills in its tensors and calls ``torch.ops.flash_attn.aot_launch``.
@@ -28,155 +28,24 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from flash_attn import _aot_library, aot_images, limits
+from flash_attn import limits
+from flash_attn.aot import library as op_library, specializations as S
+from flash_attn.aot.archs import config_capability
+from flash_attn.aot.manifest import Manifest, driver_release, manifest
 from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, ready, slots
-from flash_attn.kernels import configs
-from flash_attn.kernels import plan as P
-from flash_attn.kernels import specializations as S
+from flash_attn.planning import configs, plan as P
 
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
-           "prepare_forward_kvcache", "Manifest", "manifest"]
+           "prepare_forward_kvcache"]
 
 _NAME = "aot"
-DIR_ENV = "FLASH_ATTN_AOT_DIR"
-
-
-class Manifest:
-    """``manifest.json`` of an AOT kernel folder, indexed by ``(image arch, spec key)``."""
-
-    def __init__(self, folder: Path, data: dict):
-        self.folder = Path(folder)
-        self.data = data
-        self.entries = {(e["arch"], e["key"]): e for e in data.get("kernels", [])}
-        self.archs = sorted({e["arch"] for e in data.get("kernels", [])})
-
-    @classmethod
-    def load(cls, folder: Path) -> "Manifest":
-        return cls(folder, json.loads((Path(folder) / "manifest.json").read_text()))
-
-    def lookup(self, arch: str, key: str) -> Optional[dict]:
-        return self.entries.get((arch, key))
-
-    def requirement(self, arch: str) -> Optional[tuple[int, int]]:
-        """The oldest CUDA driver release (major, minor) that loads the images of ``arch``: the
-        ptxas release for cubins (minor-version compatible), the PTX ISA's release for PTX."""
-        need = None
-        for (a, _), entry in self.entries.items():
-            if a == arch:
-                found = _entry_requirement(entry)
-                if found is not None and (need is None or found > need):
-                    need = found
-        return need
-
-    def image_for(self, capability: tuple[int, int], driver: Optional[tuple[int, int]] = None) -> aot_images.ImageChoice:
-        """The image a device of ``capability`` runs, among those a driver of release ``driver``
-        (``None``: unknown) can load."""
-        loadable, refused = [], []
-        for arch in self.archs:
-            need = self.requirement(arch)
-            if driver is not None and need is not None and not _driver_loads(driver, need, arch):
-                refused.append(f"{arch} needs a driver for CUDA >= {need[0]}.{need[1]}")
-            else:
-                loadable.append(arch)
-        choice = aot_images.select_image(capability, loadable)
-        if not choice.supported and refused:
-            runnable = [a for a in self.archs if aot_images.parse_arch(a).runs_on(*capability)]
-            if runnable:
-                why = "; ".join(r for r in refused if r.split()[0] in runnable)
-                return aot_images.ImageChoice(
-                    "unsupported", None,
-                    f"the images for compute capability {capability[0]}.{capability[1]} need a newer NVIDIA driver "
-                    f"({why}; this driver supports CUDA {driver[0]}.{driver[1]}): update the driver, or install a "
-                    f"flash-attn build for an older CUDA")
-        return choice
-
-
-def _entry_requirement(entry: dict) -> Optional[tuple[int, int]]:
-    text = entry.get("ptx_isa") if entry["arch"].startswith("compute_") else entry.get("ptxas")
-    if not text:
-        return None
-    major, minor = (int(x) for x in str(text).split(".")[:2])
-    return ptx_isa_release(major, minor) if entry["arch"].startswith("compute_") else (major, minor)
-
-
-# PTX ISA version -> the CUDA release that introduced it (8.x is CUDA 12.x with a gap at 12.6/12.7).
-_PTX_ISA_8 = {0: (12, 0), 1: (12, 1), 2: (12, 2), 3: (12, 3), 4: (12, 4), 5: (12, 5), 6: (12, 7), 7: (12, 8), 8: (12, 9)}
-
-
-def ptx_isa_release(major: int, minor: int) -> tuple[int, int]:
-    """The CUDA release whose driver first compiles PTX ISA ``major.minor``."""
-    if major == 8:
-        return _PTX_ISA_8.get(minor, (12, 9))
-    if major >= 9:
-        return (major + 4, minor)  # ISA 9.0 came with CUDA 13.0
-    return (11, 8)
-
-
-def _driver_loads(driver: tuple[int, int], need: tuple[int, int], arch: str) -> bool:
-    if arch.startswith("compute_"):
-        return driver >= need
-    return driver[0] >= need[0]  # cubins: the same major release is enough (minor-version compatibility)
-
-
-_dirs: dict[tuple, Optional[Path]] = {}
-
-
-def find_manifest_dir() -> Optional[Path]:
-    """``$FLASH_ATTN_AOT_DIR``, else ``_aot/`` in a folder of the package (looked up once)."""
-    import flash_attn  # noqa: PLC0415
-
-    key = (os.environ.get(DIR_ENV), tuple(flash_attn.__path__))
-    if key not in _dirs:
-        _dirs[key] = Path(key[0]) if key[0] else next(
-            (Path(f) / "_aot" for f in key[1] if (Path(f) / "_aot" / "manifest.json").is_file()), None)
-    return _dirs[key]
-
-
-_manifest_cache: dict[str, object] = {}
-_lock = threading.Lock()
-
-
-def manifest() -> tuple[Optional[Manifest], str]:
-    """The installed manifest, or ``(None, why not)``; read once per folder."""
-    folder = find_manifest_dir()
-    if folder is None:
-        return None, ("no ahead-of-time kernels are installed (flash_attn/_aot/manifest.json is missing: "
-                      "a CPU-only build, or build them with `python -m flash_attn build-kernels`)")
-    key = str(folder)
-    with _lock:
-        if key not in _manifest_cache:
-            try:
-                _manifest_cache[key] = Manifest.load(folder)
-            except (OSError, ValueError) as exc:
-                _manifest_cache[key] = f"cannot read {folder / 'manifest.json'}: {exc}"
-    value = _manifest_cache[key]
-    return (value, "") if isinstance(value, Manifest) else (None, str(value))
-
-
-def driver_release() -> Optional[tuple[int, int]]:
-    """The CUDA release the NVIDIA driver supports (e.g. ``(13, 0)``), as the op library's CUDA
-    runtime reads it; ``None`` when unknown."""
-    version = _aot_library.cuda_info()["driver_version"]
-    return (version // 1000, version % 1000 // 10) if version > 0 else None
-
-
-def config_capability(capability: tuple[int, int], choice: aot_images.ImageChoice) -> tuple[int, int]:
-    """Whose launch configs a device runs: its own on a cubin (compiled for its family), and on
-    the sm_80 PTX (a GPU newer than every cubin) the configs that PTX was built with: the sm80
-    ones where the device has A100-sized shared memory, else sm86's."""
-    if choice.kind != "ptx":
-        return capability
-    shared = configs.SHARED_MEMORY_LIMIT[configs.arch_family(capability)]
-    return (8, 0) if shared >= configs.SHARED_MEMORY_LIMIT["sm80"] else (8, 6)
-
-
 def unavailable_reason(device: torch.device) -> Optional[str]:
     device = torch.device(device)
     if device.type != "cuda":
         return f"it launches precompiled GPU kernels and needs CUDA tensors, not {device.type}"
     if getattr(torch.version, "hip", None):
         return "its kernels are NVIDIA cubins/PTX, not ROCm"
-    status = _aot_library.status()
+    status = op_library.status()
     if not status.loaded:
         return status.reason
     m, why = manifest()
@@ -255,14 +124,14 @@ def _register(m: Manifest, entry: dict) -> int:
     key = (str(m.folder), entry["arch"], entry["key"])
     kid = _registered.get(key)
     if kid is None:
-        kid = _registered[key] = _aot_library.register_kernel(m.folder / entry["image"], entry)
+        kid = _registered[key] = op_library.register_kernel(m.folder / entry["image"], entry)
     return kid
 
 
 def pack(launch: P.Launch, entry: dict) -> _Packed | str:
     """``launch``'s arguments in the order and types of the image's signature, or why they do not
     fit it (an integer outside int32)."""
-    tokens = [t for t in entry["signature"] if t not in _aot_library.HIDDEN_ARGS]
+    tokens = [t for t in entry["signature"] if t not in op_library.HIDDEN_ARGS]
     mismatch = (f"the installed image {entry['key']} does not fit this flash_attn's kernels (built from other "
                 f"sources? rebuild with `python -m flash_attn build-kernels`)")
     if len(tokens) != len(launch.args):
@@ -327,7 +196,7 @@ def _load(kid: int, device) -> None:
         return  # meta tensors (tracing, tests): nothing to load
     index = device.index if device.index is not None else torch.cuda.current_device()
     if (kid, index) not in _loaded:
-        _aot_library.ops().aot_kernel_attributes(kid, index)
+        op_library.ops().aot_kernel_attributes(kid, index)
         _loaded.add((kid, index))
 
 
@@ -342,7 +211,7 @@ _op = None
 def _launch_op():
     global _op
     if _op is None:
-        _op = _aot_library.ops().aot_launch.default
+        _op = op_library.ops().aot_launch.default
     return _op
 
 

@@ -4,7 +4,7 @@ For development and tests: it executes exactly the kernel source that the GPU ba
 one program after another in numpy (slow; small shapes only), with the launches the planner makes
 for the interpreter (small tiles, so that tests cross many tiles). It is never chosen by ``auto``;
 select it with ``FLASH_ATTN_BACKEND=interpret``. How the interpreter is driven without
-``TRITON_INTERPRET`` (and the bf16 workaround) is in :mod:`flash_attn.kernels.interpreter`.
+``TRITON_INTERPRET`` (and the bf16 workaround) is in :mod:`flash_attn.backends._interpreter`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from flash_attn.backends._execute import KernelBackend, launch_kwargs
-from flash_attn.kernels import decode_configs, registry
-from flash_attn.kernels.plan import Target
+from flash_attn.planning import decode_configs, registry
+from flash_attn.planning.plan import Target
 
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
            "prepare_forward_kvcache", "TARGET", "run_launch"]
@@ -46,7 +46,7 @@ def run_launch(launch, tensors: dict, device=None) -> None:
     """One planned launch in the interpreter (any target's plan: the interpreter runs every tile size)."""
     if 0 in launch.grid:
         return
-    from flash_attn.kernels import interpreter  # noqa: PLC0415  (imports Triton)
+    from flash_attn.backends import _interpreter as interpreter  # noqa: PLC0415  (imports Triton)
 
     interpreter.launch(registry.jit_function(launch.kernel), launch.grid, **launch_kwargs(launch, tensors))
 

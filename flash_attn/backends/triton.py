@@ -2,8 +2,8 @@
 
 Used by ``auto`` on CUDA devices when the ahead-of-time kernels (``aot``) are not installed or do
 not serve a call, or explicitly with ``FLASH_ATTN_BACKEND=triton``. The first call of each kernel
-variant compiles it (seconds); launch configurations come from :mod:`flash_attn.kernels.configs`
-for the device's architecture. The launches are those of :mod:`flash_attn.kernels.plan`; calls it
+variant compiles it (seconds); launch configurations come from :mod:`flash_attn.planning.configs`
+for the device's architecture. The launches are those of :mod:`flash_attn.planning.plan`; calls it
 refuses (fp32 inputs, the backward of paged K/V) run elsewhere (:mod:`flash_attn.dispatch`).
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend, launch_kwargs
-from flash_attn.kernels import configs, registry
-from flash_attn.kernels.plan import Target
+from flash_attn.planning import configs, registry
+from flash_attn.planning.plan import Target
 
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
            "prepare_forward_kvcache"]

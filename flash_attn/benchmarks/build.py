@@ -33,7 +33,7 @@ def folder_size(path: Path) -> tuple[int, int]:
 def run(command: Optional[str] = None, archs: Optional[str] = None, out_dir: Optional[Path] = None,
         timeout: float = 3600.0) -> dict:
     """Run the build once; never raises for a failing build (the result says what happened)."""
-    from flash_attn.aot_images import DEFAULT_CUDA_ARCHS  # noqa: PLC0415
+    from flash_attn.aot.archs import DEFAULT_CUDA_ARCHS  # noqa: PLC0415
 
     archs = archs or DEFAULT_CUDA_ARCHS
     out = Path(tempfile.mkdtemp(prefix="flash_attn_build_")) if out_dir is None else Path(out_dir)

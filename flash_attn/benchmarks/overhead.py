@@ -61,19 +61,20 @@ def _calls(device) -> dict[str, Callable[[], object]]:
 def stubbed_aot():
     """The ``aot`` backend of an H100 for CPU tensors, launches counted instead of run."""
     from flash_attn import dispatch
+    from flash_attn.aot import manifest as aot_manifest, archs
     from flash_attn.backends import aot
-    from flash_attn.kernels import configs
-    from flash_attn.kernels.plan import Target
+    from flash_attn.planning import configs
+    from flash_attn.planning.plan import Target
 
-    manifest, why = aot.manifest()
-    if manifest is None or not aot._aot_library.status().loaded:
-        raise RuntimeError(f"the stubbed benchmark runs the installed aot backend: {why or aot._aot_library.status().reason}")
+    manifest, why = aot_manifest.manifest()
+    if manifest is None or not aot.op_library.status().loaded:
+        raise RuntimeError(f"the stubbed benchmark runs the installed aot backend: {why or aot.op_library.status().reason}")
     capability = (9, 0)
     choice = manifest.image_for(capability)
     if not choice.supported:
-        capability = max(aot.aot_images.parse_arch(a).capability for a in manifest.archs)
+        capability = max(aot.archs.parse_arch(a).capability for a in manifest.archs)
         choice = manifest.image_for(capability)
-    family = configs.arch_family(aot.config_capability(capability, choice))
+    family = configs.arch_family(archs.config_capability(capability, choice))
     images = aot._DeviceImages(manifest, choice.arch.name, Target(family, 132, aot=True))
     launches = [0]
 

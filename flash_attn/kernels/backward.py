@@ -30,9 +30,7 @@ import triton.language as tl
 
 from flash_attn.kernels import masking
 from flash_attn.kernels.dropout_rng import dropout_keep
-from flash_attn.kernels.forward import alibi_slope_log2, block_and_batch, load_seed, row_ptrs, sequence_bounds, stride_16b
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from flash_attn.kernels.tiles import LOG2E, alibi_slope_log2, block_and_batch, load_seed, row_ptrs, sequence_bounds, stride_16b
 
 
 @triton.jit

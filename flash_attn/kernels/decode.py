@@ -28,15 +28,15 @@ AOT rules: sizes, strides and scalars are plain arguments; features are ``tl.con
 no autotuning; every pointer has one element type per q/k/v dtype (the final output ``Out`` and
 the fp32 partial output ``OutPart`` are separate arguments, chosen at run time by the number of
 splits). ``split_kv_kernel``'s specialisations: ``BLOCK_M``/``BLOCK_N``/``BLOCK_D`` (from
-:data:`flash_attn.kernels.decode_configs.DECODE_CONFIGS`), ``IS_LOCAL``, ``HAS_SOFTCAP``,
+:data:`flash_attn.planning.decode_configs.DECODE_CONFIGS`), ``IS_LOCAL``, ``HAS_SOFTCAP``,
 ``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``, ``HAS_LEFTPAD``; each flag's "on" variant is exact
 for calls without the feature (``-1`` window bounds, ``softcap = 0``, zero slopes, a non-paged
 cache as pages of its whole length, zero left padding), which the launcher's *superset mode*
-uses (:mod:`flash_attn.kernels.decode_configs`). Performance note for the compiled variants: the
+uses (:mod:`flash_attn.planning.decode_configs`). Performance note for the compiled variants: the
 feature mask ``offs_d < head_dim`` only lets K/V loads vectorise (16-byte loads, ``cp.async``
 pipelining) when the compiler knows ``head_dim`` (and the strides, pointers) are multiples of 8
 elements; Triton's JIT specialises that automatically, an ahead-of-time build must declare it
-(``tt.divisibility``, :func:`flash_attn.kernels.decode_configs.aot_divisibility`). Without it
+(``tt.divisibility``, :func:`flash_attn.planning.decode_configs.aot_divisibility`). Without it
 the kernels are correct but issue scalar loads.
 """
 
@@ -46,10 +46,7 @@ import triton
 import triton.language as tl
 
 from flash_attn.kernels import masking
-from flash_attn.kernels.forward import online_softmax_step
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from flash_attn.kernels.tiles import LN2, LOG2E, online_softmax_step
 
 
 @triton.jit

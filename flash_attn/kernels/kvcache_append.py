@@ -20,7 +20,7 @@ arguments, features are ``tl.constexpr`` flags, no autotuning, no host-side stat
 store masks ``offs_d < head_dim`` with the run-time head dim, so a ``BLOCK_D`` wider than the head
 dim is exact; ``PAGED=True`` also serves a non-paged cache ``(b_cache, s, hk, d)`` as pages of
 ``s`` rows with a ``(b, 1)`` block table (the launcher's superset mode,
-:mod:`flash_attn.kernels.decode_configs`).
+:mod:`flash_attn.planning.decode_configs`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Launch configurations of the KV-cache (decode) kernels and the ahead-of-time set of their
 *superset* variants: which ``(kernel, constexprs, launch config)`` combinations exist.
 
-Pure Python (no torch, no triton import), like :mod:`flash_attn.kernels.configs`.
+Pure Python (no torch, no triton import), like :mod:`flash_attn.planning.configs`.
 
 A compiled specialisation fixes every ``tl.constexpr``; the planner's ahead-of-time target
-(:func:`flash_attn.kernels.plan.plan_kvcache`) uses only the combinations below, each *exact* for
+(:func:`flash_attn.planning.plan.plan_kvcache`) uses only the combinations below, each *exact* for
 every call it serves (only dead work differs):
 
 ``split_kv_kernel``      :data:`SPLIT_KV_SUPERSET`: the window (``-1`` = unbounded), softcap
@@ -29,7 +29,7 @@ others, and the dispatcher falls back, before anything runs.
 from __future__ import annotations
 
 import itertools
-from flash_attn.kernels import configs
+from flash_attn.planning import configs
 
 __all__ = [
     "DECODE_CONFIGS",

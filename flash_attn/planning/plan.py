@@ -22,8 +22,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
-from flash_attn.kernels import configs, declarations, registry
-from flash_attn.kernels import decode_configs as dc
+from flash_attn.planning import configs, declarations, decode_configs as dc, registry
 
 __all__ = [
     "Slot", "Target", "TensorInfo", "Launch", "Buffer", "Prepare", "Plan",
@@ -42,9 +41,9 @@ class Slot(str):
 
 class Target(NamedTuple):
     """What a plan is made for: the launch configs of ``family`` (an architecture family of
-    :mod:`flash_attn.kernels.configs`, or ``"interpret"``), the SM count the KV-cache split
+    :mod:`flash_attn.planning.configs`, or ``"interpret"``), the SM count the KV-cache split
     heuristic fills, and ``aot``: launch only the specialisations an ahead-of-time build ships
-    (flags folded into their exact supersets, :mod:`flash_attn.kernels.declarations`)."""
+    (flags folded into their exact supersets, :mod:`flash_attn.planning.declarations`)."""
 
     family: str
     sm_count: int

@@ -1,8 +1,8 @@
 """``python -m flash_attn build-kernels``: compile the ahead-of-time kernels (no GPU needed).
 
-Compiles every specialisation of :mod:`flash_attn.kernels.specializations` for each architecture
+Compiles every specialisation of :mod:`flash_attn.aot.specializations` for each architecture
 of ``--archs`` / ``FLASH_ATTN_CUDA_ARCHS`` (default
-:data:`~flash_attn.aot_images.DEFAULT_CUDA_ARCHS`; ``native``: the local GPU) with
+:data:`~flash_attn.aot.archs.DEFAULT_CUDA_ARCHS`; ``native``: the local GPU) with
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))``, in ``--jobs`` worker
 processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, ``sm_110f``,
 ``sm_120f``) costs no compile of its own: ptxas assembles the PTX of the family's compile for it
@@ -10,9 +10,9 @@ processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, 
 
 * ``images/<arch>/<spec>.cubin.zlib`` per architecture, plus ``images/compute_80/<spec>.ptx.zlib``:
   the sm_80 PTX of every kernel, which the driver compiles for GPUs newer than every cubin (all
-  images zlib-compressed, inflated by :func:`flash_attn._aot_library.register_kernel`);
+  images zlib-compressed, inflated by :func:`flash_attn.aot.library.register_kernel`);
 * ``manifest.json``: per image, the spec and everything the launcher needs, taken from Triton's
-  metadata (:func:`flash_attn._aot_library.manifest_entry`);
+  metadata (:func:`flash_attn.aot.library.manifest_entry`);
 * ``build-report.json``: per image, registers / spills (``STACK``/``LOCAL``) / shared bytes from
   ``cuobjdump --dump-resource-usage``, the MMA family found in its SASS and PTX, compile seconds;
   totals (kernel count, wall seconds, peak RSS of the build's process tree, bytes).
@@ -37,7 +37,9 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Optional
 
-from flash_attn.aot_images import DEFAULT_CUDA_ARCHS
+from flash_attn.aot import library as op_library, specializations as S
+from flash_attn.aot.archs import DEFAULT_CUDA_ARCHS, Arch, parse_arch_list
+from flash_attn.planning import configs
 
 ARCHS_ENV = "FLASH_ATTN_CUDA_ARCHS"
 MANIFEST = "manifest.json"
@@ -53,15 +55,13 @@ def default_output_dir() -> Path:
 
 
 def resolve_archs(text: Optional[str]) -> tuple[list, list]:
-    """``(cubin archs, ptx archs)`` (:class:`~flash_attn.aot_images.Arch`) of ``FLASH_ATTN_CUDA_ARCHS``.
+    """``(cubin archs, ptx archs)`` (:class:`~flash_attn.aot.archs.Arch`) of ``FLASH_ATTN_CUDA_ARCHS``.
 
-    Empty: :data:`~flash_attn.aot_images.DEFAULT_CUDA_ARCHS`, less the family targets this
+    Empty: :data:`~flash_attn.aot.archs.DEFAULT_CUDA_ARCHS`, less the family targets this
     ptxas cannot assemble (an older toolkit). ``native`` is the local GPU. A bare number from
     sm_90 on means Triton's arch-specific target (``90`` -> ``sm_90a``). The lowest cubin
     architecture also gets PTX (driver JIT on future GPUs) unless PTX was asked for explicitly,
     when it is portable (below sm_90)."""
-    from flash_attn import aot_images  # noqa: PLC0415
-
     text = (text or "").strip()
     default = not text
     if text.lower() == "native":
@@ -71,27 +71,27 @@ def resolve_archs(text: Optional[str]) -> tuple[list, list]:
             raise SystemExit(f"{ARCHS_ENV}=native needs a visible CUDA GPU (none here); name architectures, e.g. 80;90")
         major, minor = torch.cuda.get_device_capability()
         text = f"{major}{minor}"
-    archs = aot_images.parse_arch_list(text or aot_images.DEFAULT_CUDA_ARCHS)
-    archs = [a if a.suffix or a.ptx or a.major < 9 else aot_images.Arch(a.major, a.minor, "a") for a in archs]
-    for arch in archs:
+    wanted = [a if a.suffix or a.ptx or a.major < 9 else Arch(a.major, a.minor, "a")
+              for a in parse_arch_list(text or DEFAULT_CUDA_ARCHS)]
+    for arch in wanted:
         if arch.capability < (8, 0):
             raise SystemExit(f"architecture sm_{arch.major}{arch.minor} is below the kernels' minimum sm_80")
-    families = [a for a in archs if a.suffix == "f" and not a.ptx]
+    families = [a for a in wanted if a.suffix == "f" and not a.ptx]
     if families:
         missing = [a for a in families if a.name not in ptxas_targets(triton_capability(a))]
         if missing and not default:
             raise SystemExit(f"the ptxas this build uses cannot assemble {', '.join(a.name for a in missing)} "
                              f"(a newer CUDA toolkit can; or leave them out of {ARCHS_ENV})")
-        archs = [a for a in archs if a not in missing]
-    cubins = sorted({a for a in archs if not a.ptx})
-    ptxs = sorted({a for a in archs if a.ptx})
+        wanted = [a for a in wanted if a not in missing]
+    cubins = sorted({a for a in wanted if not a.ptx})
+    ptxs = sorted({a for a in wanted if a.ptx})
     for arch in ptxs:
         if arch.major >= 9:
             # Triton's PTX from sm_90 on targets that exact GPU (wgmma, tcgen05): it is no portable PTX
             raise SystemExit(f"{arch.name}: only PTX of a portable target (below sm_90, e.g. compute_80) runs on later GPUs")
     if not ptxs and cubins and min(cubins).major < 9:
         low = min(cubins)
-        ptxs = [aot_images.Arch(low.major, low.minor, ptx=True)]
+        ptxs = [Arch(low.major, low.minor, ptx=True)]
     return cubins, ptxs
 
 
@@ -99,11 +99,9 @@ def triton_capability(arch) -> int:
     """The target Triton compiles an image of ``arch`` from (``GPUTarget("cuda", cap)``): the arch
     itself, and for a family target (``sm_110f``) the capability whose launch configs the family's
     GPUs use (configs.arch_family), so that one PTX feeds every image of the family group."""
-    from flash_attn.kernels import configs, specializations  # noqa: PLC0415
-
     if arch.suffix != "f":
         return arch.major * 10 + arch.minor
-    major, minor = specializations.family_capability(configs.arch_family(arch.capability))
+    major, minor = S.family_capability(configs.arch_family(arch.capability))
     return major * 10 + minor
 
 
@@ -180,11 +178,9 @@ def _write_image(path: Path, data: bytes) -> Path:
     """Stores an image compressed (``<path>.zlib``; the launcher inflates it when it registers the
     kernel): cubins and PTX shrink 4-6x, which keeps every variant of four architectures inside the
     package budget."""
-    from flash_attn import _aot_library  # noqa: PLC0415
-
-    out = path.with_name(path.name + _aot_library.COMPRESSED_SUFFIX)
+    out = path.with_name(path.name + op_library.COMPRESSED_SUFFIX)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(_aot_library.compress_image(data))
+    out.write_bytes(op_library.compress_image(data))
     return out
 
 
@@ -215,8 +211,6 @@ def compile_job(job: dict) -> dict:
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    from flash_attn import _aot_library  # noqa: PLC0415
-    from flash_attn.kernels import specializations as S  # noqa: PLC0415
 
     spec = S.Spec(**{**job["spec"], "flags": tuple(tuple(x) for x in job["spec"]["flags"])})
     cap = job["cap"]
@@ -231,7 +225,7 @@ def compile_job(job: dict) -> dict:
     except Exception as exc:  # noqa: BLE001
         raise RuntimeError(f"compiling {spec.key} for sm_{cap} failed: {type(exc).__name__}: {exc}") from None
     seconds = time.perf_counter() - start
-    entry = _aot_library.manifest_entry(compiled, src)
+    entry = op_library.manifest_entry(compiled, src)
     ptx = compiled.asm["ptx"]
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
     triton_arch = target.group(1) if target else f"sm_{cap}"
@@ -280,7 +274,6 @@ def plan(cubins: list, ptxs: list) -> list[dict]:
     cubins of the archs it feeds, the PTX)."""
     from dataclasses import asdict  # noqa: PLC0415
 
-    from flash_attn.kernels import specializations as S  # noqa: PLC0415
 
     groups: dict[int, dict] = {}
     for arch in cubins:
@@ -483,6 +476,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m flash_attn.aot_build")
+    parser = argparse.ArgumentParser(prog="python -m flash_attn.aot.build")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -3,7 +3,7 @@
 The registry (kernel name -> module), the launch planner (argument names and kinds), the
 specialisation set and the ahead-of-time build (signature types, divisibility, the flags folded
 into every shipped image) all read these; the kernel source itself says which arguments are
-``tl.constexpr`` and in which order they come (:func:`flash_attn.kernels.registry.arg_names`).
+``tl.constexpr`` and in which order they come (:func:`flash_attn.planning.registry.arg_names`).
 
 Types: pointers name their element type, ``"dt"`` standing for the q/k/v dtype (fp16 or bf16);
 runtime integers are ``i32`` (sizes, strides, window bounds, switches), floats ``fp32``. Every
@@ -31,8 +31,8 @@ def _names(text: str) -> frozenset:
 class Kernel:
     name: str
     module: str
-    # which launch-config table (flash_attn.kernels.configs) sizes its blocks; None: the KV-cache
-    # kernels, sized by flash_attn.kernels.decode_configs
+    # which launch-config table (flash_attn.planning.configs) sizes its blocks; None: the KV-cache
+    # kernels, sized by flash_attn.planning.decode_configs
     config_kind: Optional[str]
     pointers: Mapping[str, str]  # argument -> element type ("dt", "fp32", "i32", "i64")
     floats: frozenset = frozenset()  # fp32 scalars; every other runtime scalar is i32
@@ -90,7 +90,7 @@ _DECLARED = (
            _pointers(dt="Q K V dOut dQ", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
            _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True),
     # The KV-cache kernels ship one "superset" variant (every feature compiled in, switched at run
-    # time; plain caches addressed as one page per sequence): flash_attn.kernels.decode_configs.
+    # time; plain caches addressed as one page per sequence): flash_attn.planning.decode_configs.
     Kernel("split_kv_kernel", "flash_attn.kernels.decode", None,
            _pointers(dt="Q K V Out", fp32="OutPart Lse Alibi", i32="Seqlens Leftpad BatchIdx BlockTable"),
            _names("softmax_scale softcap empty_lse"),

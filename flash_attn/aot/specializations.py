@@ -4,7 +4,7 @@ A specialisation is ``(kernel, dtype, constexprs, launch config) x image archite
 pruned by one rule: *features that are cheap at run time are runtime arguments or exact
 supersets, not new kernels* (each kept axis would double a build that must stay under 10
 minutes and 50 MB). Per kernel, the flags every image fixes are in its declaration
-(:mod:`flash_attn.kernels.declarations`); the launch planner (:mod:`flash_attn.kernels.plan`,
+(:mod:`flash_attn.planning.declarations`); the launch planner (:mod:`flash_attn.planning.plan`,
 ``Target(aot=True)``) plans every call onto exactly these.
 
 Attention kernels (forward, backward preprocess, dK/dV, dQ):
@@ -19,7 +19,7 @@ Attention kernels (forward, backward preprocess, dK/dV, dQ):
     forward, ``return_attn_probs``, head dims that are not a multiple of 8.
 
 KV-cache kernels (split-KV attention, append, rotary q, combine):
-    the superset variants of :func:`flash_attn.kernels.decode_configs.aot_variants`, for each
+    the superset variants of :func:`flash_attn.planning.decode_configs.aot_variants`, for each
     dtype and head-dim bucket 64/128/256.
 
 Pure Python (no torch, no triton import at module level).
@@ -32,7 +32,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional
 
-from flash_attn.kernels import configs, declarations, decode_configs, registry
+from flash_attn.planning import configs, declarations, decode_configs, registry
 
 DTYPES = ("fp16", "bf16")
 BLOCK_DS = (32, 64, 128, 256)

@@ -11,7 +11,7 @@ oldest one (see ``FLASH_ATTN_CUDA_ARCHS``). For a device of compute capability `
    than every cubin, e.g. a future 13.0, or a 12.1 when only ``sm_120a`` is shipped);
 3. else nothing: the dispatcher falls back to Triton or the reference backend (e.g. 7.5).
 
-Pure Python and no torch, so it is unit-tested on any machine.
+Pure Python and no torch (its one import, the launch configs, neither), so it is unit-tested on any machine.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
+
+from flash_attn.planning import configs
 
 # Default for FLASH_ATTN_CUDA_ARCHS: Ampere/Ada cubins (sm_80 runs on every 8.x), Hopper's
 # arch-specific cubin (wgmma), family cubins for datacenter Blackwell (sm_100f: B200/GB200 10.0 and
@@ -131,3 +133,13 @@ def select_image(capability: tuple[int, int], available: Iterable[Arch | str]) -
         return ImageChoice("ptx", best, f"no shipped cubin runs on {device}; the driver compiles {best.name} PTX")
     shipped = ", ".join(a.name for a in sorted(archs)) or "none"
     return ImageChoice("unsupported", None, f"no shipped image runs on {device} (shipped: {shipped})")
+
+
+def config_capability(capability: tuple[int, int], choice: ImageChoice) -> tuple[int, int]:
+    """Whose launch configs a device runs: its own on a cubin (compiled for its family), and on
+    the sm_80 PTX (a GPU newer than every cubin) the configs that PTX was built with: the sm80
+    ones where the device has A100-sized shared memory, else sm86's."""
+    if choice.kind != "ptx":
+        return capability
+    shared = configs.SHARED_MEMORY_LIMIT[configs.arch_family(capability)]
+    return (8, 0) if shared >= configs.SHARED_MEMORY_LIMIT["sm80"] else (8, 6)

@@ -8,20 +8,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from flash_attn.aot import library as op_library, manifest
+
 
 def summary(folder: Optional[Path] = None) -> dict:
     """Machine-readable summary: the AOT kernel folder, its archs/kernels/bytes, the op library."""
-    from flash_attn import _aot_library  # noqa: PLC0415
-    from flash_attn.backends import aot  # noqa: PLC0415
-
-    folder = Path(folder) if folder else aot.find_manifest_dir()
+    folder = Path(folder) if folder else manifest.find_manifest_dir()
     out: dict = {"aot_dir": str(folder) if folder else None}
     if folder is not None and (folder / "manifest.json").is_file():
-        manifest = json.loads((folder / "manifest.json").read_text())
-        kernels = manifest.get("kernels", [])
+        data = json.loads((folder / "manifest.json").read_text())
+        kernels = data.get("kernels", [])
         out.update(
-            triton=manifest.get("triton"),
-            archs=manifest.get("archs", []),
+            triton=data.get("triton"),
+            archs=data.get("archs", []),
             images=len(kernels),
             images_by_arch=dict(Counter(k["arch"] for k in kernels)),
             specs=len({k["key"] for k in kernels}),
@@ -34,7 +33,7 @@ def summary(folder: Optional[Path] = None) -> dict:
             out["ptxas"] = data.get("ptxas")
     else:
         out.update(archs=[], images=0, specs=0, bytes=0)
-    status = _aot_library.status()
+    status = op_library.status()
     out["op_library"] = {"loaded": status.loaded, "path": status.path, "reason": status.reason,
                          "build_config": status.build_config}
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -44,16 +45,15 @@ _lock = threading.Lock()
 _status: Optional[LibraryStatus] = None
 
 
-def _find_in_package(name: str) -> Optional[Path]:
-    """``_C/<name>`` in any folder of the package (an editable install spreads the package over
-    the source tree and site-packages)."""
-    import flash_attn
+def package_folders() -> list[Path]:
+    """The folders of the ``flash_attn`` package (an editable install spreads it over the source
+    tree and site-packages); the package is imported before any of its modules."""
+    return [Path(folder) for folder in sys.modules[__name__.split(".")[0]].__path__]
 
-    for folder in flash_attn.__path__:
-        candidate = Path(folder) / "_C" / name
-        if candidate.is_file():
-            return candidate
-    return None
+
+def _find_in_package(name: str) -> Optional[Path]:
+    """``_C/<name>`` in any folder of the package."""
+    return next((f / "_C" / name for f in package_folders() if (f / "_C" / name).is_file()), None)
 
 
 def find_library() -> Optional[Path]:

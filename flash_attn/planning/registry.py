@@ -1,6 +1,6 @@
 """The kernels by name, without importing Triton.
 
-The launch planner (:mod:`flash_attn.kernels.plan`) describes a launch by the kernel's *name*;
+The launch planner (:mod:`flash_attn.planning.plan`) describes a launch by the kernel's *name*;
 only the executors that run Triton (compiled or interpreted) resolve it to the ``@triton.jit``
 function with :func:`jit_function`, which imports the kernel module (and so Triton) on first use.
 The ``aot`` backend never does: it needs the argument names only, which :func:`arg_names` reads
@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 import threading
 
-from flash_attn.kernels import declarations
+from flash_attn.planning import declarations
 
 __all__ = ["KERNEL_MODULES", "cdiv", "jit_function", "arg_names", "constexpr_names"]
 
@@ -37,7 +37,7 @@ def _module(kernel: str) -> str:
     try:
         return KERNEL_MODULES[kernel]
     except KeyError:
-        raise KeyError(f"unknown kernel {kernel!r} (not in flash_attn.kernels.declarations)") from None
+        raise KeyError(f"unknown kernel {kernel!r} (not in flash_attn.planning.declarations)") from None
 
 
 def jit_function(kernel: str):
