@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import re
 
 import pytest
 
@@ -112,8 +113,19 @@ def test_signature_matches_flash_attn_2_8(name):
 
 @pytest.mark.parametrize("name", sorted(SPEC))
 def test_public_functions_are_documented(name):
-    doc = getattr(flash_attn, name).__doc__
-    assert doc and len(doc.strip()) > 40
+    """Every argument of a public function is explained in its docstring, by name or through a
+    public function it refers to (":func:`flash_attn_func`": the other arguments as there)."""
+
+    def explained(function_name: str, seen: frozenset = frozenset()) -> set[str]:
+        doc = getattr(flash_attn, function_name).__doc__ or ""
+        names = set(re.findall(r"\w+", doc))
+        for other in set(re.findall(r":func:`(\w+)`", doc)) - seen - {function_name}:
+            names |= explained(other, seen | {function_name})
+        return names
+
+    parameters = inspect.signature(getattr(flash_attn, name)).parameters
+    missing = [p for p in parameters if p not in explained(name)]
+    assert not missing, f"{name}'s docstring does not explain {missing}"
 
 
 def test_submodules_import_cleanly():

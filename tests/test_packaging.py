@@ -233,20 +233,6 @@ def test_build_sh_is_portable_to_macos():
     assert '"$@"' not in code.replace('${1+"$@"}', ""), 'a bare "$@" (use ${1+"$@"})'
 
 
-def test_build_bat_builds_the_cpu_variant():
-    script = BUILD_BAT.read_text()
-    lines = [line.strip() for line in script.splitlines() if line.strip() and not line.strip().startswith("::")]
-    assert 'set "FLASH_ATTN_CPU_ONLY=1"' in lines and 'set "FLASH_ATTN_ENABLE_CUDA=OFF"' in lines
-    # scikit-build-core would otherwise ask CMake for its Windows default, a Visual Studio generator.
-    assert 'set "CMAKE_GENERATOR=Ninja"' in lines
-    pip = next(i for i, line in enumerate(lines) if " -m pip install " in line)
-    assert lines[pip] == "%PYTHON% -m pip install . -vv --no-deps --no-build-isolation"
-    assert lines[pip + 1] == "if errorlevel 1 exit 1"
-    assert "direct_url.json" in script and "del /f /q" in script
-    # Every command that can fail is followed by the check (the del inside the loop as well).
-    assert script.count("if errorlevel 1 exit 1") == 2
-
-
 def test_entry_point_is_declared_for_the_installer():
     """CEP-20 packages get their console scripts from the installer (info/link.json), so the
     recipe declares what pyproject.toml's [project.scripts] does; rattler-build then drops pip's

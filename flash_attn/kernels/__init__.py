@@ -1,21 +1,18 @@
-"""Triton kernels of the attention operations and their launchers.
+"""The Triton kernels, and nothing else (what launches them: :mod:`flash_attn.planning`).
 
 =====================  ==========================================================================
-``masking``            where the mask is computed: visibility, ALiBi, softcap, tile ranges
-``dropout_rng``        the dropout keep mask (Philox, identical to :mod:`flash_attn.dropout`)
 ``forward``            forward kernel (dense and varlen, paged K/V) and the ``return_softmax`` one
 ``backward``           backward kernels: preprocess, dK/dV, dQ (no atomics, deterministic)
 ``decode``             KV-cache attention: split-KV kernel and the split combine
 ``kvcache_append``     writing new K/V rows (with rotary) into the cache
-``declarations``       one declaration per kernel: module, argument types, flags folded ahead of time
-``plan``               the launch planner: a call's shape -> kernels, grids, arguments by name
-``configs``            where the GPU architecture is chosen: launch tables per arch and head dim
-``decode_configs``     KV-cache launch configs and the ahead-of-time variants of those kernels
-``specializations``    the set compiled ahead of time
-``registry``           the kernels by name (only Triton executors import them)
-``interpreter``        running these kernels in Triton's interpreter on CPU tensors
+``masking``            where the mask is computed: visibility, ALiBi, softcap, tile ranges
+``tiles``              tile helpers the kernels share: program ids, row pointers, online softmax
+``dropout_rng``        the dropout keep mask (Philox, identical to :mod:`flash_attn.dropout`)
 =====================  ==========================================================================
 
-Kernel modules (and ``interpreter``) import :mod:`triton`; the others do not, so importing
-:mod:`flash_attn` never requires Triton and the ``aot`` backend runs without it.
+Strides are named ``stride_<tensor><dim>``: dims ``b`` batch entry, ``s`` sequence position (a
+row), ``h`` head, ``x`` split (KV-cache partial results); tensors ``q k v o``, ``do dq dk dv``,
+``l`` log-sum-exp, ``p`` probabilities or partial outputs, ``m`` partial log-sum-exp, ``kc vc``
+the caches, ``kn vn`` new keys and values, ``a`` ALiBi slopes, ``bt`` block table, ``ro`` rotary.
+The last dimension is always contiguous (stride 1).
 """

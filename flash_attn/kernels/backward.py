@@ -36,15 +36,15 @@ from flash_attn.kernels.tiles import LOG2E, alibi_slope_log2, block_and_batch, l
 @triton.jit
 def attn_bwd_preprocess_kernel(
     Out, dOut, Delta, CuSeqlensQ,
-    stride_ob, stride_om, stride_oh,
-    stride_dob, stride_dom, stride_doh,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,
     seqlen_q, head_dim, packed,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``; ``Delta`` laid out like lse."""
-    stride_ob, stride_om, stride_oh = stride_16b(stride_ob), stride_16b(stride_om), stride_16b(stride_oh)
-    stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
+    stride_ob, stride_os, stride_oh = stride_16b(stride_ob), stride_16b(stride_os), stride_16b(stride_oh)
+    stride_dob, stride_dos, stride_doh = stride_16b(stride_dob), stride_16b(stride_dos), stride_16b(stride_doh)
     pid_m, b = block_and_batch(seqlen_q, BLOCK_M, False)
     h = tl.program_id(1)
     q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
@@ -57,8 +57,8 @@ def attn_bwd_preprocess_kernel(
     mask = m_mask[:, None] & (offs_d < head_dim)[None, :]
     b64 = b.to(tl.int64)
     q0 = q_start.to(tl.int64)
-    o_rows = row_ptrs(Out + b64 * stride_ob + q0 * stride_om + h * stride_oh, start_m, stride_om, BLOCK_M)
-    do_rows = row_ptrs(dOut + b64 * stride_dob + q0 * stride_dom + h * stride_doh, start_m, stride_dom, BLOCK_M)
+    o_rows = row_ptrs(Out + b64 * stride_ob + q0 * stride_os + h * stride_oh, start_m, stride_os, BLOCK_M)
+    do_rows = row_ptrs(dOut + b64 * stride_dob + q0 * stride_dos + h * stride_doh, start_m, stride_dos, BLOCK_M)
     o = tl.load(o_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
@@ -69,7 +69,7 @@ def attn_bwd_preprocess_kernel(
 def _dkdv_query_tiles(
     dk, dv, k, v, offs_n, offs_d, d_mask,
     Q_head, dO_head, L_head, D_head, lo, hi,
-    stride_qm, stride_dom, seqlen_q, seqlen_k,
+    stride_qs, stride_dos, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -82,8 +82,8 @@ def _dkdv_query_tiles(
     """
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_rows = row_ptrs(Q_head, start_m, stride_qm, BLOCK_M)
-        do_rows = row_ptrs(dO_head, start_m, stride_dom, BLOCK_M)
+        q_rows = row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)
+        do_rows = row_ptrs(dO_head, start_m, stride_dos, BLOCK_M)
         if MASKED:
             m_mask = offs_m < seqlen_q
             q_mask = m_mask[:, None] & d_mask[None, :]
@@ -126,12 +126,12 @@ def _dkdv_query_tiles(
 def attn_bwd_dkdv_kernel(
     Q, K, V, dOut, LSE, Delta, dK, dV,
     CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dkb, stride_dkn, stride_dkh,
-    stride_dvb, stride_dvn, stride_dvh,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_ab,
     seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
     softmax_scale, softcap, window_left, window_right, dropout_p,
@@ -143,12 +143,12 @@ def attn_bwd_dkdv_kernel(
 
     dK/dV have K/V's shape (``(b, sk, hk, d)`` or ``(total_k, hk, d)``) and dtype.
     """
-    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
-    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
-    stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
-    stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
-    stride_dkb, stride_dkn, stride_dkh = stride_16b(stride_dkb), stride_16b(stride_dkn), stride_16b(stride_dkh)
-    stride_dvb, stride_dvn, stride_dvh = stride_16b(stride_dvb), stride_16b(stride_dvn), stride_16b(stride_dvh)
+    stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
+    stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
+    stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
+    stride_dob, stride_dos, stride_doh = stride_16b(stride_dob), stride_16b(stride_dos), stride_16b(stride_doh)
+    stride_dkb, stride_dks, stride_dkh = stride_16b(stride_dkb), stride_16b(stride_dks), stride_16b(stride_dkh)
+    stride_dvb, stride_dvs, stride_dvh = stride_16b(stride_dvb), stride_16b(stride_dvs), stride_16b(stride_dvh)
     # the first key blocks are seen by the most queries under a causal mask: they go first
     pid_n, b = block_and_batch(seqlen_k, BLOCK_N, False)
     kv_h = tl.program_id(1)
@@ -165,8 +165,8 @@ def attn_bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     k0 = k_start.to(tl.int64)
     q0 = q_start.to(tl.int64)
-    k_rows = row_ptrs(K + b64 * stride_kb + k0 * stride_kn + kv_h * stride_kh, start_n, stride_kn, BLOCK_N)
-    v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vn + kv_h * stride_vh, start_n, stride_vn, BLOCK_N)
+    k_rows = row_ptrs(K + b64 * stride_kb + k0 * stride_ks + kv_h * stride_kh, start_n, stride_ks, BLOCK_N)
+    v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vs + kv_h * stride_vh, start_n, stride_vs, BLOCK_N)
     k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -178,29 +178,29 @@ def attn_bwd_dkdv_kernel(
     # the query heads of this kv head's group, one after the other: no atomics across heads
     for h in range(kv_h * group, kv_h * group + group):
         slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
-        Q_head = Q + b64 * stride_qb + q0 * stride_qm + h * stride_qh
-        dO_head = dOut + b64 * stride_dob + q0 * stride_dom + h * stride_doh
+        Q_head = Q + b64 * stride_qb + q0 * stride_qs + h * stride_qh
+        dO_head = dOut + b64 * stride_dob + q0 * stride_dos + h * stride_doh
         L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, lo, mid_lo,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
+            stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
             window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_lo, mid_hi,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
+            stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
             window_left, window_right, dropout_p, dropout_seed, b, h,
             False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_hi, hi,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
+            stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
             window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
 
     dk = dk * softmax_scale
-    dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dkn + kv_h * stride_dkh, start_n, stride_dkn, BLOCK_N)
-    dv_rows = row_ptrs(dV + b64 * stride_dvb + k0 * stride_dvn + kv_h * stride_dvh, start_n, stride_dvn, BLOCK_N)
+    dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)
+    dv_rows = row_ptrs(dV + b64 * stride_dvb + k0 * stride_dvs + kv_h * stride_dvh, start_n, stride_dvs, BLOCK_N)
     tl.store(dk_rows[:, None] + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_rows[:, None] + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
 
@@ -208,7 +208,7 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_key_tiles(
     dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask,
-    K_head, V_head, lo, hi, stride_kn, stride_vn, seqlen_q, seqlen_k,
+    K_head, V_head, lo, hi, stride_ks, stride_vs, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -221,8 +221,8 @@ def _dq_key_tiles(
             kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
         else:
             kv_mask = d_mask[None, :]
-        k_ptrs = row_ptrs(K_head, start_n, stride_kn, BLOCK_N)[:, None] + offs_d[None, :]
-        v_ptrs = row_ptrs(V_head, start_n, stride_vn, BLOCK_N)[:, None] + offs_d[None, :]
+        k_ptrs = row_ptrs(K_head, start_n, stride_ks, BLOCK_N)[:, None] + offs_d[None, :]
+        v_ptrs = row_ptrs(V_head, start_n, stride_vs, BLOCK_N)[:, None] + offs_d[None, :]
         if MASKED or PAD_HEADDIM:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
@@ -250,11 +250,11 @@ def _dq_key_tiles(
 def attn_bwd_dq_kernel(
     Q, K, V, dOut, LSE, Delta, dQ,
     CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh,
-    stride_dqb, stride_dqm, stride_dqh,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_ab,
     seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
     softmax_scale, softcap, window_left, window_right, dropout_p,
@@ -263,11 +263,11 @@ def attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``; dQ has Q's shape and dtype."""
-    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
-    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
-    stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
-    stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
-    stride_dqb, stride_dqm, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqm), stride_16b(stride_dqh)
+    stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
+    stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
+    stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
+    stride_dob, stride_dos, stride_doh = stride_16b(stride_dob), stride_16b(stride_dos), stride_16b(stride_doh)
+    stride_dqb, stride_dqs, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqs), stride_16b(stride_dqh)
     pid_m, b = block_and_batch(seqlen_q, BLOCK_M, True)
     h = tl.program_id(1)
     dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
@@ -285,15 +285,15 @@ def attn_bwd_dq_kernel(
     b64 = b.to(tl.int64)
     q0 = q_start.to(tl.int64)
     k0 = k_start.to(tl.int64)
-    q_rows = row_ptrs(Q + b64 * stride_qb + q0 * stride_qm + h * stride_qh, start_m, stride_qm, BLOCK_M)
-    do_rows = row_ptrs(dOut + b64 * stride_dob + q0 * stride_dom + h * stride_doh, start_m, stride_dom, BLOCK_M)
+    q_rows = row_ptrs(Q + b64 * stride_qb + q0 * stride_qs + h * stride_qh, start_m, stride_qs, BLOCK_M)
+    do_rows = row_ptrs(dOut + b64 * stride_dob + q0 * stride_dos + h * stride_doh, start_m, stride_dos, BLOCK_M)
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(do_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
     lse_offset = b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
     lse_log2 = tl.load(LSE + lse_offset + offs_m, mask=m_mask, other=0.0) * LOG2E
     delta = tl.load(Delta + lse_offset + offs_m, mask=m_mask, other=0.0)
-    K_head = K + b64 * stride_kb + k0 * stride_kn + kv_h * stride_kh
-    V_head = V + b64 * stride_vb + k0 * stride_vn + kv_h * stride_vh
+    K_head = K + b64 * stride_kb + k0 * stride_ks + kv_h * stride_kh
+    V_head = V + b64 * stride_vb + k0 * stride_vs + kv_h * stride_vh
 
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
@@ -301,17 +301,17 @@ def attn_bwd_dq_kernel(
     lo, mid_lo, mid_hi, hi = masking.key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                      BLOCK_M, BLOCK_N, IS_LOCAL)
     dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, lo, mid_lo,
-                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
+                       stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
                        window_left, window_right, dropout_p, dropout_seed, b, h,
                        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
     dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, mid_lo, mid_hi,
-                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
+                       stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
                        window_left, window_right, dropout_p, dropout_seed, b, h,
                        False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
     dq = _dq_key_tiles(dq, q, do, lse_log2, delta, offs_m, offs_d, d_mask, K_head, V_head, mid_hi, hi,
-                       stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
+                       stride_ks, stride_vs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
                        window_left, window_right, dropout_p, dropout_seed, b, h,
                        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_N)
     dq = dq * softmax_scale
-    dq_rows = row_ptrs(dQ + b64 * stride_dqb + q0 * stride_dqm + h * stride_dqh, start_m, stride_dqm, BLOCK_M)
+    dq_rows = row_ptrs(dQ + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh, start_m, stride_dqs, BLOCK_M)
     tl.store(dq_rows[:, None] + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=q_mask)

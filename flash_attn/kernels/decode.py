@@ -52,32 +52,24 @@ from flash_attn.kernels.tiles import LN2, LOG2E, online_softmax_step
 @triton.jit
 def _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
                      BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
-    """Key blocks that query rows ``[t_first, t_last]`` visit: ``[lo, hi)``, of which
-    ``[mid_lo, mid_hi)`` are fully visible to every one of those rows (no mask needed).
+    """Key blocks that query rows ``[t_first, t_last]`` visit: ``[lo, hi)``.
 
     The packed-row counterpart of :func:`flash_attn.kernels.masking.key_block_range` (a tile of
     ``BLOCK_M`` packed rows holds a run of ``t_last - t_first + 1`` query rows that is not a
     compile-time size). Block indices; divisions only of values clamped to ``>= 0``. A bound of
-    ``-1`` leaves its side exactly as without ``IS_LOCAL`` (as in ``masking.key_block_range``), so
-    ``IS_LOCAL=True`` serves non-local calls too (superset mode relies on it).
+    ``-1`` leaves its side exactly as without ``IS_LOCAL``, so ``IS_LOCAL=True`` serves non-local
+    calls too (the ahead-of-time superset relies on it).
     """
     first = seqlen_k * 0
     last = seqlen_k  # one past
-    full_first = first
-    full_last = seqlen_k
     if IS_LOCAL:
         diag = seqlen_k - seqlen_q
         if window_left >= 0:
             first = tl.maximum(t_first + diag - window_left, 0)
-            full_first = tl.maximum(t_last + diag - window_left, 0)
         if window_right >= 0:
             last = tl.minimum(tl.maximum(t_last + diag + window_right + 1, 0), seqlen_k)
-            full_last = tl.minimum(tl.maximum(t_first + diag + window_right + 1, 0), seqlen_k)
     lo = first // BLOCK_N
-    hi = tl.maximum((last + BLOCK_N - 1) // BLOCK_N, lo)
-    mid_lo = tl.minimum(tl.maximum((full_first + BLOCK_N - 1) // BLOCK_N, lo), hi)
-    mid_hi = tl.maximum(tl.minimum(full_last // BLOCK_N, hi), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return lo, tl.maximum((last + BLOCK_N - 1) // BLOCK_N, lo)
 
 
 @triton.jit
@@ -117,10 +109,10 @@ def _attend_blocks(
     d_mask,
     page_size,
     stride_kb,
-    stride_kt,
+    stride_ks,
     k_head,
     stride_vb,
-    stride_vt,
+    stride_vs,
     v_head,
     qk_scale_log2,
     cap_on,
@@ -130,7 +122,6 @@ def _attend_blocks(
     window_right,
     identity_table,
     BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
     IS_LOCAL: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
@@ -139,8 +130,8 @@ def _attend_blocks(
     """Online softmax over key blocks ``[block_start, block_end)`` (positions ``j``, 0-based).
 
     ``acc`` (fp32 ``(BLOCK_M, BLOCK_D)``), ``m_i`` (running max, base-2 units) and ``l_i`` (running
-    sum) are updated and returned. ``MASKED`` applies the key-range and window mask; blocks that
-    every row of the tile sees completely may skip it. The score scalars come from
+    sum) are updated and returned. Every block is masked (key range and window): decoding is bound
+    by reading K/V, not by the mask arithmetic. The score scalars come from
     :func:`flash_attn.kernels.masking.score_scalars`; ``slope_log2`` is the ALiBi slope of each
     row times ``log2(e)``.
     """
@@ -149,18 +140,15 @@ def _attend_blocks(
         n_mask = offs_n < seqlen_k
         rows = first_row + offs_n
         slot, row = _cache_rows(rows, n_mask, seq, bt_row, page_size, identity_table, PAGED)
-        k_off = slot * stride_kb + row * stride_kt + k_head
-        v_off = slot * stride_vb + row * stride_vt + v_head
-        if MASKED:
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-        else:
-            kv_mask = d_mask[None, :]
+        k_off = slot * stride_kb + row * stride_ks + k_head
+        v_off = slot * stride_vb + row * stride_vs + v_head
+        kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         # softcap (switched at run time by cap_on), ALiBi and the mask: the rule of every kernel
         s, _ = masking.logits_log2(qk, row_pos[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
                                    cap_on, cap_in, cap_out_log2, slope_log2[:, None], window_left, window_right,
-                                   MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
+                                   True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
         v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None]
@@ -182,24 +170,24 @@ def split_kv_kernel(
     BlockTable,
     Alibi,
     stride_qb,
-    stride_qt,
+    stride_qs,
     stride_qh,
     stride_kb,
-    stride_kt,
+    stride_ks,
     stride_kh,
     stride_vb,
-    stride_vt,
+    stride_vs,
     stride_vh,
     stride_ob,
-    stride_ot,
+    stride_os,
     stride_oh,
-    stride_ps,
+    stride_px,
     stride_pb,
-    stride_pt,
+    stride_ps,
     stride_ph,
-    stride_ls,
+    stride_lx,
     stride_lb,
-    stride_lt,
+    stride_ls,
     stride_lh,
     stride_btb,
     stride_ab,
@@ -226,20 +214,14 @@ def split_kv_kernel(
     PAGED: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
-    ONE_PASS: tl.constexpr,
 ):
     """Grid ``(batch * nheads_k * cdiv(seqlen_q * group, BLOCK_M), num_splits)``.
 
-    ``ONE_PASS``: visit the split's key blocks in one masked loop instead of masked / interior /
-    masked stages. The same values (the mask is all-true on interior blocks); a third of the
-    code, so a third of the compile time (the ahead-of-time build uses it: decoding is bound by
-    reading K/V, not by the mask arithmetic).
-
     Program ``((b * nheads_k + kv_head) * m_blocks + m_block, split)`` attends the packed rows
     ``[m_block * BLOCK_M, ...)`` of kv head ``kv_head`` to its share of the visible key blocks and
-    stores the normalised result and its natural-log logsumexp at ``Lse + split * stride_ls +
+    stores the normalised result and its natural-log logsumexp at ``Lse + split * stride_lx +
     ...``. The result goes to the final output ``Out`` (q's dtype, strides ``stride_o*``) when
-    there is one split, else to the fp32 scratch ``OutPart + split * stride_ps + ...``: two
+    there is one split, else to the fp32 scratch ``OutPart + split * stride_px + ...``: two
     pointers chosen at run time rather than one pointer of either type, so that the kernel has a
     single signature per dtype (an ahead-of-time build compiles one kernel, not two).
     """
@@ -276,7 +258,7 @@ def split_kv_kernel(
     d_mask = offs_d < head_dim
     row_pos = offs_m // group
     head = kv_head * group + offs_m % group
-    q_off = b.to(tl.int64) * stride_qb + row_pos.to(tl.int64) * stride_qt + head * stride_qh
+    q_off = b.to(tl.int64) * stride_qb + row_pos.to(tl.int64) * stride_qs + head * stride_qh
     q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if HAS_ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + head, mask=m_mask & ((head * 0 + use_alibi) != 0), other=0.0)
@@ -285,41 +267,23 @@ def split_kv_kernel(
         slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
 
-    # key positions seen by some row of the tile [lo, hi), and by every row [full_lo, full_hi)
+    # key blocks seen by some row of the tile, and this split's share [start, end) of them
     t_first = (m_block * BLOCK_M) // group
     t_last = (tl.minimum((m_block + 1) * BLOCK_M, rows_q) - 1) // group
-    block_lo, mid_lo, mid_hi, block_hi = _key_block_range(
-        t_first, t_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N, IS_LOCAL)
-    # this split's share [start, end) of the visited blocks, cut into masked / interior / masked
+    block_lo, block_hi = _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
+                                          IS_LOCAL)
     per_split = (block_hi - block_lo + num_splits - 1) // num_splits
     start = tl.minimum(block_lo + split * per_split, block_hi)
     end = tl.minimum(start + per_split, block_hi)
-    a = tl.minimum(tl.maximum(mid_lo, start), end)
-    c = tl.minimum(tl.maximum(mid_hi, a), end)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    k_head = kv_head.to(tl.int64) * stride_kh
-    v_head = kv_head.to(tl.int64) * stride_vh
-    if ONE_PASS:
-        a = end  # the first (masked) loop covers the whole share
     acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, start, a, first_row, seqlen_k, seqlen_q,
-        offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
-        cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
-        PAGED)
-    if not ONE_PASS:
-        acc, m_i, l_i = _attend_blocks(
-            acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, a, c, first_row, seqlen_k, seqlen_q,
-            offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
-            cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP,
-            HAS_ALIBI, PAGED)
-        acc, m_i, l_i = _attend_blocks(
-            acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, c, end, first_row, seqlen_k, seqlen_q,
-            offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
-            cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP,
-            HAS_ALIBI, PAGED)
+        acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, start, end, first_row, seqlen_k, seqlen_q,
+        offs_d, d_mask, page_size, stride_kb, stride_ks, kv_head.to(tl.int64) * stride_kh, stride_vb, stride_vs,
+        kv_head.to(tl.int64) * stride_vh, qk_scale_log2, cap_on, cap_in, cap_out_log2, window_left, window_right,
+        identity_table, BLOCK_N, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -329,12 +293,12 @@ def split_kv_kernel(
     o_mask = m_mask[:, None] & d_mask[None, :]
     # a branch on a uniform scalar around stores only: nothing is yielded, no extra live tiles
     if num_splits == 1:
-        o_off = b.to(tl.int64) * stride_ob + row_off * stride_ot + head * stride_oh
+        o_off = b.to(tl.int64) * stride_ob + row_off * stride_os + head * stride_oh
         tl.store(Out + o_off[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
     else:
-        p_off = split.to(tl.int64) * stride_ps + b.to(tl.int64) * stride_pb + row_off * stride_pt + head * stride_ph
+        p_off = split.to(tl.int64) * stride_px + b.to(tl.int64) * stride_pb + row_off * stride_ps + head * stride_ph
         tl.store(OutPart + p_off[:, None] + offs_d[None, :], out, mask=o_mask)
-    l_off = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb + row_off * stride_lt + head * stride_lh
+    l_off = split.to(tl.int64) * stride_lx + b.to(tl.int64) * stride_lb + row_off * stride_ls + head * stride_lh
     tl.store(Lse + l_off, lse, mask=m_mask)
 
 
@@ -344,19 +308,19 @@ def combine_splits_kernel(
     LsePart,
     Out,
     Lse,
-    stride_ps,
+    stride_px,
     stride_pb,
-    stride_pt,
+    stride_ps,
     stride_ph,
-    stride_qs,
-    stride_qb,
-    stride_qt,
-    stride_qh,
+    stride_mx,
+    stride_mb,
+    stride_ms,
+    stride_mh,
     stride_ob,
-    stride_ot,
+    stride_os,
     stride_oh,
     stride_lb,
-    stride_lt,
+    stride_ls,
     stride_lh,
     num_splits,
     seqlen_q,
@@ -371,7 +335,7 @@ def combine_splits_kernel(
     partial logsumexps ``lse_s`` and normalised partial outputs ``o_s``:
     ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) o_s``. Splits with
     ``lse_s = -inf`` (no visible key) weigh nothing; a row with none at all gets out 0, lse +inf.
-    ``OutPart`` strides: ``stride_p*``; ``LsePart`` strides: ``stride_q*``.
+    ``OutPart`` strides: ``stride_p*``; ``LsePart`` strides: ``stride_m*``.
     """
     num_r_blocks = tl.cdiv(seqlen_q * nheads, BLOCK_R)
     b = (tl.program_id(0) // num_r_blocks).to(tl.int64)
@@ -382,27 +346,27 @@ def combine_splits_kernel(
     d_mask = offs_d < head_dim
     t = (offs_r // nheads).to(tl.int64)
     h = offs_r % nheads
-    lse_ptrs = LsePart + b * stride_qb + t * stride_qt + h * stride_qh
-    part_ptrs = OutPart + b * stride_pb + t[:, None] * stride_pt + h[:, None] * stride_ph + offs_d[None, :]
+    lse_ptrs = LsePart + b * stride_mb + t * stride_ms + h * stride_mh
+    part_ptrs = OutPart + b * stride_pb + t[:, None] * stride_ps + h[:, None] * stride_ph + offs_d[None, :]
     mask = r_mask[:, None] & d_mask[None, :]
 
     lse_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     for s in range(0, num_splits):
-        lse_s = tl.load(lse_ptrs + s * stride_qs, mask=r_mask, other=float("-inf"))
+        lse_s = tl.load(lse_ptrs + s * stride_mx, mask=r_mask, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse_s)
     shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     total = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for s in range(0, num_splits):
-        lse_s = tl.load(lse_ptrs + s * stride_qs, mask=r_mask, other=float("-inf"))
+        lse_s = tl.load(lse_ptrs + s * stride_mx, mask=r_mask, other=float("-inf"))
         w = tl.math.exp2((lse_s - shift) * LOG2E)
-        o_s = tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0)
+        o_s = tl.load(part_ptrs + s * stride_px, mask=mask, other=0.0)
         total += w
         acc += w[:, None] * o_s
     seen = total > 0.0
     total_safe = tl.where(seen, total, 1.0)
     out = acc / total_safe[:, None]
     lse = tl.where(seen, shift + tl.log(total_safe), float("inf"))
-    o_ptrs = Out + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
+    o_ptrs = Out + b * stride_ob + t[:, None] * stride_os + h[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask)
-    tl.store(Lse + b * stride_lb + t * stride_lt + h * stride_lh, lse, mask=r_mask)
+    tl.store(Lse + b * stride_lb + t * stride_ls + h * stride_lh, lse, mask=r_mask)

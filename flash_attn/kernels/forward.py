@@ -45,7 +45,7 @@ from flash_attn.kernels.tiles import (
 def _attend_key_tiles(
     acc, m_i, l_i, q, offs_m, offs_d, d_mask,
     K_head, V_head, bt_row, lo, hi,
-    seqlen_q, seqlen_k, page_size, stride_kpage, stride_kn, stride_vpage, stride_vn,
+    seqlen_q, seqlen_k, page_size, stride_kpage, stride_ks, stride_vpage, stride_vs,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -59,8 +59,8 @@ def _attend_key_tiles(
     """
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kpage, stride_kn, BLOCK_N, IS_PAGED)
-        v_rows = kv_row_ptrs(V_head, start_n, seqlen_k, bt_row, page_size, stride_vpage, stride_vn, BLOCK_N, IS_PAGED)
+        k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kpage, stride_ks, BLOCK_N, IS_PAGED)
+        v_rows = kv_row_ptrs(V_head, start_n, seqlen_k, bt_row, page_size, stride_vpage, stride_vs, BLOCK_N, IS_PAGED)
         if MASKED:
             kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
         else:
@@ -90,10 +90,10 @@ def _attend_key_tiles(
 def attn_fwd_kernel(
     Q, K, V, Out, LSE,
     CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes, DropoutSeed,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     stride_btb, stride_ab,
     seqlen_q, seqlen_k, group, head_dim, page_size, packed, use_alibi,
@@ -110,10 +110,10 @@ def attn_fwd_kernel(
     ``stride_lb``/``stride_lh`` address lse (its row stride is 1). ``AlibiSlopes`` is fp32
     ``(h,)`` (``stride_ab`` = 0) or ``(b, h)``.
     """
-    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
-    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
-    stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
-    stride_ob, stride_om, stride_oh = stride_16b(stride_ob), stride_16b(stride_om), stride_16b(stride_oh)
+    stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
+    stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
+    stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
+    stride_ob, stride_os, stride_oh = stride_16b(stride_ob), stride_16b(stride_os), stride_16b(stride_oh)
     # heavy causal blocks (large row index) first: better load balance at the tail of the grid
     pid_m, b = block_and_batch(seqlen_q, BLOCK_M, True)
     h = tl.program_id(1)
@@ -134,15 +134,15 @@ def attn_fwd_kernel(
         q_mask = q_mask & d_mask[None, :]
 
     b64 = b.to(tl.int64)
-    Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
-    q = tl.load(row_ptrs(Q_head, start_m, stride_qm, BLOCK_M)[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    q = tl.load(row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
     if IS_PAGED:
         K_head = K + kv_h * stride_kh
         V_head = V + kv_h * stride_vh
         bt_row = BlockTable + b64 * stride_btb
     else:
-        K_head = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_h * stride_kh
-        V_head = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vn + kv_h * stride_vh
+        K_head = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kv_h * stride_kh
+        V_head = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kv_h * stride_vh
         bt_row = BlockTable
 
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
@@ -157,19 +157,19 @@ def attn_fwd_kernel(
     # stage 1: masked tiles left of the interior (sliding window's left edge)
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, lo, mid_lo,
-        seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+        seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
         True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
     # stage 2: the interior, no mask
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_lo, mid_hi,
-        seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+        seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
         False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
     # stage 3: masked tiles right of the interior (diagonal, last partial tile)
     acc, m_i, l_i = _attend_key_tiles(
         acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_hi, hi,
-        seqlen_q, seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+        seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
         True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
 
@@ -180,8 +180,8 @@ def attn_fwd_kernel(
     out = acc * inv_l[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("inf"))
 
-    O_head = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_om + h * stride_oh
-    o_rows = row_ptrs(O_head, start_m, stride_om, BLOCK_M)
+    O_head = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+    o_rows = row_ptrs(O_head, start_m, stride_os, BLOCK_M)
     tl.store(o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
     L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
     tl.store(L_head + offs_m, lse, mask=m_mask)
@@ -191,10 +191,10 @@ def attn_fwd_kernel(
 def attn_probs_kernel(
     Q, K, LSE, S,
     CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes, DropoutSeed,
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
     stride_lb, stride_lh,
-    stride_sb, stride_sh, stride_sm,
+    stride_pb, stride_ph, stride_ps,
     stride_btb, stride_ab,
     seqlen_q, seqlen_k, group, head_dim, page_size, packed, use_alibi,
     softmax_scale, softcap, window_left, window_right, dropout_p,
@@ -208,8 +208,8 @@ def attn_probs_kernel(
     Same grid and arguments as :func:`attn_fwd_kernel` (minus V/Out) and the same score helpers,
     applied after the forward has produced ``lse``.
     """
-    stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
-    stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
+    stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
+    stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
     pid_m, b = block_and_batch(seqlen_q, BLOCK_M, False)
     h = tl.program_id(1)
     dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
@@ -224,24 +224,24 @@ def attn_probs_kernel(
     d_mask = offs_d < head_dim
     m_mask = offs_m < seqlen_q
     b64 = b.to(tl.int64)
-    Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qm + h * stride_qh
-    q_rows = row_ptrs(Q_head, start_m, stride_qm, BLOCK_M)
+    Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    q_rows = row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)
     q = tl.load(q_rows[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if IS_PAGED:
         K_head = K + kv_h * stride_kh
         bt_row = BlockTable + b64 * stride_btb
     else:
-        K_head = K + b64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_h * stride_kh
+        K_head = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kv_h * stride_kh
         bt_row = BlockTable
     L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
     lse = tl.load(L_head + offs_m, mask=m_mask, other=float("inf"))
     lse_log2 = lse * LOG2E
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
-    S_rows = row_ptrs(S + b64 * stride_sb + tl.cast(h, tl.int64) * stride_sh, start_m, stride_sm, BLOCK_M)[:, None]
+    S_rows = row_ptrs(S + b64 * stride_pb + tl.cast(h, tl.int64) * stride_ph, start_m, stride_ps, BLOCK_M)[:, None]
     for start_n in range(0, seqlen_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kb, stride_kn, BLOCK_N, IS_PAGED)
+        k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kb, stride_ks, BLOCK_N, IS_PAGED)
         k = tl.load(k_rows[:, None] + offs_d[None, :], mask=(offs_n < seqlen_k)[:, None] & d_mask[None, :],
                     other=0.0)
         qk = tl.dot(q, tl.trans(k))

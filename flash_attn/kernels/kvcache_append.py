@@ -85,16 +85,16 @@ def append_kv_kernel(
     BatchIdx,
     BlockTable,
     stride_knb,
-    stride_knt,
+    stride_kns,
     stride_knh,
     stride_vnb,
-    stride_vnt,
+    stride_vns,
     stride_vnh,
     stride_kcb,
-    stride_kct,
+    stride_kcs,
     stride_kch,
     stride_vcb,
-    stride_vct,
+    stride_vcs,
     stride_vch,
     stride_btb,
     stride_ro,
@@ -139,11 +139,11 @@ def append_kv_kernel(
         else:
             seq = b.to(tl.int64)
         rows = positions.to(tl.int64)
-    k_dst = K_cache + seq * stride_kcb + rows * stride_kct + h * stride_kch
-    v_dst = V_cache + seq * stride_vcb + rows * stride_vct + h * stride_vch
+    k_dst = K_cache + seq * stride_kcb + rows * stride_kcs + h * stride_kch
+    v_dst = V_cache + seq * stride_vcb + rows * stride_vcs + h * stride_vch
 
-    k_src = K_new + b.to(tl.int64) * stride_knb + offs_t * stride_knt + h * stride_knh
-    v_src = V_new + b.to(tl.int64) * stride_vnb + offs_t * stride_vnt + h * stride_vnh
+    k_src = K_new + b.to(tl.int64) * stride_knb + offs_t * stride_kns + h * stride_knh
+    v_src = V_new + b.to(tl.int64) * stride_vnb + offs_t * stride_vns + h * stride_vnh
     k = rotated_rows(k_src, offs_d, t_mask, positions, Cos, Sin, stride_ro, rotary_half, head_dim,
                      INTERLEAVED, HAS_ROTARY)
     d_mask = offs_d < head_dim
@@ -161,10 +161,10 @@ def rotary_q_kernel(
     Sin,
     Seqlens,
     stride_qb,
-    stride_qt,
+    stride_qs,
     stride_qh,
     stride_ob,
-    stride_ot,
+    stride_os,
     stride_oh,
     stride_ro,
     nheads,
@@ -194,8 +194,8 @@ def rotary_q_kernel(
         positions = start + offs_t
     else:
         positions = start + offs_t * 0
-    src = Q + b.to(tl.int64) * stride_qb + offs_t * stride_qt + h * stride_qh
-    dst = Q_out + b.to(tl.int64) * stride_ob + offs_t * stride_ot + h * stride_oh
+    src = Q + b.to(tl.int64) * stride_qb + offs_t * stride_qs + h * stride_qh
+    dst = Q_out + b.to(tl.int64) * stride_ob + offs_t * stride_os + h * stride_oh
     q = rotated_rows(src, offs_d, t_mask, positions, Cos, Sin, stride_ro, rotary_half, head_dim,
                      INTERLEAVED, True)
     mask = t_mask[:, None] & (offs_d < head_dim)[None, :]

@@ -1,4 +1,4 @@
-"""Where the GPU architecture is chosen: launch configurations of the attention kernels.
+"""Launch configurations of the attention kernels per GPU architecture family.
 
 A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. The tables are keyed by kernel
 kind, architecture family and head-dimension bucket; :func:`pick_config` looks one up. Nothing
@@ -57,30 +57,9 @@ SHARED_MEMORY_LIMIT = {
 _C = Config
 # (kind, family) -> configs for headdim <= 32, <= 64, <= 128, <= 256.
 #
-# How the entries were chosen (no GPU needed): every entry fits its shared memory (the estimate
-# below, and the compiler's own count), and every head-dim <= 128 entry compiles to the folded
-# specialisation (IS_LOCAL + PAD_HEADDIM + IS_VARLEN) with no stack frame and no local memory on
-# its architecture (``cuobjdump --dump-resource-usage``: STACK:0 LOCAL:0, checked by
-# ``tests/test_aot_build.py`` on the build report), preferring the largest tiles that do; ties go
-# to deeper pipelines. 8 warps everywhere: 4 warps spill with these tiles and 16 warps cap a
-# thread at 128 registers. Measured with Triton 3.9 (registers, bf16 == fp16):
-#
-# * sm80 fwd d128: 128x64 s3 kept 16 B of stack at 255 registers -> 128x32 s3 (196).
-# * sm80/sm86 bwd_dq d64: 128x64 -> 128x32 (178; 128x64 s2 and 64x64 spill).
-# * sm80/sm86 bwd_dkdv d64: 32x128 s2 spilled 16 B; 16x128 s2 8 B, 32x64 s2 64 B -> 32x128 s1
-#   (237; the streamed Q/dO tiles lose their second buffer, the key tile stays 128 rows).
-# * sm80/sm86 bwd_dkdv d128: 32x64 s2 (40 B) -> 16x64 s2 (246).
-# * sm90 fwd d128: 128x64 s3 (64 B) -> 128x64 s2 (220). sm90 bwd_dkdv d128: 16x128 (80 B) ->
-#   16x64 (249).
-# * sm100 bwd_dkdv d128 (tcgen05): every s2 tile with >= 64 key rows spills 270-800 B (16x128:
-#   464 B); 32x64 s1 has none (214). Tiles with 32 key rows compile to mma.sync instead.
-# * head dim 256 (spills allowed there; the tensor-core family is not): wgmma/tcgen05 need >= 64
-#   rows per MMA tile. sm90/sm100 bwd_dq: 32x32 (mma.sync) -> 64x16 wgmma (229, no spill) on sm90
-#   and 64x32 tcgen05 (128, no spill) on sm100. sm90 bwd_dkdv: 16x32 (mma.sync, 8 B) -> 16x64
-#   wgmma, which keeps a 504 B stack frame (the 64x256 fp32 dK and dV accumulators are 128 registers
-#   a thread on their own; 16 warps spill more). sm100 bwd_dkdv stays at 16x32 (mma.sync): with
-#   64 key rows the two 64x256 fp32 accumulators fill the 512 tensor-memory columns and Triton
-#   emits an empty kernel (4 registers, no MMA) instead of an error.
+# The rule (measurements and the choice of each entry: benchmarks/README.md, "Launch configs"):
+# fit shared memory; for head dim <= 128 no spill (no stack, no local memory) on the build report;
+# the architecture's tensor-core instructions; then the largest tiles and the deepest pipeline.
 _TABLE: dict[tuple[str, str], tuple[Config, Config, Config, Config]] = {
     # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining.
     ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2)),
@@ -102,19 +81,8 @@ _TABLE[("bwd_dq", "sm100")] = (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64,
 _TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
 
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
-# where the lean entry spills with the extra live tiles, the largest tile that does not (same rule
-# and measurement as above, on the features kernels; Triton 3.9, cuobjdump STACK). ``None``: the
-# lean entry is fine. Buckets: head dim <= 32 runs on the 64 kernels, 256 keeps the lean entries.
-#
-# * fwd: 128x128 spills on sm90 (56 B) and sm100 (536 B); 128x64 d128 too (8 B, 32 B) -> 128x32.
-#   Also smaller code: the sm100 128x128 features kernel is a 2.8 MB cubin and 38 s to compile.
-# * bwd_dkdv: 32x128 spills 144-608 B everywhere at d64; 16x64 s1 does not (sm80/86/100/120).
-#   sm80/86 d128: 16x64 s1 sits at 255 registers and keeps 8 B of stack with Triton 3.7 -> 16x32
-#   s2 (236 with 3.7, 241 with 3.9).
-#   sm90 d128: every wgmma tile spills (16x64 s1 128 B, s2 48 B, 4 warps 216 B, 32x64 432 B), so
-#   16x32 s2 (mma.sync, 200 registers) - the one features kernel without its arch's best MMA.
-# * bwd_dq d128: 64x64 s2 / 128x64 s2 spill on sm86 (24 B with 4 warps), sm90 (208 B), sm100 (96 B),
-#   sm120 (8 B) -> 64x32 8 warps everywhere (none spills).
+# where the lean entry spills with the extra live tiles, the largest tile that does not (same rule;
+# benchmarks/README.md). ``None``: the lean entry. Head dim <= 32 runs on the 64 kernels.
 _F = Config(128, 32, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),

@@ -94,21 +94,21 @@ _DECLARED = (
     Kernel("split_kv_kernel", "flash_attn.kernels.decode", None,
            _pointers(dt="Q K V Out", fp32="OutPart Lse Alibi", i32="Seqlens Leftpad BatchIdx BlockTable"),
            _names("softmax_scale softcap empty_lse"),
-           _names("stride_qb stride_qt stride_qh stride_kb stride_kt stride_kh stride_vb stride_vt stride_vh "
-                  "stride_ob stride_ot stride_oh stride_ps stride_pb stride_pt stride_ph head_dim"),
+           _names("stride_qb stride_qs stride_qh stride_kb stride_ks stride_kh stride_vb stride_vs stride_vh "
+                  "stride_ob stride_os stride_oh stride_px stride_pb stride_ps stride_ph head_dim"),
            folded=MappingProxyType(dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True,
-                                        HAS_BATCH_IDX=False, HAS_LEFTPAD=True, ONE_PASS=True))),
+                                        HAS_BATCH_IDX=False, HAS_LEFTPAD=True))),
     Kernel("combine_splits_kernel", "flash_attn.kernels.decode", None,
            _pointers(dt="Out", fp32="OutPart LsePart Lse"),
-           divisible_by_8=_names("stride_ps stride_pb stride_pt stride_ph stride_ob stride_ot stride_oh head_dim")),
+           divisible_by_8=_names("stride_px stride_pb stride_ps stride_ph stride_ob stride_os stride_oh head_dim")),
     Kernel("append_kv_kernel", "flash_attn.kernels.kvcache_append", None,
            _pointers(dt="K_new V_new K_cache V_cache", fp32="Cos Sin", i32="Seqlens BatchIdx BlockTable"),
-           divisible_by_8=_names("stride_knb stride_knt stride_knh stride_vnb stride_vnt stride_vnh "
-                                 "stride_kcb stride_kct stride_kch stride_vcb stride_vct stride_vch head_dim"),
+           divisible_by_8=_names("stride_knb stride_kns stride_knh stride_vnb stride_vns stride_vnh "
+                                 "stride_kcb stride_kcs stride_kch stride_vcb stride_vcs stride_vch head_dim"),
            folded=MappingProxyType(dict(PAGED=True, HAS_BATCH_IDX=False))),
     Kernel("rotary_q_kernel", "flash_attn.kernels.kvcache_append", None,
            _pointers(dt="Q Q_out", fp32="Cos Sin", i32="Seqlens"),
-           divisible_by_8=_names("stride_qb stride_qt stride_qh stride_ob stride_ot stride_oh head_dim")),
+           divisible_by_8=_names("stride_qb stride_qs stride_qh stride_ob stride_os stride_oh head_dim")),
 )
 
 KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in _DECLARED})

@@ -12,10 +12,9 @@ every call it serves (only dead work differs):
                          (``use_leftpad``) are switched at run time; a plain cache
                          ``(b_cache, s, hk, d)`` is addressed as pages of ``s`` rows, page
                          ``cache_batch_idx[b]`` (a ``(b, 1)`` table) or page ``b``
-                         (``identity_table``); ``ONE_PASS`` visits a split's key blocks in one
-                         masked loop (a third of the code and compile time); ``BLOCK_M``/
-                         ``BLOCK_N`` both configs of :data:`DECODE_CONFIGS`; ``BLOCK_D`` the
-                         head-dim bucket 64/128/256 (loads and stores mask the run-time head dim).
+                         (``identity_table``); ``BLOCK_M``/``BLOCK_N`` both configs of
+                         :data:`DECODE_CONFIGS`; ``BLOCK_D`` the head-dim bucket 64/128/256
+                         (loads and stores mask the run-time head dim).
 ``append_kv_kernel``     paged the same way, ``(HAS_ROTARY, INTERLEAVED)`` as the call needs.
 ``rotary_q_kernel``      ``PER_ROW_POSITION`` x ``INTERLEAVED`` as the call needs.
 ``combine_splits_kernel`` as it is.
@@ -144,7 +143,7 @@ def decode_config(family: str, head_dim: int, packed_rows: int, fp32: bool = Fal
 
 # superset mode: every feature compiled in and switched at run time (see the module doc)
 SPLIT_KV_SUPERSET = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True, HAS_BATCH_IDX=False,
-                         HAS_LEFTPAD=True, ONE_PASS=True)
+                         HAS_LEFTPAD=True)
 # (HAS_ROTARY, INTERLEAVED) of append_kv_kernel: no rotary, GPT-NeoX halves, GPT-J pairs
 APPEND_ROTARY = ((False, False), (True, False), (True, True))
 

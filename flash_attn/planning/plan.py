@@ -426,16 +426,16 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
     grid = (cdiv(seqlen_q, config.block_m) * batch, nheads)
     launches = [_launch("attn_fwd_kernel", grid, dict(
         common, Q=q, K=k, V=v, Out=out, LSE=lse,
-        **_named("stride_q", "bmh", lay.rows("q")), **_named("stride_k", "bnh", lay.rows("k")),
-        **_named("stride_v", "bnh", lay.rows("v")), **_named("stride_o", "bmh", lay.rows("out"))),
+        **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
+        **_named("stride_v", "bsh", lay.rows("v")), **_named("stride_o", "bsh", lay.rows("out"))),
         _attention_constexprs("attn_fwd_kernel", target, features, exact, blocks), config)]
     results = ("out", "lse")
     if s.return_softmax:
         s_dmask = lay.buffer("s_dmask", (batch, nheads, seqlen_q, seqlen_k), torch.float32, zeroed=True)
         launches.append(_launch("attn_probs_kernel", grid, dict(
             common, Q=q, K=k, LSE=lse, S=s_dmask,
-            **_named("stride_q", "bmh", lay.rows("q")), **_named("stride_k", "bnh", lay.rows("k")),
-            **_named("stride_s", "bhm", lay.strides["s_dmask"][:3])),
+            **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
+            **_named("stride_p", "bhs", lay.strides["s_dmask"][:3])),
             dict(exact, **blocks), config))
         results = ("out", "lse", "s_dmask")
     return _finish(s.q.dtype, lay, launches, results)
@@ -512,14 +512,14 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     pre = configs.pick("fwd", head_dim, target.family)
     launches = [_launch("attn_bwd_preprocess_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
         Out=out, dOut=dout, Delta=delta, CuSeqlensQ=cu_q,
-        **_named("stride_o", "bmh", rows["out"]), **_named("stride_do", "bmh", rows["dout"]), **lse_args,
+        **_named("stride_o", "bsh", rows["out"]), **_named("stride_do", "bsh", rows["dout"]), **lse_args,
         seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed)),
         dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre)]
 
     common = dict(
         Q=q, K=k, V=v, dOut=dout, LSE=lse, Delta=delta, CuSeqlensQ=cu_q, CuSeqlensK=cu_k, AlibiSlopes=alibi,
-        DropoutSeed=seed, **_named("stride_q", "bmh", rows["q"]), **_named("stride_k", "bnh", rows["k"]),
-        **_named("stride_v", "bnh", rows["v"]), **_named("stride_do", "bmh", rows["dout"]), **lse_args,
+        DropoutSeed=seed, **_named("stride_q", "bsh", rows["q"]), **_named("stride_k", "bsh", rows["k"]),
+        **_named("stride_v", "bsh", rows["v"]), **_named("stride_do", "bsh", rows["dout"]), **lse_args,
         stride_ab=_alibi_batch_stride(lay, s.alibi), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         group=nheads // nheads_k, head_dim=head_dim, packed=int(packed), use_alibi=int(s.alibi is not None),
         **_score_scalars(s.scalars),
@@ -529,12 +529,12 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     cfg = configs.pick("bwd_dkdv", head_dim, target.family, features)
     blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
     launches.append(_launch("attn_bwd_dkdv_kernel", (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k), dict(
-        common, dK=dk, dV=dv, **_named("stride_dk", "bnh", rows["dk"]), **_named("stride_dv", "bnh", rows["dv"])),
+        common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"])),
         _attention_constexprs("attn_bwd_dkdv_kernel", target, features, exact, blocks), cfg))
     cfg = configs.pick("bwd_dq", head_dim, target.family, features)
     blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
     launches.append(_launch("attn_bwd_dq_kernel", (cdiv(seqlen_q, cfg.block_m) * batch, nheads), dict(
-        common, dQ=dq, **_named("stride_dq", "bmh", rows["dq"])),
+        common, dQ=dq, **_named("stride_dq", "bsh", rows["dq"])),
         _attention_constexprs("attn_bwd_dq_kernel", target, features, exact, blocks), cfg))
     return _finish(s.q.dtype, lay, launches, ("dq", "dk", "dv"))
 
@@ -640,9 +640,9 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
         launches.append(_launch("append_kv_kernel", (batch * nheads_k * cdiv(seqlen_new, dc.APPEND_BLOCK_T),), dict(
             K_new=k_new, V_new=v_new, K_cache=Slot("k_cache"), V_cache=Slot("v_cache"), Cos=cos, Sin=sin,
             Seqlens=seqlens, BatchIdx=batch_idx, BlockTable=block_table,
-            **_named("stride_kn", "bth", lay.rows("k_new")), **_named("stride_vn", "bth", lay.rows("v_new")),
-            **_named("stride_kc", "bth", lay.strides["k_cache"][:3]),
-            **_named("stride_vc", "bth", lay.strides["v_cache"][:3]),
+            **_named("stride_kn", "bsh", lay.rows("k_new")), **_named("stride_vn", "bsh", lay.rows("v_new")),
+            **_named("stride_kc", "bsh", lay.strides["k_cache"][:3]),
+            **_named("stride_vc", "bsh", lay.strides["v_cache"][:3]),
             stride_btb=stride_btb, stride_ro=stride_ro, nheads_k=nheads_k, seqlen_new=seqlen_new, head_dim=head_dim,
             rotary_half=rotary_half, page_size=page_size, identity_table=identity_table),
             dict(dc.append_constexprs(block_d, table_flags["PAGED"], table_flags["HAS_BATCH_IDX"], rotary,
@@ -651,7 +651,7 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
         q_rot = lay.buffer("q_rot", s.q.shape, s.q.dtype, padded=superset)
         launches.append(_launch("rotary_q_kernel", (batch * nheads * cdiv(seqlen_q, dc.APPEND_BLOCK_T),), dict(
             Q=q, Q_out=q_rot, Cos=cos, Sin=sin, Seqlens=seqlens,
-            **_named("stride_q", "bth", lay.rows("q")), **_named("stride_o", "bth", lay.rows("q_rot")),
+            **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_o", "bsh", lay.rows("q_rot")),
             stride_ro=stride_ro, nheads=nheads, seqlen_q=seqlen_q, head_dim=head_dim, rotary_half=rotary_half),
             dc.rotary_q_constexprs(block_d, _is_local(s.scalars), interleaved), dc.ROTARY_CONFIG))
         q = q_rot
@@ -683,14 +683,14 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
         features = dict(dc.SPLIT_KV_SUPERSET)
     else:
         features = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=s.scalars.softcap > 0.0,
-                        HAS_ALIBI=s.alibi is not None, HAS_LEFTPAD=s.leftpad is not None, ONE_PASS=False,
+                        HAS_ALIBI=s.alibi is not None, HAS_LEFTPAD=s.leftpad is not None,
                         **table_flags)
     launches.append(_launch("split_kv_kernel", (batch * nheads_k * m_blocks, splits), dict(
         Q=q, K=Slot("k_cache"), V=Slot("v_cache"), Out=out, OutPart=out_part, Lse=lse_part, Seqlens=seqlens,
         Leftpad=leftpad, BatchIdx=batch_idx, BlockTable=block_table, Alibi=alibi,
-        **_named("stride_q", "bth", lay.rows(q)), **_named("stride_k", "bth", lay.strides["k_cache"][:3]),
-        **_named("stride_v", "bth", lay.strides["v_cache"][:3]), **_named("stride_o", "bth", lay.rows("out")),
-        **_named("stride_p", "sbth", part_strides), **_named("stride_l", "sbth", lse_part_strides),
+        **_named("stride_q", "bsh", lay.rows(q)), **_named("stride_k", "bsh", lay.strides["k_cache"][:3]),
+        **_named("stride_v", "bsh", lay.strides["v_cache"][:3]), **_named("stride_o", "bsh", lay.rows("out")),
+        **_named("stride_p", "xbsh", part_strides), **_named("stride_l", "xbsh", lse_part_strides),
         stride_btb=stride_btb, stride_ab=_alibi_batch_stride(lay, s.alibi),
         nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_new=seqlen_new, group=group, head_dim=head_dim,
         page_size=page_size, use_leftpad=int(s.leftpad is not None), use_alibi=int(s.alibi is not None),
@@ -700,8 +700,8 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
     if splits > 1:
         launches.append(_launch("combine_splits_kernel", (batch * cdiv(seqlen_q * nheads, dc.COMBINE_BLOCK_R),), dict(
             OutPart=out_part, LsePart=lse_part, Out=out, Lse=lse,
-            **_named("stride_p", "sbth", part_strides), **_named("stride_q", "sbth", lse_part_strides),
-            **_named("stride_o", "bth", lay.rows("out")), **_named("stride_l", "bth", (lse_s[0], lse_s[2], lse_s[1])),
+            **_named("stride_p", "xbsh", part_strides), **_named("stride_m", "xbsh", lse_part_strides),
+            **_named("stride_o", "bsh", lay.rows("out")), **_named("stride_l", "bsh", (lse_s[0], lse_s[2], lse_s[1])),
             num_splits=splits, seqlen_q=seqlen_q, nheads=nheads, head_dim=head_dim),
             dc.combine_constexprs(block_d), dc.COMBINE_CONFIG))
     return _finish(s.q.dtype, lay, launches, ("out", "lse"))
