@@ -10,6 +10,7 @@ import ast
 import importlib.machinery
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,9 @@ import torch
 
 import flash_attn
 from flash_attn import __main__ as cli, dispatch, doctor
-from flash_attn.aot import library as op_library
+from flash_attn.aot import library as op_library, manifest as aot_manifest
+from flash_attn.doctor import probes, symbols
+from flash_attn.doctor.nvidia import cuda_version_text
 
 PACKAGE_DIR = Path(flash_attn.__file__).resolve().parent
 A100 = {"index": 0, "name": "NVIDIA A100-SXM4-80GB", "capability": [8, 0], "memory_bytes": 80 << 30}
@@ -46,6 +49,7 @@ def run_json(capsys, *args) -> tuple[int, dict]:
 def checks(report: dict, severity: str | None = None) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for f in report["findings"]:
+        assert f["check"] in doctor.CHECKS, f  # every id is documented and has its check
         if severity is None or f["severity"] == severity:
             out.setdefault(f["check"], []).append(f)
     return out
@@ -53,7 +57,7 @@ def checks(report: dict, severity: str | None = None) -> dict[str, list[dict]]:
 
 def driver(devices, cuda_version=12040, release="550.54.14"):
     return {"found": True, "source": "libcuda", "library": "libcuda.so.1", "release": release,
-            "cuda_version": cuda_version, "cuda_version_text": doctor._cuda_version_text(cuda_version),
+            "cuda_version": cuda_version, "cuda_version_text": cuda_version_text(cuda_version),
             "devices": [dict(d) for d in devices], "error": None}
 
 
@@ -80,16 +84,16 @@ def gpu_machine(monkeypatch):
         # The ahead-of-time backend needs a real GPU; simulated GPUs never get it (and these tests
         # stay independent of how that backend probes the device).
         monkeypatch.setitem(dispatch._MODULES, "aot", "flash_attn.backends._aot_not_on_simulated_gpus")
-        monkeypatch.setattr(doctor, "probe_torch", lambda: torch_info)
-        monkeypatch.setattr(doctor, "probe_driver", lambda: driver_info)
+        monkeypatch.setattr(probes, "probe_torch", lambda: torch_info)
+        monkeypatch.setattr(probes, "probe_driver", lambda: driver_info)
         # Independent of whether this checkout built the op library (its CUDA runtime version
         # would meet the simulated driver): a simulated machine has none installed.
-        monkeypatch.setattr(doctor, "probe_op_library", lambda: {
+        monkeypatch.setattr(probes, "probe_op_library", lambda: {
             "loaded": False, "path": None, "reason": "not installed on the simulated machine",
             "build_config": {}, "installed": False})
         if not triton_installed:
             monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-            monkeypatch.setattr(doctor, "probe_triton", lambda: {"installed": False, "error": "not installed"})
+            monkeypatch.setattr(probes, "probe_triton", lambda: {"installed": False, "error": "not installed"})
         if torch_info.get("cuda_available"):
             caps = {d["index"]: tuple(d["capability"]) for d in torch_info["devices"]}
             monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -138,6 +142,12 @@ def test_command_line_entry_points():
     assert proc.returncode == 0 and "doctor" in proc.stdout and "bench" in proc.stdout
 
 
+def test_every_documented_check_has_its_function():
+    """The table in the package docstring lists each check id once, in the order findings come."""
+    documented = re.findall(r"^``([a-z][a-z-]*)`` ", doctor.__doc__, re.MULTILINE)
+    assert documented == list(doctor.CHECKS)
+
+
 def test_cli_reports_a_command_whose_module_is_broken(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "broken", ("flash_attn._no_such_module", "a command that cannot load"))
     assert cli.main(["broken"]) == 2
@@ -177,7 +187,7 @@ def test_driver_too_old_for_pytorchs_cuda(capsys, gpu_machine):
 
 def test_driver_too_old_for_the_op_librarys_runtime(capsys, gpu_machine, monkeypatch):
     gpu_machine(cuda_torch([A100], cuda="12.8"), driver([A100], cuda_version=12080))
-    monkeypatch.setattr(doctor, "probe_op_library", lambda: {
+    monkeypatch.setattr(probes, "probe_op_library", lambda: {
         "loaded": True, "path": "/x/libflash_attn_aot.so", "reason": "", "installed": True,
         "build_config": {"cuda": True, "cuda_runtime": "13.0.48"}})
     status, report = run_json(capsys)
@@ -197,11 +207,35 @@ def test_cuda_pytorch_that_cannot_see_the_gpu(capsys, gpu_machine, monkeypatch):
 
 
 def _write_manifest(tmp_path, monkeypatch, archs) -> Path:
-    manifest = tmp_path / "manifest.json"
-    # The per-image layout (what the kernel build writes next to each cubin/PTX).
-    manifest.write_text(json.dumps({"kernels": [{"name": "fwd", "images": [{"arch": a, "file": f"fwd.{a}"} for a in archs]}]}))
-    monkeypatch.setattr(doctor, "MANIFEST_LOCATIONS", (str(manifest),))
+    """A kernel folder with the manifest layout the kernel build writes, chosen the way the ``aot``
+    backend chooses it: ``FLASH_ATTN_AOT_DIR``."""
+    folder = tmp_path / "aot"
+    folder.mkdir()
+    manifest = folder / "manifest.json"
+    kernels = [{"arch": a, "key": "fwd", "name": "fwd", "image": f"images/{a}/fwd"} for a in archs]
+    manifest.write_text(json.dumps({"format": 1, "archs": archs, "kernels": kernels}))
+    monkeypatch.setenv(aot_manifest.DIR_ENV, str(folder))
     return manifest
+
+
+def test_kernel_folder_set_by_the_environment(capsys, tmp_path, monkeypatch):
+    manifest = _write_manifest(tmp_path, monkeypatch, ["sm_80", "compute_80"])
+    status, report = run_json(capsys)
+    kernels = report["aot_kernels"]
+    assert kernels["manifest"] == str(manifest) and kernels["from_env"] is True
+    assert kernels["archs"] == ["sm_80", "compute_80"] and kernels["kernel_count"] == 2
+    assert status == 0
+    doctor.main([])
+    assert f"compute_80 ({manifest}, from FLASH_ATTN_AOT_DIR)" in capsys.readouterr().out
+
+
+def test_kernel_folder_set_by_the_environment_without_a_manifest(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(aot_manifest.DIR_ENV, str(tmp_path / "nothing-here"))
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["aot-kernels"][0]
+    assert str(tmp_path / "nothing-here" / "manifest.json") in finding["detail"]
+    assert "FLASH_ATTN_AOT_DIR" in finding["fix"]
 
 
 def test_gpu_arch_without_a_shipped_kernel_covered_by_triton(capsys, gpu_machine, tmp_path, monkeypatch):
@@ -350,7 +384,7 @@ def test_upstream_extension_with_an_undefined_symbol(capsys, tmp_path, monkeypat
     assert ext["module"] == "flash_attn_2_cuda" and not ext["imports"]
     assert ext["undefined_symbol"]["name"] == "c10::cuda::SetDevice"
     finding = checks(report)["foreign-extension"][0]
-    if doctor.demangle(UNDEFINED):
+    if symbols.demangle(UNDEFINED):
         assert "c10::cuda::SetDevice(int)" in finding["summary"]
     assert "C++ ABI / PyTorch version mismatch" in finding["detail"]
     assert f"installed torch {torch.__version__}" in finding["detail"]
@@ -362,8 +396,8 @@ def test_undefined_symbol_of_the_other_cxx_abi(capsys, tmp_path, monkeypatch):
     _fake_extension(tmp_path / "ext", UNDEFINED_CXX11)
     monkeypatch.syspath_prepend(str(tmp_path / "ext"))
     monkeypatch.delitem(sys.modules, "flash_attn_2_cuda", raising=False)
-    real = doctor.probe_torch()
-    monkeypatch.setattr(doctor, "probe_torch", lambda: dict(real, cxx11_abi=False))  # a pre-C++11-ABI torch
+    real = probes.probe_torch()
+    monkeypatch.setattr(probes, "probe_torch", lambda: dict(real, cxx11_abi=False))  # a pre-C++11-ABI torch
     _, report = run_json(capsys)
     detail = checks(report)["foreign-extension"][0]["detail"]
     assert "C++ ABI mismatch" in detail
@@ -372,11 +406,11 @@ def test_undefined_symbol_of_the_other_cxx_abi(capsys, tmp_path, monkeypatch):
 
 def test_undefined_symbol_explanations():
     torch_new_abi = {"installed": True, "version": "2.13.0", "cxx11_abi": True}
-    same_abi = doctor.explain_undefined_symbol(UNDEFINED_CXX11, torch_new_abi)["explanation"]
+    same_abi = symbols.explain_undefined_symbol(UNDEFINED_CXX11, torch_new_abi)["explanation"]
     assert "ABI mismatch" not in same_abi and "different PyTorch version" in same_abi
     old_abi_symbol = "_ZN3c106detail14torchCheckFailEPKcS2_jRKSs"  # std::string of the old ABI (Ss)
-    assert "_GLIBCXX_USE_CXX11_ABI=0" in doctor.explain_undefined_symbol(old_abi_symbol, torch_new_abi)["explanation"]
-    other = doctor.explain_undefined_symbol("_ZN5cudnn7backend4initEv", torch_new_abi)["explanation"]
+    assert "_GLIBCXX_USE_CXX11_ABI=0" in symbols.explain_undefined_symbol(old_abi_symbol, torch_new_abi)["explanation"]
+    other = symbols.explain_undefined_symbol("_ZN5cudnn7backend4initEv", torch_new_abi)["explanation"]
     assert "PyTorch" not in other and "different version" in other
 
 
@@ -403,11 +437,11 @@ def test_real_shared_library_with_an_undefined_symbol(capsys, tmp_path, monkeypa
 
 
 def test_demangling():
-    assert doctor.qualified_name_hint(UNDEFINED) == "c10::cuda::SetDevice"
-    assert doctor.qualified_name_hint("_ZNK2at10TensorBase8data_ptrEv") == "at::TensorBase::data_ptr"
-    assert doctor.qualified_name_hint("not_mangled") is None
-    assert doctor.demangle("plain_c_symbol") is None
-    readable = doctor.demangle(UNDEFINED_CXX11)
+    assert symbols.qualified_name_hint(UNDEFINED) == "c10::cuda::SetDevice"
+    assert symbols.qualified_name_hint("_ZNK2at10TensorBase8data_ptrEv") == "at::TensorBase::data_ptr"
+    assert symbols.qualified_name_hint("not_mangled") is None
+    assert symbols.demangle("plain_c_symbol") is None
+    readable = symbols.demangle(UNDEFINED_CXX11)
     if readable is None:
         pytest.skip("neither libstdc++'s __cxa_demangle nor c++filt is available")
     assert readable == ("c10::Error::Error(c10::SourceLocation, std::__cxx11::basic_string<char, "
@@ -442,7 +476,7 @@ def test_op_library_path_that_does_not_exist(capsys, tmp_path, monkeypatch):
 
 def test_missing_op_library_matters_only_with_a_gpu(capsys, gpu_machine, monkeypatch):
     missing = {"loaded": False, "path": None, "reason": "not installed", "installed": False, "build_config": {}}
-    monkeypatch.setattr(doctor, "probe_op_library", lambda: missing)
+    monkeypatch.setattr(probes, "probe_op_library", lambda: missing)
     _, report = run_json(capsys)
     assert checks(report)["op-library"][0]["severity"] == "info"
     gpu_machine(cuda_torch([A100]), driver([A100]))
@@ -458,7 +492,7 @@ def test_conda_install_is_recognised(tmp_path, monkeypatch):
         "name": "flash-attn", "version": "2.9.0", "build": "py_cuda12_0", "channel": "conda-forge",
         "files": ["lib/python3/site-packages/flash_attn/_version.py", init]}))
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
-    info = doctor.probe_package()
+    info = probes.probe_package()
     assert info["install"] == "conda"
     assert info["conda"] == {"name": "flash-attn", "version": "2.9.0", "build": "py_cuda12_0", "channel": "conda-forge"}
 
@@ -482,7 +516,7 @@ def test_fallback_warning_once_per_cause(monkeypatch):
 
 
 # Command-line front ends: their output is the product.
-LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor.py", "build.py", "info.py"}  # build.py, info.py: flash_attn/aot/
+LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "aot/build.py", "aot/info.py"}
 
 
 def test_library_code_never_prints():
@@ -490,7 +524,7 @@ def test_library_code_never_prints():
     offenders = []
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         relative = path.relative_to(PACKAGE_DIR)
-        if path.name in LIBRARY_MODULES_THAT_MAY_PRINT or relative.parts[0] == "benchmarks":
+        if relative.as_posix() in LIBRARY_MODULES_THAT_MAY_PRINT or relative.parts[0] == "benchmarks":
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
