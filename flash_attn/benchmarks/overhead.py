@@ -26,14 +26,18 @@ from typing import Callable
 
 import torch
 
+from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache
+from flash_attn.aot import archs, manifest as aot_manifest
+from flash_attn.backends import aot
+from flash_attn.planning import configs
+from flash_attn.planning.plan import Target
+
 CASES = ("forward", "forward+backward", "decode step")
 
 
 def _calls(device) -> dict[str, Callable[[], object]]:
     """The measured calls: a short forward (inference), a training step's attention (forward and
     backward through autograd), one decode step with a KV cache (append + attend)."""
-    from flash_attn import flash_attn_func, flash_attn_with_kvcache
-
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
     q, k, v = rnd(1, 128, 16, 128), rnd(1, 128, 16, 128), rnd(1, 128, 16, 128)
@@ -60,12 +64,6 @@ def _calls(device) -> dict[str, Callable[[], object]]:
 @contextlib.contextmanager
 def stubbed_aot():
     """The ``aot`` backend of an H100 for CPU tensors, launches counted instead of run."""
-    from flash_attn import dispatch
-    from flash_attn.aot import manifest as aot_manifest, archs
-    from flash_attn.backends import aot
-    from flash_attn.planning import configs
-    from flash_attn.planning.plan import Target
-
     manifest, why = aot_manifest.manifest()
     if manifest is None or not aot.op_library.status().loaded:
         raise RuntimeError(f"the stubbed benchmark runs the installed aot backend: {why or aot.op_library.status().reason}")
