@@ -28,6 +28,11 @@ logsumexp +inf.
 
 MQA/GQA: k/v may have fewer heads than q (nheads % nheads_k == 0); query head ``h`` uses
 key/value head ``h // (nheads // nheads_k)``.
+
+Upstream's low-level API is importable from here too, for code that combines attention blocks
+itself (context parallelism): ``_flash_attn_forward``, ``_flash_attn_varlen_forward``,
+``_flash_attn_backward``, ``_flash_attn_varlen_backward`` (:mod:`flash_attn.lowlevel`) and the
+``flash_attn_gpu`` entry points (:mod:`flash_attn.entry_points`).
 """
 
 from __future__ import annotations
@@ -36,7 +41,14 @@ from typing import Optional, Union
 
 import torch
 
+from flash_attn import entry_points as flash_attn_gpu  # noqa: F401  (upstream's handle, see below)
 from flash_attn import validation
+from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
+    _flash_attn_backward,
+    _flash_attn_forward,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
+)
 from flash_attn.ops import attention_forward, attention_forward_kvcache
 
 __all__ = [
