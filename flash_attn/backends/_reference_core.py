@@ -272,9 +272,10 @@ def _ungroup_rows(x: Tensor) -> Tensor:
 
 
 def _load_columns(problem: Problem, c0: int, c1: int) -> tuple[Tensor, Tensor]:
-    """K and V columns ``c0:c1`` as fp32 ``(B, hk, cols, d)``."""
+    """K and V columns ``c0:c1`` as contiguous fp32 ``(B, hk, cols, d)`` (a strided operand
+    makes the tile's matmuls about twice as slow; the copy is one small pass)."""
     k, v = problem.load_kv(c0, c1)
-    return k.to(torch.float32).transpose(1, 2), v.to(torch.float32).transpose(1, 2)
+    return (k.to(torch.float32).transpose(1, 2).contiguous(), v.to(torch.float32).transpose(1, 2).contiguous())
 
 
 def _key_chunks(problem: Problem, params: AttentionParams, i0: int, i1: int, chunk_k: int):
