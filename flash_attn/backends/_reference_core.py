@@ -36,10 +36,12 @@ from torch import Tensor
 from flash_attn.dropout import keep_mask
 from flash_attn.params import AttentionParams
 
-# Bytes of one fp32 score tile (B x h x chunk_q x chunk_k): small enough that the tile's few
-# elementwise passes run in the CPU's caches, large enough that per-tile Python overhead is small.
-# A handful of tile-sized temporaries are alive at once.
+# Bytes of one fp32 score tile (B x h x chunk_q x chunk_k) on the CPU: small enough that the
+# tile's few elementwise passes run in the caches, large enough that per-tile Python overhead is
+# small. A handful of tile-sized temporaries are alive at once.
 TILE_BUDGET_BYTES = 2 << 20
+# On GPUs (MPS, ROCm, old CUDA) every op is a kernel launch: fewer, larger tiles.
+ACCELERATOR_TILE_BUDGET_BYTES = 64 << 20
 # Dropout regenerates its mask with int64 arithmetic (several tile-sized int64 temporaries),
 # so dropout tiles are made this many times smaller.
 DROPOUT_TILE_SHRINK = 2
@@ -99,7 +101,8 @@ def chunk_sizes(problem: Problem, params: AttentionParams) -> tuple[int, int]:
     """``(chunk_q, chunk_k)`` so that one fp32 ``(B, h, chunk_q, chunk_k)`` tile fits the budget."""
     if FORCED_CHUNKS is not None:
         return FORCED_CHUNKS
-    budget = TILE_BUDGET_BYTES // (DROPOUT_TILE_SHRINK if params.dropout_p > 0 else 1)
+    budget = TILE_BUDGET_BYTES if problem.q.device.type == "cpu" else ACCELERATOR_TILE_BUDGET_BYTES
+    budget //= DROPOUT_TILE_SHRINK if params.dropout_p > 0 else 1
     area = max(1, budget // (4 * problem.batch * problem.nheads))
     # Tiles twice as wide as tall by default (row statistics and the output accumulator are
     # updated once per tile); a short side (decoding: sq == 1) lets the other grow.
