@@ -98,22 +98,22 @@ def test_memory_measurement_sees_eager_grow_quadratically():
 @LINUX_PROC
 @pytest.mark.parametrize("engine", ["fused", "tiled"])
 def test_reference_backend_memory_is_bounded(engine):
-    """The same problem through this package stays far below eager's 32 MiB score matrix, on
+    """The same problem through this package stays far below eager's 128 MiB score matrix, on
     PyTorch's fused kernels and on the tiled engine with 1 MiB score tiles (run in a child, so
-    nothing freed earlier hides the peak)."""
+    nothing freed earlier hides the peak; what the allocator keeps varies by a few MiB)."""
     script = textwrap.dedent(f"""
         import json
         from flash_attn.backends import _reference_core, reference
         from flash_attn.benchmarks import cpu
         _reference_core.TILE_BUDGET_BYTES = 1 << 20
         reference.USE_FUSED_CPU_KERNELS = {engine == "fused"}
-        spec = dict(impls=["flash_attn"], seqlen=2048, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1, warmup=1)
+        spec = dict(impls=["flash_attn"], seqlen=4096, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1, warmup=1)
         print(json.dumps(cpu.measure(spec)))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])["flash_attn"]
-    assert result["peak_mib"] < 12, result
+    assert result["peak_mib"] < 32, result
 
 
 def test_eager_is_skipped_when_it_cannot_fit(monkeypatch):
