@@ -14,7 +14,7 @@ from typing import Optional, Tuple  # noqa: F401  (evaluated in upstream's annot
 import pytest
 import torch
 
-from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn import flash_attn_func, flash_attn_varlen_func
 from flash_attn.flash_attn_interface import (
     _flash_attn_backward,
     _flash_attn_forward,

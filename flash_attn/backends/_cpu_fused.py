@@ -9,9 +9,15 @@ share with flash-attn is spelled out here and worked around exactly:
 * its ``is_causal`` mask is aligned top-left; ours bottom-right. With ``sq > sk`` the first
   ``sq - sk`` rows see nothing and the rest is a square; with ``sq < sk`` the first ``sk - sq``
   keys are seen by every row and the rest is a square: two calls merged by log-sum-exp;
-* sliding windows, ALiBi and per-sequence key ranges (the KV cache) become an explicit additive
-  fp32 mask, built per block of query rows over only the key columns that block can see, so
-  memory stays O(n) (``MASK_BUDGET_BYTES``) and invisible columns cost nothing;
+* a sliding window is cut in blocks of query rows: the columns every row of a block sees run
+  without a mask, the band's right edge on the kernel's causal mask and its left edge with a
+  small explicit mask; invisible columns cost nothing;
+* causal ALiBi needs no mask block: for keys left of the diagonal its bias
+  ``-slope * (i + sk - sq - j)`` is a per-key term (a broadcast ``(h, 1, cols)`` mask) plus a
+  per-row term (taken out of the log-sum-exp), both kept small near the diagonal;
+* other ALiBi and per-sequence key ranges (the KV cache) become an explicit additive fp32 mask,
+  built per block of query rows over only the key columns that block can see, so memory stays
+  O(n) (``MASK_BUDGET_BYTES``);
 * a row that sees no key must give out 0 and lse +inf (the kernel gives lse 0): fixed up;
 * softcap and dropout (our Philox mask) have no counterpart: :func:`supports` says no and the
   tiled engine of :mod:`._reference_core` runs them.
@@ -22,8 +28,6 @@ serves dense tensors, one varlen sequence and the KV cache.
 
 from __future__ import annotations
 
-import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -32,12 +36,12 @@ from flash_attn.backends import _reference_core as core
 from flash_attn.params import AttentionParams
 
 # Bytes of one explicit mask block (rows x visible columns x ALiBi heads x batch, fp32).
-MASK_BUDGET_BYTES = 16 << 20
-# Fewer query rows per masked call than this make the kernel's own blocking inefficient.
-MIN_MASK_ROWS = 64
+MASK_BUDGET_BYTES = 64 << 20
+# Fewer query rows per call than this make the kernels (the backward most) inefficient.
+MIN_MASK_ROWS = 128
 # Query rows per block of a sliding-window plan: an eighth of the window, within these bounds
 # (small blocks waste less work on the band's edges, large ones make fewer calls).
-BAND_MIN_ROWS, BAND_MAX_ROWS = 128, 1024
+BAND_MIN_ROWS, BAND_MAX_ROWS = 256, 1024
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -97,9 +101,9 @@ def plan(problem: core.Problem, params: AttentionParams) -> list[list[_Call]]:
         len(problem.key_start) == 1 and problem.key_start[0] == 0
         and len(problem.key_len) == 1 and problem.key_len[0] == sk
     )
-    if not one_range or problem.alibi_slopes is not None:
-        return _masked_plan(problem, params)
     left, right = params.window_left, params.window_right
+    if not one_range or (problem.alibi_slopes is not None and right != 0):
+        return _masked_plan(problem, params)
     if left < 0 and right < 0:
         return [[_Call(0, sq, 0, sk)]]
     if left < 0 and right == 0:  # bottom-right causal from the kernel's top-left causal
@@ -183,6 +187,23 @@ def _mask(problem: core.Problem, params: AttentionParams, call: _Call) -> tuple[
     return mask, visible.any(-1)
 
 
+def _alibi_columns(problem: core.Problem, call: _Call) -> tuple[Tensor, Tensor]:
+    """Causal ALiBi of an unmasked call (every key at or left of each row's diagonal):
+    ``-slope * (i + sk - sq - j) = slope * (j - j0) - slope * (i + sk - sq - j0)``.
+
+    Returns the per-key term as a broadcast mask ``(1 or B, h, 1, cols)`` and the per-row term
+    ``(1 or B, h, rows)`` to take out of the kernel's log-sum-exp. ``j0``, the diagonal of the
+    call's last row, keeps both small (exact in fp32) where the probabilities are.
+    """
+    j0 = call.i1 - 1 + problem.key_len[0] - problem.seqlen_q
+    slopes = problem.alibi_slopes.to(torch.float32).view(-1, problem.nheads, 1)
+    device = problem.q.device
+    first = call.c0 - problem.key_start[0] - j0
+    columns = torch.arange(first, first + call.c1 - call.c0, device=device, dtype=torch.float32)
+    rows = torch.arange(call.i0 - call.i1 + 1, 1, device=device, dtype=torch.float32)
+    return (slopes * columns).unsqueeze(2), slopes * rows
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward and backward
 # ----------------------------------------------------------------------------------------------
@@ -198,9 +219,15 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
     call's keys gets out 0 and lse -inf (the log of an empty sum, so merging ignores it)."""
     forward, _ = _OPS
     k, v = problem.load_kv(call.c0, call.c1)
-    mask, seen = _mask(problem, params, call) if call.masked else (None, None)
+    mask = seen = row_term = None
+    if call.masked:
+        mask, seen = _mask(problem, params, call)
+    elif problem.alibi_slopes is not None:
+        mask, row_term = _alibi_columns(problem, call)
     out, lse = forward(_heads_first(problem.q[:, call.i0:call.i1]), _heads_first(k), _heads_first(v), 0.0,
                        call.causal, attn_mask=mask, scale=params.softmax_scale)
+    if row_term is not None:
+        lse = lse - row_term
     if seen is not None and not bool(seen.all()):
         seen = seen.expand(lse.shape)
         out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
@@ -276,6 +303,9 @@ def _run_backward(problem, params, call, dout, out, lse):
         mask = _mask(problem, params, call)[0]
         # rows that see no key (lse +inf) are all -inf in the mask: any finite lse gives P = 0
         lse_c = torch.where(torch.isinf(lse_c), 0.0, lse_c)
+    elif problem.alibi_slopes is not None:
+        mask, row_term = _alibi_columns(problem, call)
+        lse_c = lse_c + row_term  # the kernel's scores carry only the per-key term
     grads = backward(
         _heads_first(dout[:, rows]), _heads_first(problem.q[:, rows]), _heads_first(k), _heads_first(v),
         _heads_first(out[:, rows]), lse_c.contiguous(), 0.0, call.causal, attn_mask=mask,
