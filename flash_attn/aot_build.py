@@ -1,10 +1,12 @@
 """``python -m flash_attn build-kernels``: compile the ahead-of-time kernels (no GPU needed).
 
 Compiles every specialisation of :mod:`flash_attn.kernels.specializations` for each architecture
-of ``--archs`` / ``FLASH_ATTN_CUDA_ARCHS`` (default ``80;90;100;120``; ``native``: the local GPU)
-with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))``, in ``--jobs``
-worker processes (``MAX_JOBS``, default: the CPU count), and writes into the output folder
-(default ``flash_attn/_aot/`` of the package):
+of ``--archs`` / ``FLASH_ATTN_CUDA_ARCHS`` (default
+:data:`~flash_attn.aot_images.DEFAULT_CUDA_ARCHS`; ``native``: the local GPU) with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))``, in ``--jobs`` worker
+processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, ``sm_110f``,
+``sm_120f``) costs no compile of its own: ptxas assembles the PTX of the family's compile for it
+(:func:`assemble`). Writes into the output folder (default ``flash_attn/_aot/`` of the package):
 
 * ``images/<arch>/<spec>.cubin.zlib`` per architecture, plus ``images/compute_80/<spec>.ptx.zlib``:
   the sm_80 PTX of every kernel, which the driver compiles for GPUs newer than every cubin (all
@@ -35,8 +37,9 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Optional
 
+from flash_attn.aot_images import DEFAULT_CUDA_ARCHS
+
 ARCHS_ENV = "FLASH_ATTN_CUDA_ARCHS"
-DEFAULT_ARCHS = "80;90;100;120"
 MANIFEST = "manifest.json"
 REPORT = "build-report.json"
 FORMAT = 1
@@ -49,14 +52,18 @@ def default_output_dir() -> Path:
 # --- architectures --------------------------------------------------------------------------------
 
 
-def resolve_archs(text: Optional[str]) -> tuple[list[int], list[int]]:
-    """``(cubin capabilities, ptx capabilities)`` as Triton targets (``80``, ``90``...).
+def resolve_archs(text: Optional[str]) -> tuple[list, list]:
+    """``(cubin archs, ptx archs)`` (:class:`~flash_attn.aot_images.Arch`) of ``FLASH_ATTN_CUDA_ARCHS``.
 
-    ``native`` is the local GPU. The lowest portable cubin architecture also gets PTX (driver JIT
-    on future GPUs) unless PTX was asked for explicitly (``80+PTX``, ``compute_80``)."""
+    Empty: :data:`~flash_attn.aot_images.DEFAULT_CUDA_ARCHS`, less the family targets this
+    ptxas cannot assemble (an older toolkit). ``native`` is the local GPU. A bare number from
+    sm_90 on means Triton's arch-specific target (``90`` -> ``sm_90a``). The lowest cubin
+    architecture also gets PTX (driver JIT on future GPUs) unless PTX was asked for explicitly,
+    when it is portable (below sm_90)."""
     from flash_attn import aot_images  # noqa: PLC0415
 
-    text = (text or "").strip() or DEFAULT_ARCHS
+    text = (text or "").strip()
+    default = not text
     if text.lower() == "native":
         import torch  # noqa: PLC0415
 
@@ -64,15 +71,55 @@ def resolve_archs(text: Optional[str]) -> tuple[list[int], list[int]]:
             raise SystemExit(f"{ARCHS_ENV}=native needs a visible CUDA GPU (none here); name architectures, e.g. 80;90")
         major, minor = torch.cuda.get_device_capability()
         text = f"{major}{minor}"
-    archs = aot_images.parse_arch_list(text)
-    cubins = sorted({a.major * 10 + a.minor for a in archs if not a.ptx})
-    ptxs = sorted({a.major * 10 + a.minor for a in archs if a.ptx})
-    if not ptxs and cubins:
-        ptxs = [min(cubins)]
-    for cap in cubins + ptxs:
-        if cap < 80:
-            raise SystemExit(f"architecture sm_{cap} is below the kernels' minimum sm_80")
+    archs = aot_images.parse_arch_list(text or aot_images.DEFAULT_CUDA_ARCHS)
+    archs = [a if a.suffix or a.ptx or a.major < 9 else aot_images.Arch(a.major, a.minor, "a") for a in archs]
+    for arch in archs:
+        if arch.capability < (8, 0):
+            raise SystemExit(f"architecture sm_{arch.major}{arch.minor} is below the kernels' minimum sm_80")
+    families = [a for a in archs if a.suffix == "f" and not a.ptx]
+    if families:
+        missing = [a for a in families if a.name not in ptxas_targets(triton_capability(a))]
+        if missing and not default:
+            raise SystemExit(f"the ptxas this build uses cannot assemble {', '.join(a.name for a in missing)} "
+                             f"(a newer CUDA toolkit can; or leave them out of {ARCHS_ENV})")
+        archs = [a for a in archs if a not in missing]
+    cubins = sorted({a for a in archs if not a.ptx})
+    ptxs = sorted({a for a in archs if a.ptx})
+    for arch in ptxs:
+        if arch.major >= 9:
+            # Triton's PTX from sm_90 on targets that exact GPU (wgmma, tcgen05): it is no portable PTX
+            raise SystemExit(f"{arch.name}: only PTX of a portable target (below sm_90, e.g. compute_80) runs on later GPUs")
+    if not ptxs and cubins and min(cubins).major < 9:
+        low = min(cubins)
+        ptxs = [aot_images.Arch(low.major, low.minor, ptx=True)]
     return cubins, ptxs
+
+
+def triton_capability(arch) -> int:
+    """The target Triton compiles an image of ``arch`` from (``GPUTarget("cuda", cap)``): the arch
+    itself, and for a family target (``sm_110f``) the capability whose launch configs the family's
+    GPUs use (configs.arch_family), so that one PTX feeds every image of the family group."""
+    from flash_attn.kernels import configs, specializations  # noqa: PLC0415
+
+    if arch.suffix != "f":
+        return arch.major * 10 + arch.minor
+    major, minor = specializations.family_capability(configs.arch_family(arch.capability))
+    return major * 10 + minor
+
+
+_targets: dict[str, frozenset] = {}
+
+
+def ptxas_targets(cap: int) -> frozenset:
+    """The ``sm_*`` targets the ptxas Triton uses for ``cap`` knows (its ``--help`` lists them)."""
+    path = ptxas_for(cap).get("path")
+    if path not in _targets:
+        try:
+            text = subprocess.run([path, "--help"], capture_output=True, text=True, check=False).stdout
+        except (OSError, TypeError):
+            text = ""
+        _targets[path] = frozenset(re.findall(r"\bsm_\d+[af]?\b", text))
+    return _targets[path]
 
 
 def ptxas_for(cap: int) -> dict:
@@ -141,6 +188,24 @@ def _write_image(path: Path, data: bytes) -> Path:
     return out
 
 
+def assemble(ptx: str, arch: str, cap: int) -> bytes:
+    """``ptx`` (Triton's, for ``sm_<cap>``) assembled as a cubin for ``arch`` by the same ptxas
+    with Triton's options: how one compile serves a whole family (``sm_100f`` runs on 10.0 and
+    10.3, ``sm_120f`` on 12.0 and 12.1). ptxas refuses PTX that uses an instruction the target
+    lacks, so an image that assembles is one the target runs."""
+    tool = ptxas_for(cap)["path"]
+    retargeted = re.sub(r"^\.target\s+\w+", f".target {arch}", ptx, count=1, flags=re.M)
+    line_info = ["-lineinfo", "-suppress-debug-info"] if os.environ.get("TRITON_DISABLE_LINE_INFO") == "1" else ["-lineinfo"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        src.write_text(retargeted)
+        result = subprocess.run([tool, *line_info, "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src), "-o",
+                                 str(out)], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"ptxas could not assemble the sm_{cap} PTX for {arch}: {result.stderr.strip()[:400]}")
+        return out.read_bytes()
+
+
 def compile_job(job: dict) -> dict:
     """Compile one spec for one target; write its images; return manifest and report rows."""
     _pin_ptxas()
@@ -154,7 +219,7 @@ def compile_job(job: dict) -> dict:
     from flash_attn.kernels import specializations as S  # noqa: PLC0415
 
     spec = S.Spec(**{**job["spec"], "flags": tuple(tuple(x) for x in job["spec"]["flags"])})
-    cap, want_cubin, want_ptx = job["cap"], job["cubin"], job["ptx"]
+    cap = job["cap"]
     out_dir = Path(job["out"])
     fn = S.kernel_function(spec.kernel)
     sig, attrs = S.signature(spec)
@@ -169,31 +234,40 @@ def compile_job(job: dict) -> dict:
     entry = _aot_library.manifest_entry(compiled, src)
     ptx = compiled.asm["ptx"]
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
-    arch = target.group(1) if target else f"sm_{cap}"
+    triton_arch = target.group(1) if target else f"sm_{cap}"
     ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
+    isa = re.search(r"^\.version\s+(\d+\.\d+)", ptx, re.M)
     features = bool(dict(spec.flags).get("HAS_SOFTCAP"))  # the score-features variant
     rows = []
+    # what a driver needs to load the images: a cubin the CUDA major release of the ptxas that
+    # built it, PTX its ISA version (flash_attn.backends.aot never picks an image it cannot load)
     base = {"key": spec.key, "kernel": spec.kernel, "spec": job["spec"], "constexprs": spec.constexprs,
-            "num_stages": spec.num_stages, "target": cap, **entry}
-    if want_cubin:
-        cubin = compiled.asm["cubin"]
+            "num_stages": spec.num_stages, "target": cap, "ptxas": ptxas_for(cap).get("version"),
+            "ptx_isa": isa.group(1) if isa else None, **entry}
+    common = {"key": spec.key, "kernel": spec.kernel, "ptx_mma": ptx_mma, "dtype": spec.dtype,
+              "block_d": spec.block_d, "features": features}
+    for arch in job["cubins"]:
+        assembled = 0.0
+        if arch == triton_arch:
+            cubin = compiled.asm["cubin"]
+        else:  # a family target (or another arch of the same code): Triton's PTX, assembled for it
+            begin = time.perf_counter()
+            cubin = assemble(ptx, arch, cap)
+            assembled = time.perf_counter() - begin
         with tempfile.TemporaryDirectory() as tmp:  # cuobjdump reads a file
             raw = Path(tmp) / f"{spec.key}.cubin"
             raw.write_bytes(cubin)
             usage = resource_usage(raw, job.get("cuobjdump"))
         path = _write_image(out_dir / "images" / arch / f"{spec.key}.cubin", cubin)
         rows.append(({**base, "arch": arch, "image": str(path.relative_to(out_dir))},
-                     {"key": spec.key, "kernel": spec.kernel, "arch": arch, "image": "cubin",
-                      "bytes": path.stat().st_size, "raw_bytes": len(cubin), "compile_seconds": round(seconds, 2),
-                      "ptx_mma": ptx_mma, "dtype": spec.dtype, "block_d": spec.block_d, "features": features, **usage}))
-    if want_ptx:
-        ptx_arch = f"compute_{cap}"
-        path = _write_image(out_dir / "images" / ptx_arch / f"{spec.key}.ptx", ptx.encode())
-        rows.append(({**base, "arch": ptx_arch, "image": str(path.relative_to(out_dir))},
-                     {"key": spec.key, "kernel": spec.kernel, "arch": ptx_arch, "image": "ptx",
-                      "bytes": path.stat().st_size, "raw_bytes": len(ptx.encode()),
-                      "compile_seconds": 0.0 if want_cubin else round(seconds, 2),
-                      "ptx_mma": ptx_mma, "dtype": spec.dtype, "block_d": spec.block_d, "features": features}))
+                     {**common, "arch": arch, "image": "cubin", "bytes": path.stat().st_size, "raw_bytes": len(cubin),
+                      "compile_seconds": round(seconds + assembled, 2), **usage}))
+        seconds = 0.0  # the Triton compile is counted once per spec
+    for arch in job["ptx"]:
+        path = _write_image(out_dir / "images" / arch / f"{spec.key}.ptx", ptx.encode())
+        rows.append(({**base, "arch": arch, "image": str(path.relative_to(out_dir))},
+                     {**common, "arch": arch, "image": "ptx", "bytes": path.stat().st_size,
+                      "raw_bytes": len(ptx.encode()), "compile_seconds": round(seconds, 2)}))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return {"rows": rows, "worker_rss_mb": rss}
 
@@ -201,17 +275,24 @@ def compile_job(job: dict) -> dict:
 # --- the build ------------------------------------------------------------------------------------
 
 
-def plan(cubin_caps: list[int], ptx_caps: list[int]) -> list[dict]:
+def plan(cubins: list, ptxs: list) -> list[dict]:
+    """One job per specialisation and Triton target: every image built from that compile (the
+    cubins of the archs it feeds, the PTX)."""
     from dataclasses import asdict  # noqa: PLC0415
 
     from flash_attn.kernels import specializations as S  # noqa: PLC0415
 
+    groups: dict[int, dict] = {}
+    for arch in cubins:
+        groups.setdefault(triton_capability(arch), {"cubins": [], "ptx": []})["cubins"].append(arch.name)
+    for arch in ptxs:
+        groups.setdefault(triton_capability(arch), {"cubins": [], "ptx": []})["ptx"].append(arch.name)
     jobs = []
-    for cap in sorted(set(cubin_caps) | set(ptx_caps)):
+    for cap, images in sorted(groups.items()):
         for spec in S.specs_for_capability((cap // 10, cap % 10)):
             d = asdict(spec)
             d["flags"] = [list(x) for x in spec.flags]
-            jobs.append({"spec": d, "cap": cap, "cubin": cap in cubin_caps, "ptx": cap in ptx_caps})
+            jobs.append({"spec": d, "cap": cap, **images})
     return jobs
 
 
@@ -281,14 +362,14 @@ def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None
     import triton  # noqa: PLC0415
 
     _pin_ptxas()
-    cubin_caps, ptx_caps = resolve_archs(archs if archs is not None else os.environ.get(ARCHS_ENV))
+    cubins, ptxs = resolve_archs(archs if archs is not None else os.environ.get(ARCHS_ENV))
     jobs = int(jobs or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (out_dir / MANIFEST, out_dir / REPORT):
         stale.unlink(missing_ok=True)
     shutil.rmtree(out_dir / "images", ignore_errors=True)
-    work = plan(cubin_caps, ptx_caps)
+    work = plan(cubins, ptxs)
     cuobjdump = cuobjdump_path()
     tmp_cache = None
     if fresh_cache:
@@ -352,8 +433,8 @@ def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None
         "format": FORMAT,
         "triton": triton.__version__,
         "archs": archs_built,
-        "requested": {"cubin": cubin_caps, "ptx": ptx_caps},
-        "ptxas": {f"sm_{cap}": ptxas_for(cap) for cap in sorted(set(cubin_caps) | set(ptx_caps))},
+        "requested": {"cubin": [a.name for a in cubins], "ptx": [a.name for a in ptxs]},
+        "ptxas": {f"sm_{cap}": ptxas_for(cap) for cap in sorted({job["cap"] for job in work})},
         "cuobjdump": cuobjdump,
         "jobs": jobs,
         "totals": {
@@ -378,7 +459,8 @@ def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--archs", default=None,
-                        help=f"GPU architectures, e.g. '80;90' or 'native' (default: ${ARCHS_ENV} or {DEFAULT_ARCHS})")
+                        help=f"GPU architectures, e.g. '80;90' or 'native' (default: ${ARCHS_ENV} or "
+                             f"{DEFAULT_CUDA_ARCHS})")
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile processes (default: $MAX_JOBS or CPUs)")
     parser.add_argument("--output", "-o", default=None, help="output folder (default: the package's flash_attn/_aot/)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")

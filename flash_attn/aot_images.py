@@ -20,9 +20,11 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-# Default for FLASH_ATTN_CUDA_ARCHS: Ampere/Ada cubins, Hopper/Blackwell arch-specific cubins (what
-# Triton generates for 9.0+), and sm_80 PTX for anything newer.
-DEFAULT_CUDA_ARCHS = "80;90a;100a;120a;80+PTX"
+# Default for FLASH_ATTN_CUDA_ARCHS: Ampere/Ada cubins (sm_80 runs on every 8.x), Hopper's
+# arch-specific cubin (wgmma), family cubins for datacenter Blackwell (sm_100f: B200/GB200 10.0 and
+# B300/GB300 10.3), Thor (sm_110f) and consumer Blackwell (sm_120f: RTX 50xx 12.0, DGX Spark 12.1),
+# and sm_80 PTX for anything newer.
+DEFAULT_CUDA_ARCHS = "80;90a;100f;110f;120f;80+PTX"
 
 
 @dataclass(frozen=True, order=True)

@@ -1,11 +1,16 @@
-"""Which backend runs a call: ``FLASH_ATTN_BACKEND`` and the device decide.
+"""Which backend runs a call: ``FLASH_ATTN_BACKEND``, the device and the call decide.
 
 ``FLASH_ATTN_BACKEND`` is read on every call (so tests and users can switch it at run time):
 
-* ``auto`` (default): CUDA tensors try ``aot``, then ``triton``, then fall back to
-  ``reference`` with a one-time warning naming the reason; every other device uses ``reference``.
-* ``aot`` | ``triton`` | ``interpret`` | ``reference``: exactly that backend, or a clear error
-  naming what is missing.
+* ``auto`` (default): CUDA tensors go to ``aot``, else ``triton`` (whichever can run on the
+  device; with neither, a one-time warning names why), every other device to ``reference``;
+* ``aot`` | ``triton`` | ``interpret`` | ``reference``: that backend, or a clear error naming
+  what is missing when it cannot run on the device at all.
+
+A backend may still refuse one call (a head dim it was not built for, fp32 inputs, ...): it
+answers why, and the call runs on the next backend of the chain (``aot`` -> ``triton`` ->
+``reference``; the exact PyTorch reference runs everything), with a one-time warning naming the
+reason. This module is the only place that decides and warns.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import importlib
 import os
 import warnings
 from types import ModuleType
+from typing import Callable
 
 import torch
 
@@ -21,6 +27,8 @@ BACKEND_ENV = "FLASH_ATTN_BACKEND"
 BACKEND_NAMES = ("auto", "aot", "triton", "interpret", "reference")
 # Preference order of ``auto`` on a CUDA device.
 _CUDA_PREFERENCE = ("aot", "triton")
+# Where a refused call goes next.
+_NEXT = {"aot": ("triton", "reference"), "triton": ("reference",), "interpret": ("reference",), "reference": ()}
 
 _MODULES = {
     "aot": "flash_attn.backends.aot",
@@ -29,6 +37,7 @@ _MODULES = {
     "reference": "flash_attn.backends.reference",
 }
 _warned: set[str] = set()
+_chains: dict[tuple, tuple] = {}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -44,12 +53,20 @@ def requested_backend() -> str:
     return name
 
 
+_loaded: dict[str, tuple] = {}
+
+
 def _load(name: str) -> tuple[ModuleType | None, str | None]:
     """The backend module, or ``(None, reason)`` when it is not part of this installation."""
-    try:
-        return importlib.import_module(_MODULES[name]), None
-    except ImportError as exc:
-        return None, f"the {name!r} backend is not installed ({exc})"
+    module = _MODULES[name]
+    found = _loaded.get(module)
+    if found is None:
+        try:
+            found = importlib.import_module(module), None
+        except ImportError as exc:
+            found = None, f"the {name!r} backend is not installed ({exc})"
+        _loaded[module] = found
+    return found
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -64,30 +81,7 @@ def warn_once(key: str, message: str) -> None:
     """Emit a ``UserWarning`` the first time ``key`` is seen in this process."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, UserWarning, stacklevel=3)
-
-
-def select_backend(device: torch.device) -> ModuleType:
-    """The backend module that runs tensors on ``device`` under the current setting."""
-    name = requested_backend()
-    if name != "auto":
-        reason = unavailable_reason(name, device)
-        if reason is not None:
-            raise BackendUnavailableError(f"{BACKEND_ENV}={name} cannot run on {device}: {reason}")
-        return _load(name)[0]
-    if device.type == "cuda":
-        reasons = []
-        for candidate in _CUDA_PREFERENCE:
-            reason = unavailable_reason(candidate, device)
-            if reason is None:
-                return _load(candidate)[0]
-            reasons.append(f"{candidate}: {reason}")
-        warn_once(
-            f"fallback:{device}",
-            f"flash_attn: no GPU kernel backend can run on {device} "
-            f"({'; '.join(reasons)}); using the exact but slower PyTorch reference backend.",
-        )
-    return _load("reference")[0]
+        warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def auto_choice(device: torch.device) -> tuple[str, list[str]]:
@@ -101,3 +95,65 @@ def auto_choice(device: torch.device) -> tuple[str, list[str]]:
             return candidate, reasons
         reasons.append(f"{candidate}: {reason}")
     return "reference", reasons
+
+
+def _make_chain(name: str, device: torch.device) -> tuple[str, ...]:
+    if name == "auto":
+        first, reasons = auto_choice(device)
+        if first == "reference" and device.type == "cuda":
+            warn_once(f"fallback:{device}",
+                      f"flash_attn: no GPU kernel backend can run on {device} ({'; '.join(reasons)}); "
+                      f"using the exact but slower PyTorch reference backend.")
+    else:
+        reason = unavailable_reason(name, device)
+        if reason is not None:
+            raise BackendUnavailableError(f"{BACKEND_ENV}={name} cannot run on {device}: {reason}")
+        first = name
+    later = tuple(b for b in _NEXT[first] if b == "reference" or unavailable_reason(b, device) is None)
+    return (first, *later)
+
+
+def chain(device: torch.device) -> tuple[str, ...]:
+    """The backends a call on ``device`` may run on, in order (what each can run on the device
+    is worked out once per process)."""
+    key = (requested_backend(), device)
+    found = _chains.get(key)
+    if found is None:
+        found = _chains[key] = _make_chain(*key)
+    return found
+
+
+def reset() -> None:
+    """Forget the chains and warnings worked out so far (tests that change what is installed)."""
+    _chains.clear()
+    _warned.clear()
+
+
+def select_backend(device: torch.device) -> ModuleType:
+    """The first backend module of the chain for ``device`` (what the doctor reports)."""
+    return _load(chain(torch.device(device))[0])[0]
+
+
+def _runner(module: ModuleType, op: str, args, kwargs) -> Callable | str:
+    prepare = getattr(module, "prepare_" + op, None)
+    if prepare is None:  # a backend that runs every call (the reference)
+        return lambda: getattr(module, op)(*args, **kwargs)
+    return prepare(*args, **kwargs)
+
+
+def run(op: str, device: torch.device, *args, **kwargs):
+    """Run ``op`` (``"forward"``, ``"backward"`` or ``"forward_kvcache"`` of the backend contract,
+    :mod:`flash_attn.backends`) on the first backend of the chain that serves the call."""
+    names = chain(device)
+    refused = None
+    for name in names:
+        runner = _runner(_load(name)[0], op, args, kwargs)
+        if isinstance(runner, str):
+            refused = refused or (name, runner)
+            continue
+        if refused is not None:
+            first, why = refused
+            warn_once(f"{first}:{op}:{why}",
+                      f"flash_attn: the {first} backend cannot run this {op} ({why}); running it on the {name} backend.")
+        return runner()
+    raise RuntimeError(f"no backend ran the {op}: {refused}")  # the reference runs every call

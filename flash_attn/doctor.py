@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from flash_attn import limits
+
 # Oldest Linux driver of each CUDA major version (NVIDIA's CUDA compatibility tables).
 MIN_DRIVER_FOR_CUDA_MAJOR = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 # Where the kernel build puts the manifest of shipped images, relative to a folder of the package.
@@ -60,7 +62,7 @@ MANIFEST_LOCATIONS = ("_aot/manifest.json", "_C/manifest.json", "aot/manifest.js
 # Compiled extensions of upstream flash-attn that, when left behind, break in telling ways.
 FOREIGN_EXTENSIONS = ("flash_attn_2_cuda",)
 # The oldest GPU the Triton kernels support.
-TRITON_MIN_CAPABILITY = (8, 0)
+TRITON_MIN_CAPABILITY = limits.MIN_CAPABILITY
 
 SEVERITIES = ("error", "warning", "info")
 

@@ -71,16 +71,22 @@ def philox4x32(
     c1: torch.Tensor,
     c2: torch.Tensor,
     c3: torch.Tensor,
-    seed: int,
+    seed: IntOrTensor,
     rounds: int = PHILOX_ROUNDS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Philox4x32-``rounds`` of the counter ``(c0, c1, c2, c3)`` under the 64-bit key ``seed``.
 
     Counters are int64 tensors holding values in ``[0, 2**32)`` (they broadcast); returns the
     four output words the same way. Matches ``triton.language.philox(seed, c0, c1, c2, c3)``.
+    ``seed`` is an int or a one-element int64 tensor (the forward's ``rng_state``, read where it
+    lives: on a GPU the key stays on the device, nothing waits for it).
     """
-    seed &= _MASK64
-    k0, k1 = seed & _MASK32, seed >> 32
+    if isinstance(seed, torch.Tensor):
+        seed = seed.reshape(()).to(device=c0.device, dtype=torch.int64)
+        k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32  # the two words of the int64 as uint64
+    else:
+        seed &= _MASK64
+        k0, k1 = seed & _MASK32, seed >> 32
     for _ in range(rounds):
         hi_b, lo_b = _mul_hi_lo(c2, _PHILOX_ROUND_B)
         hi_a, lo_a = _mul_hi_lo(c0, _PHILOX_ROUND_A)
@@ -117,7 +123,7 @@ def _counter_device(*values: IntOrTensor) -> torch.device:
 
 
 def dropout_uniform(
-    seed: int, batch: IntOrTensor, head: IntOrTensor, rows: IntOrTensor, cols: IntOrTensor
+    seed: IntOrTensor, batch: IntOrTensor, head: IntOrTensor, rows: IntOrTensor, cols: IntOrTensor
 ) -> torch.Tensor:
     """fp32 uniforms in ``[0, 1)`` for the broadcast of ``batch, head, rows, cols``.
 
@@ -131,7 +137,7 @@ def dropout_uniform(
 
 
 def keep_mask(
-    seed: int,
+    seed: IntOrTensor,
     batch: IntOrTensor,
     head: IntOrTensor,
     rows: IntOrTensor,

@@ -2,8 +2,8 @@
 
 Each function checks its arguments (:mod:`flash_attn.validation`), normalises them (default
 softmax scale, ``causal`` as a window bound) and calls one ``flash_attn::*`` custom operator
-(:mod:`flash_attn.ops`), which runs the backend chosen by ``FLASH_ATTN_BACKEND``
-(:mod:`flash_attn.dispatch`): the ahead-of-time GPU kernels on CUDA tensors when installed,
+(:mod:`flash_attn.ops`; in plain eager calls its body directly), which runs the backend chosen
+by ``FLASH_ATTN_BACKEND`` (:mod:`flash_attn.dispatch`): the ahead-of-time GPU kernels on CUDA tensors when installed,
 the exact PyTorch reference backend on every other device.
 
 Masking (every function): with ``causal=True`` the mask is aligned to the **bottom-right**
@@ -42,14 +42,13 @@ from typing import Optional, Union
 import torch
 
 from flash_attn import entry_points as flash_attn_gpu  # noqa: F401  (upstream's handle, see below)
-from flash_attn import validation
+from flash_attn import ops, validation
 from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
     _flash_attn_backward,
     _flash_attn_forward,
     _flash_attn_varlen_backward,
     _flash_attn_varlen_forward,
 )
-from flash_attn.ops import attention_forward, attention_forward_kvcache
 
 __all__ = [
     "flash_attn_func",
@@ -81,7 +80,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         dropout_p, softcap, window_size, alibi_slopes, batch, q.shape[-2], q.device
     )
     left, right = _window(causal, window_size)
-    out, lse, s_dmask, _ = attention_forward(
+    out, lse, s_dmask, _ = ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         max_seqlen_q, max_seqlen_k, _scale(softmax_scale, q.shape[-1]), left, right,
         float(softcap), float(dropout_p), bool(return_attn_probs), bool(deterministic),
@@ -324,7 +323,7 @@ def flash_attn_with_kvcache(
     _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits)
     window_size = validation.check_options(0.0, softcap, window_size, alibi_slopes, batch, nheads, q.device)
     left, right = _kvcache_window(causal, window_size, _cache_capacity(k_cache, block_table))
-    out, lse = attention_forward_kvcache(
+    out, lse = ops.forward_kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, rotary_cos, rotary_sin, alibi_slopes, _scale(softmax_scale, headdim), left,
         right, float(softcap), bool(rotary_interleaved), int(num_splits),

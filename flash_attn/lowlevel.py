@@ -9,14 +9,17 @@ log-sum-exp to combine partial results, and a backward that normalises with the 
 Names, parameter names, order, defaults and return values are upstream's (2.8.3), and so is the
 ``torch.library.custom_op`` registration (the decorated objects are ``CustomOpDef``s, so
 ``._init_fn`` introspection works; fake implementations serve ``torch.compile``). Unlike
-upstream they run on every device and backend: each op checks its arguments and calls the
-package's own ``flash_attn::forward`` / ``flash_attn::backward`` ops (:mod:`flash_attn.ops`),
-which hand the work to the backend contract (:mod:`flash_attn.backends`).
+upstream they run on every device and backend: each op checks its arguments and runs the body
+of the package's own ``flash_attn::forward`` / ``flash_attn::backward`` op (:mod:`flash_attn.ops`),
+which hands the work to the backend contract (:mod:`flash_attn.backends`).
 
 Where this package's outputs differ from upstream's (the same as for ``flash_attn_func``):
 ``S_dmask`` is fp32 ``(batch, nheads, seqlen_q, seqlen_k)`` and returned whenever asked for;
-``rng_state`` is an int64 ``(1,)`` CPU tensor holding the dropout seed (pass it back to the
-backward unchanged). ``zero_tensors`` changes nothing (every output element is written).
+``rng_state`` is an int64 ``(1,)`` tensor on q's device holding the dropout seed, drawn there
+(pass it back to the backward unchanged). ``zero_tensors`` changes nothing (every output
+element is written). Like the public functions, nothing here reads a CUDA tensor's values on
+the host (no device synchronisation; value checks on ``leftpad_k``/``seqused_k`` run on the
+device through ``torch._assert_async``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Optional
 import torch
 
 from flash_attn import validation
-from flash_attn.ops import _varlen_layout, attention_backward, attention_forward
+from flash_attn.ops import _backward_body, _forward_body, _varlen_layout
 
 __all__ = [
     "_flash_attn_forward",
@@ -68,15 +71,26 @@ def _check_like(t, name: str, shape, dtype, device) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
 
 
-def _rng_state(rng_state: Optional[torch.Tensor], dropout_p: float) -> torch.Tensor:
-    """The forward's dropout seed; without one a dropout backward would use another mask."""
+def _rng_state(rng_state: Optional[torch.Tensor], dropout_p: float, device: torch.device) -> torch.Tensor:
+    """The forward's dropout seed, on q's device; without one a dropout backward would use
+    another mask. Without dropout nothing reads it."""
     if rng_state is None:
         if dropout_p > 0:
             raise ValueError("dropout_p > 0 needs the rng_state returned by the forward, got None")
-        return torch.zeros(1, dtype=torch.int64)
+        return torch.zeros(1, dtype=torch.int64, device=device)
     if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or rng_state.numel() < 1:
         raise TypeError(f"rng_state must be the int64 tensor returned by the forward, got {validation._describe(rng_state)}")
+    if rng_state.device != device:
+        raise ValueError(f"rng_state is on {rng_state.device} but q is on {device} (pass the forward's rng_state unchanged)")
     return rng_state
+
+
+def _defined_seed(result, dropout_p: float):
+    """Without dropout the body leaves ``rng_state`` uninitialised (nothing reads it); an op's
+    output should not depend on stale memory, so it is zero then (a device fill, no sync)."""
+    if dropout_p == 0:
+        result[3].zero_()
+    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,10 +118,10 @@ def _flash_attn_forward(
     validation.check_dense_qkv(q, k, v)
     _options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
     left, right = _window(causal, window_size_left, window_size_right, k.shape[1])
-    return attention_forward(
+    return _defined_seed(_forward_body(
         q, k, v, None, None, None, alibi_slopes, q.shape[1], k.shape[1], float(softmax_scale), left, right,
         float(softcap), float(dropout_p), bool(return_softmax), False,
-    )
+    ), dropout_p)
 
 
 @_flash_attn_forward.register_fake
@@ -115,7 +129,7 @@ def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_r
       return_softmax):
     batch, seqlen_q, nheads, _ = q.shape
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return q.new_empty(q.shape), lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng()
+    return q.new_empty(q.shape), lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng(q)
 
 
 def _fake_s_dmask(q, return_softmax, batch, seqlen_q, seqlen_k):
@@ -123,8 +137,8 @@ def _fake_s_dmask(q, return_softmax, batch, seqlen_q, seqlen_k):
     return q.new_empty(shape, dtype=torch.float32)
 
 
-def _fake_rng():
-    return torch.empty((1,), dtype=torch.int64, device="cpu")
+def _fake_rng(q):
+    return q.new_empty((1,), dtype=torch.int64)
 
 
 def _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k):
@@ -197,10 +211,10 @@ def _flash_attn_varlen_forward(
     _options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q.device)
     left, right = _window(causal, window_size_left, window_size_right, max_seqlen_k)
     k, v, cu_seqlens_k, block_table = _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k)
-    return attention_forward(
+    return _defined_seed(_forward_body(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
         float(softmax_scale), left, right, float(softcap), float(dropout_p), bool(return_softmax), False,
-    )
+    ), dropout_p)
 
 
 @_flash_attn_varlen_forward.register_fake
@@ -210,7 +224,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
     batch = cu_seqlens_q.shape[0] - 1
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     s_dmask = _fake_s_dmask(q, return_softmax, batch, max_seqlen_q, max_seqlen_k)
-    return q.new_empty(q.shape), lse, s_dmask, _fake_rng()
+    return q.new_empty(q.shape), lse, s_dmask, _fake_rng(q)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,10 +288,10 @@ def _flash_attn_backward(
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (batch, nheads, seqlen_q))
     _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
     left, right = _window(causal, window_size_left, window_size_right, k.shape[1])
-    grads = attention_backward(
+    grads = _backward_body(
         dout, q, k, v, out, softmax_lse, None, None, None, alibi_slopes, seqlen_q, k.shape[1],
-        float(softmax_scale), left, right, float(softcap), float(dropout_p), _rng_state(rng_state, dropout_p),
-        bool(deterministic),
+        float(softmax_scale), left, right, float(softcap), float(dropout_p),
+        _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
     )
     _write_grads(grads, dq, dk, dv)
     softmax_d = q.new_zeros((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
@@ -333,10 +347,10 @@ def _flash_attn_varlen_backward(
     _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
     _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)  # value checks
     left, right = _window(causal, window_size_left, window_size_right, max_seqlen_k)
-    grads = attention_backward(
+    grads = _backward_body(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, None, alibi_slopes, max_seqlen_q,
         max_seqlen_k, float(softmax_scale), left, right, float(softcap), float(dropout_p),
-        _rng_state(rng_state, dropout_p), bool(deterministic),
+        _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
     )
     _write_grads(grads, dq, dk, dv)
     softmax_d = q.new_zeros((nheads, total_q + 128 * batch), dtype=torch.float32)

@@ -3,35 +3,67 @@
 Registering through ``torch.library`` gives each operation a fake (meta) implementation for
 shape inference and an autograd formula, so ``torch.compile(fullgraph=True)`` traces calls to
 ``flash_attn_func``/``flash_attn_varlen_func`` as single opaque nodes without graph breaks.
-The real implementations check argument *values*, pick a backend (:mod:`flash_attn.dispatch`)
-and call it.
+The real implementations pick a backend (:mod:`flash_attn.dispatch`) and call it. They read no
+tensor value on the host for CUDA tensors (no device synchronisation, so they run inside CUDA
+graph capture): the value checks (cu_seqlens, cache lengths, block tables) run for CPU tensors,
+and for CUDA tensors only with ``FLASH_ATTN_DEBUG=1``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from flash_attn import validation
-from flash_attn.dispatch import select_backend
+from flash_attn import dispatch, validation
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
 
-def _draw_dropout_seed(dropout_p: float) -> int:
-    """A fresh 62-bit seed from PyTorch's CPU generator, so ``torch.manual_seed`` reproduces it.
+DEBUG_ENV = "FLASH_ATTN_DEBUG"
 
-    The CPU generator is used for every device: reading it needs no device synchronisation.
-    """
+
+def _checks_values(t: Tensor) -> bool:
+    """Whether to check argument values on the host: always for CPU tensors; for others (reading
+    them waits for the device and breaks CUDA-graph capture) only with ``FLASH_ATTN_DEBUG=1``."""
+    return t.device.type == "cpu" or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _draw_dropout_seed(dropout_p: float, device, fresh: bool = True) -> Tensor:
+    """The forward's ``rng_state``: an int64 seed drawn by ``device``'s generator on the device,
+    which ``torch.manual_seed`` reproduces and a CUDA graph replay draws anew (PyTorch advances
+    the generator's offset per replay). Without dropout nothing reads it: left uninitialised, and
+    unless ``fresh`` (an op's output must be) one shared tensor."""
     if dropout_p == 0.0:
-        return 0
-    return int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+        return torch.empty((1,), dtype=torch.int64, device=device) if fresh else _unused(torch.int64, device)
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+_unused_tensors: dict[tuple, Tensor] = {}
+
+
+def _unused(dtype, device) -> Tensor:
+    """A tensor of ``dtype`` nobody reads, shared by the direct calls on ``device``."""
+    key = (dtype, device)
+    found = _unused_tensors.get(key)
+    if found is None:
+        found = torch.empty((0,) if dtype == torch.float32 else (1,), dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _unused_tensors[key] = found
+    return found
 
 
 def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k) -> Optional[VarlenLayout]:
-    """Check cu_seqlens / block_table values and bundle them (``None`` for dense inputs)."""
+    """Bundle the varlen arguments (``None`` for dense inputs), checking their values when
+    :func:`_checks_values`."""
     if cu_seqlens_q is None:
         return None
+    if _checks_values(q):
+        _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
+    return VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+
+
+def _check_varlen_values(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k) -> None:
     validation.check_cu_seqlens_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
     paged = block_table is not None
     seqlens_k = validation.check_cu_seqlens_values(
@@ -40,7 +72,6 @@ def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, 
     if paged:
         lengths = [b - a for a, b in zip(seqlens_k, seqlens_k[1:])]
         validation.check_block_table_values(block_table, k.shape[0], k.shape[1], lengths)
-    return VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
 
 
 def _batch_and_seqlens(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> tuple[int, int, int]:
@@ -53,8 +84,7 @@ def _empty_softmax(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("flash_attn::forward", mutates_args=())
-def attention_forward(
+def _forward_body(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -77,19 +107,30 @@ def attention_forward(
     ``deterministic`` only matters to the backward; it is an input here so that autograd can
     hand it on.
     """
+    return _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, True)
+
+
+def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh):
+    """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
+    else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls)."""
     varlen = _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
-    seed = _draw_dropout_seed(dropout_p)
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, seed)
-    backend = select_backend(q.device)
-    out, lse, s_dmask = backend.forward(
-        q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
+    rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    out, lse, s_dmask = dispatch.run(
+        "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
     )
     if s_dmask is None:
-        s_dmask = _empty_softmax(q)
-    rng_state = torch.tensor([seed], dtype=torch.int64)
-    return out.contiguous(), lse.contiguous(), s_dmask.contiguous(), rng_state
+        s_dmask = _empty_softmax(q) if fresh else _unused(torch.float32, q.device)
+    else:
+        s_dmask = s_dmask.contiguous()
+    return out.contiguous(), lse.contiguous(), s_dmask, rng_state
+
+
+attention_forward = torch.library.custom_op("flash_attn::forward", mutates_args=())(_forward_body)
 
 
 def _nothing_to_attend(q: Tensor, k: Tensor, varlen: Optional[VarlenLayout]) -> bool:
@@ -119,12 +160,11 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes
         s_dmask = q.new_empty((batch, nheads, sq, sk), dtype=torch.float32)
     else:
         s_dmask = _empty_softmax(q)
-    rng_state = torch.empty((1,), dtype=torch.int64, device="cpu")
+    rng_state = q.new_empty((1,), dtype=torch.int64)
     return q.new_empty(q.shape), lse, s_dmask, rng_state
 
 
-@torch.library.custom_op("flash_attn::backward", mutates_args=())
-def attention_backward(
+def _backward_body(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -150,12 +190,15 @@ def attention_backward(
         varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     if q.numel() == 0 or k.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, int(rng_state[0]))
-    backend = select_backend(q.device)
-    dq, dk, dv = backend.backward(
-        dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes, deterministic=deterministic
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    dq, dk, dv = dispatch.run(
+        "backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
     )
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+attention_backward = torch.library.custom_op("flash_attn::backward", mutates_args=())(_backward_body)
 
 
 @attention_backward.register_fake
@@ -188,7 +231,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, *unused_grads):
     q, k, v, out, lse, cu_q, cu_k, block_table, alibi, rng_state = ctx.saved_tensors
     max_sq, max_sk, scale, left, right, softcap, dropout_p = ctx.scalars
-    dq, dk, dv = attention_backward(
+    op = _backward_body if direct_call_ok((dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi)) \
+        else attention_backward
+    dq, dk, dv = op(
         dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left,
         right, softcap, dropout_p, rng_state, ctx.deterministic,
     )
@@ -198,8 +243,7 @@ def _backward(ctx, dout, *unused_grads):
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("flash_attn::forward_kvcache", mutates_args=("k_cache", "v_cache"))
-def attention_forward_kvcache(
+def _kvcache_body(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -219,7 +263,8 @@ def attention_forward_kvcache(
     rotary_interleaved: bool,
     num_splits: int,
 ) -> tuple[Tensor, Tensor]:
-    _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
+    if _checks_values(q):
+        _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
     if q.shape[0] == 0:  # no sequence: nothing to append, nothing to attend
         return _kvcache_fake(q, k_cache, v_cache)
     params = AttentionParams(softmax_scale, window_left, window_right, softcap)
@@ -227,8 +272,12 @@ def attention_forward_kvcache(
         k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits,
     )
-    out, lse = select_backend(q.device).forward_kvcache(q, params, cache, alibi_slopes=alibi_slopes)
+    out, lse = dispatch.run("forward_kvcache", q.device, q, params, cache, alibi_slopes=alibi_slopes)
     return out.contiguous(), lse.contiguous()
+
+
+attention_forward_kvcache = torch.library.custom_op("flash_attn::forward_kvcache",
+                                                    mutates_args=("k_cache", "v_cache"))(_kvcache_body)
 
 
 @attention_forward_kvcache.register_fake
@@ -263,3 +312,74 @@ def _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_l
             raise IndexError(f"cache_batch_idx {rows} refers to rows outside the kv cache's batch of {k_cache.shape[0]}")
     if block_table is not None:
         validation.check_block_table_values(block_table, k_cache.shape[0], k_cache.shape[1], ends)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry points of the public functions: the custom op, or its body directly.
+
+
+def eager_call(tensors) -> Optional[bool]:
+    """How a call may go around PyTorch's dispatcher: ``None`` when it must not (traced by
+    torch.compile, a ``__torch_function__``/``__torch_dispatch__`` mode or functorch transform
+    active, a meta, fake or subclass tensor: the op and its fake implementation serve those);
+    else whether autograd has to record it (grad mode on and an input that requires grad).
+
+    In plain eager calls the result is the same and PyTorch's per-call work is saved: about 10 us
+    for the forward op, and 100 us or more where its generated autograd and mutation bookkeeping
+    walk the ops' 16-19 arguments quadratically.
+    """
+    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
+        return None
+    grad, record = torch.is_grad_enabled(), False
+    for t in tensors:
+        if t is not None:
+            if type(t) is not Tensor or t.is_meta:
+                return None
+            record = record or (grad and t.requires_grad)
+    return record
+
+
+def direct_call_ok(tensors) -> bool:
+    """Whether a call may run an op's body directly (:func:`eager_call`, nothing to record)."""
+    return eager_call(tensors) is False
+
+
+class _Attention(torch.autograd.Function):
+    """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_run(*inputs[:-1], True)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, *unused_grads):
+        return _backward(ctx, dout)
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars):
+    """``flash_attn::forward`` (arguments as the op's): through the op, or in eager calls
+    (:func:`eager_call`) its body directly, with autograd's record where needed."""
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
+    record = eager_call(tensors)
+    if record is None:
+        return attention_forward(*tensors, *scalars)
+    if record:
+        return _Attention.apply(*tensors, *scalars)
+    return _forward_run(*tensors, *scalars[:-1], False)
+
+
+def forward_kvcache(q, k_cache, v_cache, *args):
+    """``flash_attn::forward_kvcache`` (arguments as the op's), directly when :func:`direct_call_ok`;
+    then the caches' version counters are bumped here, as the op's registration does."""
+    tensors = (q, k_cache, v_cache, *args[:9])
+    if not direct_call_ok(tensors):
+        return attention_forward_kvcache(q, k_cache, v_cache, *args)
+    result = _kvcache_body(q, k_cache, v_cache, *args)
+    for cache in (k_cache, v_cache):
+        if not cache.is_inference():
+            torch.autograd.graph.increment_version(cache)
+    return result

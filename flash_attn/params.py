@@ -7,7 +7,7 @@ re-derives defaults (softmax scale, causal-as-window, ...) and all backends agre
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -26,9 +26,10 @@ class AttentionParams:
     window_right: int = -1
     softcap: float = 0.0
     dropout_p: float = 0.0
-    # Key of the counter-based dropout RNG: drawn once per forward from PyTorch's CPU generator
-    # and handed to the backward, which regenerates the very same mask from it.
-    dropout_seed: int = 0
+    # Key of the counter-based dropout RNG: drawn once per forward on the device (the forward's
+    # ``rng_state``, a one-element int64 tensor) and handed to the backward, which regenerates the
+    # very same mask from it. A plain int works too (tests, direct backend calls).
+    dropout_seed: Union[int, torch.Tensor] = 0
 
     @property
     def is_local(self) -> bool:

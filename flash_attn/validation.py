@@ -13,8 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from flash_attn.limits import MAX_HEADDIM
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEADDIM = 256
 
 
 def _fail(exc_type: type[Exception], message: str):
@@ -29,7 +30,7 @@ def check_tensor(t, name: str, ndim: int, layout: str) -> None:
         _fail(ValueError, f"{name} must have shape {layout} ({ndim} dims), got shape {tuple(t.shape)}")
     if t.dtype not in SUPPORTED_DTYPES:
         _fail(TypeError, f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    if t.numel() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+    if t.stride(-1) != 1 and t.shape[-1] > 1 and t.numel() > 0:
         _fail(
             ValueError,
             f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}; "

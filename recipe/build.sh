@@ -16,22 +16,20 @@ if [[ "${cuda_compiler_version:-None}" == "None" ]]; then
     export FLASH_ATTN_ENABLE_CUDA=OFF
 else
     export FLASH_ATTN_ENABLE_CUDA=ON
-    export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${SP_DIR}/torch}"
+    # conda-forge's libtorch (host): headers in $PREFIX/include/torch, libtorch_cpu.so in $PREFIX/lib
+    # (its pytorch ships no site-packages/torch/include).
+    export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${PREFIX}}"
     export CUDA_HOME="${CUDA_HOME:-${BUILD_PREFIX}}"
-    # Every architecture here is supported by both CUDA 12.9 and 13.0 (13.0 dropped only < sm_75).
-    case "${cuda_compiler_version}" in
-        12.*) default_archs="80;90;100;120" ;;
-        13.*) default_archs="80;90;100;120" ;;
-        *) echo "unknown cuda_compiler_version ${cuda_compiler_version}" >&2; exit 1 ;;
-    esac
-    export FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS:-${default_archs}}"
+    # FLASH_ATTN_CUDA_ARCHS unset: the package's default set (flash_attn/aot_images.py), less the
+    # family targets this toolkit's ptxas cannot assemble (Thor's sm_110f needs CUDA 13.0).
     # Triton must use the toolchain's ptxas (pinned by cuda_compiler_version), not the one in its wheel.
     export TRITON_PTXAS_PATH="${TRITON_PTXAS_PATH:-${BUILD_PREFIX}/bin/ptxas}"
     export TRITON_PTXAS_BLACKWELL_PATH="${TRITON_PTXAS_BLACKWELL_PATH:-${TRITON_PTXAS_PATH}}"
     # No source file names (absolute build paths) in the PTX/cubin line tables of a release build.
     export TRITON_DISABLE_LINE_INFO="${TRITON_DISABLE_LINE_INFO:-1}"
-    # The kernel build runs with the build machine's Python (it has triton; cross-compiling safe).
-    KERNEL_PYTHON="${KERNEL_PYTHON:-${BUILD_PREFIX}/bin/python}"
+    # The kernel build runs with the build machine's Python, which has triton. Its versioned name:
+    # when cross-compiling, cross-python replaces bin/python with a shim to its crossenv.
+    KERNEL_PYTHON="${KERNEL_PYTHON:-${BUILD_PREFIX}/bin/python${PYTHON_MIN:-3}}"
     set -- -Ccmake.define.Python_EXECUTABLE="${KERNEL_PYTHON}"
 fi
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,15 +37,78 @@ class Rendered:
         return str(self.variant.get("cuda_compiler_version", "None"))
 
 
-def render(platform: str) -> list[Rendered]:
-    """The recipe rendered with conda_build_config.yaml for ``platform`` (no solving)."""
+def render(platform: str, variants=None, build_platform: str | None = None) -> list[Rendered]:
+    """The recipe rendered for ``platform`` (no solving): with conda_build_config.yaml, or the given
+    ``VariantConfig``; built on ``platform`` itself unless ``build_platform`` names another
+    (cross-compiling). Skipped variants are left out, as rattler-build leaves them out."""
     from rattler_build import JinjaConfig, PlatformConfig, RenderConfig, Stage0Recipe, VariantConfig
 
-    platform_config = PlatformConfig(target_platform=platform)
-    variants = VariantConfig.from_conda_build_config(VARIANTS, JinjaConfig(platform_config))
+    build_platform = build_platform or platform
+    platform_config = PlatformConfig(target_platform=platform, build_platform=build_platform, host_platform=platform)
+    if variants is None:
+        variants = VariantConfig.from_conda_build_config(VARIANTS, JinjaConfig(platform_config))
     recipe = Stage0Recipe.from_file(RECIPE)
-    return [Rendered(dict(v.variant), v.recipe.to_dict())
-            for v in recipe.render(variants, RenderConfig(platform=platform_config))]
+    rendered = [Rendered(dict(v.variant), v.recipe.to_dict())
+                for v in recipe.render(variants, RenderConfig(platform=platform_config))]
+    return [r for r in rendered if not _skipped(r, platform, build_platform)]
+
+
+def _skipped(rendered: Rendered, platform: str, build_platform: str) -> bool:
+    """The recipe's ``build.skip`` conditions for this variant. py-rattler-build evaluates them but
+    does not report the result, so they are evaluated here, with jinja2, over the same names:
+    the rendered context, the variant and the platform selectors."""
+    import jinja2
+    import yaml
+
+    conditions = yaml.safe_load(RECIPE.read_text())["build"].get("skip", [])
+    os_name, _, arch = platform.partition("-")
+    names = {"linux": os_name == "linux", "osx": os_name == "osx", "win": os_name == "win",
+             "unix": os_name in ("linux", "osx"), "x86_64": arch == "64", "aarch64": arch == "aarch64",
+             "arm64": arch == "arm64", "target_platform": platform, "build_platform": build_platform,
+             "host_platform": platform, **rendered.variant, **rendered.recipe.get("context", {})}
+    environment = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    return any(environment.compile_expression(str(c))(**names) for c in conditions)
+
+
+def triton_requirement() -> str:
+    """The Triton range the package allows (pyproject.toml's `triton` extra; the recipe and the
+    build requirement say the same, tests/test_triton_bounds.py)."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["triton"]
+    return next(r for r in extra if r.startswith("triton"))
+
+
+def cuda_toolkit() -> Path | None:
+    """The CUDA toolkit to link the op library's static runtime from: CUDA_HOME, else /usr/local/cuda."""
+    home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    return home if (home / "include" / "cuda_runtime.h").is_file() else None
+
+
+def pip_torch_dir() -> Path:
+    """The ``torch`` package of this interpreter (pip's wheel), found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.submodule_search_locations, "torch is not installed"
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def lay_out_conda_forge_libtorch(prefix: Path, torch_dir: Path | None = None) -> Path:
+    """A conda prefix shaped like one holding conda-forge's ``libtorch``: the C++ headers in
+    ``include/`` (``include/torch/csrc/stable/...``, ``include/c10``, ...) and the libraries in
+    ``lib/`` (``lib/libtorch_cpu.so``), nothing under ``site-packages/torch``.
+
+    Stand-in: conda-forge is unreachable here, so the files are pip's torch wheel's, linked (not
+    copied: 0.5 GB) to where libtorch's build script moves them (pytorch-cpu-feedstock
+    recipe/build.sh: torch/include/* to $PREFIX/include, torch/lib/* to $PREFIX/lib). It has the
+    layout, not conda-forge's own build of the library (its options, its dependencies' names)."""
+    torch_dir = torch_dir or pip_torch_dir()
+    for folder in ("include", "lib"):
+        (prefix / folder).mkdir(parents=True, exist_ok=True)
+        for entry in (torch_dir / folder).iterdir():
+            target = prefix / folder / entry.name
+            if not target.exists():
+                target.symlink_to(entry)
+    return prefix
 
 
 def copy_source(dest: Path) -> Path:
@@ -129,6 +193,7 @@ def assemble(rendered: Rendered, prefix: Path, output_dir: Path, platform: str) 
         depends=[str(d) for d in recipe["requirements"].get("run", [])],
         constrains=[str(d) for d in recipe["requirements"].get("run_constraints", [])],
         build_number=int(recipe["build"].get("number", 0)),
+        noarch="python" if recipe["build"].get("python", {}).get("version_independent") else None,
         license_files=[REPO / name for name in _as_list(about.get("license_file"))],
         recipe_dir=RECIPE.parent, compression_level=19,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,11 @@ pytest.importorskip("triton")
 from flash_attn import _aot_library, aot_images  # noqa: E402
 from flash_attn.backends import aot  # noqa: E402
 from flash_attn.kernels import configs  # noqa: E402
+from flash_attn.kernels import plan as P  # noqa: E402
 from flash_attn.kernels import specializations as S  # noqa: E402
-from flash_attn.params import AttentionParams  # noqa: E402
+from flash_attn.params import AttentionParams, VarlenLayout  # noqa: E402
+
+from calls import attention_calls, kvcache_calls  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 BUILT_ARCHS = {"sm_80": [(8, 0), (8, 6), (8, 9)], "sm_90a": [(9, 0)]}
@@ -84,79 +88,88 @@ def test_spec_set_size_is_deliberate():
     assert 32 < lean <= 48 and 18 <= features <= 36 and 60 < decode <= 72
     for spec in (s for s in S.specs_for_capability((8, 0)) if s.kernel not in S.DECODE_KERNELS):
         flags = dict(spec.flags)
-        assert flags.get("IS_LOCAL", True) and flags.get("PAD_HEADDIM", True) and flags["IS_VARLEN"]
-        assert not any(flags.get(f) for f in S.UNSHIPPED_FLAGS)
+        assert flags.get("IS_LOCAL", True) and flags.get("PAD_HEADDIM", True) and not flags.get("IS_PAGED")
         # a variant has all three score features or none
-        assert len({flags.get(f, False) for f in S.SCORE_FEATURES}) == 1
+        assert len({flags.get(f, False) for f in ("HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT")}) == 1
         if _is_features(spec):
             assert "AlibiSlopes" not in flags and spec.block_d >= 64
 
 
-@pytest.mark.parametrize("head_dim,block_d", [(8, 32), (16, 32), (32, 32), (40, 64), (64, 64), (72, 128),
-                                              (96, 128), (128, 128), (160, 256), (256, 256)])
-def test_head_dims_map_to_padded_buckets(head_dim, block_d):
-    spec, why = S.spec_for_call("attn_fwd_kernel", torch.float16, head_dim, configs.pick_config("fwd", head_dim, (8, 0)),
-                                {"IS_LOCAL": False, "IS_VARLEN": False})
-    assert why == "" and spec.block_d == block_d and dict(spec.flags)["PAD_HEADDIM"]
+def _planned_specs(op, args, kwargs, target):
+    """The specialisations the ahead-of-time planner launches for one call (or its refusal)."""
+    describe, planner = {"forward": (P.describe_forward, P.plan_forward),
+                         "backward": (P.describe_backward, P.plan_backward),
+                         "forward_kvcache": (P.describe_kvcache, P.plan_kvcache)}[op]
+    planned = planner(describe(*args, **kwargs), target)
+    if isinstance(planned, str):
+        return planned
+    dtype = S.dtype_name(planned.dtype)
+    return [S.Spec.of(launch.kernel, dtype, launch.constexprs, launch.config) for launch in planned.launches]
 
 
-FEATURES = {"HAS_SOFTCAP": True, "HAS_ALIBI": True, "HAS_DROPOUT": True}
+def _all_calls(dtype, head_dim):
+    yield from attention_calls(dtype, head_dim)
+    yield from kvcache_calls(dtype, head_dim)
 
 
-@pytest.mark.parametrize("head_dim,block_d", [(8, 64), (32, 64), (64, 64), (96, 128), (256, 256)])
-@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)])
-def test_score_features_map_to_their_variant(head_dim, block_d, capability):
-    """Softcap / ALiBi / dropout calls (the launchers set the three flags together) run on the
-    score-features variant, which the build ships for every architecture family."""
-    for kernel, kind in (("attn_fwd_kernel", "fwd"), ("attn_bwd_dkdv_kernel", "bwd_dkdv"), ("attn_bwd_dq_kernel", "bwd_dq")):
-        config = configs.pick_config(kind, head_dim, capability, features=True)
-        spec, why = S.spec_for_call(kernel, torch.bfloat16, head_dim, config, dict(FEATURES, IS_LOCAL=True))
-        assert why == "" and spec.block_d == block_d and _is_features(spec)
-        assert spec in S.specs_for_capability(capability)
-    # the backward preprocess has no feature flags: its one variant serves these calls
-    spec, why = S.spec_for_call("attn_bwd_preprocess_kernel", torch.float16, head_dim,
-                                configs.pick_config("fwd", head_dim, capability), FEATURES)
-    assert why == "" and not _is_features(spec)
+@pytest.mark.parametrize("family", ["sm80", "sm86", "sm90", "sm100", "sm120"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_planned_launch_is_shipped(family, dtype):
+    """Every call (dense, varlen, each mask, each score feature, forward, backward, KV cache with
+    and without pages, rotary, left padding, batch indices) planned for a GPU of ``family`` launches
+    only specialisations the build ships for that family, whatever the head dim (multiple of 8)."""
+    shipped = set(S.specs_for_capability(S.family_capability(family)))
+    target = P.Target(family, 132, aot=True)
+    for head_dim in (8, 32, 40, 64, 96, 128, 160, 256):
+        for name, op, args, kwargs in _all_calls(dtype, head_dim):
+            specs = _planned_specs(op, args, kwargs, target)
+            assert not isinstance(specs, str), f"{name} {op} d{head_dim}: refused ({specs})"
+            missing = [spec.key for spec in specs if spec not in shipped]
+            assert not missing, f"{name} {op} d{head_dim} on {family}: {missing}"
 
 
-def test_unshipped_features_say_why():
-    spec, why = S.spec_for_call("attn_fwd_kernel", torch.bfloat16, 128, configs.pick_config("fwd", 128, (9, 0)),
-                                {"IS_PAGED": True})
-    assert spec is None and "paged" in why and "ahead of time" in why
+@pytest.mark.parametrize("head_dim,block_d,features_block_d", [(8, 32, 64), (32, 32, 64), (40, 64, 64), (64, 64, 64),
+                                                               (72, 128, 128), (128, 128, 128), (160, 256, 256)])
+def test_head_dims_map_to_their_bucket(head_dim, block_d, features_block_d):
+    """The ahead-of-time images are per head-dim bucket; the run-time head dim masks the rest."""
+    target = P.Target("sm90", 132, aot=True)
+    for name, op, args, kwargs in attention_calls(torch.float16, head_dim):
+        if op != "forward":
+            continue
+        (spec,) = _planned_specs(op, args, kwargs, target)
+        want = features_block_d if name.split("-")[1] != "none" else block_d
+        assert spec.block_d == want and dict(spec.flags)["PAD_HEADDIM"], name
 
 
-def test_unsupported_calls_say_why():
-    cfg = configs.pick_config("fwd", 128, (9, 0))
-    assert "multiple of 8" in S.spec_for_call("attn_fwd_kernel", torch.float16, 20, cfg, {})[1]
-    assert "fp16/bf16" in S.spec_for_call("attn_fwd_kernel", torch.float32, 64, cfg, {})[1]
-    assert "testing" in S.spec_for_call("attn_probs_kernel", torch.float16, 64, cfg, {})[1]
-    specs, why = aot.required_specs("forward", torch.float16, 64, (9, 0), {}, return_softmax=True)
-    assert specs == [] and "return_attn_probs" in why
+def test_unshipped_calls_are_refused_with_the_reason():
+    target = P.Target("sm90", 132, aot=True)
+    q = torch.empty(2, 64, 4, 128, dtype=torch.float16, device="meta")
+    params = _params()
+    why = lambda **kw: P.plan_forward(P.describe_forward(q, q, q, params, **kw), target)  # noqa: E731
+    assert "testing" in why(return_softmax=True)
+    pages = torch.empty(8, 16, 4, 128, dtype=torch.float16, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    paged = P.plan_forward(P.describe_forward(q[0], pages, pages, params, VarlenLayout(
+        cu, cu, 64, 64, torch.empty(2, 4, dtype=torch.int32, device="meta"))), target)
+    assert "paged" in paged and "ahead of time" in paged
+    odd = torch.empty(2, 64, 4, 20, dtype=torch.float16, device="meta")
+    assert "multiple of 8" in P.plan_forward(P.describe_forward(odd, odd, odd, params), target)
+    fp32 = q.float()
+    assert "fp16/bf16" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), target)
+    # the JIT backends run what the images do not
+    jit = P.Target("sm90", 132)
+    assert not isinstance(P.plan_forward(P.describe_forward(odd, odd, odd, params), jit), str)
 
 
-def test_dense_as_varlen_rebases_batch_strides():
-    # q (b=3, sq=5, h=2, d=64) contiguous: strides (640, 128, 64); lse (3, 2, 5)
-    names = ["stride_qb", "stride_qm", "stride_qh", "stride_kb", "stride_kn", "stride_kh", "stride_lb", "stride_lh",
-             "stride_ab", "seqlen_q", "seqlen_k", "CuSeqlensQ", "CuSeqlensK"]
-    values = dict(stride_qb=640, stride_qm=128, stride_qh=64, stride_kb=7 * 128, stride_kn=128, stride_kh=64,
-                  stride_lb=10, stride_lh=5, stride_ab=0, seqlen_q=5, seqlen_k=7)
-    out = S.dense_as_varlen(names, values, batch=3)
-    # the varlen kernel adds b * stride_b + (b * s) * stride_row: the dense address again
-    for b in range(3):
-        assert b * out["stride_qb"] + b * 5 * 128 == b * 640
-        assert b * out["stride_kb"] + b * 7 * 128 == b * 7 * 128
-        assert b * out["stride_lb"] + b * 5 == b * 10
-    assert "stride_ab" not in out
-    assert out["CuSeqlensQ"] == ("arange", 3, 5) and out["CuSeqlensK"] == ("arange", 3, 7)
-
-
-def test_pack_arguments_range_checks_int32():
+def test_pack_checks_int32_and_the_image_signature():
     entry = {"key": "k", "signature": ["*fp16:16", "i32", "fp32", "global_scratch", "profile_scratch"]}
-    x = torch.empty(8, dtype=torch.float16)
-    tensors, ints, floats = aot.pack_arguments(entry, ["X", "n", "s"], {"X": x, "n": 5, "s": 0.5})
-    assert len(tensors) == 1 and ints == [5] and floats == [0.5]
-    with pytest.raises(aot.AotUnsupported, match="int32"):
-        aot.pack_arguments(entry, ["X", "n", "s"], {"X": x, "n": 2**31, "s": 0.5})
+    launch = P.Launch("k", (1, 1, 1), (("X", P.Slot("x")), ("n", 5), ("s", 0.5)), {}, configs.Config(0, 0, 4, 1))
+    packed = aot.pack(launch, entry)
+    assert packed.slots == ["x"] and packed.ints == [5] and packed.floats == [0.5]
+    too_big = P.Launch("k", (1, 1, 1), (("X", P.Slot("x")), ("n", 2**31), ("s", 0.5)), {}, launch.config)
+    assert "int32" in aot.pack(too_big, entry)
+    stale = P.Launch("k", (1, 1, 1), (("X", P.Slot("x")), ("n", 5)), {}, launch.config)
+    assert "rebuild" in aot.pack(stale, entry)
 
 
 def test_unavailable_reason_on_cpu():
@@ -173,53 +186,53 @@ def test_unavailable_reason_on_cuda_without_gpu():
 # --- the build: manifest, signatures, report ------------------------------------------------------
 
 
+def _missing_from_manifest(manifest, capability, dtype, head_dims=(8, 40, 64, 96, 128, 160, 256)):
+    """Planned specialisations for a device of ``capability`` that its image does not ship."""
+    choice = manifest.image_for(capability)
+    family = configs.arch_family(aot.config_capability(capability, choice))
+    target = P.Target(family, 132, aot=True)
+    missing = []
+    for head_dim in head_dims:
+        for name, op, args, kwargs in _all_calls(dtype, head_dim):
+            specs = _planned_specs(op, args, kwargs, target)
+            assert not isinstance(specs, str), (name, op, head_dim, specs)
+            missing += [(name, op, head_dim, s.key) for s in specs if manifest.lookup(choice.arch.name, s.key) is None]
+    return missing
+
+
 @pytest.mark.parametrize("arch", sorted(BUILT_ARCHS))
-@pytest.mark.parametrize("op", ["forward", "backward"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_manifest_has_every_spec_the_dispatcher_requests(manifest, arch, op, dtype):
+def test_manifest_has_every_spec_the_planner_launches(manifest, arch, dtype):
     for capability in BUILT_ARCHS[arch]:
         assert manifest.image_for(capability).arch.name == arch
-        for head_dim in (8, 16, 32, 48, 64, 80, 96, 128, 160, 192, 224, 256):
-            for flags in ({}, {"IS_LOCAL": True}, {"IS_VARLEN": True, "IS_LOCAL": True}, dict(FEATURES),
-                          dict(FEATURES, IS_VARLEN=True, IS_LOCAL=True)):
-                reason = aot.call_reason(manifest, capability, op, dtype, head_dim, flags)
-                assert reason is None, (capability, head_dim, flags, reason)
+        assert _missing_from_manifest(manifest, capability, dtype) == []
 
 
 def test_ptx_covers_newer_gpus(manifest):
     choice = manifest.image_for((13, 0))
     assert choice.kind == "ptx" and choice.arch.name == "compute_80"
-    assert aot.call_reason(manifest, (13, 0), "forward", torch.float16, 128, {}) is None
     # a GPU without its own cubin in this build runs the PTX with the configs it was built with:
     # every call (lean, score features, KV cache) finds its specialisation, whatever the family
     for capability in ((10, 0), (10, 3), (12, 0), (12, 1), (13, 0)):
         assert manifest.image_for(capability).kind == "ptx"
         assert aot.config_capability(capability, manifest.image_for(capability)) in ((8, 0), (8, 6))
-        for op in ("forward", "backward"):
-            for flags in ({}, dict(FEATURES, IS_LOCAL=True)):
-                assert aot.call_reason(manifest, capability, op, torch.bfloat16, 96, flags) is None, (capability, op)
-        assert aot.kvcache_reason(manifest, capability, torch.float16, 128) is None
+        assert _missing_from_manifest(manifest, capability, torch.bfloat16, head_dims=(96,)) == []
     # shared memory decides: sm_100-class PTX devices take the sm80 configs, sm_120-class the sm86 ones
     assert aot.config_capability((10, 3), manifest.image_for((10, 3))) == (8, 0)
     assert aot.config_capability((12, 1), manifest.image_for((12, 1))) == (8, 6)
-    assert "no shipped image" in aot.call_reason(manifest, (7, 5), "forward", torch.float16, 128, {})
+    assert "no shipped image" in manifest.image_for((7, 5)).reason
 
 
 def test_manifest_entries_come_from_triton_metadata(manifest):
     for entry in manifest.entries.values():
         assert entry["signature"][-2:] == ["global_scratch", "profile_scratch"]
         assert entry["name"] == entry["kernel"]
-        flags = dict(tuple(x) for x in entry["spec"]["flags"])
-        config = configs.Config(entry["spec"]["block_m"], entry["spec"]["block_n"], entry["spec"]["num_warps"],
-                                entry["spec"]["num_stages"])
-        if entry["kernel"] in S.DECODE_KERNELS:
-            spec = S.decode_spec(entry["kernel"], entry["spec"]["dtype"], entry["constexprs"], config)
-        else:
-            spec = S.make_spec(entry["kernel"], entry["spec"]["dtype"], entry["spec"]["block_d"], config,
-                               flags.get("HAS_SOFTCAP", False))
-        assert spec.key == entry["key"]
+        spec = S.Spec(**{**entry["spec"], "flags": tuple(tuple(x) for x in entry["spec"]["flags"])})
+        assert spec.key == entry["key"] and spec.constexprs == entry["constexprs"]
         assert entry["num_warps"] == spec.num_warps
         assert (manifest.folder / entry["image"]).is_file()
+        # what a driver needs to load it (flash_attn.backends.aot never picks an image it cannot load)
+        assert re.fullmatch(r"\d+\.\d+", entry["ptxas"]) and re.fullmatch(r"\d+\.\d+", entry["ptx_isa"])
 
 
 def test_images_are_stored_compressed(manifest):
@@ -270,94 +283,42 @@ def test_every_image_registers(manifest, arch):
 
 @pytest.fixture
 def launched(monkeypatch) -> list:
-    """Kernel ids launched through ``_aot_library.launch``, which runs ``aot_launch``'s argument
-    checks on meta tensors (no GPU, nothing executed)."""
+    """Kernel ids launched by the ``aot`` backend, through ``aot_launch``'s real checks on meta
+    tensors (argument count, dtypes, int ranges, declared divisibility; no GPU, nothing executed)."""
     ids = []
-    real_launch = _aot_library.launch
+    real = aot._launch_op()
 
-    def meta_launch(kid, grid, tensors, ints, floats):
-        real_launch(kid, grid, [t.to("meta") for t in tensors], ints, floats)
+    def checked(kid, grid, tensors, ints, floats):
+        real(kid, grid, tensors, ints, floats)
         ids.append(kid)
 
-    monkeypatch.setattr(aot._aot_library, "launch", meta_launch)
+    monkeypatch.setattr(aot, "_launch_op", lambda: checked)
     return ids
 
 
+def images_for(monkeypatch, manifest, capability):
+    """The ``aot`` backend as it runs on a device of ``capability``, for meta tensors."""
+    choice = manifest.image_for(capability)
+    family = configs.arch_family(aot.config_capability(capability, choice))
+    images = aot._DeviceImages(manifest, choice.arch.name, P.Target(family, 132, aot=True))
+    monkeypatch.setattr(aot, "_device_images", lambda device: images)
+    return images
+
+
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
-@pytest.mark.parametrize("varlen", [False, True])
-@pytest.mark.parametrize("feature", [None, "softcap", "alibi", "dropout"])
-def test_launcher_arguments_pass_the_launch_checks(manifest, monkeypatch, launched, capability, varlen, feature):
-    """The real launchers (forward + backward) through the AOT executor; every launch goes through
-    ``aot_launch``'s argument checks (count, dtypes, alignment, int ranges) on meta tensors."""
-    _library_or_skip()
-    from flash_attn.kernels import launch
-    from flash_attn.params import VarlenLayout
-
-    monkeypatch.setattr(launch, "_capability", lambda device, interpret: capability)
-    arch = manifest.image_for(capability).arch.name
-    executor = aot.AotExecutor(manifest, arch)
-    params = _params(causal=True, softcap=30.0 if feature == "softcap" else 0.0,
-                     dropout_p=0.1 if feature == "dropout" else 0.0)
-    slopes = torch.rand(4) if feature == "alibi" else None
-    if varlen:
-        q = torch.randn(12, 4, 96, dtype=torch.bfloat16)
-        k = torch.randn(20, 2, 96, dtype=torch.bfloat16)
-        cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
-        cu_k = torch.tensor([0, 9, 20], dtype=torch.int32)
-        layout = VarlenLayout(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=7, max_seqlen_k=11)
-    else:
-        q = torch.randn(2, 7, 4, 96, dtype=torch.bfloat16)
-        k = torch.randn(2, 11, 2, 96, dtype=torch.bfloat16)
-        layout = None
-    v = torch.randn_like(k)
-    out, lse, _ = launch.forward(q, k, v, params, varlen=layout, alibi_slopes=slopes, executor=executor)
-    launch.backward(torch.randn_like(q), q, k, v, out, lse, params, varlen=layout, alibi_slopes=slopes,
-                    executor=executor)
-    assert len(launched) == 4
-
-
-@pytest.mark.parametrize("arch", sorted(BUILT_ARCHS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_manifest_has_every_kvcache_spec(manifest, arch, dtype):
-    for capability in BUILT_ARCHS[arch]:
-        for head_dim in (8, 64, 72, 128, 136, 256):
-            assert aot.kvcache_reason(manifest, capability, dtype, head_dim) is None, (capability, head_dim)
-    assert "multiple of 8" in aot.kvcache_reason(manifest, (8, 0), torch.float16, 59)
-    assert "fp16/bf16" in aot.kvcache_reason(manifest, (8, 0), torch.float32, 64)
-
-
-@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (9, 0)])
-@pytest.mark.parametrize("paged,rotary,splits", [(False, False, 1), (True, True, 3), (False, True, 3)])
-def test_kvcache_launcher_arguments_pass_the_launch_checks(manifest, launched, capability, paged, rotary, splits):
-    """The KV-cache launcher in superset mode through the AOT executor: every launch (append,
-    rotary, split-KV, combine) maps onto a shipped image and passes ``aot_launch``'s checks."""
+def test_every_call_passes_the_launch_checks(manifest, monkeypatch, launched, capability, dtype):
+    """Every representative call through the ``aot`` backend: packed onto shipped images and
+    launched through ``aot_launch``'s argument checks (meta tensors)."""
     _library_or_skip()
-    from flash_attn.kernels import decode_launch
-    from flash_attn.params import KVCacheInputs
-
-    arch = manifest.image_for(capability).arch.name
-    executor = aot.AotExecutor(manifest, arch)
-    b, hk, d = 2, 2, 96
-    if paged:
-        k_cache = torch.zeros(24, 16, hk, d, dtype=torch.float16)  # 12 pages of 16 rows per sequence
-        block_table = torch.arange(24, dtype=torch.int32).reshape(12, 2).t().contiguous()
-    else:
-        k_cache = torch.zeros(b, 192, hk, d, dtype=torch.float16)
-        block_table = None
-    cos = sin = None
-    if rotary:
-        cos, sin = torch.rand(192, d // 2), torch.rand(192, d // 2)
-    cache = KVCacheInputs(k_cache=k_cache, v_cache=torch.zeros_like(k_cache),
-                          cache_seqlens=torch.tensor([5, 170], dtype=torch.int32),
-                          k_new=torch.randn(b, 2, hk, d, dtype=torch.float16),
-                          v_new=torch.randn(b, 2, hk, d, dtype=torch.float16), block_table=block_table,
-                          rotary_cos=cos, rotary_sin=sin, num_splits=splits)
-    q = torch.randn(b, 2, 8, d, dtype=torch.float16)
-    decode_launch.forward_kvcache(q, _params(causal=True, softcap=20.0), cache, interpret=False, executor=executor,
-                                  superset=True, family=configs.arch_family(capability))
-    expected = 1 + (2 if rotary else 1) + (splits > 1)  # append, [rotary q], split-KV, [combine]
-    # 192 cache rows are >= 2 key blocks on every family, so 3 requested splits stay > 1
-    assert len(launched) == expected
+    images_for(monkeypatch, manifest, capability)
+    for head_dim in (40, 128):
+        for name, op, args, kwargs in _all_calls(dtype, head_dim):
+            runner = getattr(aot, "prepare_" + op)(*args, **kwargs)
+            assert not isinstance(runner, str), (name, op, runner)
+            before = len(launched)
+            runner()
+            assert len(launched) > before, (name, op)
 
 
 def test_build_report_tensor_cores_and_spills(report):
@@ -417,12 +378,25 @@ def test_build_kernels_command_reports_a_failing_arch(tmp_path):
     assert result.returncode != 0 and "sm_75" in (result.stderr + result.stdout)
 
 
-def test_resolve_archs_default_keeps_sm80_ptx():
+def test_resolve_archs():
     from flash_attn import aot_build
 
-    assert aot_build.resolve_archs("") == ([80, 90, 100, 120], [80])
-    assert aot_build.resolve_archs("90") == ([90], [90])
-    assert aot_build.resolve_archs("80;90;compute_80") == ([80, 90], [80])
+    names = lambda archs: [a.name for a in archs]  # noqa: E731
+    cubins, ptxs = aot_build.resolve_archs("")
+    # the default: family cubins for Blackwell and Thor where this ptxas assembles them
+    assert {"sm_80", "sm_90a"} <= set(names(cubins)) and names(ptxs) == ["compute_80"]
+    targets = aot_build.ptxas_targets(100)
+    for family in ("sm_100f", "sm_110f", "sm_120f"):
+        assert (family in names(cubins)) == (family in targets)
+    assert tuple(map(names, aot_build.resolve_archs("90"))) == (["sm_90a"], [])  # sm_90a PTX is not portable
+    with pytest.raises(SystemExit, match="portable"):
+        aot_build.resolve_archs("90;compute_90")
+    assert tuple(map(names, aot_build.resolve_archs("80;90;compute_80"))) == (["sm_80", "sm_90a"], ["compute_80"])
+    # one compile feeds a family group: Thor's image comes from the sm_100 compile
+    from flash_attn.aot_images import parse_arch
+
+    assert [aot_build.triton_capability(parse_arch(a)) for a in ("sm_100f", "sm_110f", "sm_120f", "sm_90a")] == \
+        [100, 100, 120, 90]
 
 
 # --- on a GPU -----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from conftest import check_close
 from flash_attn import _aot_library as aot
-from flash_attn.aot_images import Arch, parse_arch, parse_arch_list, select_image
+from flash_attn.aot_images import DEFAULT_CUDA_ARCHS, Arch, parse_arch, parse_arch_list, select_image
 from packaging_helpers import compiled_files, run_from_site
 
 HAS_GPU = torch.cuda.is_available()
@@ -434,9 +434,17 @@ def test_parse_arch():
 def test_parse_arch_list():
     assert [a.name for a in parse_arch_list("80;90a;100a;120a;80+PTX")] == ["sm_80", "sm_90a", "sm_100a", "sm_120a", "compute_80"]
     assert [a.name for a in parse_arch_list("8.0, 9.0a")] == ["sm_80", "sm_90a"]
-    assert parse_arch_list("") == parse_arch_list(None) == parse_arch_list("80;90a;100a;120a;80+PTX")
+    assert parse_arch_list("") == parse_arch_list(None) == parse_arch_list(DEFAULT_CUDA_ARCHS)
     with pytest.raises(ValueError, match="arch-specific"):
         parse_arch_list("90a+PTX")
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)])
+def test_default_archs_give_every_current_gpu_a_cubin(cap):
+    """A100 .. RTX 40xx, H100/H200, B200/GB200 and B300 (10.3), Thor (11.0), RTX 50xx and DGX
+    Spark (12.1): a native cubin each, no driver JIT of the sm_80 PTX with sm_80 tiles."""
+    assert select_image(cap, parse_arch_list(DEFAULT_CUDA_ARCHS)).kind == "cubin"
+    assert select_image((13, 0), parse_arch_list(DEFAULT_CUDA_ARCHS)).kind == "ptx"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,11 +5,11 @@ runs in a fresh interpreter where ``import triton`` fails (``sys.modules["triton
 anything else, which makes every ``import triton...`` raise ``ModuleNotFoundError``) and ends by
 asserting that no ``triton`` module was loaded.
 
-The ``aot`` checks run the real backend entry points (``aot.forward`` / ``aot.backward`` ->
-the launchers -> :class:`~flash_attn.backends.aot.AotExecutor` -> argument packing) against a
-manifest synthesised from the specialisation set (signatures per :func:`specializations.signature`,
-no compile), with the op library's ``register_kernel`` / ``launch`` replaced by recorders: the
-run stops exactly where ``torch.ops.flash_attn.aot_launch`` would be called.
+The ``aot`` checks run the real backend entry points (``aot.forward`` / ``aot.backward`` -> the
+planner -> argument packing) against a manifest synthesised from the specialisation set
+(signatures per :func:`specializations.signature`, no compile), with the op library's
+``register_kernel`` and ``aot_launch`` replaced by recorders: the run stops exactly where
+``torch.ops.flash_attn.aot_launch`` would be called.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -60,7 +61,7 @@ def test_import_and_reference_backend_without_triton():
         import torch
         import flash_attn
         from flash_attn import dispatch, flash_attn_func
-        from flash_attn.kernels import configs, launch, decode_launch, registry, specializations  # noqa: F401
+        from flash_attn.kernels import configs, declarations, plan, registry, specializations  # noqa: F401
         from flash_attn.backends import aot, reference  # noqa: F401
 
         torch.manual_seed(0)
@@ -86,26 +87,25 @@ def test_import_and_reference_backend_without_triton():
     assert got["interpret"] and "triton" in got["interpret"].lower()  # the interpreter does need Triton
 
 
-AOT_SETUP = """
-    import json, types, warnings
+AOT_SETUP = f"    TESTS = {str(Path(__file__).parent)!r}\n" + """
+    import json, os, sys, warnings
     import torch
     from flash_attn import _aot_library, aot_images
+    from flash_attn import dispatch
     from flash_attn.backends import aot
+    from flash_attn.kernels import plan
     from flash_attn.kernels import specializations as S
     from flash_attn.params import AttentionParams, VarlenLayout
 
     # A manifest for one sm_90a image, synthesised from the specialisation set (no compile).
-    entries = []
-    for spec in S.specs_for_capability((9, 0)):
-        sig, attrs = S.signature(spec)
-        entries.append({"arch": "sm_90a", "key": spec.key, "kernel": spec.kernel, "name": spec.kernel,
-                        "image": f"images/sm_90a/{spec.key}.cubin", "constexprs": spec.constexprs,
-                        "signature": _aot_library.triton_signature(types.SimpleNamespace(signature=sig,
-                                                                                         attrs=attrs)),
-                        "num_warps": spec.num_warps, "shared": 0})
-    m = aot.Manifest("/nonexistent", {"archs": ["sm_90a"], "kernels": entries})
-    aot.manifest = lambda: (m, "")
-    torch.cuda.get_device_capability = lambda device=None: (9, 0)  # an H100, as far as the launchers ask
+    sys.path.insert(0, TESTS)
+    from synthetic_images import synthetic_manifest
+
+    m = synthetic_manifest()
+    # an H100, as far as the backend asks (CPU tensors stand in for its memory)
+    images = aot._DeviceImages(m, "sm_90a", plan.Target("sm90", 132, aot=True))
+    aot._device_images = lambda device: images
+    aot.unavailable_reason = lambda device: None
 
     registered, launched = {}, []
 
@@ -118,7 +118,7 @@ AOT_SETUP = """
                          "ints": len(ints), "floats": len(floats)})
 
     _aot_library.register_kernel = register_kernel
-    _aot_library.launch = launch
+    aot._launch_op = lambda: launch
     params = AttentionParams(softmax_scale=0.125, window_left=-1, window_right=0, softcap=0.0, dropout_p=0.0,
                              dropout_seed=0)
 """
@@ -170,7 +170,7 @@ def test_aot_forward_backward_launch_plan_without_triton(varlen):
     assert kernels == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     for row in launched:
         assert ".bf16.d128." in row["key"], row  # head dim 96 -> the 128 bucket
-        assert row["grid"][1:] in ([4, 2], [2, 2]), row  # (tiles, heads, batch)
+        assert row["grid"][1:] in ([4, 1], [2, 1]), row  # (tiles x batch, heads, 1)
         assert row["tensors"] > 0 and row["ints"] > 0
     assert launched[0]["floats"] > 0
 
@@ -179,9 +179,10 @@ def test_aot_unshipped_call_falls_back_to_reference_without_triton():
     got = _run_without_triton(AOT_SETUP, """
         q = torch.randn(1, 5, 2, 64, dtype=torch.float16)
         k = torch.randn(1, 6, 2, 64, dtype=torch.float16)
+        os.environ["FLASH_ATTN_BACKEND"] = "aot"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out, lse, probs = aot.forward(q, k, k, params, return_softmax=True)
+            out, lse, probs = dispatch.run("forward", q.device, q, k, k, params, return_softmax=True)
         assert out.shape == q.shape and torch.isfinite(out.float()).all() and probs is not None
         assert_no_triton()
         print(json.dumps({"launched": launched, "warnings": [str(w.message) for w in caught]}))
@@ -223,14 +224,13 @@ def test_aot_features_and_kvcache_launch_without_triton():
 
 
 def test_kernel_names_resolve_like_the_jit_functions():
-    """:func:`registry.arg_names` (read from the source, no Triton) is ``JITFunction.arg_names``."""
+    """:func:`registry.arg_names` and :func:`registry.constexpr_names` (read from the source, no
+    Triton) are what the ``JITFunction`` says."""
     pytest.importorskip("triton")
     from flash_attn.kernels import registry
-    from flash_attn.kernels import specializations as S
 
     for name in registry.KERNEL_MODULES:
         fn = registry.jit_function(name)
         assert registry.arg_names(name) == tuple(fn.arg_names), name
         assert fn.fn.__name__ == name and fn.fn.__module__ == registry.KERNEL_MODULES[name]
-    for name, (module, _, _) in S.KERNELS.items():
-        assert registry.KERNEL_MODULES[name] == module
+        assert registry.constexpr_names(name) == {p.name for p in fn.params if p.is_constexpr}, name

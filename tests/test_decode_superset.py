@@ -1,16 +1,17 @@
-"""Superset mode of the KV-cache launcher: the fixed specialisation set an ahead-of-time build ships.
+"""The ahead-of-time KV-cache launches: the fixed superset specialisations an AOT build ships.
 
-``forward_kvcache(..., superset=True)`` launches only the ``(kernel, constexprs, config)``
-combinations of :func:`flash_attn.kernels.decode_configs.aot_variants`, with every tensor argument
-laid out as the build declares it. Checked here, in Triton's interpreter:
+The planner's ahead-of-time target (``Target(aot=True)``, :func:`flash_attn.kernels.plan.plan_kvcache`)
+launches only the ``(kernel, constexprs, config)`` combinations of
+:func:`flash_attn.kernels.decode_configs.aot_variants`, with every tensor argument laid out as the
+kernels' declarations say. Checked here, in Triton's interpreter:
 
 * exactness: the feature matrix of ``tests/test_triton_decode.py`` against the float64 oracle
   (and bit-for-bit against the specialised launches on a few cases);
 * the set: a recording executor runs the launches a GPU family (sm80, sm90) would get and checks
-  each one against ``aot_variants`` and each runtime argument against ``aot_arg_types`` /
-  ``aot_divisibility`` (types, int32 range, alignment, declared divisibility);
-* the refusals: layouts superset mode cannot serve raise ``DecodeLayoutUnsupported`` before any
-  launch, leaving the cache untouched.
+  each one against the shipped specialisations and each runtime argument against the kernel's
+  declaration (types, int32 range, alignment, declared divisibility);
+* the refusals: layouts the images cannot serve are refused before any launch, leaving the cache
+  untouched.
 """
 
 from __future__ import annotations
@@ -23,17 +24,29 @@ import torch
 
 from test_triton_decode import CASES, DTYPES, MODES, SPLIT_CASES, Case, check_case, make_inputs, run_kernels
 
+from flash_attn.backends import interpret
+from flash_attn.backends._execute import KernelsCannotRun
+from flash_attn.kernels import declarations, plan, registry
 from flash_attn.kernels import decode_configs as dc
-from flash_attn.kernels import decode_launch, launch, registry
-from flash_attn.params import KVCacheInputs
+from flash_attn.kernels import specializations as S
 
 KERNELS = ("split_kv_kernel", "append_kv_kernel", "rotary_q_kernel", "combine_splits_kernel")
-_POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
 
 # head dims that are not a multiple of 8 are refused (test_refuses_what_it_cannot_serve)
 SUPERSET_CASES = {name: case for name, case in CASES.items() if case.headdim % 8 == 0}
 SUPERSET_CASES["d256_neox_causal"] = Case(seqlens=(33, 50), nheads=2, nheads_k=1, headdim=256, seqlen_cache=64,
                                           seqlen_new=1, rotary="neox", causal=True)
+
+
+def superset(mode: str, family: str = "") -> plan.Target:
+    """The ahead-of-time target: ``family``'s configs (default: the mode's own)."""
+    if mode == "interpret":
+        return plan.Target(family or "interpret", dc.INTERPRET_NUM_SMS, aot=True)
+    from flash_attn.backends import triton as gpu
+
+    own = gpu._target(torch.device("cuda"))
+    return plan.Target(family or own.family, own.sm_count, aot=True)
 
 
 def _misaligned(t: torch.Tensor) -> torch.Tensor:
@@ -46,39 +59,39 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
 
 
 class Recorder:
-    """Executor that records every launch, then runs it in the interpreter."""
+    """Runs launches in the interpreter, recording each with the tensors it got."""
 
     def __init__(self):
         self.launches = []
 
-    def __call__(self, kernel, grid, args, flags, config, device):
-        self.launches.append((kernel, grid, list(args), dict(flags), config))
-        launch._interpreted(kernel, grid, args, flags, config, device)
+    def __call__(self, launch, tensors, device=None):
+        args = [(name, tensors[v] if isinstance(v, plan.Slot) else v) for name, v in launch.args]
+        self.launches.append((launch, args))
+        interpret.run_launch(launch, tensors, device)
 
 
 def check_launches(launches, family: str, dtype) -> set:
-    """Every launch is a variant of ``aot_variants(family)`` and its arguments honour the declared
-    types and divisibility. Returns the kernels seen."""
-    variants = dc.aot_variants(family)
-    dt = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    for kernel, _, args, flags, config in launches:
-        assert (kernel, flags, config) in variants, f"{family}: {kernel} {flags} {config} is not shipped"
-        names = [n for n in registry.arg_names(kernel) if n not in flags]
-        types = dc.aot_arg_types(kernel, dt)
-        assert len(names) == len(args) and set(names) == set(types), kernel
-        divisible = dc.aot_divisibility(kernel)
-        for name, value in zip(names, args):
-            ty = types[name]
-            if ty.startswith("*"):
-                assert isinstance(value, torch.Tensor) and _POINTER_TYPES[value.dtype] == ty, (kernel, name, ty)
-                assert value.data_ptr() % divisible[name] == 0, f"{kernel}.{name} is not 16-byte aligned"
-            elif ty == "i32":
-                assert isinstance(value, int) and not isinstance(value, bool), (kernel, name, value)
-                assert -(2**31) <= value < 2**31, (kernel, name, value)
-                assert value % divisible.get(name, 1) == 0, f"{kernel}.{name} = {value}: not its declared divisibility"
+    """Every launch is a specialisation the build ships for ``family`` and its arguments honour
+    the kernel's declaration. Returns the kernels seen."""
+    dt = _DTYPE_NAMES[dtype]
+    shipped = set(S.decode_specs(family, dt))
+    for launch, args in launches:
+        spec = S.Spec.of(launch.kernel, dt, launch.constexprs, launch.config)
+        assert spec in shipped, f"{family}: {spec.key} is not shipped"
+        decl = declarations.get(launch.kernel)
+        for name, value in args:
+            if name in decl.pointers:
+                assert isinstance(value, torch.Tensor), (launch.kernel, name)
+                assert "*" + _DTYPE_NAMES[value.dtype] == decl.pointer_type(name, dt), (launch.kernel, name, value.dtype)
+                assert value.data_ptr() % 16 == 0, f"{launch.kernel}.{name} is not 16-byte aligned"
+            elif decl.scalar_type(name) == "i32":
+                assert isinstance(value, int) and not isinstance(value, bool), (launch.kernel, name, value)
+                assert -(2**31) <= value < 2**31, (launch.kernel, name, value)
+                if name in decl.divisible_by_8:
+                    assert value % 8 == 0, f"{launch.kernel}.{name} = {value}: not its declared divisibility"
             else:
-                assert ty == "fp32" and isinstance(value, float), (kernel, name, value)
-    return {launch_[0] for launch_ in launches}
+                assert isinstance(value, float), (launch.kernel, name, value)
+    return {launch.kernel for launch, _ in launches}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +102,7 @@ def check_launches(launches, family: str, dtype) -> set:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(SUPERSET_CASES))
 def test_superset_matches_oracle(name, dtype, mode):
-    check_case(SUPERSET_CASES[name], dtype, mode, superset=True)
+    check_case(SUPERSET_CASES[name], dtype, mode, target=superset(mode))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -97,7 +110,7 @@ def test_superset_matches_oracle(name, dtype, mode):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_superset_num_splits(name, splits, dtype, mode):
-    check_case(SPLIT_CASES[name], dtype, mode, num_splits=splits, superset=True)
+    check_case(SPLIT_CASES[name], dtype, mode, num_splits=splits, target=superset(mode))
 
 
 @pytest.mark.parametrize("name", ["plain_d64", "batch_idx_leftpad", "window_softcap", "paged16_causal"])
@@ -106,9 +119,9 @@ def test_superset_is_bitwise_the_specialised_kernel(name):
     left padding) change nothing, not even the rounding (the interpreter's arithmetic)."""
     case = CASES[name]
     results = []
-    for superset in (False, True):
+    for target in (None, superset("interpret")):
         args = make_inputs(case, torch.float16, torch.device("cpu"))
-        out, lse = run_kernels(case, args, "interpret", superset=superset)
+        out, lse = run_kernels(case, args, "interpret", target=target)
         results.append((out, lse, args["k_cache"], args["v_cache"]))
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -137,12 +150,13 @@ def test_launches_are_aot_variants(name, family):
     """The interpreter runs the very launches (configs included) a GPU of ``family`` gets."""
     case, splits = FAMILY_CASES[name]
     recorder = Recorder()
-    check_case(case, torch.float16, "interpret", num_splits=splits, superset=True, family=family, executor=recorder)
+    check_case(case, torch.float16, "interpret", num_splits=splits, target=superset("interpret", family),
+               run_launch=recorder)
     kernels = check_launches(recorder.launches, family, torch.float16)
-    grid = next(g for k, g, *_ in recorder.launches if k == "split_kv_kernel")
-    assert ("combine_splits_kernel" in kernels) == (grid[0] > 1)
+    splits_run = next(launch.grid[1] for launch, _ in recorder.launches if launch.kernel == "split_kv_kernel")
+    assert ("combine_splits_kernel" in kernels) == (splits_run > 1)
     if name == "decode_gqa_paged":
-        assert grid[0] > 1  # the combine is among the checked launches
+        assert splits_run > 1  # the combine is among the checked launches
 
 
 def test_misaligned_inputs_are_made_ready():
@@ -165,7 +179,8 @@ def test_misaligned_inputs_are_made_ready():
 
     recorder = Recorder()
     for dtype in (torch.float16, torch.bfloat16):
-        check_case(case, dtype, "interpret", transform=transform, superset=True, family="sm80", executor=recorder)
+        check_case(case, dtype, "interpret", transform=transform, target=superset("interpret", "sm80"),
+                   run_launch=recorder)
         kernels = check_launches(recorder.launches, "sm80", dtype)
         assert {"append_kv_kernel", "rotary_q_kernel", "split_kv_kernel"} <= kernels
         recorder.launches.clear()
@@ -182,10 +197,6 @@ def _padded_cache(args):
     return args
 
 
-def _cache_of(args):
-    return KVCacheInputs(k_cache=args["k_cache"], v_cache=args["v_cache"], cache_seqlens=args["cache_seqlens"])
-
-
 def _shifted_cache(args):
     args = dict(args)
     args["k_cache"] = _misaligned(args["k_cache"])
@@ -196,20 +207,19 @@ def _shifted_cache(args):
     ("misaligned cache", CASES["gqa_append_d32"], torch.float16, _shifted_cache, "k_cache is not 16-byte aligned"),
     ("strides not multiple of 8", CASES["gqa_append_d32"], torch.bfloat16, _padded_cache, "not multiples of 8"),
     ("head dim 59", CASES["mqa_d59_neox_partial"], torch.float16, None, "head dimension 59"),
-    ("fp32", CASES["gqa_append_d32"], torch.float32, None, "fp32 inputs"),
+    ("fp32", CASES["gqa_append_d32"], torch.float32, None, "float32 inputs"),
 ])
 def test_refuses_what_it_cannot_serve(what, case, dtype, transform, needle):
-    """Refused before any launch (the cache is untouched), with a reason; the Triton path
-    (superset=False) still runs the same call exactly."""
+    """Refused before any launch (the cache is untouched), with a reason; the interpreter's own
+    plan (exact flags) still runs the same call exactly."""
     args = make_inputs(case, dtype, torch.device("cpu"))
     if transform is not None:
         args = transform(args)
     before = args["k_cache"].clone()
     recorder = Recorder()
-    with pytest.raises(dc.DecodeLayoutUnsupported, match=needle):
-        run_kernels(case, args, "interpret", superset=True, executor=recorder)
+    with pytest.raises(KernelsCannotRun, match=needle):
+        run_kernels(case, args, "interpret", target=superset("interpret"), run_launch=recorder)
     assert recorder.launches == [] and torch.equal(args["k_cache"], before)
-    assert decode_launch.superset_refusal(args["q"], _cache_of(args)) is not None
     if what == "strides not multiple of 8":
         check_case(case, dtype, "interpret", transform=transform)
 
@@ -238,23 +248,6 @@ def test_aot_variants_are_complete_and_distinct(family):
             assert config in (dc.AUX_CONFIG, dc.ROTARY_CONFIG, dc.COMBINE_CONFIG)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_arg_types_cover_the_signature(kernel):
-    constexprs = _constexpr_params(kernel)
-    runtime = [n for n in registry.jit_function(kernel).arg_names if n not in constexprs]
-    for dtype in dc.SUPERSET_DTYPES:
-        types = dc.aot_arg_types(kernel, dtype)
-        assert list(types) == runtime  # every runtime argument, in signature order
-        assert set(types.values()) <= {f"*{dtype}", "*fp32", "*i32", "i32", "fp32"}
-    divisible = dc.aot_divisibility(kernel)
-    for name, div in divisible.items():
-        assert div == (16 if types[name].startswith("*") else 8), name
-    assert all(name in divisible for name, ty in types.items() if ty.startswith("*"))
-    signature, attrs = dc.aot_signature(kernel, "bf16", {n: 0 for n in constexprs})
-    assert list(signature) == list(registry.jit_function(kernel).arg_names)
-    assert len(attrs) == len(divisible)
-
-
 def test_decode_configs_is_pure_python():
     import flash_attn.kernels.decode_configs as module
 
@@ -266,8 +259,6 @@ def test_decode_configs_is_pure_python():
 
 def test_superset_head_dim_buckets():
     assert [dc.superset_block_d(d) for d in (8, 32, 64, 72, 128, 136, 256)] == [64, 64, 64, 128, 128, 256, 256]
-    assert dc.superset_refusal("fp16", 264, {}) and dc.superset_refusal("fp16", 60, {})
-    assert dc.superset_refusal("bf16", 128, {}) is None
 
 
 def test_compiles_ahead_of_time_without_spills(tmp_path, monkeypatch):
@@ -284,7 +275,7 @@ def test_compiles_ahead_of_time_without_spills(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     kernel, constexprs, config = next(v for v in dc.aot_variants("sm80")
                                       if v[0] == "split_kv_kernel" and v[1]["BLOCK_D"] == 128)
-    signature, attrs = dc.aot_signature(kernel, "bf16", constexprs)
+    signature, attrs = S.signature(S.Spec.of(kernel, "bf16", constexprs, config))
     compiled = triton.compile(ASTSource(registry.jit_function(kernel), signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 80, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))

@@ -483,6 +483,13 @@ def test_bad_inputs_raise_clear_errors():
         _flash_attn_backward(out, q, k, v, out, lse.transpose(1, 2), None, None, None, **args)
     with pytest.raises(ValueError, match="dropout_p"):
         _flash_attn_forward(q, k, v, 1.5, 0.25, False, -1, -1, 0.0, None, False)
+    # rng_state lives on q's device (a CUDA forward draws it there). The op's body is called: a meta
+    # argument would send the op itself to its fake implementation.
+    with pytest.raises(ValueError, match="rng_state is on meta but q is on cpu"):
+        _flash_attn_backward._init_fn(out, q, k, v, out, lse, None, None, None, **{**args, "dropout_p": 0.1},
+                                      rng_state=torch.zeros(1, dtype=torch.int64, device="meta"))
+    with pytest.raises(TypeError, match="rng_state must be the int64 tensor"):
+        _flash_attn_backward(out, q, k, v, out, lse, None, None, None, **args, rng_state=torch.zeros(1))
     with pytest.raises(ValueError, match="out must be"):
         flash_attn_gpu.fwd(q, k, v, torch.empty(3), None, 0.0, 0.25, False, -1, -1, 0.0, False, None)
 

@@ -2,14 +2,18 @@
 
 * the manifests validate against the pixi and rattler-build schemas in ../shared/schemas;
 * py-rattler-build renders the recipe with the variant matrix: exactly the expected variants per
-  platform (osx-arm64 and win-64: the CPU variant alone), build strings naming the CUDA version,
-  the declared dependencies, CEP-20 version independence and no exact pin of Python or PyTorch;
+  platform (osx-arm64 and win-64: the CPU variant alone), build strings naming the CUDA version
+  and CUDA build numbers +200, the declared dependencies (libtorch in host and run), CEP-20 version
+  independence and its entry point, no exact pin of Python or PyTorch, linux-aarch64
+  cross-compiled from linux-64 with cross-python, the Triton bounds, the test steps' selections;
 * the build scripts: build.sh on Linux/macOS (portable to macOS's bash 3.2 and BSD sed),
   build.bat on Windows, and that the recipe lets rattler-build pick the right one;
 * (slow) the CPU-only build through build.sh: no compiler, no torch, no compiled file;
 * (slow) a local package build: recipe/build.sh with this machine's toolchain into a staging
-  prefix, a ``.conda`` assembled from it with the rendered metadata, inspected, then installed
-  into a fresh venv with torch 2.13.0 where the import and a CPU test subset run.
+  prefix laid out like conda-forge's libtorch (headers in include/, no torch package in the build
+  environment), a ``.conda`` assembled from it with the rendered metadata, inspected, then
+  installed into a fresh venv with torch 2.13.0 where the import and a CPU test subset run.
+pixi.toml is checked in tests/test_pixi_workspace.py, the solver's choice in test_conda_solver.py.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -26,8 +31,9 @@ from pathlib import Path
 import pytest
 
 from packaging_helpers import (  # noqa: I001  (tests/ is on sys.path: pytest's rootdir-relative import)
-    BUILD_BAT, BUILD_SCRIPT, PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, assemble, compiled_files, copy_source,
-    extract_into_venv, make_venv, open_conda, render, run_build_script, run_from_site, staged_site_packages,
+    BUILD_BAT, BUILD_SCRIPT, PIXI, RECIPE, REPO, SCHEMAS, assemble, compiled_files, copy_source,
+    extract_into_venv, lay_out_conda_forge_libtorch, make_venv, open_conda, render, run_build_script, run_from_site,
+    staged_site_packages, triton_requirement,
 )
 
 yaml = pytest.importorskip("yaml")
@@ -36,6 +42,7 @@ NO_RATTLER = "py-rattler-build is not installed (pip install py-rattler-build): 
 LINUX = ["linux-64", "linux-aarch64"]
 CPU_ONLY_PLATFORMS = ["osx-arm64", "win-64"]  # no CUDA variant outside Linux
 CUDA_VARIANTS = {"12.9": "cuda129", "13.0": "cuda130", "None": "cpu"}
+BUILD_NUMBERS = {"12.9": 200, "13.0": 200, "None": 0}  # conda-forge's +200 for CUDA builds
 TORCH_MIN = "2.10"
 PYTHON_MIN = "3.10"
 
@@ -70,11 +77,6 @@ def _names(specs: list[str]) -> list[str]:
 # --- the manifests ----------------------------------------------------------------------------------
 
 
-def test_pixi_manifest_matches_the_schema():
-    errors = _validate(_schema("pixi-manifest.schema.json"), tomllib.loads(PIXI.read_text()))
-    assert not errors, "\n".join(errors)
-
-
 def test_recipe_matches_the_schema():
     schema = _schema("rattler-recipe.schema.json")
     recipe = yaml.safe_load(RECIPE.read_text())
@@ -87,28 +89,6 @@ def test_recipe_matches_the_schema():
 def test_recipe_version_is_the_package_version():
     assert str(yaml.safe_load(RECIPE.read_text())["context"]["version"]) == _version()
     assert tomllib.loads(PIXI.read_text())["workspace"]["version"] == _version()
-
-
-def test_pixi_workspace_tasks_and_environments():
-    manifest = tomllib.loads(PIXI.read_text())
-    assert set(manifest["workspace"]["platforms"]) == {"linux-64", "linux-aarch64", "osx-arm64"}
-    build = manifest["tasks"]["build"]["cmd"]
-    assert "rattler-build build" in build and "recipe/recipe.yaml" in build
-    assert "conda_build_config.yaml" in build and "--output-dir output" in build
-    tasks = set(manifest["tasks"]) | set(manifest["feature"]["pkg"]["tasks"])
-    assert {"build", "test", "bench", "doctor", "lint"} <= tasks
-    envs = manifest["environments"]
-    assert set(envs) >= {"cuda12", "cuda13", "cpu"}
-    # Tests run against the package built from the recipe (the local channel), never an editable
-    # install: flash-attn comes from ./output, with the build string of the environment's variant.
-    channels = manifest["feature"]["pkg"]["channels"]
-    assert {"channel": "./output", "priority": 10} in channels
-    assert "pytest" in manifest["feature"]["pkg"]["tasks"]["test"]["cmd"].split()[0]
-    for env, build in (("cuda12", "cuda129*"), ("cuda13", "cuda130*"), ("cpu", "cpu*")):
-        assert "pkg" in envs[env]["features"]
-        feature = manifest["feature"][env if env != "cpu" else "cpu"]
-        assert feature["dependencies"]["flash-attn"]["build"] == build
-    assert "pypi-dependencies" not in json.dumps(manifest)  # no editable/pypi copy anywhere
 
 
 # --- rendering ----------------------------------------------------------------------------------------
@@ -130,7 +110,9 @@ def test_render_gives_exactly_the_matrix(rendered):
     for v in variants:
         assert v.variant["target_platform"] == platform
         assert "python" not in v.variant and "pytorch" not in v.variant  # not variant keys
-        assert re.fullmatch(rf"{CUDA_VARIANTS[v.cuda]}_h[0-9a-f]{{7}}_0", v.recipe["build"]["string"])
+        number = BUILD_NUMBERS[v.cuda]
+        assert v.recipe["build"]["number"] == number
+        assert re.fullmatch(rf"{CUDA_VARIANTS[v.cuda]}_h[0-9a-f]{{7}}_{number}", v.recipe["build"]["string"])
         assert v.recipe["package"] == {"name": "flash-attn", "version": _version()}
 
 
@@ -140,9 +122,9 @@ def _check_cpu_variant(v):
     build, host, run = _specs(v, "build"), _specs(v, "host"), _specs(v, "run")
     constraints = _specs(v, "run_constraints")
     assert build == ["cmake >=3.24", "ninja"], build
-    assert "pytorch" not in _names(host) and "python-abi3" in host
-    assert f"pytorch >={TORCH_MIN}" in run and f"python >={PYTHON_MIN}" in run
-    assert not any("cuda" in s for s in build + host + run + constraints), (build, host, run)
+    assert not {"pytorch", "libtorch"} & set(_names(host)) and "python-abi3" in host
+    assert run == [f"python >={PYTHON_MIN}", f"pytorch >={TORCH_MIN}"] and not constraints
+    assert not any("cuda" in s for s in build + host + run), (build, host, run)
     assert re.fullmatch(r"cpu_h[0-9a-f]{7}_0", v.recipe["build"]["string"])
 
 
@@ -160,14 +142,17 @@ def test_render_requirements(rendered):
         else:
             assert f"gcc_linux-{arch} 14.*" in build and f"gxx_linux-{arch} 14.*" in build
             assert f"sysroot_linux-{arch} 2.28.*" in build
-            assert f"pytorch {TORCH_MIN}.*" in host
+            # conda-forge's split PyTorch: the headers and libtorch_cpu.so come from libtorch (its
+            # CPU build: the same stable-ABI headers without the CUDA libraries)
+            assert f"libtorch {TORCH_MIN}.* cpu_*" in host and "pytorch" not in _names(host)
             major = v.cuda.split(".")[0]
             assert f"cuda-nvcc_linux-{arch} {v.cuda}.*" in build
             assert "triton" in _names(build) and "python" in _names(build)  # kernel build only
             assert f"cuda-version {v.cuda}.*" in host
             assert {"cuda-cudart-dev", "cuda-cudart-static"} <= set(_names(host))
-            assert "pytorch * cuda*" in run
-            assert constraints == [f"__cuda >={major}"]
+            # the op library links libtorch_cpu.so: libtorch in run, or rattler-build calls it overlinking
+            assert f"libtorch >={TORCH_MIN}" in run
+            assert "pytorch * cuda*" in run and f"__cuda >={major}" in run and not constraints
         assert "triton" not in _names(run)
 
 
@@ -176,7 +161,7 @@ def test_render_is_python_and_torch_version_independent(rendered):
     for v in variants:
         assert v.recipe["build"]["python"]["version_independent"] is True
         ignored = v.recipe["requirements"]["ignore_run_exports"]["from_package"]
-        assert {"pytorch", "libtorch"} <= set(ignored)
+        assert {"libtorch", "cuda-cudart-dev"} == set(ignored)
         for spec in _specs(v, "run") + _specs(v, "run_constraints"):
             name, *rest = spec.split()
             if name in {"python", "pytorch", "libtorch"}:
@@ -262,13 +247,113 @@ def test_build_bat_builds_the_cpu_variant():
     assert script.count("if errorlevel 1 exit 1") == 2
 
 
-def test_build_script_defaults():
-    """The architecture list per CUDA major, and that the environment overrides it."""
-    script = BUILD_SCRIPT.read_text()
-    assert re.search(r'12\.\*\) default_archs="80;90;100;120"', script)
-    assert re.search(r'13\.\*\) default_archs="80;90;100;120"', script)
-    assert 'FLASH_ATTN_CUDA_ARCHS="${FLASH_ATTN_CUDA_ARCHS:-${default_archs}}"' in script
-    assert 'MAX_JOBS="${MAX_JOBS:-' in script and "TRITON_PTXAS_PATH" in script
+def test_entry_point_is_declared_for_the_installer():
+    """CEP-20 packages get their console scripts from the installer (info/link.json), so the
+    recipe declares what pyproject.toml's [project.scripts] does; rattler-build then drops pip's
+    bin/ script, whose shebang names the build machine's Python."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    declared = [f"{name} = {target}" for name, target in scripts.items()]
+    for platform in LINUX + CPU_ONLY_PLATFORMS:
+        for v in render(platform):
+            assert v.recipe["build"]["python"]["entry_points"] == declared
+
+
+def test_linux_aarch64_cross_compiles_from_linux_64():
+    """conda-forge builds linux-aarch64 on linux-64 (conda-forge.yml `build_platform`): every
+    variant then has cross-python for the target, so $PYTHON (pip) runs here and installs for
+    aarch64; the CUDA variants' kernel build runs with the build machine's own Python."""
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    cross = render("linux-aarch64", build_platform="linux-64")
+    native = render("linux-aarch64")
+    assert sorted(v.cuda for v in cross) == sorted(v.cuda for v in native) == ["12.9", "13.0", "None"]
+    for v in cross:
+        build = _specs(v, "build")
+        assert "cross-python_linux-aarch64" in build and f"python {PYTHON_MIN}.*" in build
+        assert v.recipe["build"]["script"]["env"]["PYTHON_MIN"] == PYTHON_MIN
+    for v in native:
+        assert not any(s.startswith("cross-python") for s in _specs(v, "build"))
+
+
+def _fake_python(path: Path, log: Path) -> Path:
+    """A stand-in interpreter that records how build.sh called it (arguments and the variables the
+    build reads) and succeeds."""
+    path.write_text("#!/usr/bin/env bash\n"
+                    f'{{ echo "$0 $*"; echo "TORCH_DIR=$FLASH_ATTN_TORCH_DIR"; }} >> "{log}"\n')
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("cuda", ["12.9", "None"])
+def test_build_sh_uses_the_build_machines_python_and_the_prefix_torch(cuda, tmp_path):
+    """recipe/build.sh, run as in a cross build: bin/python of the build prefix is cross-python's
+    shim (it would pretend to be aarch64), bin/python<python_min> the real interpreter. The kernel
+    build (CMake's Python) must be the latter, PyTorch must come from $PREFIX (conda-forge's
+    libtorch layout), and pip runs through $PYTHON."""
+    build_prefix, prefix, log = tmp_path / "build_env", tmp_path / "host_env", tmp_path / "calls.log"
+    (build_prefix / "bin").mkdir(parents=True)
+    (prefix / "bin").mkdir(parents=True)
+    _fake_python(build_prefix / "bin" / "python", log)  # the cross-python shim
+    real = _fake_python(build_prefix / "bin" / f"python{PYTHON_MIN}", log)
+    host_python = _fake_python(prefix / "bin" / "python", log)
+    env = {**os.environ, "PREFIX": str(prefix), "BUILD_PREFIX": str(build_prefix), "PYTHON": str(host_python),
+           "SRC_DIR": str(tmp_path), "PYTHON_MIN": PYTHON_MIN, "cuda_compiler_version": cuda}
+    env.pop("FLASH_ATTN_TORCH_DIR", None)
+    env.pop("KERNEL_PYTHON", None)
+    result = subprocess.run(["bash", str(BUILD_SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith(f"{host_python} -m pip install . ") and len(calls) == 2, calls
+    if cuda == "None":
+        assert "Python_EXECUTABLE" not in calls[0]
+    else:
+        assert calls[0].endswith(f"-Ccmake.define.Python_EXECUTABLE={real}"), calls[0]
+        assert calls[1] == f"TORCH_DIR={prefix}"
+
+
+def _pytest_steps(v) -> list[tuple[str, list[str]]]:
+    """(pytest command, files the step copies) of each script test of a rendered variant."""
+    steps = []
+    for test in v.recipe.get("tests", []):
+        script = test.get("script")
+        script = " ".join(script) if isinstance(script, list) else script or ""
+        for command in re.findall(r"python -m pytest [^;]+", script):
+            steps.append((command.strip(), test.get("files", {}).get("source", [])))
+    return steps
+
+
+def test_recipe_test_steps_run_from_the_copied_files(tmp_path):
+    """rattler-build runs each test step in a folder holding only the files the step copies. There,
+    each pytest selection must collect without error (no test module reads a file left behind,
+    e.g. the README) and select something; the CUDA variants' GPU step selects the gpu-marked tests
+    and never the full kernel matrix (pyproject.toml's addopts are not what decides it). The CPU
+    variant's one step is the CUDA variants' first."""
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    variants = {v.cuda: v for v in render("linux-64")}
+    steps = _pytest_steps(variants["12.9"])
+    assert len(steps) == 2 and _pytest_steps(variants["None"]) == steps[:1], steps
+    assert '-m "gpu and not full_matrix" tests/' in steps[1][0]
+    for index, (command, files) in enumerate(steps):
+        folder = tmp_path / f"step{index}"
+        for name in files:
+            source, target = REPO / name.rstrip("/"), folder / name.rstrip("/")
+            if source.is_dir():
+                shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+        args = _shell_words(command.split(maxsplit=3)[3])  # after `python -m pytest`
+        result = subprocess.run([sys.executable, "-m", "pytest", *args, "--collect-only"],
+                                cwd=folder, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+        selected = re.search(r"^(\d+)(?:/\d+)? tests? collected", result.stdout, re.M)
+        assert selected and int(selected.group(1)) > 0, result.stdout[-1000:]
+
+
+def _shell_words(text: str) -> list[str]:
+    """The arguments as the shell splits them (the -m expression is one quoted word)."""
+    import shlex
+
+    return shlex.split(text)
 
 
 # --- the CPU-only build ----------------------------------------------------------------------------------
@@ -307,7 +392,7 @@ def test_cpu_only_build_compiles_nothing(tmp_path):
 
 # One architecture keeps the CI run short on 2 cores; "80;90" measured 4 min 37 s (build.sh 229 s).
 BUILD_ARCHS = os.environ.get("FLASH_ATTN_PACKAGING_ARCHS", "80")
-# The size budget of a full release build (80;90;100;120 + sm_80 PTX); this build has fewer archs.
+# The size budget of a full release build (the default archs + sm_80 PTX); this build has fewer archs.
 SIZE_BUDGET_MIB = 100
 
 
@@ -332,11 +417,13 @@ def local_package(tmp_path_factory):
     if variant is None:
         pytest.skip(f"this machine's CUDA {cuda_version} is not a variant of conda_build_config.yaml")
     work = tmp_path_factory.mktemp("package")
-    build_python = make_venv(work / "build-venv", "torch==2.13.0", "triton>=3.4", "scikit-build-core>=0.11")
+    # The build venv plays the conda build prefix: python and triton, no torch (as in the recipe).
+    build_python = make_venv(work / "build-venv", triton_requirement(), "scikit-build-core>=0.11")
     src = copy_source(work / "src")
-    prefix = work / "prefix"
+    # The staging prefix plays the host prefix, holding conda-forge's libtorch layout.
+    prefix = lay_out_conda_forge_libtorch(work / "prefix")
     run = run_build_script(src, prefix, build_python, {
-        # The build venv plays the conda build prefix (python, triton); ptxas is the local toolkit's.
+        # ptxas is the local toolkit's; build.sh points the build at $PREFIX for torch.
         "cuda_compiler_version": cuda_version, "CUDA_HOME": str(cuda_home),
         "BUILD_PREFIX": str(build_python.parents[1]), "KERNEL_PYTHON": str(build_python),
         "TRITON_PTXAS_PATH": str(cuda_home / "bin" / "ptxas"), "FLASH_ATTN_CUDA_ARCHS": BUILD_ARCHS, "MAX_JOBS": "2",
@@ -357,7 +444,8 @@ def test_package_index(local_package):
     assert path.name == f"flash-attn-{_version()}-{index['build']}.conda"
     assert index["name"] == "flash-attn" and index["version"] == _version()
     assert index["build"] == variant.recipe["build"]["string"]
-    assert index["subdir"] == "linux-64"
+    assert index["subdir"] == "linux-64" and index["noarch"] == "python"  # CEP-20
+    assert index["build_number"] == 200
     assert sorted(index["depends"]) == sorted(_specs(variant, "run"))
     assert sorted(index.get("constrains", [])) == sorted(_specs(variant, "run_constraints"))
     assert index["license"] == "BSD-3-Clause"

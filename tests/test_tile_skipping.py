@@ -150,11 +150,13 @@ def test_forward_kernel_visits_triangular_key_tiles(monkeypatch):
         setattr(scope["masking"], name, value)
     scope["masking"].logits_log2 = counting_logits
 
-    from flash_attn.kernels import launch
+    from flash_attn.backends import interpret
+    from flash_attn.backends._execute import KernelBackend
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, 1, 16, generator=g).half() for _ in range(3))
-    out, lse, _ = launch.forward(q, k, v, AttentionParams(0.25, -1, 0), interpret=True)
+    fresh = KernelBackend("interpret", lambda device: interpret.TARGET, interpret.run_launch)  # no cached plan
+    out, lse, _ = fresh.forward(q, k, v, AttentionParams(0.25, -1, 0))
     blocks = n // block_m
     assert calls[True] + calls[False] == blocks * (blocks + 1) // 2  # 136, not 256
     assert calls[True] == blocks  # the diagonal tile of each block is the only masked one

@@ -26,7 +26,7 @@ from conftest import check_close, gen, oracle_pair
 
 from flash_attn import dispatch
 from flash_attn.dropout import keep_mask
-from flash_attn.kernels import configs
+from flash_attn.kernels import configs, declarations
 from flash_attn.params import AttentionParams, VarlenLayout
 
 HAS_CUDA = torch.cuda.is_available()
@@ -38,7 +38,9 @@ DROPOUT_SEED = 2**40 + 12345  # exercises both 32-bit halves of the Philox key
 
 
 @pytest.fixture(params=BACKENDS)
-def backend(request):
+def backend(request, monkeypatch):
+    """The backend under test, selected for the whole test (calls it refuses go on to the
+    reference backend through the dispatcher, as in real use)."""
     name = request.param
     device = torch.device("cpu" if name == "interpret" else "cuda")
     try:
@@ -48,6 +50,7 @@ def backend(request):
     reason = module.unavailable_reason(device)
     if reason is not None:
         pytest.skip(reason)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", name)
     return SimpleNamespace(name=name, module=module, device=device)
 
 
@@ -166,16 +169,15 @@ def _to(x, device):
 
 def run_forward(backend, inp: Inputs, return_softmax=False):
     dev = backend.device
-    return backend.module.forward(_to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), inp.params,
-                                  varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev),
-                                  return_softmax=return_softmax)
+    return dispatch.run("forward", dev, _to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), inp.params,
+                        varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev), return_softmax=return_softmax)
 
 
 def run_backward(backend, inp: Inputs, out, lse, deterministic=False):
     dev = backend.device
-    return backend.module.backward(_to(inp.dout, dev), _to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), out, lse,
-                                   inp.params, varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev),
-                                   deterministic=deterministic)
+    return dispatch.run("backward", dev, _to(inp.dout, dev), _to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), out,
+                        lse, inp.params, varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev),
+                        deterministic=deterministic)
 
 
 def check_case(backend, case: Case, seed: int = 0):
@@ -322,7 +324,7 @@ def test_fp32_inputs_fall_back_to_reference(backend, monkeypatch):
     q, k, v = (torch.randn(1, 9, 2, 16, generator=gen(1)).to(backend.device) for _ in range(3))
     params = AttentionParams(0.25)
     with pytest.warns(UserWarning, match="float32"):
-        out, lse, _ = backend.module.forward(q, k, v, params)
+        out, lse, _ = dispatch.run("forward", backend.device, q, k, v, params)
     from flash_attn.backends import reference
 
     ref_out, ref_lse, _ = reference.forward(q.cpu(), k.cpu(), v.cpu(), params)
@@ -453,45 +455,36 @@ def test_padded_headdim():
         [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
 
 
-ALL_FEATURES = dict(IS_VARLEN=True, IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True, IS_PAGED=True,
-                    PAD_HEADDIM=True)
+ALL_FEATURES = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True, IS_PAGED=True, PAD_HEADDIM=True)
+KERNEL_NAMES = {"fwd": "attn_fwd_kernel", "probs": "attn_probs_kernel", "bwd_preprocess": "attn_bwd_preprocess_kernel",
+                "bwd_dkdv": "attn_bwd_dkdv_kernel", "bwd_dq": "attn_bwd_dq_kernel"}
 
 
-def _compile(kernel, kind, capability, headdim, flags, dtype="fp16"):
+def _compile(name, capability, headdim, flags, dtype="fp16"):
+    """Compile kernel ``name`` for ``capability`` with the types of its declaration."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flash_attn.kernels import launch
+    from flash_attn.kernels import declarations, registry
+    from flash_attn.kernels import specializations as S
 
-    config = configs.pick_config(kind, headdim, capability)
+    kernel = KERNEL_NAMES[name]
+    config = configs.pick_config(declarations.get(kernel).config_kind, headdim, capability)
     constexprs = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=configs.padded_headdim(headdim))
-    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
-    signature, attrs = launch.kernel_signature(kernel, dtype, constexprs)
+    constexprs = {n: value for n, value in constexprs.items() if n in registry.arg_names(kernel)}
+    signature, attrs = S.signature(S.Spec.of(kernel, dtype, constexprs, config))
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=target,
-                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    compiled = triton.compile(ASTSource(registry.jit_function(kernel), signature, constexprs=constexprs, attrs=attrs),
+                              target=target, options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     return compiled, config
 
 
-def _kernels():
-    from flash_attn.kernels import backward, forward
-
-    return {
-        "fwd": (forward.attn_fwd_kernel, "fwd"),
-        "probs": (forward.attn_probs_kernel, "fwd"),
-        "bwd_preprocess": (backward.attn_bwd_preprocess_kernel, "fwd"),
-        "bwd_dkdv": (backward.attn_bwd_dkdv_kernel, "bwd_dkdv"),
-        "bwd_dq": (backward.attn_bwd_dq_kernel, "bwd_dq"),
-    }
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fwd", "probs", "bwd_preprocess", "bwd_dkdv", "bwd_dq"])
+@pytest.mark.parametrize("name", sorted(KERNEL_NAMES))
 def test_kernels_compile_for_the_gpu_with_every_feature(name):
     """The interpreter is lenient (types, scoping); the GPU compiler is not. sm80, all flags on."""
-    kernel, kind = _kernels()[name]
-    compiled, _ = _compile(kernel, kind, (8, 0), 96, ALL_FEATURES, dtype="bf16")
+    compiled, _ = _compile(name, (8, 0), 96, ALL_FEATURES, dtype="bf16")
     assert "mma" in compiled.asm["ptx"] or name == "bwd_preprocess"
 
 
@@ -499,16 +492,15 @@ def test_kernels_compile_for_the_gpu_with_every_feature(name):
 def test_compiled_shared_memory_within_estimate_and_loads_pipelined(name, capability, headdim):
     """Compile one table entry for its arch (no GPU needed) and read the compiler's shared memory.
 
-    The dense variant with unused pointers as ``None`` (what the JIT sees for a plain call). The
+    The lean variant with unused pointers as ``None`` (what the JIT sees for a plain call). The
     loads must be vectorised asynchronous copies (``cp.async``): that is what the 16-byte
-    alignment contract (:func:`flash_attn.kernels.launch.ready`) buys.
+    alignment contract of the planner (inputs copied into that layout when they are not) buys.
     """
-    kernel, kind = _kernels()[name]
-    flags = dict(IS_VARLEN=False, IS_LOCAL=True, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False,
-                 IS_PAGED=False, PAD_HEADDIM=False, CuSeqlensQ=None, CuSeqlensK=None, BlockTable=None,
-                 AlibiSlopes=None)
-    compiled, config = _compile(kernel, kind, capability, headdim, flags)
+    flags = dict(IS_LOCAL=True, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, IS_PAGED=False,
+                 PAD_HEADDIM=False, BlockTable=None, AlibiSlopes=None, DropoutSeed=None)
+    compiled, config = _compile(name, capability, headdim, flags)
     family = configs.arch_family(capability)
+    kind = declarations.get(KERNEL_NAMES[name]).config_kind
     estimate = configs.estimate_shared_memory(kind, config, headdim, family)
     limit = configs.SHARED_MEMORY_LIMIT[family]
     assert compiled.metadata.shared <= estimate <= limit

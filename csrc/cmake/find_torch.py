@@ -2,14 +2,18 @@
 
 Run by CMakeLists.txt with the build's Python. Prints ``key=value`` lines (include, lib, version,
 found_by) or exits 1 with the reason on stderr. Never imports torch: only files are read, so this
-works inside pip's isolated build environment too.
+works inside pip's isolated build environment and in a conda build whose host has no Python torch.
 
-Where it looks, first match wins:
-1. ``FLASH_ATTN_TORCH_DIR``: the ``torch`` package directory, set by hand.
-2. The build's own interpreter (``--no-build-isolation``, conda-build with torch in ``host``).
+A *torch root* is a folder with ``include/torch/csrc/stable/library.h`` and ``lib/libtorch_cpu.so``:
+pip's ``site-packages/torch`` package, or a conda prefix holding conda-forge's ``libtorch``
+(headers in ``$PREFIX/include``, libraries in ``$PREFIX/lib``; its ``pytorch`` package has no
+``site-packages/torch/include``). Where it looks, first match wins:
+
+1. ``FLASH_ATTN_TORCH_DIR``: a torch root set by hand (recipe/build.sh sets ``$PREFIX``).
+2. The build's own interpreter (``--no-build-isolation``).
 3. The environment being installed into: pip's isolated build still runs this interpreter with
-   ``sys.prefix`` pointing at the target environment, so its site-packages holds the torch the
-   package will run with; ``VIRTUAL_ENV`` and ``CONDA_PREFIX`` are tried as well.
+   ``sys.prefix`` pointing at the target environment; ``VIRTUAL_ENV`` and ``CONDA_PREFIX`` are
+   tried as well, first their ``site-packages/torch``, then the prefix itself (conda's layout).
 Any torch >= 2.10 works: the library is built for the 2.10 stable ABI (TORCH_TARGET_VERSION), so
 the headers' version only has to be at least that, and the result runs with every later torch.
 """
@@ -24,6 +28,9 @@ import sys
 import sysconfig
 
 STABLE_HEADER = os.path.join("include", "torch", "csrc", "stable", "library.h")
+STABLE_VERSION_HEADER = os.path.join("include", "torch", "csrc", "stable", "version.h")
+VERSION_HEADER = os.path.join("include", "torch", "headeronly", "version.h")
+TORCH_LIBRARY = os.path.join("lib", "libtorch_cpu.so")
 
 
 def candidates():
@@ -45,41 +52,54 @@ def candidates():
             yield os.path.join(site, "torch"), f"the target environment ({label})"
         for site in glob.glob(os.path.join(prefix, "lib", "python3*", "site-packages")):
             yield os.path.join(site, "torch"), f"the target environment ({label})"
+        yield prefix, f"the target environment's libtorch ({label})"
 
 
-def torch_version(torch_dir: str) -> str:
+def torch_version(root: str) -> str:
+    """The version of the torch root: ``version.py`` of a torch package, else the headers'."""
     try:
-        with open(os.path.join(torch_dir, "version.py"), encoding="utf-8") as f:
+        with open(os.path.join(root, "version.py"), encoding="utf-8") as f:
             match = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", f.read())
-            return match.group(1) if match else "unknown"
+            if match:
+                return match.group(1)
     except OSError:
+        pass
+    try:
+        with open(os.path.join(root, VERSION_HEADER), encoding="utf-8") as f:
+            parts = dict(re.findall(r"#define TORCH_VERSION_(MAJOR|MINOR|PATCH) (\d+)", f.read()))
+        return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
+    except (OSError, KeyError):
         return "unknown"
 
 
 def main() -> int:
     tried = []
-    for torch_dir, found_by in candidates():
-        torch_dir = os.path.abspath(torch_dir)
-        if torch_dir in tried:
+    for root, found_by in candidates():
+        root = os.path.abspath(root)
+        if root in tried:
             continue
-        tried.append(torch_dir)
-        if not os.path.isfile(os.path.join(torch_dir, STABLE_HEADER)):
+        tried.append(root)
+        if not os.path.isfile(os.path.join(root, STABLE_HEADER)):
             continue
-        with open(os.path.join(torch_dir, "include", "torch", "csrc", "stable", "version.h"), encoding="utf-8") as f:
+        with open(os.path.join(root, STABLE_VERSION_HEADER), encoding="utf-8") as f:
             if "TORCH_VERSION_2_10_0" not in f.read():
-                print(f"torch at {torch_dir} is older than 2.10; its stable ABI lacks what the op library needs",
+                print(f"torch at {root} is older than 2.10; its stable ABI lacks what the op library needs",
                       file=sys.stderr)
                 return 1
-        lib_dir = os.path.join(torch_dir, "lib")
-        print(f"include={os.path.join(torch_dir, 'include')}")
-        print(f"lib={lib_dir}")
-        print(f"version={torch_version(torch_dir)}")
+        if not os.path.isfile(os.path.join(root, TORCH_LIBRARY)):
+            print(f"torch headers found in {os.path.join(root, 'include')} but not {os.path.join(root, TORCH_LIBRARY)}: "
+                  "a torch root holds both (a torch package, or a conda prefix with libtorch)", file=sys.stderr)
+            return 1
+        print(f"include={os.path.join(root, 'include')}")
+        print(f"lib={os.path.join(root, 'lib')}")
+        print(f"version={torch_version(root)}")
         print(f"found_by={found_by}")
         return 0
     print(
         "no PyTorch >= 2.10 with C++ headers found (looked in: " + ", ".join(tried or ["nowhere"]) + "). "
-        "Install torch into the environment first (pip install torch), or build with "
-        "--no-build-isolation, or set FLASH_ATTN_TORCH_DIR to the torch package directory.",
+        "Install torch into the environment first (pip install torch; with conda: libtorch), or build "
+        "with --no-build-isolation, or set FLASH_ATTN_TORCH_DIR to the torch package directory or a "
+        "prefix holding include/torch and lib/libtorch_cpu.so.",
         file=sys.stderr,
     )
     return 1

@@ -1,43 +1,44 @@
 """The ``aot`` backend: the kernels compiled ahead of time (``python -m flash_attn build-kernels``),
-launched by the op library (``flash_attn/_C/libflash_attn_aot.so``) without Triton at run time:
-nothing on this path imports Triton (the launchers name their kernels, see
-:mod:`flash_attn.kernels.registry`), so it runs where Triton is not installed.
+launched by the op library (``flash_attn/_C/libflash_attn_aot.so``) without Triton at run time.
 
-It reuses the Python launchers of :mod:`flash_attn.kernels.launch`: their single launch point
-``_run`` hands every launch to :class:`AotExecutor`, which maps the call onto a shipped
-specialisation (:func:`flash_attn.kernels.specializations.spec_for_call`), registers its image
-once per process and calls ``torch.ops.flash_attn.aot_launch`` with the arguments packed per the
-manifest's signature. ``forward_kvcache`` runs the KV-cache launcher the same way in its
-*superset* mode (:mod:`flash_attn.kernels.decode_configs`). Calls without a shipped specialisation
-(paged varlen forward, ``return_attn_probs``, fp32, head dims not a multiple of 8, caches that are
-not 16-byte aligned, int32 overflow) run on the ``triton`` backend when it can run, else on the
-reference, after a one-time warning.
+A call is planned for the device's image (``Target(aot=True)``: only the shipped specialisations,
+:mod:`flash_attn.kernels.plan`); the first call of each shape then turns the plan into packed
+launches: for each, the manifest entry of its specialisation, the kernel registered and loaded on
+the device, the integer and float arguments checked against the image's signature and stored.
+Every later call of that shape fills in its tensors and calls ``torch.ops.flash_attn.aot_launch``.
+All of it happens before the first launch of the call, so a call the images cannot serve (no
+such specialisation, a value outside int32, an image the driver refuses) is refused before
+anything runs or is written, and the dispatcher runs it elsewhere.
+
+Images the installed driver cannot load are never picked: each manifest entry records the CUDA
+release of the ptxas that built it (cubins need a driver of that major version) and the PTX ISA
+of PTX images (the driver's JIT must know it). If the driver still refuses an image, every later
+call on that device is refused with its answer (one warning, from the dispatcher).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from flash_attn import _aot_library, aot_images
-from flash_attn.kernels import configs, registry
+from flash_attn import _aot_library, aot_images, limits
+from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, ready, slots
+from flash_attn.kernels import configs
+from flash_attn.kernels import plan as P
 from flash_attn.kernels import specializations as S
 
-__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "AotUnsupported"]
+__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
+           "prepare_forward_kvcache", "Manifest", "manifest"]
 
 _NAME = "aot"
 DIR_ENV = "FLASH_ATTN_AOT_DIR"
-_I32 = (-(2**31), 2**31 - 1)
-_ELEMENT_DTYPES = (torch.float16, torch.bfloat16)
-
-
-class AotUnsupported(RuntimeError):
-    """This call has no shipped specialisation (the backend falls back)."""
 
 
 class Manifest:
@@ -48,40 +49,87 @@ class Manifest:
         self.data = data
         self.entries = {(e["arch"], e["key"]): e for e in data.get("kernels", [])}
         self.archs = sorted({e["arch"] for e in data.get("kernels", [])})
-        # call shape -> answer: which specialisation a call needs is the same for every call of
-        # that shape, and working it out (spec keys are hashes) costs 60-200 us, every call
-        self._answers: dict = {}
-
-    def memo(self, key: tuple, compute):
-        """``compute()`` once per ``key`` for this manifest (results are plain values)."""
-        try:
-            return self._answers[key]
-        except KeyError:
-            value = self._answers[key] = compute()
-            return value
 
     @classmethod
     def load(cls, folder: Path) -> "Manifest":
         return cls(folder, json.loads((Path(folder) / "manifest.json").read_text()))
 
-    def image_for(self, capability: tuple[int, int]) -> aot_images.ImageChoice:
-        return aot_images.select_image(capability, self.archs)
-
     def lookup(self, arch: str, key: str) -> Optional[dict]:
         return self.entries.get((arch, key))
 
+    def requirement(self, arch: str) -> Optional[tuple[int, int]]:
+        """The oldest CUDA driver release (major, minor) that loads the images of ``arch``: the
+        ptxas release for cubins (minor-version compatible), the PTX ISA's release for PTX."""
+        need = None
+        for (a, _), entry in self.entries.items():
+            if a == arch:
+                found = _entry_requirement(entry)
+                if found is not None and (need is None or found > need):
+                    need = found
+        return need
+
+    def image_for(self, capability: tuple[int, int], driver: Optional[tuple[int, int]] = None) -> aot_images.ImageChoice:
+        """The image a device of ``capability`` runs, among those a driver of release ``driver``
+        (``None``: unknown) can load."""
+        loadable, refused = [], []
+        for arch in self.archs:
+            need = self.requirement(arch)
+            if driver is not None and need is not None and not _driver_loads(driver, need, arch):
+                refused.append(f"{arch} needs a driver for CUDA >= {need[0]}.{need[1]}")
+            else:
+                loadable.append(arch)
+        choice = aot_images.select_image(capability, loadable)
+        if not choice.supported and refused:
+            runnable = [a for a in self.archs if aot_images.parse_arch(a).runs_on(*capability)]
+            if runnable:
+                why = "; ".join(r for r in refused if r.split()[0] in runnable)
+                return aot_images.ImageChoice(
+                    "unsupported", None,
+                    f"the images for compute capability {capability[0]}.{capability[1]} need a newer NVIDIA driver "
+                    f"({why}; this driver supports CUDA {driver[0]}.{driver[1]}): update the driver, or install a "
+                    f"flash-attn build for an older CUDA")
+        return choice
+
+
+def _entry_requirement(entry: dict) -> Optional[tuple[int, int]]:
+    text = entry.get("ptx_isa") if entry["arch"].startswith("compute_") else entry.get("ptxas")
+    if not text:
+        return None
+    major, minor = (int(x) for x in str(text).split(".")[:2])
+    return ptx_isa_release(major, minor) if entry["arch"].startswith("compute_") else (major, minor)
+
+
+# PTX ISA version -> the CUDA release that introduced it (8.x is CUDA 12.x with a gap at 12.6/12.7).
+_PTX_ISA_8 = {0: (12, 0), 1: (12, 1), 2: (12, 2), 3: (12, 3), 4: (12, 4), 5: (12, 5), 6: (12, 7), 7: (12, 8), 8: (12, 9)}
+
+
+def ptx_isa_release(major: int, minor: int) -> tuple[int, int]:
+    """The CUDA release whose driver first compiles PTX ISA ``major.minor``."""
+    if major == 8:
+        return _PTX_ISA_8.get(minor, (12, 9))
+    if major >= 9:
+        return (major + 4, minor)  # ISA 9.0 came with CUDA 13.0
+    return (11, 8)
+
+
+def _driver_loads(driver: tuple[int, int], need: tuple[int, int], arch: str) -> bool:
+    if arch.startswith("compute_"):
+        return driver >= need
+    return driver[0] >= need[0]  # cubins: the same major release is enough (minor-version compatibility)
+
+
+_dirs: dict[tuple, Optional[Path]] = {}
+
 
 def find_manifest_dir() -> Optional[Path]:
-    override = os.environ.get(DIR_ENV)
-    if override:
-        return Path(override)
+    """``$FLASH_ATTN_AOT_DIR``, else ``_aot/`` in a folder of the package (looked up once)."""
     import flash_attn  # noqa: PLC0415
 
-    for folder in flash_attn.__path__:
-        candidate = Path(folder) / "_aot"
-        if (candidate / "manifest.json").is_file():
-            return candidate
-    return None
+    key = (os.environ.get(DIR_ENV), tuple(flash_attn.__path__))
+    if key not in _dirs:
+        _dirs[key] = Path(key[0]) if key[0] else next(
+            (Path(f) / "_aot" for f in key[1] if (Path(f) / "_aot" / "manifest.json").is_file()), None)
+    return _dirs[key]
 
 
 _manifest_cache: dict[str, object] = {}
@@ -105,6 +153,23 @@ def manifest() -> tuple[Optional[Manifest], str]:
     return (value, "") if isinstance(value, Manifest) else (None, str(value))
 
 
+def driver_release() -> Optional[tuple[int, int]]:
+    """The CUDA release the NVIDIA driver supports (e.g. ``(13, 0)``), as the op library's CUDA
+    runtime reads it; ``None`` when unknown."""
+    version = _aot_library.cuda_info()["driver_version"]
+    return (version // 1000, version % 1000 // 10) if version > 0 else None
+
+
+def config_capability(capability: tuple[int, int], choice: aot_images.ImageChoice) -> tuple[int, int]:
+    """Whose launch configs a device runs: its own on a cubin (compiled for its family), and on
+    the sm_80 PTX (a GPU newer than every cubin) the configs that PTX was built with: the sm80
+    ones where the device has A100-sized shared memory, else sm86's."""
+    if choice.kind != "ptx":
+        return capability
+    shared = configs.SHARED_MEMORY_LIMIT[configs.arch_family(capability)]
+    return (8, 0) if shared >= configs.SHARED_MEMORY_LIMIT["sm80"] else (8, 6)
+
+
 def unavailable_reason(device: torch.device) -> Optional[str]:
     device = torch.device(device)
     if device.type != "cuda":
@@ -119,278 +184,167 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
         return why
     if not torch.cuda.is_available():
         return "no CUDA device is available"
-    choice = m.image_for(torch.cuda.get_device_capability(device))
+    choice = m.image_for(torch.cuda.get_device_capability(device), driver_release())
     if not choice.supported:
         return choice.reason
     return None
 
 
-# --- which specialisations a call needs (no GPU needed) -------------------------------------------
-
-_FWD = ("attn_fwd_kernel",)
-_BWD = ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
-_KIND = {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "fwd", "attn_bwd_dkdv_kernel": "bwd_dkdv",
-         "attn_bwd_dq_kernel": "bwd_dq"}
+# --- the device's images --------------------------------------------------------------------------
 
 
-def call_flags(params, varlen, alibi_slopes, head_dim: int) -> dict:
-    """The launchers' constexpr flags for this call (``launch.feature_flags``), and ``IS_PAGED``."""
-    from flash_attn.kernels import launch  # noqa: PLC0415
+@dataclass
+class _DeviceImages:
+    """What one device runs: the manifest, the image architecture, the planner's target, and, once
+    the driver refused an image, its answer (every later call is refused with it)."""
 
-    features = launch.uses_score_features(params, alibi_slopes is not None)
-    return dict(launch.feature_flags(params, features, varlen is not None, head_dim),
-                IS_PAGED=varlen is not None and varlen.block_table is not None)
-
-
-def required_specs(op: str, dtype, head_dim: int, capability: tuple[int, int], flags: dict,
-                   return_softmax: bool = False) -> tuple[list, str]:
-    """The specialisations ``op`` ("forward"/"backward") launches for this call on ``capability``,
-    or ``([], why not)``."""
-    if return_softmax:
-        return [], S.NOT_SHIPPED["attn_probs_kernel"]
-    out = []
-    features = any(flags.get(name) for name in S.SCORE_FEATURES)
-    for kernel in _FWD if op == "forward" else _BWD:
-        config = configs.pick_config(_KIND[kernel], max(head_dim, 1), capability,
-                                     features and kernel in S.FEATURE_KERNELS)
-        spec, why = S.spec_for_call(kernel, dtype, head_dim, config, flags)
-        if spec is None:
-            return [], why
-        out.append(spec)
-    return out, ""
+    manifest: Manifest
+    arch: str
+    target: P.Target
+    broken: Optional[str] = None
+    plans: PlanCache = field(default_factory=PlanCache)  # call shape -> packed launches or refusal
 
 
-def _frozen(flags: dict) -> tuple:
-    return tuple(sorted(flags.items()))
+_devices: dict[torch.device, _DeviceImages | str] = {}
 
 
-def call_reason(m: Manifest, capability: tuple[int, int], op: str, dtype, head_dim: int, flags: dict,
-                return_softmax: bool = False) -> Optional[str]:
-    """Why the shipped kernels cannot run this call on ``capability``, or ``None``."""
-    return m.memo(("call", capability, op, dtype, head_dim, _frozen(flags), return_softmax),
-                  lambda: _call_reason(m, capability, op, dtype, head_dim, flags, return_softmax))
+def _device_images(device: torch.device) -> _DeviceImages | str:
+    """The images of ``device`` (worked out on its first call; ``FLASH_ATTN_AOT_DIR`` is read then)."""
+    found = _devices.get(device)
+    if found is None:
+        found = _devices[device] = _make_device_images(
+            device.index if device.index is not None else torch.cuda.current_device())
+    return found
 
 
-def _call_reason(m, capability, op, dtype, head_dim, flags, return_softmax) -> Optional[str]:
-    choice = m.image_for(capability)
-    if not choice.supported:
-        return choice.reason
-    specs, why = required_specs(op, dtype, head_dim, config_capability(capability, choice), flags, return_softmax)
-    if not specs:
+def _make_device_images(index: int) -> _DeviceImages | str:
+    m, why = manifest()
+    if m is None:
         return why
-    for spec in specs:
-        if m.lookup(choice.arch.name, spec.key) is None:
-            return f"{spec.key} is not in the {choice.arch.name} image set of this installation"
-    return None
+    capability = torch.cuda.get_device_capability(index)
+    choice = m.image_for(capability, driver_release())
+    if not choice.supported:
+        return choice.reason
+    family = configs.arch_family(config_capability(capability, choice))
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return _DeviceImages(m, choice.arch.name, P.Target(family, sms, aot=True))
 
 
-# --- the executor ---------------------------------------------------------------------------------
-
-_registered: dict[tuple[str, str, str], int] = {}
-
-
-def _arange_cu(device, batch: int, step: int) -> torch.Tensor:
-    """``cu_seqlens = arange(batch + 1) * step`` of a dense call run as varlen."""
-    if (batch + 1) * step > _I32[1]:
-        raise AotUnsupported(f"{batch} x {step} rows overflow the kernels' int32 offsets")
-    from flash_attn.kernels import launch  # noqa: PLC0415
-
-    return launch.read_only_constant("arange", batch + 1, step, torch.int32, device)
+def _target(device: torch.device) -> P.Target | str:
+    images = _device_images(device)
+    if isinstance(images, str):
+        return images
+    return images.broken or images.target
 
 
-def pack_arguments(entry: dict, names: list[str], values: dict) -> tuple[list, list, list]:
-    """Tensors / ints / floats in signature order; ints range-checked (AotUnsupported)."""
-    tensors, ints, floats = [], [], []
+# --- plans as packed launches ---------------------------------------------------------------------
+
+
+class _Packed(NamedTuple):
+    kernel: int
+    grid: list
+    slots: list  # tensor arguments, by slot, in signature order
+    ints: list
+    floats: list
+
+
+_registered: dict[tuple, int] = {}
+
+
+def _register(m: Manifest, entry: dict) -> int:
+    key = (str(m.folder), entry["arch"], entry["key"])
+    kid = _registered.get(key)
+    if kid is None:
+        kid = _registered[key] = _aot_library.register_kernel(m.folder / entry["image"], entry)
+    return kid
+
+
+def pack(launch: P.Launch, entry: dict) -> _Packed | str:
+    """``launch``'s arguments in the order and types of the image's signature, or why they do not
+    fit it (an integer outside int32)."""
     tokens = [t for t in entry["signature"] if t not in _aot_library.HIDDEN_ARGS]
-    if len(tokens) != len(names):
-        raise RuntimeError(f"{entry['key']}: {len(names)} arguments for a signature of {len(tokens)}")
-    for name, token in zip(names, tokens):
-        value = values[name]
-        ty = token.split(":")[0]
-        if ty.startswith("*"):
-            if not isinstance(value, torch.Tensor):
-                raise RuntimeError(f"{entry['key']}: argument {name} must be a tensor, got {type(value).__name__}")
-            if value.data_ptr() % 16 and name.startswith("CuSeqlens"):
-                value = value.clone()
-            tensors.append(value)
-        elif ty.startswith("fp"):
+    mismatch = (f"the installed image {entry['key']} does not fit this flash_attn's kernels (built from other "
+                f"sources? rebuild with `python -m flash_attn build-kernels`)")
+    if len(tokens) != len(launch.args):
+        return mismatch
+    names, ints, floats = [], [], []
+    for (name, value), token in zip(launch.args, tokens):
+        kind = token.split(":")[0]
+        if kind.startswith("*"):
+            if not isinstance(value, P.Slot):
+                return mismatch
+            names.append(str(value))
+        elif kind.startswith("fp"):
             floats.append(float(value))
         else:
             value = int(value)
-            if ty == "i32" and not _I32[0] <= value <= _I32[1]:
-                raise AotUnsupported(f"argument {name} = {value} does not fit the kernels' int32")
+            if kind == "i32" and not -limits.INT32_MAX - 1 <= value <= limits.INT32_MAX:
+                return f"argument {name} = {value} does not fit the kernels' int32"
             ints.append(value)
-    return tensors, ints, floats
+    return _Packed(0, list(launch.grid), names, ints, floats)
 
 
-def config_capability(capability: tuple[int, int], choice: aot_images.ImageChoice) -> tuple[int, int]:
-    """Whose launch configs a device runs: its own on a cubin (compiled for its family), and on
-    the sm_80 PTX (a GPU newer than every cubin, e.g. sm_103 or sm_121) the configs that PTX was
-    built with: the sm80 ones where the device has A100-sized shared memory, else sm86's."""
-    if choice.kind != "ptx":
-        return capability
-    shared = configs.SHARED_MEMORY_LIMIT[configs.arch_family(capability)]
-    return (8, 0) if shared >= configs.SHARED_MEMORY_LIMIT["sm80"] else (8, 6)
+class _AotBackend(KernelBackend):
+    def plan_cache(self, device) -> PlanCache:
+        return _device_images(device).plans
+
+    def executable(self, plan: P.Plan, target: P.Target, device):
+        images = _device_images(device)
+        dtype = S.dtype_name(plan.dtype)
+        packed = []
+        for launch in plan.launches:
+            spec = S.Spec.of(launch.kernel, dtype, launch.constexprs, launch.config)
+            entry = images.manifest.lookup(images.arch, spec.key)
+            if entry is None:
+                return f"{spec.key} is not in the {images.arch} image set of this installation"
+            p = pack(launch, entry)
+            if isinstance(p, str):
+                return p
+            try:
+                kid = _register(images.manifest, entry)
+                _load(kid, device)
+            except RuntimeError as exc:
+                images.broken = f"the driver cannot load the {images.arch} images: {_first_line(exc)}"
+                return images.broken
+            packed.append(p._replace(kernel=kid))
+        return ready(plan, tuple(packed))
+
+    def run(self, run: Ready, inputs: dict, device) -> tuple:
+        tensors = slots(run, inputs, device)
+        launch = _launch_op()
+        for p in run.launches:
+            launch(p.kernel, p.grid, [tensors[name] for name in p.slots], p.ints, p.floats)
+        return tuple(tensors[slot] for slot in run.plan.results)
 
 
-class AotExecutor:
-    """Launches the launchers' calls on the precompiled images of one architecture."""
-
-    def __init__(self, m: Manifest, arch: str, capability: Optional[tuple[int, int]] = None):
-        self.manifest, self.arch = m, arch
-        self.capability = capability  # whose launch configs (see config_capability)
-
-    def resolve(self, kernel_name: str, dtype, head_dim: int, config, flags: dict) -> dict:
-        entry, why = self.manifest.memo(("entry", self.arch, kernel_name, dtype, head_dim, tuple(config),
-                                         _frozen(flags)),
-                                        lambda: self._lookup(kernel_name, dtype, head_dim, config, flags))
-        if entry is None:
-            raise AotUnsupported(why)
-        return entry
-
-    def _lookup(self, kernel_name: str, dtype, head_dim: int, config, flags: dict) -> tuple[Optional[dict], str]:
-        spec, why = S.spec_for_call(kernel_name, dtype, head_dim, config, flags)
-        if spec is None:
-            return None, why
-        entry = self.manifest.lookup(self.arch, spec.key)
-        if entry is None:
-            return None, f"{spec.key} is not in the {self.arch} image set of this installation"
-        return entry, ""
-
-    def __call__(self, name: str, grid, args: list, flags: dict, config, device) -> None:
-        """One launch of :func:`flash_attn.kernels.launch._run`: the kernel's name, its grid, the
-        runtime arguments in signature order and the constexpr flags (no Triton involved)."""
-        launch_names = [n for n in registry.arg_names(name) if n not in flags]
-        values = dict(zip(launch_names, args))
-        tensors = [v for v in args if isinstance(v, torch.Tensor)]
-        # the element type of the specialisation: the first fp16/bf16 tensor (the decode combine
-        # kernel starts with its fp32 partial results)
-        first = next((t for t in tensors if t.dtype in _ELEMENT_DTYPES), tensors[0])
-        cfg = configs.Config(flags.get("BLOCK_M", config.block_m), flags.get("BLOCK_N", config.block_n),
-                             config.num_warps, config.num_stages)
-        entry = self.resolve(name, first.dtype, int(values["head_dim"]), cfg, flags)
-        if "IS_VARLEN" in flags and not flags["IS_VARLEN"]:
-            for key, value in S.dense_as_varlen(launch_names, values, int(grid[2])).items():
-                values[key] = _arange_cu(first.device, value[1], value[2]) if isinstance(value, tuple) else value
-        spec_names = S.runtime_arg_names(name, entry["constexprs"])
-        tensors, ints, floats = pack_arguments(entry, spec_names, values)
-        reg_key = (str(self.manifest.folder), self.arch, entry["key"])
-        kid = _registered.get(reg_key)
-        if kid is None:
-            kid = _aot_library.register_kernel(self.manifest.folder / entry["image"], entry)
-            _registered[reg_key] = kid
-        _aot_library.launch(kid, grid, tensors, ints, floats)
+_loaded: set = set()
 
 
-def _executor(device) -> AotExecutor:
-    m, why = manifest()
-    if m is None:
-        raise AotUnsupported(why)
-    capability = torch.cuda.get_device_capability(device)
-    choice = m.image_for(capability)
-    if not choice.supported:
-        raise AotUnsupported(choice.reason)
-    return AotExecutor(m, choice.arch.name, config_capability(capability, choice))
+def _load(kid: int, device) -> None:
+    """Load the image on ``device`` now (the driver's answer comes before anything runs)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return  # meta tensors (tracing, tests): nothing to load
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if (kid, index) not in _loaded:
+        _aot_library.ops().aot_kernel_attributes(kid, index)
+        _loaded.add((kid, index))
 
 
-# --- the backend contract -------------------------------------------------------------------------
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return re.sub(r"\s+", " ", text.splitlines()[0] if text else type(exc).__name__)
 
 
-def _fallback(op: str, device, reason: str):
-    from flash_attn import dispatch  # noqa: PLC0415
-
-    target = "triton" if dispatch.unavailable_reason("triton", device) is None else "reference"
-    dispatch.warn_once(f"aot:{op}:{reason}",
-                       f"flash_attn: the aot backend has no precompiled kernel for this {op} ({reason}); "
-                       f"running it on the {target} backend.")
-    return dispatch._load(target)[0]
+_op = None
 
 
-def _precheck(op, q, params, varlen, alibi_slopes, return_softmax=False) -> Optional[str]:
-    from flash_attn.kernels import launch  # noqa: PLC0415
-
-    why = launch.supported(op, q, varlen)
-    if why is not None:
-        return why
-    m, why = manifest()
-    if m is None:
-        return why
-    return call_reason(m, torch.cuda.get_device_capability(q.device), op, q.dtype, q.shape[-1],
-                       call_flags(params, varlen, alibi_slopes, q.shape[-1]), return_softmax)
+def _launch_op():
+    global _op
+    if _op is None:
+        _op = _aot_library.ops().aot_launch.default
+    return _op
 
 
-def forward(q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False):
-    reason = _precheck("forward", q, params, varlen, alibi_slopes, return_softmax)
-    if reason is None:
-        from flash_attn.kernels import launch  # noqa: PLC0415
-
-        try:
-            executor = _executor(q.device)
-            return launch.forward(q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, executor=executor,
-                                  capability=executor.capability)
-        except AotUnsupported as exc:
-            reason = str(exc)
-    return _fallback("forward", q.device, reason).forward(
-        q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax)
-
-
-def backward(dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None, deterministic=False):
-    reason = _precheck("backward", q, params, varlen, alibi_slopes)
-    if reason is None:
-        from flash_attn.kernels import launch  # noqa: PLC0415
-
-        try:
-            # deterministic: these kernels use no atomics
-            executor = _executor(q.device)
-            return launch.backward(dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes,
-                                   executor=executor, capability=executor.capability)
-        except AotUnsupported as exc:
-            reason = str(exc)
-    return _fallback("backward", q.device, reason).backward(
-        dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes, deterministic=deterministic)
-
-
-def kvcache_reason(m: Manifest, capability: tuple[int, int], dtype, head_dim: int) -> Optional[str]:
-    """Why the shipped kernels cannot run a ``forward_kvcache`` of this dtype and head dim on
-    ``capability``, or ``None``: every specialisation its head-dim bucket may launch (both split
-    configs, each append / rotary variant, the combine) must be in the image set, so that a call
-    never stops half-way (the append writes the cache in place)."""
-    return m.memo(("kvcache", capability, dtype, head_dim), lambda: _kvcache_reason(m, capability, dtype, head_dim))
-
-
-def _kvcache_reason(m, capability, dtype, head_dim) -> Optional[str]:
-    from flash_attn.kernels import decode_configs  # noqa: PLC0415
-
-    choice = m.image_for(capability)
-    if not choice.supported:
-        return choice.reason
-    name = S.dtype_name(dtype)
-    why = decode_configs.superset_refusal(name or str(dtype).replace("torch.", ""), head_dim, {})
-    if why is not None:
-        return why
-    block_d = decode_configs.superset_block_d(head_dim)
-    family = configs.arch_family(config_capability(capability, choice))
-    for spec in S.decode_specs(family, name, block_d):
-        if m.lookup(choice.arch.name, spec.key) is None:
-            return f"{spec.key} is not in the {choice.arch.name} image set of this installation"
-    return None
-
-
-def forward_kvcache(q, params, cache, *, alibi_slopes=None):
-    from flash_attn.kernels import decode_configs, decode_launch  # noqa: PLC0415
-
-    m, reason = manifest()
-    if m is not None:
-        reason = kvcache_reason(m, torch.cuda.get_device_capability(q.device), q.dtype, q.shape[-1])
-    if reason is None:
-        try:
-            executor = _executor(q.device)
-            return decode_launch.forward_kvcache(q, params, cache, alibi_slopes=alibi_slopes, interpret=False,
-                                                 executor=executor, superset=True,
-                                                 family=configs.arch_family(executor.capability))
-        except (AotUnsupported, decode_configs.DecodeLayoutUnsupported) as exc:
-            # raised before the first launch (layout) or by the argument packing (int32 range); a
-            # retry appends the same rows again, which is idempotent
-            reason = str(exc)
-    return _fallback("forward_kvcache", q.device, reason).forward_kvcache(
-        q, params, cache, alibi_slopes=alibi_slopes)
+_backend = _AotBackend(_NAME, _target)
+prepare_forward, prepare_backward, prepare_forward_kvcache, forward, backward, forward_kvcache = _backend.contract()

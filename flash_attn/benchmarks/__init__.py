@@ -6,6 +6,8 @@
 * ``gpu``: forward / forward+backward TFLOPs of the ``aot`` and ``triton`` backends vs SDPA's
   flash / efficient / cudnn backends and upstream ``flash_attn_2_cuda`` (:mod:`.gpu`);
 * ``build``: wall time, peak memory and size of the ahead-of-time kernel build (:mod:`.build`);
+* ``overhead``: host time per call of the public functions on the ``aot`` path, launches stubbed
+  (or, with ``--device cuda``, for real) (:mod:`.overhead`);
 * ``auto`` (default): ``gpu`` when PyTorch sees a CUDA device, else ``cpu``.
 
 Results go to ``--out`` (default ``bench-results/``) as ``bench-<mode>.json`` / ``.csv`` /
@@ -36,7 +38,7 @@ def _words(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("mode", nargs="?", choices=("auto", "cpu", "gpu", "build"), default="auto",
+    parser.add_argument("mode", nargs="?", choices=("auto", "cpu", "gpu", "build", "overhead"), default="auto",
                         help="what to benchmark (default: gpu if CUDA is available, else cpu)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default: bench-results)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke test)")
@@ -66,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--headdims", type=_ints, default=[64, 128, 256])
     gpu.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
     gpu.add_argument("--hidden", type=int, default=2048, help="heads * headdim (default 2048)")
+    overhead = parser.add_argument_group("overhead mode")
+    overhead.add_argument("--device", choices=("stubbed", "cuda"), default="stubbed",
+                          help="stubbed: launches replaced by a no-op, any machine (default); cuda: real calls on a GPU")
+    overhead.add_argument("--calls", type=int, default=200, help="calls per timed run (default 200)")
     build = parser.add_argument_group("build mode")
     build.add_argument("--build-command", help="command to time; {python}, {out} and {archs} are filled in "
                        "(default: '{python} -m flash_attn build-kernels --out {out}')")
@@ -82,7 +88,25 @@ def run(args: argparse.Namespace) -> int:
         import torch  # noqa: PLC0415
 
         mode = "gpu" if torch.cuda.is_available() else "cpu"
-    return {"cpu": run_cpu, "gpu": run_gpu, "build": run_build}[mode](args)
+    return {"cpu": run_cpu, "gpu": run_gpu, "build": run_build, "overhead": run_overhead}[mode](args)
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+
+    mode = "device" if args.device == "cuda" else "stubbed"
+    try:
+        rows = overhead.run(mode, calls=args.calls, repeats=args.repeats or 5)
+    except RuntimeError as exc:
+        print(f"bench overhead: {exc}", file=sys.stderr)
+        return 2
+    meta = {"mode": "overhead", "config": {"device": mode, "calls": args.calls}, "machine": common.machine()}
+    columns = ("mode", "case", "us_per_call", "us_min", "us_max", "launches_per_call")
+    paths = common.write_results(args.out, "bench-overhead", meta, rows, columns)
+    print(common.markdown_table(rows, [("case", "call"), ("us_per_call", "us per call"), ("us_min", "min"),
+                                       ("us_max", "max"), ("launches_per_call", "launches")]))
+    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items() if kind != "png"))
+    return 0
 
 
 def run_cpu(args: argparse.Namespace) -> int:

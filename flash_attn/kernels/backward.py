@@ -30,7 +30,7 @@ import triton.language as tl
 
 from flash_attn.kernels import masking
 from flash_attn.kernels.dropout_rng import dropout_keep
-from flash_attn.kernels.forward import row_ptrs, sequence_bounds, stride_16b
+from flash_attn.kernels.forward import alibi_slope_log2, block_and_batch, load_seed, row_ptrs, sequence_bounds, stride_16b
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -41,16 +41,15 @@ def attn_bwd_preprocess_kernel(
     stride_ob, stride_om, stride_oh,
     stride_dob, stride_dom, stride_doh,
     stride_lb, stride_lh,
-    seqlen_q, head_dim,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    seqlen_q, head_dim, packed,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), nheads, batch)``; ``Delta`` laid out like lse."""
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``; ``Delta`` laid out like lse."""
     stride_ob, stride_om, stride_oh = stride_16b(stride_ob), stride_16b(stride_om), stride_16b(stride_oh)
     stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
-    pid_m = tl.program_id(0)
+    pid_m, b = block_and_batch(seqlen_q, BLOCK_M, False)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -128,7 +127,7 @@ def _dkdv_query_tiles(
 @triton.jit
 def attn_bwd_dkdv_kernel(
     Q, K, V, dOut, LSE, Delta, dK, dV,
-    CuSeqlensQ, CuSeqlensK, AlibiSlopes,
+    CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
@@ -136,13 +135,13 @@ def attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkn, stride_dkh,
     stride_dvb, stride_dvn, stride_dvh,
     stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, group, head_dim,
-    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
+    softmax_scale, softcap, window_left, window_right, dropout_p,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_k, BLOCK_N), nheads_k, batch)``; ``LSE``/``Delta`` share strides.
+    """Grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch, nheads_k)``; ``LSE``/``Delta`` share strides.
 
     dK/dV have K/V's shape (``(b, sk, hk, d)`` or ``(total_k, hk, d)``) and dtype.
     """
@@ -152,11 +151,12 @@ def attn_bwd_dkdv_kernel(
     stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
     stride_dkb, stride_dkn, stride_dkh = stride_16b(stride_dkb), stride_16b(stride_dkn), stride_16b(stride_dkh)
     stride_dvb, stride_dvn, stride_dvh = stride_16b(stride_dvb), stride_16b(stride_dvn), stride_16b(stride_dvh)
-    pid_n = tl.program_id(0)
+    # the first key blocks are seen by the most queries under a causal mask: they go first
+    pid_n, b = block_and_batch(seqlen_k, BLOCK_N, False)
     kv_h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -179,9 +179,7 @@ def attn_bwd_dkdv_kernel(
                                                        BLOCK_M, BLOCK_N, IS_LOCAL)
     # the query heads of this kv head's group, one after the other: no atomics across heads
     for h in range(kv_h * group, kv_h * group + group):
-        slope_log2 = 0.0
-        if HAS_ALIBI:
-            slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+        slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
         Q_head = Q + b64 * stride_qb + q0 * stride_qm + h * stride_qh
         dO_head = dOut + b64 * stride_dob + q0 * stride_dom + h * stride_doh
         L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
@@ -253,30 +251,30 @@ def _dq_key_tiles(
 @triton.jit
 def attn_bwd_dq_kernel(
     Q, K, V, dOut, LSE, Delta, dQ,
-    CuSeqlensQ, CuSeqlensK, AlibiSlopes,
+    CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh,
     stride_dqb, stride_dqm, stride_dqh,
     stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, group, head_dim,
-    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
+    softmax_scale, softcap, window_left, window_right, dropout_p,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), nheads, batch)``; dQ has Q's shape and dtype."""
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``; dQ has Q's shape and dtype."""
     stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
     stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
     stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
     stride_dob, stride_dom, stride_doh = stride_16b(stride_dob), stride_16b(stride_dom), stride_16b(stride_doh)
     stride_dqb, stride_dqm, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqm), stride_16b(stride_dqh)
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_m, b = block_and_batch(seqlen_q, BLOCK_M, True)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -300,9 +298,7 @@ def attn_bwd_dq_kernel(
     V_head = V + b64 * stride_vb + k0 * stride_vn + kv_h * stride_vh
 
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
-    slope_log2 = 0.0
-    if HAS_ALIBI:
-        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+    slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = masking.key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                      BLOCK_M, BLOCK_N, IS_LOCAL)

@@ -30,6 +30,7 @@ __all__ = [
     "arch_family",
     "estimate_shared_memory",
     "padded_headdim",
+    "pick",
     "pick_config",
 ]
 
@@ -108,14 +109,16 @@ _TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
 # * fwd: 128x128 spills on sm90 (56 B) and sm100 (536 B); 128x64 d128 too (8 B, 32 B) -> 128x32.
 #   Also smaller code: the sm100 128x128 features kernel is a 2.8 MB cubin and 38 s to compile.
 # * bwd_dkdv: 32x128 spills 144-608 B everywhere at d64; 16x64 s1 does not (sm80/86/100/120).
+#   sm80/86 d128: 16x64 s1 sits at 255 registers and keeps 8 B of stack with Triton 3.7 -> 16x32
+#   s2 (236 with 3.7, 241 with 3.9).
 #   sm90 d128: every wgmma tile spills (16x64 s1 128 B, s2 48 B, 4 warps 216 B, 32x64 432 B), so
 #   16x32 s2 (mma.sync, 200 registers) - the one features kernel without its arch's best MMA.
 # * bwd_dq d128: 64x64 s2 / 128x64 s2 spill on sm86 (24 B with 4 warps), sm90 (208 B), sm100 (96 B),
 #   sm120 (8 B) -> 64x32 8 warps everywhere (none spills).
 _F = Config(128, 32, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
-    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
+    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
+    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
     ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None),
     ("fwd", "sm90"): (None, _F, _F, None),
     ("bwd_dkdv", "sm90"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
@@ -164,18 +167,16 @@ def _bucket(headdim: int) -> int:
     raise ValueError(f"head dimension {headdim} > {HEADDIM_BUCKETS[-1]} is not supported by the kernels")
 
 
-def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False) -> Config:
-    """Launch configuration of kernel ``kind`` for ``headdim`` on ``capability``.
-
-    ``capability=None`` means Triton's interpreter (CPU). ``features``: the score-features
-    variant (softcap, ALiBi and dropout compiled in), whose extra live tiles need smaller blocks
-    in places (:data:`_FEATURES_TABLE`).
-    """
+def pick(kind: str, headdim: int, family: str, features: bool = False) -> Config:
+    """Launch configuration of kernel ``kind`` for ``headdim`` on architecture ``family``
+    (``"sm80"``, ..., or ``"interpret"`` for Triton's interpreter). ``features``: the
+    score-features variant (softcap, ALiBi and dropout compiled in), whose extra live tiles need
+    smaller blocks in places (:data:`_FEATURES_TABLE`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
-    if capability is None:
+    if family == "interpret":
         return INTERPRETER_CONFIGS[kind]
-    key = (kind, arch_family(capability))
+    key = (kind, family)
     bucket = _bucket(headdim)
     if features:
         # the score-features kernels are built from head-dim bucket 64 up (see specializations)
@@ -185,6 +186,11 @@ def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], 
         if override is not None:
             return override
     return _TABLE[key][bucket]
+
+
+def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False) -> Config:
+    """:func:`pick` for a compute capability (``None``: Triton's interpreter)."""
+    return pick(kind, headdim, "interpret" if capability is None else arch_family(capability), features)
 
 
 # Blackwell's tcgen05 MMAs stage more operands (and their mbarriers) in shared memory than the

@@ -84,11 +84,16 @@ def _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_ri
 
 
 @triton.jit
-def _cache_rows(rows, row_mask, seq, bt_row, page_size, PAGED: tl.constexpr):
+def _cache_rows(rows, row_mask, seq, bt_row, page_size, identity_table, PAGED: tl.constexpr):
     """Where cache rows ``rows`` (row indices of one sequence) live: ``(slot, row)`` int64, i.e.
-    the page and the row inside it when ``PAGED``, else the cache sequence ``seq`` and ``rows``."""
+    the page and the row inside it when ``PAGED``, else the cache sequence ``seq`` and ``rows``.
+    ``identity_table != 0`` (paged only): the table is not read, sequence ``b`` is page ``seq``
+    (a plain cache addressed as one page of ``page_size`` rows per sequence)."""
     if PAGED:
-        page = tl.load(bt_row + rows // page_size, mask=row_mask, other=0).to(tl.int64)
+        # a tensor compare: an int argument equal to 1 may arrive as a compile-time constant
+        from_table = (rows * 0 + identity_table) == 0
+        page = tl.load(bt_row + rows // page_size, mask=row_mask & from_table, other=0).to(tl.int64)
+        page = tl.where(from_table, page, seq)
         return page, (rows % page_size).to(tl.int64)
     else:
         return seq + rows.to(tl.int64) * 0, rows.to(tl.int64)
@@ -126,6 +131,7 @@ def _attend_blocks(
     cap_out_log2,
     window_left,
     window_right,
+    identity_table,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     IS_LOCAL: tl.constexpr,
@@ -145,7 +151,7 @@ def _attend_blocks(
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seqlen_k
         rows = first_row + offs_n
-        slot, row = _cache_rows(rows, n_mask, seq, bt_row, page_size, PAGED)
+        slot, row = _cache_rows(rows, n_mask, seq, bt_row, page_size, identity_table, PAGED)
         k_off = slot * stride_kb + row * stride_kt + k_head
         v_off = slot * stride_vb + row * stride_vt + v_head
         if MASKED:
@@ -206,6 +212,9 @@ def split_kv_kernel(
     group,
     head_dim,
     page_size,
+    use_leftpad,
+    use_alibi,
+    identity_table,
     softmax_scale,
     softcap,
     window_left,
@@ -222,14 +231,14 @@ def split_kv_kernel(
     HAS_LEFTPAD: tl.constexpr,
     ONE_PASS: tl.constexpr,
 ):
-    """Grid ``(num_splits, batch * nheads_k, cdiv(seqlen_q * group, BLOCK_M))``.
+    """Grid ``(batch * nheads_k * cdiv(seqlen_q * group, BLOCK_M), num_splits)``.
 
     ``ONE_PASS``: visit the split's key blocks in one masked loop instead of masked / interior /
     masked stages. The same values (the mask is all-true on interior blocks); a third of the
     code, so a third of the compile time (the ahead-of-time build uses it: decoding is bound by
     reading K/V, not by the mask arithmetic).
 
-    Program ``(split, b * nheads_k + kv_head, m_block)`` attends the packed rows
+    Program ``((b * nheads_k + kv_head) * m_blocks + m_block, split)`` attends the packed rows
     ``[m_block * BLOCK_M, ...)`` of kv head ``kv_head`` to its share of the visible key blocks and
     stores the normalised result and its natural-log logsumexp at ``Lse + split * stride_ls +
     ...``. The result goes to the final output ``Out`` (q's dtype, strides ``stride_o*``) when
@@ -237,21 +246,23 @@ def split_kv_kernel(
     pointers chosen at run time rather than one pointer of either type, so that the kernel has a
     single signature per dtype (an ahead-of-time build compiles one kernel, not two).
     """
-    split = tl.program_id(0)
-    num_splits = tl.num_programs(0)
-    pid_bh = tl.program_id(1)
-    m_block = tl.program_id(2)
+    # axis 0: (batch entry, kv head) x row blocks, row-block fastest (any batch x heads fits)
+    num_m_blocks = tl.cdiv(seqlen_q * group, BLOCK_M)
+    pid_bh = tl.program_id(0) // num_m_blocks
+    m_block = tl.program_id(0) % num_m_blocks
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
     b = pid_bh // nheads_k
     kv_head = pid_bh % nheads_k
 
     # keys of this sequence: cache rows [first_row, first_row + seqlen_k)
     if HAS_LEFTPAD:
-        first_row = tl.load(Leftpad + b)
+        first_row = tl.load(Leftpad + b, mask=use_leftpad != 0, other=0)
     else:
         first_row = 0
     seqlen_k = tl.load(Seqlens + b) + seqlen_new - first_row
     if PAGED:
-        seq = b.to(tl.int64) * 0
+        seq = b.to(tl.int64)  # its page, when identity_table
         bt_row = BlockTable + b.to(tl.int64) * stride_btb
     else:
         if HAS_BATCH_IDX:
@@ -271,7 +282,8 @@ def split_kv_kernel(
     q_off = b.to(tl.int64) * stride_qb + row_pos.to(tl.int64) * stride_qt + head * stride_qh
     q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
     if HAS_ALIBI:
-        slope_log2 = tl.load(Alibi + b * stride_ab + head, mask=m_mask, other=0.0).to(tl.float32) * LOG2E
+        slope_log2 = tl.load(Alibi + b * stride_ab + head, mask=m_mask & ((head * 0 + use_alibi) != 0), other=0.0)
+        slope_log2 = slope_log2.to(tl.float32) * LOG2E
     else:
         slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
@@ -298,18 +310,18 @@ def split_kv_kernel(
     acc, m_i, l_i = _attend_blocks(
         acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, start, a, first_row, seqlen_k, seqlen_q,
         offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
-        cap_on, cap_in, cap_out_log2, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
+        cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI,
         PAGED)
     if not ONE_PASS:
         acc, m_i, l_i = _attend_blocks(
             acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, a, c, first_row, seqlen_k, seqlen_q,
             offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
-            cap_on, cap_in, cap_out_log2, window_left, window_right, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP,
+            cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table, BLOCK_N, False, IS_LOCAL, HAS_SOFTCAP,
             HAS_ALIBI, PAGED)
         acc, m_i, l_i = _attend_blocks(
             acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, c, end, first_row, seqlen_k, seqlen_q,
             offs_d, d_mask, page_size, stride_kb, stride_kt, k_head, stride_vb, stride_vt, v_head, qk_scale_log2,
-            cap_on, cap_in, cap_out_log2, window_left, window_right, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP,
+            cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table, BLOCK_N, True, IS_LOCAL, HAS_SOFTCAP,
             HAS_ALIBI, PAGED)
 
     seen = l_i > 0.0
@@ -356,7 +368,7 @@ def combine_splits_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(seqlen_q * nheads, BLOCK_R), batch)``: merge ``num_splits`` partial results.
+    """Grid ``(batch * cdiv(seqlen_q * nheads, BLOCK_R),)``: merge ``num_splits`` partial results.
 
     Row ``r`` of batch entry ``b`` is query row ``r // nheads`` of head ``r % nheads``. With
     partial logsumexps ``lse_s`` and normalised partial outputs ``o_s``:
@@ -364,8 +376,9 @@ def combine_splits_kernel(
     ``lse_s = -inf`` (no visible key) weigh nothing; a row with none at all gets out 0, lse +inf.
     ``OutPart`` strides: ``stride_p*``; ``LsePart`` strides: ``stride_q*``.
     """
-    pid_r = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    num_r_blocks = tl.cdiv(seqlen_q * nheads, BLOCK_R)
+    b = (tl.program_id(0) // num_r_blocks).to(tl.int64)
+    pid_r = tl.program_id(0) % num_r_blocks
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     r_mask = offs_r < seqlen_q * nheads

@@ -1,5 +1,8 @@
 """Triton forward kernel of FlashAttention-2, dense and varlen in one family.
 
+Dense and varlen calls run the same compiled kernel: ``packed`` (a run-time argument) says
+whether sequences are packed along dim 0 with ``cu_seqlens`` (:func:`sequence_bounds`).
+
 One program computes ``BLOCK_M`` query rows of one (batch entry, query head): it walks the key
 tiles that the rows can see (:func:`~flash_attn.kernels.masking.key_block_range`, so causal and
 sliding-window attention skip every fully masked tile) in three stages - masked edge tiles, the
@@ -8,19 +11,19 @@ online softmax in fp32 with ``exp2`` (the softmax scale is folded into ``log2(e)
 
 Feature flags (``tl.constexpr``):
 
-``IS_VARLEN``   sequences packed along dim 0, boundaries from ``cu_seqlens_q/k`` (else dense
-                tensors with fixed per-batch offsets and the ``seqlen_q/k`` arguments)
 ``IS_LOCAL``    window mask (causal is the window ``(-1, 0)``); bounds are run-time ints
 ``HAS_SOFTCAP`` ``softcap * tanh(scale * qk / softcap)``
-``HAS_ALIBI``   ``- slope * |i + sk - sq - j|`` with per-(batch,)head fp32 slopes
+``HAS_ALIBI``   ``- slope * |i + sk - sq - j|`` with per-(batch,)head fp32 slopes (``use_alibi``
+                switches it off at run time)
 ``HAS_DROPOUT`` counter-based Philox dropout (:mod:`flash_attn.kernels.dropout_rng`)
 ``IS_PAGED``    K/V rows gathered through ``block_table`` pages of ``page_size`` rows (varlen only)
 ``PAD_HEADDIM`` ``head_dim < BLOCK_D``: the padded feature columns are masked
 
 ``BLOCK_M``/``BLOCK_N`` come from :mod:`flash_attn.kernels.configs`, ``BLOCK_D`` is the head dim
-padded to a power of two >= 16. Everything else (sizes, strides, scale, window, seed) is a plain
+padded to a power of two >= 16. Everything else (sizes, strides, scale, window) is a plain
 argument, so one compiled specialisation serves every input with the same flags (ahead-of-time
-compilation). The last dimension of every tensor must be contiguous (stride 1).
+compilation); the dropout seed is an int64 read from the device (``DropoutSeed``), so a CUDA graph
+replay draws a fresh one. The last dimension of every tensor must be contiguous (stride 1).
 
 MHA/GQA/MQA: query head ``h`` reads kv head ``h // group``; K/V are never repeated.
 A row that sees no key gets output 0 and lse ``+inf``.
@@ -42,7 +45,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 def stride_16b(stride):
     """``stride`` (elements), declared a multiple of 8 elements: 16 bytes for fp16/bf16.
 
-    The launchers guarantee it (:func:`flash_attn.kernels.launch.ready`) for every stride except
+    The planner guarantees it (it copies inputs laid out otherwise) for every stride except
     the last dimension's (which is 1). Knowing it lets the compiler use 16-byte vector loads and
     the asynchronous-copy pipeline with a single compiled specialisation for all inputs
     (``tl.multiple_of`` on a scalar argument is not propagated, the arithmetic is; it costs one
@@ -79,14 +82,50 @@ def kv_row_ptrs(Base, start_n, seqlen_k, bt_row, page_size, stride_page, stride_
 
 
 @triton.jit
-def sequence_bounds(b, CuSeqlens, seqlen, IS_VARLEN: tl.constexpr):
-    """``(start, length)`` of sequence ``b``: from ``cu_seqlens`` (varlen) or ``(0, seqlen)``."""
-    if IS_VARLEN:
-        start = tl.load(CuSeqlens + b)
-        end = tl.load(CuSeqlens + b + 1)
-        return start, end - start
+def block_and_batch(seqlen, BLOCK: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    """``(block, b)`` of this program: grid axis 0 enumerates ``cdiv(seqlen, BLOCK)`` blocks x the
+    batch, block-major (one block index for every batch entry, then the next), so any batch fits
+    the axis (up to 2**31 - 1 programs; axes 1 and 2 stop at 65535). ``HEAVY_FIRST`` starts with
+    the last block, whose rows see the most keys under a causal mask: the long programs start
+    first and the short ones fill the tail of the grid."""
+    num_blocks = tl.cdiv(seqlen, BLOCK)
+    batch = tl.num_programs(0) // num_blocks
+    pid = tl.program_id(0)
+    block = pid // batch
+    if HEAVY_FIRST:
+        block = num_blocks - 1 - block
+    return block, pid % batch
+
+
+@triton.jit
+def load_seed(DropoutSeed, HAS_DROPOUT: tl.constexpr):
+    """The int64 dropout seed, read on the device (a graph replay draws a new one), or 0."""
+    if HAS_DROPOUT:
+        return tl.load(DropoutSeed)
     else:
-        return b * 0, seqlen + b * 0
+        return 0
+
+
+@triton.jit
+def sequence_bounds(b, CuSeqlens, seqlen, packed):
+    """``(start, length)`` of sequence ``b``. Packed (``packed != 0``, varlen): rows
+    ``cu_seqlens[b] .. cu_seqlens[b + 1]`` along dim 0. Dense: ``(0, seqlen)``, rows of batch entry
+    ``b``, and ``CuSeqlens`` is not read. A run-time switch, so one compiled kernel serves both."""
+    is_packed = packed != 0
+    start = tl.load(CuSeqlens + b, mask=is_packed, other=0)
+    end = tl.load(CuSeqlens + b + 1, mask=is_packed, other=0)
+    return start, tl.where(is_packed, end - start, seqlen)
+
+
+@triton.jit
+def alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI: tl.constexpr):
+    """ALiBi slope of query head ``h`` of batch entry ``b``, times ``log2(e)``; 0 when ALiBi is not
+    compiled in or switched off at run time (``use_alibi == 0``: ``AlibiSlopes`` is not read)."""
+    if HAS_ALIBI:
+        slope = tl.load(AlibiSlopes + b * stride_ab + h, mask=use_alibi != 0, other=0.0)
+        return slope.to(tl.float32) * LOG2E
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -150,20 +189,20 @@ def _attend_key_tiles(
 @triton.jit
 def attn_fwd_kernel(
     Q, K, V, Out, LSE,
-    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes,
+    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes, DropoutSeed,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_vb, stride_vn, stride_vh,
     stride_ob, stride_om, stride_oh,
     stride_lb, stride_lh,
     stride_btb, stride_ab,
-    seqlen_q, seqlen_k, group, head_dim, page_size,
-    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    seqlen_q, seqlen_k, group, head_dim, page_size, packed, use_alibi,
+    softmax_scale, softcap, window_left, window_right, dropout_p,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_q, BLOCK_M), nheads, batch)``.
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)`` (:func:`block_and_batch`).
 
     Dense: q/out ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``, lse ``(b, h, sq)``. Varlen: q/out
     ``(total_q, h, d)``, k/v ``(total_k, hk, d)`` (``stride_*b`` = 0) or, paged, page pools
@@ -176,11 +215,11 @@ def attn_fwd_kernel(
     stride_vb, stride_vn, stride_vh = stride_16b(stride_vb), stride_16b(stride_vn), stride_16b(stride_vh)
     stride_ob, stride_om, stride_oh = stride_16b(stride_ob), stride_16b(stride_om), stride_16b(stride_oh)
     # heavy causal blocks (large row index) first: better load balance at the tail of the grid
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_m, b = block_and_batch(seqlen_q, BLOCK_M, True)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -207,9 +246,7 @@ def attn_fwd_kernel(
         bt_row = BlockTable
 
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
-    slope_log2 = 0.0
-    if HAS_ALIBI:
-        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+    slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -253,15 +290,15 @@ def attn_fwd_kernel(
 @triton.jit
 def attn_probs_kernel(
     Q, K, LSE, S,
-    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes,
+    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes, DropoutSeed,
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
     stride_lb, stride_lh,
     stride_sb, stride_sh, stride_sm,
     stride_btb, stride_ab,
-    seqlen_q, seqlen_k, group, head_dim, page_size,
-    softmax_scale, softcap, window_left, window_right, dropout_p, dropout_seed,
-    IS_VARLEN: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    seqlen_q, seqlen_k, group, head_dim, page_size, packed, use_alibi,
+    softmax_scale, softcap, window_left, window_right, dropout_p,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -273,11 +310,11 @@ def attn_probs_kernel(
     """
     stride_qb, stride_qm, stride_qh = stride_16b(stride_qb), stride_16b(stride_qm), stride_16b(stride_qh)
     stride_kb, stride_kn, stride_kh = stride_16b(stride_kb), stride_16b(stride_kn), stride_16b(stride_kh)
-    pid_m = tl.program_id(0)
+    pid_m, b = block_and_batch(seqlen_q, BLOCK_M, False)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, IS_VARLEN)
-    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, IS_VARLEN)
+    dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
+    k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -300,9 +337,7 @@ def attn_probs_kernel(
     lse = tl.load(L_head + offs_m, mask=m_mask, other=float("inf"))
     lse_log2 = lse * LOG2E
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
-    slope_log2 = 0.0
-    if HAS_ALIBI:
-        slope_log2 = tl.load(AlibiSlopes + b * stride_ab + h).to(tl.float32) * LOG2E
+    slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
     S_rows = row_ptrs(S + b64 * stride_sb + tl.cast(h, tl.int64) * stride_sh, start_m, stride_sm, BLOCK_M)[:, None]
     for start_n in range(0, seqlen_k, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)

@@ -103,6 +103,7 @@ def append_kv_kernel(
     head_dim,
     rotary_half,
     page_size,
+    identity_table,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr,
@@ -110,13 +111,14 @@ def append_kv_kernel(
     HAS_ROTARY: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):
-    """Grid ``(cdiv(seqlen_new, BLOCK_T), batch * nheads_k)``: one block of new rows of one head.
+    """Grid ``(batch * nheads_k * cdiv(seqlen_new, BLOCK_T),)``: one block of new rows of one head.
 
     ``K_cache``/``V_cache`` are ``(batch_cache, seqlen_cache, nheads_k, d)`` or, when ``PAGED``,
     a page pool ``(num_pages, page_size, nheads_k, d)`` (then ``stride_*cb`` is the page stride).
     """
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    num_t_blocks = tl.cdiv(seqlen_new, BLOCK_T)
+    pid_bh = tl.program_id(0) // num_t_blocks
+    pid_t = tl.program_id(0) % num_t_blocks
     b = pid_bh // nheads_k
     h = pid_bh % nheads_k
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -125,8 +127,11 @@ def append_kv_kernel(
     positions = tl.load(Seqlens + b) + offs_t  # absolute cache rows, also the rotary positions
 
     if PAGED:
-        page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + positions // page_size, mask=t_mask, other=0)
-        seq = page.to(tl.int64)
+        # identity_table: a plain cache addressed as one page per sequence (the table is not read)
+        from_table = (offs_t * 0 + identity_table) == 0  # a tensor: the int may arrive as a constant
+        page = tl.load(BlockTable + b.to(tl.int64) * stride_btb + positions // page_size, mask=t_mask & from_table,
+                       other=0)
+        seq = tl.where(from_table, page.to(tl.int64), b.to(tl.int64))
         rows = (positions % page_size).to(tl.int64)
     else:
         if HAS_BATCH_IDX:
@@ -171,13 +176,14 @@ def rotary_q_kernel(
     PER_ROW_POSITION: tl.constexpr,
     INTERLEAVED: tl.constexpr,
 ):
-    """Grid ``(cdiv(seqlen_q, BLOCK_T), batch * nheads)``: ``Q_out = rotary(Q)`` for one head.
+    """Grid ``(batch * nheads * cdiv(seqlen_q, BLOCK_T),)``: ``Q_out = rotary(Q)`` for one head.
 
     Row ``t`` of batch entry ``b`` sits at position ``cache_seqlens[b] + t`` when
     ``PER_ROW_POSITION``, otherwise at ``cache_seqlens[b]``.
     """
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    num_t_blocks = tl.cdiv(seqlen_q, BLOCK_T)
+    pid_bh = tl.program_id(0) // num_t_blocks
+    pid_t = tl.program_id(0) % num_t_blocks
     b = pid_bh // nheads
     h = pid_bh % nheads
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -1,0 +1,262 @@
+"""Running launch plans (:mod:`flash_attn.kernels.plan`): what the three kernel backends share.
+
+A kernel backend is a :class:`KernelBackend`: a way to find the :class:`~flash_attn.kernels.plan.
+Target` of a device (or why it cannot run there) and a way to run one planned launch. For each
+call it looks the plan up in a cache keyed by the call's shape and target (planning happens once
+per shape), and returns either a closure that executes it or the planner's reason for refusing
+the call; the dispatcher (:mod:`flash_attn.dispatch`) decides what runs.
+
+Executing a plan: the call's tensors are put into slots by name, the plan's preparations applied
+(copies into the kernels' layout, only where the plan asks), its buffers allocated, its launches
+run in order, its result slots returned. Nothing reads a tensor value on the host.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+
+from flash_attn.kernels import plan as P
+
+__all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
+
+Refusal = str
+
+
+class PlanCache:
+    """``key -> value``, made once per key; the oldest entries go past ``limit`` (a plan holds no
+    device memory, so forgetting one only costs planning it again)."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._values: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key, make: Callable):
+        try:
+            return self._values[key]
+        except KeyError:
+            pass
+        value = make()
+        with self._lock:
+            while len(self._values) >= self.limit:
+                self._values.pop(next(iter(self._values)))
+            self._values[key] = value
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+# ---------------------------------------------------------------------------------------------
+# The call's tensors, by slot name
+
+
+def forward_inputs(q, k, v, params, varlen=None, alibi_slopes=None) -> dict:
+    inputs = dict(q=q, k=k, v=v, alibi=alibi_slopes, seed=params.dropout_seed)
+    if varlen is not None:
+        inputs.update(cu_q=varlen.cu_seqlens_q, cu_k=varlen.cu_seqlens_k, block_table=varlen.block_table)
+    return inputs
+
+
+def backward_inputs(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None) -> dict:
+    inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi=alibi_slopes, seed=params.dropout_seed)
+    if varlen is not None:
+        inputs.update(cu_q=varlen.cu_seqlens_q, cu_k=varlen.cu_seqlens_k)
+    return inputs
+
+
+def kvcache_inputs(q, cache, alibi_slopes=None) -> dict:
+    return dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, k_new=cache.k_new, v_new=cache.v_new,
+                seqlens=cache.cache_seqlens, leftpad=cache.cache_leftpad, batch_idx=cache.cache_batch_idx,
+                block_table=cache.block_table, cos=cache.rotary_cos, sin=cache.rotary_sin, alibi=alibi_slopes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparations and buffers
+
+
+def _aligned_empty(shape, dtype, device) -> torch.Tensor:
+    """Fresh (so 16-byte aligned) storage whose strides but the last are multiples of 8
+    elements: the last dimension padded, the tensor a view of its first ``shape[-1]`` columns."""
+    return _allocator(P.Buffer("", tuple(shape), dtype, padded=True))(device)
+
+
+_PREPARE = {
+    "rows": lambda t: _aligned_empty(t.shape, t.dtype, t.device).copy_(t),
+    "plain": lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t),
+    "contiguous": lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t),
+    "fp32": lambda t: torch.empty(t.shape, dtype=torch.float32, device=t.device).copy_(t),
+    "column": lambda t: t.view(-1, 1),
+}
+
+
+_unused: dict[tuple, torch.Tensor] = {}
+
+
+def _placeholder(dtype, device) -> torch.Tensor:
+    """A tensor nothing reads or writes, one per device and dtype (made outside CUDA-graph capture;
+    one made during a capture belongs to that graph's memory and is not kept)."""
+    key = (dtype, device)
+    found = _unused.get(key)
+    if found is None:
+        found = torch.empty(16, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _unused[key] = found
+    return found
+
+
+def _allocator(buffer: P.Buffer):
+    """``device -> tensor`` for ``buffer``, with its shapes worked out once."""
+    if buffer.unused:
+        return lambda device: _placeholder(buffer.dtype, device)
+    make, storage, dtype, columns = (torch.zeros if buffer.zeroed else torch.empty), buffer.storage, buffer.dtype, \
+        buffer.shape[-1] if buffer.storage != buffer.shape else None
+    if columns is None:
+        return lambda device: make(storage, dtype=dtype, device=device)
+    return lambda device: make(storage, dtype=dtype, device=device)[..., :columns]
+
+
+class Ready(NamedTuple):
+    """A plan made ready to run once per call shape: its buffers' allocators, and its launches in
+    whatever form the backend runs them (the plan's own, or the ``aot`` backend's packed ones)."""
+
+    plan: P.Plan
+    buffers: tuple  # (slot, device -> tensor)
+    launches: tuple
+
+
+def ready(plan: P.Plan, launches: Optional[tuple] = None) -> Ready:
+    return Ready(plan, tuple((b.slot, _allocator(b)) for b in plan.buffers),
+                 plan.launches if launches is None else launches)
+
+
+def slots(run: Ready, inputs: dict, device) -> dict:
+    """The call's tensors by slot (``inputs`` is extended in place): the inputs, prepared where the
+    plan asks, and the plan's buffers."""
+    tensors = inputs
+    if run.plan.needs_seed and not isinstance(tensors.get("seed"), torch.Tensor):
+        # a plain int seed from a direct backend call (the public API draws one on the device):
+        # a fill on the device, no copy from the host
+        tensors["seed"] = torch.full((1,), int(tensors.get("seed") or 0), dtype=torch.int64, device=device)
+    for prep in run.plan.prepare:
+        tensors[prep.slot] = _PREPARE[prep.how](tensors[prep.source or prep.slot])
+    for slot, make in run.buffers:
+        tensors[slot] = make(device)
+    return tensors
+
+
+def execute(run: Ready, inputs: dict, device, run_launch: Callable) -> tuple:
+    """Run a plan for one call: ``run_launch(launch, tensors, device)`` per launch, in order."""
+    tensors = slots(run, inputs, device)
+    for launch in run.launches:
+        run_launch(launch, tensors, device)
+    return tuple(tensors[slot] for slot in run.plan.results)
+
+
+def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
+    """Every argument of ``launch`` by name, slots replaced by the call's tensors (Triton takes
+    keywords, so constexprs fixed in the middle of the signature need no placeholder)."""
+    kwargs = {name: tensors[value] if isinstance(value, P.Slot) else value for name, value in launch.args}
+    kwargs.update(launch.constexprs)
+    return kwargs
+
+
+# ---------------------------------------------------------------------------------------------
+# A kernel backend
+
+
+TargetFn = Callable[[torch.device], Union[P.Target, Refusal]]
+
+
+class KernelBackend:
+    """The backend contract (``prepare_*`` for the dispatcher, and the plain functions) on top of
+    the planner, for one way of running launches.
+
+    ``target(device)``: the :class:`~flash_attn.kernels.plan.Target` to plan for, or why the
+    backend cannot run on ``device``. ``run_launch(launch, tensors, device)``: one launch.
+    Subclasses may override :meth:`executable` to turn a plan into something faster to run.
+    """
+
+    def __init__(self, name: str, target: TargetFn, run_launch: Optional[Callable] = None):
+        self.name = name
+        self.target = target
+        self.run_launch = run_launch
+        self.plans = PlanCache()
+
+    # what a plan becomes for this backend, once per call shape (the AOT backend packs arguments)
+    def executable(self, plan: P.Plan, target: P.Target, device) -> Ready | str:
+        return ready(plan)
+
+    def plan_cache(self, device) -> PlanCache:
+        return self.plans
+
+    def run(self, executable, inputs: dict, device) -> tuple:
+        return execute(executable, inputs, device, self.run_launch)
+
+    def _prepare(self, planner: Callable, shape, inputs: dict, device):
+        target = self.target(device)
+        if isinstance(target, str):
+            return target
+        key = (planner.__name__, shape, target, device)
+        executable = self.plan_cache(device).get(key, lambda: self._make(planner, shape, target, device))
+        if isinstance(executable, str):
+            return executable
+        return lambda: self.run(executable, inputs, device)
+
+    def _make(self, planner, shape, target, device):
+        plan = planner(shape, target)
+        return plan if isinstance(plan, str) else self.executable(plan, target, device)
+
+    # --- the contract ---------------------------------------------------------------------------
+
+    def prepare_forward(self, q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False):
+        shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax)
+        runner = self._prepare(P.plan_forward, shape, forward_inputs(q, k, v, params, varlen, alibi_slopes), q.device)
+        if isinstance(runner, str) or return_softmax:
+            return runner
+        return lambda: (*runner(), None)
+
+    def prepare_backward(self, dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
+                         deterministic=False):
+        # deterministic needs nothing: the kernels use no atomics and are always deterministic
+        shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes)
+        return self._prepare(P.plan_backward, shape,
+                             backward_inputs(dout, q, k, v, out, lse, params, varlen, alibi_slopes), q.device)
+
+    def prepare_forward_kvcache(self, q, params, cache, *, alibi_slopes=None):
+        shape = P.describe_kvcache(q, params, cache, alibi_slopes)
+        return self._prepare(P.plan_kvcache, shape, kvcache_inputs(q, cache, alibi_slopes), q.device)
+
+    def contract(self) -> tuple:
+        """The module-level functions of a backend: ``prepare_forward``, ``prepare_backward``,
+        ``prepare_forward_kvcache`` (for the dispatcher), ``forward``, ``backward``,
+        ``forward_kvcache`` (direct calls; a refused call raises :class:`KernelsCannotRun`)."""
+        return (self.prepare_forward, self.prepare_backward, self.prepare_forward_kvcache, self.forward, self.backward,
+                self.forward_kvcache)
+
+    def forward(self, *args, **kwargs):
+        return _run_or_raise(self.name, "forward", self.prepare_forward(*args, **kwargs))
+
+    def backward(self, *args, **kwargs):
+        return _run_or_raise(self.name, "backward", self.prepare_backward(*args, **kwargs))
+
+    def forward_kvcache(self, *args, **kwargs):
+        return _run_or_raise(self.name, "forward_kvcache", self.prepare_forward_kvcache(*args, **kwargs))
+
+
+class KernelsCannotRun(RuntimeError):
+    """A kernel backend was called directly with a call its kernels do not serve (the dispatcher
+    would have chosen another backend)."""
+
+
+def _run_or_raise(name: str, op: str, runner):
+    if isinstance(runner, str):
+        raise KernelsCannotRun(f"the {name} backend cannot run this {op}: {runner}")
+    return runner()

@@ -1,0 +1,127 @@
+"""Host overhead per call: what the Python side of an attention call costs.
+
+Two modes (``python -m flash_attn bench overhead [--device cuda]``):
+
+* ``stubbed`` (the default; any machine): the public functions on the ``aot`` path as an H100
+  runs it (the sm_90a images of this installation, or the newest shipped), with CPU tensors
+  standing in for GPU memory and the op library's launch replaced by a no-op that only counts.
+  What remains is this package's own work per call: validation, the custom op, dispatch, the
+  plan lookup, buffer allocation, the argument lists. What it cannot show: the op library's
+  argument checks and ``cuLaunchKernel`` (a few microseconds per launch), and the CUDA caching
+  allocator (CPU allocations stand in for it).
+* ``device`` (a CUDA GPU): the same calls for real; small shapes, so the time per call is what a
+  host-bound loop (decoding) pays: wall clock over many calls, the device synchronised once.
+
+Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
+time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
+nothing waits for a device), wall clock in ``device`` mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+CASES = ("forward", "forward+backward", "decode step")
+
+
+def _calls(device) -> dict[str, Callable[[], object]]:
+    """The measured calls: a short forward (inference), a training step's attention (forward and
+    backward through autograd), one decode step with a KV cache (append + attend)."""
+    from flash_attn import flash_attn_func, flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
+    q, k, v = rnd(1, 128, 16, 128), rnd(1, 128, 16, 128), rnd(1, 128, 16, 128)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = rnd(1, 128, 16, 128)
+    batch, heads, heads_k = 8, 32, 8
+    k_cache, v_cache = rnd(batch, 4096, heads_k, 128), rnd(batch, 4096, heads_k, 128)
+    step_q, step_k, step_v = rnd(batch, 1, heads, 128), rnd(batch, 1, heads_k, 128), rnd(batch, 1, heads_k, 128)
+    seqlens = torch.full((batch,), 2000, dtype=torch.int32, device=device)
+
+    def training():
+        for t in (qg, kg, vg):
+            t.grad = None  # the step's gradients are fresh tensors (no accumulation)
+        flash_attn_func(qg, kg, vg, causal=True).backward(dout)
+
+    return {
+        "forward": lambda: flash_attn_func(q, k, v, causal=True),
+        "forward+backward": training,
+        "decode step": lambda: flash_attn_with_kvcache(step_q, k_cache, v_cache, step_k, step_v,
+                                                       cache_seqlens=seqlens, causal=True),
+    }
+
+
+@contextlib.contextmanager
+def stubbed_aot():
+    """The ``aot`` backend of an H100 for CPU tensors, launches counted instead of run."""
+    from flash_attn import dispatch
+    from flash_attn.backends import aot
+    from flash_attn.kernels import configs
+    from flash_attn.kernels.plan import Target
+
+    manifest, why = aot.manifest()
+    if manifest is None or not aot._aot_library.status().loaded:
+        raise RuntimeError(f"the stubbed benchmark runs the installed aot backend: {why or aot._aot_library.status().reason}")
+    capability = (9, 0)
+    choice = manifest.image_for(capability)
+    if not choice.supported:
+        capability = max(aot.aot_images.parse_arch(a).capability for a in manifest.archs)
+        choice = manifest.image_for(capability)
+    family = configs.arch_family(aot.config_capability(capability, choice))
+    images = aot._DeviceImages(manifest, choice.arch.name, Target(family, 132, aot=True))
+    launches = [0]
+
+    def no_launch(*args):
+        launches[0] += 1
+
+    saved = (dispatch.chain, aot._device_images, aot._launch_op)
+    dispatch.chain = lambda device: ("aot",)
+    aot._device_images = lambda device: images
+    aot._launch_op = lambda: no_launch
+    try:
+        yield launches
+    finally:
+        dispatch.chain, aot._device_images, aot._launch_op = saved
+
+
+def _time(fn: Callable, calls: int, repeats: int, sync: Callable[[], None], clock=time.perf_counter) -> list[float]:
+    for _ in range(max(3, calls // 10)):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(calls):
+            fn()
+        sync()
+        out.append((clock() - start) / calls * 1e6)
+    return out
+
+
+def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5) -> list[dict]:
+    """One row per case: ``us_per_call`` (median), min and max over ``repeats``, launches per call."""
+    rows = []
+    if mode == "device":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device mode needs a CUDA GPU")
+        for name, fn in _calls(torch.device("cuda")).items():
+            times = _time(fn, calls, repeats, torch.cuda.synchronize)
+            rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),
+                         "us_min": min(times), "us_max": max(times), "launches_per_call": None})
+        return rows
+    with stubbed_aot() as launches:
+        for name, fn in _calls(torch.device("cpu")).items():
+            fn()
+            before = launches[0]
+            fn()
+            per_call = launches[0] - before
+            times = _time(fn, calls, repeats, lambda: None, clock=time.process_time)
+            rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),
+                         "us_min": min(times), "us_max": max(times), "launches_per_call": per_call})
+    return rows

@@ -1,0 +1,121 @@
+"""One declaration per kernel: what every other part of the package needs to know about it.
+
+The registry (kernel name -> module), the launch planner (argument names and kinds), the
+specialisation set and the ahead-of-time build (signature types, divisibility, the flags folded
+into every shipped image) all read these; the kernel source itself says which arguments are
+``tl.constexpr`` and in which order they come (:func:`flash_attn.kernels.registry.arg_names`).
+
+Types: pointers name their element type, ``"dt"`` standing for the q/k/v dtype (fp16 or bf16);
+runtime integers are ``i32`` (sizes, strides, window bounds, switches), floats ``fp32``. Every
+pointer is 16-byte aligned and the integers in ``divisible_by_8`` are multiples of 8, which the
+planner guarantees (it copies inputs that are not laid out that way) and the compiled images
+assume.
+
+Pure Python: no torch, no triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+__all__ = ["Kernel", "KERNELS", "get"]
+
+
+def _names(text: str) -> frozenset:
+    return frozenset(text.split())
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    module: str
+    # which launch-config table (flash_attn.kernels.configs) sizes its blocks; None: the KV-cache
+    # kernels, sized by flash_attn.kernels.decode_configs
+    config_kind: Optional[str]
+    pointers: Mapping[str, str]  # argument -> element type ("dt", "fp32", "i32", "i64")
+    floats: frozenset = frozenset()  # fp32 scalars; every other runtime scalar is i32
+    divisible_by_8: frozenset = frozenset()
+    # constexprs every ahead-of-time image of it fixes (pointers fixed to None are not passed)
+    folded: Mapping[str, object] = field(default_factory=dict)
+    # its score-features variant (softcap, ALiBi and dropout compiled in, each switched at run
+    # time by softcap > 0, use_alibi, dropout_p > 0): whether there is one
+    has_features: bool = False
+
+    def pointer_type(self, name: str, dtype: str) -> str:
+        """Triton type of pointer ``name`` for q/k/v of ``dtype`` ("fp16"/"bf16")."""
+        element = self.pointers[name]
+        return "*" + (dtype if element == "dt" else element)
+
+    def scalar_type(self, name: str) -> str:
+        return "fp32" if name in self.floats else "i32"
+
+    def aot_constexprs(self, features: bool = False) -> dict:
+        """The constexprs an ahead-of-time image fixes: :attr:`folded`, and for the score-features
+        variant the three features on and their pointers (slopes, seed) passed again."""
+        if not features:
+            return dict(self.folded)
+        if not self.has_features:
+            raise ValueError(f"{self.name} has no score-features variant")
+        out = {k: v for k, v in self.folded.items() if k not in _FEATURE_POINTERS}
+        out.update(_FEATURE_FLAGS)
+        return out
+
+
+def _pointers(**groups: str) -> Mapping[str, str]:
+    return MappingProxyType({name: element for element, names in groups.items() for name in names.split()})
+
+
+_FEATURE_FLAGS = MappingProxyType(dict(HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True))
+_FEATURE_POINTERS = ("AlibiSlopes", "DropoutSeed")
+_LEAN = dict(IS_LOCAL=True, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, PAD_HEADDIM=True,
+             AlibiSlopes=None, DropoutSeed=None)
+_ATTENTION_FLOATS = _names("softmax_scale softcap dropout_p")
+
+_DECLARED = (
+    Kernel("attn_fwd_kernel", "flash_attn.kernels.forward", "fwd",
+           _pointers(dt="Q K V Out", fp32="LSE AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
+           _ATTENTION_FLOATS, _names("head_dim"),
+           folded=MappingProxyType(dict(_LEAN, IS_PAGED=False, BlockTable=None)), has_features=True),
+    Kernel("attn_probs_kernel", "flash_attn.kernels.forward", "fwd",
+           _pointers(dt="Q K", fp32="LSE S AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
+           _ATTENTION_FLOATS, _names("head_dim")),
+    Kernel("attn_bwd_preprocess_kernel", "flash_attn.kernels.backward", "fwd",
+           _pointers(dt="Out dOut", fp32="Delta", i32="CuSeqlensQ"), divisible_by_8=_names("head_dim")),
+    Kernel("attn_bwd_dkdv_kernel", "flash_attn.kernels.backward", "bwd_dkdv",
+           _pointers(dt="Q K V dOut dK dV", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
+           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True),
+    Kernel("attn_bwd_dq_kernel", "flash_attn.kernels.backward", "bwd_dq",
+           _pointers(dt="Q K V dOut dQ", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
+           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True),
+    # The KV-cache kernels ship one "superset" variant (every feature compiled in, switched at run
+    # time; plain caches addressed as one page per sequence): flash_attn.kernels.decode_configs.
+    Kernel("split_kv_kernel", "flash_attn.kernels.decode", None,
+           _pointers(dt="Q K V Out", fp32="OutPart Lse Alibi", i32="Seqlens Leftpad BatchIdx BlockTable"),
+           _names("softmax_scale softcap empty_lse"),
+           _names("stride_qb stride_qt stride_qh stride_kb stride_kt stride_kh stride_vb stride_vt stride_vh "
+                  "stride_ob stride_ot stride_oh stride_ps stride_pb stride_pt stride_ph head_dim"),
+           folded=MappingProxyType(dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True,
+                                        HAS_BATCH_IDX=False, HAS_LEFTPAD=True, ONE_PASS=True))),
+    Kernel("combine_splits_kernel", "flash_attn.kernels.decode", None,
+           _pointers(dt="Out", fp32="OutPart LsePart Lse"),
+           divisible_by_8=_names("stride_ps stride_pb stride_pt stride_ph stride_ob stride_ot stride_oh head_dim")),
+    Kernel("append_kv_kernel", "flash_attn.kernels.kvcache_append", None,
+           _pointers(dt="K_new V_new K_cache V_cache", fp32="Cos Sin", i32="Seqlens BatchIdx BlockTable"),
+           divisible_by_8=_names("stride_knb stride_knt stride_knh stride_vnb stride_vnt stride_vnh "
+                                 "stride_kcb stride_kct stride_kch stride_vcb stride_vct stride_vch head_dim"),
+           folded=MappingProxyType(dict(PAGED=True, HAS_BATCH_IDX=False))),
+    Kernel("rotary_q_kernel", "flash_attn.kernels.kvcache_append", None,
+           _pointers(dt="Q Q_out", fp32="Cos Sin", i32="Seqlens"),
+           divisible_by_8=_names("stride_qb stride_qt stride_qh stride_ob stride_ot stride_oh head_dim")),
+)
+
+KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in _DECLARED})
+
+
+def get(name: str) -> Kernel:
+    try:
+        return KERNELS[name]
+    except KeyError:
+        raise KeyError(f"unknown kernel {name!r}; declared: {', '.join(KERNELS)}") from None

@@ -1,0 +1,708 @@
+"""The launch planner: one attention call -> the kernel launches that compute it.
+
+A call is first reduced to its *shape* (:func:`describe_forward`, :func:`describe_backward`,
+:func:`describe_kvcache`): dtypes, sizes, strides, alignment and the scalar options, everything
+the launches depend on and nothing that changes between two calls of the same layout (tensor data,
+the dropout seed). A :class:`Plan` is a pure function of a shape and a :class:`Target`: the
+kernels by name, their grids, their arguments by name (tensors as :class:`Slot` names, sizes and
+scalars as numbers), compile-time constants and launch configs, the buffers to allocate and the
+inputs to bring into the kernels' layout first. The kernel backends (``triton``, ``interpret``,
+``aot``) cache plans per shape and execute them; per call only tensors are filled into slots.
+
+A planner returns a ``str`` instead of a plan when the kernels cannot run the call; the
+dispatcher then falls back to another backend. Nothing here imports Triton, touches a device or
+reads a tensor value, so plans are made (and tested) anywhere, also for meta tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from flash_attn import limits
+from flash_attn.kernels import configs, declarations, registry
+from flash_attn.kernels import decode_configs as dc
+
+__all__ = [
+    "Slot", "Target", "TensorInfo", "Launch", "Buffer", "Prepare", "Plan",
+    "describe_forward", "describe_backward", "describe_kvcache",
+    "plan_forward", "plan_backward", "plan_kvcache", "choose_num_splits", "uses_score_features",
+]
+
+cdiv = registry.cdiv
+
+
+class Slot(str):
+    """A tensor of the call, by name (an input, a prepared copy, or a buffer of the plan)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a plan is made for: the launch configs of ``family`` (an architecture family of
+    :mod:`flash_attn.kernels.configs`, or ``"interpret"``), the SM count the KV-cache split
+    heuristic fills, and ``aot``: launch only the specialisations an ahead-of-time build ships
+    (flags folded into their exact supersets, :mod:`flash_attn.kernels.declarations`)."""
+
+    family: str
+    sm_count: int
+    aot: bool = False
+
+
+class TensorInfo(NamedTuple):
+    shape: tuple
+    strides: tuple
+    dtype: torch.dtype
+    aligned: bool  # data pointer 16-byte aligned
+
+
+_new_info = tuple.__new__  # a TensorInfo without NamedTuple's Python-level __new__ (once per call)
+
+
+def info(t: Optional[torch.Tensor]) -> Optional[TensorInfo]:
+    if t is None:
+        return None
+    return _new_info(TensorInfo, (t.shape, t.stride(), t.dtype, t.data_ptr() % limits.POINTER_ALIGNMENT == 0))
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch. ``args``: the kernel's runtime arguments in its order, ``(name, value)``
+    with a :class:`Slot`, an int, a float or ``None`` (an unused pointer); ``constexprs``: every
+    compile-time argument."""
+
+    kernel: str
+    grid: tuple
+    args: tuple
+    constexprs: dict
+    config: configs.Config
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A tensor the call allocates: ``padded``: the last dimension rounded up to a multiple of 8
+    (the kernels' layout) and the slot a view of its first ``shape[-1]`` columns; ``zeroed``:
+    filled with zeros (the kernel writes only part of it); ``unused``: never read nor written
+    (any tensor of that type will do)."""
+
+    slot: str
+    shape: tuple
+    dtype: torch.dtype
+    padded: bool = False
+    zeroed: bool = False
+    unused: bool = False  # a pointer no launch reads (a placeholder of the right type)
+
+    @property
+    def storage(self) -> tuple:
+        """The shape allocated (the slot is a view of its first ``shape[-1]`` columns)."""
+        return padded_shape(self.shape) if self.padded else self.shape
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Bring input ``source`` (default: ``slot``) into the layout the kernels read, as ``slot``:
+
+    * ``"rows"``: strides but the last multiples of 8 elements, last dimension contiguous, aligned;
+    * ``"plain"``: last dimension contiguous, aligned;
+    * ``"contiguous"``: contiguous and aligned;
+    * ``"fp32"``: as ``"plain"``, in float32;
+    * ``"column"``: as ``"plain"``, viewed as one column ``(n, 1)``.
+    """
+
+    slot: str
+    how: str
+    source: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    dtype: torch.dtype  # the q/k/v element type
+    prepare: tuple
+    buffers: tuple
+    launches: tuple
+    results: tuple  # the slots the call returns, in order
+    needs_seed: bool = False  # a launch reads the "seed" slot (the score-features kernels)
+
+
+Planned = Union[Plan, str]  # a plan, or why the kernels cannot run the call
+
+
+# ---------------------------------------------------------------------------------------------
+# Call shapes
+
+
+class VarlenInfo(NamedTuple):
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_q: TensorInfo
+    cu_k: TensorInfo
+    block_table: Optional[TensorInfo]
+
+
+class Scalars(NamedTuple):
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    softcap: float
+    dropout_p: float
+
+
+def _scalars(params) -> Scalars:
+    return _new_info(Scalars, (float(params.softmax_scale), int(params.window_left), int(params.window_right),
+                               float(params.softcap), float(params.dropout_p)))
+
+
+def _varlen_info(varlen) -> Optional[VarlenInfo]:
+    if varlen is None:
+        return None
+    return VarlenInfo(varlen.cu_seqlens_q.shape[0] - 1, int(varlen.max_seqlen_q), int(varlen.max_seqlen_k),
+                      info(varlen.cu_seqlens_q), info(varlen.cu_seqlens_k), info(varlen.block_table))
+
+
+class ForwardShape(NamedTuple):
+    q: TensorInfo
+    k: TensorInfo
+    v: TensorInfo
+    varlen: Optional[VarlenInfo]
+    alibi: Optional[TensorInfo]
+    scalars: Scalars
+    return_softmax: bool
+    seed: Optional[TensorInfo]
+
+
+class BackwardShape(NamedTuple):
+    dout: TensorInfo
+    q: TensorInfo
+    k: TensorInfo
+    v: TensorInfo
+    out: TensorInfo
+    lse: TensorInfo
+    varlen: Optional[VarlenInfo]
+    alibi: Optional[TensorInfo]
+    scalars: Scalars
+    seed: Optional[TensorInfo]
+
+
+class KVCacheShape(NamedTuple):
+    q: TensorInfo
+    k_cache: TensorInfo
+    v_cache: TensorInfo
+    k_new: Optional[TensorInfo]
+    v_new: Optional[TensorInfo]
+    seqlens: TensorInfo
+    batch_idx: Optional[TensorInfo]
+    leftpad: Optional[TensorInfo]
+    block_table: Optional[TensorInfo]
+    cos: Optional[TensorInfo]
+    sin: Optional[TensorInfo]
+    alibi: Optional[TensorInfo]
+    scalars: Scalars
+    rotary_interleaved: bool
+    num_splits: int
+
+
+def _seed_info(params) -> Optional[TensorInfo]:
+    seed = params.dropout_seed
+    return info(seed) if isinstance(seed, torch.Tensor) else None
+
+
+def describe_forward(q, k, v, params, varlen=None, alibi_slopes=None, return_softmax=False) -> ForwardShape:
+    return ForwardShape(info(q), info(k), info(v), _varlen_info(varlen), info(alibi_slopes), _scalars(params),
+                        bool(return_softmax), _seed_info(params))
+
+
+def describe_backward(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None) -> BackwardShape:
+    return BackwardShape(info(dout), info(q), info(k), info(v), info(out), info(lse), _varlen_info(varlen),
+                         info(alibi_slopes), _scalars(params), _seed_info(params))
+
+
+def describe_kvcache(q, params, cache, alibi_slopes=None) -> KVCacheShape:
+    return KVCacheShape(
+        info(q), info(cache.k_cache), info(cache.v_cache), info(cache.k_new), info(cache.v_new),
+        info(cache.cache_seqlens), info(cache.cache_batch_idx), info(cache.cache_leftpad), info(cache.block_table),
+        info(cache.rotary_cos), info(cache.rotary_sin), info(alibi_slopes), _scalars(params),
+        bool(cache.rotary_interleaved), int(cache.num_splits),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+
+
+def _effective_strides(t: TensorInfo) -> tuple:
+    """Strides as the kernels use them: a dimension of size 1 is only ever indexed at 0, so its
+    stride is irrelevant and given as 0 (it neither costs a copy nor breaks a multiple-of-8 rule)."""
+    return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.strides))
+
+
+def _fits(t: TensorInfo, how: str) -> bool:
+    if not t.aligned:
+        return False
+    strides = _effective_strides(t)
+    if strides and strides[-1] not in (0, 1):
+        return False
+    if how == "rows":
+        return all(s % limits.STRIDE_MULTIPLE == 0 for s in strides[:-1])
+    if how == "contiguous":
+        return strides == _effective_strides(TensorInfo(t.shape, _contiguous(t.shape), t.dtype, True))
+    if how == "fp32":
+        return t.dtype == torch.float32
+    return True
+
+
+def _contiguous(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def padded_shape(shape) -> tuple:
+    """The storage of a ``padded`` buffer: the last dimension rounded up to a multiple of 8."""
+    return (*shape[:-1], cdiv(shape[-1], 8) * 8) if shape else shape
+
+
+def _padded_strides(shape) -> tuple:
+    return _contiguous(padded_shape(shape))
+
+
+class _Layouts:
+    """The strides the kernels will see for each slot of one plan, and the preparations that
+    produce them."""
+
+    def __init__(self):
+        self.strides: dict[str, tuple] = {}
+        self.prepare: list[Prepare] = []
+        self.buffers: list[Buffer] = []
+
+    def input(self, slot: str, t: TensorInfo, how: str) -> Slot:
+        if _fits(t, how):
+            self.strides[slot] = _effective_strides(t)
+        else:
+            self.prepare.append(Prepare(slot, how))
+            shape = t.shape
+            strides = _padded_strides(shape) if how == "rows" else _contiguous(shape)
+            self.strides[slot] = _effective_strides(TensorInfo(shape, strides, t.dtype, True))
+        return Slot(slot)
+
+    def column(self, slot: str, source: str, t: TensorInfo) -> Slot:
+        self.prepare.append(Prepare(slot, "column", source))
+        self.strides[slot] = (1, 0)
+        return Slot(slot)
+
+    def buffer(self, slot: str, shape: tuple, dtype, padded: bool = False, zeroed: bool = False,
+               unused: bool = False) -> Slot:
+        self.buffers.append(Buffer(slot, tuple(shape), dtype, padded, zeroed, unused))
+        strides = _padded_strides(shape) if padded else _contiguous(shape)
+        self.strides[slot] = _effective_strides(TensorInfo(tuple(shape), strides, dtype, True))
+        return Slot(slot)
+
+    def rows(self, slot: str) -> list:
+        """(batch, row, head) strides of a q-like tensor: ``(b, s, h, d)``, or packed ``(total, h, d)``
+        with batch stride 0; a page pool ``(pages, page_size, h, d)`` gives (page, slot, head)."""
+        s = self.strides[slot]
+        return list(s[:3]) if len(s) == 4 else [0, s[0], s[1]]
+
+
+def _launch(kernel: str, grid: tuple, values: dict, constexprs: dict, config: configs.Config) -> Launch:
+    """The launch with ``values`` (every runtime argument by name) in the kernel's order."""
+    names = registry.arg_names(kernel)
+    missing = [n for n in names if n not in values and n not in constexprs]
+    if missing:
+        raise KeyError(f"{kernel}: no value for {missing}")
+    args = tuple((n, values[n]) for n in names if n not in constexprs)
+    return Launch(kernel, tuple(grid) + (1,) * (3 - len(grid)), args, dict(constexprs), config)
+
+
+def _grid_refusal(launches) -> Optional[str]:
+    for launch in launches:
+        for axis, (n, limit) in enumerate(zip(launch.grid, limits.GRID_LIMITS)):
+            if n > limit:
+                return f"{launch.kernel} needs {n} programs on grid axis {axis} (CUDA allows {limit})"
+    return None
+
+
+def _kernel_refusal(dtype, head_dim: int, target: Target) -> Optional[str]:
+    if str(dtype) not in limits.KERNEL_DTYPES:
+        return f"{dtype} inputs (the kernels take fp16/bf16)"
+    if head_dim > limits.MAX_HEADDIM:
+        return f"head dimension {head_dim} > {limits.MAX_HEADDIM}"
+    if target.aot and head_dim % limits.AOT_HEADDIM_MULTIPLE:
+        return (f"head dimension {head_dim} (the ahead-of-time kernels need a multiple of "
+                f"{limits.AOT_HEADDIM_MULTIPLE})")
+    return None
+
+
+def uses_score_features(scalars: Scalars, alibi: bool) -> bool:
+    """Softcap, ALiBi or dropout: the call runs the kernels' *score-features* variant (the three
+    compiled in together, each switched at run time), which is also what the ahead-of-time build
+    ships, so every backend runs the same kernel for such a call."""
+    return scalars.softcap > 0.0 or alibi or scalars.dropout_p > 0.0
+
+
+def _block_d(head_dim: int, features: bool, target: Target) -> int:
+    """``BLOCK_D``: the head dim padded to a power of two (at least 16); the ahead-of-time images
+    exist from 32 (64 for the score-features variant) up, exact for smaller head dims."""
+    block_d = configs.padded_headdim(head_dim)
+    if target.aot:
+        block_d = max(block_d, 64 if features else 32)
+    return block_d
+
+
+def _attention_constexprs(kernel: str, target: Target, features: bool, exact: dict, blocks: dict) -> dict:
+    if target.aot:
+        return {**declarations.get(kernel).aot_constexprs(features), **blocks}
+    return {**exact, **blocks}
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+class _Sizes(NamedTuple):
+    head_dim: int
+    nheads: int
+    nheads_k: int
+    batch: int
+    seqlen_q: int  # the longest sequence, varlen
+    seqlen_k: int
+    packed: bool  # varlen
+    paged: bool
+    features: bool  # softcap, ALiBi or dropout: the score-features variant
+
+
+def _sizes(s) -> _Sizes:
+    """What the forward and backward planners share about a call."""
+    packed = s.varlen is not None
+    if packed:
+        batch, seqlen_q, seqlen_k = s.varlen.batch, s.varlen.max_seqlen_q, s.varlen.max_seqlen_k
+    else:
+        batch, seqlen_q, seqlen_k = s.q.shape[0], s.q.shape[1], s.k.shape[1]
+    return _Sizes(s.q.shape[-1], s.q.shape[-2], s.k.shape[-2], batch, seqlen_q, seqlen_k, packed,
+                  packed and s.varlen.block_table is not None, uses_score_features(s.scalars, s.alibi is not None))
+
+
+def plan_forward(s: ForwardShape, target: Target) -> Planned:
+    head_dim, nheads, nheads_k, batch, seqlen_q, seqlen_k, packed, paged, features = _sizes(s)
+    why = _kernel_refusal(s.q.dtype, head_dim, target)
+    if why is not None:
+        return why
+    if target.aot and paged:
+        return "paged K/V in the varlen forward (not compiled ahead of time)"
+    if target.aot and s.return_softmax:
+        return "return_attn_probs (a testing feature) is not compiled ahead of time"
+    config = configs.pick("fwd", head_dim, target.family, features)
+    block_d = _block_d(head_dim, features, target)
+
+    lay = _Layouts()
+    q, k, v = lay.input("q", s.q, "rows"), lay.input("k", s.k, "rows"), lay.input("v", s.v, "rows")
+    out = lay.buffer("out", s.q.shape, s.q.dtype, padded=True)
+    lse_shape = (nheads, s.q.shape[0]) if packed else (batch, nheads, seqlen_q)
+    lse = lay.buffer("lse", lse_shape, torch.float32)
+    if packed:
+        cu_q, cu_k = lay.input("cu_q", s.varlen.cu_q, "plain"), lay.input("cu_k", s.varlen.cu_k, "plain")
+    else:
+        cu_q = cu_k = lay.buffer("no_cu", (1,), torch.int32, unused=True)  # not read (packed = 0)
+    block_table = lay.input("block_table", s.varlen.block_table, "plain") if paged else None
+    alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else (lse if features else None)
+    seed = _seed_slot(lay, s.seed, features)
+    lse_strides = list(lay.strides["lse"][:2]) if not packed else [0, lay.strides["lse"][0]]
+    common = dict(
+        CuSeqlensQ=cu_q, CuSeqlensK=cu_k, BlockTable=block_table, AlibiSlopes=alibi, DropoutSeed=seed,
+        stride_lb=lse_strides[0], stride_lh=lse_strides[1],
+        stride_btb=lay.strides["block_table"][0] if paged else 0,
+        stride_ab=_alibi_batch_stride(lay, s.alibi),
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=nheads // nheads_k, head_dim=head_dim,
+        page_size=s.k.shape[1] if paged else 0, packed=int(packed), use_alibi=int(s.alibi is not None),
+        **_score_scalars(s.scalars),
+    )
+    exact = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=features, HAS_ALIBI=features, HAS_DROPOUT=features,
+                 IS_PAGED=paged, PAD_HEADDIM=head_dim != block_d)
+    blocks = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d)
+    grid = (cdiv(seqlen_q, config.block_m) * batch, nheads)
+    launches = [_launch("attn_fwd_kernel", grid, dict(
+        common, Q=q, K=k, V=v, Out=out, LSE=lse,
+        **_named("stride_q", "bmh", lay.rows("q")), **_named("stride_k", "bnh", lay.rows("k")),
+        **_named("stride_v", "bnh", lay.rows("v")), **_named("stride_o", "bmh", lay.rows("out"))),
+        _attention_constexprs("attn_fwd_kernel", target, features, exact, blocks), config)]
+    results = ("out", "lse")
+    if s.return_softmax:
+        s_dmask = lay.buffer("s_dmask", (batch, nheads, seqlen_q, seqlen_k), torch.float32, zeroed=True)
+        launches.append(_launch("attn_probs_kernel", grid, dict(
+            common, Q=q, K=k, LSE=lse, S=s_dmask,
+            **_named("stride_q", "bmh", lay.rows("q")), **_named("stride_k", "bnh", lay.rows("k")),
+            **_named("stride_s", "bhm", lay.strides["s_dmask"][:3])),
+            dict(exact, **blocks), config))
+        results = ("out", "lse", "s_dmask")
+    return _finish(s.q.dtype, lay, launches, results)
+
+
+def _named(prefix: str, suffixes: str, values) -> dict:
+    return {prefix + suffix: int(value) for suffix, value in zip(suffixes, values)}
+
+
+def _is_local(scalars: Scalars) -> bool:
+    return scalars.window_left >= 0 or scalars.window_right >= 0
+
+
+def _score_scalars(scalars: Scalars) -> dict:
+    return dict(softmax_scale=scalars.softmax_scale, softcap=scalars.softcap, window_left=scalars.window_left,
+                window_right=scalars.window_right, dropout_p=scalars.dropout_p)
+
+
+def _alibi_batch_stride(lay: _Layouts, alibi: Optional[TensorInfo]) -> int:
+    return lay.strides["alibi"][0] if alibi is not None and len(alibi.shape) == 2 else 0
+
+
+def _seed_slot(lay: _Layouts, seed: Optional[TensorInfo], features: bool) -> Optional[Slot]:
+    """The dropout seed (an int64 on the device): read only by the score-features kernels, and
+    only when ``dropout_p > 0``; the call always provides one (:func:`seed_tensor`)."""
+    if not features:
+        return None
+    if seed is None:
+        return Slot("seed")
+    return lay.input("seed", seed, "plain")
+
+
+def _finish(dtype, lay: _Layouts, launches: list, results: tuple) -> Planned:
+    why = _grid_refusal(launches)
+    if why is not None:
+        return why
+    needs_seed = any(isinstance(v, Slot) and v == "seed" for launch in launches for _, v in launch.args)
+    return Plan(dtype, tuple(lay.prepare), tuple(lay.buffers), tuple(launches), results, needs_seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+
+
+def plan_backward(s: BackwardShape, target: Target) -> Planned:
+    head_dim, nheads, nheads_k, batch, seqlen_q, seqlen_k, packed, paged, features = _sizes(s)
+    why = _kernel_refusal(s.q.dtype, head_dim, target)
+    if why is not None:
+        return why
+    if paged:
+        return "the backward of paged K/V (pages may be shared between sequences, which needs atomics)"
+    block_d = _block_d(head_dim, features, target)
+    lean_block_d = _block_d(head_dim, False, target)
+
+    lay = _Layouts()
+    q, k, v = lay.input("q", s.q, "rows"), lay.input("k", s.k, "rows"), lay.input("v", s.v, "rows")
+    dout, out = lay.input("dout", s.dout, "rows"), lay.input("out", s.out, "rows")
+    # Delta is allocated like lse and the kernels address both with one pair of strides
+    lse = lay.input("lse", s.lse, "contiguous")
+    delta = lay.buffer("delta", s.lse.shape, torch.float32)
+    dq = lay.buffer("dq", s.q.shape, s.q.dtype, padded=True)
+    dk = lay.buffer("dk", s.k.shape, s.k.dtype, padded=True)
+    dv = lay.buffer("dv", s.v.shape, s.v.dtype, padded=True)
+    if packed:
+        cu_q, cu_k = lay.input("cu_q", s.varlen.cu_q, "plain"), lay.input("cu_k", s.varlen.cu_k, "plain")
+    else:
+        cu_q = cu_k = lay.buffer("no_cu", (1,), torch.int32, unused=True)
+    alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else (lse if features else None)
+    seed = _seed_slot(lay, s.seed, features)
+    lse_strides = list(lay.strides["lse"][:2]) if not packed else [0, lay.strides["lse"][0]]
+    lse_args = dict(stride_lb=lse_strides[0], stride_lh=lse_strides[1])
+    rows = {name: lay.rows(name) for name in ("q", "k", "v", "dout", "out", "dq", "dk", "dv")}
+
+    pre = configs.pick("fwd", head_dim, target.family)
+    launches = [_launch("attn_bwd_preprocess_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
+        Out=out, dOut=dout, Delta=delta, CuSeqlensQ=cu_q,
+        **_named("stride_o", "bmh", rows["out"]), **_named("stride_do", "bmh", rows["dout"]), **lse_args,
+        seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed)),
+        dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre)]
+
+    common = dict(
+        Q=q, K=k, V=v, dOut=dout, LSE=lse, Delta=delta, CuSeqlensQ=cu_q, CuSeqlensK=cu_k, AlibiSlopes=alibi,
+        DropoutSeed=seed, **_named("stride_q", "bmh", rows["q"]), **_named("stride_k", "bnh", rows["k"]),
+        **_named("stride_v", "bnh", rows["v"]), **_named("stride_do", "bmh", rows["dout"]), **lse_args,
+        stride_ab=_alibi_batch_stride(lay, s.alibi), seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        group=nheads // nheads_k, head_dim=head_dim, packed=int(packed), use_alibi=int(s.alibi is not None),
+        **_score_scalars(s.scalars),
+    )
+    exact = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=features, HAS_ALIBI=features, HAS_DROPOUT=features,
+                 PAD_HEADDIM=head_dim != block_d)
+    cfg = configs.pick("bwd_dkdv", head_dim, target.family, features)
+    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
+    launches.append(_launch("attn_bwd_dkdv_kernel", (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k), dict(
+        common, dK=dk, dV=dv, **_named("stride_dk", "bnh", rows["dk"]), **_named("stride_dv", "bnh", rows["dv"])),
+        _attention_constexprs("attn_bwd_dkdv_kernel", target, features, exact, blocks), cfg))
+    cfg = configs.pick("bwd_dq", head_dim, target.family, features)
+    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
+    launches.append(_launch("attn_bwd_dq_kernel", (cdiv(seqlen_q, cfg.block_m) * batch, nheads), dict(
+        common, dQ=dq, **_named("stride_dq", "bmh", rows["dq"])),
+        _attention_constexprs("attn_bwd_dq_kernel", target, features, exact, blocks), cfg))
+    return _finish(s.q.dtype, lay, launches, ("dq", "dk", "dv"))
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache (decoding)
+
+
+def choose_num_splits(requested: int, programs: int, key_blocks: int, sms: int) -> int:
+    """How many key splits to launch.
+
+    ``programs``: attention programs without splitting (batch * nheads_k * query tiles);
+    ``key_blocks``: the most key blocks one program may have to visit. ``requested > 0`` is
+    honoured, clamped to ``key_blocks`` (more splits would only be empty). ``requested == 0``:
+    one split when the programs already fill ~80% of the SMs; otherwise enough splits that
+    ``programs * splits >= sms``, at most ``key_blocks`` and :data:`~decode_configs.MAX_SPLITS`,
+    then reduced to the fewest splits that give every split the same number of blocks, so that no
+    split is left empty.
+    """
+    key_blocks = max(int(key_blocks), 1)
+    if requested > 0:
+        return max(1, min(int(requested), key_blocks))
+    if programs >= 0.8 * sms:
+        return 1
+    splits = min(-(-sms // max(programs, 1)), key_blocks, dc.MAX_SPLITS)
+    per_split = -(-key_blocks // splits)
+    return -(-key_blocks // per_split)
+
+
+def _max_visible_keys(capacity: int, scalars: Scalars, query_rows_per_tile: int) -> int:
+    """Upper bound on the keys one query tile sees: the cache capacity, or the window span."""
+    if scalars.window_left >= 0 and scalars.window_right >= 0:
+        return min(capacity, scalars.window_left + scalars.window_right + query_rows_per_tile)
+    return capacity
+
+
+def _cache_refusal(s: KVCacheShape) -> Optional[str]:
+    """Why the ahead-of-time decode kernels cannot address these caches: the images assume the
+    kernels' layout, and the caches, written in place, cannot be copied into it."""
+    for name, t in (("k_cache", s.k_cache), ("v_cache", s.v_cache)):
+        if not t.aligned:
+            return f"{name} is not 16-byte aligned"
+        if not _fits(t, "rows"):
+            return (f"{name} has strides {t.strides}: not multiples of {limits.STRIDE_MULTIPLE} elements with a "
+                    f"contiguous last dimension")
+    return None
+
+
+def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
+    batch, seqlen_q, nheads, head_dim = s.q.shape
+    if target.aot:
+        why = _kernel_refusal(s.q.dtype, head_dim, target) or _cache_refusal(s)
+        if why is not None:
+            return why
+    elif head_dim > limits.MAX_HEADDIM:
+        return f"head dimension {head_dim} > {limits.MAX_HEADDIM}"
+    superset = target.aot
+    nheads_k = s.k_cache.shape[2]
+    group = nheads // nheads_k
+    paged = s.block_table is not None
+    rotary = s.cos is not None
+    interleaved = s.rotary_interleaved and rotary
+    seqlen_new = 0 if s.k_new is None else s.k_new.shape[1]
+    block_d = dc.superset_block_d(head_dim) if superset else configs.padded_headdim(head_dim)
+
+    lay = _Layouts()
+    q = lay.input("q", s.q, "rows" if superset else "plain")
+    lay.strides["k_cache"] = _effective_strides(s.k_cache)
+    lay.strides["v_cache"] = _effective_strides(s.v_cache)
+    out = lay.buffer("out", s.q.shape, s.q.dtype, padded=superset)
+    lse = lay.buffer("lse", (batch, nheads, seqlen_q), torch.float32)
+    seqlens = lay.input("seqlens", s.seqlens, "plain")
+    fp32_unused = lse  # a float32 pointer a kernel does not read
+    if rotary:
+        how = "fp32" if superset else "plain"
+        cos, sin = lay.input("cos", s.cos, how), lay.input("sin", s.sin, how)
+        rotary_half, stride_ro = s.cos.shape[1], lay.strides["cos"][0]
+    else:
+        cos = sin = fp32_unused
+        rotary_half = stride_ro = 0
+    leftpad = lay.input("leftpad", s.leftpad, "plain") if s.leftpad is not None else seqlens
+    batch_idx = lay.input("batch_idx", s.batch_idx, "plain") if s.batch_idx is not None else seqlens
+    alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else fp32_unused
+    # the cache as pages: the caller's block table; in superset mode a plain cache is addressed as
+    # one page per sequence: page cache_batch_idx[b] (a column view of it), or page b (identity)
+    identity_table = 0
+    if paged:
+        block_table = lay.input("block_table", s.block_table, "plain")
+    elif superset and s.batch_idx is not None:
+        block_table = lay.column("block_table", "batch_idx", s.batch_idx)
+    else:
+        block_table, identity_table = seqlens, int(superset)
+        lay.strides["block_table"] = (0, 0)
+    stride_btb = lay.strides["block_table"][0]
+    page_size = s.k_cache.shape[1]
+    table_flags = dict(PAGED=True, HAS_BATCH_IDX=False) if superset else dict(
+        PAGED=paged, HAS_BATCH_IDX=s.batch_idx is not None and not paged)
+
+    launches = []
+    if s.k_new is not None and seqlen_new > 0 and batch * nheads_k > 0:
+        k_new, v_new = lay.input("k_new", s.k_new, "rows" if superset else "plain"), \
+            lay.input("v_new", s.v_new, "rows" if superset else "plain")
+        launches.append(_launch("append_kv_kernel", (batch * nheads_k * cdiv(seqlen_new, dc.APPEND_BLOCK_T),), dict(
+            K_new=k_new, V_new=v_new, K_cache=Slot("k_cache"), V_cache=Slot("v_cache"), Cos=cos, Sin=sin,
+            Seqlens=seqlens, BatchIdx=batch_idx, BlockTable=block_table,
+            **_named("stride_kn", "bth", lay.rows("k_new")), **_named("stride_vn", "bth", lay.rows("v_new")),
+            **_named("stride_kc", "bth", lay.strides["k_cache"][:3]),
+            **_named("stride_vc", "bth", lay.strides["v_cache"][:3]),
+            stride_btb=stride_btb, stride_ro=stride_ro, nheads_k=nheads_k, seqlen_new=seqlen_new, head_dim=head_dim,
+            rotary_half=rotary_half, page_size=page_size, identity_table=identity_table),
+            dict(dc.append_constexprs(block_d, table_flags["PAGED"], table_flags["HAS_BATCH_IDX"], rotary,
+                                      interleaved)), dc.AUX_CONFIG))
+    if rotary and batch * nheads * seqlen_q > 0:
+        q_rot = lay.buffer("q_rot", s.q.shape, s.q.dtype, padded=superset)
+        launches.append(_launch("rotary_q_kernel", (batch * nheads * cdiv(seqlen_q, dc.APPEND_BLOCK_T),), dict(
+            Q=q, Q_out=q_rot, Cos=cos, Sin=sin, Seqlens=seqlens,
+            **_named("stride_q", "bth", lay.rows("q")), **_named("stride_o", "bth", lay.rows("q_rot")),
+            stride_ro=stride_ro, nheads=nheads, seqlen_q=seqlen_q, head_dim=head_dim, rotary_half=rotary_half),
+            dc.rotary_q_constexprs(block_d, _is_local(s.scalars), interleaved), dc.ROTARY_CONFIG))
+        q = q_rot
+    if batch * nheads * seqlen_q == 0:
+        return _finish(s.q.dtype, lay, launches, ("out", "lse"))
+
+    capacity = s.block_table.shape[1] * page_size if paged else s.k_cache.shape[1]
+    rows = seqlen_q * group
+    config = dc.decode_config(target.family, head_dim, rows, fp32=s.q.dtype == torch.float32)
+    m_blocks = cdiv(rows, config.block_m)
+    query_rows_per_tile = min(seqlen_q, cdiv(config.block_m, group) + 1)
+    key_blocks = cdiv(_max_visible_keys(capacity, s.scalars, query_rows_per_tile), config.block_n) + 1
+    key_blocks = min(key_blocks, max(cdiv(capacity, config.block_n), 1))
+    splits = choose_num_splits(s.num_splits, batch * nheads_k * m_blocks, key_blocks, target.sm_count)
+
+    # one split writes out/lse directly; several write fp32 partial results for the combine
+    lse_s = lay.strides["lse"]
+    if splits == 1:
+        out_part, part_strides = fp32_unused, (0, 0, 0, 0)
+        lse_part, lse_part_strides = lse, (0, lse_s[0], lse_s[2], lse_s[1])
+        empty_lse = float("inf")
+    else:
+        out_part = lay.buffer("out_part", (splits, batch, seqlen_q, nheads, head_dim), torch.float32)
+        part_strides = lay.strides["out_part"][:4]
+        lse_part = lay.buffer("lse_part", (splits, batch, seqlen_q, nheads), torch.float32)
+        lse_part_strides = lay.strides["lse_part"]
+        empty_lse = float("-inf")
+    if superset:
+        features = dict(dc.SPLIT_KV_SUPERSET)
+    else:
+        features = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=s.scalars.softcap > 0.0,
+                        HAS_ALIBI=s.alibi is not None, HAS_LEFTPAD=s.leftpad is not None, ONE_PASS=False,
+                        **table_flags)
+    launches.append(_launch("split_kv_kernel", (batch * nheads_k * m_blocks, splits), dict(
+        Q=q, K=Slot("k_cache"), V=Slot("v_cache"), Out=out, OutPart=out_part, Lse=lse_part, Seqlens=seqlens,
+        Leftpad=leftpad, BatchIdx=batch_idx, BlockTable=block_table, Alibi=alibi,
+        **_named("stride_q", "bth", lay.rows(q)), **_named("stride_k", "bth", lay.strides["k_cache"][:3]),
+        **_named("stride_v", "bth", lay.strides["v_cache"][:3]), **_named("stride_o", "bth", lay.rows("out")),
+        **_named("stride_p", "sbth", part_strides), **_named("stride_l", "sbth", lse_part_strides),
+        stride_btb=stride_btb, stride_ab=_alibi_batch_stride(lay, s.alibi),
+        nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_new=seqlen_new, group=group, head_dim=head_dim,
+        page_size=page_size, use_leftpad=int(s.leftpad is not None), use_alibi=int(s.alibi is not None),
+        identity_table=identity_table, softmax_scale=s.scalars.softmax_scale, softcap=s.scalars.softcap,
+        window_left=s.scalars.window_left, window_right=s.scalars.window_right, empty_lse=empty_lse),
+        dc.split_kv_constexprs(config, block_d, features), config))
+    if splits > 1:
+        launches.append(_launch("combine_splits_kernel", (batch * cdiv(seqlen_q * nheads, dc.COMBINE_BLOCK_R),), dict(
+            OutPart=out_part, LsePart=lse_part, Out=out, Lse=lse,
+            **_named("stride_p", "sbth", part_strides), **_named("stride_q", "sbth", lse_part_strides),
+            **_named("stride_o", "bth", lay.rows("out")), **_named("stride_l", "bth", (lse_s[0], lse_s[2], lse_s[1])),
+            num_splits=splits, seqlen_q=seqlen_q, nheads=nheads, head_dim=head_dim),
+            dc.combine_constexprs(block_d), dc.COMBINE_CONFIG))
+    return _finish(s.q.dtype, lay, launches, ("out", "lse"))

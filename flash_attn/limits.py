@@ -1,0 +1,27 @@
+"""The limits of the GPU kernels and of a launch, in one place.
+
+Validation, the planner, the backends and the doctor all read these; nothing else states them.
+Pure Python (the doctor reads it without importing torch).
+"""
+
+from __future__ import annotations
+
+# Element types the Triton kernels compute in, as torch names them (fp32 inputs run on the
+# reference backend).
+KERNEL_DTYPES = ("torch.float16", "torch.bfloat16")
+# Largest head dimension of any backend (validation) and of the kernels.
+MAX_HEADDIM = 256
+# The ahead-of-time kernels declare head_dim a multiple of this (vectorised masked loads).
+AOT_HEADDIM_MULTIPLE = 8
+# Oldest GPU the kernels run on (mma.sync, cp.async, bf16): Ampere.
+MIN_CAPABILITY = (8, 0)
+
+# What the kernels assume of every tensor they address (the planner copies inputs that differ):
+# strides but the last (which is 1) multiples of 8 elements, data 16-byte aligned.
+STRIDE_MULTIPLE = 8
+POINTER_ALIGNMENT = 16
+
+# Sizes, strides and offsets are int32 kernel arguments.
+INT32_MAX = 2**31 - 1
+# CUDA's grid limits (programs per axis).
+GRID_LIMITS = (2**31 - 1, 65535, 65535)

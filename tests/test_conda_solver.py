@@ -1,0 +1,164 @@
+"""Which flash-attn build a user gets, decided by a real solver.
+
+py-rattler (the solver pixi is built on) solves over a local channel (tests/conda_channel.py):
+the builds conda-forge's feedstock would publish (this recipe rendered with the pinning and the CUDA
+13 migration, tests/conda_forge_pinning.py) as repodata records with their run_exports, beside
+conda-forge-shaped Python, PyTorch, Triton and CUDA records. Each scenario is a machine (its
+virtual packages: a CUDA 12 or 13 driver, none, macOS, Windows) and what the user asks for, and
+asserts the exact flash-attn build picked.
+
+The CPU build is given a *newer* timestamp than the CUDA builds (a rebuild, or a CI job that
+finished later): with equal build numbers that alone makes solvers prefer it
+(``test_without_the_build_number_offset_gpu_machines_get_the_cpu_build`` shows it), so the CUDA
+builds win only by the recipe's +200 build-number offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+rattler = pytest.importorskip("rattler", reason="py-rattler is not installed (pip install py-rattler)")
+pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (pip install py-rattler-build)")
+
+import conda_channel  # noqa: E402
+import conda_forge_pinning as cf  # noqa: E402
+from packaging_helpers import render  # noqa: E402
+
+PLATFORMS = ["linux-64", "osx-arm64", "win-64"]
+
+
+def virtual(name: str, version: str, build: str = "0"):
+    return rattler.GenericVirtualPackage(rattler.PackageName(name), rattler.Version(version), rattler.BuildString(build))
+
+
+LINUX = [virtual("__unix", "0"), virtual("__linux", "6.8"), virtual("__glibc", "2.35"), virtual("__archspec", "1", "x86_64_v3")]
+MACHINES = {
+    "linux, no GPU": ("linux-64", LINUX),
+    "linux, CUDA 12 driver": ("linux-64", [*LINUX, virtual("__cuda", "12.8")]),  # e.g. driver 570
+    "linux, CUDA 13 driver": ("linux-64", [*LINUX, virtual("__cuda", "13.0")]),  # e.g. driver 580
+    "macOS": ("osx-arm64", [virtual("__unix", "0"), virtual("__osx", "15.5"), virtual("__archspec", "1", "m1")]),
+    "windows, CUDA 13 driver": ("win-64", [virtual("__win", "0"), virtual("__cuda", "13.0")]),
+}
+
+
+@dataclass
+class Scenario:
+    machine: str
+    specs: list[str]
+    flash_attn: str  # cuda129 | cuda130 | cpu: which of our builds
+    pytorch: str = ""  # a prefix of the PyTorch build string, when the scenario is about it
+    python: str = ""  # the Python minor version, when the scenario is about it
+    torch_version: str = ""
+    installed: list[str] = field(default_factory=list)  # specs of an environment solved first, then locked
+
+
+SCENARIOS = {
+    "CUDA 12 driver": Scenario("linux, CUDA 12 driver", ["flash-attn"], "cuda129", pytorch="cuda129"),
+    "CUDA 13 driver": Scenario("linux, CUDA 13 driver", ["flash-attn"], "cuda130", pytorch="cuda130"),
+    "CUDA PyTorch requested": Scenario("linux, CUDA 12 driver", ["flash-attn", "pytorch * cuda*"], "cuda129", pytorch="cuda129"),
+    "CPU PyTorch pinned on a GPU machine": Scenario("linux, CUDA 13 driver", ["flash-attn", "pytorch * cpu*"], "cpu", pytorch="cpu"),
+    "no GPU": Scenario("linux, no GPU", ["flash-attn"], "cpu", pytorch="cpu"),
+    "macOS": Scenario("macOS", ["flash-attn"], "cpu", pytorch="cpu"),
+    "Windows with a CUDA driver": Scenario("windows, CUDA 13 driver", ["flash-attn"], "cpu"),
+    "Python 3.10": Scenario("linux, CUDA 12 driver", ["flash-attn", "python 3.10.*"], "cuda129", python="3.10"),
+    "Python 3.14": Scenario("linux, CUDA 13 driver", ["flash-attn", "python 3.14.*"], "cuda130", python="3.14"),
+    "PyTorch 2.10 kept": Scenario("linux, CUDA 12 driver", ["python", "pytorch", "flash-attn"], "cuda129",
+                                  pytorch="cuda129", torch_version="2.10.0",
+                                  installed=["python 3.12.*", "pytorch 2.10.* cuda129*"]),
+    "env with a CUDA 12.9 PyTorch, CUDA 13 driver": Scenario(
+        "linux, CUDA 13 driver", ["python", "pytorch", "flash-attn"], "cuda129", pytorch="cuda129",
+        torch_version="2.13.0", python="3.12", installed=["python 3.12.*", "pytorch * cuda129*"]),
+    "CPU build asked for on a GPU machine": Scenario("linux, CUDA 13 driver", ["flash-attn * cpu*"], "cpu"),
+}
+
+
+@pytest.fixture(scope="module")
+def ours() -> dict:
+    """The feedstock's builds: platform -> kind (cuda129/cuda130/cpu) -> repodata record."""
+    builds = {}
+    for platform in PLATFORMS:
+        variants = render(platform, cf.variant_config(cf.feedstock_spec(platform)))
+        builds[platform] = {v.recipe["build"]["string"].split("_")[0]: conda_channel.recipe_record(v, platform)
+                            for v in variants}
+        builds[platform]["cpu"]["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
+    return builds
+
+
+def _channel(folder: Path, ours: dict) -> str:
+    records = [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)]
+    records += [r for p in PLATFORMS for r in ours[p].values()]
+    return conda_channel.write_channel(folder, records)
+
+
+@pytest.fixture(scope="module")
+def channel(tmp_path_factory, ours) -> tuple[str, Path]:
+    folder = tmp_path_factory.mktemp("channel")
+    return _channel(folder / "channel", ours), folder / "cache"
+
+
+def solve(channel: tuple[str, Path], machine: str, specs: list[str], locked=()) -> dict:
+    """The environment py-rattler solves: package name -> its record."""
+    url, cache = channel
+    platform, virtual_packages = MACHINES[machine]
+    records = asyncio.run(rattler.solve(
+        [url], specs, gateway=rattler.Gateway(cache_dir=str(cache)), platforms=[platform, "noarch"],
+        virtual_packages=virtual_packages, locked_packages=list(locked)))
+    return {r.name.normalized: r for r in records}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_solver_picks_the_right_build(name, channel, ours):
+    scenario = SCENARIOS[name]
+    platform = MACHINES[scenario.machine][0]
+    locked = solve(channel, scenario.machine, scenario.installed).values() if scenario.installed else ()
+    env = solve(channel, scenario.machine, scenario.specs, locked)
+    flash_attn, pytorch = str(env["flash-attn"].build), str(env["pytorch"].build)
+    assert flash_attn == ours[platform][scenario.flash_attn]["build"], f"{name}: got {flash_attn} with pytorch {pytorch}"
+    assert pytorch.startswith(scenario.pytorch), pytorch
+    if scenario.flash_attn != "cpu":
+        assert pytorch.startswith("cuda")  # a CUDA build of flash-attn only with a CUDA PyTorch
+    if scenario.python:
+        assert str(env["python"].version).startswith(scenario.python + "."), env["python"].version
+    if scenario.torch_version:
+        assert str(env["pytorch"].version) == scenario.torch_version
+    if scenario.installed:
+        # adding flash-attn changed nothing that was installed
+        before = {r.name.normalized: str(r.build) for r in locked}
+        assert {n: str(r.build) for n, r in env.items() if n in before} == before
+
+
+def test_without_the_build_number_offset_gpu_machines_get_the_cpu_build(tmp_path, ours):
+    """The control: the same builds with build number 0 everywhere (the recipe before issue 10)
+    give a GPU machine the CPU build beside a CUDA PyTorch, the defect the offset fixes."""
+    flat = {p: {kind: {**r, "build_number": 0} for kind, r in builds.items()} for p, builds in ours.items()}
+    channel = (_channel(tmp_path / "channel", flat), tmp_path / "cache")
+    for machine in ("linux, CUDA 12 driver", "linux, CUDA 13 driver"):
+        env = solve(channel, machine, ["flash-attn"])
+        assert str(env["flash-attn"].build) == ours["linux-64"]["cpu"]["build"]
+        assert str(env["pytorch"].build).startswith("cuda")
+
+
+@pytest.mark.parametrize("machine", list(MACHINES))
+def test_cpu_build_installs_everywhere(machine, channel, ours):
+    env = solve(channel, machine, ["flash-attn * cpu*"])
+    assert str(env["flash-attn"].build) == ours[MACHINES[machine][0]]["cpu"]["build"]
+
+
+def test_records_carry_the_run_exports(ours):
+    """What rattler-build writes into index.json: run requirements plus the compilers', sysroot's,
+    nvcc's and python-abi3's run_exports; libtorch's exact pin and cuda-cudart are ignored."""
+    cuda129, cuda130, cpu = (set(ours["linux-64"][k]["depends"]) for k in ("cuda129", "cuda130", "cpu"))
+    assert {"python >=3.10", "pytorch >=2.10", "libtorch >=2.10", "pytorch * cuda*", "__cuda >=12",
+            "cuda-version >=12.9,<13", "libgcc >=14", "libstdcxx >=14", "__glibc >=2.17,<3.0.a0",
+            "cpython >=3.10", "_python_abi3_support 1.*"} <= cuda129
+    assert {"__cuda >=13", "cuda-version >=13.0,<14", "libstdcxx >=15", "__glibc >=2.28,<3.0.a0"} <= cuda130
+    assert cpu == {"python >=3.10", "pytorch >=2.10", "cpython >=3.10", "_python_abi3_support 1.*"}
+    for depends in (cuda129, cuda130, cpu):
+        assert not any(d.startswith(("python_abi", "cuda-cudart", "libtorch >=2.10,<")) for d in depends)
+    assert ours["linux-64"]["cuda129"]["build_number"] == ours["linux-64"]["cuda130"]["build_number"] == 200
+    assert ours["linux-64"]["cpu"]["build_number"] == 0
+    assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())  # CEP-20
