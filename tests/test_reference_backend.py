@@ -165,9 +165,12 @@ def test_rows_without_keys_give_zero_out_inf_lse_and_zero_grads(engine):
         close(dk[0], ref[4], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("preload", [True, False], ids=["kv-converted-once", "kv-per-tile"])
 @pytest.mark.parametrize("chunks", [(1, 1), (3, 64), (64, 2), None])
-def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks):
+def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks, preload):
     monkeypatch.setattr(core, "FORCED_CHUNKS", chunks)
+    if not preload:
+        monkeypatch.setattr(core, "PRELOAD_BUDGET_BYTES", 0)
     q, k, v, dout = random_qkv(2, 11, 14, 2, 1, 8, seed=3)
     params = params_for(8, (6, 0), softcap=2.0)
     out, lse, _ = reference.forward(q, k, v, params)
