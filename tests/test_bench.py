@@ -59,7 +59,7 @@ def test_cpu_backward_and_causal_in_process(tmp_path):
 
 
 def test_cpu_feature_cases(tmp_path):
-    """Every feature against SDPA with its explicit mask (softcap: plain causal SDPA), forward and
+    """Every feature against SDPA with its explicit mask (softcap: the causal mask), forward and
     backward; the visible-pair counts are the features' own."""
     status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "256", "--repeats", "1", "--dtype", "fp32",
                        "--causal", "--backward", "--no-plot", "--out", str(tmp_path)])
@@ -72,6 +72,20 @@ def test_cpu_feature_cases(tmp_path):
     spec = dict(seqlen=256, feature="window")
     assert cpu.visible_pairs(spec) == sum(min(i + 1, 64) for i in range(256))
     assert cpu.visible_pairs(dict(seqlen=256, feature="varlen")) == sum(n * (n + 1) // 2 for n in (128, 64, 32, 32))
+
+
+@pytest.mark.parametrize("feature", list(cpu.FEATURES))
+def test_sdpa_gets_an_equivalent_mask(feature):
+    """The ratio compares equal work: SDPA with the feature's explicit mask computes what
+    flash_attn computes (softcap, which SDPA cannot do: what flash_attn computes without it)."""
+    spec = dict(batch=1, heads=2, headdim=16, seqlen=48 if feature != "paged" else 600, dtype="fp32",
+                causal=True, backward=False, feature=feature)
+    fns = cpu._calls(spec, raw=True)
+    ours, sdpa = fns["flash_attn"]().reshape(1, spec["seqlen"], 2, 16), fns["sdpa"]()
+    if feature == "softcap":
+        assert not torch.allclose(ours, sdpa, atol=1e-3)
+        ours = cpu._calls(dict(spec, feature=None), raw=True)["flash_attn"]()
+    torch.testing.assert_close(ours, sdpa, atol=2e-5, rtol=1e-4)
 
 
 LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak memory is read from /proc")

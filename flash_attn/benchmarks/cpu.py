@@ -6,7 +6,8 @@ Two kinds of cases:
 * **plain**: fp32/bf16, causal or not, forward or forward+backward, over sequence length;
 * **features** SDPA can only express with an explicit, materialised mask (sliding window,
   ALiBi, varlen, paged KV: SDPA gets the equivalent mask, built before timing) or not at all
-  (softcap: SDPA runs the same causal problem without it, which is less work).
+  (softcap: SDPA gets the causal mask as an explicit mask and computes no softcap, which is
+  less work; the plain causal cases show SDPA's ``is_causal`` time for the same sizes).
 
 Every case runs in a fresh child process, which measures all implementations: the first call of
 each for peak memory (the growth of the resident set's high-water mark ``VmHWM`` over the call,
@@ -43,7 +44,7 @@ DEFAULT_IMPLS = ("flash_attn", "sdpa")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 FEATURES = {
     "window": "sliding window of seqlen/4 keys, causal (SDPA: boolean band mask)",
-    "softcap": "softcap 30, causal (SDPA cannot softcap: plain causal SDPA, less work)",
+    "softcap": "softcap 30, causal (SDPA cannot softcap: boolean causal mask, no softcap, less work)",
     "alibi": "ALiBi, causal (SDPA: fp32 additive bias per head)",
     "varlen": "4 packed sequences (1/2, 1/4, 1/8, 1/8 of seqlen), causal (SDPA: block-diagonal mask)",
     "paged": "the varlen sequences with K/V in 256-row pages (SDPA: contiguous K/V, block-diagonal mask)",
@@ -127,7 +128,7 @@ def predicted_bytes(spec: dict, impl: str) -> int:
     s, itemsize = spec["seqlen"], {"fp32": 4, "bf16": 2, "fp16": 2}[spec["dtype"]]
     if impl == "eager":
         return spec["batch"] * spec["heads"] * s * s * itemsize * (5 if spec.get("backward") else 3)
-    if impl == "sdpa" and spec.get("feature") in ("window", "varlen", "paged"):
+    if impl == "sdpa" and spec.get("feature") in ("window", "softcap", "varlen", "paged"):
         return s * s * (1 + itemsize)
     if impl == "sdpa" and spec.get("feature") == "alibi":
         return spec["heads"] * s * s * 4
@@ -148,6 +149,8 @@ def _sdpa_mask(spec: dict, slopes):
     feature = spec.get("feature")
     if feature == "window":
         return _causal_mask(s).triu_(-(max(1, s // 4) - 1))
+    if feature == "softcap":
+        return _causal_mask(s)
     if feature == "alibi":
         i = torch.arange(s).view(s, 1)
         distance = (i - i.view(1, s)).abs_().to(torch.float32)
@@ -163,8 +166,9 @@ def _sdpa_mask(spec: dict, slopes):
     return None
 
 
-def _calls(spec: dict) -> dict[str, Callable[[], None]]:
-    """One call of each implementation of the case, on the same inputs."""
+def _calls(spec: dict, raw: bool = False) -> dict[str, Callable]:
+    """One call of each implementation of the case, on the same inputs (``raw``: the bare
+    functions, returning their outputs, without the backward)."""
     import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
@@ -225,7 +229,8 @@ def _calls(spec: dict) -> dict[str, Callable[[], None]]:
             scores = scores.masked_fill(~visible, float("-inf"))
         return torch.matmul(scores.softmax(dim=-1), vt).transpose(1, 2)
 
-    return {"flash_attn": run(ours), "sdpa": run(sdpa), "eager": run(eager)}
+    fns = {"flash_attn": ours, "sdpa": sdpa, "eager": eager}
+    return fns if raw else {name: run(fn) for name, fn in fns.items()}
 
 
 def _varlen_call(q, k, v, inputs, feature, seqlen, generator):
