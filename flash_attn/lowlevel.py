@@ -79,9 +79,11 @@ def _rng_state(rng_state: Optional[torch.Tensor], dropout_p: float, device: torc
             raise ValueError("dropout_p > 0 needs the rng_state returned by the forward, got None")
         return torch.zeros(1, dtype=torch.int64, device=device)
     if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or rng_state.numel() < 1:
-        raise TypeError(f"rng_state must be the int64 tensor returned by the forward, got {validation._describe(rng_state)}")
+        raise TypeError(
+            f"rng_state must be the int64 tensor returned by the forward, got {validation._describe(rng_state)}")
     if rng_state.device != device:
-        raise ValueError(f"rng_state is on {rng_state.device} but q is on {device} (pass the forward's rng_state unchanged)")
+        raise ValueError(
+            f"rng_state is on {rng_state.device} but q is on {device} (pass the forward's rng_state unchanged)")
     return rng_state
 
 
