@@ -140,7 +140,8 @@ def run_cpu(args: argparse.Namespace) -> int:
                "time_ms_min", "repeats", "gflops", "peak_mib", "ratio", "status", "note")
     paths = common.write_results(args.out, "bench-cpu", meta, rows, columns)
     if not args.no_plot:
-        title = (f"CPU, {meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads): batch {config['batch']}, "
+        threads = config["threads"] or meta["machine"]["torch_threads"]
+        title = (f"CPU, {meta['machine']['cpu']} ({threads} threads): batch {config['batch']}, "
                  f"{config['heads']} heads, d={config['headdim']}")
         png = cpu.plot(rows, args.out / "bench-cpu.png", title)
         paths["png"] = png or "(not written: matplotlib is not installed)"
