@@ -2,8 +2,8 @@
 
 Each function checks its arguments (:mod:`flash_attn.validation`), normalises them (default
 softmax scale, ``causal`` as a window bound) and calls one ``flash_attn::*`` custom operator
-(:mod:`flash_attn.ops`; in plain eager calls its body directly), which runs the backend chosen by ``FLASH_ATTN_BACKEND``
-(:mod:`flash_attn.dispatch`): the ahead-of-time GPU kernels on CUDA tensors when installed,
+(:mod:`flash_attn.ops`; in plain eager calls its body directly), which runs the backend chosen
+by ``FLASH_ATTN_BACKEND`` (:mod:`flash_attn.dispatch`): the ahead-of-time GPU kernels on CUDA tensors when installed,
 the exact PyTorch reference backend on every other device.
 
 Masking (every function): with ``causal=True`` the mask is aligned to the **bottom-right**
@@ -28,6 +28,11 @@ logsumexp +inf.
 
 MQA/GQA: k/v may have fewer heads than q (nheads % nheads_k == 0); query head ``h`` uses
 key/value head ``h // (nheads // nheads_k)``.
+
+Upstream's low-level API is importable from here too, for code that combines attention blocks
+itself (context parallelism): ``_flash_attn_forward``, ``_flash_attn_varlen_forward``,
+``_flash_attn_backward``, ``_flash_attn_varlen_backward`` (:mod:`flash_attn.lowlevel`) and the
+``flash_attn_gpu`` entry points (:mod:`flash_attn.entry_points`).
 """
 
 from __future__ import annotations
@@ -36,7 +41,14 @@ from typing import Optional, Union
 
 import torch
 
+from flash_attn import entry_points as flash_attn_gpu  # noqa: F401  (upstream's handle, see below)
 from flash_attn import ops, validation
+from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
+    _flash_attn_backward,
+    _flash_attn_forward,
+    _flash_attn_varlen_backward,
+    _flash_attn_varlen_forward,
+)
 
 __all__ = [
     "flash_attn_func",

@@ -1,6 +1,7 @@
 """``python -m flash_attn bench``: the CPU mode end to end on tiny sizes (in process and in child
-processes), that its memory measurement sees what eager attention allocates (quadratic) and that
-the reference backend's tiles keep it small, the GPU mode's plumbing with a fake timer on the CPU,
+processes; plain cases and the feature cases against SDPA with explicit masks, with the speed
+ratio), that its memory measurement sees what eager attention allocates (quadratic) and that the
+reference backend keeps it small, the GPU mode's plumbing with a fake timer on the CPU,
 and the build mode on a stand-in build command."""
 
 from __future__ import annotations
@@ -27,41 +28,81 @@ def test_flop_count():
 
 
 def test_cpu_quick_in_process(tmp_path, capsys):
-    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "64,96", "--repeats", "2",
-                       "--no-plot", "--out", str(tmp_path)])
+    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "64,96", "--repeats", "2", "--dtype",
+                       "fp32", "--forward", "--features", "none", "--impls", "flash_attn,eager,sdpa", "--no-plot",
+                       "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0
     data = json.loads((tmp_path / "bench-cpu.json").read_text())
     assert data["meta"]["machine"]["torch"] == torch.__version__
     rows = data["results"]
-    assert [(r["seqlen"], r["impl"]) for r in rows] == [(s, i) for s in (64, 96) for i in ("flash_attn", "eager", "sdpa")]
+    assert [(r["case"], r["seqlen"], r["impl"]) for r in rows] == [
+        (c, s, i) for c in ("full", "causal") for s in (64, 96) for i in ("flash_attn", "eager", "sdpa")]
     for r in rows:
-        assert r["status"] == "ok" and r["repeats"] == 2 and r["time_ms"] > 0
-        flops = common.attention_flops(r["batch"], r["heads"], r["seqlen"], r["seqlen"], r["headdim"], False)
-        assert r["gflops"] == pytest.approx(flops / (r["time_ms"] * 1e-3) / 1e9)
+        assert r["status"] == "ok" and r["repeats"] == 2 and r["time_ms"] > 0 and r["pass"] == "fwd"
+        flops = common.attention_flops(r["batch"], r["heads"], r["seqlen"], r["seqlen"], r["headdim"], r["causal"])
+        # the exact count of visible pairs: causal counts the diagonal (s(s+1)/2, not s^2/2)
+        assert r["gflops"] == pytest.approx(flops / (r["time_ms"] * 1e-3) / 1e9, rel=0.02 if r["causal"] else 1e-9)
+        assert ("ratio" in r) == (r["impl"] == "flash_attn") and (r.get("ratio") or 1) > 0
     with (tmp_path / "bench-cpu.csv").open() as fh:
-        assert len(list(csv.DictReader(fh))) == 6
-    assert "| seqlen | implementation | time (ms) |" in out
+        assert len(list(csv.DictReader(fh))) == 12
+    assert "| case | dtype | pass | seqlen | flash_attn (ms) | eager (ms) | sdpa (ms) | ratio (sdpa / flash_attn) |" in out
 
 
 def test_cpu_backward_and_causal_in_process(tmp_path):
     status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "64", "--repeats", "1", "--causal",
-                       "--backward", "--no-plot", "--out", str(tmp_path)])
+                       "--backward", "--dtype", "bf16", "--features", "none", "--no-plot", "--out", str(tmp_path)])
     assert status == 0
     rows = json.loads((tmp_path / "bench-cpu.json").read_text())["results"]
     assert {r["pass"] for r in rows} == {"fwd_bwd"} and all(r["causal"] for r in rows)
+    assert {r["impl"] for r in rows} == {"flash_attn", "sdpa"} and {r["dtype"] for r in rows} == {"bf16"}
+
+
+def test_cpu_feature_cases(tmp_path):
+    """Every feature against SDPA with its explicit mask (softcap: the causal mask), forward and
+    backward; the visible-pair counts are the features' own."""
+    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "256", "--repeats", "1", "--dtype", "fp32",
+                       "--causal", "--backward", "--no-plot", "--out", str(tmp_path)])
+    assert status == 0
+    rows = json.loads((tmp_path / "bench-cpu.json").read_text())["results"]
+    features = [r["case"] for r in rows if r["impl"] == "flash_attn" and r["case"] in cpu.FEATURES]
+    assert features == list(cpu.FEATURES)
+    assert all(r["status"] == "ok" and r["peak_mib"] >= 0 for r in rows)
+    assert all(r["ratio"] > 0 for r in rows if r["impl"] == "flash_attn")
+    spec = dict(seqlen=256, feature="window")
+    assert cpu.visible_pairs(spec) == sum(min(i + 1, 64) for i in range(256))
+    assert cpu.visible_pairs(dict(seqlen=256, feature="varlen")) == sum(n * (n + 1) // 2 for n in (128, 64, 32, 32))
+
+
+@pytest.mark.parametrize("feature", list(cpu.FEATURES))
+def test_sdpa_gets_an_equivalent_mask(feature):
+    """The ratio compares equal work: SDPA with the feature's explicit mask computes what
+    flash_attn computes (softcap, which SDPA cannot do: what flash_attn computes without it)."""
+    spec = dict(batch=1, heads=2, headdim=16, seqlen=48 if feature != "paged" else 600, dtype="fp32",
+                causal=True, backward=False, feature=feature)
+    fns = cpu._calls(spec, raw=True)
+    ours, sdpa = fns["flash_attn"]().reshape(1, spec["seqlen"], 2, 16), fns["sdpa"]()
+    if feature == "softcap":
+        assert not torch.allclose(ours, sdpa, atol=1e-3)
+        ours = cpu._calls(dict(spec, feature=None), raw=True)["flash_attn"]()
+    torch.testing.assert_close(ours, sdpa, atol=2e-5, rtol=1e-4)
 
 
 LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak memory is read from /proc")
+
+
+def _config(**overrides):
+    config = {"seqlens": [1024, 2048], "impls": ["eager"], "batch": 1, "heads": 2, "headdim": 32, "dtypes": ["fp32"],
+              "causal": [False], "backward": [False], "features": [], "repeats": 1, "warmup": 1, "isolate": True}
+    config.update(overrides)
+    return config
 
 
 @LINUX_PROC
 def test_memory_measurement_sees_eager_grow_quadratically():
     """In fresh child processes: eager's extra peak memory holds at least its score matrix and
     grows ~4x when the sequence doubles."""
-    config = {"seqlens": [1024, 2048], "impls": ["eager"], "batch": 1, "heads": 2, "headdim": 32, "dtype": "fp32",
-              "causal": False, "backward": False, "repeats": 1, "warmup": 1, "isolate": True}
-    small, large = cpu.run(config)
+    small, large = cpu.run(_config())
     assert small["status"] == large["status"] == "ok", (small, large)
     scores_mib = 2 * 2048 * 2048 * 4 / 2**20  # heads * s * s * fp32
     assert large["peak_mib"] >= 0.9 * scores_mib, large
@@ -69,35 +110,36 @@ def test_memory_measurement_sees_eager_grow_quadratically():
 
 
 @LINUX_PROC
-def test_reference_backend_memory_is_bounded_by_its_tiles():
-    """The same problem through this package with 1 MiB score tiles stays far below eager's
-    32 MiB score matrix (run in a child, so nothing freed earlier hides the peak)."""
-    script = textwrap.dedent("""
+@pytest.mark.parametrize("engine", ["fused", "tiled"])
+def test_reference_backend_memory_is_bounded(engine):
+    """The same problem through this package stays far below eager's 128 MiB score matrix, on
+    PyTorch's fused kernels and on the tiled engine with 1 MiB score tiles (run in a child, so
+    nothing freed earlier hides the peak; what the allocator keeps varies by a few MiB)."""
+    script = textwrap.dedent(f"""
         import json
-        from flash_attn.backends import _reference_core
+        from flash_attn.backends import _reference_core, reference
         from flash_attn.benchmarks import cpu
         _reference_core.TILE_BUDGET_BYTES = 1 << 20
-        spec = dict(impl="flash_attn", seqlen=2048, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1, warmup=1)
+        reference.USE_FUSED_CPU_KERNELS = {engine == "fused"}
+        spec = dict(impls=["flash_attn"], seqlen=4096, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1, warmup=1)
         print(json.dumps(cpu.measure(spec)))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["peak_mib"] < 8, result
+    result = json.loads(proc.stdout.strip().splitlines()[-1])["flash_attn"]
+    assert result["peak_mib"] < 32, result
 
 
 def test_eager_is_skipped_when_it_cannot_fit(monkeypatch):
     monkeypatch.setattr(cpu, "available_memory_bytes", lambda: 1 << 30)
-    config = {"seqlens": [65536], "impls": ["eager"], "batch": 1, "heads": 8, "headdim": 64, "dtype": "fp32",
-              "causal": False, "backward": False, "repeats": 1, "warmup": 1, "isolate": True}
-    (row,) = cpu.run(config)
+    (row,) = cpu.run(_config(seqlens=[65536], heads=8, headdim=64))
     assert row["status"] == "skipped" and "GiB" in row["note"]
 
 
 def test_cpu_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "32,64", "--repeats", "1",
-                       "--out", str(tmp_path)])
+    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "32,64", "--repeats", "1", "--dtype",
+                       "fp32", "--features", "window", "--out", str(tmp_path)])
     assert status == 0
     assert (tmp_path / "bench-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -137,7 +137,29 @@ def backward_calls():
                                           None, s, s, 0.1, -1, 0, 0.0, 0.0, seed, True)
 
 
-ALL_CALLS = [*public_calls(), *backward_calls()]
+def lowlevel_calls():
+    """Upstream's low-level functions (the custom ops' bodies, ``._init_fn``), forward and backward,
+    as context-parallel code calls them; the rng_state they hand on stays on the device."""
+    from flash_attn.flash_attn_interface import (_flash_attn_backward, _flash_attn_forward,
+                                                 _flash_attn_varlen_backward, _flash_attn_varlen_forward)
+
+    b, s, h, hk, d = 2, 200, 8, 2, 128
+    q, k, v = meta(b, s, h, d), meta(b, s, hk, d), meta(b, s, hk, d)
+    lse, seed = meta(b, h, s, dtype=torch.float32), meta(1, dtype=torch.int64)
+    cu, lens = meta(b + 1, dtype=torch.int32), meta(b, dtype=torch.int32)
+    pq, pk = meta(2 * s, h, d), meta(2 * s, hk, d)
+    plse = meta(h, 2 * s, dtype=torch.float32)
+    yield "_flash_attn_forward", lambda: _flash_attn_forward._init_fn(q, k, v, 0.1, 0.1, True, -1, -1, 0.0, None,
+                                                                      False)
+    yield "_flash_attn_varlen_forward seqused_k", lambda: _flash_attn_varlen_forward._init_fn(
+        pq, pk, pk, cu, cu, s, s, 0.0, 0.1, True, seqused_k=lens)
+    yield "_flash_attn_backward", lambda: _flash_attn_backward._init_fn(
+        q, q, k, v, q, lse, meta(b, s, h, d), None, None, 0.1, 0.1, True, -1, -1, 0.0, None, False, seed)
+    yield "_flash_attn_varlen_backward", lambda: _flash_attn_varlen_backward._init_fn(
+        pq, pq, pk, pk, pq, plse, None, None, None, cu, cu, s, s, 0.0, 0.1, True, -1, -1, 0.0, None, False)
+
+
+ALL_CALLS = [*public_calls(), *backward_calls(), *lowlevel_calls()]
 
 
 @pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
@@ -149,8 +171,9 @@ def test_aot_path_reads_nothing_on_the_host(custom_op_bodies, aot_on_meta, name,
 
 @pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
 def test_triton_path_reads_nothing_on_the_host(custom_op_bodies, triton_on_meta, name, call):
-    call()
+    result = call()
     assert triton_on_meta, f"{name}: nothing was launched"
+    assert all(t.device == META for t in (result if isinstance(result, tuple) else (result,)) if t is not None)
     for kernel, tensors in triton_on_meta:
         assert all(t is None or t.device == META for t in tensors), kernel
 

@@ -1,8 +1,10 @@
 """The reference backend against an independent, naive float64 attention.
 
 The oracle below builds the full score matrix and the masks straight from the formulas of
-:class:`flash_attn.params.AttentionParams`; gradients come from autograd on it. Most tests force
-tiny chunks so the online softmax and the tile skipping run across many ragged chunks.
+:class:`flash_attn.params.AttentionParams`; gradients come from autograd on it. Tests run the
+tiled engine with tiny forced chunks, so the online softmax and the tile skipping run across many
+ragged chunks; the tests taking the ``engine`` fixture also run with PyTorch's fused CPU kernels
+switched on (the backend's default on CPU, used where they apply).
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ INF = float("inf")
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """Force ragged chunks (5 query rows x 7 key columns) unless a test overrides them."""
+    """The tiled engine with ragged chunks (5 query rows x 7 key columns) unless a test overrides
+    them or asks for the fused kernels (``engine``)."""
+    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", False)
     monkeypatch.setattr(core, "FORCED_CHUNKS", (5, 7))
+
+
+@pytest.fixture(params=["tiled", "fused"])
+def engine(request, monkeypatch):
+    """Runs a test twice: tiled engine only, and with the fused CPU kernels where they apply."""
+    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", request.param == "fused")
+    return request.param
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +129,7 @@ def _slopes(kind, b, h):
 
 
 @pytest.mark.parametrize("case", DENSE_CASES, ids=list(DENSE_CASES))
-def test_dense_forward_backward_match_naive(case):
+def test_dense_forward_backward_match_naive(case, engine):
     cfg = dict(DENSE_CASES[case])
     b, d = 2, 16
     q, k, v, dout = random_qkv(b, cfg["sq"], cfg["sk"], cfg["h"], cfg["hk"], d)
@@ -139,7 +150,7 @@ def test_dense_forward_backward_match_naive(case):
             close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_rows_without_keys_give_zero_out_inf_lse_and_zero_grads():
+def test_rows_without_keys_give_zero_out_inf_lse_and_zero_grads(engine):
     # Causal with sq > sk: the first sq - sk rows see nothing; a tiny window empties more.
     q, k, v, dout = random_qkv(1, 12, 5, 2, 2, 8)
     for window in [(-1, 0), (0, 0)]:
@@ -155,9 +166,12 @@ def test_rows_without_keys_give_zero_out_inf_lse_and_zero_grads():
             close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("preload", [True, False], ids=["kv-converted-once", "kv-per-tile"])
 @pytest.mark.parametrize("chunks", [(1, 1), (3, 64), (64, 2), None])
-def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks):
+def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks, preload):
     monkeypatch.setattr(core, "FORCED_CHUNKS", chunks)
+    if not preload:
+        monkeypatch.setattr(core, "PRELOAD_BUDGET_BYTES", 0)
     q, k, v, dout = random_qkv(2, 11, 14, 2, 1, 8, seed=3)
     params = params_for(8, (6, 0), softcap=2.0)
     out, lse, _ = reference.forward(q, k, v, params)
@@ -170,7 +184,7 @@ def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_inputs(dtype):
+def test_half_precision_inputs(dtype, engine):
     q, k, v, dout = random_qkv(2, 21, 33, 4, 2, 16, dtype=dtype)
     params = params_for(16, (-1, 0))
     out, lse, _ = reference.forward(q, k, v, params)
@@ -273,7 +287,7 @@ def _check_varlen(q, k_seqs, v_seqs, dout, layout, params, out, lse, grads, *, w
 
 
 @pytest.mark.parametrize("window,alibi,dropout_p", [((-1, -1), False, 0.0), ((-1, 0), True, 0.0), ((3, 1), False, 0.25)])
-def test_varlen_matches_naive_including_empty_sequences(window, alibi, dropout_p):
+def test_varlen_matches_naive_including_empty_sequences(window, alibi, dropout_p, engine):
     seqlens_q, seqlens_k = [3, 0, 7, 6, 4, 0], [4, 5, 0, 13, 2, 0]
     h, hk, d = 4, 2, 8
     q, k, v, dout, layout = _varlen_case(seqlens_q, seqlens_k, h, hk, d)
@@ -300,7 +314,7 @@ def test_varlen_matches_naive_including_empty_sequences(window, alibi, dropout_p
         assert torch.equal((probs > 0)[probs != 0], keep[probs != 0])
 
 
-def test_paged_varlen_gradients_land_in_the_page_pool():
+def test_paged_varlen_gradients_land_in_the_page_pool(engine):
     seqlens_q, seqlens_k = [5, 3, 0, 8], [9, 1, 6, 16]
     h, hk, d, page = 2, 1, 8, 4
     q, _, _, dout, layout = _varlen_case(seqlens_q, seqlens_k, h, hk, d, seed=11)
@@ -359,7 +373,7 @@ KV_CASES = {
 
 
 @pytest.mark.parametrize("case", KV_CASES, ids=list(KV_CASES))
-def test_kvcache_matches_naive(case):
+def test_kvcache_matches_naive(case, engine):
     cfg = KV_CASES[case]
     B, h, hk, d, capacity, page = 3, 4, 2, 16, 24, 4
     sq, s_new = cfg.get("sq", 3), cfg.get("s_new", 3)
@@ -488,7 +502,7 @@ def test_default_chunk_sizes_respect_the_budget(monkeypatch):
     q = torch.empty(1, 16384, 8, 64)
     problem = reference._dense_problem(q, q[:, :, :1], q[:, :, :1], None, torch.arange(1))
     chunk_q, chunk_k = core.chunk_sizes(problem, params_for(64))
-    assert 4 * 8 * chunk_q * chunk_k <= core.TILE_BUDGET_BYTES and chunk_q >= 256 and chunk_k >= 256
+    assert 4 * 8 * chunk_q * chunk_k <= core.TILE_BUDGET_BYTES and chunk_q >= 128 and chunk_k >= 2 * chunk_q - 1
     decode = reference._dense_problem(q[:, :1], q[:, :, :1], q[:, :, :1], None, torch.arange(1))
     assert core.chunk_sizes(decode, params_for(64)) == (1, 16384)
 

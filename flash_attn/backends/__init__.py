@@ -16,6 +16,9 @@ Every backend module exposes the same functions (the contract the dispatcher rel
 
 ``backward(dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
 deterministic=False)`` -> ``(dq, dk, dv)`` shaped like q, k, v (for paged K/V: like the page pool).
+    The probabilities are recomputed from the given ``lse`` and the softmax correction
+    ``rowsum(dout * out)`` from the given ``out``, never from a fresh forward: given the ``out``
+    and ``lse`` of a longer sequence (context parallelism), the result is this block's share.
 
 ``forward_kvcache(q, params, cache, *, alibi_slopes=None)`` -> ``(out, lse)``
     ``cache`` a :class:`~flash_attn.params.KVCacheInputs`; q ``(b, sq, h, d)``; appends

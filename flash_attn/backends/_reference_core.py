@@ -10,6 +10,14 @@ dense tensors, one varlen sequence, and the (possibly paged) KV cache, and never
 * the backward recomputes the probabilities tile by tile from the saved logsumexp (the flash
   attention backward) and accumulates dq per query chunk and dk/dv per key column.
 
+Tiles are small enough to stay in the CPU's caches (``TILE_BUDGET_BYTES``), and scores are kept
+in base 2 (``exp2`` is several times faster than ``exp`` on CPUs): the softmax scale times
+``log2(e)`` is folded into q, and softcap ``c * tanh(x / c)`` is computed as
+``2c * sigmoid(2x / c)`` (one vectorised pass, ``tanh`` is several times slower) minus the
+constant ``c``, which only shifts every score of a row alike: the softmax ignores it and the
+log-sum-exp subtracts it. K/V are converted to fp32 once per problem when that copy is small
+(``PRELOAD_BUDGET_BYTES``), not once per query chunk.
+
 Tiles keep the grouped-query layout ``(B, hk, g, rows, cols)`` (``h = hk * g``; query head
 ``kh * g + gi`` reads kv head ``kh``), so K/V are never repeated across the group.
 
@@ -30,12 +38,19 @@ from torch import Tensor
 from flash_attn.dropout import keep_mask
 from flash_attn.params import AttentionParams
 
-# Bytes of one fp32 score tile (B x h x chunk_q x chunk_k). A handful of tile-sized temporaries
-# are alive at once, so peak extra memory is a small multiple of this.
-TILE_BUDGET_BYTES = 64 << 20
+# Bytes of one fp32 score tile (B x h x chunk_q x chunk_k) on the CPU: small enough that the
+# tile's few elementwise passes run in the caches, large enough that per-tile Python overhead is
+# small. A handful of tile-sized temporaries are alive at once.
+TILE_BUDGET_BYTES = 2 << 20
+# On GPUs (MPS, ROCm, old CUDA) every op is a kernel launch: fewer, larger tiles.
+ACCELERATOR_TILE_BUDGET_BYTES = 64 << 20
 # Dropout regenerates its mask with int64 arithmetic (several tile-sized int64 temporaries),
 # so dropout tiles are made this many times smaller.
-DROPOUT_TILE_SHRINK = 8
+DROPOUT_TILE_SHRINK = 2
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+# K and V columns (fp32, all a problem may see) are converted once up to this size, else per tile.
+PRELOAD_BUDGET_BYTES = 256 << 20
 # Tests set ``(chunk_q, chunk_k)`` here to force many small chunks.
 FORCED_CHUNKS: Optional[tuple[int, int]] = None
 
@@ -90,10 +105,12 @@ def chunk_sizes(problem: Problem, params: AttentionParams) -> tuple[int, int]:
     """``(chunk_q, chunk_k)`` so that one fp32 ``(B, h, chunk_q, chunk_k)`` tile fits the budget."""
     if FORCED_CHUNKS is not None:
         return FORCED_CHUNKS
-    budget = TILE_BUDGET_BYTES // (DROPOUT_TILE_SHRINK if params.dropout_p > 0 else 1)
+    budget = TILE_BUDGET_BYTES if problem.q.device.type == "cpu" else ACCELERATOR_TILE_BUDGET_BYTES
+    budget //= DROPOUT_TILE_SHRINK if params.dropout_p > 0 else 1
     area = max(1, budget // (4 * problem.batch * problem.nheads))
-    # Square-ish tiles by default; a short side (decoding: sq == 1) lets the other grow.
-    chunk_q = max(1, min(problem.seqlen_q, math.isqrt(area)))
+    # Tiles twice as wide as tall by default (row statistics and the output accumulator are
+    # updated once per tile); a short side (decoding: sq == 1) lets the other grow.
+    chunk_q = max(1, min(problem.seqlen_q, math.isqrt(area // 2)))
     chunk_k = max(1, min(max(problem.n_cols, 1), area // chunk_q))
     chunk_q = max(1, min(problem.seqlen_q, area // chunk_k))
     return chunk_q, chunk_k
@@ -174,36 +191,69 @@ class _TileGeometry:
         return (self.diagonal - self.positions).abs().to(torch.float32)
 
 
-def _tile_scores(
-    qc: Tensor,
-    kc: Tensor,
-    problem: Problem,
-    params: AttentionParams,
-    geometry: _TileGeometry,
-    needs_mask: bool,
-    keep_tanh: bool,
-) -> tuple[Tensor, Optional[Tensor]]:
-    """Scores of one tile, ready for the softmax, and the softcap ``tanh`` (if asked for).
+@dataclass(frozen=True)
+class _Base2:
+    """How a problem's scores are computed in base 2 (see the module docstring).
 
-    qc: fp32 ``(B, hk, g, rows, d)``; kc: fp32 ``(B, hk, cols, d)``. Returns fp32
-    ``(B, hk, g, rows, cols)``: ``scale * q.k``, softcapped, plus ALiBi, ``-inf`` where masked.
+    ``q_scale`` multiplies q before ``q @ k^T``; with softcap the product is ``2x / c`` and
+    ``softcap_out = 2c * log2(e)`` turns its sigmoid into the (shifted) base-2 score.
+    ``lse_shift`` is the constant dropped from every score (natural log units).
+    ``slopes``: ALiBi slopes times ``log2(e)``, ``(1 or B, hk, g, 1, 1)``, or None.
     """
-    B, hk, g, n, d = qc.shape
-    s = torch.matmul(qc.reshape(B, hk, g * n, d), kc.transpose(-1, -2)).view(B, hk, g, n, -1)
-    s.mul_(params.softmax_scale)
-    tanh = None
-    if params.softcap > 0:
-        if keep_tanh:
-            tanh = s.div_(params.softcap).tanh_()
-            s = tanh * params.softcap
+
+    q_scale: float
+    softcap_out: float
+    lse_shift: float
+    slopes: Optional[Tensor]
+
+    @staticmethod
+    def of(problem: "Problem", params: AttentionParams) -> "_Base2":
+        slopes = None
+        if problem.alibi_slopes is not None:
+            slopes = (problem.alibi_slopes * LOG2E).view(-1, problem.nheads_k, problem.group, 1, 1)
+        if params.softcap > 0:
+            c = params.softcap
+            return _Base2(2.0 * params.softmax_scale / c, 2.0 * c * LOG2E, c, slopes)
+        return _Base2(params.softmax_scale * LOG2E, 0.0, 0.0, slopes)
+
+    def lse2(self, lse: Tensor) -> Tensor:
+        """The natural-log ``lse`` of the real scores in this problem's base-2 score units."""
+        return (lse + self.lse_shift) * LOG2E
+
+    def natural_lse(self, row_max: Tensor, row_sum: Tensor) -> Tensor:
+        return (row_max + torch.log2(row_sum)) * LN2 - self.lse_shift
+
+
+def _tile_scores(
+    qs: Tensor,
+    kc: Tensor,
+    base2: _Base2,
+    geometry: Optional[_TileGeometry],
+    needs_mask: bool,
+    params: AttentionParams,
+    keep_sigmoid: bool,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Base-2 scores of one tile, ready for ``exp2``, and the softcap sigmoid (if asked for).
+
+    qs: fp32 ``(B, hk, g, rows, d)`` already multiplied by ``base2.q_scale``; kc: fp32
+    ``(B, hk, cols, d)``. Returns fp32 ``(B, hk, g, rows, cols)``: the (softcapped) scaled score
+    plus ALiBi, times ``log2(e)``, ``-inf`` where masked. ``geometry`` is needed for ALiBi and masks.
+    """
+    B, hk, g, n, d = qs.shape
+    s = torch.matmul(qs.reshape(B, hk, g * n, d), kc.transpose(-1, -2)).view(B, hk, g, n, -1)
+    sigmoid = None
+    if base2.softcap_out:
+        s.sigmoid_()  # sigmoid(2x / c)
+        if keep_sigmoid:  # the scores go to a new tensor, the sigmoid stays for the derivative
+            sigmoid, s = s, torch.mul(s, base2.softcap_out)
         else:
-            s.div_(params.softcap).tanh_().mul_(params.softcap)
-    if problem.alibi_slopes is not None:
-        slopes = problem.alibi_slopes.view(-1, hk, g, 1, 1)
-        s.sub_(slopes * geometry.alibi_distance())
+            s.mul_(base2.softcap_out)
+    if base2.slopes is not None:
+        s.sub_(base2.slopes * geometry.alibi_distance())
     if needs_mask:
-        s.masked_fill_(~geometry.visible(params), float("-inf"))
-    return s, tanh
+        # an additive 0 / -inf bias: a broadcast add is several times faster than masked_fill_
+        s.add_(torch.where(geometry.visible(params), 0.0, float("-inf")))
+    return s, sigmoid
 
 
 def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry) -> Tensor:
@@ -217,7 +267,8 @@ def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometr
 
 
 def _grouped_rows(x: Tensor, i0: int, i1: int, nheads_k: int) -> Tensor:
-    """Rows ``i0:i1`` of ``x (B, s, h, d)`` as fp32 ``(B, hk, g, rows, d)`` (a contiguous copy)."""
+    """Rows ``i0:i1`` of ``x (B, s, h, d)`` as fp32 ``(B, hk, g, rows, d)``, contiguous (a view of
+    ``x`` when no copy is needed: never modify it in place)."""
     B, _, h, d = x.shape
     chunk = x[:, i0:i1].to(torch.float32).view(B, i1 - i0, nheads_k, h // nheads_k, d)
     return chunk.permute(0, 2, 3, 1, 4).contiguous()
@@ -230,9 +281,22 @@ def _ungroup_rows(x: Tensor) -> Tensor:
 
 
 def _load_columns(problem: Problem, c0: int, c1: int) -> tuple[Tensor, Tensor]:
-    """K and V columns ``c0:c1`` as fp32 ``(B, hk, cols, d)``."""
+    """K and V columns ``c0:c1`` as contiguous fp32 ``(B, hk, cols, d)`` (a strided operand
+    makes the tile's matmuls about twice as slow; the copy is one small pass)."""
     k, v = problem.load_kv(c0, c1)
-    return k.to(torch.float32).transpose(1, 2), v.to(torch.float32).transpose(1, 2)
+    return (k.to(torch.float32).transpose(1, 2).contiguous(), v.to(torch.float32).transpose(1, 2).contiguous())
+
+
+def _column_source(problem: Problem, params: AttentionParams, chunk_q: int) -> KVLoader:
+    """``(c0, c1) -> (k, v)`` as :func:`_load_columns`: slices of one fp32 copy of every column
+    the problem may see when several query chunks will read them and the copy is small."""
+    lo, hi = visible_columns(problem, params, 0, problem.seqlen_q)
+    d = problem.q.shape[-1]
+    size = 4 * problem.batch * problem.nheads_k * (hi - lo) * (d + problem.head_dim_v)
+    if problem.seqlen_q <= chunk_q or size > PRELOAD_BUDGET_BYTES or hi <= lo:
+        return lambda c0, c1: _load_columns(problem, c0, c1)
+    k_all, v_all = _load_columns(problem, lo, hi)
+    return lambda c0, c1: (k_all[:, :, c0 - lo : c1 - lo], v_all[:, :, c0 - lo : c1 - lo])
 
 
 def _key_chunks(problem: Problem, params: AttentionParams, i0: int, i1: int, chunk_k: int):
@@ -255,6 +319,15 @@ def _grouped_matmul_t(a: Tensor, b: Tensor) -> Tensor:
     return torch.matmul(a.reshape(B, hk, g * n, m).transpose(-1, -2), b.reshape(B, hk, g * n, -1))
 
 
+def _tile(problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int):
+    """``(geometry or None, needs_mask)`` of a tile: index tensors are built only when a mask,
+    ALiBi or dropout needs them."""
+    needs_mask = not _tile_fully_visible(problem, params, i0, i1, c0, c1)
+    if needs_mask or problem.alibi_slopes is not None or params.dropout_p > 0:
+        return _TileGeometry(problem, i0, i1, c0, c1), needs_mask
+    return None, False
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------
@@ -265,26 +338,27 @@ def attention_forward(problem: Problem, params: AttentionParams) -> tuple[Tensor
     """Exact attention of one problem. Returns ``out`` like q and fp32 ``lse (B, h, sq)``."""
     q = problem.q
     B, sq, h, _ = q.shape
-    hk, g = problem.nheads_k, problem.group
+    hk = problem.nheads_k
+    base2 = _Base2.of(problem, params)
     chunk_q, chunk_k = chunk_sizes(problem, params)
+    columns = _column_source(problem, params, chunk_q)
     out = q.new_empty(B, sq, h, problem.head_dim_v)
     lse = torch.empty(B, h, sq, dtype=torch.float32, device=q.device)
     for i0 in range(0, sq, chunk_q):
         i1 = min(sq, i0 + chunk_q)
-        qc = _grouped_rows(q, i0, i1, hk)
-        row_max = torch.full(qc.shape[:-1], float("-inf"), device=q.device)
-        row_sum = torch.zeros(qc.shape[:-1], device=q.device)
-        acc = torch.zeros(*qc.shape[:-1], problem.head_dim_v, device=q.device)
+        qs = _grouped_rows(q, i0, i1, hk) * base2.q_scale  # not in place: may be a view of q
+        row_max = torch.full(qs.shape[:-1], float("-inf"), device=q.device)
+        row_sum = torch.zeros(qs.shape[:-1], device=q.device)
+        acc = torch.zeros(*qs.shape[:-1], problem.head_dim_v, device=q.device)
         for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
-            kc, vc = _load_columns(problem, c0, c1)
-            geometry = _TileGeometry(problem, i0, i1, c0, c1)
-            needs_mask = not _tile_fully_visible(problem, params, i0, i1, c0, c1)
-            s, _ = _tile_scores(qc, kc, problem, params, geometry, needs_mask, keep_tanh=False)
+            kc, vc = columns(c0, c1)
+            geometry, needs_mask = _tile(problem, params, i0, i1, c0, c1)
+            s, _ = _tile_scores(qs, kc, base2, geometry, needs_mask, params, keep_sigmoid=False)
             new_max = torch.maximum(row_max, s.amax(-1))
             # A row with nothing visible yet keeps max -inf; use 0 as its shift so no NaN appears.
             shift = torch.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = torch.exp(row_max - shift)
-            p = s.sub_(shift.unsqueeze(-1)).exp_()
+            rescale = torch.exp2(row_max - shift)
+            p = s.sub_(shift.unsqueeze(-1)).exp2_()
             row_sum.mul_(rescale).add_(p.sum(-1))
             if params.dropout_p > 0:
                 # lse uses the undropped probabilities; only the output sees the dropout.
@@ -296,7 +370,7 @@ def attention_forward(problem: Problem, params: AttentionParams) -> tuple[Tensor
         seen = row_sum > 0
         acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
         out[:, i0:i1] = _ungroup_rows(acc).to(q.dtype)
-        chunk_lse = torch.where(seen, row_max + torch.log(row_sum), float("inf"))
+        chunk_lse = torch.where(seen, base2.natural_lse(row_max, row_sum), float("inf"))
         lse[:, :, i0:i1] = chunk_lse.view(B, h, i1 - i0)
     return out, lse
 
@@ -313,18 +387,18 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
     hk = problem.nheads_k
     assert len(problem.key_start) == 1, "return_softmax needs one key_start for all sequences"
     start = problem.key_start[0]
+    base2 = _Base2.of(problem, params)
     chunk_q, chunk_k = chunk_sizes(problem, params)
     probs = torch.zeros(B, h, sq, sk_out, dtype=torch.float32, device=q.device)
     for i0 in range(0, sq, chunk_q):
         i1 = min(sq, i0 + chunk_q)
-        qc = _grouped_rows(q, i0, i1, hk)
-        lse_c = lse[:, :, i0:i1].reshape(qc.shape[:-1]).unsqueeze(-1)
+        qs = _grouped_rows(q, i0, i1, hk) * base2.q_scale  # not in place: may be a view of q
+        lse_c = base2.lse2(lse[:, :, i0:i1].reshape(qs.shape[:-1]).unsqueeze(-1))
         for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
             kc, _ = _load_columns(problem, c0, c1)
-            geometry = _TileGeometry(problem, i0, i1, c0, c1)
-            needs_mask = not _tile_fully_visible(problem, params, i0, i1, c0, c1)
-            s, _ = _tile_scores(qc, kc, problem, params, geometry, needs_mask, keep_tanh=False)
-            p = s.sub_(lse_c).exp_()
+            geometry, needs_mask = _tile(problem, params, i0, i1, c0, c1)
+            s, _ = _tile_scores(qs, kc, base2, geometry, needs_mask, params, keep_sigmoid=False)
+            p = s.sub_(lse_c).exp2_()
             if params.dropout_p > 0:
                 p = torch.where(_tile_keep(problem, params, geometry), p, -p)
             probs[:, :, i0:i1, c0 - start : c1 - start] = p.reshape(B, h, i1 - i0, c1 - c0)
@@ -343,33 +417,36 @@ def attention_backward(
     """Flash-attention backward of one problem, recomputing P tile by tile from ``lse``.
 
     dout/out: ``(B, sq, h, dv)``; lse: fp32 ``(B, h, sq)``. Returns fp32 ``dq (B, sq, h, d)``
-    and fp32 ``dk, dv (B, n_cols, hk, d)`` (gradients w.r.t. the loaded key columns).
+    and fp32 ``dk, dv (B, n_cols, hk, d)`` (gradients w.r.t. the loaded key columns). The given
+    ``out`` and ``lse`` are used as they are (a block of a longer sequence gets its share).
     """
     q = problem.q
     B, sq, h, d = q.shape
-    hk, g = problem.nheads_k, problem.group
+    hk = problem.nheads_k
     dev = q.device
     dim_v = problem.head_dim_v
+    base2 = _Base2.of(problem, params)
     chunk_q, chunk_k = chunk_sizes(problem, params)
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=dev)
     dk = torch.zeros(B, hk, problem.n_cols, d, dtype=torch.float32, device=dev)
     dv = torch.zeros(B, hk, problem.n_cols, dim_v, dtype=torch.float32, device=dev)
     dropout_scale = 1.0 / (1.0 - params.dropout_p)
+    columns = _column_source(problem, params, chunk_q)
     for i0 in range(0, sq, chunk_q):
         i1 = min(sq, i0 + chunk_q)
         qc = _grouped_rows(q, i0, i1, hk)
+        qs = qc * base2.q_scale
         doc = _grouped_rows(dout, i0, i1, hk)
         # D = rowsum(dO * O): the softmax Jacobian's correction term, one value per row.
         delta = (doc * _grouped_rows(out, i0, i1, hk)).sum(-1, keepdim=True)
-        lse_c = lse[:, :, i0:i1].reshape(qc.shape[:-1]).unsqueeze(-1)
+        lse_c = base2.lse2(lse[:, :, i0:i1].reshape(qc.shape[:-1]).unsqueeze(-1))
         dq_c = torch.zeros_like(qc)
         for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
-            kc, vc = _load_columns(problem, c0, c1)
-            geometry = _TileGeometry(problem, i0, i1, c0, c1)
-            needs_mask = not _tile_fully_visible(problem, params, i0, i1, c0, c1)
-            s, tanh = _tile_scores(qc, kc, problem, params, geometry, needs_mask, keep_tanh=True)
+            kc, vc = columns(c0, c1)
+            geometry, needs_mask = _tile(problem, params, i0, i1, c0, c1)
+            s, sigmoid = _tile_scores(qs, kc, base2, geometry, needs_mask, params, keep_sigmoid=True)
             # Rows that saw no key have lse = +inf: s - inf = -inf, so P = 0 and no NaN appears.
-            p = s.sub_(lse_c).exp_()
+            p = s.sub_(lse_c).exp2_()
             dp = _grouped_matmul(doc, vc.transpose(-1, -2))
             if params.dropout_p > 0:
                 keep = _tile_keep(problem, params, geometry)
@@ -379,10 +456,12 @@ def attention_backward(
                 p_dropped = p
             dv[:, :, c0:c1] += _grouped_matmul_t(p_dropped, doc)
             ds = dp.sub_(delta).mul_(p)
-            if tanh is not None:
-                ds.mul_(tanh.mul_(tanh).neg_().add_(1.0))  # d softcap*tanh(x/softcap) / dx
+            if sigmoid is not None:
+                # d(c * tanh(x / c)) / dx = 1 - tanh^2 = 4 u (1 - u) with u = sigmoid(2x / c);
+                # the factor 4 is applied with the softmax scale at the end
+                ds.mul_(sigmoid.addcmul_(sigmoid, sigmoid, value=-1.0))
             dq_c += _grouped_matmul(ds, kc)
             dk[:, :, c0:c1] += _grouped_matmul_t(ds, qc)
         dq[:, i0:i1] = _ungroup_rows(dq_c)
-    scale = params.softmax_scale
+    scale = params.softmax_scale * (4.0 if params.softcap > 0 else 1.0)
     return dq.mul_(scale), dk.mul_(scale).transpose(1, 2), dv.transpose(1, 2)

@@ -1,8 +1,11 @@
 """The reference backend: exact flash-attn 2.8 semantics in plain PyTorch, on any device.
 
-It implements the contract of :mod:`flash_attn.backends` on top of the chunked engine in
-:mod:`flash_attn.backends._reference_core` (online softmax forward, flash backward, never a full
-``(sq x sk)`` score matrix). This module only adapts the three input layouts to that engine:
+It implements the contract of :mod:`flash_attn.backends` on two engines that take the same
+problems: PyTorch's fused CPU attention kernels (:mod:`flash_attn.backends._cpu_fused`) wherever
+their semantics are exactly ours (CPU tensors, no softcap, no dropout), and the tiled engine of
+:mod:`flash_attn.backends._reference_core` everywhere else (online softmax forward, flash
+backward, on any device). Neither ever holds a full ``(sq x sk)`` score matrix. This module only
+adapts the three input layouts to the engines:
 
 * dense ``(b, s, h, d)`` tensors: one batched problem, no python loop over the batch;
 * varlen (packed) tensors: one problem per sequence; paged K/V are gathered per sequence
@@ -21,10 +24,32 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import _reference_core as core
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
 
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache"]
+
+# False runs every problem on the tiled engine (tests of that engine use it).
+USE_FUSED_CPU_KERNELS = True
+
+
+def _engine(problem: core.Problem, params: AttentionParams):
+    """PyTorch's fused CPU kernels where they compute exactly this problem, else the tiled engine."""
+    if USE_FUSED_CPU_KERNELS and fused.supports(problem, params):
+        return fused
+    return core
+
+
+def _attention_forward(problem: core.Problem, params: AttentionParams, return_softmax: bool = False):
+    # The probabilities of return_softmax are recomputed by the tiled engine from lse: the same
+    # engine computes lse, so that they are normalised to exactly 1.
+    engine = core if return_softmax else _engine(problem, params)
+    return engine.attention_forward(problem, params)
+
+
+def _attention_backward(problem: core.Problem, params: AttentionParams, dout, out, lse):
+    return _engine(problem, params).attention_backward(problem, params, dout, out, lse)
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
@@ -116,7 +141,7 @@ def _varlen_forward(q, k, v, params, varlen, alibi_slopes, return_softmax):
         shape = (batch, h, varlen.max_seqlen_q, varlen.max_seqlen_k)
         s_dmask = torch.zeros(shape, dtype=torch.float32, device=q.device)
     for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes):
-        out_b, lse_b = core.attention_forward(problem, params)
+        out_b, lse_b = _attention_forward(problem, params, return_softmax)
         out[q0:q1] = out_b[0]
         lse[:, q0:q1] = lse_b[0]
         if return_softmax:
@@ -128,7 +153,7 @@ def _varlen_forward(q, k, v, params, varlen, alibi_slopes, return_softmax):
 def _scatter_pages(pool_grad: Tensor, grad: Tensor, pages: Tensor) -> None:
     """Add a sequence's key gradient ``(sk, hk, d)`` into ``pool_grad (num_pages, page, hk, d)``."""
     page_size = pool_grad.shape[1]
-    padded = grad.new_zeros(pages.shape[0] * page_size, *grad.shape[1:])
+    padded = pool_grad.new_zeros(pages.shape[0] * page_size, *grad.shape[1:])
     padded[: grad.shape[0]] = grad
     # index_add_ accumulates, so pages shared by several sequences get every contribution.
     pool_grad.index_add_(0, pages, padded.view(pages.shape[0], page_size, *grad.shape[1:]))
@@ -139,7 +164,7 @@ def _varlen_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes):
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes):
-        dq_b, dk_b, dv_b = core.attention_backward(
+        dq_b, dk_b, dv_b = _attention_backward(
             problem, params, dout[q0:q1].unsqueeze(0), out[q0:q1].unsqueeze(0), lse[:, q0:q1].unsqueeze(0)
         )
         dq[q0:q1] = dq_b[0]
@@ -174,7 +199,7 @@ def forward(
         return _varlen_forward(q, k, v, params, varlen, alibi_slopes, return_softmax)
     batch_ids = torch.arange(q.shape[0], device=q.device)
     problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes), batch_ids)
-    out, lse = core.attention_forward(problem, params)
+    out, lse = _attention_forward(problem, params, return_softmax)
     s_dmask = core.softmax_with_dropout_signs(problem, params, lse, k.shape[1]) if return_softmax else None
     return out, lse, s_dmask
 
@@ -201,7 +226,7 @@ def backward(
         return _varlen_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes)
     batch_ids = torch.arange(q.shape[0], device=q.device)
     problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes), batch_ids)
-    dq, dk, dv = core.attention_backward(problem, params, dout, out, lse)
+    dq, dk, dv = _attention_backward(problem, params, dout, out, lse)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -333,4 +358,4 @@ def forward_kvcache(
         batch_ids=torch.arange(B, device=device),
         alibi_slopes=_slopes_for(alibi_slopes),
     )
-    return core.attention_forward(problem, params)
+    return _attention_forward(problem, params)

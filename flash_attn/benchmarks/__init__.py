@@ -1,7 +1,8 @@
 """``python -m flash_attn bench [cpu|gpu|build]`` (``pixi run bench``): benchmarks.
 
-* ``cpu``: this package's reference backend vs naive eager attention vs PyTorch SDPA on the CPU,
-  time and peak memory over sequence length (:mod:`flash_attn.benchmarks.cpu`);
+* ``cpu``: this package's reference backend side by side with PyTorch SDPA on the CPU (and
+  optionally naive eager attention): time, the speed ratio and peak memory over sequence length,
+  plain and with the features SDPA needs a materialised mask for (:mod:`flash_attn.benchmarks.cpu`);
 * ``gpu``: forward / forward+backward TFLOPs of the ``aot`` and ``triton`` backends vs SDPA's
   flash / efficient / cudnn backends and upstream ``flash_attn_2_cuda`` (:mod:`.gpu`);
 * ``build``: wall time, peak memory and size of the ahead-of-time kernel build (:mod:`.build`);
@@ -23,6 +24,7 @@ from pathlib import Path
 from flash_attn.benchmarks import common
 
 CPU_SEQLENS = (1024, 2048, 4096, 8192, 16384)
+CPU_FEATURE_SEQLENS = (1024, 4096, 16384)
 GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (128, 256)
 
@@ -43,21 +45,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqlens", type=_ints, help="sequence lengths, e.g. 1024,2048 (cpu/gpu)")
     parser.add_argument("--repeats", type=int, help="timed repeats per case (median is reported)")
     parser.add_argument("--warmup", type=int, help="untimed calls before timing")
-    parser.add_argument("--impls", type=_words, help="implementations to compare (cpu: flash_attn,eager,sdpa; gpu: "
+    parser.add_argument("--impls", type=_words, help="implementations to compare (cpu: flash_attn,sdpa[,eager]; gpu: "
                         "flash_attn[aot],flash_attn[triton],sdpa[flash],sdpa[efficient],sdpa[cudnn],upstream)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.add_argument("--dtypes", type=_words, help="dtypes (cpu: default fp32,bf16; gpu: default fp16,bf16)")
     cpu = parser.add_argument_group("cpu mode")
     cpu.add_argument("--batch", type=int, default=1)
     cpu.add_argument("--heads", type=int, default=4)
     cpu.add_argument("--headdim", type=int, default=64)
-    cpu.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
-    cpu.add_argument("--causal", action="store_true", help="causal attention (cpu mode; gpu mode runs both)")
-    cpu.add_argument("--backward", action="store_true", help="time forward+backward (cpu mode; gpu mode runs both)")
+    cpu.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), help="cpu: only this dtype")
+    cpu.add_argument("--causal", action="store_true", help="cpu: only causal (default: full and causal)")
+    cpu.add_argument("--backward", action="store_true", help="cpu: only forward+backward (default: both passes)")
+    cpu.add_argument("--forward", action="store_true", help="cpu: only the forward (default: both passes)")
+    cpu.add_argument("--features", type=_words, help="cpu: features vs SDPA with an explicit mask: "
+                     "window,softcap,alibi,varlen,paged (default: all; 'none' for none)")
+    cpu.add_argument("--feature-seqlens", type=_ints, help="cpu: sequence lengths of the feature cases "
+                     "(default 1024,4096,16384)")
+    cpu.add_argument("--threads", type=int, help="cpu: torch threads (default: PyTorch's default)")
     cpu.add_argument("--no-isolate", action="store_true",
                      help="measure in this process (faster; peak memory less exact) instead of a child per case")
     gpu = parser.add_argument_group("gpu mode")
     gpu.add_argument("--headdims", type=_ints, default=[64, 128, 256])
-    gpu.add_argument("--dtypes", type=_words, default=["fp16", "bf16"])
     gpu.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
     gpu.add_argument("--hidden", type=int, default=2048, help="heads * headdim (default 2048)")
     overhead = parser.add_argument_group("overhead mode")
@@ -104,32 +112,45 @@ def run_overhead(args: argparse.Namespace) -> int:
 def run_cpu(args: argparse.Namespace) -> int:
     from flash_attn.benchmarks import cpu  # noqa: PLC0415
 
+    features = args.features if args.features is not None else list(cpu.FEATURES)
+    features = [] if features == ["none"] else features
     config = {
         "seqlens": args.seqlens or list(QUICK_SEQLENS if args.quick else CPU_SEQLENS),
-        "impls": args.impls or list(cpu.IMPLEMENTATIONS),
+        "feature_seqlens": args.feature_seqlens or args.seqlens or list(QUICK_SEQLENS[-1:] if args.quick else CPU_FEATURE_SEQLENS),
+        "impls": args.impls or list(cpu.DEFAULT_IMPLS),
+        "dtypes": [args.dtype] if args.dtype else args.dtypes or ["fp32", "bf16"],
+        "causal": [True] if args.causal else [False, True],
+        "backward": [True] if args.backward else [False] if args.forward else [False, True],
+        "features": features,
         "batch": args.batch, "heads": 2 if args.quick else args.heads, "headdim": 32 if args.quick else args.headdim,
-        "dtype": args.dtype, "causal": args.causal, "backward": args.backward,
         "repeats": args.repeats or (2 if args.quick else 3), "warmup": args.warmup or 1,
-        "isolate": not args.no_isolate,
+        "isolate": not args.no_isolate, "threads": args.threads,
     }
     unknown = [i for i in config["impls"] if i not in cpu.IMPLEMENTATIONS]
+    unknown += [f for f in features if f not in cpu.FEATURES]
+    unknown += [d for d in config["dtypes"] if d not in cpu.DTYPES]
     if unknown:
-        print(f"unknown implementation(s) {unknown}; cpu mode knows {', '.join(cpu.IMPLEMENTATIONS)}", file=sys.stderr)
+        print(f"unknown implementation, feature or dtype {unknown}; cpu mode knows {', '.join(cpu.IMPLEMENTATIONS)}, "
+              f"features {', '.join(cpu.FEATURES)}, dtypes {', '.join(cpu.DTYPES)}", file=sys.stderr)
         return 2
-    meta = {"mode": "cpu", "config": config, "machine": common.machine()}
+    meta = {"mode": "cpu", "config": config, "machine": common.machine(), "features": cpu.FEATURES}
     _progress(f"cpu benchmark: {config}")
     rows = cpu.run(config, progress=_progress)
-    columns = ("impl", "seqlen", "batch", "heads", "headdim", "dtype", "causal", "pass", "time_ms", "time_ms_min",
-               "repeats", "gflops", "peak_mib", "status", "note")
+    columns = ("impl", "case", "dtype", "pass", "seqlen", "batch", "heads", "headdim", "causal", "time_ms",
+               "time_ms_min", "repeats", "gflops", "peak_mib", "ratio", "status", "note")
     paths = common.write_results(args.out, "bench-cpu", meta, rows, columns)
     if not args.no_plot:
-        title = (f"CPU, {meta['machine']['cpu']} ({meta['machine']['torch_threads']} threads): batch {config['batch']}, "
-                 f"{config['heads']} heads, d={config['headdim']}, {config['dtype']}{', causal' if config['causal'] else ''}")
+        threads = config["threads"] or meta["machine"]["torch_threads"]
+        title = (f"CPU, {meta['machine']['cpu']} ({threads} threads): batch {config['batch']}, "
+                 f"{config['heads']} heads, d={config['headdim']}")
         png = cpu.plot(rows, args.out / "bench-cpu.png", title)
         paths["png"] = png or "(not written: matplotlib is not installed)"
-    print(common.markdown_table(rows, [("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "time (ms)"),
-                                       ("gflops", "GFLOP/s"), ("peak_mib", "peak extra memory (MiB)"),
-                                       ("status", "status")]))
+    table = [("case", "case"), ("dtype", "dtype"), ("pass", "pass"), ("seqlen", "seqlen")]
+    for impl in config["impls"]:
+        table.append((f"{impl}_ms", f"{impl} (ms)"))
+    table.append(("ratio", "ratio (sdpa / flash_attn)"))
+    table += [(f"{impl}_mib", f"{impl} peak (MiB)") for impl in config["impls"]]
+    print(common.markdown_table(cpu.summary_rows(rows), table))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
     return 0 if all(r.get("status") in ("ok", "skipped", "oom") for r in rows) else 1
 
@@ -145,7 +166,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         return 2
     config = {
         "seqlens": args.seqlens or list(QUICK_SEQLENS if args.quick else GPU_SEQLENS),
-        "headdims": [64] if args.quick else args.headdims, "dtypes": ["bf16"] if args.quick else args.dtypes,
+        "headdims": [64] if args.quick else args.headdims, "dtypes": ["bf16"] if args.quick else args.dtypes or ["fp16", "bf16"],
         "causal": [False, True], "backward": [False, True], "impls": args.impls or list(gpu.DEFAULT_IMPLS),
         "total_tokens": args.total_tokens, "hidden": args.hidden,
         "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),

@@ -1,35 +1,55 @@
-"""CPU benchmark: this package (the PyTorch reference backend) against naive eager attention and
-``torch.nn.functional.scaled_dot_product_attention``, time and peak memory over sequence length.
+"""CPU benchmark: this package (its reference backend, what every CPU user gets) side by side with
+PyTorch's ``scaled_dot_product_attention`` (and, on request, naive eager attention).
 
-Peak memory is the growth of the process's resident set while one call runs (Linux: the
-high-water mark ``VmHWM`` after resetting it through ``/proc/self/clear_refs``), measured by
-default in a fresh child process per case so that memory freed by an earlier case cannot hide a
-later case's peak. Eager attention materialises ``batch * heads * seqlen^2`` scores, so its
-memory grows quadratically; the reference backend works tile by tile and grows linearly.
+Two kinds of cases:
+
+* **plain**: fp32/bf16, causal or not, forward or forward+backward, over sequence length;
+* **features** SDPA can only express with an explicit, materialised mask (sliding window,
+  ALiBi, varlen, paged KV: SDPA gets the equivalent mask, built before timing) or not at all
+  (softcap: SDPA gets the causal mask as an explicit mask and computes no softcap, which is
+  less work; the plain causal cases show SDPA's ``is_causal`` time for the same sizes).
+
+Every case runs in a fresh child process, which measures all implementations: the first call of
+each for peak memory (the growth of the resident set's high-water mark ``VmHWM`` over the call,
+after ``/proc/self/clear_refs`` and ``malloc_trim``), then timed calls *alternating* between the
+implementations, so that a busy spell of a shared machine slows them alike. The **ratio** is
+SDPA's median time over ours: above 1 we are faster.
 
 Run as ``python -m flash_attn bench cpu``; a child runs ``python -m flash_attn.benchmarks.cpu SPEC``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from flash_attn.benchmarks.common import attention_flops, available_memory_bytes, summarize
+from flash_attn.benchmarks.common import available_memory_bytes, summarize
 
 IMPLEMENTATIONS = {
     "flash_attn": "flash_attn (reference backend)",
-    "eager": "eager (materialised softmax)",
     "sdpa": "torch SDPA (CPU)",
+    "eager": "eager (materialised softmax)",
 }
+DEFAULT_IMPLS = ("flash_attn", "sdpa")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+FEATURES = {
+    "window": "sliding window of seqlen/4 keys, causal (SDPA: boolean band mask)",
+    "softcap": "softcap 30, causal (SDPA cannot softcap: boolean causal mask, no softcap, less work)",
+    "alibi": "ALiBi, causal (SDPA: fp32 additive bias per head)",
+    "varlen": "4 packed sequences (1/2, 1/4, 1/8, 1/8 of seqlen), causal (SDPA: block-diagonal mask)",
+    "paged": "the varlen sequences with K/V in 256-row pages (SDPA: contiguous K/V, block-diagonal mask)",
+}
+PAGE_SIZE = 256
 
 
 # --- memory ------------------------------------------------------------------------------------
@@ -62,105 +82,246 @@ def _peak_kib() -> int:
     return peak // 1024 if sys.platform == "darwin" else peak  # bytes on macOS, KiB elsewhere
 
 
-# --- the implementations -------------------------------------------------------------------------
+def _release_freed_memory() -> None:
+    """Give memory freed by an earlier call back to the OS (glibc keeps it otherwise), so that
+    the next call's growth is measured from a true baseline."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
-def _eager(q, k, v, causal: bool):
+# --- the problems --------------------------------------------------------------------------------
+
+
+def _lengths(seqlen: int) -> list[int]:
+    """The varlen/paged cases' sequence lengths."""
+    quarter, eighth = seqlen // 4, seqlen // 8
+    return [seqlen - quarter - 2 * eighth, quarter, eighth, eighth]
+
+
+def visible_pairs(spec: dict) -> int:
+    """(query, key) pairs a case attends to, per batch entry and head."""
+    s = spec["seqlen"]
+    feature = spec.get("feature")
+    if feature in ("varlen", "paged"):
+        return sum(n * (n + 1) // 2 for n in _lengths(s))
+    if feature == "window":
+        w = max(1, s // 4)
+        return sum(min(i + 1, w) for i in range(s))
+    if feature in ("softcap", "alibi") or spec.get("causal"):
+        return s * (s + 1) // 2
+    return s * s
+
+
+def flops(spec: dict) -> float:
+    """``4 * d`` flops per visible pair and head (two matmuls), x3.5 for forward+backward."""
+    total = 4.0 * spec["batch"] * spec["heads"] * spec["headdim"] * visible_pairs(spec)
+    return total * 3.5 if spec.get("backward") else total
+
+
+def predicted_bytes(spec: dict, impl: str) -> int:
+    """What an implementation holds beyond the inputs: eager's score matrices, SDPA's explicit
+    mask (built as an input, plus the float copy SDPA makes of a boolean one)."""
+    s, itemsize = spec["seqlen"], {"fp32": 4, "bf16": 2, "fp16": 2}[spec["dtype"]]
+    if impl == "eager":
+        return spec["batch"] * spec["heads"] * s * s * itemsize * (5 if spec.get("backward") else 3)
+    if impl == "sdpa" and spec.get("feature") in ("window", "softcap", "varlen", "paged"):
+        return s * s * (1 + itemsize)
+    if impl == "sdpa" and spec.get("feature") == "alibi":
+        return spec["heads"] * s * s * 4
+    return 0
+
+
+def _causal_mask(n: int, device=None):
     import torch  # noqa: PLC0415
 
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    scores = torch.matmul(qt, kt.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
-    if causal:
-        s_q, s_k = scores.shape[-2:]
-        mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu_(s_k - s_q + 1)
-        scores = scores.masked_fill(mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), vt).transpose(1, 2)
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
 
 
-def _sdpa(q, k, v, causal: bool):
+def _sdpa_mask(spec: dict, slopes):
+    """The explicit mask SDPA needs for a feature case (None: plain / is_causal)."""
+    import torch  # noqa: PLC0415
+
+    s = spec["seqlen"]
+    feature = spec.get("feature")
+    if feature == "window":
+        return _causal_mask(s).triu_(-(max(1, s // 4) - 1))
+    if feature == "softcap":
+        return _causal_mask(s)
+    if feature == "alibi":
+        i = torch.arange(s).view(s, 1)
+        distance = (i - i.view(1, s)).abs_().to(torch.float32)
+        bias = distance.mul_(-1.0) * slopes.view(-1, 1, 1)
+        return bias.masked_fill_(~_causal_mask(s), float("-inf"))
+    if feature in ("varlen", "paged"):
+        mask = torch.zeros(s, s, dtype=torch.bool)
+        start = 0
+        for n in _lengths(s):
+            mask[start:start + n, start:start + n] = _causal_mask(n)
+            start += n
+        return mask
+    return None
+
+
+def _calls(spec: dict, raw: bool = False) -> dict[str, Callable]:
+    """One call of each implementation of the case, on the same inputs (``raw``: the bare
+    functions, returning their outputs, without the backward)."""
+    import torch  # noqa: PLC0415
     import torch.nn.functional as F  # noqa: PLC0415
 
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=causal).transpose(1, 2)
-
-
-def _ours(q, k, v, causal: bool):
     from flash_attn import flash_attn_func  # noqa: PLC0415
 
-    return flash_attn_func(q, k, v, causal=causal)
+    dtype = getattr(torch, DTYPES[spec["dtype"]])
+    backward = bool(spec.get("backward"))
+    feature = spec.get("feature")
+    causal = bool(spec.get("causal")) or feature is not None
+    b, s, h, d = spec["batch"], spec["seqlen"], spec["heads"], spec["headdim"]
+    g = torch.Generator().manual_seed(spec.get("seed", 0))
+    q, k, v, dout = (torch.randn((b, s, h, d), generator=g).to(dtype).requires_grad_(i < 3 and backward)
+                     for i in range(4))
+    slopes = torch.rand(h, generator=g) * 0.5 + 0.05
+    inputs = [q, k, v]
+
+    def run(fn):
+        def call():
+            with torch.set_grad_enabled(backward):
+                out = fn()
+                if backward:
+                    out.backward(dout.reshape(out.shape))
+                    for t in inputs:
+                        t.grad = None
+        return call
+
+    if feature in ("varlen", "paged"):
+        ours = _varlen_call(q, k, v, inputs, feature, s, g)
+    else:
+        kwargs = {"causal": causal}
+        if feature == "window":
+            kwargs["window_size"] = (max(1, s // 4) - 1, 0)
+        elif feature == "softcap":
+            kwargs["softcap"] = 30.0
+        elif feature == "alibi":
+            kwargs["alibi_slopes"] = slopes
+
+        def ours():
+            return flash_attn_func(q, k, v, **kwargs)
+
+    mask = _sdpa_mask(spec, slopes)
+
+    def sdpa():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        if mask is None:
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+
+    def eager():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        scores = torch.matmul(qt, kt.transpose(-2, -1)) * (d ** -0.5)
+        if feature == "softcap":
+            scores = torch.tanh(scores / 30.0) * 30.0
+        visible = mask if mask is not None and mask.dtype == torch.bool else (_causal_mask(s) if causal else None)
+        if feature == "alibi":
+            scores = scores + mask
+        elif visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.matmul(scores.softmax(dim=-1), vt).transpose(1, 2)
+
+    fns = {"flash_attn": ours, "sdpa": sdpa, "eager": eager}
+    return fns if raw else {name: run(fn) for name, fn in fns.items()}
 
 
-_FUNCTIONS: dict[str, Callable] = {"flash_attn": _ours, "eager": _eager, "sdpa": _sdpa}
+def _varlen_call(q, k, v, inputs, feature, seqlen, generator):
+    """``flash_attn_varlen_func`` over the packed sequences (paged: K/V moved into pages, and
+    ``inputs`` pointed at the page pools so their gradients are reset between calls)."""
+    import torch  # noqa: PLC0415
+
+    from flash_attn import flash_attn_varlen_func  # noqa: PLC0415
+
+    lengths = _lengths(seqlen)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    longest = max(lengths)
+    if feature == "varlen":
+        return lambda: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, longest, longest, causal=True)
+    k_pool, v_pool, table = _paged(k, v, lengths, generator)
+    inputs[1:] = [k_pool, v_pool]
+    return lambda: flash_attn_varlen_func(q[0], k_pool, v_pool, cu, cu, longest, longest, causal=True,
+                                          block_table=table)
 
 
-def predicted_eager_bytes(spec: dict) -> int:
-    """What eager attention holds at its peak: the score matrix, its scaled copy / softmax, and
-    (backward) their gradients."""
-    itemsize = {"fp32": 4, "bf16": 2, "fp16": 2}[spec["dtype"]]
-    scores = spec["batch"] * spec["heads"] * spec["seqlen"] ** 2 * itemsize
-    return scores * (5 if spec.get("backward") else 3)
+def _paged(k, v, lengths, generator):
+    """The sequences' keys/values in shuffled pages of ``PAGE_SIZE`` rows, and the block table."""
+    import torch  # noqa: PLC0415
+
+    need = [-(-n // PAGE_SIZE) for n in lengths]
+    order = torch.randperm(sum(need), generator=generator)
+    shape = (sum(need), PAGE_SIZE) + tuple(k.shape[2:])
+    k_pool, v_pool = k.new_zeros(shape), v.new_zeros(shape)
+    table = torch.zeros(len(lengths), max(need), dtype=torch.int32)
+    start, used = 0, 0
+    for b, n in enumerate(lengths):
+        for p in range(need[b]):
+            page = int(order[used])
+            rows = slice(start + p * PAGE_SIZE, min(start + n, start + (p + 1) * PAGE_SIZE))
+            count = rows.stop - rows.start
+            with torch.no_grad():
+                k_pool[page, :count], v_pool[page, :count] = k[0, rows], v[0, rows]
+            table[b, p] = page
+            used += 1
+        start += n
+    return k_pool.requires_grad_(k.requires_grad), v_pool.requires_grad_(v.requires_grad), table
 
 
 # --- one case ----------------------------------------------------------------------------------
 
 
 def measure(spec: dict) -> dict:
-    """Time and peak memory of one case, in this process."""
+    """Peak memory and median time of every implementation of one case, in this process."""
     import torch  # noqa: PLC0415
 
     os.environ["FLASH_ATTN_BACKEND"] = "reference"
-    dtype = getattr(torch, DTYPES[spec["dtype"]])
-    backward = bool(spec.get("backward"))
-    fn = _FUNCTIONS[spec["impl"]]
-    causal = bool(spec.get("causal"))
-
-    def make_call(seqlen: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        shape = (spec["batch"], seqlen, spec["heads"], spec["headdim"])
-        q, k, v = (torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).requires_grad_(backward) for _ in range(3))
-        dout = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype) if backward else None
-
-        def call():
-            if backward:
-                fn(q, k, v, causal).backward(dout)
-                q.grad = k.grad = v.grad = None
-            else:
-                with torch.no_grad():
-                    fn(q, k, v, causal)
-        return call
-
-    # One tiny call first: lazy imports and one-time set-up must not count as the case's memory,
-    # and a tiny call leaves no freed memory behind that the measured call could reuse unseen.
-    make_call(16, 1)()
-    call = make_call(spec["seqlen"], spec.get("seed", 0))
-    gc.collect()
-    base_kib = _status_kib("VmRSS") or 0
-    exact_peak = _reset_peak()
-    start = time.perf_counter()
-    call()  # the first call: measures the peak, and warms up
-    first_ms = (time.perf_counter() - start) * 1e3
-    peak_kib = _peak_kib()
-    for _ in range(max(0, spec.get("warmup", 1) - 1)):
-        call()
-    times = []
-    deadline = time.perf_counter() + spec.get("max_seconds", 60.0)  # long cases: fewer repeats
-    for _ in range(max(1, spec.get("repeats", 3))):
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    impls = list(spec["impls"])
+    # lazy imports and one-time set-up must not count as a case's memory
+    warm = _calls(dict(spec, seqlen=64 if spec.get("feature") == "paged" else 16, seed=1))
+    for impl in impls:
+        warm[impl]()
+    calls = _calls(spec)
+    results: dict[str, dict] = {}
+    for impl in impls:
+        _release_freed_memory()
+        base_kib = _status_kib("VmRSS") or 0
+        exact = _reset_peak()
         start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e3)
+        calls[impl]()  # the first call: its peak memory, and a warm-up
+        first_ms = (time.perf_counter() - start) * 1e3
+        results[impl] = {"peak_mib": max(0, _peak_kib() - base_kib) / 1024, "peak_exact": exact,
+                         "first_call_ms": first_ms, "times": []}
+    for _ in range(max(0, spec.get("warmup", 1) - 1)):
+        for impl in impls:
+            calls[impl]()
+    deadline = time.perf_counter() + spec.get("max_seconds", 60.0)  # long cases: fewer repeats
+    for repeat in range(max(1, spec.get("repeats", 3))):
+        order = impls if repeat % 2 == 0 else impls[::-1]  # alternate, so neither always goes first
+        for impl in order:
+            start = time.perf_counter()
+            calls[impl]()
+            results[impl]["times"].append((time.perf_counter() - start) * 1e3)
         if time.perf_counter() > deadline:
             break
-    result = summarize(times)
-    result["first_call_ms"] = first_ms
-    flops = attention_flops(spec["batch"], spec["heads"], spec["seqlen"], spec["seqlen"], spec["headdim"], causal, backward)
-    result.update(
-        gflops=flops / (result["time_ms"] * 1e-3) / 1e9,
-        peak_mib=max(0, peak_kib - base_kib) / 1024,
-        peak_exact=exact_peak,
-        status="ok",
-        threads=torch.get_num_threads(),
-    )
-    return result
+    work = flops(spec)
+    if "flash_attn" in results and "sdpa" in results:
+        # the ratio of calls made one right after the other: a busy spell of a shared machine
+        # that slows one call of a pair mostly slows its neighbour too
+        pairs = zip(results["sdpa"]["times"], results["flash_attn"]["times"])
+        results["flash_attn"]["ratio"] = statistics.median(sdpa / ours for sdpa, ours in pairs)
+    for impl, result in results.items():
+        result.update(summarize(result.pop("times")))
+        result.update(gflops=work / (result["time_ms"] * 1e-3) / 1e9, status="ok", threads=torch.get_num_threads())
+    return results
 
 
 def _run_child(spec: dict, timeout: float) -> dict:
@@ -169,77 +330,126 @@ def _run_child(spec: dict, timeout: float) -> dict:
         proc = subprocess.run([sys.executable, "-m", "flash_attn.benchmarks.cpu", json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"status": "timeout", "note": f"over {timeout:.0f} s"}
+        return {impl: {"status": "timeout", "note": f"over {timeout:.0f} s"} for impl in spec["impls"]}
     if proc.returncode != 0:
-        if proc.returncode in (-9, 137):
-            return {"status": "oom", "note": "killed (out of memory)"}
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        if "DefaultCPUAllocator: can't allocate memory" in proc.stderr or "MemoryError" in proc.stderr:
-            return {"status": "oom", "note": tail[:200]}
-        return {"status": "error", "note": f"exit {proc.returncode}: {tail[:200]}"}
+        if proc.returncode in (-9, 137) or "can't allocate memory" in proc.stderr or "MemoryError" in proc.stderr:
+            status, note = "oom", "killed (out of memory)" if proc.returncode in (-9, 137) else tail[:200]
+        else:
+            status, note = "error", f"exit {proc.returncode}: {tail[:200]}"
+        return {impl: {"status": status, "note": note} for impl in spec["impls"]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def cases(config: dict) -> list[dict]:
+    """Every case of ``config``: plain ones over ``seqlens``, then features over ``feature_seqlens``."""
+    common = {k: config[k] for k in ("batch", "heads", "headdim", "repeats", "warmup")}
+    common.update(max_seconds=config.get("max_seconds", 60.0), threads=config.get("threads"))
+    out = []
+    for dtype in config["dtypes"]:
+        for causal in config["causal"]:
+            for backward in config["backward"]:
+                for seqlen in config["seqlens"]:
+                    out.append(dict(common, dtype=dtype, causal=causal, backward=backward, seqlen=seqlen, feature=None))
+    for feature in config.get("features", []):
+        for dtype in config["dtypes"]:
+            for backward in config["backward"]:
+                for seqlen in config.get("feature_seqlens", config["seqlens"]):
+                    out.append(dict(common, dtype=dtype, causal=True, backward=backward, seqlen=seqlen, feature=feature))
+    return out
+
+
 def run(config: dict, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Every (seqlen, implementation) case of ``config``; rows in order."""
+    """Rows ``(case, impl)`` in order; ours carry ``ratio`` (SDPA's time over ours)."""
     rows = []
-    for seqlen in config["seqlens"]:
+    available = available_memory_bytes()
+    for spec in cases(config):
+        impls, skipped = [], {}
         for impl in config["impls"]:
-            spec = {
-                "impl": impl, "seqlen": seqlen, "batch": config["batch"], "heads": config["heads"],
-                "headdim": config["headdim"], "dtype": config["dtype"], "causal": config["causal"],
-                "backward": config["backward"], "repeats": config["repeats"], "warmup": config["warmup"],
-                "max_seconds": config.get("max_seconds", 60.0),
-            }
-            row = {k: spec[k] for k in ("impl", "seqlen", "batch", "heads", "headdim", "dtype", "causal")}
-            row["pass"] = "fwd_bwd" if spec["backward"] else "fwd"
-            available = available_memory_bytes()
-            need = predicted_eager_bytes(spec) if impl == "eager" else 0
-            if need and available and need > 0.8 * available:
-                row.update(status="skipped", note=f"needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available")
-            elif config.get("isolate", True):
-                row.update(_run_child(spec, timeout=config.get("timeout", 900.0)))
+            need = predicted_bytes(spec, impl)
+            if need and available and need > 0.6 * available:
+                skipped[impl] = {"status": "skipped",
+                                 "note": f"needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"}
+            else:
+                impls.append(impl)
+        spec = dict(spec, impls=impls)
+        results = dict(skipped)
+        if impls:
+            if config.get("isolate", True):
+                results.update(_run_child(spec, timeout=config.get("timeout", 1800.0)))
             else:
                 try:
-                    row.update(measure(spec))
+                    results.update(measure(spec))
                 except (MemoryError, RuntimeError) as exc:
-                    row.update(status="error", note=str(exc).splitlines()[0][:200])
+                    results.update({i: {"status": "error", "note": str(exc).splitlines()[0][:200]} for i in impls})
+        case_rows = []
+        for impl in config["impls"]:
+            row = {k: spec[k] for k in ("seqlen", "batch", "heads", "headdim", "dtype", "causal")}
+            row.update(impl=impl, case=spec["feature"] or ("causal" if spec["causal"] else "full"),
+                       pass_="fwd_bwd" if spec["backward"] else "fwd")
+            row["pass"] = row.pop("pass_")
+            row.update(results.get(impl, {"status": "error", "note": "no result"}))
+            case_rows.append(row)
+        _add_ratio(case_rows)
+        for row in case_rows:
             progress(_progress_line(row))
-            rows.append(row)
+        rows.extend(case_rows)
     return rows
 
 
+def _add_ratio(case_rows: list[dict]) -> None:
+    """Keep ``ratio`` (the median of per-repeat ratios) only where both sides ran."""
+    by_impl = {r["impl"]: r for r in case_rows}
+    ours, sdpa = by_impl.get("flash_attn"), by_impl.get("sdpa")
+    if ours and not (sdpa and ours.get("status") == "ok" and sdpa.get("status") == "ok"):
+        ours.pop("ratio", None)
+
+
 def _progress_line(row: dict) -> str:
+    head = f"  {row['dtype']} {row['case']:<8} {row['pass']:<7} seqlen {row['seqlen']:>6}  {row['impl']:<11}"
     if row.get("status") != "ok":
-        return f"  seqlen {row['seqlen']:>6}  {row['impl']:<11} {row.get('status')}: {row.get('note', '')}"
-    return (f"  seqlen {row['seqlen']:>6}  {row['impl']:<11} {row['time_ms']:10.1f} ms  "
-            f"{row['gflops']:7.1f} GFLOP/s  peak +{row['peak_mib']:8.1f} MiB")
+        return f"{head} {row.get('status')}: {row.get('note', '')}"
+    ratio = f"  x{row['ratio']:.2f} vs sdpa" if "ratio" in row else ""
+    return f"{head} {row['time_ms']:10.1f} ms  {row['gflops']:7.1f} GFLOP/s  peak +{row['peak_mib']:8.1f} MiB{ratio}"
+
+
+def summary_rows(rows: list[dict]) -> list[dict]:
+    """One row per case: each implementation's time and peak memory, and the ratio."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["case"], r["dtype"], r["pass"], r["seqlen"])
+        entry = out.setdefault(key, {"case": r["case"], "dtype": r["dtype"], "pass": r["pass"], "seqlen": r["seqlen"]})
+        value = r["time_ms"] if r.get("status") == "ok" else r.get("status")
+        entry[f"{r['impl']}_ms"] = value
+        entry[f"{r['impl']}_mib"] = r.get("peak_mib") if r.get("status") == "ok" else None
+        if "ratio" in r:
+            entry["ratio"] = r["ratio"]
+    return list(out.values())
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Optional[Path]:
+    """The ratio to SDPA over sequence length, one line per case (dtype, case, pass)."""
     from flash_attn.benchmarks.common import pyplot  # noqa: PLC0415
 
     plt = pyplot()
     if plt is None:
         return None
-    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for impl, label in IMPLEMENTATIONS.items():
-        ok = [r for r in rows if r["impl"] == impl and r.get("status") == "ok"]
-        if not ok:
-            continue
-        xs = [r["seqlen"] for r in ok]
-        ax_time.plot(xs, [r["time_ms"] for r in ok], marker="o", label=label)
-        ax_mem.plot(xs, [max(r["peak_mib"], 1e-1) for r in ok], marker="o", label=label)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, pass_ in zip(axes, ("fwd", "fwd_bwd")):
+        lines: dict[str, list] = {}
         for r in rows:
-            if r["impl"] == impl and r.get("status") in ("oom", "skipped"):
-                ax_mem.annotate(r["status"], (r["seqlen"], ax_mem.get_ylim()[1] if ok else 1), fontsize=8)
-    for ax, ylabel in ((ax_time, "time per call (ms, median)"), (ax_mem, "peak extra memory (MiB)")):
+            if r["impl"] == "flash_attn" and r["pass"] == pass_ and "ratio" in r:
+                lines.setdefault(f"{r['dtype']} {r['case']}", []).append((r["seqlen"], r["ratio"]))
+        for label, points in sorted(lines.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
         ax.set_xlabel("sequence length")
-        ax.set_ylabel(ylabel)
+        ax.set_title("forward" if pass_ == "fwd" else "forward + backward", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, ncol=2)
+    axes[0].set_ylabel("speed vs SDPA (SDPA time / ours; > 1: faster)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

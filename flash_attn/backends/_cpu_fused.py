@@ -1,0 +1,314 @@
+"""PyTorch's own fused CPU attention kernels, used wherever their semantics are exactly ours.
+
+``aten::_scaled_dot_product_flash_attention_for_cpu`` (the kernel behind
+``scaled_dot_product_attention`` on the CPU) returns the output *and* the log-sum-exp, handles
+GQA natively and takes the softmax scale; its backward takes ``out`` and ``logsumexp`` as inputs
+(so a caller's global ``out``/``lse`` are used, as context parallelism needs). What it does not
+share with flash-attn is spelled out here and worked around exactly:
+
+* its ``is_causal`` mask is aligned top-left; ours bottom-right. With ``sq > sk`` the first
+  ``sq - sk`` rows see nothing and the rest is a square; with ``sq < sk`` the first ``sk - sq``
+  keys are seen by every row and the rest is a square: two calls merged by log-sum-exp;
+* a sliding window is cut in blocks of query rows: the columns every row of a block sees run
+  without a mask, the band's right edge on the kernel's causal mask and its left edge with a
+  small explicit mask; invisible columns cost nothing;
+* causal ALiBi needs no mask block: for keys left of the diagonal its bias
+  ``-slope * (i + sk - sq - j)`` is a per-key term (a broadcast ``(h, 1, cols)`` mask) plus a
+  per-row term (taken out of the log-sum-exp), both kept small near the diagonal;
+* other ALiBi and per-sequence key ranges (the KV cache) become an explicit additive fp32 mask,
+  built per block of query rows over only the key columns that block can see, so memory stays
+  O(n) (``MASK_BUDGET_BYTES``);
+* a row that sees no key must give out 0 and lse +inf (the kernel gives lse 0): fixed up;
+* softcap and dropout (our Philox mask) have no counterpart: :func:`supports` says no and the
+  tiled engine of :mod:`._reference_core` runs them.
+
+Problems are :class:`~flash_attn.backends._reference_core.Problem` objects, so the same code
+serves dense tensors, one varlen sequence and the KV cache.
+"""
+
+from __future__ import annotations
+
+
+import torch
+from torch import Tensor
+
+from flash_attn.backends import _reference_core as core
+from flash_attn.params import AttentionParams
+
+# Bytes of one explicit mask block (rows x visible columns x ALiBi heads x batch, fp32).
+MASK_BUDGET_BYTES = 64 << 20
+# Fewer query rows per call than this make the kernels (the backward most) inefficient.
+MIN_MASK_ROWS = 128
+# Query rows per block of a sliding-window plan: an eighth of the window, within these bounds
+# (small blocks waste less work on the band's edges, large ones make fewer calls).
+BAND_MIN_ROWS, BAND_MAX_ROWS = 256, 1024
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _ops():
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return (forward, backward) if forward is not None and backward is not None else None
+
+
+_OPS = _ops()
+
+
+def supports(problem: core.Problem, params: AttentionParams) -> bool:
+    """True when the fused kernels compute exactly this problem."""
+    q = problem.q
+    return (
+        _OPS is not None
+        and q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and params.softcap == 0
+        and params.dropout_p == 0
+        and problem.head_dim_v == q.shape[-1]
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: which kernel calls cover which rows and columns
+# ----------------------------------------------------------------------------------------------
+
+
+class _Call:
+    """One kernel call: query rows ``i0:i1`` against stored key columns ``c0:c1``.
+
+    ``causal``: the kernel's own (top-left) causal mask, used on blocks whose diagonal is ours.
+    ``masked``: an explicit mask is built from the problem's geometry.
+    """
+
+    __slots__ = ("i0", "i1", "c0", "c1", "causal", "masked")
+
+    def __init__(self, i0, i1, c0, c1, causal=False, masked=False):
+        self.i0, self.i1, self.c0, self.c1, self.causal, self.masked = i0, i1, c0, c1, causal, masked
+
+    def __repr__(self):
+        kind = "causal" if self.causal else "masked" if self.masked else "full"
+        return f"_Call(rows {self.i0}:{self.i1}, cols {self.c0}:{self.c1}, {kind})"
+
+
+def plan(problem: core.Problem, params: AttentionParams) -> list[list[_Call]]:
+    """Groups of calls; the calls of one group share their rows and see disjoint columns, and
+    are merged by log-sum-exp. Rows in no group see no key (out 0, lse +inf)."""
+    sq, sk = problem.seqlen_q, problem.n_cols
+    if sq == 0 or sk == 0:
+        return []
+    one_range = (
+        len(problem.key_start) == 1 and problem.key_start[0] == 0
+        and len(problem.key_len) == 1 and problem.key_len[0] == sk
+    )
+    left, right = params.window_left, params.window_right
+    if not one_range or (problem.alibi_slopes is not None and right != 0):
+        return _masked_plan(problem, params)
+    if left < 0 and right < 0:
+        return [[_Call(0, sq, 0, sk)]]
+    if left < 0 and right == 0:  # bottom-right causal from the kernel's top-left causal
+        if sq >= sk:
+            return [[_Call(sq - sk, sq, 0, sk, causal=True)]]
+        return [[_Call(0, sq, 0, sk - sq), _Call(0, sq, sk - sq, sk, causal=True)]]
+    return _band_plan(sq, sk, left, right)
+
+
+def _band_plan(sq: int, sk: int, left: int, right: int) -> list[list[_Call]]:
+    """A sliding window over one key range: per block of rows, the columns every row sees run
+    unmasked, the left edge with a small mask and the right edge on the kernel's causal mask."""
+    off = sk - sq
+    lo = (lambda i: 0) if left < 0 else (lambda i: min(sk, max(0, i + off - left)))
+    hi = (lambda i: sk) if right < 0 else (lambda i: min(sk, max(0, i + off + right + 1)))
+    span = (sk if left < 0 else left) + (sk if right < 0 else right) + 1
+    rows = min(sq, max(BAND_MIN_ROWS, min(BAND_MAX_ROWS, span // 8)))
+    groups = []
+    for i0 in range(0, sq, rows):
+        i1 = min(sq, i0 + rows)
+        u0, u1 = lo(i0), hi(i1 - 1)  # columns some row sees
+        n0, n1 = lo(i1 - 1), hi(i0)  # columns every row sees
+        if u0 >= u1:
+            continue
+        if n0 >= n1:  # the block is wider than the band, or has rows that see nothing
+            groups.append([_Call(i0, i1, u0, u1, masked=True)])
+            continue
+        calls = [_Call(i0, i1, u0, n0, masked=True)] if u0 < n0 else []
+        if n1 < u1:
+            # row i0 + t sees up to column n1 - 1 + t: top-left causal from column n1 - 1
+            if n0 < n1 - 1:
+                calls.append(_Call(i0, i1, n0, n1 - 1))
+            calls.append(_Call(i0, i1, n1 - 1, u1, causal=True))
+        else:
+            calls.append(_Call(i0, i1, n0, n1))
+        groups.append(calls)
+    return groups
+
+
+def _masked_plan(problem: core.Problem, params: AttentionParams) -> list[list[_Call]]:
+    """ALiBi or per-sequence key ranges (the KV cache): one masked call per block of rows, over
+    the columns any row of the block may see."""
+    sq = problem.seqlen_q
+    rows = _mask_rows(problem)
+    groups = []
+    for i0 in range(0, sq, rows):
+        i1 = min(sq, i0 + rows)
+        c0, c1 = core.visible_columns(problem, params, i0, i1)
+        if c0 < c1:
+            masked = problem.alibi_slopes is not None or not core._tile_fully_visible(problem, params, i0, i1, c0, c1)
+            groups.append([_Call(i0, i1, c0, c1, masked=masked)])
+    return groups
+
+
+def _mask_rows(problem: core.Problem) -> int:
+    """Query rows per masked call, so that one mask block fits ``MASK_BUDGET_BYTES``."""
+    batch = problem.batch if len(problem.key_len) > 1 or len(problem.key_start) > 1 or _per_batch_slopes(problem) else 1
+    heads = problem.nheads if problem.alibi_slopes is not None else 1
+    per_row = 4 * batch * heads * max(problem.n_cols, 1)
+    return max(MIN_MASK_ROWS, MASK_BUDGET_BYTES // per_row)
+
+
+def _per_batch_slopes(problem: core.Problem) -> bool:
+    return problem.alibi_slopes is not None and problem.alibi_slopes.shape[0] > 1
+
+
+def _mask(problem: core.Problem, params: AttentionParams, call: _Call) -> tuple[Tensor, Tensor]:
+    """The additive fp32 mask of a call, ``(1 or B, 1 or h, rows, cols)`` (0 / -inf, plus ALiBi),
+    and which rows see at least one key, bool ``(1 or B, 1, rows)``."""
+    geometry = core._TileGeometry(problem, call.i0, call.i1, call.c0, call.c1)
+    visible = geometry.visible(params)[:, :, 0]  # (1 or B, 1, rows, cols)
+    hidden = ~visible
+    if problem.alibi_slopes is None:
+        mask = torch.where(hidden, float("-inf"), 0.0)
+    else:
+        # -slope * |i + sk - sq - j| per head, in fp32 (rounded once, as the tiled engine does)
+        distance = (geometry.diagonal.to(torch.float32) - geometry.positions.to(torch.float32)).abs_()[:, :, 0]
+        slopes = problem.alibi_slopes.view(problem.alibi_slopes.shape[0], problem.nheads, 1, 1)
+        mask = torch.mul(distance, slopes.neg())
+        mask.masked_fill_(hidden, float("-inf"))
+    return mask, visible.any(-1)
+
+
+def _alibi_columns(problem: core.Problem, call: _Call) -> tuple[Tensor, Tensor]:
+    """Causal ALiBi of an unmasked call (every key at or left of each row's diagonal):
+    ``-slope * (i + sk - sq - j) = slope * (j - j0) - slope * (i + sk - sq - j0)``.
+
+    Returns the per-key term as a broadcast mask ``(1 or B, h, 1, cols)`` and the per-row term
+    ``(1 or B, h, rows)`` to take out of the kernel's log-sum-exp. ``j0``, the diagonal of the
+    call's last row, keeps both small (exact in fp32) where the probabilities are.
+    """
+    j0 = call.i1 - 1 + problem.key_len[0] - problem.seqlen_q
+    slopes = problem.alibi_slopes.to(torch.float32).view(-1, problem.nheads, 1)
+    device = problem.q.device
+    first = call.c0 - problem.key_start[0] - j0
+    columns = torch.arange(first, first + call.c1 - call.c0, device=device, dtype=torch.float32)
+    rows = torch.arange(call.i0 - call.i1 + 1, 1, device=device, dtype=torch.float32)
+    return (slopes * columns).unsqueeze(2), slopes * rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward and backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _heads_first(x: Tensor) -> Tensor:
+    """``(B, s, h, d)`` -> the kernel's ``(B, h, s, d)`` (a view)."""
+    return x.transpose(1, 2)
+
+
+def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) -> tuple[Tensor, Tensor]:
+    """``(out (B, h, rows, d), lse fp32 (B, h, rows))`` of one call; a row that sees none of the
+    call's keys gets out 0 and lse -inf (the log of an empty sum, so merging ignores it)."""
+    forward, _ = _OPS
+    k, v = problem.load_kv(call.c0, call.c1)
+    mask = seen = row_term = None
+    if call.masked:
+        mask, seen = _mask(problem, params, call)
+    elif problem.alibi_slopes is not None:
+        mask, row_term = _alibi_columns(problem, call)
+    out, lse = forward(_heads_first(problem.q[:, call.i0:call.i1]), _heads_first(k), _heads_first(v), 0.0,
+                       call.causal, attn_mask=mask, scale=params.softmax_scale)
+    if row_term is not None:
+        lse = lse - row_term
+    if seen is not None and not bool(seen.all()):
+        seen = seen.expand(lse.shape)
+        out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(~seen, float("-inf"))
+    return out, lse
+
+
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Softmax-weighted sum of partial results over disjoint key sets, in fp32."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = parts[0][1]
+    for _, part_lse in parts[1:]:
+        lse = torch.logaddexp(lse, part_lse)
+    finite = torch.where(torch.isinf(lse), 0.0, lse)
+    out = sum(o.float() * torch.exp(part_lse - finite).unsqueeze(-1) for o, part_lse in parts)
+    return out.to(parts[0][0].dtype), lse
+
+
+@torch.no_grad()
+def attention_forward(problem: core.Problem, params: AttentionParams) -> tuple[Tensor, Tensor]:
+    """``out`` like q and fp32 ``lse (B, h, sq)``, as :func:`core.attention_forward`."""
+    q = problem.q
+    B, sq, h, d = q.shape
+    groups = plan(problem, params)
+    if len(groups) == 1 and groups[0][0].i0 == 0 and groups[0][0].i1 == sq:  # one block: no copies
+        out, lse = _merge([_run_forward(problem, params, call) for call in groups[0]])
+        return out.transpose(1, 2), lse.masked_fill_(lse == float("-inf"), float("inf"))
+    out = q.new_zeros(B, sq, h, d)
+    lse = torch.full((B, h, sq), float("inf"), dtype=torch.float32, device=q.device)
+    for group in groups:
+        rows = slice(group[0].i0, group[0].i1)
+        group_out, group_lse = _merge([_run_forward(problem, params, call) for call in group])
+        out[:, rows] = group_out.transpose(1, 2)
+        lse[:, :, rows] = group_lse.masked_fill_(group_lse == float("-inf"), float("inf"))
+    return out, lse
+
+
+@torch.no_grad()
+def attention_backward(
+    problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``dq (B, sq, h, d)``, ``dk, dv (B, n_cols, hk, d)``, as :func:`core.attention_backward`
+    (in q's dtype when one call covers everything, else accumulated in fp32).
+
+    Every call's probabilities come from the given ``lse`` and its correction term from the
+    given ``out`` (not recomputed), so a block of a longer sequence gets its exact share.
+    """
+    q = problem.q
+    B, sq, h, d = q.shape
+    calls = [call for group in plan(problem, params) for call in group]
+    if len(calls) == 1 and (calls[0].i0, calls[0].i1, calls[0].c0, calls[0].c1) == (0, sq, 0, problem.n_cols):
+        return _run_backward(problem, params, calls[0], dout, out, lse)
+    dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(B, problem.n_cols, problem.nheads_k, d, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(B, problem.n_cols, problem.nheads_k, problem.head_dim_v, dtype=torch.float32, device=q.device)
+    for call in calls:
+        gq, gk, gv = _run_backward(problem, params, call, dout, out, lse)
+        dq[:, call.i0:call.i1] += gq
+        dk[:, call.c0:call.c1] += gk
+        dv[:, call.c0:call.c1] += gv
+    return dq, dk, dv
+
+
+def _run_backward(problem, params, call, dout, out, lse):
+    """``(dq rows, dk cols, dv cols)`` of one call, ``(B, n, heads, d)``."""
+    _, backward = _OPS
+    rows = slice(call.i0, call.i1)
+    k, v = problem.load_kv(call.c0, call.c1)
+    lse_c = lse[:, :, rows]
+    mask = None
+    if call.masked:
+        mask = _mask(problem, params, call)[0]
+        # rows that see no key (lse +inf) are all -inf in the mask: any finite lse gives P = 0
+        lse_c = torch.where(torch.isinf(lse_c), 0.0, lse_c)
+    elif problem.alibi_slopes is not None:
+        mask, row_term = _alibi_columns(problem, call)
+        lse_c = lse_c + row_term  # the kernel's scores carry only the per-key term
+    grads = backward(
+        _heads_first(dout[:, rows]), _heads_first(problem.q[:, rows]), _heads_first(k), _heads_first(v),
+        _heads_first(out[:, rows]), lse_c.contiguous(), 0.0, call.causal, attn_mask=mask,
+        scale=params.softmax_scale,
+    )
+    return tuple(g.transpose(1, 2) for g in grads)

@@ -1,0 +1,370 @@
+"""Upstream flash-attn 2.8's low-level functions, as ``flash_attn::_flash_attn_*`` custom ops.
+
+Libraries that split a sequence across processes (ring / zigzag / striped context parallelism:
+ring-flash-attention, and the frameworks built on it) import these from
+``flash_attn.flash_attn_interface`` instead of ``flash_attn_func``: they need each block's
+log-sum-exp to combine partial results, and a backward that normalises with the *global*
+``out`` and ``softmax_lse`` they pass in.
+
+Names, parameter names, order, defaults and return values are upstream's (2.8.3), and so is the
+``torch.library.custom_op`` registration (the decorated objects are ``CustomOpDef``s, so
+``._init_fn`` introspection works; fake implementations serve ``torch.compile``). Unlike
+upstream they run on every device and backend: each op checks its arguments and runs the body
+of the package's own ``flash_attn::forward`` / ``flash_attn::backward`` op (:mod:`flash_attn.ops`),
+which hands the work to the backend contract (:mod:`flash_attn.backends`).
+
+Where this package's outputs differ from upstream's (the same as for ``flash_attn_func``):
+``S_dmask`` is fp32 ``(batch, nheads, seqlen_q, seqlen_k)`` and returned whenever asked for;
+``rng_state`` is an int64 ``(1,)`` tensor on q's device holding the dropout seed, drawn there
+(pass it back to the backward unchanged). ``zero_tensors`` changes nothing (every output
+element is written). Like the public functions, nothing here reads a CUDA tensor's values on
+the host (no device synchronisation; value checks on ``leftpad_k``/``seqused_k`` run on the
+device through ``torch._assert_async``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flash_attn import validation
+from flash_attn.ops import _backward_body, _forward_body, _varlen_layout
+
+__all__ = [
+    "_flash_attn_forward",
+    "_flash_attn_varlen_forward",
+    "_flash_attn_backward",
+    "_flash_attn_varlen_backward",
+]
+
+
+def round_multiple(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _last_dim_contiguous(*tensors):
+    """Upstream's ``maybe_contiguous``: copy only tensors whose last dim is strided."""
+    return [t.contiguous() if isinstance(t, torch.Tensor) and t.stride(-1) != 1 else t for t in tensors]
+
+
+def _window(causal: bool, left: int, right: int, seqlen_k: int) -> tuple[int, int]:
+    """Upstream's normalisation: negative or ``>= seqlen_k`` bounds are unbounded; causal is
+    ``right = 0``."""
+    left = -1 if left < 0 or left >= seqlen_k else int(left)
+    right = -1 if right < 0 or right >= seqlen_k else int(right)
+    return (left, 0) if causal else (left, right)
+
+
+def _options(dropout_p, softcap, alibi_slopes, batch, nheads, device) -> None:
+    validation.check_options(dropout_p, softcap, (-1, -1), alibi_slopes, batch, nheads, device)
+
+
+def _check_like(t, name: str, shape, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape {tuple(shape)}, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _rng_state(rng_state: Optional[torch.Tensor], dropout_p: float, device: torch.device) -> torch.Tensor:
+    """The forward's dropout seed, on q's device; without one a dropout backward would use
+    another mask. Without dropout nothing reads it."""
+    if rng_state is None:
+        if dropout_p > 0:
+            raise ValueError("dropout_p > 0 needs the rng_state returned by the forward, got None")
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    if not isinstance(rng_state, torch.Tensor) or rng_state.dtype != torch.int64 or rng_state.numel() < 1:
+        raise TypeError(
+            f"rng_state must be the int64 tensor returned by the forward, got {validation._describe(rng_state)}")
+    if rng_state.device != device:
+        raise ValueError(
+            f"rng_state is on {rng_state.device} but q is on {device} (pass the forward's rng_state unchanged)")
+    return rng_state
+
+
+def _defined_seed(result, dropout_p: float):
+    """Without dropout the body leaves ``rng_state`` uninitialised (nothing reads it); an op's
+    output should not depend on stale memory, so it is zero then (a device fill, no sync)."""
+    if dropout_p == 0:
+        result[3].zero_()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_forward", mutates_args=())
+def _flash_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense attention ``q (b, sq, h, d)``, ``k/v (b, sk, hk, d)`` ->
+    ``(out, softmax_lse fp32 (b, h, sq), S_dmask, rng_state)``."""
+    q, k, v = _last_dim_contiguous(q, k, v)
+    validation.check_dense_qkv(q, k, v)
+    _options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
+    left, right = _window(causal, window_size_left, window_size_right, k.shape[1])
+    return _defined_seed(_forward_body(
+        q, k, v, None, None, None, alibi_slopes, q.shape[1], k.shape[1], float(softmax_scale), left, right,
+        float(softcap), float(dropout_p), bool(return_softmax), False,
+    ), dropout_p)
+
+
+@_flash_attn_forward.register_fake
+def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+      return_softmax):
+    batch, seqlen_q, nheads, _ = q.shape
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    return q.new_empty(q.shape), lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng(q)
+
+
+def _fake_s_dmask(q, return_softmax, batch, seqlen_q, seqlen_k):
+    shape = (batch, q.shape[-2], seqlen_q, seqlen_k) if return_softmax else (0,)
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+def _fake_rng(q):
+    return q.new_empty((1,), dtype=torch.int64)
+
+
+def _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k):
+    """Express ``leftpad_k`` / ``seqused_k`` through the layouts every backend knows.
+
+    Sequence ``b`` uses key rows ``leftpad_k[b] : seqused_k[b]`` of its own (``seqused_k``
+    defaults to its length). Packed keys become one-row pages addressed by a block table (a view
+    of k/v, no copy); a paged cache keeps its table and gets the shorter lengths. Everything
+    is computed on the device (no host read); bad values raise through ``torch._assert_async``.
+    """
+    if leftpad_k is None and seqused_k is None:
+        return k, v, cu_seqlens_k, block_table
+    batch = cu_seqlens_k.shape[0] - 1
+    for name, t in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
+        if t is not None:
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+                raise TypeError(f"{name} must be an int32 tensor of shape ({batch},), got {validation._describe(t)}")
+            if t.device != k.device:
+                raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
+    if block_table is not None and leftpad_k is not None:
+        raise ValueError("leftpad_k cannot be combined with a block_table (paged KV), as in flash-attn")
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
+    start = torch.zeros_like(lengths) if leftpad_k is None else leftpad_k.to(torch.int64)
+    end = lengths if seqused_k is None else seqused_k.to(torch.int64)
+    ok = ((start >= 0) & (start <= end) & (end <= lengths)).all() & (cu_seqlens_k[0] == 0)
+    if block_table is None:
+        ok = ok & (cu_seqlens_k[-1] == k.shape[0])
+    torch._assert_async(ok, "flash_attn: need cu_seqlens_k to start at 0 (and end at total_k), and "
+                            "0 <= leftpad_k[b] <= seqused_k[b] <= cu_seqlens_k[b+1] - cu_seqlens_k[b]")
+    used = end - start
+    cu_used = torch.cat([used.new_zeros(1), used.cumsum(0)]).to(torch.int32)
+    if block_table is not None:
+        return k, v, cu_used, block_table
+    total_k = k.shape[0]
+    first_row = cu_seqlens_k[:-1].to(torch.int64) + start
+    rows = first_row.unsqueeze(1) + torch.arange(max(max_seqlen_k, 1), device=k.device)
+    table = rows.clamp_(0, max(total_k - 1, 0)).to(torch.int32)  # entries past a sequence are unused
+    return k.unsqueeze(1), v.unsqueeze(1), cu_used, table
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_varlen_forward", mutates_args=())
+def _flash_attn_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed sequences ``q (total_q, h, d)``, ``k/v (total_k, hk, d)`` or paged ->
+    ``(out, softmax_lse fp32 (h, total_q), S_dmask, rng_state)``."""
+    q, k, v = _last_dim_contiguous(q, k, v)
+    max_seqlen_q = validation.as_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = validation.as_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    batch = cu_seqlens_q.shape[0] - 1
+    _options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q.device)
+    left, right = _window(causal, window_size_left, window_size_right, max_seqlen_k)
+    k, v, cu_seqlens_k, block_table = _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k)
+    return _defined_seed(_forward_body(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+        float(softmax_scale), left, right, float(softcap), float(dropout_p), bool(return_softmax), False,
+    ), dropout_p)
+
+
+@_flash_attn_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+      window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
+      block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
+    batch = cu_seqlens_q.shape[0] - 1
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    s_dmask = _fake_s_dmask(q, return_softmax, batch, max_seqlen_q, max_seqlen_k)
+    return q.new_empty(q.shape), lse, s_dmask, _fake_rng(q)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, lse_shape) -> None:
+    _check_like(dout, "dout", q.shape, q.dtype, q.device)
+    _check_like(out, "out", q.shape, q.dtype, q.device)
+    _check_like(softmax_lse, "softmax_lse", lse_shape, torch.float32, q.device)
+    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if grad is not None:
+            _check_like(grad, name, like.shape, like.dtype, like.device)
+
+
+def _write_grads(grads, dq, dk, dv) -> None:
+    """Copy the backend's gradients into the caller's buffers (upstream writes, never adds)."""
+    for given, grad in zip((dq, dk, dv), grads):
+        if given is not None:
+            given.copy_(grad)
+
+
+def _row_dot(dout: torch.Tensor, out: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """``(1 - dropout_p) * rowsum(dout * out)`` in fp32, shape ``dout.shape[:-1]``: upstream's
+    ``softmax_d`` (kept scaled by the keep probability, as its kernels do)."""
+    return torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32)).mul_(1.0 - dropout_p)
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
+def _flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Gradients of dense attention written into ``dq``, ``dk``, ``dv`` (those given).
+
+    The probabilities are recomputed from the given ``softmax_lse`` and the softmax correction
+    from the given ``out``, so for a block of a longer sequence, passing the whole sequence's
+    ``out``/``softmax_lse`` gives that block's exact share of the gradient. Returns
+    ``softmax_d`` fp32 ``(b, h, round_multiple(sq, 128))`` (zero past ``sq``).
+    """
+    dout, q, k, v, out = _last_dim_contiguous(dout, q, k, v, out)
+    validation.check_dense_qkv(q, k, v)
+    batch, seqlen_q, nheads, _ = q.shape
+    _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (batch, nheads, seqlen_q))
+    _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
+    left, right = _window(causal, window_size_left, window_size_right, k.shape[1])
+    grads = _backward_body(
+        dout, q, k, v, out, softmax_lse, None, None, None, alibi_slopes, seqlen_q, k.shape[1],
+        float(softmax_scale), left, right, float(softcap), float(dropout_p),
+        _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
+    )
+    _write_grads(grads, dq, dk, dv)
+    softmax_d = q.new_zeros((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
+    softmax_d[:, :, :seqlen_q] = _row_dot(dout, out, dropout_p).transpose(1, 2)
+    return softmax_d
+
+
+@_flash_attn_backward.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+      window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    batch, seqlen_q, nheads, _ = q.shape
+    return q.new_empty((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_attn::_flash_attn_varlen_backward", mutates_args=("dq", "dk", "dv"))
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> torch.Tensor:
+    """:func:`_flash_attn_backward` for packed sequences; ``softmax_lse`` is ``(h, total_q)``.
+
+    Returns ``softmax_d`` fp32 ``(h, total_q + 128 * batch)`` in upstream's layout: row ``r`` of
+    sequence ``b`` at column ``r + 128 * b`` (zero elsewhere).
+    """
+    dout, q, k, v, out = _last_dim_contiguous(dout, q, k, v, out)
+    max_seqlen_q = validation.as_max_seqlen(max_seqlen_q, "max_seqlen_q")
+    max_seqlen_k = validation.as_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None)
+    total_q, nheads, _ = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (nheads, total_q))
+    _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
+    _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)  # value checks
+    left, right = _window(causal, window_size_left, window_size_right, max_seqlen_k)
+    grads = _backward_body(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, None, alibi_slopes, max_seqlen_q,
+        max_seqlen_k, float(softmax_scale), left, right, float(softcap), float(dropout_p),
+        _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
+    )
+    _write_grads(grads, dq, dk, dv)
+    softmax_d = q.new_zeros((nheads, total_q + 128 * batch), dtype=torch.float32)
+    rows = torch.arange(total_q, device=q.device, dtype=torch.int32)
+    sequence = torch.searchsorted(cu_seqlens_q[1:], rows, right=True)
+    softmax_d[:, rows.to(torch.int64) + 128 * sequence] = _row_dot(dout, out, dropout_p).t()
+    return softmax_d
+
+
+@_flash_attn_varlen_backward.register_fake
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
+      rng_state=None, zero_tensors=False):
+    batch = cu_seqlens_q.shape[0] - 1
+    return q.new_empty((q.shape[1], q.shape[0] + 128 * batch), dtype=torch.float32)

@@ -1,0 +1,202 @@
+"""The reference backend's fused CPU path (:mod:`flash_attn.backends._cpu_fused`): PyTorch's own
+CPU attention kernels, called so that they compute exactly flash-attn's semantics.
+
+* the call plan covers exactly the visible (query, key) pairs, each once (checked against the
+  oracle's mask, independently of any attention arithmetic);
+* forward and backward against the float64 oracle with small blocks forced, so that windows,
+  edges, merges and masks all occur on small shapes;
+* the fused kernels really run where they apply, and the tiled engine where they do not.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn.backends import _cpu_fused as fused
+from flash_attn.backends import reference
+from flash_attn.params import AttentionParams
+
+from conftest import backward_floor, check_close, cu_from_lens, gen, make_slopes, oracle_pair, randn, test_device
+from oracle import attention_ref, attention_varlen_ref, kvcache_ref, visible_mask
+
+FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
+
+pytestmark = pytest.mark.skipif(test_device().type != "cpu" or fused._OPS is None,
+                                reason="the fused path serves CPU tensors (PyTorch's CPU attention kernels)")
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of a few rows, so that every kind of call appears on small shapes."""
+    monkeypatch.setattr(fused, "BAND_MIN_ROWS", 4)
+    monkeypatch.setattr(fused, "BAND_MAX_ROWS", 8)
+    monkeypatch.setattr(fused, "MIN_MASK_ROWS", 3)
+    monkeypatch.setattr(fused, "MASK_BUDGET_BYTES", 2048)
+
+
+def _covered(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+    """How often each (row, key) pair is computed by the plan, honouring each call's mask."""
+    q = torch.zeros(1, sq, 1, 1)
+    k = torch.zeros(1, sk, 1, 1)
+    problem = reference._dense_problem(q, k, k, None, torch.arange(1))
+    params = AttentionParams(1.0, left, right)
+    count = torch.zeros(sq, sk, dtype=torch.int64)
+    for group in fused.plan(problem, params):
+        assert len({(c.i0, c.i1) for c in group}) == 1, "calls of a group share their rows"
+        for call in group:
+            rows, cols = call.i1 - call.i0, call.c1 - call.c0
+            assert rows > 0 and cols > 0
+            if call.masked:
+                seen = fused._mask(problem, params, call)[0][0, 0] == 0
+            elif call.causal:
+                seen = torch.ones(rows, cols, dtype=torch.bool).tril_()
+            else:
+                seen = torch.ones(rows, cols, dtype=torch.bool)
+            count[call.i0:call.i1, call.c0:call.c1] += seen
+    return count
+
+
+def test_plan_covers_each_visible_pair_exactly_once(small_blocks):
+    rng = random.Random(0)
+    windows = [-1, 0, 1, 3, 7, 20]
+    cases = [(sq, sk, left, right) for sq, sk in [(1, 1), (5, 17), (17, 5), (16, 16), (33, 40), (40, 33), (9, 64)]
+             for left, right in itertools.product(windows, windows)]
+    for sq, sk, left, right in cases + [(rng.randint(1, 70), rng.randint(1, 70), rng.choice(windows),
+                                         rng.choice(windows)) for _ in range(100)]:
+        count = _covered(sq, sk, left, right)
+        expected = visible_mask(sq, sk, left, right, causal=False).to(torch.int64)
+        assert torch.equal(count, expected), (sq, sk, left, right)
+
+
+def test_plan_shapes():
+    """No mask at all for full and causal attention; masks only on the edges of a window."""
+    def calls(sq, sk, left, right):
+        q, k = torch.zeros(1, sq, 1, 1), torch.zeros(1, sk, 1, 1)
+        problem = reference._dense_problem(q, k, k, None, torch.arange(1))
+        return [c for g in fused.plan(problem, AttentionParams(1.0, left, right)) for c in g]
+
+    assert [(c.causal, c.masked) for c in calls(100, 100, -1, -1)] == [(False, False)]
+    assert [(c.causal, c.masked) for c in calls(100, 100, -1, 0)] == [(True, False)]
+    assert [(c.c0, c.c1, c.causal) for c in calls(30, 100, -1, 0)] == [(0, 70, False), (70, 100, True)]
+    assert [(c.i0, c.c1, c.causal) for c in calls(100, 30, -1, 0)] == [(70, 30, True)]
+    window = calls(4096, 4096, 1024, 0)
+    masked = sum((c.i1 - c.i0) * (c.c1 - c.c0) for c in window if c.masked)
+    computed = sum((c.i1 - c.i0) * (c.c1 - c.c0) for c in window)
+    assert masked < 0.25 * computed and computed < 1.3 * 4096 * 1025
+
+
+CASES = [
+    # dtype, b, sq, sk, h, hk, d, window, alibi
+    (FP32, 2, 37, 37, 4, 2, 32, (-1, -1), None),
+    (BF16, 1, 29, 61, 2, 1, 64, (-1, 0), None),
+    (FP16, 2, 61, 29, 3, 1, 40, (-1, 0), None),
+    (FP32, 1, 50, 50, 2, 2, 16, (6, 0), None),
+    (BF16, 2, 45, 70, 4, 4, 32, (9, 4), None),
+    (FP32, 1, 70, 45, 2, 1, 32, (-1, 5), None),
+    (FP16, 1, 40, 40, 4, 2, 32, (12, -1), None),
+    (FP32, 2, 33, 47, 4, 2, 32, (-1, 0), "h"),
+    (BF16, 2, 47, 33, 2, 2, 64, (5, 5), "bh"),
+    (FP32, 1, 30, 30, 2, 1, 8, (-1, -1), "bh"),
+    (BF16, 1, 70, 70, 2, 1, 32, (9, 0), "bh"),   # causal window + ALiBi: masked, plain and causal calls merged
+    (FP16, 2, 60, 25, 2, 2, 32, (-1, 0), "h"),   # causal ALiBi, rows without keys
+    (FP32, 1, 64, 64, 4, 1, 32, (-1, 0), "h"),   # causal ALiBi in one call
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-s{c[2]}x{c[3]}-h{c[4]}k{c[5]}-w{c[7]}-{c[8]}".replace("torch.", ""))
+def test_fused_forward_backward_vs_oracle(case, small_blocks):
+    dtype, b, sq, sk, h, hk, d, window, alibi = case
+    g = gen(sq + 3 * sk)
+    q, k, v = randn((b, sq, h, d), dtype, g, requires_grad=True), randn((b, sk, hk, d), dtype, g, requires_grad=True), \
+        randn((b, sk, hk, d), dtype, g, requires_grad=True)
+    dout = randn((b, sq, h, d), dtype, g)
+    slopes = None if alibi is None else make_slopes((h,) if alibi == "h" else (b, h), seed=3)
+    out = flash_attn_func(q, k, v, window_size=window, alibi_slopes=slopes, softmax_scale=0.3)
+    out.backward(dout)
+    ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, alibi_slopes=slopes,
+                                     softmax_scale=0.3)
+    check_close(out, ref.out, naive.out, dtype, "out")
+    floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
+    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
+        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
+
+
+def test_fused_varlen_and_kvcache_vs_oracle(small_blocks):
+    lens_q, lens_k = [9, 0, 30, 4], [20, 3, 30, 0]
+    g = gen(5)
+    q = randn((sum(lens_q), 4, 32), BF16, g, requires_grad=True)
+    k, v = (randn((sum(lens_k), 2, 32), BF16, g, requires_grad=True) for _ in range(2))
+    dout = randn(q.shape, BF16, g)
+    slopes = make_slopes((4, 4), seed=6)
+    cu_q, cu_k = cu_from_lens(lens_q), cu_from_lens(lens_k)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True, window_size=(7, -1), alibi_slopes=slopes)
+    out.backward(dout)
+    ref, rg, naive, ng = oracle_pair(attention_varlen_ref, [q, k, v], dout, cu_q=cu_q.tolist(), cu_k=cu_k.tolist(),
+                                     causal=True, window=(7, -1), alibi_slopes=slopes)
+    check_close(out, ref.out, naive.out, BF16, "out")
+    floor = backward_floor(q, k, v, dout, None, ref.probs)
+    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
+        check_close(t.grad, want, approx, BF16, name, grad=True, floor=floor)
+    # the KV cache: per-sequence key ranges (left padding, lengths) in one batched masked call
+    qc = randn((3, 5, 4, 32), FP32, g)
+    k_cache, v_cache = randn((3, 40, 2, 32), FP32, g), randn((3, 40, 2, 32), FP32, g)
+    seqlens = torch.tensor([3, 17, 35], dtype=torch.int32)
+    leftpad = torch.tensor([0, 4, 30], dtype=torch.int32)
+    kwargs = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=True, alibi_slopes=slopes[:3])
+    out, lse = flash_attn_with_kvcache(qc, k_cache, v_cache, return_softmax_lse=True, **kwargs)
+    expected = kvcache_ref(qc, k_cache, v_cache, **kwargs)
+    naive = kvcache_ref(qc, k_cache, v_cache, compute_dtype=None, **kwargs)
+    check_close(out, expected.out, naive.out, FP32, "kvcache out")
+    check_close(lse, expected.lse, naive.lse, FP32, "kvcache lse")
+
+
+def _count_fused_calls(fn) -> int:
+    calls = []
+    original = fused._OPS
+
+    def counting(op):
+        def call(*args, **kwargs):
+            calls.append(op)
+            return op(*args, **kwargs)
+        return call
+
+    fused._OPS = tuple(counting(op) for op in original)
+    try:
+        fn()
+    finally:
+        fused._OPS = original
+    return len(calls)
+
+
+def test_fused_kernels_run_where_they_apply():
+    g = gen(7)
+    q, k, v = (randn((1, 64, 2, 32), BF16, g, requires_grad=True) for _ in range(3))
+    assert _count_fused_calls(lambda: flash_attn_func(q, k, v, causal=True).sum().backward()) == 2
+    assert _count_fused_calls(lambda: flash_attn_func(q, k, v, window_size=(8, 8))) > 0
+    assert _count_fused_calls(lambda: flash_attn_func(q, k, v, softcap=5.0).sum().backward()) == 0
+    assert _count_fused_calls(lambda: flash_attn_func(q, k, v, dropout_p=0.1).sum().backward()) == 0
+    reference.USE_FUSED_CPU_KERNELS = False
+    try:
+        assert _count_fused_calls(lambda: flash_attn_func(q, k, v, causal=True)) == 0
+    finally:
+        reference.USE_FUSED_CPU_KERNELS = True
+
+
+def test_mask_blocks_stay_within_the_budget():
+    """ALiBi over 4k keys: non-causal builds mask blocks within MASK_BUDGET_BYTES; causal builds
+    none (a per-key broadcast row and a per-row lse term instead)."""
+    q = torch.zeros(2, 4096, 8, 1)
+    problem = reference._dense_problem(q, q[:, :, :2], q[:, :, :2], torch.ones(2, 8), torch.arange(2))
+    calls = [c for g in fused.plan(problem, AttentionParams(1.0, -1, -1)) for c in g]
+    assert len(calls) > 1 and all(c.masked for c in calls)
+    for call in calls:
+        assert 4 * 2 * 8 * (call.i1 - call.i0) * (call.c1 - call.c0) <= fused.MASK_BUDGET_BYTES
+    causal = [c for g in fused.plan(problem, AttentionParams(1.0, -1, 0)) for c in g]
+    assert [c.masked for c in causal] == [False]
+    columns, rows = fused._alibi_columns(problem, causal[0])
+    assert columns.shape == (2, 8, 1, 4096) and rows.shape == (2, 8, 4096)
