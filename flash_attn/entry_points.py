@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from flash_attn import kvcache
 from flash_attn.lowlevel import (
     _flash_attn_backward,
     _flash_attn_forward,
@@ -102,12 +103,9 @@ def varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seq
 def fwd_kvcache(q, kcache, vcache, k, v, seqlens_k, rotary_cos, rotary_sin, cache_batch_idx, leftpad_k,
                 block_table, alibi_slopes, out, softmax_scale, is_causal, window_size_left, window_size_right,
                 softcap, is_rotary_interleaved, num_splits):
-    from flash_attn.flash_attn_interface import flash_attn_with_kvcache  # noqa: PLC0415 (imports this module)
-
     window = (-1 if window_size_left < 0 else window_size_left, -1 if window_size_right < 0 else window_size_right)
-    o, lse = flash_attn_with_kvcache(
+    o, lse = kvcache.forward(
         q, kcache, vcache, k, v, rotary_cos, rotary_sin, seqlens_k, cache_batch_idx, leftpad_k, block_table,
         softmax_scale, is_causal, window, softcap, is_rotary_interleaved, alibi_slopes, num_splits,
-        return_softmax_lse=True,
     )
     return [_into(out, o), lse]

@@ -199,3 +199,15 @@ def check_positions_fit(seqlens: Sequence[int], capacity: int, what: str) -> Non
     for b, n in enumerate(seqlens):
         if n > capacity:
             _fail(ValueError, f"{what}: sequence {b} needs {n} rows but the cache holds only {capacity}")
+
+
+def softmax_scale(softmax_scale, headdim: int) -> float:
+    """The softmax scale of a call: ``headdim ** -0.5`` unless given."""
+    check_softmax_scale(softmax_scale)
+    return float(headdim ** (-0.5) if softmax_scale is None else softmax_scale)
+
+
+def causal_window(causal: bool, window_size) -> tuple[int, int]:
+    """``(left, right)``; causal is the window ``(left, 0)``."""
+    left, right = window_size
+    return (left, 0) if causal else (left, right)

@@ -25,7 +25,7 @@ LAYERS = (
                "flash_attn.aot.build", "flash_attn.aot.info")),
     # the public API
     ("api", ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.lowlevel", "flash_attn.entry_points",
-             "flash_attn.bert_padding", "flash_attn.layers")),
+             "flash_attn.kvcache", "flash_attn.bert_padding", "flash_attn.layers")),
     ("ops", ("flash_attn.ops",)),  # the custom ops (autograd, torch.compile)
     ("dispatch", ("flash_attn.dispatch", "flash_attn.validation")),  # which backend runs a call
     ("backends", ("flash_attn.backends",)),  # reference, triton, interpret, aot: run plans

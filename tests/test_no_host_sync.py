@@ -162,8 +162,19 @@ def lowlevel_calls():
 ALL_CALLS = [*public_calls(), *backward_calls(), *lowlevel_calls()]
 
 
+# Calls the shipped images do not serve: the aot backend refuses them before anything runs and the
+# dispatcher runs them on triton (whose path the triton test below checks). seqused_k is addressed
+# as a paged varlen forward, which no image compiles.
+NOT_SHIPPED = {"_flash_attn_varlen_forward seqused_k": "paged K/V in the varlen forward"}
+
+
 @pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
 def test_aot_path_reads_nothing_on_the_host(custom_op_bodies, aot_on_meta, name, call):
+    if name in NOT_SHIPPED:
+        with pytest.raises(RuntimeError, match=NOT_SHIPPED[name]):  # only aot in the chain here
+            call()
+        assert not aot_on_meta, f"{name}: launched although refused"
+        return
     result = call()
     assert aot_on_meta, f"{name}: nothing was launched"
     assert all(t.device == META for t in (result if isinstance(result, tuple) else (result,)) if t is not None)

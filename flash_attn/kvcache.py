@@ -1,0 +1,103 @@
+"""The KV-cache call behind :func:`flash_attn.flash_attn_with_kvcache` and upstream's
+``fwd_kvcache`` entry point: its arguments checked and normalised, then the custom op."""
+
+from __future__ import annotations
+
+import torch
+
+from flash_attn import ops, validation
+
+
+def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits):
+    """``(out, lse)`` of :func:`flash_attn.flash_attn_with_kvcache` (same arguments)."""
+    q, k_new, v_new, cache_seqlens = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    batch, _, nheads, headdim = q.shape
+    _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits)
+    window_size = validation.check_options(0.0, softcap, window_size, alibi_slopes, batch, nheads, q.device)
+    left, right = _kvcache_window(causal, window_size, _cache_capacity(k_cache, block_table))
+    return ops.forward_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, rotary_cos, rotary_sin, alibi_slopes, validation.softmax_scale(softmax_scale, headdim), left,
+        right, float(softcap), bool(rotary_interleaved), int(num_splits),
+    )
+
+
+def _cache_capacity(k_cache, block_table) -> int:
+    if block_table is None:
+        return k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def _kvcache_window(causal: bool, window_size, capacity: int) -> tuple[int, int]:
+    """Like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
+    rotated as a local/causal block or at one position)."""
+    left, right = validation.causal_window(causal, window_size)
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    return left, right
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    validation.check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    cache_layout = "(num_blocks, page_block_size, nheads_k, headdim)" if block_table is not None else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    validation.check_tensor(k_cache, "k_cache", 4, cache_layout)
+    validation.check_tensor(v_cache, "v_cache", 4, cache_layout)
+    validation.check_same(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must agree except in headdim, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    validation.check_heads(q.shape[2], k_cache.shape[2], q.shape[3], k_cache.shape[3], v_cache.shape[3])
+    batch = q.shape[0]
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or both None)")
+    if k is not None:
+        validation.check_tensor(k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
+        validation.check_tensor(v, "v", 4, "(batch, seqlen_new, nheads_k, headdim)")
+        validation.check_same(("q", q), ("k", k), ("v", v))
+        expected = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"k and v must have shape {expected} (batch, seqlen_new, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when new k/v are appended to the cache")
+    if block_table is not None:
+        validation.check_block_table(block_table, batch, q.device)
+    if cache_seqlens is None:
+        cache_seqlens = _cache_capacity(k_cache, block_table)
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape (batch,), got {type(cache_seqlens).__name__}")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    _check_index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    return q, k, v, cache_seqlens
+
+
+def _check_index_vector(t, name: str, batch: int, device) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        raise TypeError(f"{name} must be an int32 tensor of shape ({batch},), got {validation._describe(t)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits):
+    batch = q.shape[0]
+    if cache_batch_idx is None and block_table is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass cache_batch_idx to map them")
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            _check_index_vector(t, name, batch, q.device)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k_new is None:
+            raise ValueError("rotary_cos/rotary_sin only apply when new k/v are passed")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), got {validation._describe(t)}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if 2 * rotary_cos.shape[1] > q.shape[-1]:
+            raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]}) must not exceed headdim {q.shape[-1]}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
