@@ -119,8 +119,7 @@ def _allocator(buffer: P.Buffer):
     make, storage, dtype, columns = (torch.zeros if buffer.zeroed else torch.empty), buffer.storage, buffer.dtype, \
         buffer.shape[-1] if buffer.storage != buffer.shape else None
     # sizes as separate arguments: PyTorch's argument parser takes them ~0.5 us faster than a tuple
-    if not storage:
-        return lambda device: make((), dtype=dtype, device=device)
+    # (every planned buffer and prepared input has at least one dimension)
     if columns is None:
         return lambda device: make(*storage, dtype=dtype, device=device)
     return lambda device: make(*storage, dtype=dtype, device=device)[..., :columns]
