@@ -77,13 +77,15 @@ def test_training_step_replays_like_eager(backend):
         flash_attn_func(q, k, v, causal=True, softcap=20.0, alibi_slopes=slopes).backward(dout)
 
     graph = capture(step)
+    # the gradients the graph writes: an eager step() below rebinds .grad to new tensors
+    graph_grads = [t.grad for t in (q, k, v)]
     for _ in range(2):
         with torch.no_grad():
             for t in (q, k, v, dout):
                 rand_(t)
         graph.replay()
         torch.cuda.synchronize()
-        replayed = [t.grad.clone() for t in (q, k, v)]
+        replayed = [g.clone() for g in graph_grads]
         step()
         for got, want in zip(replayed, (q.grad, k.grad, v.grad)):
             assert torch.equal(got, want)
