@@ -15,7 +15,9 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     batch, _, nheads, headdim = q.shape
     _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits)
     window_size = validation.check_options(0.0, softcap, window_size, alibi_slopes, batch, nheads, q.device)
-    left, right = _kvcache_window(causal, window_size, _cache_capacity(k_cache, block_table))
+    # like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
+    # rotated as a local/causal block or at one position)
+    left, right = validation.bounded_window(causal, window_size, _cache_capacity(k_cache, block_table))
     return ops.forward_kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, rotary_cos, rotary_sin, alibi_slopes, validation.softmax_scale(softmax_scale, headdim), left,
@@ -27,15 +29,6 @@ def _cache_capacity(k_cache, block_table) -> int:
     if block_table is None:
         return k_cache.shape[1]
     return block_table.shape[1] * k_cache.shape[1]
-
-
-def _kvcache_window(causal: bool, window_size, capacity: int) -> tuple[int, int]:
-    """Like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
-    rotated as a local/causal block or at one position)."""
-    left, right = validation.causal_window(causal, window_size)
-    left = -1 if left >= capacity else left
-    right = -1 if right >= capacity else right
-    return left, right
 
 
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):

@@ -48,14 +48,6 @@ def _last_dim_contiguous(*tensors):
     return [t.contiguous() if isinstance(t, torch.Tensor) and t.stride(-1) != 1 else t for t in tensors]
 
 
-def _window(causal: bool, left: int, right: int, seqlen_k: int) -> tuple[int, int]:
-    """Upstream's normalisation: negative or ``>= seqlen_k`` bounds are unbounded; causal is
-    ``right = 0``."""
-    left = -1 if left < 0 or left >= seqlen_k else int(left)
-    right = -1 if right < 0 or right >= seqlen_k else int(right)
-    return (left, 0) if causal else (left, right)
-
-
 def _options(dropout_p, softcap, alibi_slopes, batch, nheads, device) -> None:
     validation.check_options(dropout_p, softcap, (-1, -1), alibi_slopes, batch, nheads, device)
 
@@ -119,7 +111,7 @@ def _flash_attn_forward(
     q, k, v = _last_dim_contiguous(q, k, v)
     validation.check_dense_qkv(q, k, v)
     _options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
-    left, right = _window(causal, window_size_left, window_size_right, k.shape[1])
+    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), k.shape[1])
     return _defined_seed(_forward_body(
         q, k, v, None, None, None, alibi_slopes, q.shape[1], k.shape[1], float(softmax_scale), left, right,
         float(softcap), float(dropout_p), bool(return_softmax), False,
@@ -211,7 +203,7 @@ def _flash_attn_varlen_forward(
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     batch = cu_seqlens_q.shape[0] - 1
     _options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q.device)
-    left, right = _window(causal, window_size_left, window_size_right, max_seqlen_k)
+    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
     k, v, cu_seqlens_k, block_table = _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k)
     return _defined_seed(_forward_body(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
@@ -289,7 +281,7 @@ def _flash_attn_backward(
     batch, seqlen_q, nheads, _ = q.shape
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (batch, nheads, seqlen_q))
     _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
-    left, right = _window(causal, window_size_left, window_size_right, k.shape[1])
+    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), k.shape[1])
     grads = _backward_body(
         dout, q, k, v, out, softmax_lse, None, None, None, alibi_slopes, seqlen_q, k.shape[1],
         float(softmax_scale), left, right, float(softcap), float(dropout_p),
@@ -348,7 +340,7 @@ def _flash_attn_varlen_backward(
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (nheads, total_q))
     _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
     _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)  # value checks
-    left, right = _window(causal, window_size_left, window_size_right, max_seqlen_k)
+    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
     grads = _backward_body(
         dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, None, alibi_slopes, max_seqlen_q,
         max_seqlen_k, float(softmax_scale), left, right, float(softcap), float(dropout_p),

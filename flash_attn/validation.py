@@ -211,3 +211,13 @@ def causal_window(causal: bool, window_size) -> tuple[int, int]:
     """``(left, right)``; causal is the window ``(left, 0)``."""
     left, right = window_size
     return (left, 0) if causal else (left, right)
+
+
+def bounded_window(causal: bool, window_size, seqlen_k: int) -> tuple[int, int]:
+    """:func:`causal_window` normalised as upstream does where the key length is known (the
+    low-level functions, the KV cache's capacity): a negative bound, or one no smaller than
+    ``seqlen_k``, is unbounded (-1)."""
+    left, right = causal_window(causal, window_size)
+    left = -1 if left < 0 or left >= seqlen_k else int(left)
+    right = -1 if right < 0 or right >= seqlen_k else int(right)
+    return left, right

@@ -255,7 +255,9 @@ def attention_forward(problem: core.Problem, params: AttentionParams) -> tuple[T
     groups = plan(problem, params)
     if len(groups) == 1 and groups[0][0].i0 == 0 and groups[0][0].i1 == sq:  # one block: no copies
         out, lse = _merge([_run_forward(problem, params, call) for call in groups[0]])
-        return out.transpose(1, 2), lse.masked_fill_(lse == float("-inf"), float("inf"))
+        if any(call.masked for call in groups[0]):  # only a mask can leave a row without keys
+            lse.masked_fill_(lse == float("-inf"), float("inf"))
+        return out.transpose(1, 2), lse
     out = q.new_zeros(B, sq, h, d)
     lse = torch.full((B, h, sq), float("inf"), dtype=torch.float32, device=q.device)
     for group in groups:
