@@ -542,3 +542,36 @@ def test_long_sequence_forward_peak_memory_under_1_gib():
                             env={**os.environ, "OMP_NUM_THREADS": "2"})
     peak_bytes, seconds = result.stdout.split()
     assert int(peak_bytes) < 1 << 30, f"peak extra memory {int(peak_bytes) / 2**20:.0f} MiB in {float(seconds):.1f}s"
+
+
+def _naive_visible(sq, start, length, left, right, i, c) -> bool:
+    """Whether query row ``i`` sees stored key column ``c``, straight from the definition:
+    key position ``j = c - start`` inside the sequence, and within the window around the
+    bottom-right aligned diagonal ``i + length - sq``."""
+    j, diagonal = c - start, i + length - sq
+    return (0 <= j < length and (left < 0 or j >= diagonal - left) and (right < 0 or j <= diagonal + right))
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_tile_masks_match_the_definition(sequences):
+    """The additive mask of any tile (triangle fills for one shared key range, index tensors for
+    several) is 0 exactly where the definition says the key is visible, else -inf."""
+    import random
+
+    rng = random.Random(sequences)
+    for _ in range(400):
+        sq, n_cols = rng.randint(1, 24), rng.randint(1, 40)
+        starts = [rng.randint(0, 4) for _ in range(sequences)]
+        lengths = [rng.randint(0, max(0, n_cols - s)) for s in starts]
+        left, right = rng.choice([-1, rng.randint(0, 12)]), rng.choice([-1, 0, rng.randint(0, 12)])
+        i0, c0 = rng.randrange(sq), rng.randrange(n_cols)
+        i1, c1 = rng.randint(i0 + 1, sq), rng.randint(c0 + 1, n_cols)
+        problem = core.Problem(q=torch.empty(sequences, sq, 1, 8), load_kv=None, n_cols=n_cols, nheads_k=1,
+                               head_dim_v=8, key_start=starts, key_len=lengths,
+                               batch_ids=torch.arange(sequences))
+        params = params_for(8, window=(left, right))
+        mask = core._tile_mask(problem, params, i0, i1, c0, c1)
+        want = torch.tensor([[[0.0 if _naive_visible(sq, s, n, left, right, i, c) else float("-inf")
+                               for c in range(c0, c1)] for i in range(i0, i1)] for s, n in zip(starts, lengths)])
+        got = mask.expand(sequences, 1, 1, i1 - i0, c1 - c0)[:, 0, 0]
+        assert torch.equal(got, want), (sq, n_cols, starts, lengths, left, right, i0, i1, c0, c1)
