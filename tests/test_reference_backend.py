@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -476,7 +477,7 @@ def test_no_full_score_matrix_is_allocated(monkeypatch):
         reference.backward(dout, q, k, v, out, lse, params)
     # No op output exceeds one fp32 tile of the (dropout-shrunk) budget: 8192 elements here,
     # an eighth of one head's scores (inputs are 256 x 2 x 8).
-    tile_elements = (64 << 10) // core.DROPOUT_TILE_SHRINK // 4
+    tile_elements = core.TILE_BUDGET_BYTES // core.DROPOUT_TILE_SHRINK // 4
     assert tile_elements <= sq * sk // 8
     assert recorder.largest <= tile_elements
     # The recorder does see a full score matrix when the chunks cover everything.
@@ -556,8 +557,6 @@ def _naive_visible(sq, start, length, left, right, i, c) -> bool:
 def test_tile_masks_match_the_definition(sequences):
     """The additive mask of any tile (triangle fills for one shared key range, index tensors for
     several) is 0 exactly where the definition says the key is visible, else -inf."""
-    import random
-
     rng = random.Random(sequences)
     for _ in range(400):
         sq, n_cols = rng.randint(1, 24), rng.randint(1, 40)

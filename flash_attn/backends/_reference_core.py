@@ -326,17 +326,23 @@ def _grouped_matmul_t(a: Tensor, b: Tensor) -> Tensor:
 def _tile(problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int):
     """``(geometry or None, additive mask or None)`` of a tile: index tensors are built only
     when ALiBi or dropout needs them, a mask only when some key of the tile is hidden."""
-    mask = None if _tile_fully_visible(problem, params, i0, i1, c0, c1) else _tile_mask(problem, params, i0, i1, c0, c1)
+    geometry = None
     if problem.alibi_slopes is not None or params.dropout_p > 0:
-        return _TileGeometry(problem, i0, i1, c0, c1), mask
-    return None, mask
+        geometry = _TileGeometry(problem, i0, i1, c0, c1)
+    if _tile_fully_visible(problem, params, i0, i1, c0, c1):
+        return geometry, None
+    return geometry, _tile_mask(problem, params, i0, i1, c0, c1, geometry)
 
 
-def _tile_mask(problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int) -> Tensor:
+def _tile_mask(
+    problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int,
+    geometry: Optional[_TileGeometry] = None,
+) -> Tensor:
     """fp32 0 / -inf of a tile, broadcastable to ``(B, hk, g, rows, cols)``: ``-inf`` where
-    the key is outside its sequence or the window."""
+    the key is outside its sequence or the window (``geometry``: the tile's, if already built)."""
     if len(problem.key_start) > 1 or len(problem.key_len) > 1:
-        return torch.where(_TileGeometry(problem, i0, i1, c0, c1).visible(params), 0.0, float("-inf"))
+        geometry = geometry or _TileGeometry(problem, i0, i1, c0, c1)
+        return torch.where(geometry.visible(params), 0.0, float("-inf"))
     # One key range for all sequences: two triangle fills and two column slices (a few passes
     # instead of a dozen index-tensor ops; this is most of a small causal call's masking time).
     # In tile coordinates (row r = i - i0, column t = c - c0) the window compares t - r with
@@ -345,9 +351,10 @@ def _tile_mask(problem: Problem, params: AttentionParams, i0: int, i1: int, c0: 
     rows, cols = i1 - i0, c1 - c0
     offset = i0 + length - problem.seqlen_q - (c0 - start)
     hidden = float("-inf")
-    mask = torch.zeros(rows, cols, device=problem.q.device)
     if params.window_right >= 0:  # hidden right of the diagonal + window_right
         mask = torch.full((rows, cols), hidden, device=problem.q.device).triu_(offset + params.window_right + 1)
+    else:
+        mask = torch.zeros(rows, cols, device=problem.q.device)
     if params.window_left >= 0:  # hidden left of the diagonal - window_left
         mask.add_(torch.full((rows, cols), hidden, device=problem.q.device).tril_(offset - params.window_left - 1))
     mask[:, : max(0, start - c0)] = hidden  # key positions before 0 (KV-cache left padding)
