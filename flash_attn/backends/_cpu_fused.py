@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flash_attn.backends import _causal_tree
 from flash_attn.backends import _reference_core as core
 from flash_attn.params import AttentionParams
 
@@ -219,6 +220,8 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
     call's keys gets out 0 and lse -inf (the log of an empty sum, so merging ignores it)."""
     forward, _ = _OPS
     k, v = problem.load_kv(call.c0, call.c1)
+    if _tree_applies(problem, call, backward=False):
+        return _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale)
     mask = seen = row_term = None
     if call.masked:
         mask, seen = _mask(problem, params, call)
@@ -233,6 +236,14 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
         out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
         lse = lse.masked_fill(~seen, float("-inf"))
     return out, lse
+
+
+def _tree_applies(problem: core.Problem, call: _Call, backward: bool) -> bool:
+    """A plain causal square (no mask, no ALiBi) large enough for :mod:`._causal_tree`."""
+    return (
+        call.causal and not call.masked and problem.alibi_slopes is None
+        and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, problem.q.dtype, backward)
+    )
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -300,6 +311,9 @@ def _run_backward(problem, params, call, dout, out, lse):
     rows = slice(call.i0, call.i1)
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]
+    if _tree_applies(problem, call, backward=True):
+        return _causal_tree.backward(backward, dout[:, rows], problem.q[:, rows], k, v, out[:, rows], lse_c,
+                                     params.softmax_scale)
     mask = None
     if call.masked:
         mask = _mask(problem, params, call)[0]
