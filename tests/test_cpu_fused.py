@@ -18,7 +18,6 @@ import torch
 
 from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.backends import _causal_tree as tree
-from flash_attn.flash_attn_interface import _flash_attn_forward
 from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import reference
 from flash_attn.params import AttentionParams
@@ -175,37 +174,26 @@ def test_causal_tree_covers_the_triangle_exactly_once(small_blocks):
 @pytest.mark.parametrize("dtype, b, sq, sk, h, hk", [
     (FP32, 1, 64, 64, 2, 2),    # a power-of-two body: diagonal blocks and four levels
     (FP32, 2, 37, 37, 4, 2),    # a tail of rows, GQA
-    (FP32, 2, 20, 53, 2, 1),    # bottom-right causal with sq < sk: a full call merged with the tree
-    (BF16, 2, 45, 45, 4, 4),    # half precision: the tree in the forward, one call in the backward
-    (FP16, 1, 70, 33, 2, 1),    # sq > sk: the first rows see nothing
+    (FP32, 2, 20, 53, 2, 1),    # bottom-right causal with sq < sk: a full call beside the tree
+    (FP32, 1, 70, 33, 2, 1),    # sq > sk: the first rows see nothing
+    (BF16, 2, 45, 45, 4, 4),    # half precision: one causal call (the tree serves fp32)
 ], ids=str)
-def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks):
+def test_causal_tree_backward_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks):
     g = gen(sq * sk + b)
     q = randn((b, sq, h, 32), dtype, g, requires_grad=True)
     k, v = (randn((b, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
     dout = randn(q.shape, dtype, g)
-    calls = {"forward": 0, "backward": 0}
-    originals = {name: getattr(tree, name) for name in calls}
-
-    def counted(name):
-        def run(*args):
-            calls[name] += 1
-            return originals[name](*args)
-        return run
-
+    calls = []
+    original = tree.backward
     try:
-        for name in calls:
-            setattr(tree, name, counted(name))
+        tree.backward = lambda *args: calls.append(args) or original(*args)
         out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.4)
         out.backward(dout)
-        lse = _flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, 0.4, True, -1, -1, 0.0, None, False)[1]
     finally:
-        for name, fn in originals.items():
-            setattr(tree, name, fn)
-    assert calls == {"forward": 2, "backward": 1 if dtype == FP32 else 0}, calls
+        tree.backward = original
+    assert len(calls) == (1 if dtype == FP32 else 0)
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=(-1, 0), softmax_scale=0.4)
     check_close(out, ref.out, naive.out, dtype, "out")
-    check_close(lse, ref.lse, naive.lse, FP32, "lse")
     floor = backward_floor(q, k, v, dout, 0.4, ref.probs)
     for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
         check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)

@@ -12,13 +12,17 @@ blocks become a batch dimension, a view). Every other visible score lies in exac
 levels of full rectangles: at the level of ``n_l = c * 2^l`` rows, the odd block of each aligned
 pair of ``n_l``-row blocks sees all of its even partner, and all pairs of a level are again one
 call. The last ``n - c * 2^L`` rows (fewer than ``2^L``) see the body fully and themselves
-causally. The forward merges each row's parts by log-sum-exp; the backward sums the parts'
-gradients, every part using the global ``out`` and ``lse`` (exact, as context parallelism is).
+causally. The backward sums the parts' gradients, every part using the global ``out`` and ``lse``
+(exact, as context parallelism is; a forward would merge each row's parts by log-sum-exp).
 
-Measured on one thread (4 heads, d 64, kernel time only): fp32 forward -16% / -5% / -3% at
-1k / 2k / 4k tokens, fp32 backward -21% / -10% / -5%, bf16 forward -6% / -2% / -3%. The bf16
-backward kernel is *slower* on small blocks (1k: 20 -> 26-35 ms), so the half-precision
-backward keeps the single call.
+Used for the fp32 backward only. Measured on one thread (4 heads, d 64), kernel time alone:
+fp32 backward -21% / -10% / -5% at 1k / 2k / 4k tokens; in ``bench cpu`` (our fwd+bwd against
+SDPA's, alternating calls) the fp32 causal forward+backward went from 0.99-1.00x SDPA to
+1.10 / 1.05 / 1.04 / 1.03 / 1.01x at 1k-16k. The forward gains in isolation (fp32 -16% at 1k)
+but loses in ``bench cpu`` (fp32 0.90-0.96x at 1k-4k, bf16 0.93-0.95x, against 0.94-1.01 with
+one call): merging ``L`` levels of fp32 partial outputs moves several times the output through
+memory, and the kernel's causal waste is only 1.25x from 2k tokens on. The bf16 backward
+kernel is slower on small blocks (1k: 20 ms as one call, 26-35 ms as a tree).
 """
 
 from __future__ import annotations
@@ -38,11 +42,10 @@ MIN_ROWS = 4 * BASE_ROWS
 Selector = Callable[[Tensor], Tensor]
 
 
-def applies(n_rows: int, n_cols: int, dtype: torch.dtype, backward: bool) -> bool:
-    """True when a causal call of ``n_rows x n_cols`` (top-left aligned) gains from the tree."""
-    if n_rows != n_cols or n_rows < MIN_ROWS:
-        return False
-    return dtype == torch.float32 or not backward
+def applies(n_rows: int, n_cols: int, dtype: torch.dtype) -> bool:
+    """True when the backward of a causal call of ``n_rows x n_cols`` (top-left aligned) gains
+    from the tree: an fp32 square (see the module docstring for what was measured)."""
+    return dtype == torch.float32 and n_rows == n_cols and n_rows >= MIN_ROWS
 
 
 def _parts(n: int) -> list[tuple[Selector, Selector, bool]]:
@@ -77,37 +80,15 @@ def _heads_first(x: Tensor) -> Tensor:
 
 
 def _sequence_first(x: Tensor, B: int) -> Tensor:
-    """The kernel's ``(B * m, h, rows, ...)`` -> ``(B, m, rows, h, ...)`` (a view)."""
+    """The kernel's ``(B * m, h, rows, d)`` -> ``(B, m, rows, h, d)`` (a view)."""
     return x.transpose(1, 2).unflatten(0, (B, -1))
-
-
-def forward(kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Top-left causal attention of ``q (B, n, h, d)`` over ``k, v (B, n, hk, d)``.
-
-    Returns ``out (B, h, n, d)`` in q's dtype and fp32 ``lse (B, h, n)``, as the kernel does.
-    """
-    B, n, h, d = q.shape
-    lse = torch.full((B, h, n), float("-inf"), dtype=torch.float32, device=q.device)
-    lse_rows = lse.transpose(1, 2)  # (B, n, h) view
-    results = []
-    for rows, cols, causal in _parts(n):
-        out_p, lse_p = kernel(_heads_first(rows(q)), _heads_first(cols(k)), _heads_first(cols(v)), 0.0, causal,
-                              scale=scale)
-        out_p, lse_p = _sequence_first(out_p, B), _sequence_first(lse_p, B)
-        total = rows(lse_rows)
-        total.copy_(torch.logaddexp(total, lse_p))
-        results.append((rows, out_p, lse_p))
-    # Every row sees its own key, so every total is finite: no -inf - -inf below.
-    acc = torch.zeros(B, n, h, d, dtype=torch.float32, device=q.device)
-    for rows, out_p, lse_p in results:
-        rows(acc).addcmul_(out_p, torch.exp(lse_p - rows(lse_rows)).unsqueeze(-1))
-    return acc.to(q.dtype).transpose(1, 2), lse
 
 
 def backward(kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of :func:`forward`: ``dout, q, out (B, n, h, d)``, ``k, v (B, n, hk, d)``, fp32
-    ``lse (B, h, n)`` (used as given). Returns fp32 ``dq (B, n, h, d)``, ``dk, dv (B, n, hk, d)``."""
+    """Gradients of top-left causal attention of ``q (B, n, h, d)`` over ``k, v (B, n, hk, d)``,
+    given ``dout, out (B, n, h, d)`` and fp32 ``lse (B, h, n)`` (used as given). Returns fp32
+    ``dq (B, n, h, d)``, ``dk, dv (B, n, hk, d)``."""
     B, n = q.shape[:2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
