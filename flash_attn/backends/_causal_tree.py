@@ -18,7 +18,7 @@ causally. The backward sums the parts' gradients, every part using the global ``
 Used for the fp32 backward only. Measured on one thread (4 heads, d 64), kernel time alone:
 fp32 backward -21% / -10% / -5% at 1k / 2k / 4k tokens; in ``bench cpu`` (our fwd+bwd against
 SDPA's, alternating calls) the fp32 causal forward+backward went from 0.99-1.00x SDPA to
-1.10 / 1.05 / 1.04 / 1.03 / 1.01x at 1k-16k. The forward gains in isolation (fp32 -16% at 1k)
+1.14 / 1.05 / 1.02 / 1.03 / 1.00x at 1k-16k. The forward gains in isolation (fp32 -16% at 1k)
 but loses in ``bench cpu`` (fp32 0.90-0.96x at 1k-4k, bf16 0.93-0.95x, against 0.94-1.01 with
 one call): merging ``L`` levels of fp32 partial outputs moves several times the output through
 memory, and the kernel's causal waste is only 1.25x from 2k tokens on. The bf16 backward
@@ -37,8 +37,7 @@ BASE_ROWS = 64
 # Squares smaller than this run as one causal call.
 MIN_ROWS = 4 * BASE_ROWS
 
-# A part: (rows of it, as a view of a (B, n, ...) tensor, shaped (B, m, rows, ...);
-#          its key columns, the same way; whether the kernel's causal mask applies).
+# Picks a part's blocks out of a (B, n, ...) tensor as a (B, m, rows, ...) view.
 Selector = Callable[[Tensor], Tensor]
 
 
@@ -49,6 +48,8 @@ def applies(n_rows: int, n_cols: int, dtype: torch.dtype) -> bool:
 
 
 def _parts(n: int) -> list[tuple[Selector, Selector, bool]]:
+    """The calls that cover a causal square of ``n`` rows: ``(its query rows, its key columns,
+    whether the kernel's causal mask applies)``, each call ``m`` blocks of equal shape."""
     levels = 0
     while (n >> (levels + 1)) >= BASE_ROWS:
         levels += 1
