@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import itertools
 import json
 import os
 import resource
@@ -241,7 +242,7 @@ def _varlen_call(q, k, v, inputs, feature, seqlen, generator):
     from flash_attn import flash_attn_varlen_func  # noqa: PLC0415
 
     lengths = _lengths(seqlen)
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    cu = torch.tensor(list(itertools.accumulate(lengths, initial=0)), dtype=torch.int32)
     longest = max(lengths)
     if feature == "varlen":
         return lambda: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, longest, longest, causal=True)
