@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn.flash_attn_interface import _flash_attn_forward
 from flash_attn.backends import _causal_tree as tree
 from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import reference
@@ -46,7 +47,7 @@ def _covered(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
     """How often each (row, key) pair is computed by the plan, honouring each call's mask."""
     q = torch.zeros(1, sq, 1, 1)
     k = torch.zeros(1, sk, 1, 1)
-    problem = reference._dense_problem(q, k, k, None, torch.arange(1))
+    problem = reference._dense_problem(q, k, k, None)
     params = AttentionParams(1.0, left, right)
     count = torch.zeros(sq, sk, dtype=torch.int64)
     for group in fused.plan(problem, params):
@@ -80,7 +81,7 @@ def test_plan_shapes():
     """No mask at all for full and causal attention; masks only on the edges of a window."""
     def calls(sq, sk, left, right):
         q, k = torch.zeros(1, sq, 1, 1), torch.zeros(1, sk, 1, 1)
-        problem = reference._dense_problem(q, k, k, None, torch.arange(1))
+        problem = reference._dense_problem(q, k, k, None)
         return [c for g in fused.plan(problem, AttentionParams(1.0, left, right)) for c in g]
 
     assert [(c.causal, c.masked) for c in calls(100, 100, -1, -1)] == [(False, False)]
@@ -164,7 +165,7 @@ def test_causal_tree_covers_the_triangle_exactly_once(small_blocks):
     for n in list(range(8, 80)) + [127, 128, 129, 255, 1000]:
         index = torch.arange(n).view(1, n, 1)
         count = torch.zeros(n, n, dtype=torch.int64)
-        for rows, cols, causal in tree._parts(n):
+        for rows, cols, causal, _ in tree._parts(n):
             for r, c in zip(rows(index)[0, :, :, 0], cols(index)[0, :, :, 0]):
                 seen = torch.ones(len(r), len(c), dtype=torch.int64)
                 count[r.view(-1, 1), c.view(1, -1)] += seen.tril_() if causal else seen
@@ -178,22 +179,23 @@ def test_causal_tree_covers_the_triangle_exactly_once(small_blocks):
     (FP32, 1, 70, 33, 2, 1),    # sq > sk: the first rows see nothing
     (BF16, 2, 45, 45, 4, 4),    # half precision: one causal call (the tree serves fp32)
 ], ids=str)
-def test_causal_tree_backward_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks):
+def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks, monkeypatch):
+    """Forward (out and lse) and backward of causal squares cut into a tree, against the oracle."""
     g = gen(sq * sk + b)
     q = randn((b, sq, h, 32), dtype, g, requires_grad=True)
     k, v = (randn((b, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
     dout = randn(q.shape, dtype, g)
-    calls = []
-    original = tree.backward
-    try:
-        tree.backward = lambda *args: calls.append(args) or original(*args)
-        out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.4)
-        out.backward(dout)
-    finally:
-        tree.backward = original
-    assert len(calls) == (1 if dtype == FP32 else 0)
+    ran = []
+    for name in ("forward", "backward"):
+        original = getattr(tree, name)
+        monkeypatch.setattr(tree, name, lambda *args, _f=original, _n=name: ran.append(_n) or _f(*args))
+    out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.4)
+    out.backward(dout)
+    _, lse, _, _ = _flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, 0.4, True, -1, 0, 0.0, None, False)
+    assert ran == (["forward", "backward", "forward"] if dtype == FP32 else [])
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=(-1, 0), softmax_scale=0.4)
     check_close(out, ref.out, naive.out, dtype, "out")
+    check_close(lse, ref.lse, naive.lse, FP32, "lse")
     floor = backward_floor(q, k, v, dout, 0.4, ref.probs)
     for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
         check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
@@ -235,7 +237,7 @@ def test_mask_blocks_stay_within_the_budget():
     """ALiBi over 4k keys: non-causal builds mask blocks within MASK_BUDGET_BYTES; causal builds
     none (a per-key broadcast row and a per-row lse term instead)."""
     q = torch.zeros(2, 4096, 8, 1)
-    problem = reference._dense_problem(q, q[:, :, :2], q[:, :, :2], torch.ones(2, 8), torch.arange(2))
+    problem = reference._dense_problem(q, q[:, :, :2], q[:, :, :2], torch.ones(2, 8))
     calls = [c for g in fused.plan(problem, AttentionParams(1.0, -1, -1)) for c in g]
     assert len(calls) > 1 and all(c.masked for c in calls)
     for call in calls:

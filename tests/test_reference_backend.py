@@ -504,12 +504,12 @@ def test_causal_skips_fully_masked_key_chunks(monkeypatch):
 def test_default_chunk_sizes_respect_the_budget(monkeypatch):
     monkeypatch.setattr(core, "FORCED_CHUNKS", None)
     q = torch.empty(1, 16384, 8, 64)
-    problem = reference._dense_problem(q, q[:, :, :1], q[:, :, :1], None, torch.arange(1))
+    problem = reference._dense_problem(q, q[:, :, :1], q[:, :, :1], None)
     chunk_q, chunk_k = core.chunk_sizes(problem, params_for(64))
     assert 4 * 8 * chunk_q * chunk_k <= core.TILE_BUDGET_BYTES
     # not degenerate: whole rows of 64 queries at least, tiles TILE_ASPECT times as wide as tall
     assert chunk_q >= 64 and core.TILE_ASPECT * chunk_q <= chunk_k < (core.TILE_ASPECT + 1) * chunk_q
-    decode = reference._dense_problem(q[:, :1], q[:, :, :1], q[:, :, :1], None, torch.arange(1))
+    decode = reference._dense_problem(q[:, :1], q[:, :, :1], q[:, :, :1], None)
     assert core.chunk_sizes(decode, params_for(64)) == (1, 16384)
 
 
@@ -566,8 +566,7 @@ def test_tile_masks_match_the_definition(sequences):
         i0, c0 = rng.randrange(sq), rng.randrange(n_cols)
         i1, c1 = rng.randint(i0 + 1, sq), rng.randint(c0 + 1, n_cols)
         problem = core.Problem(q=torch.empty(sequences, sq, 1, 8), load_kv=None, n_cols=n_cols, nheads_k=1,
-                               head_dim_v=8, key_start=starts, key_len=lengths,
-                               batch_ids=torch.arange(sequences))
+                               head_dim_v=8, key_start=starts, key_len=lengths)
         params = params_for(8, window=(left, right))
         mask = core._tile_mask(problem, params, i0, i1, c0, c1)
         want = torch.tensor([[[0.0 if _naive_visible(sq, s, n, left, right, i, c) else float("-inf")

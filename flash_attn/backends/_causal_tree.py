@@ -12,22 +12,21 @@ blocks become a batch dimension, a view). Every other visible score lies in exac
 levels of full rectangles: at the level of ``n_l = c * 2^l`` rows, the odd block of each aligned
 pair of ``n_l``-row blocks sees all of its even partner, and all pairs of a level are again one
 call. The last ``n - c * 2^L`` rows (fewer than ``2^L``) see the body fully and themselves
-causally. The backward sums the parts' gradients, every part using the global ``out`` and ``lse``
-(exact, as context parallelism is; a forward would merge each row's parts by log-sum-exp).
+causally. Every part uses the global ``out`` and ``lse`` in the backward, and the parts'
+gradients are summed (exact, as context parallelism is); the forward merges a row's parts in
+place, by their shares of the softmax mass (:func:`forward`).
 
-Used for the fp32 backward only. Measured on one thread (4 heads, d 64), kernel time alone:
-fp32 backward -21% / -10% / -5% at 1k / 2k / 4k tokens; in ``bench cpu`` (our fwd+bwd against
-SDPA's, alternating calls) the fp32 causal forward+backward went from 0.99-1.00x SDPA to
-1.14 / 1.05 / 1.02 / 1.03 / 1.00x at 1k-16k. The forward gains in isolation (fp32 -16% at 1k)
-but loses in ``bench cpu`` (fp32 0.90-0.96x at 1k-4k, bf16 0.93-0.95x, against 0.94-1.01 with
-one call): merging ``L`` levels of fp32 partial outputs moves several times the output through
-memory, and the kernel's causal waste is only 1.25x from 2k tokens on. The bf16 backward
-kernel is slower on small blocks (1k: 20 ms as one call, 26-35 ms as a tree).
+fp32 only: the bf16 backward kernel is slower on small blocks (1k: 20 ms as one call, 26-36 ms
+as a tree with 64-256-row blocks), and merging bf16 partial outputs would round each of them.
+Measured on one thread (4 heads, d 64) in ``bench cpu`` (ours against SDPA, alternating calls),
+fp32 causal: forward 0.94-0.98x SDPA as one call -> 1.10 / 1.02 / 1.03 / 1.02x at 1k-8k;
+forward+backward 0.99-1.00x -> 1.16 / 1.07 / 1.04 / 1.02x. (A first forward tree that merged
+by weighted sums of fp32 copies lost 4-10% at 1k-4k: the merge, not the kernel calls.)
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -42,14 +41,24 @@ Selector = Callable[[Tensor], Tensor]
 
 
 def applies(n_rows: int, n_cols: int, dtype: torch.dtype) -> bool:
-    """True when the backward of a causal call of ``n_rows x n_cols`` (top-left aligned) gains
-    from the tree: an fp32 square (see the module docstring for what was measured)."""
+    """True when a causal call of ``n_rows x n_cols`` (top-left aligned) gains from the tree:
+    an fp32 square (see the module docstring for what was measured)."""
     return dtype == torch.float32 and n_rows == n_cols and n_rows >= MIN_ROWS
 
 
-def _parts(n: int) -> list[tuple[Selector, Selector, bool]]:
-    """The calls that cover a causal square of ``n`` rows: ``(its query rows, its key columns,
-    whether the kernel's causal mask applies)``, each call ``m`` blocks of equal shape."""
+class _Part(NamedTuple):
+    """One batched call of the tree: ``rows``/``cols`` pick its query rows and key columns out of
+    a ``(B, n, ...)`` tensor as ``(B, m, rows, ...)`` views; ``causal``: the kernel's causal mask
+    applies; ``first``: no earlier part covers these rows (the forward writes instead of merging)."""
+
+    rows: Selector
+    cols: Selector
+    causal: bool
+    first: bool
+
+
+def _parts(n: int) -> list[_Part]:
+    """The calls that cover a causal square of ``n`` rows, each ``m`` blocks of equal shape."""
     levels = 0
     while (n >> (levels + 1)) >= BASE_ROWS:
         levels += 1
@@ -59,19 +68,19 @@ def _parts(n: int) -> list[tuple[Selector, Selector, bool]]:
     def diagonal(t: Tensor) -> Tensor:
         return t[:, :body].unflatten(1, (1 << levels, c))
 
-    parts = [(diagonal, diagonal, True)]
+    parts = [_Part(diagonal, diagonal, True, True)]
     for level in range(levels):
         size = c << level
         pairs = body // (2 * size)
-        parts.append((
+        parts.append(_Part(
             lambda t, s=size, m=pairs: t[:, :body].unflatten(1, (m, 2, s))[:, :, 1],
             lambda t, s=size, m=pairs: t[:, :body].unflatten(1, (m, 2, s))[:, :, 0],
-            False,
+            False, False,
         ))
     if body < n:
         tail = lambda t: t[:, body:n].unsqueeze(1)  # noqa: E731
-        parts.append((tail, lambda t: t[:, :body].unsqueeze(1), False))
-        parts.append((tail, tail, True))
+        parts.append(_Part(tail, lambda t: t[:, :body].unsqueeze(1), False, True))
+        parts.append(_Part(tail, tail, True, False))
     return parts
 
 
@@ -81,8 +90,38 @@ def _heads_first(x: Tensor) -> Tensor:
 
 
 def _sequence_first(x: Tensor, B: int) -> Tensor:
-    """The kernel's ``(B * m, h, rows, d)`` -> ``(B, m, rows, h, d)`` (a view)."""
+    """The kernel's ``(B * m, h, rows[, d])`` -> ``(B, m, rows, h[, d])`` (a view)."""
     return x.transpose(1, 2).unflatten(0, (B, -1))
+
+
+def forward(kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Top-left causal attention of fp32 ``q (B, n, h, d)`` over ``k, v (B, n, hk, d)``, as the
+    kernel returns it: ``out (B, h, n, d)`` and ``lse (B, h, n)`` (views of ``(B, n, ...)`` buffers).
+
+    A later part of a row is merged into what it has so far in place: with ``w`` the part's
+    share of the row's softmax mass, ``sigmoid(lse_part - lse_so_far)``, the output moves to
+    ``out + w * (out_part - out)`` (one ``lerp_``) and the lse to ``logaddexp`` of the two.
+    """
+    B, n, h, d = q.shape
+    out = lse = None
+    for part in _parts(n):
+        o, lse_p = kernel(_heads_first(part.rows(q)), _heads_first(part.cols(k)), _heads_first(part.cols(v)),
+                          0.0, part.causal, scale=scale)
+        o, lse_p = _sequence_first(o, B), _sequence_first(lse_p, B)  # (B, m, rows, h[, d])
+        if out is None and o.shape[1] * o.shape[2] == n:  # the diagonal covers every row: keep its buffers
+            out, lse = o.reshape(B, n, h, d), lse_p.reshape(B, n, h)
+            continue
+        if out is None:
+            out = q.new_empty(B, n, h, d)
+            lse = torch.empty(B, n, h, dtype=torch.float32, device=q.device)
+        rows_out, rows_lse = part.rows(out), part.rows(lse)
+        if part.first:
+            rows_out.copy_(o)
+            rows_lse.copy_(lse_p)
+        else:
+            rows_out.lerp_(o, torch.sigmoid(lse_p - rows_lse).unsqueeze(-1))
+            rows_lse.copy_(torch.logaddexp(rows_lse, lse_p))
+    return out.transpose(1, 2), lse.transpose(1, 2)
 
 
 def backward(kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -95,7 +134,7 @@ def backward(kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     lse_rows = lse.transpose(1, 2)
-    for rows, cols, causal in _parts(n):
+    for rows, cols, causal, _ in _parts(n):
         lse_p = rows(lse_rows).flatten(0, 1).transpose(1, 2).contiguous()
         grads = kernel(_heads_first(rows(dout)), _heads_first(rows(q)), _heads_first(cols(k)),
                        _heads_first(cols(v)), _heads_first(rows(out)), lse_p, 0.0, causal, scale=scale)

@@ -18,8 +18,8 @@ share with flash-attn is spelled out here and worked around exactly:
 * other ALiBi and per-sequence key ranges (the KV cache) become an explicit additive fp32 mask,
   built per block of query rows over only the key columns that block can see, so memory stays
   O(n) (``MASK_BUDGET_BYTES``);
-* its causal mask skips work only in blocks of 512 keys: the fp32 backward of a causal square
-  runs as a tree of batched calls that compute about the visible half (:mod:`._causal_tree`);
+* its causal mask skips work only in blocks of 512 keys: an fp32 causal square runs as a tree
+  of batched calls that compute about the visible half (:mod:`._causal_tree`);
 * a row that sees no key must give out 0 and lse +inf (the kernel gives lse 0): fixed up;
 * softcap and dropout (our Philox mask) have no counterpart: :func:`supports` says no and the
   tiled engine of :mod:`._reference_core` runs them.
@@ -222,6 +222,8 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
     call's keys gets out 0 and lse -inf (the log of an empty sum, so merging ignores it)."""
     forward, _ = _OPS
     k, v = problem.load_kv(call.c0, call.c1)
+    if _tree_applies(problem, call):
+        return _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale)
     mask = seen = row_term = None
     if call.masked:
         mask, seen = _mask(problem, params, call)
@@ -239,7 +241,7 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
 
 
 def _tree_applies(problem: core.Problem, call: _Call) -> bool:
-    """The backward of a plain causal square (no mask, no ALiBi) that :mod:`._causal_tree` serves."""
+    """A plain causal square (no mask, no ALiBi) that :mod:`._causal_tree` serves."""
     return (
         call.causal and not call.masked and problem.alibi_slopes is None
         and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, problem.q.dtype)

@@ -70,7 +70,8 @@ class Problem:
     ``(B, c1 - c0, hk, d)`` / ``(B, c1 - c0, hk, dv)``. ``n_cols``: number of stored key
     columns; ``head_dim_v``: V's head dimension. ``key_start`` /
     ``key_len``: per-sequence python ints (length ``B``, or 1 when shared by all).
-    ``batch_ids``: int64 ``(B,)``, the batch index fed to the dropout RNG. ``alibi_slopes``:
+    ``first_batch``: the batch index of row 0 of q, fed with the rows' offsets to the dropout RNG
+    (a varlen sequence is a problem of its own). ``alibi_slopes``:
     fp32 ``(1 or B, h)`` or ``None``.
     """
 
@@ -81,7 +82,7 @@ class Problem:
     head_dim_v: int
     key_start: Sequence[int]
     key_len: Sequence[int]
-    batch_ids: Tensor
+    first_batch: int = 0
     alibi_slopes: Optional[Tensor] = None
 
     @property
@@ -264,7 +265,8 @@ def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometr
     """Dropout keep mask of the tile, bool ``(B, hk, g, rows, cols)`` (positions as counters)."""
     hk, g = problem.nheads_k, problem.group
     heads = torch.arange(problem.nheads, device=problem.q.device).view(1, hk, g, 1, 1)
-    batch = problem.batch_ids.view(-1, 1, 1, 1, 1)
+    batch = torch.arange(problem.first_batch, problem.first_batch + problem.batch, device=problem.q.device)
+    batch = batch.view(-1, 1, 1, 1, 1)
     # Columns outside the sequence are masked anyway; clamp so the counters stay non-negative.
     cols = geometry.positions.clamp(min=0)
     return keep_mask(params.dropout_seed, batch, heads, geometry.rows, cols, params.dropout_p)

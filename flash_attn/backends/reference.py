@@ -78,7 +78,7 @@ def _column_loader(k: Tensor, v: Tensor) -> core.KVLoader:
 
 
 def _dense_problem(
-    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], batch_ids: Tensor
+    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], first_batch: int = 0
 ) -> core.Problem:
     """A problem over ``q (B, sq, h, d)`` and keys ``k, v (B, sk, hk, d)``, all of equal length."""
     return core.Problem(
@@ -89,7 +89,7 @@ def _dense_problem(
         head_dim_v=v.shape[-1],
         key_start=[0],
         key_len=[k.shape[1]],
-        batch_ids=batch_ids,
+        first_batch=first_batch,
         alibi_slopes=alibi_slopes,
     )
 
@@ -125,9 +125,8 @@ def _sequence_problems(q: Tensor, k: Tensor, v: Tensor, varlen: VarlenLayout, al
         if q1 == q0:
             continue
         kb, vb = _sequence_kv(k, v, varlen, b, k0, k1)
-        batch_id = torch.tensor([b], device=q.device)
         slopes = _slopes_for(alibi_slopes, b)
-        problem = _dense_problem(q[q0:q1].unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), slopes, batch_id)
+        problem = _dense_problem(q[q0:q1].unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), slopes, first_batch=b)
         yield b, q0, q1, k0, k1, problem
 
 
@@ -197,8 +196,7 @@ def forward(
     """``(out, lse, s_dmask)``; shapes as in :mod:`flash_attn.backends`."""
     if varlen is not None:
         return _varlen_forward(q, k, v, params, varlen, alibi_slopes, return_softmax)
-    batch_ids = torch.arange(q.shape[0], device=q.device)
-    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes), batch_ids)
+    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
     out, lse = _attention_forward(problem, params, return_softmax)
     s_dmask = core.softmax_with_dropout_signs(problem, params, lse, k.shape[1]) if return_softmax else None
     return out, lse, s_dmask
@@ -224,8 +222,7 @@ def backward(
     """
     if varlen is not None:
         return _varlen_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes)
-    batch_ids = torch.arange(q.shape[0], device=q.device)
-    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes), batch_ids)
+    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
     dq, dk, dv = _attention_backward(problem, params, dout, out, lse)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -355,7 +352,6 @@ def forward_kvcache(
         head_dim_v=cache.v_cache.shape[-1],
         key_start=starts.tolist(),
         key_len=(ends - starts).tolist(),
-        batch_ids=torch.arange(B, device=device),
         alibi_slopes=_slopes_for(alibi_slopes),
     )
     return _attention_forward(problem, params)
