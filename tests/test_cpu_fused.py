@@ -177,10 +177,11 @@ def test_causal_tree_covers_the_triangle_exactly_once(small_blocks):
     (FP32, 2, 37, 37, 4, 2),    # a tail of rows, GQA
     (FP32, 2, 20, 53, 2, 1),    # bottom-right causal with sq < sk: a full call beside the tree
     (FP32, 1, 70, 33, 2, 1),    # sq > sk: the first rows see nothing
-    (BF16, 2, 45, 45, 4, 4),    # half precision: one causal call (the tree serves fp32)
+    (BF16, 2, 45, 45, 4, 4),    # bf16 on its own kernel (with AMX): one causal call each way
 ], ids=str)
 def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks, monkeypatch):
     """Forward (out and lse) and backward of causal squares cut into a tree, against the oracle."""
+    monkeypatch.setattr(fused, "_amx", lambda: True)
     g = gen(sq * sk + b)
     q = randn((b, sq, h, 32), dtype, g, requires_grad=True)
     k, v = (randn((b, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
@@ -201,22 +202,65 @@ def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks, monkeypatc
         check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
 
 
-def _count_fused_calls(fn) -> int:
+def _fused_calls(fn) -> list[tuple[str, torch.dtype]]:
+    """``("forward" or "backward", dtype of q)`` of each fused kernel call that ``fn`` makes."""
     calls = []
     original = fused._OPS
 
-    def counting(op):
+    def recording(name, op):
         def call(*args, **kwargs):
-            calls.append(op)
+            calls.append((name, args[1].dtype if name == "backward" else args[0].dtype))
             return op(*args, **kwargs)
         return call
 
-    fused._OPS = tuple(counting(op) for op in original)
+    fused._OPS = tuple(recording(name, op) for name, op in zip(("forward", "backward"), original))
     try:
         fn()
     finally:
         fused._OPS = original
-    return len(calls)
+    return calls
+
+
+def _count_fused_calls(fn) -> int:
+    return len(_fused_calls(fn))
+
+
+@pytest.mark.parametrize("dtype, fast_half, features, computed_in", [
+    (FP16, False, {"causal": True}, (FP32, FP32)),        # no native fp16 products: fp32 both ways
+    (FP16, True, {"causal": True}, (FP16, FP16)),
+    (BF16, False, {"causal": True}, (FP32, BF16)),        # no AMX: the fp32 tree forward
+    (BF16, True, {"causal": True}, (BF16, BF16)),
+    (BF16, False, {}, (BF16, BF16)),                      # full attention stays bf16
+    (BF16, False, {"causal": True, "alibi": True}, (BF16, BF16)),
+], ids=str)
+def test_half_precision_computed_in_fp32_where_faster(dtype, fast_half, features, computed_in, small_blocks,
+                                                      monkeypatch):
+    """Half-precision problems run on the fp32 kernels where PyTorch's half kernels are the slower
+    ones (fp16 without native fp16 products; the bf16 causal forward without AMX): the kernels
+    see the dtype the policy names, and the results match the oracle either way."""
+    monkeypatch.setattr(fused, "_native_fp16", lambda: fast_half)
+    monkeypatch.setattr(fused, "_amx", lambda: fast_half)
+    g = gen(11)
+    b, n, h = 2, 24, 2
+    q, k, v = (randn((b, n, h, 32), dtype, g, requires_grad=True) for _ in range(3))
+    dout = randn(q.shape, dtype, g)
+    slopes = make_slopes((b, h), seed=5) if features.get("alibi") else None
+    causal = features.get("causal", False)
+    result = {}
+    calls = _fused_calls(lambda: result.update(out=flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
+                                                                   softmax_scale=0.3)))
+    calls += _fused_calls(lambda: result["out"].backward(dout))
+    forward_dtypes = {d for name, d in calls if name == "forward"}
+    backward_dtypes = {d for name, d in calls if name == "backward"}
+    assert (forward_dtypes, backward_dtypes) == ({computed_in[0]}, {computed_in[1]}), calls
+    assert result["out"].dtype == dtype and q.grad.dtype == dtype
+    window = (-1, 0) if causal else (-1, -1)
+    ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, softmax_scale=0.3,
+                                     alibi_slopes=slopes)
+    check_close(result["out"], ref.out, naive.out, dtype, "out")
+    floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
+    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
+        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
 
 
 def test_fused_kernels_run_where_they_apply():
