@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -93,7 +94,7 @@ def _amx() -> bool:
     return init is None or bool(init())
 
 
-def _runs_in_fp32(problem: core.Problem, params: AttentionParams, groups, backward: bool) -> bool:
+def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bool) -> bool:
     """Whether a half-precision problem runs faster on the fp32 kernels (its values are exact in
     fp32, and fp32 arithmetic only rounds less, so the result is at least as accurate):
 
@@ -106,10 +107,9 @@ def _runs_in_fp32(problem: core.Problem, params: AttentionParams, groups, backwa
     dtype = problem.q.dtype
     if dtype == torch.float16:
         return not _native_fp16()
-    if dtype != torch.bfloat16 or backward or problem.alibi_slopes is not None or _amx():
+    if dtype != torch.bfloat16 or backward or _amx():
         return False
-    return any(call.causal and not call.masked and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, torch.float32)
-               for group in groups for call in group)
+    return any(_tree_applies(problem, call, torch.float32) for group in groups for call in group)
 
 
 def _in_fp32(problem: core.Problem) -> core.Problem:
@@ -287,11 +287,12 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
     return out, lse
 
 
-def _tree_applies(problem: core.Problem, call: _Call) -> bool:
-    """A plain causal square (no mask, no ALiBi) that :mod:`._causal_tree` serves."""
+def _tree_applies(problem: core.Problem, call: _Call, dtype: Optional[torch.dtype] = None) -> bool:
+    """A plain causal square (no mask, no ALiBi) that :mod:`._causal_tree` serves (computed in
+    ``dtype``, by default the problem's)."""
     return (
         call.causal and not call.masked and problem.alibi_slopes is None
-        and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, problem.q.dtype)
+        and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, dtype or problem.q.dtype)
     )
 
 
@@ -313,7 +314,7 @@ def attention_forward(problem: core.Problem, params: AttentionParams) -> tuple[T
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params)
-    if _runs_in_fp32(problem, params, groups, backward=False):
+    if _runs_in_fp32(problem, groups, backward=False):
         out, lse = attention_forward(_in_fp32(problem), params)
         return out.to(q.dtype), lse
     if len(groups) == 1 and groups[0][0].i0 == 0 and groups[0][0].i1 == sq:  # one block: no copies
@@ -344,7 +345,7 @@ def attention_backward(
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params)
-    if _runs_in_fp32(problem, params, groups, backward=True):
+    if _runs_in_fp32(problem, groups, backward=True):
         return attention_backward(_in_fp32(problem), params, dout.float(), out.float(), lse)
     calls = [call for group in groups for call in group]
     if len(calls) == 1 and (calls[0].i0, calls[0].i1, calls[0].c0, calls[0].c1) == (0, sq, 0, problem.n_cols):
