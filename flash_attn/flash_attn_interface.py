@@ -70,9 +70,14 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         dropout_p, softcap, window_size, alibi_slopes, batch, q.shape[-2], q.device
     )
     left, right = validation.causal_window(causal, window_size)
+    scale = validation.softmax_scale(softmax_scale, q.shape[-1])
+    if cu_seqlens_q is None and not return_attn_probs and alibi_slopes is None and dropout_p == 0 and softcap == 0:
+        out = ops.plain_cpu_forward(q, k, v, scale, left, right)
+        if out is not None:
+            return out
     out, lse, s_dmask, _ = ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, validation.softmax_scale(softmax_scale, q.shape[-1]), left, right,
+        max_seqlen_q, max_seqlen_k, scale, left, right,
         float(softcap), float(dropout_p), bool(return_attn_probs), bool(deterministic),
     )
     return (out, lse, s_dmask) if return_attn_probs else out

@@ -202,22 +202,23 @@ def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks, monkeypatc
         check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
 
 
+_KERNELS = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": ("forward", 0),
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": ("backward", 1),
+}
+_DTYPE_NAMES = {"float": FP32, "c10::BFloat16": BF16, "c10::Half": FP16}
+
+
 def _fused_calls(fn) -> list[tuple[str, torch.dtype]]:
-    """``("forward" or "backward", dtype of q)`` of each fused kernel call that ``fn`` makes."""
-    calls = []
-    original = fused._OPS
-
-    def recording(name, op):
-        def call(*args, **kwargs):
-            calls.append((name, args[1].dtype if name == "backward" else args[0].dtype))
-            return op(*args, **kwargs)
-        return call
-
-    fused._OPS = tuple(recording(name, op) for name, op in zip(("forward", "backward"), original))
-    try:
+    """``("forward" or "backward", dtype of q)`` of each fused kernel call PyTorch ran while
+    ``fn`` ran, whether our plan called it or autograd's own formula for the kernel did."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
-    finally:
-        fused._OPS = original
+    calls = []
+    for event in prof.events():
+        if event.name in _KERNELS:
+            name, q_position = _KERNELS[event.name]
+            calls.append((name, _DTYPE_NAMES[event.input_dtypes[q_position]]))
     return calls
 
 
@@ -290,3 +291,130 @@ def test_mask_blocks_stay_within_the_budget():
     assert [c.masked for c in causal] == [False]
     columns, rows = fused._alibi_columns(problem, causal[0])
     assert columns.shape == (2, 8, 1, 4096) and rows.shape == (2, 8, 4096)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain dense calls: straight to the one kernel call (ops.plain_cpu_forward)
+# ----------------------------------------------------------------------------------------------
+
+# (dtype, sq, sk, h, hk, causal, amx and native fp16, goes straight to the kernel). With
+# small_blocks a causal square of 8 rows or more is cut as a tree.
+PLAIN_CASES = [
+    (FP32, 37, 37, 4, 2, False, False, True),    # full, GQA
+    (FP32, 20, 53, 2, 1, False, False, True),    # full, sq < sk
+    (BF16, 53, 20, 2, 2, False, False, True),    # full, sq > sk
+    (FP16, 30, 30, 2, 1, False, True, True),     # fp16 with native products
+    (FP16, 30, 30, 2, 1, False, False, False),   # fp16 without: computed in fp32
+    (FP32, 7, 7, 2, 1, True, False, True),       # a causal square below the tree's size
+    (FP32, 24, 24, 2, 1, True, False, False),    # the fp32 tree
+    (BF16, 24, 24, 2, 2, True, True, True),      # bf16 causal with AMX: one call each way
+    (BF16, 24, 24, 2, 2, True, False, False),    # without AMX: the fp32 tree forward
+    (BF16, 7, 7, 2, 2, True, False, True),
+    (FP32, 20, 33, 2, 1, True, False, False),    # bottom-right causal, sq < sk: two calls
+    (FP32, 33, 20, 2, 1, True, False, False),    # sq > sk: rows without keys
+]
+
+
+def _spy_plain(monkeypatch) -> list:
+    """Records each call that went straight to the kernel."""
+    taken = []
+    original = fused.plain_forward
+    monkeypatch.setattr(fused, "plain_forward", lambda *args, **kw: taken.append(args[3:]) or original(*args, **kw))
+    return taken
+
+
+@pytest.mark.parametrize("dtype, sq, sk, h, hk, causal, fast_cpu, direct", PLAIN_CASES, ids=str)
+def test_plain_calls_go_straight_to_the_kernel(dtype, sq, sk, h, hk, causal, fast_cpu, direct, small_blocks,
+                                               monkeypatch):
+    """The plain calls whose general plan is one kernel call in their own dtype skip the op, the
+    dispatcher and the plan; the results match the oracle, and match the general path's exactly
+    (the same kernel calls, forward and backward)."""
+    monkeypatch.setattr(fused, "_native_fp16", lambda: fast_cpu)
+    monkeypatch.setattr(fused, "_amx", lambda: fast_cpu)
+    taken = _spy_plain(monkeypatch)
+    g = gen(sq * 7 + sk)
+    q = randn((2, sq, h, 32), dtype, g, requires_grad=True)
+    k, v = (randn((2, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
+    dout = randn(q.shape, dtype, g)
+    out = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
+    out.backward(dout)
+    assert taken == ([(0.3, causal)] if direct else [])
+    assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
+
+    ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=(-1, 0) if causal else (-1, -1),
+                                     softmax_scale=0.3)
+    check_close(out, ref.out, naive.out, dtype, "out")
+    floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
+    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
+        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
+
+    if direct:  # the general path makes the very same kernel calls
+        grads = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        monkeypatch.setattr(reference, "plain_forward", lambda *args, **kw: None)
+        general = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
+        general.backward(dout)
+        assert torch.equal(general, out)
+        for t, grad in zip((q, k, v), grads):
+            assert torch.equal(t.grad, grad)
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_only_plain_eager_reference_calls_go_straight_to_the_kernel(monkeypatch):
+    """Every option the kernel cannot compute, every backend but the reference, tracing modes and
+    the fused path switched off all take the general path (which is still right)."""
+    taken = _spy_plain(monkeypatch)
+    g = gen(3)
+    q, k, v = (randn((1, 16, 2, 32), FP32, g) for _ in range(3))
+    slopes = make_slopes((2,), seed=1)
+    want = attention_ref(q, k, v).out.float()
+
+    def check(expected: bool, **options):
+        taken.clear()
+        flash_attn_func(q, k, v, **options)
+        assert bool(taken) == expected, options
+
+    check(True)
+    check(True, causal=True, deterministic=True)
+    for options in ({"window_size": (4, 4)}, {"window_size": (-1, 3)}, {"window_size": (5, 0)},
+                    {"alibi_slopes": slopes}, {"softcap": 3.0}, {"dropout_p": 0.1}):
+        check(False, **options)
+    taken.clear()
+    flash_attn_func(q, k, v, return_attn_probs=True)
+    assert not taken
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16)
+    assert not taken
+
+    with _PassThrough():
+        check(False)
+    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", False)
+    check(False)
+    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", True)
+    from flash_attn import dispatch
+    if dispatch.unavailable_reason("interpret", q.device) is None:
+        monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+        monkeypatch.setattr(fused, "_native_fp16", lambda: True)  # fp16 would go straight on the reference
+        taken.clear()
+        out = flash_attn_func(q.half(), k.half(), v.half())  # fp16: what the interpreted kernels take
+        assert not taken
+        torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
+    check(True)
+
+
+def test_plain_calls_record_autograd_only_when_asked():
+    g = gen(4)
+    q, k, v = (randn((1, 16, 2, 32), FP32, g, requires_grad=True) for _ in range(3))
+    assert flash_attn_func(q, k, v).grad_fn is not None
+    with torch.no_grad():
+        assert flash_attn_func(q, k, v).grad_fn is None
+    with torch.inference_mode():
+        out = flash_attn_func(q, k, v)
+    assert out.grad_fn is None and out.is_inference()
+    assert flash_attn_func(q.detach(), k.detach(), v.detach()).grad_fn is None

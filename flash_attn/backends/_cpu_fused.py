@@ -75,6 +75,33 @@ def supports(problem: core.Problem, params: AttentionParams) -> bool:
     )
 
 
+def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
+    """Whether the general plan for dense ``q (B, sq, h, d)``, ``k (B, sk, hk, d)`` (no ALiBi,
+    softcap, dropout or window; ``causal`` bottom-right) is one kernel call in q's dtype on all
+    rows and keys: full attention, or a causal square that is not cut as a tree, in a dtype not
+    converted to fp32 (:func:`_runs_in_fp32`)."""
+    dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
+    if _OPS is None or q.device.type != "cpu" or dtype not in _DTYPES or sq == 0 or sk == 0:
+        return False
+    if dtype == torch.float16 and not _native_fp16():
+        return False
+    if causal:
+        if sq != sk:
+            return False
+        if _causal_tree.applies(sq, sk, torch.float32) and (dtype == torch.float32 or (dtype == torch.bfloat16 and not _amx())):
+            return False
+    return True
+
+
+def plain_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
+    """The output of :func:`one_plain_call`'s problems, ``(B, sq, h, d)``: the kernel called
+    directly, so that autograd, where it records, keeps PyTorch's own formula for it, whose
+    backward is the kernel :func:`attention_backward` calls for this plan."""
+    forward, _ = _OPS
+    out, _ = forward(_heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale)
+    return out.transpose(1, 2)
+
+
 # ----------------------------------------------------------------------------------------------
 # Half precision computed in fp32 where PyTorch's half kernels are the slower ones
 # ----------------------------------------------------------------------------------------------

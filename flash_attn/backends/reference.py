@@ -202,6 +202,14 @@ def forward(
     return out, lse, s_dmask
 
 
+def plain_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> Optional[Tensor]:
+    """:func:`forward`'s output for a dense problem that the fused kernel computes in one call
+    (:func:`fused.one_plain_call`), or ``None``."""
+    if not (USE_FUSED_CPU_KERNELS and fused.one_plain_call(q, k, causal)):
+        return None
+    return fused.plain_forward(q, k, v, softmax_scale, causal)
+
+
 @torch.no_grad()
 def backward(
     dout: Tensor,
