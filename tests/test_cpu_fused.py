@@ -41,6 +41,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(fused, "MASK_BUDGET_BYTES", 2048)
     monkeypatch.setattr(tree, "BASE_ROWS", 4)
     monkeypatch.setattr(tree, "MIN_ROWS", 8)
+    monkeypatch.setattr(fused, "BF16_TREE_MIN_ROWS", 16)
 
 
 def _covered(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
@@ -298,7 +299,8 @@ def test_mask_blocks_stay_within_the_budget():
 # ----------------------------------------------------------------------------------------------
 
 # (dtype, sq, sk, h, hk, causal, amx and native fp16, goes straight to the kernel). With
-# small_blocks a causal square of 8 rows or more is cut as a tree.
+# small_blocks a causal fp32 square of 8 rows or more is cut as a tree, bf16 from 16 rows
+# (without AMX, in fp32).
 PLAIN_CASES = [
     (FP32, 37, 37, 4, 2, False, False, True),    # full, GQA
     (FP32, 20, 53, 2, 1, False, False, True),    # full, sq < sk
@@ -309,7 +311,7 @@ PLAIN_CASES = [
     (FP32, 24, 24, 2, 1, True, False, False),    # the fp32 tree
     (BF16, 24, 24, 2, 2, True, True, True),      # bf16 causal with AMX: one call each way
     (BF16, 24, 24, 2, 2, True, False, False),    # without AMX: the fp32 tree forward
-    (BF16, 7, 7, 2, 2, True, False, True),
+    (BF16, 12, 12, 2, 2, True, False, True),     # below the size the bf16 forward gains from the tree
     (FP32, 20, 33, 2, 1, True, False, False),    # bottom-right causal, sq < sk: two calls
     (FP32, 33, 20, 2, 1, True, False, False),    # sq > sk: rows without keys
 ]

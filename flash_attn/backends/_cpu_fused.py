@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -54,8 +53,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _ops():
     aten = torch.ops.aten
-    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    name = "_scaled_dot_product_flash_attention_for_cpu"
+    # torch's own binding of the forward is ~2 us quicker per call than torch.ops (no Python
+    # overload resolution); the backward has none
+    forward = getattr(torch, name, None) or getattr(aten, name, None)
+    backward = getattr(aten, name + "_backward", None)
     return (forward, backward) if forward is not None and backward is not None else None
 
 
@@ -86,9 +88,9 @@ def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
     if dtype == torch.float16 and not _native_fp16():
         return False
     if causal:
-        if sq != sk:
+        if sq != sk or _causal_tree.applies(sq, sk, dtype):
             return False
-        if _causal_tree.applies(sq, sk, torch.float32) and (dtype == torch.float32 or (dtype == torch.bfloat16 and not _amx())):
+        if dtype == torch.bfloat16 and _bf16_forward_as_fp32_tree(sq, sk):
             return False
     return True
 
@@ -121,22 +123,37 @@ def _amx() -> bool:
     return init is None or bool(init())
 
 
+# The bf16 forward of a causal square of at least this many rows runs as the fp32 tree on a CPU
+# without AMX. Ratio SDPA / ours, one thread, 4 heads, d 64, as the fp32 tree -> as one bf16
+# call: 512 rows 0.86-0.92 -> 0.96-0.97, 640-704 0.90-0.94 -> 0.98, 768 1.04 -> 0.97, 1k
+# 1.08-1.10 -> 0.98, 2k 1.04-1.06 -> 0.99, 4k 1.07 -> 0.98-1.01 (converting costs more than the
+# tree saves on smaller squares).
+BF16_TREE_MIN_ROWS = 768
+
+
+def _bf16_forward_as_fp32_tree(rows: int, cols: int) -> bool:
+    """Whether a bf16 causal ``rows x cols`` call (top-left aligned) runs forward as the fp32 tree."""
+    return rows >= BF16_TREE_MIN_ROWS and _causal_tree.applies(rows, cols, torch.float32) and not _amx()
+
+
 def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bool) -> bool:
     """Whether a half-precision problem runs faster on the fp32 kernels (its values are exact in
     fp32, and fp32 arithmetic only rounds less, so the result is at least as accurate):
 
     * fp16 without native fp16 products: measured 1.7x (forward) and 10x (backward) slower than
       converting to fp32 and back (4 heads, d 64, 1k-4k tokens, one thread);
-    * the bf16 forward of a causal square the tree serves, on a CPU without AMX: the fp32 tree
-      took 4-10% less time than the bf16 kernel's one call at 1k-8k tokens. The bf16 backward
-      kernel stays (fp32 took 1.3-1.45x its time), as does full attention (0.96-1.04x).
+    * the bf16 forward of a causal square from ``BF16_TREE_MIN_ROWS`` rows, on a CPU without
+      AMX: the fp32 tree took 4-10% less time than the bf16 kernel's one call at 1k-8k tokens.
+      The bf16 backward kernel stays (fp32 took 1.3-1.45x its time), as does full attention
+      (0.96-1.04x).
     """
     dtype = problem.q.dtype
     if dtype == torch.float16:
         return not _native_fp16()
-    if dtype != torch.bfloat16 or backward or _amx():
+    if dtype != torch.bfloat16 or backward:
         return False
-    return any(_tree_applies(problem, call, torch.float32) for group in groups for call in group)
+    return any(_plain_causal(problem, call) and _bf16_forward_as_fp32_tree(call.i1 - call.i0, call.c1 - call.c0)
+               for group in groups for call in group)
 
 
 def _in_fp32(problem: core.Problem) -> core.Problem:
@@ -314,13 +331,14 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
     return out, lse
 
 
-def _tree_applies(problem: core.Problem, call: _Call, dtype: Optional[torch.dtype] = None) -> bool:
-    """A plain causal square (no mask, no ALiBi) that :mod:`._causal_tree` serves (computed in
-    ``dtype``, by default the problem's)."""
-    return (
-        call.causal and not call.masked and problem.alibi_slopes is None
-        and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, dtype or problem.q.dtype)
-    )
+def _plain_causal(problem: core.Problem, call: _Call) -> bool:
+    """A call on the kernel's causal mask alone (no explicit mask, no ALiBi)."""
+    return call.causal and not call.masked and problem.alibi_slopes is None
+
+
+def _tree_applies(problem: core.Problem, call: _Call) -> bool:
+    """A plain causal square that :mod:`._causal_tree` serves."""
+    return _plain_causal(problem, call) and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, problem.q.dtype)
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
