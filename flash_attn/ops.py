@@ -3,16 +3,16 @@
 Registering through ``torch.library`` gives each operation a fake (meta) implementation for
 shape inference and an autograd formula, so ``torch.compile(fullgraph=True)`` traces calls to
 ``flash_attn_func``/``flash_attn_varlen_func`` as single opaque nodes without graph breaks.
-The real implementations pick a backend (:mod:`flash_attn.dispatch`) and call it.
+The real implementations pick a backend (:mod:`flash_attn.dispatch`) and call it. They read no
+tensor value on the host for CUDA tensors (no device synchronisation, so they run inside CUDA
+graph capture): the value checks (cu_seqlens, cache lengths, block tables) run for CPU tensors,
+and for CUDA tensors only with ``FLASH_ATTN_DEBUG=1``.
 
 Eager calls go around PyTorch's dispatcher (:func:`eager_call`), and a plain dense CPU call on the
 reference backend (:func:`plain_cpu_forward`) goes straight to the one fused-kernel call that
 backend would make: on the CPU the Python between the public function and the kernel is a large
 part of a short call (through the op and the general plan, a 64-token call took 1.7-1.9x SDPA's
-time). They read no
-tensor value on the host for CUDA tensors (no device synchronisation, so they run inside CUDA
-graph capture): the value checks (cu_seqlens, cache lengths, block tables) run for CPU tensors,
-and for CUDA tensors only with ``FLASH_ATTN_DEBUG=1``.
+time).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
     rows and keys: full attention, or a causal square that is not cut as a tree, in a dtype not
     converted to fp32 (:func:`_runs_in_fp32`)."""
     dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
-    if _OPS is None or q.device.type != "cpu" or dtype not in _DTYPES or sq == 0 or sk == 0:
+    if _OPS is None or q.device.type != "cpu" or dtype not in _DTYPES or q.numel() == 0 or sk == 0:
         return False
     if dtype == torch.float16 and not _native_fp16():
         return False
