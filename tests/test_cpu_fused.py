@@ -5,7 +5,9 @@ CPU attention kernels, called so that they compute exactly flash-attn's semantic
   oracle's mask, independently of any attention arithmetic);
 * forward and backward against the float64 oracle with small blocks forced, so that windows,
   edges, merges and masks all occur on small shapes;
-* the fused kernels really run where they apply, and the tiled engine where they do not.
+* the fused kernels really run where they apply, and the tiled engine where they do not;
+* plain eager calls go straight to the one kernel call (``ops.plain_cpu_forward``) exactly where
+  the general plan is that call, with the general path's results bit for bit.
 """
 
 from __future__ import annotations
