@@ -402,7 +402,9 @@ def plain_cpu_forward(q, k, v, softmax_scale, window_left, window_right) -> Opti
     each call (as a long kernel does), time beyond SDPA's: 115-120 -> 60-67 us per forward,
     260-280 -> 60-65 us per forward+backward (fp32 and bf16).
     """
-    if window_left >= 0 or window_right > 0 or q.device.type != "cpu" or eager_call((q, k, v)) is None:
+    if window_left >= 0 or window_right > 0 or q.device.type != "cpu" or _nothing_to_attend(q, k, None):
+        return None
+    if eager_call((q, k, v)) is None:
         return None
     if dispatch.chain(q.device)[0] != "reference":
         return None

@@ -78,12 +78,12 @@ def supports(problem: core.Problem, params: AttentionParams) -> bool:
 
 
 def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
-    """Whether the general plan for dense ``q (B, sq, h, d)``, ``k (B, sk, hk, d)`` (no ALiBi,
-    softcap, dropout or window; ``causal`` bottom-right) is one kernel call in q's dtype on all
-    rows and keys: full attention, or a causal square that is not cut as a tree, in a dtype not
-    converted to fp32 (:func:`_runs_in_fp32`)."""
+    """Whether the general plan for dense, non-empty ``q (B, sq, h, d)``, ``k (B, sk, hk, d)``
+    (no ALiBi, softcap, dropout or window; ``causal`` bottom-right) is one kernel call in q's
+    dtype on all rows and keys: full attention, or a causal square that is not cut as a tree, in
+    a dtype not converted to fp32 (:func:`_runs_in_fp32`)."""
     dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
-    if _OPS is None or q.device.type != "cpu" or dtype not in _DTYPES or q.numel() == 0 or sk == 0:
+    if _OPS is None or q.device.type != "cpu" or dtype not in _DTYPES:
         return False
     if dtype == torch.float16 and not _native_fp16():
         return False
