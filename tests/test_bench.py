@@ -1,7 +1,8 @@
 """``python -m flash_attn bench``: the CPU mode end to end on tiny sizes (in process and in child
 processes; plain cases and the feature cases against SDPA with explicit masks, with the speed
 ratio), that its memory measurement sees what eager attention allocates (quadratic) and that the
-reference backend keeps it small, the GPU mode's plumbing with a fake timer on the CPU,
+reference backend keeps it small, PyTorch's flex_attention as a second baseline (the same work, its
+forward only), the GPU mode's plumbing with a fake timer on the CPU,
 and the build mode on a stand-in build command."""
 
 from __future__ import annotations
@@ -86,6 +87,49 @@ def test_sdpa_gets_an_equivalent_mask(feature):
         assert not torch.allclose(ours, sdpa, atol=1e-3)
         ours = cpu._calls(dict(spec, feature=None), raw=True)["flash_attn"]()
     torch.testing.assert_close(ours, sdpa, atol=2e-5, rtol=1e-4)
+
+
+FLEX_MISSING = cpu.flex_unsupported(dict(backward=False))
+
+
+@pytest.mark.skipif(FLEX_MISSING is not None, reason=f"flex_attention cannot run here: {FLEX_MISSING}")
+@pytest.mark.parametrize("case", ["full", "causal", *cpu.FEATURES])
+def test_flex_computes_what_flash_attn_computes(case):
+    """The flex ratio compares equal work: flex_attention with the case's block mask and score
+    modification computes what flash_attn computes, softcap included (compiled by inductor)."""
+    feature = case if case in cpu.FEATURES else None
+    spec = dict(batch=1, heads=2, headdim=16, seqlen=48 if feature != "paged" else 600, dtype="fp32",
+                causal=case != "full", backward=False, feature=feature)
+    fns = cpu._calls(spec, raw=True)
+    ours, flex = fns["flash_attn"]().reshape(1, spec["seqlen"], 2, 16), fns["flex"]()
+    torch.testing.assert_close(ours, flex, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(FLEX_MISSING is not None, reason=f"flex_attention cannot run here: {FLEX_MISSING}")
+def test_flex_forward_is_timed_and_its_missing_backward_reported(tmp_path, capsys):
+    """flex's forward gets a ratio of its own beside SDPA's; its forward+backward case, which
+    PyTorch cannot run on the CPU, is reported as unsupported and does not fail the run."""
+    status = cli.main(["bench", "cpu", "--quick", "--no-isolate", "--seqlens", "64", "--repeats", "2", "--dtype", "fp32",
+                       "--causal", "--features", "none", "--impls", "flash_attn,sdpa,flex", "--no-plot",
+                       "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    rows = {(r["pass"], r["impl"]): r for r in json.loads((tmp_path / "bench-cpu.json").read_text())["results"]}
+    assert rows["fwd", "flex"]["status"] == "ok" and rows["fwd", "flex"]["time_ms"] > 0
+    assert rows["fwd", "flash_attn"]["ratio_flex"] > 0 and rows["fwd", "flash_attn"]["ratio"] > 0
+    assert rows["fwd_bwd", "flex"]["status"] == "unsupported" and "backward" in rows["fwd_bwd", "flex"]["note"]
+    assert "ratio_flex" not in rows["fwd_bwd", "flash_attn"] and rows["fwd_bwd", "flash_attn"]["ratio"] > 0
+    assert "| ratio (sdpa / flash_attn) | ratio (flex / flash_attn) |" in out
+    with (tmp_path / "bench-cpu.csv").open() as fh:
+        assert [r["ratio_flex"] != "" for r in csv.DictReader(fh) if r["impl"] == "flash_attn"] == [True, False]
+
+
+def test_flex_is_reported_unsupported_without_a_backward_or_a_compiler(monkeypatch):
+    assert "no backward" in cpu.flex_unsupported(dict(backward=True))
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
+    assert "no C++ compiler" in cpu.flex_unsupported(dict(backward=False))
+    rows = cpu.run(_config(seqlens=[32], impls=["flex"], isolate=False))
+    assert [(r["status"], "compiler" in r["note"]) for r in rows] == [("unsupported", True)]
 
 
 LINUX_PROC = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak memory is read from /proc")

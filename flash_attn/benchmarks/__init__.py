@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqlens", type=_ints, help="sequence lengths, e.g. 1024,2048 (cpu/gpu)")
     parser.add_argument("--repeats", type=int, help="timed repeats per case (median is reported)")
     parser.add_argument("--warmup", type=int, help="untimed calls before timing")
-    parser.add_argument("--impls", type=_words, help="implementations to compare (cpu: flash_attn,sdpa[,eager]; gpu: "
+    parser.add_argument("--impls", type=_words, help="implementations to compare (cpu: flash_attn,sdpa[,eager,flex]; gpu: "
                         "flash_attn[aot],flash_attn[triton],sdpa[flash],sdpa[efficient],sdpa[cudnn],upstream)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--dtypes", type=_words, help="dtypes (cpu: default fp32,bf16; gpu: default fp16,bf16)")
@@ -137,7 +137,7 @@ def run_cpu(args: argparse.Namespace) -> int:
     _progress(f"cpu benchmark: {config}")
     rows = cpu.run(config, progress=_progress)
     columns = ("impl", "case", "dtype", "pass", "seqlen", "batch", "heads", "headdim", "causal", "time_ms",
-               "time_ms_min", "repeats", "gflops", "peak_mib", "ratio", "status", "note")
+               "time_ms_min", "repeats", "gflops", "peak_mib", "ratio", "ratio_flex", "status", "note")
     paths = common.write_results(args.out, "bench-cpu", meta, rows, columns)
     if not args.no_plot:
         threads = config["threads"] or meta["machine"]["torch_threads"]
@@ -148,11 +148,12 @@ def run_cpu(args: argparse.Namespace) -> int:
     table = [("case", "case"), ("dtype", "dtype"), ("pass", "pass"), ("seqlen", "seqlen")]
     for impl in config["impls"]:
         table.append((f"{impl}_ms", f"{impl} (ms)"))
-    table.append(("ratio", "ratio (sdpa / flash_attn)"))
+    table += [(key, f"ratio ({baseline} / flash_attn)") for baseline, key in cpu.BASELINES.items()
+              if baseline in config["impls"]]
     table += [(f"{impl}_mib", f"{impl} peak (MiB)") for impl in config["impls"]]
     print(common.markdown_table(cpu.summary_rows(rows), table))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
-    return 0 if all(r.get("status") in ("ok", "skipped", "oom") for r in rows) else 1
+    return 0 if all(r.get("status") in ("ok", "skipped", "oom", "unsupported") for r in rows) else 1
 
 
 def run_gpu(args: argparse.Namespace) -> int:

@@ -9,6 +9,11 @@ Two kinds of cases:
   (softcap: SDPA gets the causal mask as an explicit mask and computes no softcap, which is
   less work; the plain causal cases show SDPA's ``is_causal`` time for the same sizes).
 
+On request (``--impls flash_attn,sdpa,flex``) PyTorch's ``flex_attention`` runs too: compiled by
+inductor, it is PyTorch's own fused CPU kernel for what SDPA cannot express (each feature as a
+block mask and a score modification, computing exactly what we compute, softcap included). It has
+no backward on the CPU, so its forward+backward cases are reported as unsupported.
+
 Every case runs in a fresh child process, which measures all implementations: the first call of
 each for peak memory (the growth of the resident set's high-water mark ``VmHWM`` over the call,
 after ``/proc/self/clear_refs`` and ``malloc_trim``), then timed calls *alternating* between the
@@ -22,11 +27,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import itertools
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,12 +47,18 @@ IMPLEMENTATIONS = {
     "flash_attn": "flash_attn (reference backend)",
     "sdpa": "torch SDPA (CPU)",
     "eager": "eager (materialised softmax)",
+    "flex": "torch flex_attention (compiled by inductor; forward only on the CPU)",
 }
+# The implementations our time is compared with, and the key of that ratio (their time / ours).
+BASELINES = {"sdpa": "ratio", "flex": "ratio_flex"}
+# Implementations compiled on their first call of a shape: that call is made before measuring.
+COMPILED = ("flex",)
+SOFTCAP = 30.0
 DEFAULT_IMPLS = ("flash_attn", "sdpa")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 FEATURES = {
     "window": "sliding window of seqlen/4 keys, causal (SDPA: boolean band mask)",
-    "softcap": "softcap 30, causal (SDPA cannot softcap: boolean causal mask, no softcap, less work)",
+    "softcap": f"softcap {SOFTCAP:g}, causal (SDPA cannot softcap: boolean causal mask, no softcap, less work)",
     "alibi": "ALiBi, causal (SDPA: fp32 additive bias per head)",
     "varlen": "4 packed sequences (1/2, 1/4, 1/8, 1/8 of seqlen), causal (SDPA: block-diagonal mask)",
     "paged": "the varlen sequences with K/V in 256-row pages (SDPA: contiguous K/V, block-diagonal mask)",
@@ -203,7 +216,7 @@ def _calls(spec: dict, raw: bool = False) -> dict[str, Callable]:
         if feature == "window":
             kwargs["window_size"] = (max(1, s // 4) - 1, 0)
         elif feature == "softcap":
-            kwargs["softcap"] = 30.0
+            kwargs["softcap"] = SOFTCAP
         elif feature == "alibi":
             kwargs["alibi_slopes"] = slopes
 
@@ -222,7 +235,7 @@ def _calls(spec: dict, raw: bool = False) -> dict[str, Callable]:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         scores = torch.matmul(qt, kt.transpose(-2, -1)) * (d ** -0.5)
         if feature == "softcap":
-            scores = torch.tanh(scores / 30.0) * 30.0
+            scores = torch.tanh(scores / SOFTCAP) * SOFTCAP
         visible = mask if mask is not None and mask.dtype == torch.bool else (_causal_mask(s) if causal else None)
         if feature == "alibi":
             scores = scores + mask
@@ -231,7 +244,72 @@ def _calls(spec: dict, raw: bool = False) -> dict[str, Callable]:
         return torch.matmul(scores.softmax(dim=-1), vt).transpose(1, 2)
 
     fns = {"flash_attn": ours, "sdpa": sdpa, "eager": eager}
+    if "flex" in spec.get("impls", ("flex",)) and flex_unsupported(spec) is None:
+        fns["flex"] = _flex_call(spec, q, k, v, slopes)
     return fns if raw else {name: run(fn) for name, fn in fns.items()}
+
+
+def flex_unsupported(spec: dict) -> Optional[str]:
+    """Why ``flex_attention`` cannot run this case here (None: it can)."""
+    if spec.get("backward"):
+        return "flex_attention has no backward on the CPU (PyTorch raises NotImplementedError)"
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401, PLC0415
+    except ImportError:
+        return "this PyTorch has no flex_attention"
+    if not any(shutil.which(cxx) for cxx in (os.environ.get("CXX", "c++"), "g++", "clang++")):
+        return "no C++ compiler: torch.compile cannot build flex_attention's CPU kernel"
+    return None
+
+
+@functools.cache
+def _compiled_flex():
+    import torch  # noqa: PLC0415
+    from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_call(spec: dict, q, k, v, slopes) -> Callable:
+    """``flex_attention`` computing what flash_attn computes in this case: causality, the window
+    and the packed sequences as a block mask, softcap and ALiBi as a score modification (paged:
+    contiguous K/V, as SDPA gets). The block mask is built here, before anything is timed."""
+    import torch  # noqa: PLC0415
+    from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
+
+    s = spec["seqlen"]
+    feature = spec.get("feature")
+    mask_mod = score_mod = None
+    if feature == "window":
+        width = max(1, s // 4)
+
+        def mask_mod(b, h, i, j):
+            return (i >= j) & (i - j < width)
+    elif feature in ("varlen", "paged"):
+        sequence = torch.repeat_interleave(torch.arange(4), torch.tensor(_lengths(s)))
+
+        def mask_mod(b, h, i, j):
+            return (sequence[i] == sequence[j]) & (i >= j)
+    elif spec.get("causal") or feature is not None:
+
+        def mask_mod(b, h, i, j):
+            return i >= j
+    if feature == "softcap":
+
+        def score_mod(score, b, h, i, j):
+            return SOFTCAP * torch.tanh(score / SOFTCAP)
+    elif feature == "alibi":
+
+        def score_mod(score, b, h, i, j):
+            return score - slopes[h] * (i - j)  # causal: |i - j| is i - j
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, None, None, s, s, device="cpu")
+    flex = _compiled_flex()
+
+    def flex_call():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        return flex(qt, kt, vt, score_mod=score_mod, block_mask=block_mask).transpose(1, 2)
+
+    return flex_call
 
 
 def _varlen_call(q, k, v, inputs, feature, seqlen, generator):
@@ -286,11 +364,16 @@ def measure(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     impls = list(spec["impls"])
-    # lazy imports and one-time set-up must not count as a case's memory
+    # lazy imports and one-time set-up must not count as a case's memory (nor compilation: a
+    # compiled implementation is called once at this case's shape)
     warm = _calls(dict(spec, seqlen=64 if spec.get("feature") == "paged" else 16, seed=1))
     for impl in impls:
-        warm[impl]()
+        if impl not in COMPILED:
+            warm[impl]()
     calls = _calls(spec)
+    for impl in impls:
+        if impl in COMPILED:
+            calls[impl]()
     results: dict[str, dict] = {}
     for impl in impls:
         _release_freed_memory()
@@ -314,11 +397,12 @@ def measure(spec: dict) -> dict:
         if time.perf_counter() > deadline:
             break
     work = flops(spec)
-    if "flash_attn" in results and "sdpa" in results:
-        # the ratio of calls made one right after the other: a busy spell of a shared machine
-        # that slows one call of a pair mostly slows its neighbour too
-        pairs = zip(results["sdpa"]["times"], results["flash_attn"]["times"])
-        results["flash_attn"]["ratio"] = statistics.median(sdpa / ours for sdpa, ours in pairs)
+    for baseline, key in BASELINES.items():
+        if "flash_attn" in results and baseline in results:
+            # the ratio of calls made one right after the other: a busy spell of a shared machine
+            # that slows one call of a pair mostly slows its neighbour too
+            pairs = zip(results[baseline]["times"], results["flash_attn"]["times"])
+            results["flash_attn"][key] = statistics.median(theirs / ours for theirs, ours in pairs)
     for impl, result in results.items():
         result.update(summarize(result.pop("times")))
         result.update(gflops=work / (result["time_ms"] * 1e-3) / 1e9, status="ok", threads=torch.get_num_threads())
@@ -368,7 +452,10 @@ def run(config: dict, progress: Callable[[str], None] = lambda s: None) -> list[
         impls, skipped = [], {}
         for impl in config["impls"]:
             need = predicted_bytes(spec, impl)
-            if need and available and need > 0.6 * available:
+            unsupported = flex_unsupported(spec) if impl == "flex" else None
+            if unsupported:
+                skipped[impl] = {"status": "unsupported", "note": unsupported}
+            elif need and available and need > 0.6 * available:
                 skipped[impl] = {"status": "skipped",
                                  "note": f"needs ~{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB available"}
             else:
@@ -399,18 +486,20 @@ def run(config: dict, progress: Callable[[str], None] = lambda s: None) -> list[
 
 
 def _add_ratio(case_rows: list[dict]) -> None:
-    """Keep ``ratio`` (the median of per-repeat ratios) only where both sides ran."""
+    """Keep each ratio (the median of per-repeat ratios) only where both sides ran."""
     by_impl = {r["impl"]: r for r in case_rows}
-    ours, sdpa = by_impl.get("flash_attn"), by_impl.get("sdpa")
-    if ours and not (sdpa and ours.get("status") == "ok" and sdpa.get("status") == "ok"):
-        ours.pop("ratio", None)
+    ours = by_impl.get("flash_attn")
+    for baseline, key in BASELINES.items():
+        theirs = by_impl.get(baseline)
+        if ours and not (theirs and ours.get("status") == "ok" and theirs.get("status") == "ok"):
+            ours.pop(key, None)
 
 
 def _progress_line(row: dict) -> str:
     head = f"  {row['dtype']} {row['case']:<8} {row['pass']:<7} seqlen {row['seqlen']:>6}  {row['impl']:<11}"
     if row.get("status") != "ok":
         return f"{head} {row.get('status')}: {row.get('note', '')}"
-    ratio = f"  x{row['ratio']:.2f} vs sdpa" if "ratio" in row else ""
+    ratio = "".join(f"  x{row[key]:.2f} vs {baseline}" for baseline, key in BASELINES.items() if key in row)
     return f"{head} {row['time_ms']:10.1f} ms  {row['gflops']:7.1f} GFLOP/s  peak +{row['peak_mib']:8.1f} MiB{ratio}"
 
 
@@ -423,8 +512,7 @@ def summary_rows(rows: list[dict]) -> list[dict]:
         value = r["time_ms"] if r.get("status") == "ok" else r.get("status")
         entry[f"{r['impl']}_ms"] = value
         entry[f"{r['impl']}_mib"] = r.get("peak_mib") if r.get("status") == "ok" else None
-        if "ratio" in r:
-            entry["ratio"] = r["ratio"]
+        entry.update({key: r[key] for key in BASELINES.values() if key in r})
     return list(out.values())
 
 
@@ -449,7 +537,8 @@ def plot(rows: list[dict], path: Path, title: str) -> Optional[Path]:
         ax.set_xlabel("sequence length")
         ax.set_title("forward" if pass_ == "fwd" else "forward + backward", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        if lines:  # a run without this pass has nothing to label
+            ax.legend(fontsize=7, ncol=2)
     axes[0].set_ylabel("speed vs SDPA (SDPA time / ours; > 1: faster)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
