@@ -95,6 +95,9 @@ def test_plan_shapes():
     masked = sum((c.i1 - c.i0) * (c.c1 - c.c0) for c in window if c.masked)
     computed = sum((c.i1 - c.i0) * (c.c1 - c.c0) for c in window)
     assert masked < 0.25 * computed and computed < 1.3 * 4096 * 1025
+    narrow = calls(1024, 1024, 255, 0)  # one masked call per block of 128 rows
+    assert [(c.i0, c.i1, c.c0, c.c1, c.masked) for c in narrow] == [
+        (i, i + 128, max(0, i - 255), i + 128, True) for i in range(0, 1024, 128)]
 
 
 CASES = [
