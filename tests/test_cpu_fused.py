@@ -38,6 +38,7 @@ pytestmark = pytest.mark.skipif(test_device().type != "cpu" or fused._OPS is Non
 def small_blocks(monkeypatch):
     """Blocks of a few rows, so that every kind of call appears on small shapes."""
     monkeypatch.setattr(fused, "BAND_MIN_ROWS", 4)
+    monkeypatch.setattr(fused, "BAND_MIN_ROWS_HALF_BACKWARD", 6)  # cut unlike the forward
     monkeypatch.setattr(fused, "BAND_MAX_ROWS", 8)
     monkeypatch.setattr(fused, "MIN_MASK_ROWS", 3)
     monkeypatch.setattr(fused, "MASK_BUDGET_BYTES", 2048)
@@ -46,14 +47,14 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(fused, "BF16_TREE_MIN_ROWS", 16)
 
 
-def _covered(sq: int, sk: int, left: int, right: int) -> torch.Tensor:
+def _covered(sq: int, sk: int, left: int, right: int, dtype=FP32, backward=False) -> torch.Tensor:
     """How often each (row, key) pair is computed by the plan, honouring each call's mask."""
-    q = torch.zeros(1, sq, 1, 1)
-    k = torch.zeros(1, sk, 1, 1)
+    q = torch.zeros(1, sq, 1, 1, dtype=dtype)
+    k = torch.zeros(1, sk, 1, 1, dtype=dtype)
     problem = reference._dense_problem(q, k, k, None)
     params = AttentionParams(1.0, left, right)
     count = torch.zeros(sq, sk, dtype=torch.int64)
-    for group in fused.plan(problem, params):
+    for group in fused.plan(problem, params, backward=backward):
         assert len({(c.i0, c.i1) for c in group}) == 1, "calls of a group share their rows"
         for call in group:
             rows, cols = call.i1 - call.i0, call.c1 - call.c0
@@ -75,9 +76,10 @@ def test_plan_covers_each_visible_pair_exactly_once(small_blocks):
              for left, right in itertools.product(windows, windows)]
     for sq, sk, left, right in cases + [(rng.randint(1, 70), rng.randint(1, 70), rng.choice(windows),
                                          rng.choice(windows)) for _ in range(100)]:
-        count = _covered(sq, sk, left, right)
         expected = visible_mask(sq, sk, left, right, causal=False).to(torch.int64)
-        assert torch.equal(count, expected), (sq, sk, left, right)
+        for dtype, backward in [(FP32, False), (FP32, True), (BF16, True)]:  # bf16's backward: other blocks
+            count = _covered(sq, sk, left, right, dtype, backward)
+            assert torch.equal(count, expected), (sq, sk, left, right, dtype, backward)
 
 
 def test_plan_shapes():

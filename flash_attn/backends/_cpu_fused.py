@@ -49,6 +49,10 @@ MIN_MASK_ROWS = 128
 # thread, 4 heads, d 64, causal windows of 128-1024 keys at 1k-4k tokens): 128-row blocks take
 # 2-12% less time than 256-row ones, forward and forward+backward, and never more.
 BAND_MIN_ROWS, BAND_MAX_ROWS = 128, 1024
+# PyTorch's half-precision backward kernels are slow on small blocks: 256 rows there (bf16, 4k
+# tokens, 1024-key window: forward+backward 343 ms against 407 with 128-row blocks; 256-key
+# window: 161 against 168).
+BAND_MIN_ROWS_HALF_BACKWARD = 256
 # A band at most this many blocks wide runs as one masked call per block: computing its few
 # columns under a mask costs less than two more calls and their merge (windows of 128-256 keys:
 # 10-22% less forward time, 2-13% less forward+backward); from 512 keys the split ties or wins.
@@ -191,9 +195,10 @@ class _Call:
         return f"_Call(rows {self.i0}:{self.i1}, cols {self.c0}:{self.c1}, {kind})"
 
 
-def plan(problem: core.Problem, params: AttentionParams) -> list[list[_Call]]:
+def plan(problem: core.Problem, params: AttentionParams, backward: bool = False) -> list[list[_Call]]:
     """Groups of calls; the calls of one group share their rows and see disjoint columns, and
-    are merged by log-sum-exp. Rows in no group see no key (out 0, lse +inf)."""
+    are merged by log-sum-exp. Rows in no group see no key (out 0, lse +inf). The backward may
+    cut a window differently (each call takes its share from the global ``out``/``lse``)."""
     sq, sk = problem.seqlen_q, problem.n_cols
     if sq == 0 or sk == 0:
         return []
@@ -210,10 +215,11 @@ def plan(problem: core.Problem, params: AttentionParams) -> list[list[_Call]]:
         if sq >= sk:
             return [[_Call(sq - sk, sq, 0, sk, causal=True)]]
         return [[_Call(0, sq, 0, sk - sq), _Call(0, sq, sk - sq, sk, causal=True)]]
-    return _band_plan(sq, sk, left, right)
+    half_backward = backward and problem.q.dtype != torch.float32
+    return _band_plan(sq, sk, left, right, BAND_MIN_ROWS_HALF_BACKWARD if half_backward else BAND_MIN_ROWS)
 
 
-def _band_plan(sq: int, sk: int, left: int, right: int) -> list[list[_Call]]:
+def _band_plan(sq: int, sk: int, left: int, right: int, min_rows: int) -> list[list[_Call]]:
     """A sliding window over one key range: per block of rows, the columns every row sees run
     unmasked, the left edge with a small mask and the right edge on the kernel's causal mask (a
     narrow band: one masked call per block)."""
@@ -221,7 +227,7 @@ def _band_plan(sq: int, sk: int, left: int, right: int) -> list[list[_Call]]:
     lo = (lambda i: 0) if left < 0 else (lambda i: min(sk, max(0, i + off - left)))
     hi = (lambda i: sk) if right < 0 else (lambda i: min(sk, max(0, i + off + right + 1)))
     span = (sk if left < 0 else left) + (sk if right < 0 else right) + 1
-    rows = min(sq, max(BAND_MIN_ROWS, min(BAND_MAX_ROWS, span // 8)))
+    rows = min(sq, max(min_rows, min(BAND_MAX_ROWS, span // 8)))
     narrow = span <= NARROW_BAND_BLOCKS * rows
     groups = []
     for i0 in range(0, sq, rows):
@@ -397,7 +403,7 @@ def attention_backward(
     """
     q = problem.q
     B, sq, h, d = q.shape
-    groups = plan(problem, params)
+    groups = plan(problem, params, backward=True)
     if _runs_in_fp32(problem, groups, backward=True):
         return attention_backward(_in_fp32(problem), params, dout.float(), out.float(), lse)
     calls = [call for group in groups for call in group]
