@@ -47,7 +47,8 @@ MIN_MASK_ROWS = 128
 # Query rows per block of a sliding-window plan: an eighth of the window, within these bounds
 # (small blocks waste less work on the band's edges, large ones make fewer calls). Measured (one
 # thread, 4 heads, d 64, causal windows of 128-1024 keys at 1k-4k tokens): 128-row blocks take
-# 2-12% less time than 256-row ones, forward and forward+backward, and never more.
+# up to 12% less time than 256-row ones (fp32 forward and forward+backward, bf16 forward), and
+# are within 1-2% where they do not.
 BAND_MIN_ROWS, BAND_MAX_ROWS = 128, 1024
 # PyTorch's half-precision backward kernels are slow on small blocks: 256 rows there (bf16, 4k
 # tokens, 1024-key window: forward+backward 343 ms against 407 with 128-row blocks; 256-key
@@ -55,7 +56,7 @@ BAND_MIN_ROWS, BAND_MAX_ROWS = 128, 1024
 BAND_MIN_ROWS_HALF_BACKWARD = 256
 # A band at most this many blocks wide runs as one masked call per block: computing its few
 # columns under a mask costs less than two more calls and their merge (windows of 128-256 keys:
-# 10-22% less forward time, 2-13% less forward+backward); from 512 keys the split ties or wins.
+# 12-16% less forward time, 2-9% less forward+backward); from 512 keys the split ties or wins.
 NARROW_BAND_BLOCKS = 2
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
