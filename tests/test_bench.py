@@ -124,6 +124,20 @@ def test_flex_forward_is_timed_and_its_missing_backward_reported(tmp_path, capsy
         assert [r["ratio_flex"] != "" for r in csv.DictReader(fh) if r["impl"] == "flash_attn"] == [True, False]
 
 
+def test_a_failed_flex_compilation_costs_only_its_own_row(monkeypatch):
+    def compiled():
+        def fail(*args, **kwargs):
+            raise RuntimeError("inductor: C++ compile error\nmore")
+        return fail
+
+    monkeypatch.setattr(cpu, "flex_unsupported", lambda spec: None)  # as where a compiler is found
+    monkeypatch.setattr(cpu, "_compiled_flex", compiled)
+    rows = {r["impl"]: r for r in cpu.run(_config(seqlens=[32], impls=["flash_attn", "sdpa", "flex"], isolate=False))}
+    assert rows["flex"]["status"] == "error" and rows["flex"]["note"] == "RuntimeError: inductor: C++ compile error"
+    assert rows["flash_attn"]["status"] == rows["sdpa"]["status"] == "ok"
+    assert rows["flash_attn"]["ratio"] > 0 and "ratio_flex" not in rows["flash_attn"]
+
+
 def test_flex_is_reported_unsupported_without_a_backward_or_a_compiler(monkeypatch):
     assert "no backward" in cpu.flex_unsupported(dict(backward=True))
     monkeypatch.setattr(cpu.shutil, "which", lambda name: None)

@@ -366,15 +366,18 @@ def measure(spec: dict) -> dict:
     impls = list(spec["impls"])
     # lazy imports and one-time set-up must not count as a case's memory (nor compilation: a
     # compiled implementation is called once at this case's shape)
-    warm = _calls(dict(spec, seqlen=64 if spec.get("feature") == "paged" else 16, seed=1))
-    for impl in impls:
-        if impl not in COMPILED:
-            warm[impl]()
+    warm_impls = [impl for impl in impls if impl not in COMPILED]
+    warm = _calls(dict(spec, seqlen=64 if spec.get("feature") == "paged" else 16, seed=1, impls=warm_impls))
+    for impl in warm_impls:
+        warm[impl]()
     calls = _calls(spec)
-    for impl in impls:
-        if impl in COMPILED:
-            calls[impl]()
     results: dict[str, dict] = {}
+    for impl in [impl for impl in impls if impl in COMPILED]:
+        try:
+            calls[impl]()
+        except Exception as exc:  # noqa: BLE001  a failed compilation costs only its own row
+            results[impl] = {"status": "error", "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            impls.remove(impl)
     for impl in impls:
         _release_freed_memory()
         base_kib = _status_kib("VmRSS") or 0
@@ -398,12 +401,13 @@ def measure(spec: dict) -> dict:
             break
     work = flops(spec)
     for baseline, key in BASELINES.items():
-        if "flash_attn" in results and baseline in results:
+        if "flash_attn" in impls and baseline in impls:
             # the ratio of calls made one right after the other: a busy spell of a shared machine
             # that slows one call of a pair mostly slows its neighbour too
             pairs = zip(results[baseline]["times"], results["flash_attn"]["times"])
             results["flash_attn"][key] = statistics.median(theirs / ours for theirs, ours in pairs)
-    for impl, result in results.items():
+    for impl in impls:
+        result = results[impl]
         result.update(summarize(result.pop("times")))
         result.update(gflops=work / (result["time_ms"] * 1e-3) / 1e9, status="ok", threads=torch.get_num_threads())
     return results
