@@ -110,6 +110,11 @@ def _release_freed_memory() -> None:
 # --- the problems --------------------------------------------------------------------------------
 
 
+def _window_keys(seqlen: int) -> int:
+    """The window case's width: each query sees itself and the ``seqlen/4 - 1`` keys before it."""
+    return max(1, seqlen // 4)
+
+
 def _lengths(seqlen: int) -> list[int]:
     """The varlen/paged cases' sequence lengths."""
     quarter, eighth = seqlen // 4, seqlen // 8
@@ -123,7 +128,7 @@ def visible_pairs(spec: dict) -> int:
     if feature in ("varlen", "paged"):
         return sum(n * (n + 1) // 2 for n in _lengths(s))
     if feature == "window":
-        w = max(1, s // 4)
+        w = _window_keys(s)
         return sum(min(i + 1, w) for i in range(s))
     if feature in ("softcap", "alibi") or spec.get("causal"):
         return s * (s + 1) // 2
@@ -162,7 +167,7 @@ def _sdpa_mask(spec: dict, slopes):
     s = spec["seqlen"]
     feature = spec.get("feature")
     if feature == "window":
-        return _causal_mask(s).triu_(-(max(1, s // 4) - 1))
+        return _causal_mask(s).triu_(-(_window_keys(s) - 1))
     if feature == "softcap":
         return _causal_mask(s)
     if feature == "alibi":
@@ -214,7 +219,7 @@ def _calls(spec: dict, raw: bool = False) -> dict[str, Callable]:
     else:
         kwargs = {"causal": causal}
         if feature == "window":
-            kwargs["window_size"] = (max(1, s // 4) - 1, 0)
+            kwargs["window_size"] = (_window_keys(s) - 1, 0)
         elif feature == "softcap":
             kwargs["softcap"] = SOFTCAP
         elif feature == "alibi":
@@ -281,12 +286,13 @@ def _flex_call(spec: dict, q, k, v, slopes) -> Callable:
     feature = spec.get("feature")
     mask_mod = score_mod = None
     if feature == "window":
-        width = max(1, s // 4)
+        width = _window_keys(s)
 
         def mask_mod(b, h, i, j):
             return (i >= j) & (i - j < width)
     elif feature in ("varlen", "paged"):
-        sequence = torch.repeat_interleave(torch.arange(4), torch.tensor(_lengths(s)))
+        lengths = _lengths(s)
+        sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
         def mask_mod(b, h, i, j):
             return (sequence[i] == sequence[j]) & (i >= j)
