@@ -11,8 +11,9 @@ Two kinds of cases:
 
 On request (``--impls flash_attn,sdpa,flex``) PyTorch's ``flex_attention`` runs too: compiled by
 inductor, it is PyTorch's own fused CPU kernel for what SDPA cannot express (each feature as a
-block mask and a score modification, computing exactly what we compute, softcap included). It has
-no backward on the CPU, so its forward+backward cases are reported as unsupported.
+block mask and a score modification, computing exactly what we compute, softcap included). A case
+PyTorch refuses with ``NotImplementedError`` (in 2.13 every backward on the CPU) is reported as
+unsupported, with PyTorch's reason.
 
 Every case runs in a fresh child process, which measures all implementations: the first call of
 each for peak memory (the growth of the resident set's high-water mark ``VmHWM`` over the call,
@@ -249,15 +250,14 @@ def _calls(spec: dict, raw: bool = False) -> dict[str, Callable]:
         return torch.matmul(scores.softmax(dim=-1), vt).transpose(1, 2)
 
     fns = {"flash_attn": ours, "sdpa": sdpa, "eager": eager}
-    if "flex" in spec.get("impls", ("flex",)) and flex_unsupported(spec) is None:
+    if "flex" in spec.get("impls", ("flex",)) and flex_unavailable() is None:
         fns["flex"] = _flex_call(spec, q, k, v, slopes)
     return fns if raw else {name: run(fn) for name, fn in fns.items()}
 
 
-def flex_unsupported(spec: dict) -> Optional[str]:
-    """Why ``flex_attention`` cannot run this case here (None: it can)."""
-    if spec.get("backward"):
-        return "flex_attention has no backward on the CPU (PyTorch raises NotImplementedError)"
+def flex_unavailable() -> Optional[str]:
+    """Why ``flex_attention`` cannot run here at all (None: it can try). What PyTorch itself
+    refuses (on the CPU in 2.13: any backward) is learnt by trying, in :func:`measure`."""
     try:
         import torch.nn.attention.flex_attention  # noqa: F401, PLC0415
     except ImportError:
@@ -382,7 +382,9 @@ def measure(spec: dict) -> dict:
         try:
             calls[impl]()
         except Exception as exc:  # noqa: BLE001  a failed compilation costs only its own row
-            results[impl] = {"status": "error", "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            # NotImplementedError: PyTorch says it does not do this case (flex's CPU backward)
+            status = "unsupported" if isinstance(exc, NotImplementedError) else "error"
+            results[impl] = {"status": status, "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             impls.remove(impl)
     for impl in impls:
         _release_freed_memory()
@@ -462,7 +464,7 @@ def run(config: dict, progress: Callable[[str], None] = lambda s: None) -> list[
         impls, skipped = [], {}
         for impl in config["impls"]:
             need = predicted_bytes(spec, impl)
-            unsupported = flex_unsupported(spec) if impl == "flex" else None
+            unsupported = flex_unavailable() if impl == "flex" else None
             if unsupported:
                 skipped[impl] = {"status": "unsupported", "note": unsupported}
             elif need and available and need > 0.6 * available:
