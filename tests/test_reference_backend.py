@@ -448,20 +448,26 @@ def test_kvcache_matches_naive(case, engine):
 
 
 class _AllocationRecorder(TorchDispatchMode):
-    """Records the largest tensor any op produced and how many matmuls ran."""
+    """Records the largest tensor any op produced, how many matmuls ran, and the sizes of the
+    tensors ops allocated (outputs on a storage none of the op's inputs had)."""
 
     def __init__(self):
         super().__init__()
         self.largest = 0
         self.matmuls = 0
+        self.allocated = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm):
+        if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.mm, torch.ops.aten.baddbmm):
             self.matmuls += 1
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for t in result if isinstance(result, (tuple, list)) else (result,):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
+                if t.untyped_storage().data_ptr() not in inputs:
+                    self.allocated.append(t.numel())
         return result
 
 
@@ -499,6 +505,72 @@ def test_causal_skips_fully_masked_key_chunks(monkeypatch):
     # for the first row chunk and two for each later one (rows 16..31 see columns 8..31).
     assert counts["causal"] * 64 == counts["full"] * 36
     assert counts["local"] * 64 == counts["full"] * 15
+
+
+def test_tiles_reuse_their_buffers(monkeypatch):
+    """No tensor is allocated per tile: four times the tiles, as many tile-sized allocations.
+
+    Sizes are chosen so that every per-call tensor (K/V in fp32, outputs, gradients) is at least
+    half a tile at both lengths and every per-row tensor (lse, row statistics) below it. Softcap in bf16 takes the most
+    buffers; ALiBi and dropout (index and mask tensors per tile) are not covered."""
+    chunk_q, chunk_k = 16, 32
+    monkeypatch.setattr(core, "FORCED_CHUNKS", (chunk_q, chunk_k))
+    tile = 2 * chunk_q * chunk_k  # batch 1, 2 heads
+
+    def tile_sized_allocations(seqlen):
+        q, k, v, dout = random_qkv(1, seqlen, seqlen, 2, 2, 16, dtype=torch.bfloat16)
+        params = params_for(16, softcap=5.0)
+        for _ in range(2):  # the second call: the thread's scratch exists by then
+            with _AllocationRecorder() as recorder:
+                out, lse, _ = reference.forward(q, k, v, params)
+                reference.backward(dout, q, k, v, out, lse, params)
+        return sum(1 for n in recorder.allocated if n >= tile // 2)
+
+    per_call = tile_sized_allocations(64)  # 8 tiles
+    assert 0 < per_call == tile_sized_allocations(128)  # 32 tiles
+
+
+def test_a_thread_keeps_its_scratch_between_calls_within_a_bound(monkeypatch):
+    cpu = torch.device("cpu")
+    with core._scratch_for(cpu, 64) as first:
+        small = first.take("small", 4, 4).data_ptr()
+        first.take("large", 64)
+        with core._scratch_for(cpu, 64) as nested:  # a call made during another: its own
+            assert nested is not first
+            assert nested.take("small", 4, 4).data_ptr() != small
+        monkeypatch.setattr(core, "KEPT_SCRATCH_BYTES", 4 * 32)
+    with core._scratch_for(cpu, 64) as again:
+        assert again.take("small", 4, 4).data_ptr() == small  # kept: already paged in
+        assert "large" not in again._buffers  # over KEPT_SCRATCH_BYTES: handed back
+
+
+def test_threads_running_the_engine_at_once_get_their_own_answers():
+    """Scratch is per thread: two threads computing different problems at the same time get
+    bitwise what each gets alone."""
+    import threading  # noqa: PLC0415
+
+    problems = [random_qkv(1, 96, 96, 2, 1, 16, seed=seed) for seed in (1, 2)]
+    params = params_for(16, window=(-1, 0), softcap=5.0)
+
+    def run(q, k, v, dout):
+        out, lse, _ = reference.forward(q, k, v, params)
+        return (out, *reference.backward(dout, q, k, v, out, lse, params)[:3])
+
+    alone = [run(*p) for p in problems]
+    together = [None, None]
+
+    def worker(i):
+        for _ in range(5):
+            together[i] = run(*problems[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(together, alone):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
 
 
 def test_default_chunk_sizes_respect_the_budget(monkeypatch):
