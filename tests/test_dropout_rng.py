@@ -141,3 +141,65 @@ def test_mask_is_a_pure_function_of_its_coordinates():
     assert not torch.equal(full, keep_mask(6, 1, 2, rows, cols, 0.4))
     assert torch.all(keep_mask(5, 1, 2, rows, cols, 0.0))
     assert torch.equal(dropout_uniform(5, 1, 2, rows, cols) >= 0.4, full)
+
+
+# ----------------------------------------------------------------------------------------------
+# The fast path the backends call, against the readable Philox above
+# ----------------------------------------------------------------------------------------------
+
+_SEEDS = [0, 1, 123456789, 2**31 + 5, 0x0123456789ABCDEF, 2**64 - 1]
+
+
+def _full_range_counters(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    counters = [torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64) for _ in range(4)]
+    for c in counters:
+        c[:3] = torch.tensor([2**32 - 1, 2**31, 2**31 - 1])
+    return counters
+
+
+@pytest.mark.parametrize("wraps", [True, False], ids=["wrapped-multiply", "split-multiply"])
+def test_first_word_equals_the_readable_philox(monkeypatch, wraps):
+    monkeypatch.setattr(dropout, "_multiply_wraps", lambda device_type: wraps)
+    counters = _full_range_counters(5000)
+    for seed in _SEEDS + [torch.tensor(-5, dtype=torch.int64)]:
+        want = philox4x32(*counters, seed)[0]
+        assert torch.equal(dropout.philox_first_word(*counters, seed), want)
+    # broadcast counters (columns, rows, heads, batch), with lent buffers larger than needed
+    cols, rows = torch.arange(70).view(1, 1, 1, -1), torch.arange(2**32 - 20, 2**32).view(1, 1, -1, 1)
+    heads, batch = torch.arange(3).view(1, -1, 1, 1), torch.tensor([0, 2**31]).view(-1, 1, 1, 1)
+    buffers = [torch.full((2 * 3 * 20 * 70 + 11,), -1, dtype=torch.int64) for _ in range(5)]
+    want = philox4x32(cols, rows, heads, batch, 99)[0].expand(2, 3, 20, 70)
+    assert torch.equal(dropout.philox_first_word(cols, rows, heads, batch, 99), want)
+    assert torch.equal(dropout.philox_first_word(cols, rows, heads, batch, 99, buffers), want)
+
+
+def test_this_machine_multiplies_int64_wrapping():
+    """The check the fast path relies on, and that it agrees with Python's integers."""
+    assert dropout._multiply_wraps("cpu")
+    a = torch.tensor([2**32 - 1, 0xDEADBEEF, 7], dtype=torch.int64)
+    hi, lo = dropout._mul_hi_lo_wrapped(a, 0xD2511F53)
+    assert [(h << 32) | l for h, l in zip(hi.tolist(), lo.tolist())] == [x * 0xD2511F53 for x in a.tolist()]
+
+
+@pytest.mark.parametrize("p", [0.0, 1e-12, 0.1, 0.25, 0.5, 0.83, 0.999999, 1.0, 1.5])
+def test_keep_mask_by_integer_threshold_equals_the_float_comparison(p):
+    """``uniform >= p`` as one integer range: checked on random words and on the words around
+    the threshold, where a rounding slip would show."""
+    smallest = dropout.smallest_kept_word(p)
+    near = [max(0, min(2**31 - 1, smallest + d)) for d in range(-3, 4)]
+    words = torch.cat([_full_range_counters(20000)[0],
+                       torch.tensor(near + [(2**32 - 1) ^ w for w in near] + [0, 2**32 - 1], dtype=torch.int64)])
+    want = uint32_to_uniform_float(words) >= torch.tensor(p, dtype=torch.float32)
+    got = (words >= smallest) & (words <= 2**32 - 1 - smallest)
+    assert torch.equal(got, want)
+
+
+def test_keep_mask_with_and_without_buffers_is_the_readable_mask():
+    heads, rows, cols = torch.arange(4).view(-1, 1, 1), torch.arange(50, 90).view(1, -1, 1), torch.arange(300).view(1, 1, -1)
+    for seed, p in [(3, 0.1), (2**63 + 1, 0.5), (11, 0.97)]:
+        uniform = uint32_to_uniform_float(philox4x32(cols, rows, heads, torch.tensor(2), seed)[0])
+        want = uniform.expand(4, 40, 300) >= torch.tensor(p, dtype=torch.float32)
+        buffers = [torch.empty(4 * 40 * 300, dtype=torch.int64) for _ in range(5)]
+        assert torch.equal(keep_mask(seed, 2, heads, rows, cols, p), want)
+        assert torch.equal(keep_mask(seed, 2, heads, rows, cols, p, buffers), want)

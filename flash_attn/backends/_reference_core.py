@@ -57,7 +57,8 @@ DROPOUT_TILE_SHRINK = 2
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Scratch buffers a thread keeps between calls on the CPU (see :class:`_Scratch`), at most
-# this many bytes: a call's tile buffers at 1 MiB tiles take 3-5 MiB.
+# this many bytes: a call's fp32 buffers at 1 MiB tiles take 3-5 MiB; dropout's five int64
+# words take 5 MiB more, the largest dropped first (keeping 16 MiB measured the same).
 KEPT_SCRATCH_BYTES = 8 << 20
 # K and V columns (fp32, all a problem may see) are converted once up to this size, else per tile.
 PRELOAD_BUDGET_BYTES = 256 << 20
@@ -235,7 +236,8 @@ class _Base2:
 
 
 class _Scratch:
-    """fp32 buffers that every tile (and query chunk) of a call reuses, by name.
+    """Buffers (fp32 unless asked otherwise) that every tile (and query chunk) of a call reuses,
+    by name.
 
     A fresh tile-sized tensor per tile is a fresh ``malloc`` of ~1 MiB, and glibc hands such
     blocks back to the OS when they are freed, to take them again page by page for the next
@@ -250,19 +252,19 @@ class _Scratch:
         self.largest = 0  # elements of the call's largest tile: a buffer that grows, grows to it
         self._buffers: dict[str, Tensor] = {}
 
-    def take(self, name: str, *shape: int) -> Tensor:
+    def take(self, name: str, *shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
         """Buffer ``name`` as a contiguous ``shape``; its contents are whatever it held last."""
         size = math.prod(shape)
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < size:
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
             size_now = size if buffer is None else max(size, self.largest)
-            buffer = self._buffers[name] = torch.empty(size_now, dtype=torch.float32, device=self.device)
+            buffer = self._buffers[name] = torch.empty(size_now, dtype=dtype, device=self.device)
         return buffer[:size].view(shape)
 
     def keep_at_most(self, nbytes: int) -> None:
         """Drop the largest buffers until the rest take at most ``nbytes``."""
-        for name in sorted(self._buffers, key=lambda n: self._buffers[n].numel()):
-            nbytes -= 4 * self._buffers[name].numel()
+        for name in sorted(self._buffers, key=lambda n: self._buffers[n].nbytes):
+            nbytes -= self._buffers[name].nbytes
             if nbytes < 0:
                 del self._buffers[name]
 
@@ -322,7 +324,7 @@ def _tile_scores(
     return s, sigmoid
 
 
-def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry) -> Tensor:
+def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry, scratch: "_Scratch") -> Tensor:
     """Dropout keep mask of the tile, bool ``(B, hk, g, rows, cols)`` (positions as counters)."""
     hk, g = problem.nheads_k, problem.group
     heads = torch.arange(problem.nheads, device=problem.q.device).view(1, hk, g, 1, 1)
@@ -330,7 +332,9 @@ def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometr
     batch = batch.view(-1, 1, 1, 1, 1)
     # Columns outside the sequence are masked anyway; clamp so the counters stay non-negative.
     cols = geometry.positions.clamp(min=0)
-    return keep_mask(params.dropout_seed, batch, heads, geometry.rows, cols, params.dropout_p)
+    size = problem.batch * problem.nheads * geometry.rows.numel() * cols.shape[-1]
+    buffers = [scratch.take(f"philox{i}", size, dtype=torch.int64) for i in range(5)]
+    return keep_mask(params.dropout_seed, batch, heads, geometry.rows, cols, params.dropout_p, buffers)
 
 
 def _grouped_view(x: Tensor, i0: int, i1: int, nheads_k: int) -> Tensor:
@@ -470,7 +474,7 @@ def attention_forward(problem: Problem, params: AttentionParams) -> tuple[Tensor
                 row_sum.mul_(rescale).add_(p.sum(-1))
                 if params.dropout_p > 0:
                     # lse uses the undropped probabilities; only the output sees the dropout.
-                    keep = _tile_keep(problem, params, geometry)
+                    keep = _tile_keep(problem, params, geometry, scratch)
                     p = p.masked_fill_(~keep, 0.0).mul_(1.0 / (1.0 - params.dropout_p))
                 _add_grouped_matmul(acc.mul_(rescale.unsqueeze(-1)), p, vc)
                 row_max = new_max
@@ -509,7 +513,7 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
                 s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_sigmoid=False)
                 p = s.sub_(lse_c).exp2_()
                 if params.dropout_p > 0:
-                    p = torch.where(_tile_keep(problem, params, geometry), p, -p)
+                    p = torch.where(_tile_keep(problem, params, geometry, scratch), p, -p)
                 probs[:, :, i0:i1, c0 - start : c1 - start] = p.reshape(B, h, i1 - i0, c1 - c0)
         return probs
 
@@ -561,7 +565,7 @@ def attention_backward(
                 torch.bmm(doc.view(B * hk, -1, dim_v), vc.reshape(B * hk, -1, dim_v).transpose(1, 2),
                           out=dp.view(B * hk, -1, c1 - c0))
                 if params.dropout_p > 0:
-                    keep = _tile_keep(problem, params, geometry)
+                    keep = _tile_keep(problem, params, geometry, scratch)
                     dp.masked_fill_(~keep, 0.0).mul_(dropout_scale)
                     p_dropped = p.masked_fill(~keep, 0.0).mul_(dropout_scale)
                 else:
