@@ -538,7 +538,9 @@ def test_a_thread_keeps_its_scratch_between_calls_within_a_bound(monkeypatch):
         with core._scratch_for(cpu, 64) as nested:  # a call made during another: its own
             assert nested is not first
             assert nested.take("small", 4, 4).data_ptr() != small
+        assert getattr(core._KEPT, "scratch", None) is not nested  # and it is not kept
         monkeypatch.setattr(core, "KEPT_SCRATCH_BYTES", 4 * 32)
+    assert core._KEPT.scratch is first  # one scratch per thread: the outermost call's
     with core._scratch_for(cpu, 64) as again:
         assert again.take("small", 4, 4).data_ptr() == small  # kept: already paged in
         assert "large" not in again._buffers  # over KEPT_SCRATCH_BYTES: handed back

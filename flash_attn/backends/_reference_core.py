@@ -269,24 +269,27 @@ class _Scratch:
                 del self._buffers[name]
 
 
-_KEPT = threading.local()  # .free: the scratches a thread's calls are not using
+_KEPT = threading.local()  # .scratch: the one a thread keeps between calls; .busy: a call uses it
 
 
 @contextlib.contextmanager
 def _scratch_for(device: torch.device, largest_tile: int):
-    """A :class:`_Scratch` for one call. On the CPU it comes from the thread's kept ones and
-    goes back there (at most ``KEPT_SCRATCH_BYTES``), so the next call finds its buffers
-    already paged in; a call made while another runs (a hook) gets one of its own. Elsewhere
-    the device's caching allocator already reuses memory."""
-    kept = _KEPT.__dict__.setdefault("free", []) if device.type == "cpu" else None
-    scratch = kept.pop() if kept else _Scratch(device)
+    """A :class:`_Scratch` for one call. On the CPU the thread keeps one between calls (at
+    most ``KEPT_SCRATCH_BYTES``), so the next call finds its buffers already paged in; a call
+    made while another runs (a hook) gets one of its own. Elsewhere the device's caching
+    allocator already reuses memory."""
+    keeps = device.type == "cpu" and not getattr(_KEPT, "busy", False)  # the thread's outermost call
+    scratch = getattr(_KEPT, "scratch", None) if keeps else None
+    scratch = scratch or _Scratch(device)
     scratch.largest = largest_tile
+    if keeps:
+        _KEPT.busy = True
     try:
         yield scratch
     finally:
-        if kept is not None:
+        if keeps:
             scratch.keep_at_most(KEPT_SCRATCH_BYTES)
-            kept.append(scratch)
+            _KEPT.scratch, _KEPT.busy = scratch, False
 
 
 def _tile_scores(
