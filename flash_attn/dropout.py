@@ -30,7 +30,7 @@ multiply into 16-bit halves (each partial product stays below 2**48, no overflow
 What the backends call, :func:`keep_mask`, computes the same first word with far fewer passes
 (measured on one thread, a 4 x 64 x 512 tile: see :func:`philox_first_word`): the 64-bit product
 is taken as the int64 multiply's wrapped result, whose bits are the exact product's (checked
-once per device type, else the split is used); the rounds after the counters stop broadcasting
+once, on the CPU; other devices use the split); the rounds after the counters stop broadcasting
 run in place on five int64 buffers the caller may lend; the last two rounds compute only what
 the first word needs; and ``uniform >= p`` becomes an integer range check around the smallest
 kept word.
@@ -43,7 +43,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["philox4x32", "philox_first_word", "uint32_to_uniform_float", "dropout_uniform", "keep_mask", "smallest_kept_word"]
+__all__ = [
+    "philox4x32", "philox_first_word", "uint32_to_uniform_float", "dropout_uniform", "keep_mask", "smallest_kept_word",
+]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -127,10 +129,13 @@ def _mul_hi_lo_wrapped(a: torch.Tensor, const: int) -> tuple[torch.Tensor, torch
 @functools.cache
 def _multiply_wraps(device_type: str) -> bool:
     """Whether int64 multiplication on this kind of device keeps the low 64 bits of a product
-    that overflows (every PyTorch backend measured does; C++ does not promise it), checked
-    against Python's integers on the largest words."""
+    that overflows (C++ does not promise it), checked against Python's integers on the largest
+    words. Only the CPU is checked: reading an answer back from another device would wait for
+    it (and break CUDA-graph capture), so other devices keep the exact split multiply."""
+    if device_type != "cpu":
+        return False
     words = [2**32 - 1, 2**31, 0x89ABCDEF, 0x12345678, 1, 0]
-    a = torch.tensor(words, dtype=torch.int64, device=device_type)
+    a = torch.tensor(words, dtype=torch.int64)
     for const in (_PHILOX_ROUND_A, _PHILOX_ROUND_B):
         hi, lo = _mul_hi_lo_wrapped(a, const)
         if hi.tolist() != [w * const >> 32 for w in words] or lo.tolist() != [w * const & _MASK32 for w in words]:

@@ -175,8 +175,10 @@ def test_first_word_equals_the_readable_philox(monkeypatch, wraps):
 
 
 def test_this_machine_multiplies_int64_wrapping():
-    """The check the fast path relies on, and that it agrees with Python's integers."""
+    """The check the fast path relies on, and that it agrees with Python's integers. Other
+    devices are not asked (a host read would wait for them): they keep the exact split."""
     assert dropout._multiply_wraps("cpu")
+    assert not dropout._multiply_wraps("cuda") and not dropout._multiply_wraps("mps")
     a = torch.tensor([2**32 - 1, 0xDEADBEEF, 7], dtype=torch.int64)
     hi, lo = dropout._mul_hi_lo_wrapped(a, 0xD2511F53)
     assert [(h << 32) | l for h, l in zip(hi.tolist(), lo.tolist())] == [x * 0xD2511F53 for x in a.tolist()]

@@ -308,11 +308,7 @@ def _tile_scores(
     plus ALiBi, times ``log2(e)``, ``-inf`` where ``mask`` (additive, :func:`_tile_mask`) hides a key.
     ``geometry`` is needed for ALiBi. Both live in ``scratch`` (until the next tile).
     """
-    B, hk, g, n, d = qs.shape
-    cols = kc.shape[2]
-    s = scratch.take("scores", B, hk, g, n, cols)
-    keys_t = kc.reshape(B * hk, cols, d).transpose(1, 2)
-    torch.bmm(qs.view(B * hk, g * n, d), keys_t, out=s.view(B * hk, g * n, cols))
+    s = _grouped_matmul_nt(scratch.take("scores", *qs.shape[:-1], kc.shape[2]), qs, kc)
     sigmoid = None
     if base2.softcap_out:
         s.sigmoid_()  # sigmoid(2x / c)
@@ -382,7 +378,16 @@ def _key_chunks(problem: Problem, params: AttentionParams, i0: int, i1: int, chu
         yield c0, min(hi, c0 + chunk_k)
 
 
-# The tiles' products accumulate in place (``baddbmm_``): no product-sized temporary per tile.
+# The tiles' products go into buffers or accumulate in place (``baddbmm_``): no product-sized
+# temporary per tile.
+
+
+def _grouped_matmul_nt(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """``out (B, hk, g, n, c) = a (B, hk, g, n, m) @ b (B, hk, c, m)^T``, the group folded into
+    rows (scores from queries and keys, dP from dO and values); returns ``out``."""
+    B, hk, g, n, m = a.shape
+    torch.bmm(a.view(B * hk, g * n, m), b.reshape(B * hk, -1, m).transpose(1, 2), out=out.view(B * hk, g * n, -1))
+    return out
 
 
 def _add_grouped_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -564,9 +569,7 @@ def attention_backward(
                 s, sigmoid = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_sigmoid=True)
                 # Rows that saw no key have lse = +inf: s - inf = -inf, so P = 0 and no NaN appears.
                 p = s.sub_(lse_c).exp2_()
-                dp = scratch.take("dp", *p.shape)
-                torch.bmm(doc.view(B * hk, -1, dim_v), vc.reshape(B * hk, -1, dim_v).transpose(1, 2),
-                          out=dp.view(B * hk, -1, c1 - c0))
+                dp = _grouped_matmul_nt(scratch.take("dp", *p.shape), doc, vc)
                 if params.dropout_p > 0:
                     keep = _tile_keep(problem, params, geometry, scratch)
                     dp.masked_fill_(~keep, 0.0).mul_(dropout_scale)
