@@ -19,13 +19,10 @@ This file is a helper, not a test module: the worker must be importable in spawn
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-
 import torch
 import torch.distributed as dist
 
+import gloo_ranks
 from flash_attn import flash_attn_func
 from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
 
@@ -161,13 +158,6 @@ def run_case(layout, causal, dtype, rank, world):
 
 
 def worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
-    torch.set_num_threads(1)  # up to 4 processes share the CI machine's 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    with gloo_ranks.process_group(rank, world, init_file):
         results = {name: run_case(layout, causal, dtype, rank, world) for name, layout, causal, dtype in CASES}
-        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as fh:
-            json.dump(results, fh)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        gloo_ranks.write_result(result_dir, rank, results)

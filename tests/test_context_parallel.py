@@ -7,43 +7,17 @@ every rank must equal single-process ``flash_attn_func`` on the whole sequence: 
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import context_parallel
-from conftest import backend_name
-
-TIMEOUT_S = 120
-
-
-def _spawn(world: int, tmp_path) -> dict:
-    ctx = mp.start_processes(context_parallel.worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {world}-process ring did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in ctx.processes:
-            if process.is_alive():
-                process.kill()
-    return {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)}
+import gloo_ranks
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_over_gloo_equals_single_process(world, tmp_path, monkeypatch):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this PyTorch build")
-    if backend_name() not in ("auto", "reference", "interpret"):
-        pytest.skip(f"the ring runs on CPU processes; backend {backend_name()} does not run on CPU tensors")
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # loopback only
-    results = _spawn(world, tmp_path)
+    gloo_ranks.skip_unless_cpu_ranks_can_run(monkeypatch)
+    results = gloo_ranks.spawn(context_parallel.worker, world, tmp_path)
     for rank, cases in results.items():
         assert set(cases) == {name for name, *_ in context_parallel.CASES}
         for name, _, _, dtype in context_parallel.CASES:

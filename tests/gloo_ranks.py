@@ -1,0 +1,67 @@
+"""Running a function on several CPU processes joined by torch.distributed's ``gloo`` backend on
+loopback, for the context-parallel tests: each rank writes its results as JSON, which the test
+reads back after every process has finished.
+
+This file is a helper, not a test module: spawned processes import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 120
+
+
+def skip_unless_cpu_ranks_can_run(monkeypatch) -> None:
+    """Skip where the ranks cannot run here; keep them on loopback."""
+    from conftest import backend_name  # not at the top: spawned ranks need no pytest plugins
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this PyTorch build")
+    if backend_name() not in ("auto", "reference", "interpret"):
+        pytest.skip(f"the ranks run on CPU processes; backend {backend_name()} does not run on CPU tensors")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+
+
+def spawn(worker, world: int, tmp_path) -> dict:
+    """Run ``worker(rank, world, init_file, result_dir)`` on ``world`` processes; each rank's
+    results, by rank. Fails the test if the group does not finish within ``TIMEOUT_S``."""
+    ctx = mp.start_processes(worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {world}-process group did not finish within {TIMEOUT_S} s")
+    finally:
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+    return {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)}
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world: int, init_file: str):
+    """This process as ``rank`` of a gloo group (one thread: up to 4 processes share CI's 2 cores)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def write_result(result_dir: str, rank: int, results: dict) -> None:
+    with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh)
