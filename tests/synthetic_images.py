@@ -11,7 +11,6 @@ from __future__ import annotations
 import types
 
 from flash_attn.aot import library as op_library, manifest as aot_manifest, specializations as S
-from flash_attn.backends import aot
 
 
 def synthetic_manifest(capability=(9, 0), arch: str = "sm_90a") -> aot_manifest.Manifest:

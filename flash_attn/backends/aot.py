@@ -18,12 +18,8 @@ call on that device is refused with its answer (one warning, from the dispatcher
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
