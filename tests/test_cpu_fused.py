@@ -45,6 +45,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(tree, "BASE_ROWS", 4)
     monkeypatch.setattr(tree, "MIN_ROWS", 8)
     monkeypatch.setattr(fused, "BF16_TREE_MIN_ROWS", 16)
+    monkeypatch.setattr(fused, "BF16_FULL_FP32_MIN", 32)
 
 
 def _covered(sq: int, sk: int, left: int, right: int, dtype=FP32, backward=False) -> torch.Tensor:
@@ -239,18 +240,21 @@ def _count_fused_calls(fn) -> int:
     (FP16, True, {"causal": True}, (FP16, FP16)),
     (BF16, False, {"causal": True}, (FP32, BF16)),        # no AMX: the fp32 tree forward
     (BF16, True, {"causal": True}, (BF16, BF16)),
-    (BF16, False, {}, (BF16, BF16)),                      # full attention stays bf16
+    (BF16, False, {}, (BF16, BF16)),                      # full attention below the size it gains
+    (BF16, False, {"n": 40}, (FP32, BF16)),               # full attention from it, no AMX: fp32 forward
+    (BF16, True, {"n": 40}, (BF16, BF16)),
     (BF16, False, {"causal": True, "alibi": True}, (BF16, BF16)),
 ], ids=str)
 def test_half_precision_computed_in_fp32_where_faster(dtype, fast_half, features, computed_in, small_blocks,
                                                       monkeypatch):
     """Half-precision problems run on the fp32 kernels where PyTorch's half kernels are the slower
-    ones (fp16 without native fp16 products; the bf16 causal forward without AMX): the kernels
-    see the dtype the policy names, and the results match the oracle either way."""
+    ones (fp16 without native fp16 products; the bf16 causal forward and the larger bf16 full
+    forward without AMX): the kernels see the dtype the policy names, and the results match the
+    oracle either way."""
     monkeypatch.setattr(fused, "_native_fp16", lambda: fast_half)
     monkeypatch.setattr(fused, "_amx", lambda: fast_half)
     g = gen(11)
-    b, n, h = 2, 24, 2
+    b, n, h = 2, features.get("n", 24), 2
     q, k, v = (randn((b, n, h, 32), dtype, g, requires_grad=True) for _ in range(3))
     dout = randn(q.shape, dtype, g)
     slopes = make_slopes((b, h), seed=5) if features.get("alibi") else None
@@ -312,6 +316,8 @@ PLAIN_CASES = [
     (FP32, 37, 37, 4, 2, False, False, True),    # full, GQA
     (FP32, 20, 53, 2, 1, False, False, True),    # full, sq < sk
     (BF16, 53, 20, 2, 2, False, False, True),    # full, sq > sk
+    (BF16, 40, 36, 2, 2, False, False, False),   # full bf16 from the size its fp32 forward gains, no AMX
+    (BF16, 40, 36, 2, 2, False, True, True),     # the same with AMX: one bf16 call
     (FP16, 30, 30, 2, 1, False, True, True),     # fp16 with native products
     (FP16, 30, 30, 2, 1, False, False, False),   # fp16 without: computed in fp32
     (FP32, 7, 7, 2, 1, True, False, True),       # a causal square below the tree's size

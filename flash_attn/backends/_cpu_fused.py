@@ -103,6 +103,8 @@ def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
             return False
         if dtype == torch.bfloat16 and _bf16_forward_as_fp32_tree(sq, sk):
             return False
+    elif dtype == torch.bfloat16 and _bf16_full_forward_in_fp32(sq, sk):
+        return False
     return True
 
 
@@ -147,6 +149,18 @@ def _bf16_forward_as_fp32_tree(rows: int, cols: int) -> bool:
     return rows >= BF16_TREE_MIN_ROWS and _causal_tree.applies(rows, cols, torch.float32) and not _amx()
 
 
+# The bf16 forward of full attention over at least this many rows and keys runs on the fp32
+# kernel on a CPU without AMX. Kernel time bf16 / converted to fp32 and back (one thread, 4 heads,
+# d 64, alternating in one process; median and IQR): 1k 0.93 (0.91-0.94), 2k 0.97 (0.96-0.99),
+# 3k 1.03 (1.00-1.05), 4k 1.04-1.07 (1.02-1.08), 8k 1.06 (1.06-1.07).
+BF16_FULL_FP32_MIN = 3072
+
+
+def _bf16_full_forward_in_fp32(rows: int, cols: int) -> bool:
+    """Whether a bf16 full (unmasked, non-causal) ``rows x cols`` call runs forward in fp32."""
+    return rows >= BF16_FULL_FP32_MIN and cols >= BF16_FULL_FP32_MIN and not _amx()
+
+
 def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bool) -> bool:
     """Whether a half-precision problem runs faster on the fp32 kernels (its values are exact in
     fp32, and fp32 arithmetic only rounds less, so the result is at least as accurate):
@@ -154,17 +168,25 @@ def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bo
     * fp16 without native fp16 products: measured 1.7x (forward) and 10x (backward) slower than
       converting to fp32 and back (4 heads, d 64, 1k-4k tokens, one thread);
     * the bf16 forward of a causal square from ``BF16_TREE_MIN_ROWS`` rows, on a CPU without
-      AMX: the fp32 tree took 4-10% less time than the bf16 kernel's one call at 1k-8k tokens.
-      The bf16 backward kernel stays (fp32 took 1.3-1.45x its time), as does full attention
-      (0.96-1.04x).
+      AMX: the fp32 tree took 4-10% less time than the bf16 kernel's one call at 1k-8k tokens;
+    * the bf16 forward of full attention from ``BF16_FULL_FP32_MIN`` rows and keys, on a CPU
+      without AMX: 3-7% less time at 3k-8k tokens (below, converting costs more than it saves).
+
+    The bf16 backward kernel stays (fp32 took 1.3-1.45x its time).
     """
     dtype = problem.q.dtype
     if dtype == torch.float16:
         return not _native_fp16()
     if dtype != torch.bfloat16 or backward:
         return False
-    return any(_plain_causal(problem, call) and _bf16_forward_as_fp32_tree(call.i1 - call.i0, call.c1 - call.c0)
-               for group in groups for call in group)
+    for group in groups:
+        for call in group:
+            rows, cols = call.i1 - call.i0, call.c1 - call.c0
+            if _plain_causal(problem, call) and _bf16_forward_as_fp32_tree(rows, cols):
+                return True
+            if _plain_full(problem, call) and _bf16_full_forward_in_fp32(rows, cols):
+                return True
+    return False
 
 
 def _in_fp32(problem: core.Problem) -> core.Problem:
@@ -349,6 +371,11 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) ->
 def _plain_causal(problem: core.Problem, call: _Call) -> bool:
     """A call on the kernel's causal mask alone (no explicit mask, no ALiBi)."""
     return call.causal and not call.masked and problem.alibi_slopes is None
+
+
+def _plain_full(problem: core.Problem, call: _Call) -> bool:
+    """A call with no mask at all (not causal, no explicit mask, no ALiBi)."""
+    return not call.causal and not call.masked and problem.alibi_slopes is None
 
 
 def _tree_applies(problem: core.Problem, call: _Call) -> bool:
