@@ -323,7 +323,7 @@ def _tile_scores(
     return s, sigmoid
 
 
-def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry, scratch: "_Scratch") -> Tensor:
+def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry, scratch: _Scratch) -> Tensor:
     """Dropout keep mask of the tile, bool ``(B, hk, g, rows, cols)`` (positions as counters)."""
     hk, g = problem.nheads_k, problem.group
     heads = torch.arange(problem.nheads, device=problem.q.device).view(1, hk, g, 1, 1)
@@ -342,7 +342,7 @@ def _grouped_view(x: Tensor, i0: int, i1: int, nheads_k: int) -> Tensor:
     return x[:, i0:i1].view(B, i1 - i0, nheads_k, h // nheads_k, d).permute(0, 2, 3, 1, 4)
 
 
-def _grouped_rows(x: Tensor, i0: int, i1: int, nheads_k: int, scratch: "_Scratch", name: str) -> Tensor:
+def _grouped_rows(x: Tensor, i0: int, i1: int, nheads_k: int, scratch: _Scratch, name: str) -> Tensor:
     """Rows ``i0:i1`` of ``x (B, s, h, d)`` as contiguous fp32 ``(B, hk, g, rows, d)``, in the
     buffer ``name`` of ``scratch`` (one pass: the layout and the dtype change together)."""
     rows = _grouped_view(x, i0, i1, nheads_k)
@@ -405,7 +405,7 @@ def _add_grouped_matmul_t(acc: Tensor, a: Tensor, b: Tensor) -> None:
     acc.view(B * hk, m, -1).baddbmm_(a_t, b.reshape(B * hk, g * n, -1))
 
 
-def _tile(problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int, scratch: "_Scratch"):
+def _tile(problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int, scratch: _Scratch):
     """``(geometry or None, additive mask or None)`` of a tile: index tensors are built only
     when ALiBi or dropout needs them, a mask only when some key of the tile is hidden."""
     geometry = None
@@ -418,7 +418,7 @@ def _tile(problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, 
 
 def _tile_mask(
     problem: Problem, params: AttentionParams, i0: int, i1: int, c0: int, c1: int,
-    geometry: Optional[_TileGeometry] = None, scratch: Optional["_Scratch"] = None,
+    geometry: Optional[_TileGeometry] = None, scratch: Optional[_Scratch] = None,
 ) -> Tensor:
     """fp32 0 / -inf of a tile, broadcastable to ``(B, hk, g, rows, cols)``: ``-inf`` where
     the key is outside its sequence or the window (``geometry``: the tile's, if already built;
