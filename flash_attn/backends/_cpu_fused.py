@@ -22,7 +22,9 @@ share with flash-attn is spelled out here and worked around exactly:
   of batched calls that compute about the visible half (:mod:`._causal_tree`);
 * a row that sees no key must give out 0 and lse +inf (the kernel gives lse 0): fixed up;
 * softcap and dropout (our Philox mask) have no counterpart: :func:`supports` says no and the
-  tiled engine of :mod:`._reference_core` runs them.
+  tiled engine of :mod:`._reference_core` runs them;
+* where PyTorch's BLAS is the kernel's slow part (MKL on AMD CPUs), calls without an explicit
+  mask or ALiBi run on :mod:`._onednn` instead: the same contract on oneDNN's fp32 products.
 
 Problems are :class:`~flash_attn.backends._reference_core.Problem` objects, so the same code
 serves dense tensors, one varlen sequence and the KV cache.
@@ -36,7 +38,7 @@ import functools
 import torch
 from torch import Tensor
 
-from flash_attn.backends import _causal_tree
+from flash_attn.backends import _causal_tree, _onednn
 from flash_attn.backends import _reference_core as core
 from flash_attn.params import AttentionParams
 
@@ -92,11 +94,13 @@ def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
     """Whether the general plan for dense, non-empty ``q (B, sq, h, d)``, ``k (B, sk, hk, d)``
     (no ALiBi, softcap, dropout or window; ``causal`` bottom-right) is one kernel call in q's
     dtype on all rows and keys: full attention, or a causal square that is not cut as a tree, in
-    a dtype not converted to fp32 (:func:`_runs_in_fp32`)."""
+    a dtype not converted to fp32 (:func:`_runs_in_fp32`), and not one that :mod:`._onednn` computes."""
     dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
     if _OPS is None or q.device.type != "cpu" or dtype not in _DTYPES:
         return False
     if dtype == torch.float16 and not _native_fp16():
+        return False
+    if (dtype == torch.float32 or min(sq, sk) >= BF16_ONEDNN_MIN) and _onednn.applies(sq, sk):
         return False
     if causal:
         if sq != sk or _causal_tree.applies(sq, sk, dtype):
@@ -170,9 +174,13 @@ def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bo
     * the bf16 forward of a causal square from ``BF16_TREE_MIN_ROWS`` rows, on a CPU without
       AMX: the fp32 tree took 4-10% less time than the bf16 kernel's one call at 1k-8k tokens;
     * the bf16 forward of full attention from ``BF16_FULL_FP32_MIN`` rows and keys, on a CPU
-      without AMX: 3-7% less time at 3k-8k tokens (below, converting costs more than it saves).
+      without AMX: 3-7% less time at 3k-8k tokens (below, converting costs more than it saves);
+    * the bf16 forward of calls that :mod:`._onednn` computes (in fp32), from
+      ``BF16_ONEDNN_MIN`` rows and keys: 1.1-1.9x quicker than the bf16 kernel at 2k-8k tokens,
+      conversions included.
 
-    The bf16 backward kernel stays (fp32 took 1.3-1.45x its time).
+    The bf16 backward kernel stays: the fp32 kernel took 1.3-1.45x its time, and :mod:`._onednn`
+    with the conversions 1.7x at 1k and 1.0x at 4k tokens.
     """
     dtype = problem.q.dtype
     if dtype == torch.float16:
@@ -182,6 +190,8 @@ def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bo
     for group in groups:
         for call in group:
             rows, cols = call.i1 - call.i0, call.c1 - call.c0
+            if _onednn_candidate(problem, call):
+                return True
             if _plain_causal(problem, call) and _bf16_forward_as_fp32_tree(rows, cols):
                 return True
             if _plain_full(problem, call) and _bf16_full_forward_in_fp32(rows, cols):
@@ -345,12 +355,15 @@ def _heads_first(x: Tensor) -> Tensor:
     return x.transpose(1, 2)
 
 
-def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call) -> tuple[Tensor, Tensor]:
+def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call,
+                 onednn: bool = True) -> tuple[Tensor, Tensor]:
     """``(out (B, h, rows, d), lse fp32 (B, h, rows))`` of one call; a row that sees none of the
     call's keys gets out 0 and lse -inf (the log of an empty sum, so merging ignores it)."""
     forward, _ = _OPS
     k, v = problem.load_kv(call.c0, call.c1)
-    if _tree_applies(problem, call):
+    if onednn and _onednn_applies(problem, call):
+        forward = _onednn.forward
+    elif _tree_applies(problem, call):
         return _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale)
     mask = seen = row_term = None
     if call.masked:
@@ -378,6 +391,25 @@ def _plain_full(problem: core.Problem, call: _Call) -> bool:
     return not call.causal and not call.masked and problem.alibi_slopes is None
 
 
+# bf16 calls run on :mod:`._onednn` (converted to fp32) from this many rows and keys: below, the
+# conversions cost more than its products save (bench cpu, one thread, 4 heads, d 64, ratio to
+# SDPA: forward at 512-1k 0.83-0.97, at 2k 1.10-1.28).
+BF16_ONEDNN_MIN = 2048
+
+
+def _onednn_candidate(problem: core.Problem, call: _Call) -> bool:
+    """A call without mask or ALiBi that :mod:`._onednn` computes faster, once in fp32."""
+    rows, cols = call.i1 - call.i0, call.c1 - call.c0
+    if problem.q.dtype == torch.bfloat16 and min(rows, cols) < BF16_ONEDNN_MIN:
+        return False
+    return not call.masked and problem.alibi_slopes is None and _onednn.applies(rows, cols)
+
+
+def _onednn_applies(problem: core.Problem, call: _Call) -> bool:
+    """An fp32 call that :mod:`._onednn` computes."""
+    return problem.q.dtype == torch.float32 and _onednn_candidate(problem, call)
+
+
 def _tree_applies(problem: core.Problem, call: _Call) -> bool:
     """A plain causal square that :mod:`._causal_tree` serves."""
     return _plain_causal(problem, call) and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, problem.q.dtype)
@@ -396,16 +428,19 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def attention_forward(problem: core.Problem, params: AttentionParams) -> tuple[Tensor, Tensor]:
-    """``out`` like q and fp32 ``lse (B, h, sq)``, as :func:`core.attention_forward`."""
+def attention_forward(problem: core.Problem, params: AttentionParams, onednn: bool = True) -> tuple[Tensor, Tensor]:
+    """``out`` like q and fp32 ``lse (B, h, sq)``, as :func:`core.attention_forward`.
+    ``onednn``: whether :mod:`._onednn` may compute calls (not for a bf16 problem converted to
+    fp32 for the fused kernels' sake, below its own size)."""
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params)
     if _runs_in_fp32(problem, groups, backward=False):
-        out, lse = attention_forward(_in_fp32(problem), params)
+        onednn = q.dtype != torch.bfloat16 or any(_onednn_candidate(problem, call) for g in groups for call in g)
+        out, lse = attention_forward(_in_fp32(problem), params, onednn)
         return out.to(q.dtype), lse
     if len(groups) == 1 and groups[0][0].i0 == 0 and groups[0][0].i1 == sq:  # one block: no copies
-        out, lse = _merge([_run_forward(problem, params, call) for call in groups[0]])
+        out, lse = _merge([_run_forward(problem, params, call, onednn) for call in groups[0]])
         if any(call.masked for call in groups[0]):  # only a mask can leave a row without keys
             lse.masked_fill_(lse == float("-inf"), float("inf"))
         return out.transpose(1, 2), lse
@@ -413,7 +448,7 @@ def attention_forward(problem: core.Problem, params: AttentionParams) -> tuple[T
     lse = torch.full((B, h, sq), float("inf"), dtype=torch.float32, device=q.device)
     for group in groups:
         rows = slice(group[0].i0, group[0].i1)
-        group_out, group_lse = _merge([_run_forward(problem, params, call) for call in group])
+        group_out, group_lse = _merge([_run_forward(problem, params, call, onednn) for call in group])
         out[:, rows] = group_out.transpose(1, 2)
         lse[:, :, rows] = group_lse.masked_fill_(group_lse == float("-inf"), float("inf"))
     return out, lse
@@ -454,7 +489,9 @@ def _run_backward(problem, params, call, dout, out, lse):
     rows = slice(call.i0, call.i1)
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]
-    if _tree_applies(problem, call):
+    if _onednn_applies(problem, call):
+        backward = _onednn.backward
+    elif _tree_applies(problem, call):
         return _causal_tree.backward(backward, dout[:, rows], problem.q[:, rows], k, v, out[:, rows], lse_c,
                                      params.softmax_scale)
     mask = None

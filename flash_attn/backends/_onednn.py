@@ -1,0 +1,254 @@
+"""PyTorch's fused CPU attention kernel, recomputed tile by tile on oneDNN's fp32 matrix products,
+for CPUs where PyTorch's BLAS multiplies fp32 matrices at a fraction of the CPU's speed.
+
+PyTorch multiplies fp32 matrices on the CPU with its BLAS (MKL in the x86 wheels), and so does
+its fused attention kernel. On AMD CPUs MKL takes its AVX2 code path even where the CPU has
+AVX-512. Measured on the development machine (AMD EPYC with AVX-512, one thread): a 256x64 by
+64x2048 product runs at 110 GFLOP/s through MKL and 241 GFLOP/s through oneDNN (which PyTorch
+also ships: ``mkldnn::_linear_pointwise``), with the same largest error against float64; the
+fused kernel runs at 92 GFLOP/s at 1k-16k tokens.
+
+:func:`forward` and :func:`backward` compute exactly the contract of
+``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward for what
+:mod:`._cpu_fused` asks of them: ``(B, h, s, d)`` fp32 inputs, GQA (query head ``j`` reads key
+head ``j // (h // hk)``), the top-left causal mask, the natural-log log-sum-exp, and a backward
+that takes the caller's ``out`` and ``lse``. Per query head, blocks of 128-256 rows meet blocks
+of ``COLS`` keys (a score tile of 1-2 MiB); the softmax runs online across key blocks; causal rows
+skip the key blocks they cannot see and mask only the block on their diagonal. The scale is
+folded into q in base 2, so a tile's probabilities are one subtraction and one ``exp2``.
+
+Whether this runs is measured, not guessed (:func:`faster_here`): where the two libraries tie
+(expected where MKL runs at the CPU's full width, as on Intel CPUs, or the CPU has no AVX-512; not
+measured here) the fused kernel stays.
+
+Known cost: oneDNN's product has no ``out=``, so every score tile is a fresh tensor, and glibc
+returns and refaults some of that memory from call to call: ~650 minor page faults per call at
+1k tokens, fp32, 4 heads (~1.1 ms of 8.2 ms; none with glibc told to keep its memory, which a
+library should not decide for its process).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# "auto" (default): where :func:`faster_here` says so; "1": wherever it applies; "0": never.
+MODE_ENV = "FLASH_ATTN_CPU_ONEDNN"
+# Keys per score tile, and query rows: 256 for the forward of full attention, 128 for causal
+# rows (less of the diagonal tile is wasted) and the backward. Measured (one thread, 4 heads, d 64,
+# fp32, 1k-16k tokens, 64-512 rows x 1024-4096 keys): the forward of full attention 256 x 2048 best
+# (whole rows of 16k keys took 1.8x its time: the tile leaves the cache); causal forward at 1k
+# 7.0 ms with 128 rows, 10.0 with 256; backward at 1k-2k 15-20% quicker with 128 rows, at 4k 10%
+# slower (full) or even (causal). Rows must divide COLS (:func:`_key_blocks`).
+COLS = 2048
+FULL_FORWARD_ROWS, ROWS = 256, 128
+# Calls with fewer query rows or keys run on the fused kernel (per-tile Python costs more than
+# the faster products save).
+MIN_ROWS = MIN_COLS = 256
+# auto mode uses oneDNN where its products are at least this much faster than the BLAS's
+# (:func:`faster_here`; this module's calls then measured 1.0-1.9x the fused kernel's speed) ...
+REQUIRED_PRODUCT_SPEEDUP = 1.5
+# ... with at most this many threads (the counts measured here), and with more than one thread
+# only from MULTI_THREAD_MIN rows and keys: the tile loop parallelises less well than the fused
+# kernel's loop over heads and row blocks. bench cpu, 4 heads, d 64, ratio to SDPA: one thread
+# 1.03-1.83x at 1k-16k (fp32); two threads 0.74-0.93x at 1k and 1.01-1.62x at 4k tokens.
+MAX_AUTO_THREADS = 2
+MULTI_THREAD_MIN = 4096
+
+_LOG2E = math.log2(math.e)
+
+
+def _linear_op():
+    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+    try:
+        return op.default if op is not None and torch.backends.mkldnn.is_available() else None
+    except AttributeError:  # an op namespace that does not have the overload
+        return None
+
+
+_LINEAR = _linear_op()
+
+
+def _mm(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` in fp32 on oneDNN. ``w`` must be contiguous: a strided one takes oneDNN's
+    reference path (measured: 710 ms instead of 0.45 ms for 256x64 by 64x2048)."""
+    return _LINEAR(x, w, None, "none", [], "")
+
+
+class _TransposedBlocks:
+    """``x (s, d)`` as contiguous ``(d, cols)`` weights, the ones that multiply a tile by rows
+    ``c0:c1`` of ``x``: whole blocks of ``COLS`` rows are made once, a causal tile's shorter
+    block is copied when asked for (a strided weight would be slow, :func:`_mm`)."""
+
+    def __init__(self, x: Tensor):
+        self.x = x
+        self.blocks = [x[c0:c0 + COLS].t().contiguous() for c0 in range(0, x.shape[0], COLS)]
+
+    def __getitem__(self, cols: tuple[int, int]) -> Tensor:
+        c0, c1 = cols
+        block = self.blocks[c0 // COLS]
+        return block if block.shape[1] == c1 - c0 else self.x[c0:c1].t().contiguous()
+
+
+def applies(rows: int, cols: int) -> bool:
+    """Whether a call of ``rows`` queries and ``cols`` keys (fp32 CPU, no mask) runs here."""
+    if _LINEAR is None or rows < MIN_ROWS or cols < MIN_COLS:
+        return False
+    mode = os.environ.get(MODE_ENV, "auto").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return False
+    if mode in ("1", "on", "true", "yes"):
+        return True
+    if mode != "auto":
+        raise ValueError(f"{MODE_ENV}={mode!r}: expected auto, 1 or 0")
+    threads = torch.get_num_threads()
+    if threads > MAX_AUTO_THREADS or (threads > 1 and min(rows, cols) < MULTI_THREAD_MIN):
+        return False
+    return faster_here(threads)
+
+
+@functools.cache
+def faster_here(threads: int) -> bool:
+    """Whether oneDNN's fp32 products are much faster than PyTorch's BLAS on this CPU with
+    ``threads`` threads: the cause of this module's gain, and a property of the CPU and the BLAS,
+    so the choice does not flip from run to run.
+
+    Measured on the development machine: one (256, 64) x (64, 2048) product of each, five
+    alternating rounds after a warm-up, fastest of each (~10 ms once per process): 2.0-2.2x in
+    six fresh processes on one and two threads. Its own generator leaves the global RNG alone.
+    """
+    generator = torch.Generator().manual_seed(0)
+    a, w = torch.randn(ROWS, 64, generator=generator), torch.randn(COLS, 64, generator=generator)
+    times = {"blas": [], "onednn": []}
+    try:
+        with torch.no_grad():
+            for round_ in range(6):
+                for name, call in (("blas", lambda: torch.mm(a, w.t())), ("onednn", lambda: _mm(a, w))):
+                    start = time.perf_counter()
+                    call()
+                    if round_:
+                        times[name].append(time.perf_counter() - start)
+    except (RuntimeError, TypeError):  # an internal op whose schema changed: keep the fused kernel
+        return False
+    return min(times["onednn"]) * REQUIRED_PRODUCT_SPEEDUP <= min(times["blas"])
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, attn_mask: Optional[Tensor]) -> None:
+    if dropout_p != 0 or attn_mask is not None:
+        raise ValueError("the oneDNN attention kernels take no dropout and no explicit mask")
+    if not (q.dtype == k.dtype == v.dtype == torch.float32) or q.device.type != "cpu":
+        raise ValueError("the oneDNN attention kernels take fp32 CPU tensors")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
+
+
+@functools.lru_cache(maxsize=4)
+def _upper_triangle(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).triu_(1)
+
+
+def _above_diagonal(rows: int, cols: int) -> Tensor:
+    """Where column ``j > i`` in a causal tile's ``rows x cols`` part that starts at its first
+    row's diagonal (the rest of the tile is visible to every row)."""
+    return _upper_triangle(ROWS)[:rows, :cols]
+
+
+def _key_blocks(i0: int, i1: int, sk: int, causal: bool):
+    """``(c0, c1, masked)`` of the key blocks rows ``i0:i1`` see; with the top-left causal mask
+    row ``i`` sees keys ``<= i``, and ``ROWS`` dividing ``COLS`` puts every masked block's first
+    key at or left of its first row: no row of a tile sees nothing, and the hidden part lies in
+    the tile's last ``c1 - i0`` columns (:func:`_above_diagonal`)."""
+    end = min(sk, i1) if causal else sk
+    for c0 in range(0, end, COLS):
+        c1 = min(end, c0 + COLS)
+        yield c0, c1, causal and c1 - 1 > i0
+
+
+@torch.no_grad()
+def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
+            attn_mask: Optional[Tensor] = None, scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """``(out (B, h, sq, d), lse fp32 (B, h, sq))`` as the fused kernel's forward."""
+    _check(q, k, v, dropout_p, attn_mask)
+    B, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = h // hk
+    c = (d ** -0.5 if scale is None else scale) * _LOG2E  # scores in base 2
+    out = torch.empty(B, sq, h, v.shape[-1], dtype=torch.float32).transpose(1, 2)
+    lse = torch.empty(B, h, sq, dtype=torch.float32)
+    rows = ROWS if is_causal else FULL_FORWARD_ROWS
+    for b in range(B):
+        for jk in range(hk):
+            k_head = k[b, jk].contiguous()
+            v_cols = _TransposedBlocks(v[b, jk])  # P @ V is linear(P, V^T)
+            for j in range(jk * group, (jk + 1) * group):
+                q_head = q[b, j] * c
+                for i0 in range(0, sq, rows):
+                    i1 = min(sq, i0 + rows)
+                    m = total = acc = None
+                    for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal):
+                        s = _mm(q_head[i0:i1], k_head[c0:c1])
+                        if masked:
+                            s[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0), float("-inf"))
+                        block_max = s.amax(-1, keepdim=True)
+                        if m is None:
+                            m = block_max
+                        else:
+                            new_m = torch.maximum(m, block_max)
+                            alpha = torch.exp2(m - new_m)
+                            m = new_m
+                        p = s.sub_(m).exp2_()
+                        part = _mm(p, v_cols[c0, c1])
+                        if acc is None:
+                            acc, total = part, p.sum(-1, keepdim=True)
+                        else:
+                            acc.mul_(alpha).add_(part)
+                            total = total.mul_(alpha).add_(p.sum(-1, keepdim=True))
+                    out[b, j, i0:i1] = acc.div_(total)
+                    lse[b, j, i0:i1] = (m + total.log2()).squeeze(-1) / _LOG2E
+    return out, lse
+
+
+@torch.no_grad()
+def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
+             dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Optional[Tensor] = None,
+             scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` as the fused kernel's backward: the probabilities come from the given
+    ``logsumexp`` and the correction term from the given ``out``."""
+    _check(q, k, v, dropout_p, attn_mask)
+    B, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = h // hk
+    scale = d ** -0.5 if scale is None else scale
+    c = scale * _LOG2E
+    dq = torch.zeros(B, sq, h, d, dtype=torch.float32).transpose(1, 2)
+    dk = torch.zeros(B, sk, hk, d, dtype=torch.float32).transpose(1, 2)
+    dv = torch.zeros(B, sk, hk, v.shape[-1], dtype=torch.float32).transpose(1, 2)
+    delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): (B, h, sq, 1)
+    lse2 = (logsumexp * _LOG2E).unsqueeze(-1)
+    for b in range(B):
+        for jk in range(hk):
+            k_head, v_head = k[b, jk].contiguous(), v[b, jk].contiguous()
+            k_cols = _TransposedBlocks(k_head)  # dS @ K is linear(dS, K^T)
+            for j in range(jk * group, (jk + 1) * group):
+                q_head = q[b, j]
+                q_scaled = q_head * c
+                for i0 in range(0, sq, ROWS):
+                    i1 = min(sq, i0 + ROWS)
+                    q_cols = q_head[i0:i1].t().contiguous()
+                    do_rows = grad_out[b, j, i0:i1]
+                    do_cols = do_rows.t().contiguous()
+                    for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal):
+                        p = _mm(q_scaled[i0:i1], k_head[c0:c1]).sub_(lse2[b, j, i0:i1]).exp2_()
+                        if masked:
+                            p[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0), 0.0)
+                        dv[b, jk, c0:c1] += _mm(p.t(), do_cols)
+                        ds = _mm(do_rows, v_head[c0:c1]).sub_(delta[b, j, i0:i1]).mul_(p)
+                        dq[b, j, i0:i1] += _mm(ds, k_cols[c0, c1])
+                        dk[b, jk, c0:c1] += _mm(ds.t(), q_cols)
+    return dq.mul_(scale), dk.mul_(scale), dv
