@@ -5,8 +5,8 @@
   rows and keys so that online softmax, skipped and masked blocks all occur on small shapes;
 * through the public API, forced on, against the float64 oracle: the plan's calls run here
   (seen in the profiler) and the results keep the oracle's tolerance;
-* the choice: off, on, below the size, bf16 (forward here in fp32, backward on PyTorch's bf16
-  kernel), the measured default that leaves the global RNG alone;
+* the choice: off, on, below the size, bf16 (forward here, computed in fp32, backward on
+  PyTorch's bf16 kernel), the measured default that leaves the global RNG alone;
 * no strided weight ever reaches oneDNN (its slow reference path), bad inputs are refused.
 """
 
@@ -105,6 +105,18 @@ def test_kernels_vs_their_contract_in_float64(B, h, hk, sq, sk, causal, small_ti
         torch.testing.assert_close(got.double(), want, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_forward_is_the_fp32_forward_rounded_once(causal, small_tiles):
+    """bf16 inputs are converted block by block: the same fp32 arithmetic as on their fp32
+    values, with only ``out`` rounded to bf16."""
+    q, k, v = (_heads_first(shape, seed).bfloat16() for shape, seed in
+               (((2, 4, 37, 32), 1), ((2, 2, 45, 32), 2), ((2, 2, 45, 32), 3)))
+    out, lse = onednn.forward(q, k, v, 0.0, causal, scale=0.3)
+    out32, lse32 = onednn.forward(q.float(), k.float(), v.float(), 0.0, causal, scale=0.3)
+    assert out.dtype == BF16 and lse.dtype == FP32
+    assert torch.equal(out, out32.bfloat16()) and torch.equal(lse, lse32)
+
+
 def test_backward_takes_the_callers_out_and_lse(small_tiles):
     """A block of keys differentiated with the whole sequence's ``out``/``lse`` (what context
     parallelism does) gets that block's share of the gradient, not its own softmax's."""
@@ -152,7 +164,7 @@ def test_public_api_on_onednn_vs_oracle(case, small_tiles):
     result = {}
     forward = _linear_calls(lambda: result.update(out=flash_attn_func(q, k, v, softmax_scale=0.3, window_size=window)))
     backward = _linear_calls(lambda: result["out"].backward(dout))
-    assert forward and set(forward) == {"float"}, forward  # bf16 too: computed in fp32
+    assert forward and set(forward) == {"float"}, forward  # bf16 too: multiplied in fp32
     assert bool(backward) == (dtype == FP32), backward     # bf16 keeps PyTorch's bf16 backward
     _, lse, _, _ = _flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, 0.3, causal, window[0], window[1],
                                        0.0, None, False)
@@ -257,8 +269,12 @@ def test_bad_inputs_are_refused():
         onednn.forward(q, q, q, 0.1)
     with pytest.raises(ValueError, match="mask"):
         onednn.forward(q, q, q, attn_mask=torch.zeros(8, 8))
-    with pytest.raises(ValueError, match="fp32"):
-        onednn.forward(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU tensors"):
+        onednn.forward(q.half(), q.half(), q.half())
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU tensors"):
+        onednn.forward(q, q.bfloat16(), q)
+    with pytest.raises(ValueError, match="takes float32 CPU tensors"):
+        onednn.backward(*(t.bfloat16() for t in (q, q, q, q, q)), q[..., 0], 0.0, False)
     with pytest.raises(ValueError, match="heads"):
         onednn.forward(q, q[:, :1].expand(1, 3, 8, 16), q[:, :1].expand(1, 3, 8, 16))
     assert math.isfinite(onednn.forward(q, q, q)[1].sum().item())

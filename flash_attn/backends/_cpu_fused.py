@@ -100,7 +100,8 @@ def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
         return False
     if dtype == torch.float16 and not _native_fp16():
         return False
-    if (dtype == torch.float32 or min(sq, sk) >= BF16_ONEDNN_MIN) and _onednn.applies(sq, sk):
+    bf16_onednn = dtype == torch.bfloat16 and min(sq, sk) >= BF16_ONEDNN_MIN
+    if (dtype == torch.float32 or bf16_onednn) and _onednn.applies(sq, sk):
         return False
     if causal:
         if sq != sk or _causal_tree.applies(sq, sk, dtype):
@@ -174,24 +175,21 @@ def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bo
     * the bf16 forward of a causal square from ``BF16_TREE_MIN_ROWS`` rows, on a CPU without
       AMX: the fp32 tree took 4-10% less time than the bf16 kernel's one call at 1k-8k tokens;
     * the bf16 forward of full attention from ``BF16_FULL_FP32_MIN`` rows and keys, on a CPU
-      without AMX: 3-7% less time at 3k-8k tokens (below, converting costs more than it saves);
-    * the bf16 forward of calls that :mod:`._onednn` computes (in fp32), from
-      ``BF16_ONEDNN_MIN`` rows and keys: 1.1-1.9x quicker than the bf16 kernel at 2k-8k tokens,
-      conversions included.
-
-    The bf16 backward kernel stays: the fp32 kernel took 1.3-1.45x its time, and :mod:`._onednn`
-    with the conversions 1.7x at 1k and 1.0x at 4k tokens.
+      without AMX: 3-7% less time at 3k-8k tokens (below, converting costs more than it saves),
+    except where :mod:`._onednn`'s forward runs (it converts bf16 block by block itself). The bf16
+    backward kernel stays: the fp32 kernel took 1.3-1.45x its time, and :mod:`._onednn` with the
+    conversions 1.7x at 1k and 1.0x at 4k tokens.
     """
     dtype = problem.q.dtype
     if dtype == torch.float16:
         return not _native_fp16()
     if dtype != torch.bfloat16 or backward:
         return False
+    if any(_onednn_applies(problem, call) for group in groups for call in group):
+        return False  # its forward computes bf16 in fp32 itself, block by block
     for group in groups:
         for call in group:
             rows, cols = call.i1 - call.i0, call.c1 - call.c0
-            if _onednn_candidate(problem, call):
-                return True
             if _plain_causal(problem, call) and _bf16_forward_as_fp32_tree(rows, cols):
                 return True
             if _plain_full(problem, call) and _bf16_full_forward_in_fp32(rows, cols):
@@ -391,23 +389,21 @@ def _plain_full(problem: core.Problem, call: _Call) -> bool:
     return not call.causal and not call.masked and problem.alibi_slopes is None
 
 
-# bf16 calls run on :mod:`._onednn` (converted to fp32) from this many rows and keys: below, the
-# conversions cost more than its products save (bench cpu, one thread, 4 heads, d 64, ratio to
-# SDPA: forward at 512-1k 0.83-0.97, at 2k 1.10-1.28).
-BF16_ONEDNN_MIN = 2048
+# The bf16 forward runs on :mod:`._onednn` (computed in fp32, converted block by block) from this
+# many rows and keys (bench cpu, one thread, 4 heads, d 64, ratio to SDPA at 512 tokens: forward
+# 1.16-1.42, forward+backward 0.99-1.04; at 1k 1.02-1.29 and 1.03-1.17). Converted as a whole
+# problem first, it had lost up to 1k tokens (0.83-0.97).
+BF16_ONEDNN_MIN = 512
 
 
-def _onednn_candidate(problem: core.Problem, call: _Call) -> bool:
-    """A call without mask or ALiBi that :mod:`._onednn` computes faster, once in fp32."""
+def _onednn_applies(problem: core.Problem, call: _Call, backward: bool = False) -> bool:
+    """A call without mask or ALiBi that :mod:`._onednn` computes faster: fp32, and the forward of
+    bf16 from ``BF16_ONEDNN_MIN`` rows and keys."""
     rows, cols = call.i1 - call.i0, call.c1 - call.c0
-    if problem.q.dtype == torch.bfloat16 and min(rows, cols) < BF16_ONEDNN_MIN:
+    dtype = problem.q.dtype
+    if dtype != torch.float32 and (dtype != torch.bfloat16 or backward or min(rows, cols) < BF16_ONEDNN_MIN):
         return False
     return not call.masked and problem.alibi_slopes is None and _onednn.applies(rows, cols)
-
-
-def _onednn_applies(problem: core.Problem, call: _Call) -> bool:
-    """An fp32 call that :mod:`._onednn` computes."""
-    return problem.q.dtype == torch.float32 and _onednn_candidate(problem, call)
 
 
 def _tree_applies(problem: core.Problem, call: _Call) -> bool:
@@ -431,13 +427,12 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
 def attention_forward(problem: core.Problem, params: AttentionParams, onednn: bool = True) -> tuple[Tensor, Tensor]:
     """``out`` like q and fp32 ``lse (B, h, sq)``, as :func:`core.attention_forward`.
     ``onednn``: whether :mod:`._onednn` may compute calls (not for a bf16 problem converted to
-    fp32 for the fused kernels' sake, below its own size)."""
+    fp32 for the fused kernels' sake: below its own size, see :func:`_runs_in_fp32`)."""
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params)
     if _runs_in_fp32(problem, groups, backward=False):
-        onednn = q.dtype != torch.bfloat16 or any(_onednn_candidate(problem, call) for g in groups for call in g)
-        out, lse = attention_forward(_in_fp32(problem), params, onednn)
+        out, lse = attention_forward(_in_fp32(problem), params, onednn=q.dtype != torch.bfloat16)
         return out.to(q.dtype), lse
     if len(groups) == 1 and groups[0][0].i0 == 0 and groups[0][0].i1 == sq:  # one block: no copies
         out, lse = _merge([_run_forward(problem, params, call, onednn) for call in groups[0]])
@@ -489,7 +484,7 @@ def _run_backward(problem, params, call, dout, out, lse):
     rows = slice(call.i0, call.i1)
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]
-    if _onednn_applies(problem, call):
+    if _onednn_applies(problem, call, backward=True):
         backward = _onednn.backward
     elif _tree_applies(problem, call):
         return _causal_tree.backward(backward, dout[:, rows], problem.q[:, rows], k, v, out[:, rows], lse_c,

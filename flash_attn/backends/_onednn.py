@@ -88,16 +88,21 @@ class _TransposedBlocks:
 
     def __init__(self, x: Tensor):
         self.x = x
-        self.blocks = [x[c0:c0 + COLS].t().contiguous() for c0 in range(0, x.shape[0], COLS)]
+        self.blocks = [_fp32_copy(x[c0:c0 + COLS].t()) for c0 in range(0, x.shape[0], COLS)]
 
     def __getitem__(self, cols: tuple[int, int]) -> Tensor:
         c0, c1 = cols
         block = self.blocks[c0 // COLS]
-        return block if block.shape[1] == c1 - c0 else self.x[c0:c1].t().contiguous()
+        return block if block.shape[1] == c1 - c0 else _fp32_copy(self.x[c0:c1].t())
+
+
+def _fp32_copy(x: Tensor) -> Tensor:
+    """A contiguous fp32 copy of ``x``: layout and dtype changed in one pass."""
+    return torch.empty(x.shape, dtype=torch.float32).copy_(x)
 
 
 def applies(rows: int, cols: int) -> bool:
-    """Whether a call of ``rows`` queries and ``cols`` keys (fp32 CPU, no mask) runs here."""
+    """Whether a call of ``rows`` queries and ``cols`` keys (CPU, no mask, a dtype it takes) runs here."""
     if _LINEAR is None or rows < MIN_ROWS or cols < MIN_COLS:
         return False
     mode = os.environ.get(MODE_ENV, "auto").strip().lower()
@@ -139,11 +144,13 @@ def faster_here(threads: int) -> bool:
     return min(times["onednn"]) * REQUIRED_PRODUCT_SPEEDUP <= min(times["blas"])
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, attn_mask: Optional[Tensor]) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, attn_mask: Optional[Tensor],
+           dtypes: tuple[torch.dtype, ...]) -> None:
     if dropout_p != 0 or attn_mask is not None:
         raise ValueError("the oneDNN attention kernels take no dropout and no explicit mask")
-    if not (q.dtype == k.dtype == v.dtype == torch.float32) or q.device.type != "cpu":
-        raise ValueError("the oneDNN attention kernels take fp32 CPU tensors")
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in dtypes) or q.device.type != "cpu":
+        names = " or ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise ValueError(f"this oneDNN attention kernel takes {names} CPU tensors of one dtype")
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads")
 
@@ -173,21 +180,22 @@ def _key_blocks(i0: int, i1: int, sk: int, causal: bool):
 @torch.no_grad()
 def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
             attn_mask: Optional[Tensor] = None, scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
-    """``(out (B, h, sq, d), lse fp32 (B, h, sq))`` as the fused kernel's forward."""
-    _check(q, k, v, dropout_p, attn_mask)
+    """``(out (B, h, sq, d), lse fp32 (B, h, sq))`` as the fused kernel's forward, computed in
+    fp32; bf16 inputs are converted block by block, and only ``out`` is rounded back to bf16."""
+    _check(q, k, v, dropout_p, attn_mask, (torch.float32, torch.bfloat16))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = h // hk
     c = (d ** -0.5 if scale is None else scale) * _LOG2E  # scores in base 2
-    out = torch.empty(B, sq, h, v.shape[-1], dtype=torch.float32).transpose(1, 2)
+    out = torch.empty(B, sq, h, v.shape[-1], dtype=q.dtype).transpose(1, 2)
     lse = torch.empty(B, h, sq, dtype=torch.float32)
     rows = ROWS if is_causal else FULL_FORWARD_ROWS
     for b in range(B):
         for jk in range(hk):
-            k_head = k[b, jk].contiguous()
+            k_head = _fp32_copy(k[b, jk])
             v_cols = _TransposedBlocks(v[b, jk])  # P @ V is linear(P, V^T)
             for j in range(jk * group, (jk + 1) * group):
-                q_head = q[b, j] * c
+                q_head = _fp32_copy(q[b, j]).mul_(c)
                 for i0 in range(0, sq, rows):
                     i1 = min(sq, i0 + rows)
                     m = total = acc = None
@@ -219,8 +227,9 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, log
              dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Optional[Tensor] = None,
              scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` as the fused kernel's backward: the probabilities come from the given
-    ``logsumexp`` and the correction term from the given ``out``."""
-    _check(q, k, v, dropout_p, attn_mask)
+    ``logsumexp`` and the correction term from the given ``out``. fp32 only (PyTorch's bf16
+    backward kernel is the quicker one for bf16)."""
+    _check(q, k, v, dropout_p, attn_mask, (torch.float32,))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = h // hk
