@@ -100,8 +100,7 @@ def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
         return False
     if dtype == torch.float16 and not _native_fp16():
         return False
-    bf16_onednn = dtype == torch.bfloat16 and min(sq, sk) >= BF16_ONEDNN_MIN
-    if (dtype == torch.float32 or bf16_onednn) and _onednn.applies(sq, sk):
+    if _onednn_takes(dtype, sq, sk):
         return False
     if causal:
         if sq != sk or _causal_tree.applies(sq, sk, dtype):
@@ -396,14 +395,21 @@ def _plain_full(problem: core.Problem, call: _Call) -> bool:
 BF16_ONEDNN_MIN = 512
 
 
-def _onednn_applies(problem: core.Problem, call: _Call, backward: bool = False) -> bool:
-    """A call without mask or ALiBi that :mod:`._onednn` computes faster: fp32, and the forward of
-    bf16 from ``BF16_ONEDNN_MIN`` rows and keys."""
-    rows, cols = call.i1 - call.i0, call.c1 - call.c0
-    dtype = problem.q.dtype
-    if dtype != torch.float32 and (dtype != torch.bfloat16 or backward or min(rows, cols) < BF16_ONEDNN_MIN):
+def _onednn_takes(dtype: torch.dtype, rows: int, cols: int, backward: bool = False) -> bool:
+    """Whether :mod:`._onednn` computes a ``rows x cols`` call without mask or ALiBi, faster than
+    the fused kernel: fp32, and the forward of bf16 from ``BF16_ONEDNN_MIN`` rows and keys."""
+    if dtype == torch.bfloat16:
+        if backward or min(rows, cols) < BF16_ONEDNN_MIN:
+            return False
+    elif dtype != torch.float32:
         return False
-    return not call.masked and problem.alibi_slopes is None and _onednn.applies(rows, cols)
+    return _onednn.applies(rows, cols)
+
+
+def _onednn_applies(problem: core.Problem, call: _Call, backward: bool = False) -> bool:
+    """A call of ``problem`` that :func:`_onednn_takes`."""
+    return (not call.masked and problem.alibi_slopes is None
+            and _onednn_takes(problem.q.dtype, call.i1 - call.i0, call.c1 - call.c0, backward))
 
 
 def _tree_applies(problem: core.Problem, call: _Call) -> bool:

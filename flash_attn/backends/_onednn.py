@@ -144,6 +144,13 @@ def faster_here(threads: int) -> bool:
     return min(times["onednn"]) * REQUIRED_PRODUCT_SPEEDUP <= min(times["blas"])
 
 
+def warm_up() -> None:
+    """A process's one-time set-up: oneDNN's first product (its library state, ~15 MiB of memory)
+    and :func:`faster_here`'s probe, so that a benchmark does not count them as a call's."""
+    if _LINEAR is not None:
+        faster_here(torch.get_num_threads())
+
+
 def _check(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, attn_mask: Optional[Tensor],
            dtypes: tuple[torch.dtype, ...]) -> None:
     if dropout_p != 0 or attn_mask is not None:
