@@ -46,8 +46,8 @@ def small_tiles(monkeypatch):
 
 
 def _contract_f64(q, k, v, causal, scale, lse=None):
-    """Float64 attention with the fused kernel's conventions, ``(B, h, s, d)``: ``(out, lse)``,
-    and the probabilities from the given ``lse`` when there is one."""
+    """Float64 attention with the fused kernel's conventions, ``(B, h, s, d)``: ``(out, its own
+    lse, the probabilities)``, the probabilities from the given ``lse`` when there is one."""
     q, k, v = (t.double() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)

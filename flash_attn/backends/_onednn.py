@@ -129,7 +129,7 @@ def faster_here(threads: int) -> bool:
     six fresh processes on one and two threads. Its own generator leaves the global RNG alone.
     """
     generator = torch.Generator().manual_seed(0)
-    a, w = torch.randn(ROWS, 64, generator=generator), torch.randn(COLS, 64, generator=generator)
+    a, w = torch.randn(FULL_FORWARD_ROWS, 64, generator=generator), torch.randn(COLS, 64, generator=generator)
     times = {"blas": [], "onednn": []}
     try:
         with torch.no_grad():
