@@ -3,32 +3,57 @@
 ``FLASH_ATTN_BACKEND`` is read on every call (so tests and users can switch it at run time):
 
 * ``auto`` (default): CUDA tensors go to ``aot``, else ``triton`` (whichever can run on the
-  device; with neither, a one-time warning names why), every other device to ``reference``;
+  device), every other device to ``reference``. When ``aot`` cannot run on a GPU, one warning
+  per device names why (a driver too old for the images, no image for the GPU, ...) and the
+  backend used instead;
 * ``aot`` | ``triton`` | ``interpret`` | ``reference``: that backend, or a clear error naming
   what is missing when it cannot run on the device at all.
 
 A backend may still refuse one call (a head dim it was not built for, fp32 inputs, ...): it
-answers why, and the call runs on the next backend of the chain (``aot`` -> ``triton`` ->
-``reference``; the exact PyTorch reference runs everything), with a one-time warning naming the
-reason. This module is the only place that decides and warns.
+answers why, before anything runs, and the call runs on the next backend of the chain (``aot`` ->
+``triton`` -> ``reference``; the exact PyTorch reference runs everything), with a one-time
+warning naming the reason. A backend may also fail on first use (Triton without a C compiler for
+its launcher, an unwritable Triton cache, a kernel that does not compile: the backend raises its
+``BackendFailed``): the call runs on the next backend, with one warning naming the cause and the
+fix; a failure of the machine (compiler, cache) moves every later call too.
+
+``FLASH_ATTN_STRICT_BACKEND=1`` turns those fallbacks into errors for the backend that
+``FLASH_ATTN_BACKEND`` names (``aot``, ``triton`` or ``interpret``): a call it refuses, or a
+failure on first use, raises :class:`BackendRefusedError` naming the backend and the reason (no
+effect under ``auto`` or ``reference``). :func:`last_backend` names the backend that ran this
+thread's last call (for tests that must know; calls with nothing to compute and the plain dense
+CPU shortcut of :mod:`flash_attn.ops` do not reach a backend and leave it unchanged).
+
+CUDA-graph capture: the reference backend reads tensor values on the host, which capture
+forbids. A CUDA call that would run on it while the stream is capturing raises
+:class:`GraphCaptureError` instead, before anything runs, naming why the kernels did not take it.
+
+This module is the only place that decides and warns.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import threading
 import warnings
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
+STRICT_ENV = "FLASH_ATTN_STRICT_BACKEND"
 BACKEND_NAMES = ("auto", "aot", "triton", "interpret", "reference")
+# The backends FLASH_ATTN_STRICT_BACKEND holds to their calls.
+KERNEL_BACKENDS = ("aot", "triton", "interpret")
 # Preference order of ``auto`` on a CUDA device.
 _CUDA_PREFERENCE = ("aot", "triton")
 # Where a refused call goes next.
 _NEXT = {"aot": ("triton", "reference"), "triton": ("reference",), "interpret": ("reference",), "reference": ()}
+# Device types whose calls ``auto`` gives to the GPU kernel backends (tests add "meta" to stand
+# in for a GPU).
+GPU_DEVICE_TYPES = ("cuda",)
 
 _MODULES = {
     "aot": "flash_attn.backends.aot",
@@ -38,10 +63,21 @@ _MODULES = {
 }
 _warned: set[str] = set()
 _chains: dict[tuple, tuple] = {}
+_failed: dict[str, "_Skip"] = {}  # backend -> how it failed for good on this machine (first use)
+_thread = threading.local()
 
 
 class BackendUnavailableError(RuntimeError):
     """The backend named by ``FLASH_ATTN_BACKEND`` cannot run here."""
+
+
+class BackendRefusedError(RuntimeError):
+    """Under ``FLASH_ATTN_STRICT_BACKEND=1``: the named backend refused a call, or failed on it."""
+
+
+class GraphCaptureError(RuntimeError):
+    """A call no GPU kernel takes, made during CUDA-graph capture (the reference backend cannot
+    run there)."""
 
 
 def requested_backend() -> str:
@@ -51,6 +87,22 @@ def requested_backend() -> str:
             f"{BACKEND_ENV}={name!r} is not a backend; expected one of {', '.join(BACKEND_NAMES)}"
         )
     return name
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def strict() -> bool:
+    """Whether ``FLASH_ATTN_STRICT_BACKEND`` is set (``1``/``true``/``yes``/``on``)."""
+    value = os.environ.get(STRICT_ENV, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{STRICT_ENV}={value!r}: expected 1 or 0")
+    return value in _TRUE
+
+
+def last_backend() -> Optional[str]:
+    """The backend that ran this thread's last call (``None`` before the first)."""
+    return getattr(_thread, "backend", None)
 
 
 _loaded: dict[str, tuple] = {}
@@ -74,7 +126,10 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
     module, reason = _load(name)
     if module is None:
         return reason
-    return module.unavailable_reason(device)
+    try:
+        return module.unavailable_reason(device)
+    except Exception as exc:  # noqa: BLE001  (a backend that cannot tell is not used: the reason says why)
+        return f"its check of the device failed ({type(exc).__name__}: {exc})"
 
 
 def warn_once(key: str, message: str) -> None:
@@ -86,7 +141,7 @@ def warn_once(key: str, message: str) -> None:
 
 def auto_choice(device: torch.device) -> tuple[str, list[str]]:
     """What ``auto`` picks on ``device`` and why each better backend was passed over."""
-    if device.type != "cuda":
+    if device.type not in GPU_DEVICE_TYPES:
         return "reference", [f"{device.type} tensors always use the reference backend"]
     reasons = []
     for candidate in _CUDA_PREFERENCE:
@@ -97,13 +152,24 @@ def auto_choice(device: torch.device) -> tuple[str, list[str]]:
     return "reference", reasons
 
 
+def _warn_downgrade(first: str, reasons: list[str], device: torch.device) -> None:
+    """One warning per GPU where ``auto`` cannot use the shipped kernels, with the reasons."""
+    if device.type not in GPU_DEVICE_TYPES or first == "aot":
+        return
+    if first == "reference":
+        warn_once(f"fallback:{device}",
+                  f"flash_attn: no GPU kernel backend can run on {device} ({'; '.join(reasons)}); "
+                  f"using the exact but slower PyTorch reference backend.")
+    else:
+        warn_once(f"downgrade:{device}",
+                  f"flash_attn: the shipped kernels (aot) cannot run on {device} ({'; '.join(reasons)}); using the "
+                  f"{first} backend (kernels compiled on first use: slower to start, same results).")
+
+
 def _make_chain(name: str, device: torch.device) -> tuple[str, ...]:
     if name == "auto":
         first, reasons = auto_choice(device)
-        if first == "reference" and device.type == "cuda":
-            warn_once(f"fallback:{device}",
-                      f"flash_attn: no GPU kernel backend can run on {device} ({'; '.join(reasons)}); "
-                      f"using the exact but slower PyTorch reference backend.")
+        _warn_downgrade(first, reasons, device)
     else:
         reason = unavailable_reason(name, device)
         if reason is not None:
@@ -124,9 +190,11 @@ def chain(device: torch.device) -> tuple[str, ...]:
 
 
 def reset() -> None:
-    """Forget the chains and warnings worked out so far (tests that change what is installed)."""
+    """Forget the chains, failures and warnings worked out so far (tests that change what is
+    installed)."""
     _chains.clear()
     _warned.clear()
+    _failed.clear()
 
 
 def select_backend(device: torch.device) -> ModuleType:
@@ -141,19 +209,87 @@ def _runner(module: ModuleType, op: str, args, kwargs) -> Callable | str:
     return prepare(*args, **kwargs)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (asked only before the reference runs)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class _Skip:
+    """A backend the call did not run on: it refused the call (``failure`` False: answered before
+    anything ran) or failed on it (the cause and fix, from its ``BackendFailed``)."""
+
+    __slots__ = ("name", "why", "failure")
+
+    def __init__(self, name: str, why: str, failure: bool = False):
+        self.name, self.why, self.failure = name, why, failure
+
+
+def _backend_failure(name: str, exc: Exception) -> Optional[_Skip]:
+    """The backend's own failure (its ``BackendFailed``), or ``None`` for any other error."""
+    failed = getattr(_load(name)[0], "BackendFailed", None)
+    if failed is None or not isinstance(exc, failed):
+        return None
+    skip = _Skip(name, str(exc), failure=True)
+    if exc.scope == "backend":  # the machine, not the call: every later call goes elsewhere
+        _failed[name] = skip
+    return skip
+
+
+def _check_strict(skip: _Skip, op: str) -> None:
+    if skip.name in KERNEL_BACKENDS and strict() and requested_backend() == skip.name:
+        what = "failed on" if skip.failure else "refused"
+        raise BackendRefusedError(f"{STRICT_ENV}=1: the {skip.name} backend ({BACKEND_ENV}={skip.name}) {what} this "
+                                  f"{op}: {skip.why}")
+
+
+def _capture_error(op: str, device: torch.device, skipped: list[_Skip]) -> GraphCaptureError:
+    if skipped:
+        why = "; ".join(f"the {s.name} backend {'failed' if s.failure else 'refused it'}: {s.why}" for s in skipped)
+    elif requested_backend() == "reference":
+        why = f"{BACKEND_ENV}=reference"
+    else:
+        why = f"no GPU kernel backend can run on {device} ({'; '.join(auto_choice(device)[1])})"
+    return GraphCaptureError(
+        f"flash_attn: this {op} cannot run during CUDA-graph capture: {why}. The only backend left, the PyTorch "
+        f"reference, reads tensor values on the host, which capture forbids; nothing was run. Make this call "
+        f"outside the captured region, or one the kernels take (e.g. fp16/bf16 instead of fp32).")
+
+
+def _tell(op: str, skipped: list[_Skip], ran: str) -> None:
+    """One warning per reason a call did not run where it was meant to."""
+    for s in skipped:
+        if s.failure:
+            warn_once(f"failed:{s.name}:{s.why}",
+                      f"flash_attn: the {s.name} backend failed on first use: {s.why}. Running on the {ran} backend.")
+        else:
+            warn_once(f"{s.name}:{op}:{s.why}",
+                      f"flash_attn: the {s.name} backend cannot run this {op} ({s.why}); running it on the {ran} "
+                      f"backend.")
+
+
 def run(op: str, device: torch.device, *args, **kwargs):
     """Run ``op`` (``"forward"``, ``"backward"`` or ``"forward_kvcache"`` of the backend contract,
     :mod:`flash_attn.backends`) on the first backend of the chain that serves the call."""
-    names = chain(device)
-    refused = None
-    for name in names:
-        runner = _runner(_load(name)[0], op, args, kwargs)
-        if isinstance(runner, str):
-            refused = refused or (name, runner)
-            continue
-        if refused is not None:
-            first, why = refused
-            warn_once(f"{first}:{op}:{why}",
-                      f"flash_attn: the {first} backend cannot run this {op} ({why}); running it on the {name} backend.")
-        return runner()
-    raise RuntimeError(f"no backend ran the {op}: {refused}")  # the reference runs every call
+    skipped: list[_Skip] = []
+    for name in chain(device):
+        if name == "reference" and _capturing(device):
+            raise _capture_error(op, device, skipped)
+        skip = _failed.get(name)
+        if skip is None:
+            runner = _runner(_load(name)[0], op, args, kwargs)
+            if isinstance(runner, str):
+                skip = _Skip(name, runner)
+            else:
+                _thread.backend = name
+                try:
+                    result = runner()
+                except Exception as exc:
+                    skip = _backend_failure(name, exc)
+                    if skip is None:
+                        raise
+                else:
+                    _tell(op, skipped, name)
+                    return result
+        _check_strict(skip, op)
+        skipped.append(skip)
+    raise RuntimeError(f"no backend ran the {op}: {skipped[0].why if skipped else ''}")  # the reference runs every call

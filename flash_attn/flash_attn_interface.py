@@ -201,8 +201,8 @@ def flash_attn_varlen_func(
         out ``(total_q, nheads, headdim)``; with ``return_attn_probs`` also softmax_lse float32
         ``(nheads, total_q)`` and S_dmask float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)``.
     """
-    max_seqlen_q = validation.as_max_seqlen(max_seqlen_q, "max_seqlen_q")
-    max_seqlen_k = validation.as_max_seqlen(max_seqlen_k, "max_seqlen_k")
+    max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
+                                                               exact=bool(return_attn_probs))
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

@@ -87,13 +87,17 @@ def check_cu_seqlens(cu, name: str, device: torch.device) -> None:
         _fail(ValueError, f"{name} is on {cu.device} but q is on {device}; they must be on the same device")
 
 
-def as_max_seqlen(value, name: str) -> int:
+def as_max_seqlen(value, name: str, bound: Optional[int] = None) -> int:
     """``value`` as a non-negative Python int; 0-d integer tensors (transformers passes them for
-    packed sequences) are accepted through ``operator.index``."""
+    packed sequences) are accepted. One on a device other than the CPU is not read when ``bound``
+    (an upper bound from the shapes) is given: reading it waits for the device and breaks
+    CUDA-graph capture, and ``bound`` is returned instead (see :func:`varlen_max_seqlens`)."""
     if isinstance(value, bool):
         _fail(ValueError, f"{name} must be a non-negative int, got {value!r}")
     if isinstance(value, (int, torch.SymInt)):
         number = value  # kept as is: operator.index would specialise a traced SymInt
+    elif bound is not None and _device_scalar(value):
+        return bound
     else:
         try:
             number = operator.index(value)
@@ -102,6 +106,35 @@ def as_max_seqlen(value, name: str) -> int:
     if number < 0:
         _fail(ValueError, f"{name} must be a non-negative int, got {number}")
     return number
+
+
+def _device_scalar(value) -> bool:
+    """A 0-d integer tensor whose value lives on a device (reading it would wait for the device)."""
+    return (isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type != "cpu"
+            and not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool))
+
+
+def _packed_bounds(q, k, block_table) -> tuple[Optional[int], Optional[int]]:
+    """Upper bounds of the longest query and key sequence from the shapes alone: the packed rows,
+    or a block-table row of pages; ``None`` where the shapes are not those of a varlen call."""
+    bound_q = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else None
+    bound_k = None
+    if isinstance(k, torch.Tensor):
+        if block_table is None and k.dim() == 3:
+            bound_k = k.shape[0]
+        elif isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and k.dim() == 4:
+            bound_k = block_table.shape[1] * k.shape[1]
+    return bound_q, bound_k
+
+
+def varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k, exact: bool = False) -> tuple[int, int]:
+    """``max_seqlen_q/k`` of a varlen call as ints (:func:`as_max_seqlen`). A 0-d tensor on a GPU
+    is not read unless ``exact``: the kernels take each sequence's length from cu_seqlens and size
+    their grids from this value (programs past a sequence's end return at once), so a bound from the
+    shapes gives the same results without a device sync. ``exact`` where the value sizes an output
+    (``return_attn_probs``: ``(batch, nheads, max_seqlen_q, max_seqlen_k)``)."""
+    bound_q, bound_k = (None, None) if exact else _packed_bounds(q, k, block_table)
+    return as_max_seqlen(max_seqlen_q, "max_seqlen_q", bound_q), as_max_seqlen(max_seqlen_k, "max_seqlen_k", bound_k)
 
 
 def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) -> None:

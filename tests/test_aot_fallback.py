@@ -10,12 +10,18 @@ What these stand-ins cannot show: that a real driver answers with these errors i
   release's major; PTX: its ISA version), and the reason names the driver;
 * a load the driver refuses (unsupported PTX, no image for the GPU, an invalid image, an old
   driver) refuses the call before anything runs, the dispatcher runs it elsewhere with one
-  warning naming the driver's answer and the backend that ran it, and later calls on that device
-  are refused at once (no retry per call).
+  warning naming the driver's answer and the backend that ran it; that image is never tried
+  again, while shapes whose images loaded keep running on ``aot``;
+* a refusal that may pass (out of memory, a load during CUDA-graph capture) refuses that call
+  only: the next call of the shape loads the image again;
+* a manifest that is valid JSON but malformed never raises from a call: the whole file (not an
+  object, no ``kernels`` list, no usable entry) makes ``aot`` unavailable with the reason, a
+  malformed entry is left out and the calls it would serve run elsewhere.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -33,7 +39,9 @@ def _manifest(entries: list[dict]) -> aot_manifest.Manifest:
 
 
 def _entry(arch: str, ptxas: str = "13.0", ptx_isa: str = "9.0", key: str = "k") -> dict:
-    return {"arch": arch, "key": key, "ptxas": ptxas, "ptx_isa": ptx_isa}
+    """A well-formed entry (every field the schema requires; the image itself is never read here)."""
+    return {"arch": arch, "key": key, "ptxas": ptxas, "ptx_isa": ptx_isa, "name": key, "image": f"images/{key}",
+            "signature": ["*fp16:16", "i32"], "num_warps": 4, "shared": 0}
 
 
 @pytest.mark.parametrize("isa,release", [("8.0", (12, 0)), ("8.4", (12, 4)), ("8.7", (12, 8)), ("8.8", (12, 9)),
@@ -110,6 +118,12 @@ def _call():
     return dispatch.run("forward", q.device, q, k, v, params), (q, k, v, params)
 
 
+def _call_d128():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 9, 4, 128, generator=g).half()
+    return dispatch.run("forward", q.device, q, q, q, AttentionParams(0.125, -1, 0))
+
+
 @pytest.mark.parametrize("answer", list(DRIVER_ANSWERS))
 def test_a_refused_load_fails_over_once(fake_gpu, monkeypatch, answer):
     images, launched = fake_gpu
@@ -130,14 +144,60 @@ def test_a_refused_load_fails_over_once(fake_gpu, monkeypatch, answer):
 
     want, want_lse, _ = reference.forward(q, k, v, params)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
-    # later calls, other shapes too, are refused at once: no second load, no second warning
+    # the refused image is not tried again; another shape tries its own image once, and the same
+    # answer is not warned about again
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _call()
-        g = torch.Generator().manual_seed(1)
-        q2 = torch.randn(1, 9, 4, 128, generator=g).half()
-        dispatch.run("forward", q2.device, q2, q2, q2, params)
-    assert len(loads) == 1 and images.broken
+        _call_d128()
+        _call_d128()
+    assert len(loads) == 2 and len(images.failed) == 2 and launched == []
+
+
+def test_a_refused_image_leaves_the_shapes_that_ran_on_aot(fake_gpu, monkeypatch):
+    """One image the driver refuses disables that image, not the backend (it used to turn ``aot``
+    off for the process, also for shapes that had run)."""
+    images, launched = fake_gpu
+    refused = {}
+
+    def load(kid, device):
+        if kid in refused:
+            raise RuntimeError(f"flash_attn::aot_kernel_attributes: cannot load kernel: "
+                               f"{DRIVER_ANSWERS['invalid image']}")
+
+    kernel_ids = iter(range(100))
+    monkeypatch.setattr(aot.op_library, "register_kernel", lambda image, entry: next(kernel_ids))
+    monkeypatch.setattr(aot, "_load", load)
+    _call()  # loads its image: kernel 0
+    assert len(launched) == 1
+    refused[1] = True  # the next image registered (another shape's) is refused
+    with pytest.warns(UserWarning, match="cudaErrorInvalidKernelImage"):
+        _call_d128()
+    assert len(launched) == 1 and list(images.failed.values())
+    _call()  # the shape that ran still runs on its image
+    assert len(launched) == 2
+
+
+@pytest.mark.parametrize("answer", [
+    "cudaErrorMemoryAllocation: out of memory",
+    "cudaErrorStreamCaptureUnsupported: operation not permitted when stream is capturing",
+])
+def test_a_transient_refusal_is_tried_again(fake_gpu, monkeypatch, answer):
+    """Out of memory (PyTorch's allocator holding the rest) or a first load during capture: this call
+    runs elsewhere, the next one loads the image and runs on ``aot``."""
+    images, launched = fake_gpu
+    answers = [RuntimeError(f"flash_attn::aot_kernel_attributes: cannot load kernel on device 0: {answer}")]
+
+    def load(kid, device):
+        if answers:
+            raise answers.pop()
+
+    monkeypatch.setattr(aot, "_load", load)
+    with pytest.warns(UserWarning, match="tried again"):
+        _call()
+    assert launched == [] and not images.failed
+    _call()
+    assert len(launched) == 1
 
 
 def test_an_image_that_fails_to_register_fails_over(fake_gpu, monkeypatch):
@@ -159,10 +219,96 @@ def test_the_images_run_when_the_driver_loads_them(fake_gpu, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback
         _call()
-    assert len(launched) == 1 and images.broken is None
+    assert len(launched) == 1 and not images.failed
 
 
 def test_selection_prefers_a_loadable_image_over_none():
     shipped = ["sm_80", "sm_90a", "compute_80"]
     assert archs.select_image((9, 0), shipped).arch.name == "sm_90a"
     assert archs.select_image((9, 0), ["sm_80", "compute_80"]).kind == "ptx"
+
+
+# --- a manifest that is valid JSON but malformed ----------------------------------------------------
+
+
+def _write(tmp_path, monkeypatch, data) -> None:
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    monkeypatch.setenv(aot_manifest.DIR_ENV, str(tmp_path))
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """What ``aot.unavailable_reason`` asks about the machine, as on an H100 with a CUDA 13 driver
+    (the op library loaded, a device of capability 9.0); the manifest is whatever a test writes."""
+    monkeypatch.setattr(aot.op_library, "status", lambda: aot.op_library.LibraryStatus(True, "lib", ""))
+    monkeypatch.setattr(aot.op_library, "cuda_info", lambda: {"runtime_version": 13000, "driver_version": 13000,
+                                                                 "device_count": 1, "error": ""})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(aot_manifest, "_manifest_cache", {})
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "auto")
+    return torch.device("cuda", 0)
+
+
+UNUSABLE = {  # the whole file: the reason aot is unavailable
+    "a top-level list": ([_entry("sm_90a")], "must be a JSON object, got list"),
+    "no kernels": ({"format": 1}, "'kernels' must be a list"),
+    "a newer format": ({"format": 99, "kernels": [_entry("sm_90a")]}, "format 99"),
+    "no entry with a key": ({"kernels": [{k: v for k, v in _entry("sm_90a").items() if k != "key"}]}, "no 'key'"),
+}
+
+
+@pytest.mark.parametrize("case", list(UNUSABLE))
+def test_an_unusable_manifest_makes_aot_unavailable_with_the_reason(h100, tmp_path, monkeypatch, case):
+    data, why = UNUSABLE[case]
+    _write(tmp_path, monkeypatch, data)
+    reason = aot.unavailable_reason(h100)
+    assert reason and why in reason and str(tmp_path) in reason
+    monkeypatch.setattr(dispatch, "unavailable_reason",
+                        lambda name, device: None if name == "triton" else aot.unavailable_reason(device))
+    with pytest.warns(UserWarning, match="cannot run on cuda:0"):
+        assert dispatch.chain(h100) == ("triton", "reference")  # no exception in the call
+
+
+BAD_ENTRIES = {  # one entry: left out, with the reason
+    "ptxas a number": ({"ptxas": 13}, "'ptxas' must be a version string"),
+    "an unreadable arch": ({"arch": "sm_9x"}, "cannot read GPU architecture 'sm_9x'"),
+    "no signature": ({"signature": None}, "no 'signature'"),
+    "no name": ({"name": None}, "no 'name'"),
+    "no num_warps": ({"num_warps": None}, "no 'num_warps'"),
+    "num_warps a string": ({"num_warps": "4"}, "'num_warps' must be a non-empty int"),
+}
+
+
+def _changed(entry: dict, changes: dict) -> dict:
+    entry = {**entry, **changes}
+    return {k: v for k, v in entry.items() if v is not None}
+
+
+@pytest.mark.parametrize("case", list(BAD_ENTRIES))
+def test_a_malformed_entry_is_left_out(h100, tmp_path, monkeypatch, case):
+    changes, why = BAD_ENTRIES[case]
+    _write(tmp_path, monkeypatch, {"kernels": [_changed(_entry("sm_90a", key="bad"), changes),
+                                               _entry("sm_90a", key="good")]})
+    assert aot.unavailable_reason(h100) is None  # the other entry serves
+    m, _ = aot_manifest.manifest()
+    assert list(m.entries) == [("sm_90a", "good")]
+    assert len(m.problems) == 1 and why in m.problems[0] and "bad" in m.problems[0]
+
+
+@pytest.mark.parametrize("case", ["no signature", "no name", "no num_warps", "ptxas a number"])
+def test_a_call_that_needs_a_malformed_entry_runs_elsewhere(fake_gpu, monkeypatch, case):
+    """(These raised KeyError from the backend, outside its ``except RuntimeError``.)"""
+    from synthetic_images import synthetic_manifest
+
+    images, launched = fake_gpu
+    good = synthetic_manifest()
+    data = {"kernels": [_changed(e, BAD_ENTRIES[case][0]) if e["kernel"] == "attn_fwd_kernel" else e
+                        for e in good.entries.values()]}
+    images.manifest = aot_manifest.Manifest("/nonexistent", data)
+    monkeypatch.setattr(aot, "_load", lambda kid, device: None)
+    with pytest.warns(UserWarning, match="malformed"):
+        (out, lse, _), (q, k, v, params) = _call()
+    assert launched == []

@@ -206,13 +206,24 @@ def test_cuda_pytorch_that_cannot_see_the_gpu(capsys, gpu_machine, monkeypatch):
     assert "no CUDA-capable device" in finding["detail"] and "CUDA_VISIBLE_DEVICES" in finding["fix"]
 
 
+def _manifest_entry(arch: str, **changes) -> dict:
+    """One entry with every field the manifest's schema requires (what the kernel build writes)."""
+    entry = {"arch": arch, "key": "fwd", "name": "fwd", "image": f"images/{arch}/fwd", "signature": ["*fp16:16", "i32"],
+             "num_warps": 4, "shared": 0, "ptxas": "13.0", "ptx_isa": "9.0"}
+    entry.update(changes)
+    return {k: v for k, v in entry.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
 def _write_manifest(tmp_path, monkeypatch, archs) -> Path:
     """A kernel folder with the manifest layout the kernel build writes, chosen the way the ``aot``
     backend chooses it: ``FLASH_ATTN_AOT_DIR``."""
     folder = tmp_path / "aot"
     folder.mkdir()
     manifest = folder / "manifest.json"
-    kernels = [{"arch": a, "key": "fwd", "name": "fwd", "image": f"images/{a}/fwd"} for a in archs]
+    kernels = [_manifest_entry(a) for a in archs]
     manifest.write_text(json.dumps({"format": 1, "archs": archs, "kernels": kernels}))
     monkeypatch.setenv(aot_manifest.DIR_ENV, str(folder))
     return manifest
@@ -236,6 +247,38 @@ def test_kernel_folder_set_by_the_environment_without_a_manifest(capsys, tmp_pat
     finding = checks(report, "error")["aot-kernels"][0]
     assert str(tmp_path / "nothing-here" / "manifest.json") in finding["detail"]
     assert "FLASH_ATTN_AOT_DIR" in finding["fix"]
+
+
+def _write_raw_manifest(tmp_path, monkeypatch, data) -> Path:
+    folder = tmp_path / "aot"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps(data))
+    monkeypatch.setenv(aot_manifest.DIR_ENV, str(folder))
+    return folder / "manifest.json"
+
+
+def test_a_manifest_that_is_valid_json_but_not_a_manifest(capsys, tmp_path, monkeypatch):
+    """(Before the schema check, a top-level list made aot.unavailable_reason raise on every call.)"""
+    _write_raw_manifest(tmp_path, monkeypatch, [_manifest_entry("sm_80")])
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["aot-kernels"][0]
+    assert "must be a JSON object, got list" in finding["detail"]
+
+
+def test_malformed_manifest_entries_are_listed_and_left_out(capsys, tmp_path, monkeypatch):
+    entries = [_manifest_entry("sm_80"), _manifest_entry("sm_90a", key=_DROP), _manifest_entry("sm_90a", ptxas=13),
+               _manifest_entry("sm_9x"), _manifest_entry("sm_80", key="bwd", signature=_DROP)]
+    _write_raw_manifest(tmp_path, monkeypatch, {"format": 1, "kernels": entries})
+    status, report = run_json(capsys)
+    kernels = report["aot_kernels"]
+    assert kernels["archs"] == ["sm_80"] and kernels["kernel_count"] == 1  # only the well-formed entry
+    assert kernels["invalid_entries"]["count"] == 4
+    finding = checks(report, "warning")["aot-kernels"][0]
+    assert "4 entries" in finding["summary"] and "no 'key'" in finding["detail"] and "'ptxas'" in finding["detail"]
+    assert "build-kernels" in finding["fix"]
+    doctor.main([])
+    assert "4 entries of the kernel manifest are malformed" in capsys.readouterr().out
 
 
 def test_gpu_arch_without_a_shipped_kernel_covered_by_triton(capsys, gpu_machine, tmp_path, monkeypatch):

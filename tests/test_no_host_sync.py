@@ -1,29 +1,36 @@
-"""No call of the public API reads a tensor value on the host on the GPU kernel paths.
+"""No call of the public API reads a tensor value on the host on a CUDA path, fallbacks included.
 
 Reading a CUDA tensor on the host (``.item()``, ``.tolist()``, ``bool()``, a copy to the CPU)
 waits for the device and breaks CUDA-graph capture ("operation not permitted when stream is
 capturing"). Checked here without a GPU: every public function runs with **meta tensors**, which
 have shapes, strides and data pointers but no values (any host read raises), through the real
-code of the ``aot`` and ``triton`` paths:
+code of the default chain (``FLASH_ATTN_BACKEND=auto``: ``aot`` -> ``triton`` -> ``reference``),
+with the meta device standing in for an H100 (``dispatch.GPU_DEVICE_TYPES``):
 
 * the public wrappers (validation, defaults) and the body of each ``flash_attn::*`` custom op,
   called directly as in eager calls (for meta tensors the op would run its fake implementation);
-* the dispatcher, the backend, the planner and the plan's execution (preparations, buffers,
+* the dispatcher, the backends, the planner and the plan's execution (preparations, buffers,
   the dropout seed drawn on the device);
 * the launches: ``aot`` through the op library's real ``aot_launch`` (its meta kernel checks
   every argument and launches nothing), ``triton`` through a recorder standing in for Triton's
   launcher (what it cannot show: Triton's own launch code, which reads no tensor value either).
 
-Calls go to the backend under test only: a refusal (a fallback to the reference backend, which
-may read values) fails the test.
+Every call is made as if during CUDA-graph capture (``dispatch._capturing``; what the stand-in
+cannot show: ``torch.cuda.is_current_stream_capturing()`` itself). A call the kernels take must
+run on them; a call they all refuse (fp32, the paged varlen backward, a grid too large, a GPU no
+kernel backend runs on, Triton failing on first use) would run on the reference backend, which
+reads values: it must raise :class:`~flash_attn.dispatch.GraphCaptureError` naming why, before
+any work (a host read before it would raise another error on meta tensors).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
-from flash_attn import dispatch, ops
+from flash_attn import dispatch, ops, validation
 from flash_attn.aot import manifest as aot_manifest, archs
 from flash_attn.backends import aot, triton as triton_backend
 from flash_attn.planning import configs, plan as P
@@ -43,16 +50,8 @@ def custom_op_bodies(monkeypatch):
     monkeypatch.delenv("FLASH_ATTN_DEBUG", raising=False)
 
 
-@pytest.fixture
-def only(monkeypatch):
-    def use(name: str):
-        monkeypatch.setattr(dispatch, "chain", lambda device: (name,))
-    return use
-
-
-@pytest.fixture
-def aot_on_meta(monkeypatch, only):
-    """The ``aot`` backend as it runs on an H100 (sm_90a images of this installation)."""
+def _images_for_h100():
+    """The installed sm_90a images as the ``aot`` backend uses them on an H100 (or why not here)."""
     status = aot.op_library.status()
     if not status.loaded:
         pytest.skip(status.reason)
@@ -62,26 +61,36 @@ def aot_on_meta(monkeypatch, only):
     choice = manifest.image_for((9, 0))
     if not choice.supported:
         pytest.skip(choice.reason)
-    images = aot._DeviceImages(manifest, choice.arch.name,
-                               P.Target(configs.arch_family(archs.config_capability((9, 0), choice)), 132, aot=True))
-    monkeypatch.setattr(aot, "_device_images", lambda device: images)
-    launched = []
-    real = aot._launch_op()
-    monkeypatch.setattr(aot, "_launch_op", lambda: lambda kid, grid, *a: (real(kid, grid, *a), launched.append(kid)))
-    only("aot")
-    return launched
+    return aot._DeviceImages(manifest, choice.arch.name,
+                             P.Target(configs.arch_family(archs.config_capability((9, 0), choice)), 132, aot=True))
 
 
 @pytest.fixture
-def triton_on_meta(monkeypatch, only):
-    """The ``triton`` backend's plans for an H100, with Triton's launcher replaced by a recorder."""
-    launched = []
+def gpu_on_meta(monkeypatch, custom_op_bodies):
+    """The default chain on an H100 for meta tensors, every call made during capture. Returns the
+    launches by backend (``{"aot": [kernel ids], "triton": [(kernel, tensors)]}``)."""
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "auto")
+    monkeypatch.setattr(dispatch, "GPU_DEVICE_TYPES", ("cuda", "meta"))
+    monkeypatch.setattr(dispatch, "_capturing", lambda device: True)
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_failed", {})
+    launched = {"aot": [], "triton": []}
+    images = _images_for_h100()
+    monkeypatch.setattr(aot, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(aot, "_device_images", lambda device: images)
+    real = aot._launch_op()
+    monkeypatch.setattr(aot, "_launch_op",
+                        lambda: lambda kid, grid, *a: (real(kid, grid, *a), launched["aot"].append(kid)))
+    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(triton_backend._backend, "target", lambda device: P.Target("sm90", 132))
-    monkeypatch.setattr(triton_backend._backend, "run_launch", lambda launch, tensors, device: launched.append(
-        (launch.kernel, [tensors[v] for _, v in launch.args if isinstance(v, P.Slot)])))
+    monkeypatch.setattr(triton_backend._backend, "run_launch", lambda launch, tensors, device: launched[
+        "triton"].append((launch.kernel, [tensors[v] for _, v in launch.args if isinstance(v, P.Slot)])))
     monkeypatch.setattr(triton_backend._backend, "plans", type(triton_backend._backend.plans)())
-    only("triton")
-    return launched
+    with warnings.catch_warnings(record=True) as notes:  # the refusals' warnings, for failure messages
+        warnings.simplefilter("always")
+        launched["notes"] = notes
+        yield launched
 
 
 def public_calls():
@@ -105,6 +114,14 @@ def public_calls():
                                                             dropout_p=0.2, alibi_slopes=slopes)
     yield "varlen qkvpacked", lambda: flash_attn_varlen_qkvpacked_func(meta(2 * s, 3, h, d), cu, s)
     yield "varlen kvpacked", lambda: flash_attn_varlen_kvpacked_func(packed_q, meta(2 * s, 2, hk, d), cu, cu, s, s)
+    # packed sequences as transformers passes them: max_seqlen a 0-d tensor on the device
+    from flash_attn.integrations.transformers import _varlen_with_int_lengths
+
+    scalar = meta(dtype=torch.int64)
+    yield "varlen 0-d max_seqlen", lambda: flash_attn_varlen_func(packed_q, packed_k, packed_k, cu, cu, scalar, scalar,
+                                                                  causal=True)
+    yield "transformers varlen", lambda: _varlen_with_int_lengths(packed_q, packed_k, packed_k, cu, cu, scalar, scalar,
+                                                                  causal=True)
     cache = lambda n=64: (meta(b, 1024, hk, d), meta(b, 1024, hk, d))  # noqa: E731
     seqlens = meta(b, dtype=torch.int32)
     yield "kvcache decode", lambda: flash_attn_with_kvcache(meta(b, 1, h, d), *cache(), meta(b, 1, hk, d),
@@ -163,30 +180,137 @@ ALL_CALLS = [*public_calls(), *backward_calls(), *lowlevel_calls()]
 
 
 # Calls the shipped images do not serve: the aot backend refuses them before anything runs and the
-# dispatcher runs them on triton (whose path the triton test below checks). seqused_k is addressed
-# as a paged varlen forward, which no image compiles.
+# dispatcher runs them on triton. seqused_k is addressed as a paged varlen forward, which no image compiles.
 NOT_SHIPPED = {"_flash_attn_varlen_forward seqused_k": "paged K/V in the varlen forward"}
 
 
-@pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
-def test_aot_path_reads_nothing_on_the_host(custom_op_bodies, aot_on_meta, name, call):
-    if name in NOT_SHIPPED:
-        with pytest.raises(RuntimeError, match=NOT_SHIPPED[name]):  # only aot in the chain here
-            call()
-        assert not aot_on_meta, f"{name}: launched although refused"
-        return
-    result = call()
-    assert aot_on_meta, f"{name}: nothing was launched"
-    assert all(t.device == META for t in (result if isinstance(result, tuple) else (result,)) if t is not None)
+def _results(result) -> tuple:
+    return tuple(t for t in (result if isinstance(result, tuple) else (result,)) if t is not None)
 
 
-@pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
-def test_triton_path_reads_nothing_on_the_host(custom_op_bodies, triton_on_meta, name, call):
-    result = call()
-    assert triton_on_meta, f"{name}: nothing was launched"
-    assert all(t.device == META for t in (result if isinstance(result, tuple) else (result,)) if t is not None)
-    for kernel, tensors in triton_on_meta:
+def _ran_on_kernels(name: str, result, launched: dict, want: str) -> None:
+    ran = dispatch.last_backend()
+    assert ran == want, f"{name}: ran on {ran}, not {want}: {[str(w.message) for w in launched['notes']]}"
+    assert launched[ran], f"{name}: nothing was launched"
+    assert all(t.device == META for t in _results(result))
+    for kernel, tensors in launched["triton"]:
         assert all(t is None or t.device == META for t in tensors), kernel
+
+
+@pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
+def test_the_default_chain_reads_nothing_on_the_host(gpu_on_meta, name, call):
+    result = call()
+    # Where the installed images lag the kernel sources (rebuild them), aot refuses what they lack.
+    _ran_on_kernels(name, result, gpu_on_meta, "triton" if name in NOT_SHIPPED else "aot")
+
+
+def refused_calls():
+    """``(name, call, where)``: calls a kernel backend refuses, one per reason; ``where`` is the
+    backend that still takes it, or the reason in the :class:`GraphCaptureError` when none does."""
+    from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+    b, s, h, hk, d = 2, 200, 8, 2, 128
+    f32 = lambda *shape: meta(*shape, dtype=torch.float32)  # noqa: E731
+    cu = meta(b + 1, dtype=torch.int32)
+    pq, pk = meta(2 * s, h, d), meta(2 * s, hk, d)
+    seed = meta(1, dtype=torch.int64)
+    body = ops._backward_body
+    fp32 = "torch.float32 inputs"
+    yield "fp32", lambda: flash_attn_func(f32(b, s, h, d), f32(b, s, hk, d), f32(b, s, hk, d)), fp32
+    yield "fp32 varlen", lambda: flash_attn_varlen_func(f32(2 * s, h, d), f32(2 * s, hk, d), f32(2 * s, hk, d), cu,
+                                                        cu, s, s), fp32
+    yield "fp32 backward", lambda: body(f32(b, s, h, d), f32(b, s, h, d), f32(b, s, hk, d), f32(b, s, hk, d),
+                                        f32(b, s, h, d), f32(b, h, s), None, None, None, None, s, s, 0.1, -1, 0, 0.0,
+                                        0.0, seed, False), fp32
+    pages = meta(64, 16, hk, d)
+    yield "paged varlen backward", lambda: body(pq, pq, pages, pages, pq, meta(h, 2 * s, dtype=torch.float32), cu, cu,
+                                                meta(b, 32, dtype=torch.int32), None, s, s, 0.1, -1, 0, 0.0, 0.0, seed,
+                                                False), "the backward of paged K/V"
+    many = 65536  # heads on the grid's second axis, which CUDA caps at 65535
+    yield "grid too large", lambda: flash_attn_func(meta(1, 16, many, 8), meta(1, 16, 1, 8), meta(1, 16, 1, 8)), \
+        "programs on grid axis 1"
+    # refused by aot only: triton takes them
+    yield "fp32 kvcache", lambda: flash_attn_with_kvcache(f32(b, 1, h, d), f32(b, 1024, hk, d), f32(b, 1024, hk, d),
+                                                         cache_seqlens=meta(b, dtype=torch.int32)), "triton"
+    yield "head dim 60", lambda: flash_attn_func(meta(b, s, h, 60), meta(b, s, hk, 60), meta(b, s, hk, 60)), "triton"
+    yield "return_attn_probs", lambda: flash_attn_func(meta(b, s, h, d), meta(b, s, hk, d), meta(b, s, hk, d),
+                                                       return_attn_probs=True), "triton"
+    yield "paged varlen forward", lambda: flash_attn_varlen_func(pq, pages, pages, cu, cu, s, s,
+                                                                 block_table=meta(b, 32, dtype=torch.int32)), "triton"
+    wide = meta(b, 1024, hk, d + 4)[..., :d]  # rows 132 elements apart: not the images' layout
+    yield "kv cache layout", lambda: flash_attn_with_kvcache(meta(b, 1, h, d), wide, wide,
+                                                             cache_seqlens=meta(b, dtype=torch.int32)), "triton"
+    long = 1 << 22  # a batch stride of 2^32 elements: past the images' int32 arguments
+    yield "int32 overflow", lambda: flash_attn_func(meta(2, long, 8, d), meta(2, long, 8, d), meta(2, long, 8, d)), \
+        "triton"
+
+
+REFUSED = list(refused_calls())
+
+
+@pytest.mark.parametrize("name,call,where", REFUSED, ids=[name for name, _, _ in REFUSED])
+def test_a_refused_call_reads_nothing_on_the_host(gpu_on_meta, name, call, where):
+    if where in ("aot", "triton"):
+        _ran_on_kernels(name, call(), gpu_on_meta, where)
+        return
+    with pytest.raises(dispatch.GraphCaptureError, match=where):
+        call()
+    assert not gpu_on_meta["aot"] and not gpu_on_meta["triton"]
+
+
+@pytest.mark.parametrize("why", ["compute capability 7.5 is below the kernels' minimum 8.0",
+                                 "its launch tables are for NVIDIA GPUs, not ROCm"])
+@pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
+def test_a_gpu_no_kernel_backend_runs_on_raises_under_capture(gpu_on_meta, monkeypatch, name, call, why):
+    monkeypatch.setattr(aot, "unavailable_reason", lambda device: "no shipped image runs on compute capability 7.5")
+    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda device: why)
+    with pytest.raises(dispatch.GraphCaptureError, match="no GPU kernel backend can run on meta") as raised:
+        call()
+    assert why in str(raised.value)
+
+
+def test_a_triton_failure_under_capture_raises_naming_it(gpu_on_meta, monkeypatch):
+    """aot refuses (head dim 60), Triton fails on its first run: the reference is not tried."""
+    from flash_attn import flash_attn_func
+
+    def jit_error(launch, tensors, device):
+        raise RuntimeError("PTXASError: ptxas fatal: Unresolved extern function")
+
+    monkeypatch.setattr(triton_backend._backend, "run_launch", jit_error)
+    with pytest.raises(dispatch.GraphCaptureError, match="aot backend refused it: head dimension 60.*triton backend "
+                                                         "failed: .*ptxas fatal"):
+        flash_attn_func(meta(2, 64, 4, 60), meta(2, 64, 4, 60), meta(2, 64, 4, 60))
+
+
+def test_max_seqlen_as_a_device_scalar_is_bounded_not_read():
+    """transformers passes max_seqlen as a 0-d tensor for packed sequences: on a GPU it is bounded
+    from the shapes (no sync), unless it sizes an output (return_attn_probs)."""
+    q, k = meta(300, 4, 64), meta(500, 2, 64)
+    scalar = meta(dtype=torch.int64)
+    assert validation.varlen_max_seqlens(q, k, None, scalar, scalar) == (300, 500)
+    pages = meta(64, 16, 2, 64)
+    assert validation.varlen_max_seqlens(q, pages, meta(2, 8, dtype=torch.int32), 7, scalar) == (7, 8 * 16)
+    with pytest.raises((RuntimeError, NotImplementedError)):  # exact: read (meta tensors refuse)
+        validation.varlen_max_seqlens(q, k, None, scalar, scalar, exact=True)
+    cpu = torch.tensor(120)
+    assert validation.varlen_max_seqlens(q, k, None, cpu, cpu) == (120, 120)  # a CPU value costs nothing to read
+
+
+def test_a_bound_gives_the_exact_results(monkeypatch):
+    """What the bound relies on: the kernels take each sequence's length from cu_seqlens, so a
+    larger max_seqlen only adds programs that return at once (Triton's interpreter, CPU tensors)."""
+    from flash_attn import flash_attn_varlen_func
+    from flash_attn.backends import interpret
+
+    if interpret.unavailable_reason(torch.device("cpu")):
+        pytest.skip(interpret.unavailable_reason(torch.device("cpu")))
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(40, 2, 16, generator=g).half() for _ in range(3))
+    cu = torch.tensor([0, 7, 25, 40], dtype=torch.int32)
+    exact = flash_attn_varlen_func(q, k, v, cu, cu, 18, 18, causal=True)
+    bounded = flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True)
+    assert torch.equal(exact, bounded)
 
 
 def test_meta_tensors_do_refuse_host_reads():

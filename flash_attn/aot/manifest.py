@@ -1,11 +1,19 @@
 """The manifest of the shipped kernel images (``_aot/manifest.json``, written by
 :mod:`flash_attn.aot.build`): where it is, what it holds, and which image a device with a given
-driver can run."""
+driver can run.
+
+The manifest is checked once, when it is read (:func:`check_entry`, the one place that knows its
+schema): a file that is not a manifest at all (not an object, no ``kernels`` list, a newer format,
+no usable entry) makes the ``aot`` backend unavailable with the reason; a malformed entry is left
+out (its image is never used) and listed in :attr:`Manifest.problems`, which the doctor shows. Nothing
+here raises once a :class:`Manifest` exists.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Optional
@@ -13,16 +21,100 @@ from typing import Optional
 from flash_attn.aot import archs, library as op_library
 
 DIR_ENV = "FLASH_ATTN_AOT_DIR"
+# The manifest format this flash_attn reads (flash_attn.aot.build writes it).
+FORMAT = 1
+
+
+class ManifestError(ValueError):
+    """A ``manifest.json`` that cannot serve as a manifest at all."""
+
+
+# The schema of one entry: what the backend and the op library read (flash_attn.aot.library).
+_REQUIRED = {"arch": str, "key": str, "image": str, "name": str, "signature": list, "num_warps": int, "shared": int}
+_OPTIONAL = {"num_ctas": int, "global_scratch_size": int, "global_scratch_align": int, "profile_scratch_size": int,
+             "profile_scratch_align": int, "launch_cooperative_grid": bool, "launch_pdl": bool}
+_VERSION_RE = re.compile(r"^\d+\.\d+")
+
+
+def _type_name(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is(value, kind: type) -> bool:
+    # bool is an int in Python, but not in the manifest
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def check_entry(entry) -> Optional[str]:
+    """Why ``entry`` (one item of ``kernels``) cannot be used, or ``None`` when it can."""
+    if not isinstance(entry, dict):
+        return f"an entry must be an object, got {_type_name(entry)}"
+    for field, kind in _REQUIRED.items():
+        if field not in entry:
+            return f"no {field!r}"
+        if not _is(entry[field], kind) or (kind in (str, list) and not entry[field]):
+            return f"{field!r} must be a non-empty {kind.__name__}, got {entry[field]!r:.60}"
+    for field, kind in _OPTIONAL.items():
+        if field in entry and not _is(entry[field], kind):
+            return f"{field!r} must be {kind.__name__}, got {entry[field]!r:.60}"
+    try:
+        canonical = archs.parse_arch(entry["arch"]).name
+    except ValueError as exc:
+        return str(exc)
+    if canonical != entry["arch"]:
+        return f"'arch' must be written {canonical!r}, got {entry['arch']!r}"
+    if not all(isinstance(t, str) and t for t in entry["signature"]):
+        return "'signature' must list the kernel's argument types as strings"
+    if entry["num_warps"] < 1 or entry["shared"] < 0:
+        return f"'num_warps' ({entry['num_warps']}) must be >= 1 and 'shared' ({entry['shared']}) >= 0"
+    for field in ("ptxas", "ptx_isa"):
+        value = entry.get(field)
+        if value is not None and not (isinstance(value, str) and _VERSION_RE.match(value)):
+            return f"{field!r} must be a version string like '13.0' or null, got {value!r:.60}"
+    return None
+
+
+def _describe(index: int, entry) -> str:
+    name = entry.get("key") if isinstance(entry, dict) else None
+    return f"entry {index}" + (f" ({name}, {entry.get('arch')})" if isinstance(name, str) else "")
+
+
+def check_manifest(data) -> tuple[list[dict], list[str], dict]:
+    """``(usable entries, problems, {(arch, key): problem})`` of a parsed ``manifest.json``;
+    raises :class:`ManifestError` when the file as a whole cannot be used."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"the manifest must be a JSON object, got {_type_name(data)}")
+    version = data.get("format", FORMAT)
+    if not _is(version, int) or version > FORMAT:
+        raise ManifestError(f"manifest format {version!r} is not one this flash_attn reads ({FORMAT}): "
+                            f"written by another version (reinstall, or rebuild the kernels)")
+    kernels = data.get("kernels")
+    if not isinstance(kernels, list):
+        raise ManifestError(f"'kernels' must be a list of entries, got {_type_name(kernels)}")
+    usable, problems, invalid = [], [], {}
+    for index, entry in enumerate(kernels):
+        why = check_entry(entry)
+        if why is None:
+            usable.append(entry)
+            continue
+        problems.append(f"{_describe(index, entry)}: {why}")
+        if isinstance(entry, dict) and isinstance(entry.get("arch"), str) and isinstance(entry.get("key"), str):
+            invalid[(entry["arch"], entry["key"])] = why
+    if kernels and not usable:
+        raise ManifestError(f"none of its {len(kernels)} kernel entries can be used (first: {problems[0]})")
+    return usable, problems, invalid
 
 
 class Manifest:
-    """``manifest.json`` of an AOT kernel folder, indexed by ``(image arch, spec key)``."""
+    """``manifest.json`` of an AOT kernel folder, checked (:func:`check_manifest`) and indexed by
+    ``(image arch, spec key)``; ``problems`` lists the entries left out and why."""
 
     def __init__(self, folder: Path, data: dict):
         self.folder = Path(folder)
         self.data = data
-        self.entries = {(e["arch"], e["key"]): e for e in data.get("kernels", [])}
-        self.archs = sorted({e["arch"] for e in data.get("kernels", [])})
+        usable, self.problems, self.invalid = check_manifest(data)
+        self.entries = {(e["arch"], e["key"]): e for e in usable}
+        self.archs = sorted({e["arch"] for e in usable})
 
     @classmethod
     def load(cls, folder: Path) -> "Manifest":
@@ -30,6 +122,13 @@ class Manifest:
 
     def lookup(self, arch: str, key: str) -> Optional[dict]:
         return self.entries.get((arch, key))
+
+    def why_missing(self, arch: str, key: str) -> str:
+        """Why :meth:`lookup` found no usable entry."""
+        problem = self.invalid.get((arch, key))
+        if problem is not None:
+            return f"the manifest entry of {key} ({arch}) is malformed ({problem}): rebuild the kernels or reinstall"
+        return f"{key} is not in the {arch} image set of this installation"
 
     def requirement(self, arch: str) -> Optional[tuple[int, int]]:
         """The oldest CUDA driver release (major, minor) that loads the images of ``arch``: the
@@ -69,7 +168,7 @@ def _entry_requirement(entry: dict) -> Optional[tuple[int, int]]:
     text = entry.get("ptx_isa") if entry["arch"].startswith("compute_") else entry.get("ptxas")
     if not text:
         return None
-    major, minor = (int(x) for x in str(text).split(".")[:2])
+    major, minor = (int(x) for x in _VERSION_RE.match(text).group(0).split("."))
     return ptx_isa_release(major, minor) if entry["arch"].startswith("compute_") else (major, minor)
 
 
@@ -119,7 +218,7 @@ def manifest() -> tuple[Optional[Manifest], str]:
         if key not in _manifest_cache:
             try:
                 _manifest_cache[key] = Manifest.load(folder)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RecursionError) as exc:  # ManifestError is a ValueError
                 _manifest_cache[key] = f"cannot read {folder / 'manifest.json'}: {exc}"
     value = _manifest_cache[key]
     return (value, "") if isinstance(value, Manifest) else (None, str(value))

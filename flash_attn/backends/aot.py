@@ -12,8 +12,12 @@ anything runs or is written, and the dispatcher runs it elsewhere.
 
 Images the installed driver cannot load are never picked: each manifest entry records the CUDA
 release of the ptxas that built it (cubins need a driver of that major version) and the PTX ISA
-of PTX images (the driver's JIT must know it). If the driver still refuses an image, every later
-call on that device is refused with its answer (one warning, from the dispatcher).
+of PTX images (the driver's JIT must know it). The manifest is checked when it is read
+(:mod:`flash_attn.aot.manifest`): a malformed entry is never used. If the driver still refuses an
+image, that image is disabled on that device and the calls that need it are refused with the
+driver's answer (one warning per answer, from the dispatcher); shapes whose images loaded keep
+running. A refusal that may pass (out of memory, a first load during CUDA-graph capture) disables
+nothing: the call is refused and the image tried again on a later call.
 """
 
 from __future__ import annotations
@@ -58,16 +62,31 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 # --- the device's images --------------------------------------------------------------------------
 
 
+class _Retry(str):
+    """A refusal for this call only: the plan is not kept, the next call of its shape tries again."""
+
+
+class _Plans(PlanCache):
+    """The plan cache of one device, which forgets a refusal that may pass (:class:`_Retry`)."""
+
+    def get(self, key, make):
+        value = super().get(key, make)
+        if isinstance(value, _Retry):
+            with self._lock:
+                self._values.pop(key, None)
+        return value
+
+
 @dataclass
 class _DeviceImages:
-    """What one device runs: the manifest, the image architecture, the planner's target, and, once
-    the driver refused an image, its answer (every later call is refused with it)."""
+    """What one device runs: the manifest, the image architecture, the planner's target, and the
+    images the driver refused on it (spec key -> its answer; those images are never tried again)."""
 
     manifest: Manifest
     arch: str
     target: P.Target
-    broken: Optional[str] = None
-    plans: PlanCache = field(default_factory=PlanCache)  # call shape -> packed launches or refusal
+    failed: dict = field(default_factory=dict)
+    plans: PlanCache = field(default_factory=_Plans)  # call shape -> packed launches or refusal
 
 
 _devices: dict[torch.device, _DeviceImages | str] = {}
@@ -97,9 +116,7 @@ def _make_device_images(index: int) -> _DeviceImages | str:
 
 def _target(device: torch.device) -> P.Target | str:
     images = _device_images(device)
-    if isinstance(images, str):
-        return images
-    return images.broken or images.target
+    return images if isinstance(images, str) else images.target
 
 
 # --- plans as packed launches ---------------------------------------------------------------------
@@ -153,6 +170,11 @@ class _AotBackend(KernelBackend):
     def plan_cache(self, device) -> PlanCache:
         return _device_images(device).plans
 
+    def forget_plans(self) -> None:
+        for images in list(_devices.values()):
+            if not isinstance(images, str):
+                images.plans.clear()
+
     def executable(self, plan: P.Plan, target: P.Target, device):
         images = _device_images(device)
         dtype = S.dtype_name(plan.dtype)
@@ -161,16 +183,13 @@ class _AotBackend(KernelBackend):
             spec = S.Spec.of(launch.kernel, dtype, launch.constexprs, launch.config)
             entry = images.manifest.lookup(images.arch, spec.key)
             if entry is None:
-                return f"{spec.key} is not in the {images.arch} image set of this installation"
+                return images.manifest.why_missing(images.arch, spec.key)
             p = pack(launch, entry)
             if isinstance(p, str):
                 return p
-            try:
-                kid = _register(images.manifest, entry)
-                _load(kid, device)
-            except RuntimeError as exc:
-                images.broken = f"the driver cannot load the {images.arch} images: {_first_line(exc)}"
-                return images.broken
+            kid = _image(images, entry, device)
+            if isinstance(kid, str):
+                return kid
             packed.append(p._replace(kernel=kid))
         return ready(plan, tuple(packed))
 
@@ -180,6 +199,49 @@ class _AotBackend(KernelBackend):
         for p in run.launches:
             launch(p.kernel, p.grid, [tensors[name] for name in p.slots], p.ints, p.floats)
         return tuple(tensors[slot] for slot in run.plan.results)
+
+
+def _image(images: _DeviceImages, entry: dict, device) -> int | str:
+    """The kernel id of ``entry``'s image, registered and loaded on ``device``, or why it cannot
+    be used: an image that failed for good is refused at once; one that failed for a reason that
+    may pass (:func:`_transient`) is refused for this call only."""
+    failed = images.failed.get(entry["key"])
+    if failed is not None:
+        return failed
+    try:
+        kid = _register(images.manifest, entry)
+        _load(kid, device)
+        return kid
+    except Exception as exc:  # noqa: BLE001  (whatever the answer, this image cannot run now)
+        why = _refused_image(images.arch, entry["key"], exc)
+        if _transient(exc, device):
+            return _Retry(f"{why}; tried again on a later call")
+        images.failed[entry["key"]] = why
+        return why
+
+
+# CUDA's answers that do not say anything about the image: memory, or a load during graph capture.
+_TRANSIENT = re.compile(r"out of memory|cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|StreamCapture|"
+                        r"STREAM_CAPTURE|stream is capturing", re.IGNORECASE)
+_CUDA_ANSWER = re.compile(r"\b(cudaError\w+|CUDA_ERROR_\w+)\b.*")
+
+
+def _transient(exc: Exception, device) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or _TRANSIENT.search(str(exc)):
+        return True
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _refused_image(arch: str, key: str, exc: Exception) -> str:
+    """The refusal of an image: the driver's answer when there is one (the same text for every image
+    it refuses alike, so the dispatcher warns once per answer), else the error naming the image."""
+    text = _first_line(exc)
+    answer = _CUDA_ANSWER.search(text)
+    if answer:
+        return f"the driver cannot load the {arch} images: {answer.group(0)}"
+    kind = "" if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: "
+    return f"the {arch} image {key} cannot be used: {kind}{text}"
 
 
 _loaded: set = set()

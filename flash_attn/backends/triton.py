@@ -5,22 +5,32 @@ not serve a call, or explicitly with ``FLASH_ATTN_BACKEND=triton``. The first ca
 variant compiles it (seconds); launch configurations come from :mod:`flash_attn.planning.configs`
 for the device's architecture. The launches are those of :mod:`flash_attn.planning.plan`; calls it
 refuses (fp32 inputs, the backward of paged K/V) run elsewhere (:mod:`flash_attn.dispatch`).
+
+The first run of each plan is where Triton itself can fail: it builds its launcher (``driver.c``,
+with the machine's C compiler), writes its cache (``~/.triton`` or ``TRITON_CACHE_DIR``) and
+compiles the kernels. Such a failure is no fault of the call: it is raised as
+:class:`BackendFailed` (the cause and the fix), and the dispatcher runs the call on the next
+backend. Nothing user-visible was written by then (a plan writes into its own fresh buffers; the
+KV cache append writes the same rows the next backend writes again).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
+import re
+import subprocess
 from typing import Optional
 
 import torch
 
 from flash_attn import limits
-from flash_attn.backends._execute import KernelBackend, launch_kwargs
+from flash_attn.backends._execute import KernelBackend, execute, launch_kwargs, ready
 from flash_attn.planning import configs, registry
 from flash_attn.planning.plan import Target
 
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
-           "prepare_forward_kvcache"]
+           "prepare_forward_kvcache", "BackendFailed", "diagnose"]
 
 _NAME = "triton"
 
@@ -63,5 +73,95 @@ def _run_launch(launch, tensors: dict, device) -> None:
             **launch_kwargs(launch, tensors), num_warps=launch.config.num_warps, num_stages=launch.config.num_stages)
 
 
-_backend = KernelBackend(_NAME, _target, _run_launch)
+# --- failures of Triton itself, on a plan's first run ------------------------------------------
+
+
+class BackendFailed(RuntimeError):
+    """Triton failed on the first run of a plan (not the call): the dispatcher runs the call on
+    the next backend. ``scope``: ``"backend"`` (the machine: no C compiler, an unwritable cache;
+    every later call goes elsewhere too), ``"plan"`` (this call shape's kernels do not compile;
+    never tried again) or ``"call"`` (may pass: tried again on the next call)."""
+
+    def __init__(self, cause: str, fix: str, scope: str):
+        super().__init__(f"{cause}; fix: {fix}")
+        self.cause, self.fix, self.scope = cause, fix, scope
+
+
+def _summary(exc: BaseException) -> str:
+    """The line of an error that says what went wrong: its first, or the last of Triton's compile
+    errors (which start with the source position and the offending code)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    line = lines[-1] if re.match(r"at \d+:\d+:", lines[0]) else lines[0]
+    line = re.sub(r"\s+", " ", line.strip())
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def _in_triton_build(exc: BaseException) -> bool:
+    """Raised while Triton builds its C launcher (``triton/runtime/build.py``)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("triton/runtime/build.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def diagnose(exc: BaseException, capturing: bool = False) -> BackendFailed:
+    """What a failure on a plan's first run means, and its fix."""
+    text = _summary(exc)
+    if capturing:
+        return BackendFailed(f"the first call of a shape compiles and loads its Triton kernels, which CUDA-graph "
+                             f"capture does not allow ({text})",
+                             "run each call shape once before capturing (a warm-up, as torch.cuda.graph advises)",
+                             "call")
+    if isinstance(exc, subprocess.CalledProcessError) or "C compiler" in text or _in_triton_build(exc):
+        return BackendFailed(f"Triton cannot build its CUDA launcher (driver.c) with a C compiler ({text})",
+                             "install a C compiler and Python's headers (conda: `conda install -c conda-forge "
+                             "c-compiler`; or set CC to one), or use the shipped kernels (FLASH_ATTN_BACKEND=aot)",
+                             "backend")
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+        return BackendFailed(f"Triton cannot write its cache directory ({text})",
+                             "set TRITON_CACHE_DIR to a writable directory", "backend")
+    return BackendFailed(f"Triton cannot compile this call's kernels ({type(exc).__name__}: {text})",
+                         "report it with the output of `python -m flash_attn doctor`; the shipped kernels "
+                         "(FLASH_ATTN_BACKEND=aot) or FLASH_ATTN_BACKEND=reference avoid Triton", "plan")
+
+
+class _Jitted:
+    """A plan made ready to run, and what its first run showed (``ran``, or the failure that
+    refuses it from then on)."""
+
+    __slots__ = ("ready", "ran", "failure")
+
+    def __init__(self, plan):
+        self.ready, self.ran, self.failure = ready(plan), False, None
+
+
+def _capturing(device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class _TritonBackend(KernelBackend):
+    def executable(self, plan, target, device):
+        return _Jitted(plan)
+
+    def run(self, jitted: _Jitted, inputs: dict, device) -> tuple:
+        if jitted.ran:
+            return execute(jitted.ready, inputs, device, self.run_launch)
+        if jitted.failure is not None:
+            raise BackendFailed(*jitted.failure)
+        try:
+            result = execute(jitted.ready, inputs, device, self.run_launch)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the call's memory, not Triton: the next backend would need it too
+        except Exception as exc:
+            failure = diagnose(exc, _capturing(device))
+            if failure.scope == "plan":
+                jitted.failure = (failure.cause, failure.fix, failure.scope)
+            raise failure from exc
+        jitted.ran = True
+        return result
+
+
+_backend = _TritonBackend(_NAME, _target, _run_launch)
 prepare_forward, prepare_backward, prepare_forward_kvcache, forward, backward, forward_kvcache = _backend.contract()

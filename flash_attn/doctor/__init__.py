@@ -24,7 +24,8 @@ check                      problem
 ``torch-cuda-unusable``    a CUDA PyTorch that cannot use the GPUs the driver sees
 ``driver-error``           a driver that is installed but reports an error and no GPU
 ``op-library``             the op library (``flash_attn/_C``) fails to load, or is missing
-``aot-kernels``            the kernel manifest cannot be read, or no kernels are shipped
+``aot-kernels``            the kernel manifest cannot be read (or is not a valid manifest), some
+                           of its entries are malformed, or no kernels are shipped
 ``arch-not-shipped``       a GPU whose architecture has no shipped kernel image (and whether
                            PTX, Triton or only the reference backend covers it)
 ``triton-missing``         Triton is not installed although a GPU needs it

@@ -283,6 +283,13 @@ def aot_kernels(facts: dict) -> list[Finding]:
                         "this installation ships no ahead-of-time kernels (no manifest.json)",
                         "GPUs use the Triton backend (compiled on first use) or the reference backend.",
                         "install a CUDA build of flash-attn that ships kernels" if gpu_machine else "")]
+    invalid = kernels.get("invalid_entries")
+    if invalid:
+        return [Finding("aot-kernels", "warning",
+                        f"{invalid['count']} entries of the kernel manifest are malformed: their images are never used",
+                        "; ".join(invalid["first"]) + (" ..." if invalid["count"] > len(invalid["first"]) else ""),
+                        "rebuild the kernels (`python -m flash_attn build-kernels`) or reinstall flash-attn; calls "
+                        "they would serve run on the next backend")]
     return []
 
 

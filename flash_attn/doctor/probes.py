@@ -200,12 +200,15 @@ def probe_kernels() -> dict:
         if loaded is None:
             info["error"] = why_not
             return info
-        info["archs"] = [parse_arch(a).name for a in _archs_in(loaded.data)]
+        usable = set(loaded.archs)  # the architectures of entries that passed the manifest's checks
+        named = [a for a in _archs_in(loaded.data) if a in usable]
+        info["archs"] = [parse_arch(a).name for a in named + sorted(usable - set(named))]
     except Exception as exc:  # noqa: BLE001  (a malformed manifest is reported, not raised)
         info["error"] = f"cannot read {info['manifest']}: {error_text(exc)}"
         return info
-    if isinstance(loaded.data.get("kernels"), (list, dict)):
-        info["kernel_count"] = len(loaded.data["kernels"])
+    info["kernel_count"] = len(loaded.entries)
+    if loaded.problems:  # entries left out (never used): how many, and the first few reasons
+        info["invalid_entries"] = {"count": len(loaded.problems), "first": loaded.problems[:3]}
     return info
 
 

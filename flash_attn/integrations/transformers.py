@@ -28,7 +28,8 @@ It is transformers' own flash-attention path end to end, only with this package'
   the same way transformers fills it after importing upstream flash-attn, and the wrapper fills
   it again if another implementation took the slot since. Two of them are thin adapters that
   convert what transformers passes and upstream tolerates (int32 ``pad_input`` indices, 0-d tensor
-  ``max_seqlen``).
+  ``max_seqlen``; a GPU one is bounded from the shapes instead of read: no device sync per layer,
+  :func:`flash_attn.validation.varlen_max_seqlens`).
 
 The name contains ``flash`` so transformers treats the model as a flash-attention model everywhere
 (masks, ``generate``, packed sequences, continuous batching) and contains neither ``/`` nor ``:``
@@ -42,10 +43,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import re
 from typing import Any, Callable, Optional
 
+from flash_attn import validation
 from flash_attn.flash_attn_interface import flash_attn_varlen_func
 
 IMPLEMENTATION = "flash_attention_2_portable"
@@ -146,15 +147,25 @@ def _pad_input_int64(hidden_states, indices, batch, seqlen):
     return pad_input(hidden_states, indices.long(), batch, seqlen)
 
 
-def _as_int(value):
-    return value if value is None or isinstance(value, int) else operator.index(value)
+# flash_attn_varlen_func's arguments after max_seqlen_k, in order (the two the adapter reads).
+_VARLEN_OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+                   "return_attn_probs", "block_table")
+
+
+def _option(name: str, args: tuple, kwargs: dict):
+    index = _VARLEN_OPTIONS.index(name)
+    return args[index] if len(args) > index else kwargs.get(name)
 
 
 @functools.wraps(flash_attn_varlen_func)
 def _varlen_with_int_lengths(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs):
-    """``flash_attn.flash_attn_varlen_func`` with ``max_seqlen_q/k`` as Python ints."""
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, _as_int(max_seqlen_q), _as_int(max_seqlen_k),
-                                  *args, **kwargs)
+    """``flash_attn.flash_attn_varlen_func`` with ``max_seqlen_q/k`` as Python ints: a 0-d GPU
+    tensor is not read (one device sync per layer per step): the packed rows bound it, which the
+    kernels need no more than (``return_attn_probs``, whose output it sizes, reads it)."""
+    max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(
+        q, k, _option("block_table", args, kwargs), max_seqlen_q, max_seqlen_k,
+        exact=bool(_option("return_attn_probs", args, kwargs)))
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kwargs)
 
 
 def _make_attention_function(name: str, flash_utils: Any, forward: Callable) -> Callable:
