@@ -39,7 +39,7 @@ def _draw_dropout_seed(dropout_p: float, device, fresh: bool = True) -> Tensor:
     """The forward's ``rng_state``: an int64 seed drawn by ``device``'s generator on the device,
     which ``torch.manual_seed`` reproduces and a CUDA graph replay draws anew (PyTorch advances
     the generator's offset per replay). Without dropout nothing reads it: left uninitialised, and
-    unless ``fresh`` (an op's output must be) one shared tensor."""
+    unless ``fresh`` (an op's output must be) a placeholder (:func:`_unused`)."""
     if dropout_p == 0.0:
         return torch.empty((1,), dtype=torch.int64, device=device) if fresh else _unused(torch.int64, device)
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
@@ -49,13 +49,17 @@ _unused_tensors: dict[tuple, Tensor] = {}
 
 
 def _unused(dtype, device) -> Tensor:
-    """A tensor of ``dtype`` nobody reads, shared by the direct calls on ``device``."""
+    """A tensor of ``dtype`` nobody reads: shared by the direct calls on the CPU, made per call
+    elsewhere. A kept CUDA tensor would cross capture boundaries: one made outside a CUDA graph
+    and used inside it, or one made during a cudagraph-trees warm-up (not a capture, but its
+    memory comes from the graphs' private pool) that the pool may hand out again."""
+    if device.type != "cpu":
+        return torch.empty((0,) if dtype == torch.float32 else (1,), dtype=dtype, device=device)
     key = (dtype, device)
     found = _unused_tensors.get(key)
     if found is None:
-        found = torch.empty((0,) if dtype == torch.float32 else (1,), dtype=dtype, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _unused_tensors[key] = found
+        found = _unused_tensors[key] = torch.empty((0,) if dtype == torch.float32 else (1,), dtype=dtype,
+                                                   device=device)
     return found
 
 
@@ -107,24 +111,29 @@ def _forward_body(
     dropout_p: float,
     return_softmax: bool,
     deterministic: bool,
+    seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(out, lse, s_dmask or an empty tensor, rng_state)``; see the backend contract.
 
     ``deterministic`` only matters to the backward; it is an input here so that autograd can
-    hand it on.
+    hand it on. ``seed``: the dropout seed drawn by the caller (:func:`forward`), or ``None`` to
+    draw it here; ``rng_state`` is a copy of it.
     """
     return _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                        softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, True)
+                        softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, True, seed)
 
 
 def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh):
+                 softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
     else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls)."""
     varlen = _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
-    rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
+    if seed is None or dropout_p == 0.0:
+        rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
+    else:
+        rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
     params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
     out, lse, s_dmask = dispatch.run(
         "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
@@ -155,7 +164,7 @@ def _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return
 
 @attention_forward.register_fake
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic):
+      softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic, seed=None):
     batch, sq, sk = _batch_and_seqlens(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     nheads = q.shape[-2]
     if cu_seqlens_q is None:
@@ -246,7 +255,11 @@ def _backward(ctx, dout, *unused_grads):
     return (dq, dk, dv) + (None,) * (len(_FORWARD_INPUTS) - 3)
 
 
-attention_forward.register_autograd(_backward, setup_context=_setup_context)
+def _op_backward(ctx, dout, *unused_grads):
+    return _backward(ctx, dout) + (None,)  # and none for the op's last input, the seed
+
+
+attention_forward.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _kvcache_body(
@@ -372,7 +385,13 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
     record = eager_call(tensors)
     if record is None:
-        return attention_forward(*tensors, *scalars)
+        # The seed is drawn here, by aten's random op, and handed to the op: the op is pure to
+        # PyTorch, so the compiler's CSE merged two identical dropout calls into one mask when the
+        # op drew it (the CSE spares only aten's random ops; a nondeterministic_seeded tag on the
+        # op does not help in torch 2.13).
+        dropout_p = scalars[_FORWARD_INPUTS.index("dropout_p") - len(tensors)]
+        seed = _draw_dropout_seed(dropout_p, q.device) if dropout_p != 0.0 else None
+        return attention_forward(*tensors, *scalars, seed)
     if record:
         return _Attention.apply(*tensors, *scalars)
     return _forward_run(*tensors, *scalars[:-1], False)

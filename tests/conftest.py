@@ -6,6 +6,14 @@ Options
 (set per test by an autouse fixture), so the same suite checks the Triton / AOT GPU backends.
 ``--flash-device DEV`` (default ``cpu``): the device the tests put their tensors on
 (``--flash-device cuda`` runs the same tests on a GPU).
+``--flash-no-skip`` (for ``.ci/gpu-check``): a skipped test fails, unless its reason is one of
+:data:`EXPECTED_SKIPS` (right on a GPU machine), so a backend or device that was unavailable
+cannot pass as a skip.
+
+Under ``FLASH_ATTN_STRICT_BACKEND=1`` a call the named backend refuses raises
+``BackendRefusedError``. A test that fails that way for one of the planner's refusals by design
+(:data:`DESIGNED_REFUSALS`: fp32 inputs, ``return_attn_probs`` on aot, ...) is reported as skipped,
+"refused by design: ..."; any other refusal (an image the driver cannot load, ...) fails.
 
 Tolerance rule
 --------------
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -48,6 +57,63 @@ def pytest_addoption(parser):
                     help="FLASH_ATTN_BACKEND used by the tests (default: reference)")
     group.addoption("--flash-device", default="cpu",
                     help="device the tests create their tensors on (default: cpu; e.g. cuda)")
+    group.addoption("--flash-no-skip", action="store_true",
+                    help="a skip fails unless its reason is expected on a GPU machine (.ci/gpu-check)")
+
+
+# Skips that are right on a GPU machine, which --flash-no-skip lets pass: tests of the behaviour
+# without a GPU, tools of a CUDA toolkit the runner lacks, and refusals by design (below).
+EXPECTED_SKIPS = (
+    "checks the behaviour without a usable GPU",
+    "GPU backends may be available on this device",
+    "a GPU is present",
+    "cuobjdump not found",
+    "refused by design: ",
+)
+# The planner's refusals by design (flash_attn/planning/plan.py; not shipped ahead of time:
+# flash_attn/aot/specializations.py), as BackendRefusedError words them under
+# FLASH_ATTN_STRICT_BACKEND=1: "... refused this <op>: <why>". Any other refusal (an image missing
+# from the build, one the driver cannot load) fails.
+DESIGNED_REFUSALS = re.compile(
+    r"refused this \w+: (torch\.float(32|64) inputs \(the kernels take fp16/bf16\)"
+    r"|return_attn_probs \(a testing feature\) is not compiled ahead of time"
+    r"|paged K/V in the varlen forward \(not compiled ahead of time\)"
+    r"|the backward of paged K/V"
+    r"|head dimension \d+ > \d+"
+    r"|head dimension \d+ \(the ahead-of-time kernels need a multiple of \d+\)"
+    r"|\w+ needs \d+ programs on grid axis \d+ \(CUDA allows \d+\)"
+    r"|[kv]_cache is not 16-byte aligned"
+    r"|[kv]_cache has strides .*: not multiples of \d+ elements with a contiguous last dimension)"
+)
+
+
+def _designed_refusal(exc: BaseException):
+    """The BackendRefusedError in ``exc``'s chain when it is a refusal by design, else None."""
+    from flash_attn import dispatch  # noqa: PLC0415
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, dispatch.BackendRefusedError):
+            return exc if DESIGNED_REFUSALS.search(str(exc)) else None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and call.excinfo is not None and not hasattr(report, "wasxfail"):
+        refusal = _designed_refusal(call.excinfo.value)
+        if refusal is not None:
+            report.outcome = "skipped"
+            report.longrepr = (str(item.path), item.location[1] or 0, f"refused by design: {refusal}")
+    if item.config.getoption("--flash-no-skip") and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not any(expected in reason for expected in EXPECTED_SKIPS):
+            report.outcome = "failed"
+            report.longrepr = f"--flash-no-skip: skipped, which counts as a failure here: {reason}"
+    return report
 
 
 def pytest_configure(config):

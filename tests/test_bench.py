@@ -267,6 +267,75 @@ def test_gpu_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def _gpu_args(tmp_path, *extra):
+    return cli.build_parser().parse_args(["bench", "gpu", "--out", str(tmp_path), "--seqlens", "32,64", "--headdims",
+                                          "32", "--dtypes", "fp32", "--total-tokens", "64", "--hidden", "64",
+                                          "--repeats", "2", "--warmup", "0", "--no-plot", *extra])
+
+
+def test_gpu_main_writes_each_row_as_it_goes(tmp_path):
+    """When a row is timed, the rows before it are already in the JSON-lines and CSV files."""
+    seen = []
+
+    def timer(fn, warmup, repeats):
+        fn()
+        lines = (tmp_path / "bench-gpu.jsonl").read_text().splitlines()
+        with (tmp_path / "bench-gpu.csv").open() as fh:
+            seen.append((len(lines) - 1, len(list(csv.DictReader(fh)))))  # minus the meta line
+        return [1.0, 2.0]
+
+    args = _gpu_args(tmp_path, "--impls", "flash_attn[reference],sdpa[math]")
+    assert gpu.main(args, device="cpu", timer=timer) == 0
+    assert seen == [(n, n) for n in range(len(seen))] and len(seen) == 2 * 2 * 2 * 2
+    lines = [json.loads(line) for line in (tmp_path / "bench-gpu.jsonl").read_text().splitlines()]
+    assert lines[0]["meta"]["mode"] == "gpu" and len(lines) == 1 + len(seen)
+    assert json.loads((tmp_path / "bench-gpu.json").read_text())["results"] == lines[1:]
+
+
+def test_gpu_main_exits_1_when_a_row_of_ours_crashed(tmp_path, capsys):
+    calls = []
+
+    def timer(fn, warmup, repeats):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("an illegal memory access was encountered")
+        return [1.0]
+
+    assert gpu.main(_gpu_args(tmp_path, "--impls", "flash_attn[reference]"), device="cpu", timer=timer) == 1
+    rows = [json.loads(line) for line in (tmp_path / "bench-gpu.jsonl").read_text().splitlines()[1:]]
+    assert [r["status"] for r in rows].count("error") == 1 and len(rows) == 8  # the others still ran
+    assert "illegal memory access" in rows[2]["note"]
+    assert "error:" in capsys.readouterr().err
+
+
+def test_gpu_main_counts_other_implementations_rejections_as_unsupported(tmp_path):
+    def timer(fn, warmup, repeats):
+        raise RuntimeError("No available kernel")
+
+    assert gpu.main(_gpu_args(tmp_path, "--impls", "sdpa[math]"), device="cpu", timer=timer) == 0
+    rows = json.loads((tmp_path / "bench-gpu.json").read_text())["results"]
+    assert {r["status"] for r in rows} == {"unsupported"}
+
+
+def test_gpu_main_strict_mode_makes_an_unavailable_backend_an_error(tmp_path, monkeypatch):
+    args = _gpu_args(tmp_path, "--impls", "flash_attn[aot]")  # no aot on the CPU
+    assert gpu.main(args, device="cpu", timer=lambda fn, w, r: [1.0]) == 0  # reported, not failed
+    monkeypatch.setenv("FLASH_ATTN_STRICT_BACKEND", "1")
+    assert gpu.main(args, device="cpu", timer=lambda fn, w, r: [1.0]) == 1
+    rows = json.loads((tmp_path / "bench-gpu.json").read_text())["results"]
+    assert {r["status"] for r in rows} == {"error"}
+
+
+def test_gpu_rows_that_another_backend_ran_are_errors(monkeypatch):
+    (aot_impl,) = gpu.implementations(["flash_attn[aot]"])
+    (sdpa,) = gpu.implementations(["sdpa[math]"])
+    monkeypatch.setattr(dispatch, "last_backend", lambda: "triton")
+    assert gpu._ran_elsewhere(aot_impl, "cuda") == "the triton backend ran it, not aot"
+    assert gpu._ran_elsewhere(sdpa, "cuda") is None
+    monkeypatch.setattr(dispatch, "last_backend", lambda: "aot")
+    assert gpu._ran_elsewhere(aot_impl, "cuda") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # Build mode.
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,10 @@
 ``torch.library`` custom ops), matches eager, and the compiled backward works.
 
 The default inductor backend is used (it needs a C compiler on CPU; gcc is enough).
+
+Dropout under compile: two identical dropout calls draw two masks (the compiler must not merge
+them), ``torch.manual_seed`` reproduces a compiled call, and the compiled backward uses the mask
+of its own forward (gradients equal the float64 oracle's given the mask ``S_dmask`` reveals).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch
 
 from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-from conftest import cu_from_lens, gen, randn, test_device
+from conftest import check_close, cu_from_lens, gen, oracle_pair, randn, test_device
+from oracle import attention_ref
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -83,3 +88,82 @@ def test_compiled_varlen_matches_eager_and_backward_works():
     k = randn((sum(lens_k), 4, 32), FP16, g)
     v = randn((sum(lens_k), 4, 32), FP16, g)
     _compare(varlen_block, [q, k, v], 3, [cu_from_lens(lens_q), cu_from_lens(lens_k), 30, 40])
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout under torch.compile. The mask is read from the output, so that every backend serves
+# the calls (the aot backend refuses return_attn_probs): v holds one unit vector per key
+# (v[b, j, h] = e_j), so out[b, i, h, j] = P[i, j] * keep[i, j] / (1 - p), and without a causal
+# mask every P[i, j] > 0: keep = out != 0.
+
+COMPILERS = ["aot_eager", "inductor"]
+DROP = 0.5
+
+
+def two_dropout_calls(q, k, v):
+    """The same dropout call twice: eagerly two masks, and so compiled."""
+    return flash_attn_func(q, k, v, dropout_p=DROP), flash_attn_func(q, k, v, dropout_p=DROP)
+
+
+def _dropout_inputs(grad):
+    g = gen(8)
+    q, k = randn((1, 24, 2, 32), FP16, g, requires_grad=grad), randn((1, 32, 2, 32), FP16, g, requires_grad=grad)
+    v = torch.eye(32).view(1, 32, 1, 32).expand(1, 32, 2, 32).to(test_device(), FP16).requires_grad_(grad)
+    return q, k, v
+
+
+def _keep(out):
+    """The mask ``(b, h, sq, sk)`` an output of :func:`_dropout_inputs`' values reveals."""
+    return (out != 0).permute(0, 2, 1, 3)
+
+
+def _compiled(compiler):
+    if compiler == "inductor":
+        _needs_compiler()
+    torch._dynamo.reset()
+    return torch.compile(two_dropout_calls, backend=compiler, fullgraph=True)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_compiled_identical_dropout_calls_draw_different_masks(compiler, grad):
+    out1, out2 = _compiled(compiler)(*_dropout_inputs(grad))
+    keep1, keep2 = _keep(out1), _keep(out2)
+    assert 0.4 < float(keep1.float().mean()) < 0.6  # the mask really is read from the output
+    differ = float((keep1 != keep2).float().mean())
+    assert differ > 0.3, f"the two calls' masks differ in only {differ:.0%} of the entries"
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_compiled_dropout_reproduces_with_manual_seed(compiler):
+    compiled = _compiled(compiler)
+    inputs = _dropout_inputs(False)
+    torch.manual_seed(21)
+    first = compiled(*inputs)
+    torch.manual_seed(21)
+    again = compiled(*inputs)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(compiled(*inputs)[0], first[0])  # without reseeding: new masks
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_compiled_dropout_backward_uses_its_forwards_mask(compiler):
+    """The gradients of two dropout calls in one compiled graph equal the oracle's, each call
+    with the mask its own forward revealed (a backward that drew a new seed, or that used the
+    other call's mask, would not)."""
+    compiled = _compiled(compiler)
+    q, k, v = _dropout_inputs(True)
+    g = gen(9)
+    douts = randn(q.shape, FP16, g), randn(q.shape, FP16, g)
+    outs = compiled(q, k, v)
+    torch.rand(100, device=test_device())  # the generator moves on before the backward
+    sum((out.float() * dout.float()).sum() for out, dout in zip(outs, douts)).backward()
+    ref_sum, naive_sum = [0, 0, 0], [0, 0, 0]
+    for out, dout in zip(outs, douts):
+        ref, ref_grads, naive, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, keep=_keep(out),
+                                                         dropout_p=DROP)
+        check_close(out, ref.out, naive.out, FP16, "out")
+        ref_sum = [a + b for a, b in zip(ref_sum, ref_grads)]
+        naive_sum = [a + b for a, b in zip(naive_sum, naive_grads)]
+    for t, ref, naive, name in zip((q, k, v), ref_sum, naive_sum, ("dq", "dk", "dv")):
+        check_close(t.grad, ref, naive, FP16, name, grad=True)

@@ -168,3 +168,32 @@ def test_dropout_zero_gives_probabilities(dtype):
     check_close(sd, ref.probs, naive.probs, FP32, "S_dmask")
     # rows sum to 1
     torch.testing.assert_close(sd.sum(-1).double().cpu(), torch.ones(2, 2, 30, dtype=torch.float64), atol=1e-5, rtol=0)
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A mode that changes nothing, but sends the calls through the custom op (the path of
+    torch.compile, dispatch modes and fake tensors) instead of the direct eager path."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_custom_op_path_draws_the_mask_of_the_direct_path():
+    """Through the op, the seed is drawn by an aten random op before the op (so compilers keep two
+    calls apart, tests/test_compile.py): the same draw from the same generator as the direct eager
+    path, so ``torch.manual_seed`` gives the same mask either way, and the backward uses it."""
+    q, k, v, dout = _inputs(FP32, 1, 33, 40, 2, 1, 32, seed=8)
+    results = []
+    for mode in (None, _PassThrough()):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(77)
+        with mode if mode is not None else torch.enable_grad():
+            out, _, sd = flash_attn_func(*leaves, dropout_p=0.4, causal=True, return_attn_probs=True)
+            again = flash_attn_func(*leaves, dropout_p=0.4, causal=True)
+            out.backward(dout)
+        results.append((out.detach(), sd, again.detach(), [t.grad for t in leaves]))
+    (out_d, sd_d, again_d, grads_d), (out_op, sd_op, again_op, grads_op) = results
+    assert torch.equal(sd_op >= 0, sd_d >= 0) and torch.equal(out_op, out_d)
+    assert torch.equal(again_op, again_d) and not torch.equal(again_op, out_op)  # the next call: a new mask
+    for got, want in zip(grads_op, grads_d):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

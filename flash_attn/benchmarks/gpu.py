@@ -8,17 +8,27 @@ Timing: CUDA events around each call after warm-up, the median of the repeats. T
 :func:`flash_attn.benchmarks.common.attention_flops` (``4*b*h*sq*sk*d``, halved for causal;
 x3.5 for forward+backward).
 
+Rows are written as they are measured (``bench-gpu.jsonl`` and ``bench-gpu.csv``), so a run cut
+short keeps what it measured. A row of this package's backends that crashed, or that another
+backend ran (:func:`flash_attn.dispatch.last_backend`), is an ``error`` and makes the command exit
+1; so is one whose backend is unavailable under ``FLASH_ATTN_STRICT_BACKEND=1``. Other
+implementations' exceptions are ``unsupported`` (their kernels reject some shapes).
+
 The timer and the device are parameters, so the plumbing runs on a CPU in the tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import csv
+import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Optional
 
+from flash_attn.benchmarks import common
 from flash_attn.benchmarks.common import attention_flops, summarize
 
 DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "upstream")
@@ -33,6 +43,7 @@ class Implementation:
     # run(q, k, v, dout, causal): forward, and backward when dout is given
     run: Callable
     context: Callable[[], ContextManager] = contextlib.nullcontext
+    backend: Optional[str] = None  # this package's backend that must run the calls (None: not ours)
 
 
 @contextlib.contextmanager
@@ -65,6 +76,7 @@ def _ours(backend: str) -> Implementation:
         lambda device: dispatch.unavailable_reason(backend, device),
         _autograd_run(lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)),
         lambda: _backend_env(backend),
+        backend,
     )
 
 
@@ -181,8 +193,12 @@ def cases(config: dict) -> list[dict]:
     return out
 
 
-def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambda s: None) -> list[dict]:
+def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambda s: None,
+        on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """Measure every case with every implementation; ``on_row(row)`` as each row is done."""
     import torch  # noqa: PLC0415
+
+    from flash_attn import dispatch  # noqa: PLC0415
 
     device = torch.device(device or "cuda")
     timer = timer or (cuda_event_timer if device.type == "cuda" else wall_timer)
@@ -206,20 +222,39 @@ def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambd
         for impl in impls:
             row = dict(case, impl=impl.name)
             if reasons[impl.name] is not None:
-                row.update(status="unavailable", note=reasons[impl.name])
+                # under strict mode this package's backends must run: unavailable is an error
+                ours_required = impl.backend is not None and dispatch.strict()
+                row.update(status="error" if ours_required else "unavailable", note=reasons[impl.name])
             else:
                 try:
                     with impl.context():
                         times = timer(lambda: impl.run(q, k, v, dout, case["causal"]), config["warmup"], config["repeats"])
                     row.update(summarize(times), status="ok")
                     row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12
+                    elsewhere = _ran_elsewhere(impl, device.type)
+                    if elsewhere:
+                        row.update(status="error", note=elsewhere)
                 except Exception as exc:  # noqa: BLE001  (an SDPA backend that rejects a shape, OOM...)
-                    row.update(status="unsupported", note=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                    note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+                    row.update(status="error" if impl.backend is not None else "unsupported", note=note)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             progress(_progress_line(row))
+            on_row(row)
             rows.append(row)
     return rows
+
+
+def _ran_elsewhere(impl: Implementation, device_type: str) -> Optional[str]:
+    """Why a row of this package's ``impl`` does not count: its last call ran on another backend.
+    Checked on GPUs only (on the CPU a plain dense call skips the dispatcher, which then does not
+    record it)."""
+    from flash_attn import dispatch  # noqa: PLC0415
+
+    if impl.backend is None or device_type == "cpu":
+        return None
+    ran = dispatch.last_backend()
+    return None if ran == impl.backend else f"the {ran} backend ran it, not {impl.backend}"
 
 
 def _progress_line(row: dict) -> str:
@@ -266,3 +301,72 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+COLUMNS = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "batch", "heads", "time_ms", "time_ms_min",
+           "repeats", "tflops", "status", "note")
+
+
+class RowWriter:
+    """Rows written as they come: ``<stem>.jsonl`` (the meta line first) and ``<stem>.csv``,
+    flushed after each row."""
+
+    def __init__(self, out_dir: Path, stem: str, meta: dict):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.paths = {"jsonl": out_dir / f"{stem}.jsonl", "csv": out_dir / f"{stem}.csv"}
+        self._jsonl = self.paths["jsonl"].open("w")
+        self._csv_file = self.paths["csv"].open("w", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=list(COLUMNS), extrasaction="ignore")
+        self._csv.writeheader()
+        self._write_json({"meta": meta})
+
+    def _write_json(self, obj: dict) -> None:
+        self._jsonl.write(json.dumps(obj, default=str) + "\n")
+        self._jsonl.flush()
+
+    def __call__(self, row: dict) -> None:
+        self._write_json(row)
+        self._csv.writerow(row)
+        self._csv_file.flush()
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._csv_file.close()
+
+
+def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None) -> int:
+    """``python -m flash_attn bench gpu``: 0 when every row of this package's backends ran (on
+    them), 1 when one is an ``error``, 2 without a CUDA device (``device``/``timer``: for tests)."""
+    import torch  # noqa: PLC0415
+
+    if device is None and not torch.cuda.is_available():
+        print("gpu mode needs a CUDA device (this PyTorch sees none); `python -m flash_attn bench cpu` runs here",
+              file=sys.stderr)
+        return 2
+    config = {
+        "seqlens": args.seqlens or list(default_seqlens),
+        "headdims": [64] if args.quick else args.headdims, "dtypes": ["bf16"] if args.quick else args.dtypes or ["fp16", "bf16"],
+        "causal": [False, True], "backward": [False, True], "impls": args.impls or list(DEFAULT_IMPLS),
+        "total_tokens": args.total_tokens, "hidden": args.hidden,
+        "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
+    }
+    meta = {"mode": "gpu", "config": config, "machine": common.machine()}
+    writer = RowWriter(args.out, "bench-gpu", meta)
+    try:
+        rows = run(config, device=device, timer=timer, progress=lambda line: print(line, file=sys.stderr, flush=True),
+                   on_row=writer)
+    finally:
+        writer.close()
+    paths = {"jsonl": writer.paths["jsonl"], **common.write_results(args.out, "bench-gpu", meta, rows, COLUMNS)}
+    if not args.no_plot:
+        pngs = plot(rows, args.out, "bench-gpu", f"{meta['machine'].get('gpu')}, torch {meta['machine']['torch']}")
+        paths["png"] = ", ".join(map(str, pngs)) or "(not written: matplotlib is not installed)"
+    ok = [r for r in rows if r.get("status") == "ok"]
+    print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("causal", "causal"), ("pass", "pass"),
+                                     ("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "ms"),
+                                     ("tflops", "TFLOP/s")]))
+    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    errors = [r for r in rows if r.get("status") == "error"]
+    for r in errors:
+        print(f"error: {_progress_line(r).strip()}", file=sys.stderr)
+    return 1 if errors else 0

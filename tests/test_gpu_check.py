@@ -1,0 +1,216 @@
+"""``.ci/gpu-check``, the GPU acceptance, checked on the CPU: its dry run (selection and budget
+accounting), its real mode with a stand-in ``python`` (what it exports, which exit statuses fail
+the run), and the pytest options it relies on (``--flash-no-skip``, refusals by design under
+``FLASH_ATTN_STRICT_BACKEND=1``; tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / ".ci" / "gpu-check"
+TESTS = ROOT / "tests"
+
+
+def _gpu_check(*args, env=None, timeout=600):
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """The whole dry run, once (it collects each pytest step's selection: ~40 s on two cores)."""
+    result = _gpu_check("--dry-run", str(tmp_path_factory.mktemp("gpu-check")))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def _selected(stdout: str, step: str) -> int:
+    line = re.search(rf"^{step}: dry run \(limit \d+s; selects (.*)\)$", stdout, re.M).group(1)
+    return int(re.match(r"(\d+)", line).group(1))  # "115/8409 tests collected ..." or "322 tests collected"
+
+
+def test_dry_run_selects_the_gpu_tests_not_the_full_matrix(dry_run):
+    # -m "gpu" alone replaced pyproject's -m 'not full_matrix' and selected 3,645 tests
+    assert 50 <= _selected(dry_run, "gpu") < 400
+    assert 10 <= _selected(dry_run, "graphs") < 100
+    for step in ("aot", "triton"):
+        assert 100 <= _selected(dry_run, step) < 1000
+    for step in ("compile-aot", "compile-triton"):
+        assert _selected(dry_run, step) >= 10
+    for line in dry_run.splitlines():
+        if line.startswith("=== ") and " -m pytest " in line:
+            assert "--flash-no-skip" in line and "not\\ full_matrix" in line, line
+
+
+def test_dry_run_limits_fit_the_budget(dry_run):
+    budget, reserved = map(int, re.search(r"budget: (\d+)s; step limits \+ 2s grace each: (\d+)s \(fits\)",
+                                          dry_run).groups())
+    assert budget == 540 and reserved <= budget
+    limits = [int(n) for n in re.findall(r"^\S+: dry run \(limit (\d+)s", dry_run, re.M)]
+    assert len(limits) == 10 and sum(limits) + 2 * len(limits) == reserved
+    assert re.search(r"^total: \d+s of 540s \(dry run: worst case\); passed$", dry_run, re.M)
+    # the most valuable evidence first: the aot oracle tests right after env and doctor
+    order = re.findall(r"^(\S+): dry run", dry_run, re.M)
+    assert order[:3] == ["env", "doctor", "aot"] and order[-1] == "bench"
+    assert "FLASH_ATTN_STRICT_BACKEND=1" in dry_run
+
+
+def test_a_step_left_without_budget_fails_the_run(tmp_path):
+    result = _gpu_check("--dry-run", str(tmp_path), "env", "doctor", "overhead",
+                        env={"GPU_CHECK_BUDGET_S": "60"})  # env (15+2) and doctor (30+2) fit, overhead not
+    assert result.returncode == 1, result.stdout
+    assert "DOES NOT FIT" in result.stdout
+    assert re.search(r"^overhead: FAIL not run \(budget spent", result.stdout, re.M)
+    assert re.search(r"^env: dry run", result.stdout, re.M) and re.search(r"^doctor: dry run", result.stdout, re.M)
+    assert (tmp_path / "summary.txt").read_text().splitlines()[-1].endswith("FAILED")
+
+
+def test_unknown_step_and_missing_out_dir_are_refused(tmp_path):
+    assert _gpu_check("--dry-run", str(tmp_path), "nonsense").returncode == 2
+    assert _gpu_check("--dry-run").returncode == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The real mode, with a stand-in python that records its environment and arguments
+
+
+def _fake_python(tmp_path, fail_when: str = "") -> Path:
+    """A ``python`` first on PATH: appends its FLASH_ATTN_* environment and arguments to
+    calls.log; exits 1 when its arguments contain ``fail_when``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python"
+    fake.write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        echo "strict=${{FLASH_ATTN_STRICT_BACKEND:-}} backend=${{FLASH_ATTN_BACKEND:-}} args=$*" >> {tmp_path}/calls.log
+        [[ -n "{fail_when}" && "$*" == *"{fail_when}"* ]] && exit 1
+        exit 0
+        """))
+    fake.chmod(0o755)
+    return bin_dir
+
+
+def _real_run(tmp_path, *steps, fail_when=""):
+    bin_dir = _fake_python(tmp_path, fail_when)
+    out = tmp_path / "out"
+    result = _gpu_check(str(out), *steps, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, timeout=120)
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    return result, calls, out
+
+
+def test_every_step_runs_in_strict_mode(tmp_path):
+    result, calls, out = _real_run(tmp_path, "doctor", "graphs", "overhead", "bench")
+    assert result.returncode == 0, result.stdout
+    assert len(calls) == 4 and all(c.startswith("strict=1 ") for c in calls)
+    graphs, overhead, bench = calls[1:]
+    assert "--flash-no-skip" in graphs and "-m gpu and not full_matrix" in graphs
+    assert "backend=aot" in overhead and "--device cuda" in overhead  # strict binds only a named backend
+    assert "bench gpu" in bench and f"--out {out}/bench" in bench
+    assert {p.name for p in out.iterdir()} >= {"doctor.log", "graphs.log", "summary.txt"}
+    assert "bench: ok in " in (out / "summary.txt").read_text()
+
+
+def test_a_crashed_benchmark_row_fails_the_run(tmp_path):
+    result, calls, out = _real_run(tmp_path, "doctor", "bench", fail_when="bench gpu")  # bench gpu exits 1
+    assert result.returncode == 1
+    summary = (out / "summary.txt").read_text()
+    assert "doctor: ok" in summary and re.search(r"^bench: FAIL rc=1 ", summary, re.M)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pytest options (tests/conftest.py), on a sample test file
+
+
+SAMPLE = '''
+import pytest
+import torch
+
+from flash_attn import dispatch, flash_attn_func
+
+
+def test_backend_unavailable():
+    pytest.skip("the aot backend cannot run on cuda: no CUDA device is available")
+
+
+def test_expected_skip():
+    pytest.skip("checks the behaviour without a usable GPU")
+
+
+def test_refused_by_design(monkeypatch):
+    # a real refusal: the interpreter backend refuses fp32 inputs (strict: it raises)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+    monkeypatch.setenv("FLASH_ATTN_STRICT_BACKEND", "1")
+    q = torch.randn(1, 8, 2, 32)
+    flash_attn_func(q, q, q)
+
+
+def test_refused_not_by_design():
+    raise dispatch.BackendRefusedError("FLASH_ATTN_STRICT_BACKEND=1: the aot backend (FLASH_ATTN_BACKEND=aot) "
+                                       "refused this forward: the sm_90a image fwd-1 cannot be used: no kernel image")
+
+
+def test_failed_on_first_use():
+    raise dispatch.BackendRefusedError("FLASH_ATTN_STRICT_BACKEND=1: the triton backend (FLASH_ATTN_BACKEND=triton) "
+                                       "failed on this forward: torch.float32 inputs (the kernels take fp16/bf16)")
+'''
+
+
+def test_the_designed_refusals_are_the_planners_words():
+    """The refusals conftest lets pass, against the planner's own wording (a change there must
+    show here, not turn refusals into failures on a GPU, or failures into skips)."""
+    import torch
+
+    from conftest import DESIGNED_REFUSALS
+    from flash_attn.planning import plan
+
+    aot = plan.Target("sm90", 132, aot=True)
+    reasons = [plan._kernel_refusal(torch.float32, 64, aot), plan._kernel_refusal(torch.float16, 59, aot),
+               plan._kernel_refusal(torch.float16, 512, aot)]
+    for why in reasons:
+        assert why and DESIGNED_REFUSALS.search(f"the aot backend (FLASH_ATTN_BACKEND=aot) refused this forward: {why}")
+    missing = "attn_fwd_kernel.bf16.d128.m128n64w8s2.1 is not in the sm_90a image set of this installation"
+    assert not DESIGNED_REFUSALS.search(f"the aot backend (FLASH_ATTN_BACKEND=aot) refused this forward: {missing}")
+
+
+def _outcomes(tmp_path, *options) -> dict:
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    report = tmp_path / f"report{len(options)}.xml"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env.pop("FLASH_ATTN_STRICT_BACKEND", None)
+    subprocess.run([sys.executable, "-m", "pytest", "-c", os.devnull, "-p", "conftest", "-p", "no:cacheprovider", "-q",
+                    f"--junitxml={report}", "test_sample.py", *options], cwd=tmp_path, env=env, capture_output=True,
+                   timeout=300)
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kinds = [child.tag for child in case if child.tag in ("skipped", "failure", "error")]
+        message = case[0].get("message", "") if len(case) else ""
+        outcomes[case.get("name")] = ((kinds or ["passed"])[0], message)
+    return outcomes
+
+
+def test_refusals_by_design_are_skips_and_other_refusals_fail(tmp_path):
+    got = _outcomes(tmp_path)
+    assert got["test_backend_unavailable"][0] == "skipped" and got["test_expected_skip"][0] == "skipped"
+    kind, message = got["test_refused_by_design"]
+    assert kind == "skipped" and "refused by design: " in message and "torch.float32 inputs" in message
+    assert got["test_refused_not_by_design"][0] == "failure"
+    assert got["test_failed_on_first_use"][0] == "failure"
+
+
+def test_flash_no_skip_fails_skips_but_the_expected_ones(tmp_path):
+    got = _outcomes(tmp_path, "--flash-no-skip")
+    kind, message = got["test_backend_unavailable"]
+    assert kind == "failure" and "no CUDA device is available" in message
+    assert got["test_expected_skip"][0] == "skipped"
+    assert got["test_refused_by_design"][0] == "skipped"
+    assert got["test_refused_not_by_design"][0] == "failure" and got["test_failed_on_first_use"][0] == "failure"
