@@ -10,8 +10,9 @@ Names, parameter names, order, defaults and return values are upstream's (2.8.3)
 ``torch.library.custom_op`` registration (the decorated objects are ``CustomOpDef``s, so
 ``._init_fn`` introspection works; fake implementations serve ``torch.compile``). Unlike
 upstream they run on every device and backend: each op checks its arguments and runs the body
-of the package's own ``flash_attn::forward`` / ``flash_attn::backward`` op (:mod:`flash_attn.ops`),
-which hands the work to the backend contract (:mod:`flash_attn.backends`).
+of the package's own ``flash_attn::forward`` op (:mod:`flash_attn.ops`), or for the backward the
+backend contract (:mod:`flash_attn.backends`) directly, which writes the caller's gradients in
+place and hands back the kernels' Delta for ``softmax_d``.
 
 Where this package's outputs differ from upstream's (the same as for ``flash_attn_func``):
 ``S_dmask`` is fp32 ``(batch, nheads, seqlen_q, seqlen_k)`` and returned whenever asked for;
@@ -28,8 +29,9 @@ from typing import Optional
 
 import torch
 
-from flash_attn import validation
-from flash_attn.ops import _backward_body, _forward_body, _varlen_layout
+from flash_attn import dispatch, validation
+from flash_attn.ops import _forward_body, _varlen_layout
+from flash_attn.params import AttentionParams, VarlenLayout
 
 __all__ = [
     "_flash_attn_forward",
@@ -235,17 +237,37 @@ def _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, lse_shap
             _check_like(grad, name, like.shape, like.dtype, like.device)
 
 
-def _write_grads(grads, dq, dk, dv) -> None:
-    """Copy the backend's gradients into the caller's buffers (upstream writes, never adds)."""
+def _backward_delta(dout, q, k, v, out, lse, dq, dk, dv, varlen, alibi_slopes, scale, left, right, softcap,
+                    dropout_p, rng_state, deterministic) -> torch.Tensor:
+    """Write the gradients into the given ``dq``/``dk``/``dv`` (upstream writes, never adds) and
+    return Delta ``rowsum(dout * out)`` fp32 shaped like ``lse``.
+
+    The kernel backends write straight into the caller's tensors where they are laid out as the
+    kernels write (last dim contiguous, other strides multiples of 8 elements, 16-byte aligned)
+    and return the Delta their preprocessing computes anyway; what a backend computed elsewhere
+    is copied. No fp32 copy of ``dout``/``out`` here (at 16k tokens x 32 heads x 128 those and
+    fresh gradients were ~1.1 GiB of temporaries per ring step)."""
+    if q.numel() == 0 or k.numel() == 0:  # nothing to attend: zero gradients, no backend
+        for given in (dq, dk, dv):
+            if given is not None:
+                given.zero_()
+        delta = torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32))
+        return delta.t() if varlen is not None else delta.transpose(1, 2)
+    params = AttentionParams(softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
+                             dropout_p=dropout_p, dropout_seed=rng_state)
+    *grads, delta = dispatch.run("backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen,
+                                 alibi_slopes=alibi_slopes, deterministic=deterministic, grads=(dq, dk, dv),
+                                 return_delta=True)
     for given, grad in zip((dq, dk, dv), grads):
-        if given is not None:
+        if given is not None and grad is not given:
             given.copy_(grad)
+    return delta
 
 
-def _row_dot(dout: torch.Tensor, out: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """``(1 - dropout_p) * rowsum(dout * out)`` in fp32, shape ``dout.shape[:-1]``: upstream's
-    ``softmax_d`` (kept scaled by the keep probability, as its kernels do)."""
-    return torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32)).mul_(1.0 - dropout_p)
+def _softmax_d(delta: torch.Tensor, dropout_p: float, into: torch.Tensor) -> torch.Tensor:
+    """Upstream's ``softmax_d`` values: ``(1 - dropout_p) * rowsum(dout * out)`` (scaled by the
+    keep probability, as its kernels keep it), written into ``into`` (a slice of the result)."""
+    return torch.mul(delta, 1.0 - dropout_p, out=into) if dropout_p else into.copy_(delta)
 
 
 @torch.library.custom_op("flash_attn::_flash_attn_backward", mutates_args=("dq", "dk", "dv"))
@@ -282,14 +304,12 @@ def _flash_attn_backward(
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (batch, nheads, seqlen_q))
     _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
     left, right = validation.bounded_window(causal, (window_size_left, window_size_right), k.shape[1])
-    grads = _backward_body(
-        dout, q, k, v, out, softmax_lse, None, None, None, alibi_slopes, seqlen_q, k.shape[1],
-        float(softmax_scale), left, right, float(softcap), float(dropout_p),
-        _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
+    delta = _backward_delta(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, None, alibi_slopes, float(softmax_scale), left, right,
+        float(softcap), float(dropout_p), _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
     )
-    _write_grads(grads, dq, dk, dv)
     softmax_d = q.new_zeros((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
-    softmax_d[:, :, :seqlen_q] = _row_dot(dout, out, dropout_p).transpose(1, 2)
+    _softmax_d(delta, dropout_p, softmax_d[:, :, :seqlen_q])
     return softmax_d
 
 
@@ -341,16 +361,16 @@ def _flash_attn_varlen_backward(
     _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
     _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)  # value checks
     left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
-    grads = _backward_body(
-        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, None, alibi_slopes, max_seqlen_q,
-        max_seqlen_k, float(softmax_scale), left, right, float(softcap), float(dropout_p),
-        _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
+    varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    delta = _backward_delta(
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, varlen, alibi_slopes, float(softmax_scale), left, right,
+        float(softcap), float(dropout_p), _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
     )
-    _write_grads(grads, dq, dk, dv)
     softmax_d = q.new_zeros((nheads, total_q + 128 * batch), dtype=torch.float32)
     rows = torch.arange(total_q, device=q.device, dtype=torch.int32)
     sequence = torch.searchsorted(cu_seqlens_q[1:], rows, right=True)
-    softmax_d[:, rows.to(torch.int64) + 128 * sequence] = _row_dot(dout, out, dropout_p).t()
+    # row r of sequence b at column r + 128 * b (an index_put, as upstream's layout has gaps)
+    softmax_d[:, rows.to(torch.int64) + 128 * sequence] = delta * (1.0 - dropout_p) if dropout_p else delta
     return softmax_d
 
 

@@ -267,10 +267,12 @@ def test_gpu_plot(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def _gpu_args(tmp_path, *extra):
+def _gpu_args(tmp_path, *extra, decode=False):
+    """The training table only, unless ``decode`` (then pass the decode sizes in ``extra``)."""
     return cli.build_parser().parse_args(["bench", "gpu", "--out", str(tmp_path), "--seqlens", "32,64", "--headdims",
                                           "32", "--dtypes", "fp32", "--total-tokens", "64", "--hidden", "64",
-                                          "--repeats", "2", "--warmup", "0", "--no-plot", *extra])
+                                          "--repeats", "2", "--warmup", "0", "--no-plot",
+                                          "--decode" if decode else "--no-decode", *extra])
 
 
 def test_gpu_main_writes_each_row_as_it_goes(tmp_path):
@@ -337,6 +339,185 @@ def test_gpu_rows_that_another_backend_ran_are_errors(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# GPU mode, decode: the case list, the bytes and GB/s arithmetic, the skip rule and the rows, on
+# the CPU. What the stand-ins cannot show: CUDA event timings, the real bandwidth of a copy,
+# torch.cuda.mem_get_info as the free-memory probe, whether SDPA's flash/cudnn kernels and
+# upstream's fwd_kvcache take these calls on a GPU, and which backend the dispatcher picked there.
+# ---------------------------------------------------------------------------------------------
+
+from flash_attn.benchmarks import GPU_SEQLENS  # noqa: E402
+
+
+def test_gpu_default_config_is_the_issue_table_plus_decode(tmp_path):
+    """Issue 24's table: bf16 and fp16, d64/128/256, causal and not, 1k/4k/16k, fwd and fwd+bwd,
+    sdpa[flash] and sdpa[cudnn] in the same run; decode batch 1-64 x cache 4k-128k, 32/8 heads,
+    d128, bf16; --no-decode and the size overrides."""
+    args = cli.build_parser().parse_args(["bench", "gpu", "--out", str(tmp_path)])
+    config = gpu.config_from_args(args, GPU_SEQLENS)
+    assert {"sdpa[flash]", "sdpa[cudnn]", "flash_attn[aot]", "flash_attn[triton]"} <= set(config["impls"])
+    train = {(c["dtype"], c["headdim"], c["causal"], c["seqlen"], c["pass"]) for c in gpu.cases(config)}
+    assert train == {(t, d, c, s, p) for t in ("bf16", "fp16") for d in (64, 128, 256) for c in (False, True)
+                     for s in (1024, 4096, 16384) for p in ("fwd", "fwd_bwd")}
+    decode = gpu.decode_cases(config)
+    assert [(c["batch"], c["cachelen"]) for c in decode] == [
+        (b, n) for b in (1, 4, 16, 64) for n in (4096, 16384, 65536, 131072)]
+    assert {(c["heads"], c["kv_heads"], c["headdim"], c["dtype"], c["seqlen"], c["pass"]) for c in decode} == {
+        (32, 8, 128, "bf16", 1, "decode")}
+    assert gpu.config_from_args(cli.build_parser().parse_args(["bench", "gpu", "--no-decode"]))["decode"] is None
+    small = gpu.config_from_args(cli.build_parser().parse_args(
+        ["bench", "gpu", "--decode-batches", "2,8", "--decode-cachelens", "1024"]))
+    assert [(c["batch"], c["cachelen"]) for c in gpu.decode_cases(small)] == [(2, 1024), (8, 1024)]
+
+
+def test_decode_bytes_against_a_hand_count():
+    # batch 4, 4096 cached tokens, 8 KV heads of 128, bf16: K and V 4*4096*8*128*2 B = 32 MiB each;
+    # q and out 4*32*128*2 B = 32 KiB each
+    case = dict(dtype="bf16", batch=4, cachelen=4096, kv_heads=8, heads=32, headdim=128, seqlen=1)
+    assert gpu.decode_bytes(case) == 2 * (32 << 20) + 2 * (32 << 10)
+    # the largest default case: 64 x 128k x 8 x 128 x 2 B x 2 = 32 GiB, plus 2 x 512 KiB
+    assert gpu.decode_bytes(dict(case, batch=64, cachelen=131072)) == (32 << 30) + (1 << 20)
+    assert gpu.decode_bytes(dict(case, dtype="fp32", batch=1, cachelen=10, kv_heads=2, heads=4, headdim=8)) == (
+        2 * 10 * 2 * 8 * 4 + 2 * 4 * 8 * 4)
+
+
+def test_skip_rule():
+    assert gpu.DECODE_HEADROOM == 1 << 30
+    need = gpu.decode_bytes(dict(dtype="bf16", batch=64, cachelen=131072, kv_heads=8, heads=32, headdim=128, seqlen=1))
+    assert gpu.skip_reason(need, 79 << 30) is None  # an H100 with 79 GiB free runs the 32 GiB case
+    assert gpu.skip_reason(need, None) is None  # free memory unknown: run
+    note = gpu.skip_reason(need, 30 << 30)
+    assert note.startswith("skipped: would need 33.0 GiB") and note.endswith("the GPU has 30.0 GiB free")
+    # the boundary: tensors plus the headroom must fit in what is free
+    assert gpu.skip_reason(1000, (1 << 30) + 1000) is None and gpu.skip_reason(1001, (1 << 30) + 1000)
+
+
+def test_nominal_bandwidth_by_device_name():
+    assert gpu.nominal_bandwidth("NVIDIA H100 80GB HBM3") == ("H100 SXM", 3.35e12)
+    assert gpu.nominal_bandwidth("NVIDIA H200") == ("H200", 4.8e12)
+    assert gpu.nominal_bandwidth("NVIDIA H100 PCIe") == ("H100 PCIe", 2.0e12)
+    assert gpu.nominal_bandwidth("NVIDIA A100-SXM4-80GB") is None and gpu.nominal_bandwidth(None) is None
+
+
+def test_sdpa_decode_computes_what_flash_attn_with_kvcache_computes():
+    """The SDPA baseline does the same work: query heads grouped by their KV head, over the whole
+    cache, equal to flash_attn_with_kvcache (GQA: query head h reads KV head h // 4)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 1, 8, 16, generator=g)
+    k_cache, v_cache = torch.randn(2, 3, 40, 2, 16, generator=g)
+    expected = flash_attn_with_kvcache(q, k_cache, v_cache)
+    torch.testing.assert_close(gpu.sdpa_decode(q, k_cache, v_cache), expected, atol=2e-6, rtol=1e-5)
+    # and by hand, one query head: head 5 attends over KV head 1
+    scores = (k_cache[1, :, 1] @ q[1, 0, 5]) / 4.0
+    torch.testing.assert_close(gpu.sdpa_decode(q, k_cache, v_cache)[1, 0, 5],
+                               scores.softmax(0) @ v_cache[1, :, 1], atol=2e-6, rtol=1e-5)
+
+
+def _decode_config(**decode):
+    d = dict(gpu.DECODE_SHAPE, heads=4, kv_heads=2, headdim=16, batches=[1, 2], cachelens=[64, 256], copy_bytes=1 << 20)
+    d.update(decode)
+    return _gpu_config(seqlens=[], impls=["flash_attn[reference]", "sdpa[math]"], decode=d)
+
+
+def test_decode_gbps_and_bandwidth_fraction(monkeypatch):
+    """The copy is timed first (1 ms for 2 x 1 MiB moved), then each decode call (4 ms); GB/s and
+    the percentages follow from the hand-counted bytes. The calls really run: both decode
+    implementations return the same output."""
+    monkeypatch.setattr(gpu, "nominal_bandwidth", lambda name: ("H100 SXM", 3.35e12))  # as on an H100
+    outputs = []
+
+    def timer(fn, warmup, repeats):
+        out = fn()
+        outputs.append(out)
+        return [1.0] if len(outputs) == 1 else [4.0, 3.0, 5.0]
+
+    rows = gpu.run(_decode_config(), device="cpu", timer=timer, free_memory=lambda: 64 << 30)
+    copy, decode = rows[0], rows[1:]
+    assert copy["pass"] == "copy" and copy["status"] == "ok"
+    assert copy["gbps"] == pytest.approx(2 * (1 << 20) / 1e-3 / 1e9)  # 2.097 GB/s
+    assert copy["nominal_pct"] == pytest.approx(100 * copy["gbps"] / 3350)
+    assert [(r["batch"], r["cachelen"], r["impl"]) for r in decode] == [
+        (b, n, i) for b in (1, 2) for n in (64, 256) for i in ("flash_attn[reference]", "sdpa[math]")]
+    for r in decode:
+        hand = 2 * r["batch"] * r["cachelen"] * 2 * 16 * 2 + 2 * r["batch"] * 4 * 16 * 2  # K+V, then q+out, bf16
+        assert r["status"] == "ok" and r["gbytes"] == hand / 1e9 and r["time_ms"] == 4.0
+        assert r["gbps"] == pytest.approx(hand / 4e-3 / 1e9)
+        assert r["bw_pct"] == pytest.approx(100 * hand / 4e-3 / (2 * (1 << 20) / 1e-3))
+        assert r["nominal_pct"] == pytest.approx(100 * hand / 4e-3 / 3.35e12)
+    for ours, sdpa in zip(outputs[1::2], outputs[2::2]):
+        assert ours.shape[1:] == (1, 4, 16)
+        torch.testing.assert_close(ours, sdpa, atol=2e-2, rtol=2e-2)  # bf16
+
+
+def test_decode_cases_that_do_not_fit_are_skipped_not_failed():
+    """Free memory holds the 64-token cases (and the 1 GiB headroom) but not the 256-token ones:
+    those are skipped rows for every implementation, saying how much they need."""
+    config = _decode_config(batches=[2], copy_bytes=1024)
+    small, large = gpu.decode_cases(config)
+    free = gpu.DECODE_HEADROOM + gpu.decode_bytes(small) + 100
+    assert gpu.decode_bytes(large) + gpu.DECODE_HEADROOM > free
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:], free_memory=lambda: free)
+    by_len = {n: [r for r in rows if r.get("cachelen") == n] for n in (64, 256)}
+    assert [r["status"] for r in by_len[64]] == ["ok", "ok"]
+    assert [r["status"] for r in by_len[256]] == ["skipped", "skipped"]
+    assert all(r["note"].startswith("skipped: would need 1.0 GiB") and "GiB free" in r["note"] for r in by_len[256])
+    assert "time_ms" not in by_len[256][0] and "gbps" not in by_len[256][0]
+
+
+def test_gpu_main_writes_decode_rows_as_it_goes(tmp_path, capsys, monkeypatch):
+    """The bandwidth row and each decode row reach the JSON-lines and CSV files as they are done;
+    the Markdown has a decode section with GB/s, % of the measured bandwidth and the skipped row."""
+    seen = []
+
+    def timer(fn, warmup, repeats):
+        fn()
+        lines = (tmp_path / "bench-gpu.jsonl").read_text().splitlines()
+        with (tmp_path / "bench-gpu.csv").open() as fh:
+            seen.append((len(lines) - 1, len(list(csv.DictReader(fh)))))
+        return [1.0]
+
+    args = _gpu_args(tmp_path, "--impls", "flash_attn[reference],sdpa[math]", "--decode-batches", "1",
+                     "--decode-cachelens", "128,100000", decode=True)
+    args.seqlens = [32]  # 8 training rows
+    monkeypatch.setattr(gpu, "COPY_BYTES", 1 << 20)  # not 2 GiB on a test machine
+    free = gpu.DECODE_HEADROOM + (3 << 20)  # the copy (2 MiB) and the 128-token cache (0.5 MiB), not the 100k one
+    assert gpu.main(args, device="cpu", timer=timer, free_memory=lambda: free) == 0
+    assert seen == [(n, n) for n in range(len(seen))] and len(seen) == 8 + 1 + 2  # training, copy, decode
+    rows = [json.loads(line) for line in (tmp_path / "bench-gpu.jsonl").read_text().splitlines()[1:]]
+    assert [r["pass"] for r in rows[8:]] == ["copy", "decode", "decode", "decode", "decode"]
+    assert [r["status"] for r in rows[9:]] == ["ok", "ok", "skipped", "skipped"]
+    with (tmp_path / "bench-gpu.csv").open() as fh:
+        csv_rows = list(csv.DictReader(fh))
+    assert float(csv_rows[9]["gbps"]) == pytest.approx(rows[9]["gbps"]) and csv_rows[9]["cachelen"] == "128"
+    out = capsys.readouterr().out
+    assert "### Decode: flash_attn_with_kvcache" in out
+    assert "Memory bandwidth measured by a device-to-device copy in this run:" in out
+    assert "| batch | cache | implementation | GB moved | ms | GB/s | % of measured | % of nominal | note |" in out
+    assert "skipped: would need" in out
+
+
+def test_gpu_main_exits_1_when_a_decode_row_of_ours_crashed(tmp_path, monkeypatch):
+    def timer(fn, warmup, repeats):
+        out = fn()
+        if isinstance(out, torch.Tensor) and out.dim() == 4:  # a decode call (training returns None, the copy 1-D)
+            raise RuntimeError("an illegal memory access was encountered")
+        return [1.0]
+
+    args = _gpu_args(tmp_path, "--impls", "flash_attn[reference],sdpa[math]", "--decode-batches", "1",
+                     "--decode-cachelens", "64", decode=True)
+    args.seqlens = [32]
+    monkeypatch.setattr(gpu, "COPY_BYTES", 1 << 20)
+    assert gpu.main(args, device="cpu", timer=timer, free_memory=lambda: 64 << 30) == 1
+    rows = [json.loads(line) for line in (tmp_path / "bench-gpu.jsonl").read_text().splitlines()[1:]]
+    decode = {r["impl"]: r for r in rows if r["pass"] == "decode"}
+    ours = decode["flash_attn[reference]"]
+    assert ours["status"] == "error" and "illegal memory" in ours["note"]
+    assert decode["sdpa[math]"]["status"] == "unsupported"  # another implementation's failure is not ours
+    assert [r["status"] for r in rows if r["pass"] != "decode"] == ["ok"] * 9
+
+
+# ---------------------------------------------------------------------------------------------
 # Build mode.
 # ---------------------------------------------------------------------------------------------
 
@@ -367,3 +548,34 @@ def test_build_mode_measures_time_memory_and_size(tmp_path, capsys):
 def test_build_mode_reports_a_failing_build(tmp_path):
     result = build.run(command="{python} -c 'import sys; print(\"boom\"); sys.exit(3)'", out_dir=tmp_path)
     assert result["status"] == "error" and result["exit_status"] == 3 and result["log_tail"] == ["boom"]
+
+
+# ---------------------------------------------------------------------------------------------
+# bench overhead (stubbed: the aot path with its launches counted, CPU tensors)
+
+
+def test_overhead_packed_batches_differ_from_call_to_call():
+    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+
+    batches = overhead._packed_batches(50, 4, torch.device("cpu"))
+    assert len({total for _, _, total in batches}) == 50 and len({longest for _, longest, _ in batches}) > 10
+    for cu, longest, total in batches:
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        assert cu[0] == 0 and cu[-1] == total and len(lengths) == 4 and min(lengths) >= 1 and max(lengths) == longest
+
+
+def test_overhead_packed_training_finds_its_plans():
+    """Packed training whose lengths change every call plans (almost) nothing per call: varlen
+    plans are keyed by bucketed bounds, not by the exact totals (before: a forward and a backward
+    plan per call, ~550 us each)."""
+    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+
+    try:
+        rows = overhead.run("stubbed", calls=20, repeats=1)
+    except RuntimeError as exc:  # no aot installation (manifest, op library) to stub
+        pytest.skip(str(exc))
+    by_case = {row["case"]: row for row in rows}
+    assert list(by_case) == list(overhead.CASES)
+    assert by_case["packed training"]["launches_per_call"] == 4
+    assert by_case["packed training"]["plans_per_call"] < 0.5
+    assert all(by_case[case]["plans_per_call"] == 0 for case in ("forward", "forward+backward", "decode step"))

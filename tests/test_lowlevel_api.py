@@ -14,7 +14,7 @@ from typing import Optional, Tuple  # noqa: F401  (evaluated in upstream's annot
 import pytest
 import torch
 
-from flash_attn import flash_attn_func, flash_attn_varlen_func
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func
 from flash_attn.flash_attn_interface import (
     _flash_attn_backward,
     _flash_attn_forward,
@@ -286,6 +286,9 @@ def test_dropout_backward_uses_the_forwards_mask():
         check_close(got, want, approx, FP32, name, grad=True, floor=floor)
     expected_d = 0.75 * (dout.double() * out.double()).sum(-1).transpose(1, 2)
     torch.testing.assert_close(softmax_d[:, :, :30].double(), expected_d, atol=1e-4, rtol=1e-4)
+    if dispatch.last_backend() == "reference":  # bit for bit what it always returned
+        exact = torch.linalg.vecdot(dout.to(FP32), out.to(FP32)).mul_(0.75).transpose(1, 2)
+        assert torch.equal(softmax_d[:, :, :30], exact)
     with pytest.raises(ValueError, match="rng_state"):
         _flash_attn_backward(dout, q, k, v, out, lse, None, None, None, 0.25, 0.2, True, -1, -1, 0.0, None, False)
 
@@ -519,3 +522,77 @@ def test_kernel_backend_serves_the_low_level_ops(dtype, monkeypatch):
     floor = backward_floor(q, k, v, dout, 0.2, ref.probs)
     for got, want, approx, name in zip((dq, dk, dv), rg, ng, ("dq", "dk", "dv")):
         check_close(got, want, approx, dtype, name, grad=True, floor=floor)
+
+
+def _interpret(monkeypatch):
+    reason = dispatch.unavailable_reason("interpret", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"interpret backend unavailable: {reason}")
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+
+
+def test_kernel_backend_backward_writes_any_gradient_layout(monkeypatch):
+    """The kernels write the caller's dq/dk/dv in place where laid out for them, and into their own
+    buffers (copied into the caller's) where not: the same values, and softmax_d is the kernels'
+    Delta scaled as upstream's (here with dropout, against the reference backend)."""
+    _interpret(monkeypatch)
+    g = gen(15)
+    q, dout = randn((1, 24, 2, 32), FP16, g, device="cpu"), randn((1, 24, 2, 32), FP16, g, device="cpu")
+    k, v = randn((1, 40, 1, 32), FP16, g, device="cpu"), randn((1, 40, 1, 32), FP16, g, device="cpu")
+    out, lse, _, rng = _flash_attn_forward(q, k, v, 0.2, 0.25, True, -1, -1, 0.0, None, False)
+    args = (0.2, 0.25, True, -1, -1, 0.0, None, False, rng)
+    plain = [torch.empty_like(t) for t in (q, k, v)]
+    d_plain = _flash_attn_backward(dout, q, k, v, out, lse, *plain, *args)
+    assert dispatch.last_backend() == "interpret"
+    # a row stride of 36 elements (not a multiple of 8): the kernels cannot write these in place
+    odd = [torch.full((*t.shape[:-1], 36), float("nan"), dtype=t.dtype)[..., :32] for t in (q, k, v)]
+    d_odd = _flash_attn_backward(dout, q, k, v, out, lse, *odd, *args)
+    for a, b in zip(plain, odd):
+        assert torch.equal(a, b)
+    assert torch.equal(d_plain, d_odd)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
+    ref = [torch.empty_like(t) for t in (q, k, v)]
+    d_ref = _flash_attn_backward(dout, q, k, v, out, lse, *ref, *args)
+    torch.testing.assert_close(d_plain, d_ref, atol=1e-3, rtol=1e-3)
+    assert (d_plain[:, :, 24:] == 0).all()
+    for got, want in zip(plain, ref):
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_packed_batches_of_other_lengths_run_one_plan_exactly(monkeypatch):
+    """Packed batches whose totals and longest sequences differ (padding-free training) share one
+    forward and one backward plan (bucketed bounds, row counts read per call), and give bit for
+    bit what plans made for their exact sizes give."""
+    from flash_attn.backends import _execute, interpret  # noqa: PLC0415
+    from flash_attn.planning import plan as P  # noqa: PLC0415
+
+    _interpret(monkeypatch)
+    h, hk, d = 2, 1, 32
+
+    def step(lens, seed):
+        g = gen(seed)
+        total = sum(lens)
+        q, dout = randn((total, h, d), BF16, g, device="cpu"), randn((total, h, d), BF16, g, device="cpu")
+        k, v = randn((total, hk, d), BF16, g, device="cpu"), randn((total, hk, d), BF16, g, device="cpu")
+        cu, longest = cu_from_lens(lens, device="cpu"), max(lens)
+        out, lse, _, rng = _flash_attn_varlen_forward(q, k, v, cu, cu, longest, longest, 0.0, 0.3, True)
+        grads = [torch.empty_like(t) for t in (q, k, v)]
+        softmax_d = _flash_attn_varlen_backward(dout, q, k, v, out, lse, *grads, cu, cu, longest, longest, 0.0, 0.3,
+                                                True, -1, 0, 0.0, None, False, rng)
+        assert dispatch.last_backend() == "interpret"
+        return out, lse, *grads, softmax_d
+
+    batches = ([5, 37, 12], [30, 3, 20])
+    monkeypatch.setattr(interpret._backend, "plans", _execute.PlanCache())
+    shared = [step(lens, i) for i, lens in enumerate(batches)]
+    assert len(interpret._backend.plans) == 2  # one forward and one backward plan for both batches
+    # the same calls planned for their exact sizes (as before bucketing)
+    monkeypatch.setattr(interpret._backend, "plans", _execute.PlanCache())
+    monkeypatch.setattr(P, "_rows_per_call", lambda q, varlen, exact: False)
+    exact_info = P._varlen_info
+    monkeypatch.setattr(P, "_varlen_info", lambda varlen, exact=False: exact_info(varlen, True))
+    exact = [step(lens, i) for i, lens in enumerate(batches)]
+    assert len(interpret._backend.plans) == 4
+    for got, want in zip(shared, exact):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)

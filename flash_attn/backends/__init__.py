@@ -15,10 +15,14 @@ Every backend module exposes the same functions (the contract the dispatcher rel
     Rows that see no key: out 0, lse +inf.
 
 ``backward(dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
-deterministic=False)`` -> ``(dq, dk, dv)`` shaped like q, k, v (for paged K/V: like the page pool).
+deterministic=False, grads=None, return_delta=False)`` -> ``(dq, dk, dv)`` shaped like q, k, v
+(for paged K/V: like the page pool).
     The probabilities are recomputed from the given ``lse`` and the softmax correction
     ``rowsum(dout * out)`` from the given ``out``, never from a fresh forward: given the ``out``
     and ``lse`` of a longer sequence (context parallelism), the result is this block's share.
+    ``grads``: the caller's ``(dq, dk, dv)`` (each may be ``None``), which a backend may write in
+    place and return; ``return_delta``: a fourth result, Delta ``rowsum(dout * out)`` fp32 shaped
+    like lse (both for the low-level API, :mod:`flash_attn.lowlevel`).
 
 ``forward_kvcache(q, params, cache, *, alibi_slopes=None)`` -> ``(out, lse)``
     ``cache`` a :class:`~flash_attn.params.KVCacheInputs`; q ``(b, sq, h, d)``; appends

@@ -128,6 +128,7 @@ class _Packed(NamedTuple):
     slots: list  # tensor arguments, by slot, in signature order
     ints: list
     floats: list
+    per_call: bool = False  # ints holds row counts (plan.Rows) read from the call's tensors
 
 
 _registered: dict[tuple, int] = {}
@@ -158,12 +159,14 @@ def pack(launch: P.Launch, entry: dict) -> _Packed | str:
             names.append(str(value))
         elif kind.startswith("fp"):
             floats.append(float(value))
+        elif isinstance(value, P.Rows):  # a packed row count (the planner keeps it within int32)
+            ints.append(value)
         else:
             value = int(value)
             if kind == "i32" and not -limits.INT32_MAX - 1 <= value <= limits.INT32_MAX:
                 return f"argument {name} = {value} does not fit the kernels' int32"
             ints.append(value)
-    return _Packed(0, list(launch.grid), names, ints, floats)
+    return _Packed(0, list(launch.grid), names, ints, floats, any(isinstance(i, P.Rows) for i in ints))
 
 
 class _AotBackend(KernelBackend):
@@ -197,7 +200,8 @@ class _AotBackend(KernelBackend):
         tensors = slots(run, inputs, device)
         launch = _launch_op()
         for p in run.launches:
-            launch(p.kernel, p.grid, [tensors[name] for name in p.slots], p.ints, p.floats)
+            ints = [tensors[i] if isinstance(i, P.Rows) else i for i in p.ints] if p.per_call else p.ints
+            launch(p.kernel, p.grid, [tensors[name] for name in p.slots], ints, p.floats)
         return tuple(tensors[slot] for slot in run.plan.results)
 
 

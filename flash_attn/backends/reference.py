@@ -223,16 +223,25 @@ def backward(
     varlen: Optional[VarlenLayout] = None,
     alibi_slopes: Optional[Tensor] = None,
     deterministic: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` shaped like q, k, v (the page pool when paged).
+    grads: Optional[tuple] = None,
+    return_delta: bool = False,
+) -> tuple[Tensor, ...]:
+    """``(dq, dk, dv)`` shaped like q, k, v (the page pool when paged), and with ``return_delta``
+    Delta ``rowsum(dout * out)`` fp32 shaped like lse.
 
-    ``deterministic`` is accepted for the contract; this backend is always deterministic.
+    ``deterministic`` and ``grads`` are accepted for the contract: this backend is always
+    deterministic, and computes its gradients in its own (fp32) buffers, never in the caller's.
     """
     if varlen is not None:
-        return _varlen_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes)
-    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
-    dq, dk, dv = _attention_backward(problem, params, dout, out, lse)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        result = _varlen_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes)
+    else:
+        problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
+        dq, dk, dv = _attention_backward(problem, params, dout, out, lse)
+        result = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if not return_delta:
+        return result
+    delta = torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32))  # (b, sq, h) or (total, h)
+    return (*result, delta.t() if varlen is not None else delta.transpose(1, 2))
 
 
 # ----------------------------------------------------------------------------------------------

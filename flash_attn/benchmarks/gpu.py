@@ -14,7 +14,16 @@ backend ran (:func:`flash_attn.dispatch.last_backend`), is an ``error`` and make
 1; so is one whose backend is unavailable under ``FLASH_ATTN_STRICT_BACKEND=1``. Other
 implementations' exceptions are ``unsupported`` (their kernels reject some shapes).
 
-The timer and the device are parameters, so the plumbing runs on a CPU in the tests.
+Decode (on by default): ``flash_attn_with_kvcache`` with one new query token over a full KV cache
+(batch 1-64, cache 4k-128k, 32 query / 8 KV heads, d=128, bf16) against SDPA on the same cache.
+Decode is memory-bound, so its rows report GB/s (bytes of the K and V cache read, plus q read and
+out written, over the time) and that as a percentage of the memory bandwidth measured in the same
+process by a large device-to-device copy (bytes read + written over its time) and of the nominal
+figure of the device (:data:`NOMINAL_BANDWIDTH`). A size that does not fit in the free GPU memory
+is a ``skipped`` row, not an error.
+
+The timer, the device and the free-memory probe are parameters, so the plumbing runs on a CPU in
+the tests.
 """
 
 from __future__ import annotations
@@ -34,6 +43,23 @@ from flash_attn.benchmarks.common import attention_flops, summarize
 DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "upstream")
 Timer = Callable[[Callable[[], None], int, int], list]
 
+DECODE_BATCHES = (1, 4, 16, 64)
+DECODE_CACHELENS = (4096, 16384, 65536, 131072)
+# a Llama-3-8B-like layer: 32 query heads sharing 8 KV heads
+DECODE_SHAPE = {"heads": 32, "kv_heads": 8, "headdim": 128, "dtype": "bf16"}
+COPY_BYTES = 2 << 30  # the bandwidth probe copies 2 GiB (4 GiB moved): long enough to hide launch cost
+# left free beside a decode case's tensors: split-KV partial results, SDPA's workspace, allocator rounding
+DECODE_HEADROOM = 1 << 30
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+# Nominal memory bandwidth (bytes/s) from NVIDIA's data sheets, by device name: the first
+# (substring, label) that the name contains wins, so the H100 variants come before plain "H100".
+NOMINAL_BANDWIDTH = (
+    ("H200", "H200", 4.8e12),
+    ("H100 NVL", "H100 NVL", 3.9e12),
+    ("H100 PCIe", "H100 PCIe", 2.0e12),
+    ("H100", "H100 SXM", 3.35e12),
+)
+
 
 @dataclass
 class Implementation:
@@ -44,6 +70,8 @@ class Implementation:
     run: Callable
     context: Callable[[], ContextManager] = contextlib.nullcontext
     backend: Optional[str] = None  # this package's backend that must run the calls (None: not ours)
+    # decode(q, k_cache, v_cache) -> out: one query token over the whole cache (None: no such call)
+    decode: Optional[Callable] = None
 
 
 @contextlib.contextmanager
@@ -69,7 +97,7 @@ def _autograd_run(forward: Callable) -> Callable:
 
 
 def _ours(backend: str) -> Implementation:
-    from flash_attn import dispatch, flash_attn_func  # noqa: PLC0415
+    from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache  # noqa: PLC0415
 
     return Implementation(
         f"flash_attn[{backend}]",
@@ -77,6 +105,7 @@ def _ours(backend: str) -> Implementation:
         _autograd_run(lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)),
         lambda: _backend_env(backend),
         backend,
+        decode=lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache),
     )
 
 
@@ -101,7 +130,22 @@ def _sdpa(label: str, backend_name: str) -> Implementation:
 
         return sdpa_kernel(getattr(SDPBackend, backend_name))
 
-    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(forward), context)
+    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(forward), context, decode=sdpa_decode)
+
+
+def sdpa_decode(q, k_cache, v_cache):
+    """One query token with grouped KV heads through SDPA without copying the cache: the query
+    heads that share a KV head become rows of one query block (as FA2's decode does), which every
+    SDPA backend takes, non-causal, since the one token sees the whole cache. ``enable_gqa`` would
+    say the same but not every backend takes it, and repeating K/V would read 4x the bytes."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    batch, _, heads, headdim = q.shape
+    kv_heads = k_cache.shape[2]
+    # query head h uses KV head h // (heads / kv_heads): group the query heads by KV head
+    q_rows = q.reshape(batch, kv_heads, heads // kv_heads, headdim)
+    out = F.scaled_dot_product_attention(q_rows, k_cache.transpose(1, 2), v_cache.transpose(1, 2))
+    return out.reshape(batch, 1, heads, headdim)
 
 
 def _upstream() -> Implementation:
@@ -128,7 +172,13 @@ def _upstream() -> Implementation:
         if dout is not None:
             ext.bwd(dout, q, k, v, out, lse, None, None, None, None, 0.0, scale, causal, -1, -1, 0.0, False, None, rng)
 
-    return Implementation("upstream", unavailable, run)
+    def decode(q, k_cache, v_cache):
+        # flash-attn 2.6+: no new k/v, seqlens_k None (the whole cache), no rotary/paging/alibi
+        ext = state["ext"]
+        return ext.fwd_kvcache(q, k_cache, v_cache, None, None, None, None, None, None, None, None, None, None,
+                               q.shape[-1] ** -0.5, False, -1, -1, 0.0, True, 0)[0]
+
+    return Implementation("upstream", unavailable, run, decode=decode)
 
 
 def implementations(names) -> list[Implementation]:
@@ -193,12 +243,47 @@ def cases(config: dict) -> list[dict]:
     return out
 
 
-def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambda s: None,
-        on_row: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Measure every case with every implementation; ``on_row(row)`` as each row is done."""
-    import torch  # noqa: PLC0415
+def decode_cases(config: dict) -> list[dict]:
+    """One row per (batch, cache length) of ``config["decode"]``; the cache is full, one new token."""
+    d = config["decode"]
+    return [{"dtype": d["dtype"], "headdim": d["headdim"], "causal": False, "pass": "decode", "seqlen": 1,
+             "cachelen": cachelen, "batch": batch, "heads": d["heads"], "kv_heads": d["kv_heads"]}
+            for batch in d["batches"] for cachelen in d["cachelens"]]
 
-    from flash_attn import dispatch  # noqa: PLC0415
+
+def decode_bytes(case: dict) -> int:
+    """Bytes a decode call must move at least: the K and V cache read once, q read, out written."""
+    elt = DTYPE_BYTES[case["dtype"]]
+    cache = 2 * case["batch"] * case["cachelen"] * case["kv_heads"] * case["headdim"] * elt
+    q_and_out = 2 * case["batch"] * case["seqlen"] * case["heads"] * case["headdim"] * elt
+    return cache + q_and_out
+
+
+def skip_reason(needed: int, free: Optional[int]) -> Optional[str]:
+    """Why a case that allocates ``needed`` bytes is skipped (None: it runs): it needs more than
+    the free memory less :data:`DECODE_HEADROOM`. ``free`` None (unknown): never skipped."""
+    if free is None or needed + DECODE_HEADROOM <= free:
+        return None
+    return (f"skipped: would need {(needed + DECODE_HEADROOM) / 2**30:.1f} GiB "
+            f"({needed / 2**30:.1f} GiB of tensors + {DECODE_HEADROOM / 2**30:.0f} GiB headroom), "
+            f"the GPU has {free / 2**30:.1f} GiB free")
+
+
+def nominal_bandwidth(device_name: Optional[str]) -> Optional[tuple[str, float]]:
+    """``(label, bytes/s)`` of :data:`NOMINAL_BANDWIDTH` for a device name, None if not listed."""
+    for needle, label, value in NOMINAL_BANDWIDTH:
+        if device_name and needle in device_name:
+            return label, value
+    return None
+
+
+def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambda s: None,
+        on_row: Callable[[dict], None] = lambda row: None,
+        free_memory: Optional[Callable[[], Optional[int]]] = None) -> list[dict]:
+    """Measure every case with every implementation, then (``config["decode"]``) the memory
+    bandwidth and the decode cases; ``on_row(row)`` as each row is done. ``free_memory()``: free
+    bytes on the device (default: CUDA's count, or the host's available memory on a CPU)."""
+    import torch  # noqa: PLC0415
 
     device = torch.device(device or "cuda")
     timer = timer or (cuda_event_timer if device.type == "cuda" else wall_timer)
@@ -210,8 +295,23 @@ def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambd
         except Exception as exc:  # noqa: BLE001
             reasons[impl.name] = f"{type(exc).__name__}: {exc}"
     rows = []
+
+    def emit(row):
+        progress(_progress_line(row))
+        on_row(row)
+        rows.append(row)
+
+    _run_training(config, device, timer, impls, reasons, emit)
+    if config.get("decode"):
+        _run_decode(config, device, timer, impls, reasons, emit, free_memory or _free_memory_probe(device))
+    return rows
+
+
+def _run_training(config, device, timer, impls, reasons, emit) -> None:
+    import torch  # noqa: PLC0415
+
     for case in cases(config):
-        dtype = getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[case["dtype"]])
+        dtype = _torch_dtype(case["dtype"])
         backward = case["pass"] == "fwd_bwd"
         shape = (case["batch"], case["seqlen"], case["heads"], case["headdim"])
         g = torch.Generator(device=device).manual_seed(0)
@@ -221,28 +321,126 @@ def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambd
                                 case["causal"], backward)
         for impl in impls:
             row = dict(case, impl=impl.name)
-            if reasons[impl.name] is not None:
-                # under strict mode this package's backends must run: unavailable is an error
-                ours_required = impl.backend is not None and dispatch.strict()
-                row.update(status="error" if ours_required else "unavailable", note=reasons[impl.name])
+            _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"]), config, timer,
+                     device)
+            if "time_ms" in row:
+                row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12
+            emit(row)
+
+
+def _run_decode(config, device, timer, impls, reasons, emit, free_memory) -> None:
+    import torch  # noqa: PLC0415
+
+    bandwidth = measure_bandwidth(config, device, timer, free_memory)
+    emit(bandwidth)
+    measured = bandwidth.get("gbps") if bandwidth["status"] == "ok" else None
+    nominal = bandwidth.get("nominal_gbps")
+    for case in decode_cases(config):
+        needed = decode_bytes(case)
+        skipped = skip_reason(needed, free_memory())
+        tensors = ()
+        if skipped is None:
+            dtype = _torch_dtype(case["dtype"])
+            g = torch.Generator(device=device).manual_seed(0)
+            cache_shape = (case["batch"], case["cachelen"], case["kv_heads"], case["headdim"])
+            q = torch.randn((case["batch"], 1, case["heads"], case["headdim"]), device=device, dtype=dtype, generator=g)
+            tensors = (q, *(torch.randn(cache_shape, device=device, dtype=dtype, generator=g) for _ in range(2)))
+        for impl in impls:
+            row = dict(case, impl=impl.name, gbytes=needed / 1e9)
+            if skipped is not None:
+                row.update(status="skipped", note=skipped)
+            elif impl.decode is None:
+                row.update(status="unsupported", note=f"{impl.name} has no decode call here")
             else:
-                try:
-                    with impl.context():
-                        times = timer(lambda: impl.run(q, k, v, dout, case["causal"]), config["warmup"], config["repeats"])
-                    row.update(summarize(times), status="ok")
-                    row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12
-                    elsewhere = _ran_elsewhere(impl, device.type)
-                    if elsewhere:
-                        row.update(status="error", note=elsewhere)
-                except Exception as exc:  # noqa: BLE001  (an SDPA backend that rejects a shape, OOM...)
-                    note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
-                    row.update(status="error" if impl.backend is not None else "unsupported", note=note)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-            progress(_progress_line(row))
-            on_row(row)
-            rows.append(row)
-    return rows
+                _measure(row, impl, reasons[impl.name], lambda: impl.decode(*tensors), config, timer, device)
+            if "time_ms" in row:
+                row["gbps"] = needed / (row["time_ms"] * 1e-3) / 1e9
+                row["bw_pct"] = 100 * row["gbps"] / measured if measured else None
+                row["nominal_pct"] = 100 * row["gbps"] / nominal if nominal else None
+            emit(row)
+        del tensors  # before the next case allocates its cache (and counts free memory)
+        _empty_cache(device)
+
+
+def measure_bandwidth(config: dict, device, timer: Timer, free_memory) -> dict:
+    """The device's memory bandwidth as a copy sees it: ``copy_bytes`` read plus as many
+    written, over the median time of ``dst.copy_(src)``; with the nominal figure where known."""
+    import torch  # noqa: PLC0415
+
+    size = config["decode"].get("copy_bytes", COPY_BYTES)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    row = {"pass": "copy", "impl": "device copy", "gbytes": 2 * size / 1e9, "device": name}
+    nominal = nominal_bandwidth(name)
+    if nominal:
+        row.update(nominal_label=nominal[0], nominal_gbps=nominal[1] / 1e9)
+    skipped = skip_reason(2 * size, free_memory())
+    if skipped:
+        row.update(status="skipped", note=skipped)
+        return row
+    try:
+        src = torch.ones(size, dtype=torch.uint8, device=device)  # written once, so no page is fresh when timed
+        dst = torch.empty_like(src)
+        times = timer(lambda: dst.copy_(src), config["warmup"], config["repeats"])
+        row.update(summarize(times), status="ok")
+        row["gbps"] = 2 * size / (row["time_ms"] * 1e-3) / 1e9
+        if nominal:
+            row["nominal_pct"] = 100 * row["gbps"] / row["nominal_gbps"]
+    except Exception as exc:  # noqa: BLE001  (without it no decode row has a % of the bandwidth)
+        row.update(status="error", note=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}")
+    finally:
+        src = dst = None
+        _empty_cache(device)
+    return row
+
+
+def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device) -> None:
+    """Time ``call`` under ``impl``'s context into ``row`` (status, times or note)."""
+    import torch  # noqa: PLC0415
+
+    from flash_attn import dispatch  # noqa: PLC0415
+
+    if reason is not None:
+        # under strict mode this package's backends must run: unavailable is an error
+        ours_required = impl.backend is not None and dispatch.strict()
+        row.update(status="error" if ours_required else "unavailable", note=reason)
+        return
+    try:
+        with impl.context():
+            times = timer(call, config["warmup"], config["repeats"])
+        row.update(summarize(times), status="ok")
+        elsewhere = _ran_elsewhere(impl, device.type)
+        if elsewhere:
+            row.update(status="error", note=elsewhere)
+    except Exception as exc:  # noqa: BLE001  (an SDPA backend that rejects a shape, OOM...)
+        note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+        row.update(status="error" if impl.backend is not None else "unsupported", note=note)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _torch_dtype(name: str):
+    import torch  # noqa: PLC0415
+
+    return getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[name])
+
+
+def _empty_cache(device) -> None:
+    import torch  # noqa: PLC0415
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _free_memory_probe(device) -> Callable[[], Optional[int]]:
+    import torch  # noqa: PLC0415
+
+    if device.type != "cuda":
+        return common.available_memory_bytes
+
+    def free() -> int:
+        torch.cuda.empty_cache()  # blocks the caching allocator holds count as free
+        return torch.cuda.mem_get_info(device)[0]
+    return free
 
 
 def _ran_elsewhere(impl: Implementation, device_type: str) -> Optional[str]:
@@ -258,6 +456,19 @@ def _ran_elsewhere(impl: Implementation, device_type: str) -> Optional[str]:
 
 
 def _progress_line(row: dict) -> str:
+    if row["pass"] == "copy":
+        nominal = ""
+        if row.get("nominal_pct"):
+            nominal = f" ({row['nominal_pct']:.0f} % of the {row['nominal_label']}'s nominal)"
+        if row.get("status") != "ok":
+            return f"  memory bandwidth (device copy): {row['status']}: {row.get('note', '')}"
+        return f"  memory bandwidth (device copy of {row['gbytes'] / 2:.1f} GB): {row['gbps']:.0f} GB/s{nominal}"
+    if row["pass"] == "decode":
+        head = f"  {row['dtype']} decode b={row['batch']:<3} cache={row['cachelen']:<7} {row['impl']:<20}"
+        if row.get("status") != "ok":
+            return f"{head} {row['status']}: {row.get('note', '')}"
+        pct = f" ({row['bw_pct']:.0f} % of measured)" if row.get("bw_pct") is not None else ""
+        return f"{head} {row['time_ms']:9.3f} ms {row['gbps']:7.0f} GB/s{pct}"
     head = (f"  {row['dtype']} d={row['headdim']:<3} {'causal' if row['causal'] else 'full':<6} {row['pass']:<7} "
             f"s={row['seqlen']:<6} {row['impl']:<20}")
     if row.get("status") != "ok":
@@ -272,6 +483,7 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     plt = pyplot()
     if plt is None:
         return []
+    rows = [r for r in rows if r["pass"] in ("fwd", "fwd_bwd")]  # decode and the copy are in GB/s, not plotted
     written = []
     for dtype in sorted({r["dtype"] for r in rows}):
         subset = [r for r in rows if r["dtype"] == dtype]
@@ -303,8 +515,8 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     return written
 
 
-COLUMNS = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "batch", "heads", "time_ms", "time_ms_min",
-           "repeats", "tflops", "status", "note")
+COLUMNS = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
+           "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "status", "note")
 
 
 class RowWriter:
@@ -334,39 +546,73 @@ class RowWriter:
         self._csv_file.close()
 
 
-def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None) -> int:
-    """``python -m flash_attn bench gpu``: 0 when every row of this package's backends ran (on
-    them), 1 when one is an ``error``, 2 without a CUDA device (``device``/``timer``: for tests)."""
-    import torch  # noqa: PLC0415
-
-    if device is None and not torch.cuda.is_available():
-        print("gpu mode needs a CUDA device (this PyTorch sees none); `python -m flash_attn bench cpu` runs here",
-              file=sys.stderr)
-        return 2
+def config_from_args(args, default_seqlens=()) -> dict:
+    """The run's configuration from the command line (``default_seqlens`` unless ``--seqlens``)."""
     config = {
         "seqlens": args.seqlens or list(default_seqlens),
         "headdims": [64] if args.quick else args.headdims, "dtypes": ["bf16"] if args.quick else args.dtypes or ["fp16", "bf16"],
         "causal": [False, True], "backward": [False, True], "impls": args.impls or list(DEFAULT_IMPLS),
         "total_tokens": args.total_tokens, "hidden": args.hidden,
         "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
+        "decode": None,
     }
+    if args.decode:
+        config["decode"] = dict(DECODE_SHAPE, copy_bytes=COPY_BYTES,
+                                batches=args.decode_batches or ([1, 4] if args.quick else list(DECODE_BATCHES)),
+                                cachelens=args.decode_cachelens or ([4096] if args.quick else list(DECODE_CACHELENS)))
+    return config
+
+
+def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None,
+         free_memory: Optional[Callable[[], Optional[int]]] = None) -> int:
+    """``python -m flash_attn bench gpu``: 0 when every row of this package's backends ran (on
+    them), 1 when one is an ``error``, 2 without a CUDA device (``device``/``timer``/
+    ``free_memory``: for tests)."""
+    import torch  # noqa: PLC0415
+
+    if device is None and not torch.cuda.is_available():
+        print("gpu mode needs a CUDA device (this PyTorch sees none); `python -m flash_attn bench cpu` runs here",
+              file=sys.stderr)
+        return 2
+    config = config_from_args(args, default_seqlens)
     meta = {"mode": "gpu", "config": config, "machine": common.machine()}
     writer = RowWriter(args.out, "bench-gpu", meta)
     try:
         rows = run(config, device=device, timer=timer, progress=lambda line: print(line, file=sys.stderr, flush=True),
-                   on_row=writer)
+                   on_row=writer, free_memory=free_memory)
     finally:
         writer.close()
     paths = {"jsonl": writer.paths["jsonl"], **common.write_results(args.out, "bench-gpu", meta, rows, COLUMNS)}
     if not args.no_plot:
         pngs = plot(rows, args.out, "bench-gpu", f"{meta['machine'].get('gpu')}, torch {meta['machine']['torch']}")
         paths["png"] = ", ".join(map(str, pngs)) or "(not written: matplotlib is not installed)"
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("status") == "ok" and r["pass"] in ("fwd", "fwd_bwd")]
     print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("causal", "causal"), ("pass", "pass"),
                                      ("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "ms"),
                                      ("tflops", "TFLOP/s")]))
+    if config["decode"]:
+        print("\n" + decode_markdown(rows, config["decode"]))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
     errors = [r for r in rows if r.get("status") == "error"]
     for r in errors:
         print(f"error: {_progress_line(r).strip()}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def decode_markdown(rows: list[dict], decode: dict) -> str:
+    """The decode section: the measured bandwidth (and the nominal one), then GB/s per row."""
+    copy = next((r for r in rows if r["pass"] == "copy"), {})
+    title = (f"### Decode: flash_attn_with_kvcache, 1 new token, {decode['heads']} query / "
+             f"{decode['kv_heads']} KV heads, d={decode['headdim']}, {decode['dtype']}")
+    if copy.get("status") == "ok":
+        bandwidth = f"Memory bandwidth measured by a device-to-device copy in this run: {copy['gbps']:.0f} GB/s"
+    else:
+        bandwidth = f"Memory bandwidth: not measured ({copy.get('status')}: {copy.get('note', '')})"
+    if copy.get("nominal_gbps"):
+        bandwidth += f"; nominal {copy['nominal_gbps']:.0f} GB/s ({copy['nominal_label']}, {copy['device']})"
+    shown = [r for r in rows if r["pass"] == "decode" and r.get("status") in ("ok", "skipped")]
+    table = common.markdown_table(shown, [("batch", "batch"), ("cachelen", "cache"), ("impl", "implementation"),
+                                          ("gbytes", "GB moved"), ("time_ms", "ms"), ("gbps", "GB/s"),
+                                          ("bw_pct", "% of measured"), ("nominal_pct", "% of nominal"),
+                                          ("note", "note")])
+    return f"{title}\n\n{bandwidth}\n\n{table}"

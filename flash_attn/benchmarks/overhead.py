@@ -14,30 +14,54 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
 
 Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
 time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
-nothing waits for a device), wall clock in ``device`` mode.
+nothing waits for a device), wall clock in ``device`` mode. ``plans_per_call`` (stubbed mode, in
+the JSON): launch plans made per timed call, 0 when every call finds its plan in the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 from typing import Callable
 
 import torch
 
-from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.aot import archs, manifest as aot_manifest
 from flash_attn.backends import aot
 from flash_attn.planning import configs
 from flash_attn.planning.plan import Target
 
-CASES = ("forward", "forward+backward", "decode step")
+CASES = ("forward", "forward+backward", "packed training", "decode step")
+
+# packed batches: distinct totals, so that no two calls of a timing run have the same lengths
+# (more than the warm-up and timed calls of the defaults: 20 + 5 x 200)
+PACKED_BATCHES = 1100
+
+
+def _packed_batches(n: int, sequences: int, device) -> list[tuple[torch.Tensor, int, int]]:
+    """``n`` packed batches ``(cu_seqlens, max_seqlen, total)`` as padding-free training makes
+    them: ``sequences`` sequences whose lengths change from batch to batch, batch ``i`` holding
+    ``200 + i`` tokens (so every total, and most longest lengths, differ between calls)."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for i in range(n):
+        total = 200 + i
+        cuts = torch.randperm(total - 1, generator=g)[: sequences - 1].add_(1).sort().values.tolist()
+        bounds = [0, *cuts, total]
+        lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+        batches.append((cu, max(lengths), total))
+    return batches
 
 
 def _calls(device) -> dict[str, Callable[[], object]]:
     """The measured calls: a short forward (inference), a training step's attention (forward and
-    backward through autograd), one decode step with a KV cache (append + attend)."""
+    backward through autograd), the same for packed sequences whose lengths change every call
+    (padding-free training: ``flash_attn_varlen_func``), one decode step with a KV cache (append +
+    attend)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
     q, k, v = rnd(1, 128, 16, 128), rnd(1, 128, 16, 128), rnd(1, 128, 16, 128)
@@ -53,9 +77,20 @@ def _calls(device) -> dict[str, Callable[[], object]]:
             t.grad = None  # the step's gradients are fresh tensors (no accumulation)
         flash_attn_func(qg, kg, vg, causal=True).backward(dout)
 
+    batches = itertools.cycle(_packed_batches(PACKED_BATCHES, 4, device))
+    rows = 200 + PACKED_BATCHES
+    # few heads: the CPU stand-in zero-fills the backward's fp32 dQ buffer, which a GPU does on the side
+    packed_q, packed_k, packed_v, packed_dout = (rnd(rows, 4, 64) for _ in range(4))
+
+    def packed_training():
+        cu, longest, total = next(batches)
+        q, k, v = (t[:total].requires_grad_() for t in (packed_q, packed_k, packed_v))
+        flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).backward(packed_dout[:total])
+
     return {
         "forward": lambda: flash_attn_func(q, k, v, causal=True),
         "forward+backward": training,
+        "packed training": packed_training,
         "decode step": lambda: flash_attn_with_kvcache(step_q, k_cache, v_cache, step_k, step_v,
                                                        cache_seqlens=seqlens, causal=True),
     }
@@ -104,7 +139,8 @@ def _time(fn: Callable, calls: int, repeats: int, sync: Callable[[], None], cloc
 
 
 def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5) -> list[dict]:
-    """One row per case: ``us_per_call`` (median), min and max over ``repeats``, launches per call."""
+    """One row per case: ``us_per_call`` (median), min and max over ``repeats``, launches per call,
+    plans made per timed call (stubbed mode)."""
     rows = []
     if mode == "device":
         if not torch.cuda.is_available():
@@ -115,12 +151,15 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5) -> list[dict]
                          "us_min": min(times), "us_max": max(times), "launches_per_call": None})
         return rows
     with stubbed_aot() as launches:
+        plans = aot._device_images(torch.device("cpu")).plans
         for name, fn in _calls(torch.device("cpu")).items():
             fn()
             before = launches[0]
             fn()
             per_call = launches[0] - before
+            planned = len(plans)
             times = _time(fn, calls, repeats, lambda: None, clock=time.process_time)
             rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),
-                         "us_min": min(times), "us_max": max(times), "launches_per_call": per_call})
+                         "us_min": min(times), "us_max": max(times), "launches_per_call": per_call,
+                         "plans_per_call": (len(plans) - planned) / (calls * repeats + max(3, calls // 10))})
     return rows
