@@ -166,13 +166,16 @@ def test_aot_forward_backward_launch_plan_without_triton(varlen):
             warnings.simplefilter("error")  # a fallback would warn: the aot path must take these calls
             out, lse, _ = aot.forward(q, k, v, params, varlen=layout)
             dq, dk, dv = aot.backward(torch.randn_like(q), q, k, v, out, lse, params, varlen=layout)
+            aot.backward(torch.randn_like(q), q, k, v, out, lse, params, varlen=layout, deterministic=True)
         assert out.shape == q.shape and dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert_no_triton()
         print(json.dumps({{"launched": launched}}))
     """)
     launched = got["launched"]
     kernels = [row["key"].split(".")[0] for row in launched]
-    assert kernels == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    # deterministic=False (the default): the fused kernel with atomic dQ; deterministic=True: the split kernels
+    assert kernels == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dq_convert_kernel",
+                       "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
     for row in launched:
         assert ".bf16.d128." in row["key"], row  # head dim 96 -> the 128 bucket
         assert row["grid"][1:] in ([4, 1], [2, 1]), row  # (tiles x batch, heads, 1)
@@ -222,7 +225,7 @@ def test_aot_features_and_kvcache_launch_without_triton():
         print(json.dumps({"features": features, "kvcache": launched}))
     """)
     kernels = [row["key"].split(".")[0] for row in got["features"]]
-    assert kernels == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    assert kernels == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dq_convert_kernel"]
     assert [row["key"].split(".")[0] for row in got["kvcache"]] == [
         "append_kv_kernel", "split_kv_kernel", "combine_splits_kernel"]
     assert all(".bf16.d64." in row["key"] for row in got["kvcache"])

@@ -133,3 +133,143 @@ def test_declarations_cover_the_kernel_signatures(name):
         else:
             assert decl.scalar_type(arg) in ("i32", "fp32")
             assert arg not in decl.floats or arg not in decl.divisible_by_8
+
+
+@pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
+def test_backward_fused_by_default_split_when_deterministic(target):
+    """``deterministic=False`` plans the fused kernel (one program per key block, dQ by atomic add
+    into a zeroed fp32 buffer, then the convert); ``deterministic=True`` the two split kernels."""
+    q, k = meta(2, 300, 8, 128), meta(2, 300, 2, 128)
+    lse = meta(2, 8, 300, dtype=torch.float32)
+    params = AttentionParams(0.1, -1, 0)
+    fused = P.plan_backward(P.describe_backward(q, q, k, k, q, lse, params), target)
+    split = P.plan_backward(P.describe_backward(q, q, k, k, q, lse, params, deterministic=True), target)
+    assert [x.kernel for x in fused.launches] == ["attn_bwd_preprocess_kernel", "attn_bwd_kernel",
+                                                  "attn_bwd_dq_convert_kernel"]
+    assert [x.kernel for x in split.launches] == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
+                                                  "attn_bwd_dq_kernel"]
+    accum = {b.slot: b for b in fused.buffers}["dq_accum"]
+    assert accum.zeroed and accum.dtype == torch.float32 and accum.shape == q.shape
+    main = fused.launches[1]
+    assert main.grid == (-(-300 // main.config.block_n) * 2, 2, 1)  # key blocks x batch, kv heads
+    assert "dq_accum" not in {b.slot for b in split.buffers}
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
+    """Full attention with an unpadded head dim (64 or 128, bf16) runs the exact-call image on sm90
+    (no mask code); causal, windowed, padded, fp16 and score-feature calls, and other families,
+    the folded superset."""
+    def flags(head_dim, causal=False, family="sm90", softcap=0.0, dtype=torch.bfloat16):
+        q = meta(2, 300, 8, head_dim, dtype=dtype)
+        params = AttentionParams(0.1, -1, 0 if causal else -1, softcap=softcap)
+        if direction == "forward":
+            plan = P.plan_forward(P.describe_forward(q, q, q, params), P.Target(family, 132, aot=True))
+        else:
+            lse = meta(2, 8, 300, dtype=torch.float32)
+            plan = P.plan_backward(P.describe_backward(q, q, q, q, q, lse, params), P.Target(family, 132, aot=True))
+        main = [x for x in plan.launches if "IS_LOCAL" in x.constexprs][0]  # forward, fused or split dK/dV
+        return main.constexprs["IS_LOCAL"], main.constexprs["PAD_HEADDIM"]
+
+    assert flags(128) == (False, False)
+    assert flags(64) == (False, False)
+    assert flags(128, causal=True) == (True, True)
+    assert flags(96) == (True, True)  # padded to 128
+    assert flags(128, softcap=5.0) == (True, True)
+    assert flags(128, family="sm100") == (True, True)
+    assert flags(256) == (True, True)  # no exact-call image at head dim 256 (build budget)
+    assert flags(128, dtype=torch.float16) == (True, True)  # nor for fp16
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed (varlen) calls: one plan for the batches of packed training
+
+
+def _packed(total_q, total_k, max_q, max_k, batch=3, h=4, hk=2, d=64):
+    cu = meta(batch + 1, dtype=torch.int32)
+    q, k = meta(total_q, h, d), meta(total_k, hk, d)
+    lse = meta(h, total_q, dtype=torch.float32)
+    return q, k, lse, VarlenLayout(cu, cu, max_q, max_k)
+
+
+def test_bucket_seqlen_rounds_up_to_tiles_and_few_buckets():
+    assert [P.bucket_seqlen(n) for n in (0, 1, 128, 129, 1000, 1025, 1281, 4097)] == \
+        [0, 128, 128, 256, 1024, 1280, 1536, 5120]
+    buckets = {P.bucket_seqlen(n) for n in range(1, 65537)}
+    assert all(b % P.SEQLEN_TILE == 0 for b in buckets)
+    assert all(P.bucket_seqlen(n) >= n and P.bucket_seqlen(n) <= max(1.25 * n, 128 + n) for n in range(1, 65537))
+    assert len([b for b in buckets if 2048 < b <= 4096]) == 4 and len(buckets) <= 40
+
+
+@pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
+def test_packed_batches_of_other_lengths_share_a_plan(target):
+    """Totals and longest sequences vary from batch to batch in padding-free training: the calls
+    describe alike (row counts left to the call, longest sequences bucketed), so one plan serves
+    them; the plan sizes its buffers and the lse head stride by the call's rows."""
+    params = AttentionParams(0.125, -1, 0)
+    a_q, a_k, a_lse, a = _packed(300, 310, 150, 160)
+    b_q, b_k, b_lse, b = _packed(517, 480, 200, 250)
+    assert P.describe_forward(a_q, a_k, a_k, params, a) == P.describe_forward(b_q, b_k, b_k, params, b)
+    shape = P.describe_backward(a_q, a_q, a_k, a_k, a_q, a_lse, params, a)
+    assert shape == P.describe_backward(b_q, b_q, b_k, b_k, b_q, b_lse, params, b)
+    fwd = P.plan_forward(P.describe_forward(a_q, a_k, a_k, params, a), target)
+    assert fwd.rows == (P.Q_ROWS,)
+    assert {b.slot: b.shape for b in fwd.buffers}["lse"] == (4, P.Q_ROWS)
+    assert dict(fwd.launches[0].args)["stride_lh"] is P.Q_ROWS
+    main = fwd.launches[0]
+    assert main.grid[0] == -(-256 // main.config.block_m) * 3  # the bucket of 200 (and of 150)
+    bwd = P.plan_backward(shape, target)
+    assert bwd.rows == (P.Q_ROWS, P.K_ROWS)
+    assert {b.slot: b.shape[0] for b in bwd.buffers if b.slot in ("dq", "dk", "dv")} == \
+        {"dq": P.Q_ROWS, "dk": P.K_ROWS, "dv": P.K_ROWS}
+    # another count of sequences, or the longest sequence in the next bucket: another plan
+    first = P.describe_forward(a_q, a_k, a_k, params, a)
+    four_q, four_k, _, four = _packed(300, 310, 150, 160, batch=4)
+    assert P.describe_forward(four_q, four_k, four_k, params, four) != first
+    assert P.describe_forward(a_q, a_k, a_k, params, _packed(300, 310, 150, 300)[3]) != first
+
+
+def test_packed_outputs_sized_by_the_bounds_keep_them_exact():
+    """``return_softmax``: S_dmask is ``(batch, h, max_seqlen_q, max_seqlen_k)``, so those bounds stay exact."""
+    q, k, _, varlen = _packed(300, 310, 150, 160)
+    shape = P.describe_forward(q, k, k, AttentionParams(0.125), varlen, return_softmax=True)
+    assert (shape.varlen.max_seqlen_q, shape.varlen.max_seqlen_k) == (150, 160) and shape.q.shape[0] == 300
+    plan = P.plan_forward(shape, H100)
+    assert {b.slot: b.shape for b in plan.buffers}["s_dmask"] == (3, 4, 150, 160) and plan.rows == ()
+
+
+def test_backward_writes_the_callers_gradients_where_laid_out_for_the_kernels():
+    """``grads``: the caller's tensors are the output slots when the kernels can write them (no
+    buffer of the plan); others get a buffer (copied by the caller). ``delta``: Delta comes back."""
+    q, k = meta(2, 64, 4, 64), meta(2, 64, 2, 64)
+    lse = meta(2, 4, 64, dtype=torch.float32)
+    params = AttentionParams(0.125, -1, 0)
+    wide = meta(2, 64, 4, 68)[..., :64]  # a row stride of 68 elements: not a multiple of 8
+    plan = P.plan_backward(P.describe_backward(q, q, k, k, q, lse, params, grads=(wide, meta(2, 64, 2, 64), None),
+                                               delta=True), H100)
+    assert {b.slot for b in plan.buffers} & {"dq", "dk", "dv"} == {"dq", "dv"}
+    assert plan.results == ("dq", "dk", "dv", "delta")
+    plain = P.plan_backward(P.describe_backward(q, q, k, k, q, lse, params), H100)
+    assert {b.slot for b in plain.buffers} >= {"dq", "dk", "dv"} and plain.results == ("dq", "dk", "dv")
+
+
+def test_a_packed_backend_call_allocates_by_the_calls_rows():
+    """Through a backend (launches stubbed): two packed batches of other totals share one plan,
+    each gets outputs of its own size, and the launches get its own lse head stride."""
+    seen = []
+
+    def run_launch(launch, tensors, device):
+        seen.append({n: tensors[v] if isinstance(v, (P.Slot, P.Rows)) else v for n, v in launch.args})
+
+    backend = KernelBackend("stub", lambda device: H100, run_launch)
+    params = AttentionParams(0.125, -1, 0)
+    for total in (300, 517):
+        q, k, _, varlen = _packed(total, total, 150 + total // 10, 150)
+        seen.clear()
+        out, lse, _ = backend.forward(q, k, k, params, varlen=varlen)
+        assert out.shape == q.shape and lse.shape == (4, total)
+        dq, dk, dv, delta = backend.backward(q, q, k, k, out, lse, params, varlen=varlen, return_delta=True)
+        assert dq.shape == q.shape and dk.shape == k.shape and delta.shape == (4, total)
+        strides = [launch["stride_lh"] for launch in seen if "stride_lh" in launch]
+        assert len(strides) >= 3 and set(strides) == {total}
+    assert len(backend.plans) == 2  # one forward, one backward plan

@@ -180,7 +180,7 @@ def run_backward(backend, inp: Inputs, out, lse, deterministic=False):
                         deterministic=deterministic)
 
 
-def check_case(backend, case: Case, seed: int = 0):
+def check_case(backend, case: Case, seed: int = 0, deterministic: bool = False):
     inp = make_inputs(case, seed)
     dout = inp.dout if case.grads else None
     ref, ref_grads, naive, naive_grads = oracle_pair(inp.oracle_fn, [inp.q, inp.k, inp.v], dout=dout,
@@ -191,7 +191,7 @@ def check_case(backend, case: Case, seed: int = 0):
     keep = inp.keep if case.dropout_p else torch.ones_like(ref.probs, dtype=torch.bool)
     check_dropout_signs(s_dmask.cpu(), ref.probs, keep, case)
     if case.grads:
-        grads = run_backward(backend, inp, out, lse)
+        grads = run_backward(backend, inp, out, lse, deterministic)
         for name, ours, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
             check_close(ours, r, n, case.dtype, f"{case}: {name}", grad=True)
     return inp, out, lse
@@ -242,6 +242,13 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_kernels_match_oracle(backend, case, recwarn):
     check_case(backend, case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.grads and c.page_size is None][::3], ids=str)
+def test_deterministic_kernels_match_oracle(backend, case, recwarn):
+    """``deterministic=True`` runs the split dK/dV and dQ kernels (the default, the fused kernel
+    with atomic dQ, is what test_kernels_match_oracle checks)."""
+    check_case(backend, case, deterministic=True)
 
 
 def test_backward_is_deterministic(backend):
@@ -425,6 +432,9 @@ def test_every_picked_config_fits_its_architecture(capability, family):
         for features in (False, True):
             for headdim in range(1, 257):
                 config = configs.pick_config(kind, headdim, capability, features=features)
+                if config is None:  # only the fused backward: the split kernels serve that head dim
+                    assert kind == "bwd_fused" and configs.pick_config("bwd_dkdv", headdim, capability, features)
+                    continue
                 assert config.block_m % 16 == 0 and config.block_n % 16 == 0, (kind, headdim, config)
                 assert config.num_warps in (4, 8) and config.num_stages >= 1
                 padded = configs.padded_headdim(headdim)
@@ -447,7 +457,7 @@ def test_padded_headdim():
 
 ALL_FEATURES = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True, IS_PAGED=True, PAD_HEADDIM=True)
 KERNEL_NAMES = {"fwd": "attn_fwd_kernel", "probs": "attn_probs_kernel", "bwd_preprocess": "attn_bwd_preprocess_kernel",
-                "bwd_dkdv": "attn_bwd_dkdv_kernel", "bwd_dq": "attn_bwd_dq_kernel"}
+                "bwd_dkdv": "attn_bwd_dkdv_kernel", "bwd_dq": "attn_bwd_dq_kernel", "bwd_fused": "attn_bwd_kernel"}
 
 
 def _compile(name, capability, headdim, flags, dtype="fp16"):
@@ -475,11 +485,13 @@ def _compile(name, capability, headdim, flags, dtype="fp16"):
 @pytest.mark.parametrize("name", sorted(KERNEL_NAMES))
 def test_kernels_compile_for_the_gpu_with_every_feature(name):
     """The interpreter is lenient (types, scoping); the GPU compiler is not. sm80, all flags on."""
-    compiled, _ = _compile(name, (8, 0), 96, ALL_FEATURES, dtype="bf16")
+    # the fused backward has no sm80 entry (the split kernels run there): compiled for sm90
+    compiled, _ = _compile(name, (9, 0) if name == "bwd_fused" else (8, 0), 96, ALL_FEATURES, dtype="bf16")
     assert "mma" in compiled.asm["ptx"] or name == "bwd_preprocess"
 
 
-@pytest.mark.parametrize("name,capability,headdim", [("fwd", (8, 0), 128), ("bwd_dkdv", (8, 6), 128)])
+@pytest.mark.parametrize("name,capability,headdim", [("fwd", (8, 0), 128), ("bwd_dkdv", (8, 6), 128),
+                                                     ("bwd_fused", (9, 0), 64)])
 def test_compiled_shared_memory_within_estimate_and_loads_pipelined(name, capability, headdim):
     """Compile one table entry for its arch (no GPU needed) and read the compiler's shared memory.
 

@@ -14,8 +14,11 @@ processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, 
 * ``manifest.json``: per image, the spec and everything the launcher needs, taken from Triton's
   metadata (:func:`flash_attn.aot.library.manifest_entry`);
 * ``build-report.json``: per image, registers / spills (``STACK``/``LOCAL``) / shared bytes from
-  ``cuobjdump --dump-resource-usage``, the MMA family found in its SASS and PTX, compile seconds;
-  totals (kernel count, wall seconds, peak RSS of the build's process tree, bytes).
+  ``cuobjdump --dump-resource-usage``, the MMA family found in its SASS and PTX, compile seconds,
+  and the static quality report of :mod:`flash_attn.aot.kernel_report` (per product: MMA family,
+  instruction N, replication; products per step, keys per dK/dV program, spills inside loops,
+  CTAs per SM, TMA, wgmma waits); totals (kernel count, wall seconds, peak RSS of the build's
+  process tree, bytes).
 
 ``TRITON_PTXAS_PATH`` pins ptxas (also for sm_90+ unless ``TRITON_PTXAS_BLACKWELL_PATH`` is set:
 Triton 3.9 uses that second tool from sm_90 on); the ptxas used per architecture is recorded.
@@ -37,9 +40,9 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Optional
 
-from flash_attn.aot import library as op_library, specializations as S
+from flash_attn.aot import kernel_report, library as op_library, specializations as S
 from flash_attn.aot.archs import DEFAULT_CUDA_ARCHS, Arch, parse_arch_list
-from flash_attn.planning import configs
+from flash_attn.planning import configs, declarations
 
 ARCHS_ENV = "FLASH_ATTN_CUDA_ARCHS"
 MANIFEST = "manifest.json"
@@ -159,7 +162,8 @@ def cuobjdump_path() -> Optional[str]:
 
 
 def resource_usage(cubin: Path, cuobjdump: Optional[str]) -> dict:
-    """Registers, spills and shared memory of a cubin's kernel, and its SASS MMA families."""
+    """Registers, spills and shared memory of a cubin's kernel, its SASS MMA families, and (key
+    ``"_sass"``, not reported) the SASS itself."""
     if cuobjdump is None:
         return {"error": "cuobjdump not found"}
     out: dict = {}
@@ -171,7 +175,18 @@ def resource_usage(cubin: Path, cuobjdump: Optional[str]) -> dict:
             out[field_name.lower()] = int(match.group(1))
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
     out["sass_mma"] = [name for name, pattern in _MMA_SASS if pattern.search(sass)]
+    out["_sass"] = sass
     return out
+
+
+def static_report(spec, compiled, usage: dict, cap: int) -> dict:
+    """:func:`flash_attn.aot.kernel_report.analyse` of one image (its cubin's SASS and resources)."""
+    decl = declarations.get(spec.kernel)
+    family = configs.arch_family((cap // 10, cap % 10))
+    return kernel_report.analyse(
+        compiled.asm.get("ttgir", ""), compiled.asm.get("ptx", ""), usage.get("_sass", ""), kind=decl.config_kind,
+        block_n=spec.block_n, num_warps=spec.num_warps, shared=int(compiled.metadata.shared),
+        regs=usage.get("reg"), stack=usage.get("stack"), shared_limit=configs.SHARED_MEMORY_LIMIT[family])
 
 
 def _write_image(path: Path, data: bytes) -> Path:
@@ -230,6 +245,12 @@ def compile_job(job: dict) -> dict:
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
     triton_arch = target.group(1) if target else f"sm_{cap}"
     ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
+    products = [d for d in kernel_report.dots(compiled.asm.get("ttgir", "")) if d["family"] != "fma"]
+    if products and not ptx_mma:
+        # Triton emits an empty kernel when the tiles overflow tensor memory (sm100): it would run
+        # and return zeros; a build must not ship it
+        raise RuntimeError(f"compiling {spec.key} for sm_{cap}: {len(products)} tensor-core products in the TTGIR but "
+                           f"none in the PTX (an empty kernel: tiles too large for tensor memory?)")
     isa = re.search(r"^\.version\s+(\d+\.\d+)", ptx, re.M)
     features = bool(dict(spec.flags).get("HAS_SOFTCAP"))  # the score-features variant
     rows = []
@@ -252,6 +273,8 @@ def compile_job(job: dict) -> dict:
             raw = Path(tmp) / f"{spec.key}.cubin"
             raw.write_bytes(cubin)
             usage = resource_usage(raw, job.get("cuobjdump"))
+        usage.update(static_report(spec, compiled, usage, cap))
+        usage.pop("_sass", None)
         path = _write_image(out_dir / "images" / arch / f"{spec.key}.cubin", cubin)
         rows.append(({**base, "arch": arch, "image": str(path.relative_to(out_dir))},
                      {**common, "arch": arch, "image": "cubin", "bytes": path.stat().st_size, "raw_bytes": len(cubin),
@@ -269,9 +292,10 @@ def compile_job(job: dict) -> dict:
 # --- the build ------------------------------------------------------------------------------------
 
 
-def plan(cubins: list, ptxs: list) -> list[dict]:
+def plan(cubins: list, ptxs: list, specs=None) -> list[dict]:
     """One job per specialisation and Triton target: every image built from that compile (the
-    cubins of the archs it feeds, the PTX)."""
+    cubins of the archs it feeds, the PTX). ``specs``: capability -> specialisations (default:
+    what the package ships, :func:`~flash_attn.aot.specializations.specs_for_capability`)."""
     from dataclasses import asdict  # noqa: PLC0415
 
 
@@ -282,7 +306,7 @@ def plan(cubins: list, ptxs: list) -> list[dict]:
         groups.setdefault(triton_capability(arch), {"cubins": [], "ptx": []})["ptx"].append(arch.name)
     jobs = []
     for cap, images in sorted(groups.items()):
-        for spec in S.specs_for_capability((cap // 10, cap % 10)):
+        for spec in (specs or S.specs_for_capability)((cap // 10, cap % 10)):
             d = asdict(spec)
             d["flags"] = [list(x) for x in spec.flags]
             jobs.append({"spec": d, "cap": cap, **images})
@@ -348,8 +372,9 @@ def _tree_rss_mb(root: int) -> float:
 
 
 def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None, quiet: bool = False,
-          fresh_cache: bool = True) -> dict:
-    """Compile everything; returns the report (also written to ``out_dir``)."""
+          fresh_cache: bool = True, specs=None) -> dict:
+    """Compile everything (or ``specs``, see :func:`plan`); returns the report (also written to
+    ``out_dir``)."""
     import multiprocessing  # noqa: PLC0415
 
     import triton  # noqa: PLC0415
@@ -362,7 +387,7 @@ def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None
     for stale in (out_dir / MANIFEST, out_dir / REPORT):
         stale.unlink(missing_ok=True)
     shutil.rmtree(out_dir / "images", ignore_errors=True)
-    work = plan(cubins, ptxs)
+    work = plan(cubins, ptxs, specs)
     cuobjdump = cuobjdump_path()
     tmp_cache = None
     if fresh_cache:

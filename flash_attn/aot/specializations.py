@@ -14,7 +14,9 @@ Attention kernels (forward, backward preprocess, dK/dV, dQ):
     Ampere/Ada). Dense and varlen calls share one kernel (``packed`` is a run-time switch); causal,
     sliding-window and unmasked calls too (``IS_LOCAL`` with ``-1`` bounds is exact).
     Plus one *score-features* variant per kernel from ``BLOCK_D`` 64 up: softcap, ALiBi and
-    dropout compiled in together, each switched at run time.
+    dropout compiled in together, each switched at run time. And, on the families of
+    ``declarations.EXACT_IMAGE_FAMILIES``, the *exact-call* images of the forward and the fused
+    backward: full attention with an unpadded head dim, compiled without mask code.
     Not shipped (the dispatcher falls back to Triton, else the reference): paged K/V in the varlen
     forward, ``return_attn_probs``, head dims that are not a multiple of 8.
 
@@ -38,7 +40,8 @@ DTYPES = ("fp16", "bf16")
 BLOCK_DS = (32, 64, 128, 256)
 # The score-features variant starts at 64: head dims <= 32 run on it exactly (run-time head-dim mask).
 FEATURE_BLOCK_DS = (64, 128, 256)
-ATTENTION_KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+ATTENTION_KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dq_convert_kernel",
+                     "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 DECODE_KERNELS = ("split_kv_kernel", "append_kv_kernel", "rotary_q_kernel", "combine_splits_kernel")
 _BLOCK_FIELDS = ("BLOCK_D", "BLOCK_M", "BLOCK_N")
 
@@ -102,20 +105,37 @@ def kernel_function(kernel: str):
     return registry.jit_function(kernel)
 
 
+def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config, features: bool = False,
+                   exact: bool = False) -> Spec:
+    """The ahead-of-time specialisation of one attention kernel: its folded flags (or, ``exact``,
+    those of its exact-call image), blocks and config."""
+    decl = declarations.get(kernel)
+    blocks = dict(BLOCK_M=config.block_m, BLOCK_D=block_d)
+    if "BLOCK_N" in registry.constexpr_names(kernel):
+        blocks["BLOCK_N"] = config.block_n
+    flags = decl.exact_constexprs() if exact else decl.aot_constexprs(features)
+    return Spec.of(kernel, dtype, {**flags, **blocks}, config)
+
+
 def attention_specs(family: str, dtype: str) -> list[Spec]:
     """The attention kernels' specialisations for devices of ``family``: per kernel, the lean
     variant for every ``BLOCK_D`` and (forward, dK/dV, dQ) the score-features variant; each with
     the launch config the planner picks for that family, head dim and variant."""
     out = []
+    fused = any(configs.fused_backward(d, family, f) for d in BLOCK_DS for f in (False, True))
     for kernel in ATTENTION_KERNELS:
+        if kernel == "attn_bwd_dq_convert_kernel" and not fused:
+            continue  # only the fused backward needs it
         decl = declarations.get(kernel)
         for features in (False, True) if decl.has_features else (False,):
             for block_d in FEATURE_BLOCK_DS if features else BLOCK_DS:
                 config = configs.pick(decl.config_kind, block_d, family, features)
-                blocks = dict(BLOCK_M=config.block_m, BLOCK_D=block_d)
-                if kernel != "attn_bwd_preprocess_kernel":
-                    blocks["BLOCK_N"] = config.block_n
-                out.append(Spec.of(kernel, dtype, {**decl.aot_constexprs(features), **blocks}, config))
+                if config is None:  # the split kernels serve this head dim (configs.fused_backward)
+                    continue
+                out.append(attention_spec(kernel, dtype, block_d, config, features))
+                if (decl.exact and not features and family in declarations.EXACT_IMAGE_FAMILIES
+                        and block_d in declarations.EXACT_IMAGE_BLOCK_DS and dtype in declarations.EXACT_IMAGE_DTYPES):
+                    out.append(attention_spec(kernel, dtype, block_d, config, exact=True))
     return out
 
 

@@ -65,10 +65,14 @@ def forward_inputs(q, k, v, params, varlen=None, alibi_slopes=None) -> dict:
     return inputs
 
 
-def backward_inputs(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None) -> dict:
+def backward_inputs(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None, grads=None) -> dict:
     inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi=alibi_slopes, seed=params.dropout_seed)
     if varlen is not None:
         inputs.update(cu_q=varlen.cu_seqlens_q, cu_k=varlen.cu_seqlens_k)
+    if grads is not None:
+        # the caller's gradients: the output slots where the plan writes them in place (a plan
+        # that allocates its own replaces them in slots())
+        inputs.update((name, g) for name, g in zip(("dq", "dk", "dv"), grads) if g is not None)
     return inputs
 
 
@@ -85,7 +89,7 @@ def kvcache_inputs(q, cache, alibi_slopes=None) -> dict:
 def _aligned_empty(shape, dtype, device) -> torch.Tensor:
     """Fresh (so 16-byte aligned) storage whose strides but the last are multiples of 8
     elements: the last dimension padded, the tensor a view of its first ``shape[-1]`` columns."""
-    return _allocator(P.Buffer("", tuple(shape), dtype, padded=True))(device)
+    return _allocator(P.Buffer("", tuple(shape), dtype, padded=True))(None, device)
 
 
 _PREPARE = {
@@ -101,28 +105,34 @@ _unused: dict[tuple, torch.Tensor] = {}
 
 
 def _placeholder(dtype, device) -> torch.Tensor:
-    """A tensor nothing reads or writes, one per device and dtype (made outside CUDA-graph capture;
-    one made during a capture belongs to that graph's memory and is not kept)."""
-    key = (dtype, device)
-    found = _unused.get(key)
+    """A tensor nothing reads or writes: one per dtype on the CPU, made per call elsewhere. A kept
+    CUDA tensor would cross capture boundaries: one made outside a CUDA graph and used inside it,
+    or one made during a cudagraph-trees warm-up (not a capture, but its memory comes from the
+    graphs' private pool) that the pool may hand out again while it is kept here."""
+    if device.type != "cpu":
+        return torch.empty(16, dtype=dtype, device=device)
+    found = _unused.get((dtype, device))
     if found is None:
-        found = torch.empty(16, dtype=dtype, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            _unused[key] = found
+        found = _unused[(dtype, device)] = torch.empty(16, dtype=dtype, device=device)
     return found
 
 
 def _allocator(buffer: P.Buffer):
-    """``device -> tensor`` for ``buffer``, with its shapes worked out once."""
+    """``(tensors, device) -> tensor`` for ``buffer``, with its shapes worked out once (a per-call
+    row count, :class:`~flash_attn.planning.plan.Rows`, is read from ``tensors``)."""
     if buffer.unused:
-        return lambda device: _placeholder(buffer.dtype, device)
+        return lambda tensors, device: _placeholder(buffer.dtype, device)
     make, storage, dtype, columns = (torch.zeros if buffer.zeroed else torch.empty), buffer.storage, buffer.dtype, \
         buffer.shape[-1] if buffer.storage != buffer.shape else None
+    if any(isinstance(n, P.Rows) for n in storage):
+        def sized(tensors, device):
+            return make(*[tensors[n] if isinstance(n, P.Rows) else n for n in storage], dtype=dtype, device=device)
+        return sized if columns is None else lambda tensors, device: sized(tensors, device)[..., :columns]
     # sizes as separate arguments: PyTorch's argument parser takes them ~0.5 us faster than a tuple
     # (every planned buffer and prepared input has at least one dimension)
     if columns is None:
-        return lambda device: make(*storage, dtype=dtype, device=device)
-    return lambda device: make(*storage, dtype=dtype, device=device)[..., :columns]
+        return lambda tensors, device: make(*storage, dtype=dtype, device=device)
+    return lambda tensors, device: make(*storage, dtype=dtype, device=device)[..., :columns]
 
 
 class Ready(NamedTuple):
@@ -143,6 +153,8 @@ def slots(run: Ready, inputs: dict, device) -> dict:
     """The call's tensors by slot (``inputs`` is extended in place): the inputs, prepared where the
     plan asks, and the plan's buffers."""
     tensors = inputs
+    for rows in run.plan.rows:  # packed row counts: sizes of this call, not of the plan
+        tensors[rows] = tensors[rows.slot].shape[0]
     if run.plan.needs_seed and not isinstance(tensors.get("seed"), torch.Tensor):
         # a plain int seed from a direct backend call (the public API draws one on the device):
         # a fill on the device, no copy from the host
@@ -150,7 +162,7 @@ def slots(run: Ready, inputs: dict, device) -> dict:
     for prep in run.plan.prepare:
         tensors[prep.slot] = _PREPARE[prep.how](tensors[prep.source or prep.slot])
     for slot, make in run.buffers:
-        tensors[slot] = make(device)
+        tensors[slot] = make(tensors, device)
     return tensors
 
 
@@ -163,9 +175,10 @@ def execute(run: Ready, inputs: dict, device, run_launch: Callable) -> tuple:
 
 
 def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
-    """Every argument of ``launch`` by name, slots replaced by the call's tensors (Triton takes
-    keywords, so constexprs fixed in the middle of the signature need no placeholder)."""
-    kwargs = {name: tensors[value] if isinstance(value, P.Slot) else value for name, value in launch.args}
+    """Every argument of ``launch`` by name, slots replaced by the call's tensors and row counts
+    by the call's sizes (Triton takes keywords, so constexprs fixed in the middle of the signature
+    need no placeholder)."""
+    kwargs = {name: tensors[value] if isinstance(value, (P.Slot, P.Rows)) else value for name, value in launch.args}
     kwargs.update(launch.constexprs)
     return kwargs
 
@@ -199,6 +212,10 @@ class KernelBackend:
     def plan_cache(self, device) -> PlanCache:
         return self.plans
 
+    def forget_plans(self) -> None:
+        """Drop every cached plan (after the launch configs changed: the tuning sweep)."""
+        self.plans.clear()
+
     def run(self, executable, inputs: dict, device) -> tuple:
         return execute(executable, inputs, device, self.run_launch)
 
@@ -226,11 +243,13 @@ class KernelBackend:
         return lambda: (*runner(), None)
 
     def prepare_backward(self, dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
-                         deterministic=False):
-        # deterministic needs nothing: the kernels use no atomics and are always deterministic
-        shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes)
+                         deterministic=False, grads=None, return_delta=False):
+        # deterministic: the split kernels (no atomics) instead of the fused one; grads: the
+        # caller's (dq, dk, dv), written in place where laid out as the kernels write
+        shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
+                                    return_delta)
         return self._prepare(P.plan_backward, shape,
-                             backward_inputs(dout, q, k, v, out, lse, params, varlen, alibi_slopes), q.device)
+                             backward_inputs(dout, q, k, v, out, lse, params, varlen, alibi_slopes, grads), q.device)
 
     def prepare_forward_kvcache(self, q, params, cache, *, alibi_slopes=None):
         shape = P.describe_kvcache(q, params, cache, alibi_slopes)

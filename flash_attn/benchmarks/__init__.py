@@ -4,10 +4,13 @@
   optionally naive eager attention): time, the speed ratio and peak memory over sequence length,
   plain and with the features SDPA needs a materialised mask for (:mod:`flash_attn.benchmarks.cpu`);
 * ``gpu``: forward / forward+backward TFLOPs of the ``aot`` and ``triton`` backends vs SDPA's
-  flash / efficient / cudnn backends and upstream ``flash_attn_2_cuda`` (:mod:`.gpu`);
+  flash / efficient / cudnn backends and upstream ``flash_attn_2_cuda``, then decode
+  (``flash_attn_with_kvcache``) in GB/s against the measured memory bandwidth (:mod:`.gpu`);
 * ``build``: wall time, peak memory and size of the ahead-of-time kernel build (:mod:`.build`);
 * ``overhead``: host time per call of the public functions on the ``aot`` path, launches stubbed
   (or, with ``--device cuda``, for real) (:mod:`.overhead`);
+* ``tune``: the launch-config sweep in three steps (``--tune-step prepare`` on the CPU, ``run`` on
+  a GPU, ``fold`` on the CPU) that turns one short GPU window into configs (:mod:`.tune`);
 * ``auto`` (default): ``gpu`` when PyTorch sees a CUDA device, else ``cpu``.
 
 Results go to ``--out`` (default ``bench-results/``) as ``bench-<mode>.json`` / ``.csv`` /
@@ -25,7 +28,7 @@ from flash_attn.benchmarks import common
 
 CPU_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 CPU_FEATURE_SEQLENS = (1024, 4096, 16384)
-GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+GPU_SEQLENS = (1024, 4096, 16384)  # issue 24's table; fits one short GPU window with decode
 QUICK_SEQLENS = (128, 256)
 
 
@@ -38,7 +41,7 @@ def _words(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("mode", nargs="?", choices=("auto", "cpu", "gpu", "build", "overhead"), default="auto",
+    parser.add_argument("mode", nargs="?", choices=("auto", "cpu", "gpu", "build", "overhead", "tune"), default="auto",
                         help="what to benchmark (default: gpu if CUDA is available, else cpu)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default: bench-results)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke test)")
@@ -68,10 +71,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--headdims", type=_ints, default=[64, 128, 256])
     gpu.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
     gpu.add_argument("--hidden", type=int, default=2048, help="heads * headdim (default 2048)")
+    gpu.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                     help="gpu: also time decode (flash_attn_with_kvcache, one token over a KV cache) in GB/s "
+                     "against the measured memory bandwidth (default: on)")
+    gpu.add_argument("--decode-batches", type=_ints, help="gpu: decode batch sizes (default 1,4,16,64)")
+    gpu.add_argument("--decode-cachelens", type=_ints, help="gpu: decode KV cache lengths (default 4096,16384,65536,131072)")
     overhead = parser.add_argument_group("overhead mode")
     overhead.add_argument("--device", choices=("stubbed", "cuda"), default="stubbed",
                           help="stubbed: launches replaced by a no-op, any machine (default); cuda: real calls on a GPU")
     overhead.add_argument("--calls", type=int, default=200, help="calls per timed run (default 200)")
+    tune = parser.add_argument_group("tune mode (uses --out, --archs, --headdims, --seqlens)")
+    tune.add_argument("--tune-step", choices=("prepare", "run", "fold"), default="prepare",
+                      help="prepare: compile the candidates (CPU); run: time them (GPU); fold: update the config table")
+    tune.add_argument("--budget-s", type=float, default=420.0, help="tune run: stop timing after this many seconds")
+    tune.add_argument("--dry-run", action="store_true", help="tune fold: print the changes, leave configs.py alone")
     build = parser.add_argument_group("build mode")
     build.add_argument("--build-command", help="command to time; {python}, {out} and {archs} are filled in "
                        "(default: '{python} -m flash_attn build-kernels --out {out}')")
@@ -88,7 +101,13 @@ def run(args: argparse.Namespace) -> int:
         import torch  # noqa: PLC0415
 
         mode = "gpu" if torch.cuda.is_available() else "cpu"
-    return {"cpu": run_cpu, "gpu": run_gpu, "build": run_build, "overhead": run_overhead}[mode](args)
+    return {"cpu": run_cpu, "gpu": run_gpu, "build": run_build, "overhead": run_overhead, "tune": run_tune}[mode](args)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from flash_attn.benchmarks import tune  # noqa: PLC0415
+
+    return tune.main(args)
 
 
 def run_overhead(args: argparse.Namespace) -> int:
@@ -157,35 +176,9 @@ def run_cpu(args: argparse.Namespace) -> int:
 
 
 def run_gpu(args: argparse.Namespace) -> int:
-    import torch  # noqa: PLC0415
-
     from flash_attn.benchmarks import gpu  # noqa: PLC0415
 
-    if not torch.cuda.is_available():
-        print("gpu mode needs a CUDA device (this PyTorch sees none); `python -m flash_attn bench cpu` runs here",
-              file=sys.stderr)
-        return 2
-    config = {
-        "seqlens": args.seqlens or list(QUICK_SEQLENS if args.quick else GPU_SEQLENS),
-        "headdims": [64] if args.quick else args.headdims, "dtypes": ["bf16"] if args.quick else args.dtypes or ["fp16", "bf16"],
-        "causal": [False, True], "backward": [False, True], "impls": args.impls or list(gpu.DEFAULT_IMPLS),
-        "total_tokens": args.total_tokens, "hidden": args.hidden,
-        "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
-    }
-    meta = {"mode": "gpu", "config": config, "machine": common.machine()}
-    rows = gpu.run(config, progress=_progress)
-    columns = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "batch", "heads", "time_ms", "time_ms_min",
-               "repeats", "tflops", "status", "note")
-    paths = common.write_results(args.out, "bench-gpu", meta, rows, columns)
-    if not args.no_plot:
-        pngs = gpu.plot(rows, args.out, "bench-gpu", f"{meta['machine'].get('gpu')}, torch {meta['machine']['torch']}")
-        paths["png"] = ", ".join(map(str, pngs)) or "(not written: matplotlib is not installed)"
-    ok = [r for r in rows if r.get("status") == "ok"]
-    print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("causal", "causal"), ("pass", "pass"),
-                                     ("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "ms"),
-                                     ("tflops", "TFLOP/s")]))
-    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
-    return 0
+    return gpu.main(args, QUICK_SEQLENS if args.quick else GPU_SEQLENS)
 
 
 def run_build(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 =====================  ==========================================================================
 ``forward``            forward kernel (dense and varlen, paged K/V) and the ``return_softmax`` one
-``backward``           backward kernels: preprocess, dK/dV, dQ (no atomics, deterministic)
+``backward``           backward kernels: preprocess, fused (atomic dQ) or dK/dV + dQ (deterministic)
 ``decode``             KV-cache attention: split-KV kernel and the split combine
 ``kvcache_append``     writing new K/V rows (with rotary) into the cache
 ``masking``            where the mask is computed: visibility, ALiBi, softcap, tile ranges

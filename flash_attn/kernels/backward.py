@@ -1,15 +1,17 @@
-"""Triton backward kernels of FlashAttention-2: preprocess, dK/dV and dQ, without atomics.
+"""Triton backward kernels of FlashAttention-2: preprocess, then fused (atomic dQ) or split.
 
 * :func:`attn_bwd_preprocess_kernel`: ``delta = rowsum(dO * O)`` (fp32, laid out like lse).
-* :func:`attn_bwd_dkdv_kernel`: one program owns ``BLOCK_N`` key rows of one *kv* head and
-  walks the query tiles that see them (:func:`~flash_attn.kernels.masking.query_block_range`),
-  for every query head of its GQA group in turn, so dK/dV of a group are summed in registers.
-* :func:`attn_bwd_dq_kernel`: one program owns ``BLOCK_M`` query rows of one query head and walks
-  their key tiles (:func:`~flash_attn.kernels.masking.key_block_range`).
-
-Every output element is written by exactly one program and summed in a fixed order, so the
-backward is deterministic (bit-identical across runs) whatever ``deterministic`` says. The
-probabilities are recomputed from ``lse`` in both kernels (the price of having no atomics).
+* :func:`attn_bwd_kernel` (``deterministic=False``, flash-attn's default): one program owns
+  ``BLOCK_N`` key rows of one *kv* head and walks the query tiles that see them
+  (:func:`~flash_attn.kernels.masking.query_block_range`), for every query head of its GQA group
+  in turn, so dK/dV of a group are summed in registers; each tile's dQ share is added atomically
+  into an fp32 buffer, which :func:`attn_bwd_dq_convert_kernel` scales and rounds. Five products
+  per tile pair; the order of the dQ additions varies from run to run.
+* ``deterministic=True``: :func:`attn_bwd_dkdv_kernel` (the same program without dQ) and
+  :func:`attn_bwd_dq_kernel`, where one program owns ``BLOCK_M`` query rows of one query head and
+  walks their key tiles (:func:`~flash_attn.kernels.masking.key_block_range`). Every output
+  element is written by exactly one program and summed in a fixed order (bit-identical across
+  runs), at the price of recomputing the probabilities in both kernels (seven products).
 
 Gradients, with ``P`` the softmax, ``Z`` the dropout keep mask over ``1 - p`` and
 ``delta = rowsum(dO * O)``::
@@ -68,14 +70,15 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_query_tiles(
     dk, dv, k, v, offs_n, offs_d, d_mask,
-    Q_head, dO_head, L_head, D_head, lo, hi,
-    stride_qs, stride_dos, seqlen_q, seqlen_k,
+    Q_head, dO_head, dQ_head, L_head, D_head, lo, hi,
+    stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head.
+    """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head;
+    with ``ATOMIC_DQ`` also add this key block's share of dQ (unscaled, fp32) into ``dQ_head``.
 
     Tiles are laid out keys x queries (transposed scores), so both products are plain dots.
     Interior tiles (``MASKED`` False) are fully inside ``seqlen_q`` and fully visible.
@@ -118,13 +121,23 @@ def _dkdv_query_tiles(
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        ds_t = ds_t.to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t), k)
+            dq_ptrs = row_ptrs(dQ_head, start_m, stride_dqs, BLOCK_M)[:, None] + offs_d[None, :]
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < seqlen_q)[:, None] & d_mask[None, :], sem="relaxed")
+            elif PAD_HEADDIM:
+                tl.atomic_add(dq_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(
-    Q, K, V, dOut, LSE, Delta, dK, dV,
+def _dkdv_program(
+    Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum,
     CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -132,23 +145,23 @@ def attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_ab,
     seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch, nheads_k)``; ``LSE``/``Delta`` share strides.
-
-    dK/dV have K/V's shape (``(b, sk, hk, d)`` or ``(total_k, hk, d)``) and dtype.
-    """
+    """One key block of one kv head: dK/dV over every query tile of the group's heads that sees
+    it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``)."""
     stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
     stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
     stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
     stride_dob, stride_dos, stride_doh = stride_16b(stride_dob), stride_16b(stride_dos), stride_16b(stride_doh)
     stride_dkb, stride_dks, stride_dkh = stride_16b(stride_dkb), stride_16b(stride_dks), stride_16b(stride_dkh)
     stride_dvb, stride_dvs, stride_dvh = stride_16b(stride_dvb), stride_16b(stride_dvs), stride_16b(stride_dvh)
+    stride_dqb, stride_dqs, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqs), stride_16b(stride_dqh)
     # the first key blocks are seen by the most queries under a causal mask: they go first
     pid_n, b = block_and_batch(seqlen_k, BLOCK_N, False)
     kv_h = tl.program_id(1)
@@ -175,34 +188,124 @@ def attn_bwd_dkdv_kernel(
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     lo, mid_lo, mid_hi, hi = masking.query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                        BLOCK_M, BLOCK_N, IS_LOCAL)
-    # the query heads of this kv head's group, one after the other: no atomics across heads
+    # the query heads of this kv head's group, one after the other: dK/dV summed in registers
     for h in range(kv_h * group, kv_h * group + group):
         slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
         Q_head = Q + b64 * stride_qb + q0 * stride_qs + h * stride_qh
         dO_head = dOut + b64 * stride_dob + q0 * stride_dos + h * stride_doh
+        dQ_head = dQAccum + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh
         L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, lo, mid_lo,
-            stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
-            window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
+            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, dQ_head, L_head, D_head, lo, mid_lo,
+            stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
+            slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_lo, mid_hi,
-            stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
-            window_left, window_right, dropout_p, dropout_seed, b, h,
-            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
+            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_lo, mid_hi,
+            stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
+            slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, L_head, D_head, mid_hi, hi,
-            stride_qs, stride_dos, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2,
-            window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, BLOCK_M)
+            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_hi, hi,
+            stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
+            slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M)
 
     dk = dk * softmax_scale
     dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)
     dv_rows = row_ptrs(dV + b64 * stride_dvb + k0 * stride_dvs + kv_h * stride_dvh, start_n, stride_dvs, BLOCK_N)
     tl.store(dk_rows[:, None] + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_rows[:, None] + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def attn_bwd_kernel(
+    Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum,
+    CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
+    softmax_scale, softcap, window_left, window_right, dropout_p,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The fused backward (``deterministic=False``): grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch,
+    nheads_k)``, as :func:`attn_bwd_dkdv_kernel`, plus dQ added atomically (fp32, unscaled) into
+    ``dQAccum`` (zeroed, Q's shape; :func:`attn_bwd_dq_convert_kernel` finishes it): five products
+    per tile pair instead of the split kernels' seven, in an order that varies between runs."""
+    _dkdv_program(
+        Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum, CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+        stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
+        seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
+        dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, True, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, dOut, LSE, Delta, dK, dV,
+    CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
+    softmax_scale, softcap, window_left, window_right, dropout_p,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch, nheads_k)``; ``LSE``/``Delta`` share strides.
+
+    dK/dV have K/V's shape (``(b, sk, hk, d)`` or ``(total_k, hk, d)``) and dtype.
+    """
+    _dkdv_program(
+        Q, K, V, dOut, LSE, Delta, dK, dV, dK, CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+        0, 0, 0, stride_lb, stride_lh, stride_ab,
+        seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
+        dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, False, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def attn_bwd_dq_convert_kernel(
+    dQAccum, dQ, CuSeqlensQ,
+    stride_ab, stride_as, stride_ah,
+    stride_dqb, stride_dqs, stride_dqh,
+    seqlen_q, head_dim, packed, softmax_scale,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``dQ = softmax_scale * dQAccum`` in dQ's dtype; grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``."""
+    stride_ab, stride_as, stride_ah = stride_16b(stride_ab), stride_16b(stride_as), stride_16b(stride_ah)
+    stride_dqb, stride_dqs, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqs), stride_16b(stride_dqh)
+    pid_m, b = block_and_batch(seqlen_q, BLOCK_M, False)
+    h = tl.program_id(1)
+    q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < seqlen_q)[:, None] & (offs_d < head_dim)[None, :]
+    b64 = b.to(tl.int64)
+    q0 = q_start.to(tl.int64)
+    a_rows = row_ptrs(dQAccum + b64 * stride_ab + q0 * stride_as + h * stride_ah, start_m, stride_as, BLOCK_M)
+    dq_rows = row_ptrs(dQ + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh, start_m, stride_dqs, BLOCK_M)
+    dq = tl.load(a_rows[:, None] + offs_d[None, :], mask=mask, other=0.0) * softmax_scale
+    tl.store(dq_rows[:, None] + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit

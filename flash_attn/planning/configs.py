@@ -13,6 +13,8 @@ Kinds:
 * ``"fwd"``: forward; ``BLOCK_M`` query rows per program, key tiles of ``BLOCK_N``.
 * ``"bwd_dkdv"``: dK/dV; ``BLOCK_N`` key rows per program, query tiles of ``BLOCK_M``.
 * ``"bwd_dq"``: dQ; ``BLOCK_M`` query rows per program, key tiles of ``BLOCK_N``.
+* ``"bwd_fused"``: the fused backward (dK/dV, dQ by atomic add); ``BLOCK_N`` key rows per program,
+  query tiles of ``BLOCK_M``.
 
 The small kernels (backward preprocess, softmax probabilities for testing) reuse the ``fwd``
 blocks.
@@ -20,6 +22,7 @@ blocks.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 __all__ = [
@@ -43,7 +46,7 @@ class Config(NamedTuple):
 
 
 HEADDIM_BUCKETS = (32, 64, 128, 256)
-KINDS = ("fwd", "bwd_dkdv", "bwd_dq")
+KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused")
 
 # Bytes of shared memory one block may use (opt-in maximum) per architecture family.
 SHARED_MEMORY_LIMIT = {
@@ -58,9 +61,11 @@ _C = Config
 # (kind, family) -> configs for headdim <= 32, <= 64, <= 128, <= 256.
 #
 # The rule (measurements and the choice of each entry: benchmarks/README.md, "Launch configs"):
-# fit shared memory; for head dim <= 128 no spill (no stack, no local memory) on the build report;
-# the architecture's tensor-core instructions; then the largest tiles and the deepest pipeline.
-_TABLE: dict[tuple[str, str], tuple[Config, Config, Config, Config]] = {
+# fit shared memory; the architecture's tensor-core instructions; on Hopper and Blackwell no
+# product computed twice (128-row tiles for 8 warps); then the largest tiles and the deepest
+# pipeline. A register spill is allowed where the bigger tile is expected to be faster; the GPU
+# sweep (`bench tune`) is what settles it.
+_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining.
     ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2)),
     ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
@@ -70,20 +75,32 @@ _TABLE: dict[tuple[str, str], tuple[Config, Config, Config, Config]] = {
     ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
     ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims.
-    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 2), _C(64, 32, 8, 2)),
+    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 2), _C(128, 64, 8, 2)),
     ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 8, 2), _C(16, 64, 8, 2)),
     ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 16, 8, 2)),
+    # The fused backward (deterministic=False). None: the split dK/dV + dQ kernels run instead
+    # (benchmarks/README.md, "The fused backward"). On mma.sync (sm80, sm86, sm120) the fused
+    # kernel replicates or spills KBs where the split ones do not, and neither is measured there.
+    # Hopper: 128 keys per program on two warpgroups (no replicated product), 64 queries per
+    # step, wgmma N >= 64 on the main products; it spills (d128: ~0.8 KB), which the sweep weighs.
+    ("bwd_fused", "sm80"): (None, None, None, None),
+    ("bwd_fused", "sm86"): (None, None, None, None),
+    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 1)),
 }
 # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
 _TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
 _TABLE[("bwd_dkdv", "sm100")] = (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2))
 _TABLE[("bwd_dq", "sm100")] = (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2))
+# Blackwell runs the split backward kernels: the fused one compiles there to tcgen05 and meets the
+# static targets (flash_attn.benchmarks.tune.CANDIDATES, sm100; tests/test_kernel_report.py), but
+# it is unmeasured, and its images would take the default build past its 10-minute budget.
+_TABLE[("bwd_fused", "sm100")] = (None, None, None, None)
 _TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
 
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
 # where the lean entry spills with the extra live tiles, the largest tile that does not (same rule;
 # benchmarks/README.md). ``None``: the lean entry. Head dim <= 32 runs on the 64 kernels.
-_F = Config(128, 32, 8, 2)
+_F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
     ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
@@ -91,7 +108,10 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm90"): (None, _F, _F, None),
     ("bwd_dkdv", "sm90"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
     ("bwd_dq", "sm90"): (None, None, _C(64, 32, 8, 2), None),
-    ("fwd", "sm100"): (None, _F, _F, None),
+    # d128: the lean 64x128 keeps ~1.1 KB of stack and ~1,250 spill instructions in its loop with
+    # the features' live tiles; 32 queries a step: 0.5 KB and ~120 (dQ on mma.sync, M = 32)
+    ("bwd_fused", "sm90"): (None, None, _C(32, 128, 8, 1), None),
+    ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), None),  # compiles 30 % faster than 128x64
     ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None),  # d64: 64x32 keeps 8 B, 128x64 none
     # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
@@ -106,6 +126,7 @@ INTERPRETER_CONFIGS = {
     "fwd": Config(32, 16, 1, 1),
     "bwd_dkdv": Config(16, 32, 1, 1),
     "bwd_dq": Config(32, 16, 1, 1),
+    "bwd_fused": Config(16, 32, 1, 1),
 }
 
 
@@ -135,13 +156,18 @@ def _bucket(headdim: int) -> int:
     raise ValueError(f"head dimension {headdim} > {HEADDIM_BUCKETS[-1]} is not supported by the kernels")
 
 
-def pick(kind: str, headdim: int, family: str, features: bool = False) -> Config:
+def pick(kind: str, headdim: int, family: str, features: bool = False) -> Optional[Config]:
     """Launch configuration of kernel ``kind`` for ``headdim`` on architecture ``family``
     (``"sm80"``, ..., or ``"interpret"`` for Triton's interpreter). ``features``: the
     score-features variant (softcap, ALiBi and dropout compiled in), whose extra live tiles need
-    smaller blocks in places (:data:`_FEATURES_TABLE`)."""
+    smaller blocks in places (:data:`_FEATURES_TABLE`). ``None`` only for ``"bwd_fused"`` where the
+    split backward kernels run instead (:func:`fused_backward`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+    if _overrides:
+        key = (kind, family, HEADDIM_BUCKETS[_bucket(headdim)], features)
+        if key in _overrides:
+            return _overrides[key]
     if family == "interpret":
         return INTERPRETER_CONFIGS[kind]
     key = (kind, family)
@@ -154,6 +180,30 @@ def pick(kind: str, headdim: int, family: str, features: bool = False) -> Config
         if override is not None:
             return override
     return _TABLE[key][bucket]
+
+
+_overrides: dict = {}
+
+
+@contextlib.contextmanager
+def overridden(entries: dict):
+    """Within the block, :func:`pick` answers ``entries[(kind, family, head-dim bucket, features)]``
+    (a config, or ``None`` for ``"bwd_fused"``: the split kernels) for those keys: how the tuning
+    sweep (:mod:`flash_attn.benchmarks.tune`) runs a candidate through the real planner. Backends
+    cache plans: forget them on entry and exit (``KernelBackend.forget_plans``). Not thread-safe."""
+    saved = dict(_overrides)
+    _overrides.update(entries)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def fused_backward(headdim: int, family: str, features: bool = False) -> Optional[Config]:
+    """The fused backward's config, or ``None`` where the split kernels serve
+    ``deterministic=False`` calls too."""
+    return pick("bwd_fused", headdim, family, features)
 
 
 def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False) -> Config:
@@ -174,8 +224,8 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
 
     Operand tiles that stay resident are counted once, tiles streamed through the software
     pipeline ``num_stages`` times (one buffer per stage), plus one fp16/bf16 probability tile
-    (``BLOCK_M x BLOCK_N``) staged for the second matmul; on sm100 a margin for tcgen05 operand
-    staging. Compiled kernels use at most this (checked against the compiler's ``metadata.shared``
+    (``BLOCK_M x BLOCK_N``) staged for the second matmul (two in the fused backward: dS^T too, for
+    dQ); on sm100 a margin for tcgen05 operand staging. Compiled kernels use at most this (checked against the compiler's ``metadata.shared``
     for every entry when the table was made, and for a few entries in the tests); usually less.
     """
     d = padded_headdim(headdim)
@@ -184,12 +234,13 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     if kind in ("fwd", "bwd_dq"):
         resident = bm * d * (1 if kind == "fwd" else 2)  # Q (and dO)
         streamed = 2 * bn * d  # K, V
-    elif kind == "bwd_dkdv":
+    elif kind in ("bwd_dkdv", "bwd_fused"):
         resident = 2 * bn * d  # K, V
         streamed = 2 * bm * d  # Q, dO (lse, delta: negligible)
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
-    estimate = elem_bytes * (resident + stages * streamed + bm * bn)
+    staged = bm * bn * (2 if kind == "bwd_fused" else 1)  # the fused backward also stages dS^T for dQ
+    estimate = elem_bytes * (resident + stages * streamed + staged)
     if family == "sm100":
         estimate = estimate + _SM100_BARRIER_BYTES if kind == "fwd" else int(estimate * _SM100_BACKWARD_FACTOR)
     return estimate

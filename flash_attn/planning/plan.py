@@ -9,6 +9,12 @@ scalars as numbers), compile-time constants and launch configs, the buffers to a
 inputs to bring into the kernels' layout first. The kernel backends (``triton``, ``interpret``,
 ``aot``) cache plans per shape and execute them; per call only tensors are filled into slots.
 
+Packed (varlen) calls are described so that the batches of packed training share plans: the
+total row counts of q and k are left to the call (:class:`Rows`, read from the tensors per call)
+and the longest sequences are rounded up (:func:`bucket_seqlen`); the kernels find each
+sequence's bounds in ``cu_seqlens`` at run time, so a plan serves every batch with the same
+number of sequences, layouts and options.
+
 A planner returns a ``str`` instead of a plan when the kernels cannot run the call; the
 dispatcher then falls back to another backend. Nothing here imports Triton, touches a device or
 reads a tensor value, so plans are made (and tested) anywhere, also for meta tensors.
@@ -25,8 +31,8 @@ from flash_attn import limits
 from flash_attn.planning import configs, declarations, decode_configs as dc, registry
 
 __all__ = [
-    "Slot", "Target", "TensorInfo", "Launch", "Buffer", "Prepare", "Plan",
-    "describe_forward", "describe_backward", "describe_kvcache",
+    "Slot", "Rows", "Target", "TensorInfo", "Launch", "Buffer", "Prepare", "Plan",
+    "describe_forward", "describe_backward", "describe_kvcache", "bucket_seqlen",
     "plan_forward", "plan_backward", "plan_kvcache", "choose_num_splits", "uses_score_features",
 ]
 
@@ -37,6 +43,26 @@ class Slot(str):
     """A tensor of the call, by name (an input, a prepared copy, or a buffer of the plan)."""
 
     __slots__ = ()
+
+
+class Rows:
+    """The row count (dim 0) of the call's packed input ``slot``: a size known per call, not per
+    plan. It stands where a varlen plan would hold the total tokens: a buffer's dim 0, the lse
+    head stride (a launch argument), a packed tensor's shape; the backends read it from the
+    call's tensor (:func:`flash_attn.backends._execute.slots`). No arithmetic is defined on it,
+    so a size the planner derives from it fails loudly. Two instances exist (:data:`Q_ROWS`,
+    :data:`K_ROWS`); they compare and hash by identity (cheap in the plan cache key)."""
+
+    __slots__ = ("slot",)
+
+    def __init__(self, slot: str):
+        self.slot = slot
+
+    def __repr__(self) -> str:
+        return f"Rows({self.slot!r})"
+
+
+Q_ROWS, K_ROWS = Rows("q"), Rows("k")
 
 
 class Target(NamedTuple):
@@ -123,6 +149,7 @@ class Plan:
     launches: tuple
     results: tuple  # the slots the call returns, in order
     needs_seed: bool = False  # a launch reads the "seed" slot (the score-features kernels)
+    rows: tuple = ()  # the Rows its buffers and launch arguments use (sizes read per call)
 
 
 Planned = Union[Plan, str]  # a plan, or why the kernels cannot run the call
@@ -154,11 +181,55 @@ def _scalars(params) -> Scalars:
                                float(params.softcap), float(params.dropout_p)))
 
 
-def _varlen_info(varlen) -> Optional[VarlenInfo]:
+# Every kernel's largest tile (configs): longest-sequence buckets are multiples of it.
+SEQLEN_TILE = 128
+
+
+def bucket_seqlen(n: int) -> int:
+    """A varlen call's longest sequence ``n`` as its plan knows it: rounded up to a multiple of
+    :data:`SEQLEN_TILE`, and of an eighth of the next power of two beyond 1024 (at most four plans
+    per doubling). The kernels take it only to size the grid and to decode their program id
+    (:func:`~flash_attn.kernels.tiles.block_and_batch`) and read each sequence's true length from
+    ``cu_seqlens`` (:func:`~flash_attn.kernels.tiles.sequence_bounds`): the programs past it return
+    at once. The grid grows by such programs for less than one step of rows per sequence (128, or
+    under a quarter of ``n`` beyond 1024)."""
+    if n <= 0:
+        return 0
+    step = max(SEQLEN_TILE, 1 << max((n - 1).bit_length() - 3, 0))
+    return -(-n // step) * step
+
+
+def _varlen_info(varlen, exact: bool = False) -> Optional[VarlenInfo]:
+    """The varlen layout; the longest sequences bucketed unless ``exact`` (an output sized by them)."""
     if varlen is None:
         return None
-    return VarlenInfo(varlen.cu_seqlens_q.shape[0] - 1, int(varlen.max_seqlen_q), int(varlen.max_seqlen_k),
-                      info(varlen.cu_seqlens_q), info(varlen.cu_seqlens_k), info(varlen.block_table))
+    max_q, max_k = int(varlen.max_seqlen_q), int(varlen.max_seqlen_k)
+    if not exact:
+        max_q, max_k = bucket_seqlen(max_q), bucket_seqlen(max_k)
+    return VarlenInfo(varlen.cu_seqlens_q.shape[0] - 1, max_q, max_k, info(varlen.cu_seqlens_q),
+                      info(varlen.cu_seqlens_k), info(varlen.block_table))
+
+
+def _packed_info(t: Optional[torch.Tensor], rows: Rows) -> Optional[TensorInfo]:
+    """``info(t)`` of a packed ``(total, ...)`` tensor, its row count left to the call (``rows``)."""
+    if t is None:
+        return None
+    return _new_info(TensorInfo, ((rows, *t.shape[1:]), t.stride(), t.dtype,
+                                  t.data_ptr() % limits.POINTER_ALIGNMENT == 0))
+
+
+def _packed_lse_info(lse: torch.Tensor) -> TensorInfo:
+    """``info(lse)`` of a packed lse ``(h, total_q)``: when contiguous, its head stride is the row count."""
+    shape, strides, dtype, aligned = info(lse)
+    if strides[1] == 1 and strides[0] == shape[1]:
+        strides = (Q_ROWS, 1)
+    return _new_info(TensorInfo, ((shape[0], Q_ROWS), strides, dtype, aligned))
+
+
+def _rows_per_call(q, varlen, exact: bool) -> bool:
+    """Whether a call's row counts are left to the call: packed inputs, unless an output is sized
+    by the exact bounds or the lse head stride (the row count) might not fit the kernels' int32."""
+    return varlen is not None and not exact and q.shape[0] <= limits.INT32_MAX
 
 
 class ForwardShape(NamedTuple):
@@ -183,6 +254,9 @@ class BackwardShape(NamedTuple):
     alibi: Optional[TensorInfo]
     scalars: Scalars
     seed: Optional[TensorInfo]
+    deterministic: bool = False  # the split kernels (no atomics) instead of the fused one
+    grads: Optional[tuple] = None  # the caller's (dq, dk, dv) to write in place, where laid out as the kernels write
+    delta: bool = False  # Delta = rowsum(dout * out) (fp32, lse's layout) returned as a fourth result
 
 
 class KVCacheShape(NamedTuple):
@@ -210,13 +284,34 @@ def _seed_info(params) -> Optional[TensorInfo]:
 
 
 def describe_forward(q, k, v, params, varlen=None, alibi_slopes=None, return_softmax=False) -> ForwardShape:
-    return ForwardShape(info(q), info(k), info(v), _varlen_info(varlen), info(alibi_slopes), _scalars(params),
-                        bool(return_softmax), _seed_info(params))
+    # return_softmax: S_dmask is sized by the exact longest sequences
+    if _rows_per_call(q, varlen, return_softmax):
+        if varlen.block_table is None:
+            k_info, v_info = _packed_info(k, K_ROWS), _packed_info(v, K_ROWS)
+        else:
+            k_info, v_info = info(k), info(v)  # a page pool, not packed rows
+        return ForwardShape(_packed_info(q, Q_ROWS), k_info, v_info, _varlen_info(varlen), info(alibi_slopes),
+                            _scalars(params), False, _seed_info(params))
+    return ForwardShape(info(q), info(k), info(v), _varlen_info(varlen, exact=True), info(alibi_slopes),
+                        _scalars(params), bool(return_softmax), _seed_info(params))
 
 
-def describe_backward(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None) -> BackwardShape:
-    return BackwardShape(info(dout), info(q), info(k), info(v), info(out), info(lse), _varlen_info(varlen),
-                         info(alibi_slopes), _scalars(params), _seed_info(params))
+def describe_backward(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None, deterministic=False,
+                      grads=None, delta=False) -> BackwardShape:
+    """``grads``: the caller's ``(dq, dk, dv)`` (each may be ``None``) for the kernels to write in
+    place where they can; ``delta``: return Delta too (the low-level API's ``softmax_d``)."""
+    paged = varlen is not None and varlen.block_table is not None  # refused by the planner
+    if _rows_per_call(q, varlen, paged):
+        grad_infos = None if grads is None else (
+            _packed_info(grads[0], Q_ROWS), _packed_info(grads[1], K_ROWS), _packed_info(grads[2], K_ROWS))
+        return BackwardShape(_packed_info(dout, Q_ROWS), _packed_info(q, Q_ROWS), _packed_info(k, K_ROWS),
+                             _packed_info(v, K_ROWS), _packed_info(out, Q_ROWS), _packed_lse_info(lse),
+                             _varlen_info(varlen), info(alibi_slopes), _scalars(params), _seed_info(params),
+                             bool(deterministic), grad_infos, bool(delta))
+    grad_infos = None if grads is None else (info(grads[0]), info(grads[1]), info(grads[2]))
+    return BackwardShape(info(dout), info(q), info(k), info(v), info(out), info(lse), _varlen_info(varlen, exact=True),
+                         info(alibi_slopes), _scalars(params), _seed_info(params), bool(deterministic), grad_infos,
+                         bool(delta))
 
 
 def describe_kvcache(q, params, cache, alibi_slopes=None) -> KVCacheShape:
@@ -256,8 +351,15 @@ def _fits(t: TensorInfo, how: str) -> bool:
 def _contiguous(shape) -> tuple:
     strides, step = [], 1
     for n in reversed(shape):
+        if step is None:
+            raise ValueError(f"no stride is known outside a per-call row count in {shape}")
         strides.append(step)
-        step *= max(n, 1)
+        if isinstance(n, Rows) or isinstance(step, Rows):
+            # packed rows come first (q-like: no stride outside them) or alone last (lse (h, rows):
+            # the head stride is the row count)
+            step = n if step == 1 else None
+        else:
+            step *= max(n, 1)
     return tuple(reversed(strides))
 
 
@@ -293,6 +395,14 @@ class _Layouts:
         self.prepare.append(Prepare(slot, "column", source))
         self.strides[slot] = (1, 0)
         return Slot(slot)
+
+    def output(self, slot: str, given: Optional[TensorInfo], shape: tuple, dtype) -> Slot:
+        """A result the kernels write: the caller's tensor (``given``, the call's slot) where laid
+        out as they write it (``"rows"``), else a padded buffer."""
+        if given is not None and _fits(given, "rows"):
+            self.strides[slot] = _effective_strides(given)
+            return Slot(slot)
+        return self.buffer(slot, shape, dtype, padded=True)
 
     def buffer(self, slot: str, shape: tuple, dtype, padded: bool = False, zeroed: bool = False,
                unused: bool = False) -> Slot:
@@ -353,10 +463,22 @@ def _block_d(head_dim: int, features: bool, target: Target) -> int:
     return block_d
 
 
-def _attention_constexprs(kernel: str, target: Target, features: bool, exact: dict, blocks: dict) -> dict:
-    if target.aot:
-        return {**declarations.get(kernel).aot_constexprs(features), **blocks}
-    return {**exact, **blocks}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _attention_constexprs(kernel: str, target: Target, features: bool, exact: dict, blocks: dict,
+                          dtype: torch.dtype) -> dict:
+    """The constexprs of an attention launch: the call's own flags (JIT), or the shipped image's:
+    the exact-call image where one ships for these flags, else the folded superset."""
+    if not target.aot:
+        return {**exact, **blocks}
+    decl = declarations.get(kernel)
+    if (not features and decl.exact and target.family in declarations.EXACT_IMAGE_FAMILIES
+            and blocks["BLOCK_D"] in declarations.EXACT_IMAGE_BLOCK_DS
+            and _DTYPE_NAMES.get(dtype) in declarations.EXACT_IMAGE_DTYPES
+            and all(exact[name] == value for name, value in decl.exact.items())):
+        return {**decl.exact_constexprs(), **blocks}
+    return {**decl.aot_constexprs(features), **blocks}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +550,7 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
         common, Q=q, K=k, V=v, Out=out, LSE=lse,
         **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
         **_named("stride_v", "bsh", lay.rows("v")), **_named("stride_o", "bsh", lay.rows("out"))),
-        _attention_constexprs("attn_fwd_kernel", target, features, exact, blocks), config)]
+        _attention_constexprs("attn_fwd_kernel", target, features, exact, blocks, s.q.dtype), config)]
     results = ("out", "lse")
     if s.return_softmax:
         s_dmask = lay.buffer("s_dmask", (batch, nheads, seqlen_q, seqlen_k), torch.float32, zeroed=True)
@@ -473,7 +595,9 @@ def _finish(dtype, lay: _Layouts, launches: list, results: tuple) -> Planned:
     if why is not None:
         return why
     needs_seed = any(isinstance(v, Slot) and v == "seed" for launch in launches for _, v in launch.args)
-    return Plan(dtype, tuple(lay.prepare), tuple(lay.buffers), tuple(launches), results, needs_seed)
+    rows = tuple(r for r in (Q_ROWS, K_ROWS) if any(r in b.shape for b in lay.buffers)
+                 or any(v is r for launch in launches for _, v in launch.args))
+    return Plan(dtype, tuple(lay.prepare), tuple(lay.buffers), tuple(launches), results, needs_seed, rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,9 +620,10 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     # Delta is allocated like lse and the kernels address both with one pair of strides
     lse = lay.input("lse", s.lse, "contiguous")
     delta = lay.buffer("delta", s.lse.shape, torch.float32)
-    dq = lay.buffer("dq", s.q.shape, s.q.dtype, padded=True)
-    dk = lay.buffer("dk", s.k.shape, s.k.dtype, padded=True)
-    dv = lay.buffer("dv", s.v.shape, s.v.dtype, padded=True)
+    given = s.grads or (None, None, None)
+    dq = lay.output("dq", given[0], s.q.shape, s.q.dtype)
+    dk = lay.output("dk", given[1], s.k.shape, s.k.dtype)
+    dv = lay.output("dv", given[2], s.v.shape, s.v.dtype)
     if packed:
         cu_q, cu_k = lay.input("cu_q", s.varlen.cu_q, "plain"), lay.input("cu_k", s.varlen.cu_k, "plain")
     else:
@@ -526,17 +651,32 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     )
     exact = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=features, HAS_ALIBI=features, HAS_DROPOUT=features,
                  PAD_HEADDIM=head_dim != block_d)
-    cfg = configs.pick("bwd_dkdv", head_dim, target.family, features)
-    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
-    launches.append(_launch("attn_bwd_dkdv_kernel", (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k), dict(
-        common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"])),
-        _attention_constexprs("attn_bwd_dkdv_kernel", target, features, exact, blocks), cfg))
-    cfg = configs.pick("bwd_dq", head_dim, target.family, features)
-    blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
-    launches.append(_launch("attn_bwd_dq_kernel", (cdiv(seqlen_q, cfg.block_m) * batch, nheads), dict(
-        common, dQ=dq, **_named("stride_dq", "bsh", rows["dq"])),
-        _attention_constexprs("attn_bwd_dq_kernel", target, features, exact, blocks), cfg))
-    return _finish(s.q.dtype, lay, launches, ("dq", "dk", "dv"))
+    dkdv = dict(common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"]))
+
+    def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict) -> Launch:
+        blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
+        grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k) if per_key_block else \
+            (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
+        return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, exact, blocks, s.q.dtype),
+                       cfg)
+
+    fused = None if s.deterministic else configs.fused_backward(head_dim, target.family, features)
+    if fused is None:
+        launches.append(attention_launch("attn_bwd_dkdv_kernel", configs.pick("bwd_dkdv", head_dim, target.family,
+                                                                              features), True, dkdv))
+        launches.append(attention_launch("attn_bwd_dq_kernel", configs.pick("bwd_dq", head_dim, target.family, features),
+                                         False, dict(common, dQ=dq, **_named("stride_dq", "bsh", rows["dq"]))))
+    else:
+        # dQ summed in fp32 by atomic adds (zeroed first), then scaled and rounded into dq
+        dq_accum = lay.buffer("dq_accum", s.q.shape, torch.float32, padded=True, zeroed=True)
+        accum_rows = lay.rows("dq_accum")
+        launches.append(attention_launch("attn_bwd_kernel", fused, True, dict(
+            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows))))
+        launches.append(_launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
+            dQAccum=dq_accum, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", accum_rows),
+            **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
+            softmax_scale=s.scalars.softmax_scale), dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre))
+    return _finish(s.q.dtype, lay, launches, ("dq", "dk", "dv", "delta") if s.delta else ("dq", "dk", "dv"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,276 @@
+"""What a compiled image says about its own quality, read without a GPU.
+
+From Triton's TTGIR, the PTX and the SASS (``cuobjdump -sass``) of one image, :func:`analyse`
+reports per image:
+
+* every tensor-core product (``tt.dot``, ``ttng.warp_group_dot``, ``ttng.tc_gen5_mma``): its MMA
+  family (``mma.sync``, ``wgmma``, ``tcgen05``, or ``fma`` without tensor cores), shape, the
+  instruction's N, and its *replication*: how many warps compute the same result element (a
+  64-row tile on two warpgroups that both compute all 64 rows has replication 2);
+* ``products_per_step``: the products in the innermost loop that has the most of them (the fused
+  backward does 5 per (query tile, key block) pair, the split dK/dV + dQ kernels 4 + 3);
+* ``spill_ops_in_loops``: register spill loads/stores (``LDL``/``STL``) inside SASS loops, where
+  they cost on every step (a spill outside loops is paid once);
+* ``ctas_per_sm`` from registers x threads and shared memory; TMA (``cp.async.bulk.tensor``);
+  ``wgmma_wait_max``: the most wgmma groups left in flight at a wait (0: every wgmma is waited on
+  at once, no overlap of the tensor cores with the softmax).
+
+These are necessary conditions for speed, not proof of it: only a GPU says how fast. Pure text
+parsing (no triton, no torch).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+__all__ = ["analyse", "dots", "layouts", "replication", "sass_loop_spills", "STEP_KERNEL_KINDS"]
+
+# kernels whose programs own a block of keys and walk query tiles: ``BLOCK_N`` keys per program
+STEP_KERNEL_KINDS = frozenset({"bwd_dkdv", "bwd_fused"})
+REGISTERS_PER_SM = 65536
+RESERVED_SHARED_PER_CTA = 1024
+
+_LAYOUT_DEF = re.compile(r"^(#[\w]+) = (#[\w.]+)<(.*)>\s*$", re.M)
+_TENSOR = re.compile(r"(tensor|!ttg\.memdesc)<([\dx]+)x\w+(?:, (#[\w]+))?")
+_DOT_OPS = {"tt.dot": "dot", "ttng.warp_group_dot": "wgmma", "ttng.tc_gen5_mma": "tcgen05"}
+_DOT_LINE = re.compile(r"\b(tt\.dot|ttng\.warp_group_dot|ttng\.tc_gen5_mma)\b")
+
+
+def _ints(text: str, name: str) -> Optional[list]:
+    match = re.search(rf"\b{name}\s*=\s*\[([^\]]*)\]", text)
+    return [int(x) for x in match.group(1).split(",") if x.strip()] if match else None
+
+
+def _bases(text: str, name: str) -> Optional[list]:
+    match = re.search(rf"\b{name}\s*=\s*\[((?:\[[^\]]*\],?\s*)*)\]", text)
+    if not match:
+        return None
+    return [[int(x) for x in b.split(",") if x.strip()] for b in re.findall(r"\[([^\]]*)\]", match.group(1))]
+
+
+def layouts(ttgir: str) -> dict:
+    """``#alias -> {"kind": ..., fields}`` for the layout attributes a TTGIR module defines."""
+    out = {}
+    for alias, kind, body in _LAYOUT_DEF.findall(ttgir):
+        entry: dict = {"kind": kind.split(".")[-1]}
+        for field in ("warpsPerCTA", "instrShape", "sizePerThread", "threadsPerWarp"):
+            value = _ints(body, field)
+            if value is not None:
+                entry[field] = value
+        major = re.search(r"versionMajor\s*=\s*(\d+)", body)
+        if major:
+            entry["version"] = int(major.group(1))
+        for field in ("blockM", "blockN"):
+            value = re.search(rf"\b{field}\s*=\s*(\d+)", body)
+            if value:
+                entry[field] = int(value.group(1))
+        warp = _bases(body, "warp")
+        if warp is not None:
+            entry["warp"] = warp
+        out[alias] = entry
+    return out
+
+
+def replication(layout: dict, shape: list) -> int:
+    """How many warps hold each element of a ``shape`` tensor in ``layout`` (1: none replicated)."""
+    kind = layout.get("kind")
+    if kind == "nvidia_mma":
+        wm, wn = layout["warpsPerCTA"][-2:]
+        instr_n = layout["instrShape"][1]
+        m, n = shape[-2:]
+        return max(1, wm * 16 // m) * max(1, wn * instr_n // n)
+    if kind == "linear" and "warp" in layout:
+        return 2 ** sum(1 for basis in layout["warp"] if not any(basis))
+    if kind == "blocked":
+        factor = 1
+        for size, dim_threads, dim_warps, extent in zip(layout["sizePerThread"], layout["threadsPerWarp"],
+                                                        layout["warpsPerCTA"], shape):
+            covered_by_warps = size * dim_threads * dim_warps
+            factor *= max(1, min(dim_warps, covered_by_warps // extent))
+        return factor
+    return 1
+
+
+def _shape(text: str) -> list:
+    return [int(x) for x in text.split("x")]
+
+
+def _dot_lines(ttgir: str):
+    """``(line number, op, operand types)`` of every product in a TTGIR module."""
+    for number, line in enumerate(ttgir.splitlines()):
+        match = _DOT_LINE.search(line)
+        if match and " : " in line:
+            types = _TENSOR.findall(line.split(" : ", 1)[1])
+            if len(types) >= 3:
+                yield number, _DOT_OPS[match.group(1)], types
+
+
+def dots(ttgir: str) -> list[dict]:
+    """Every tensor-core product of a TTGIR module, in order (``in_loop``: inside an ``scf.for``;
+    ``loop``: the innermost one, an index into :func:`_loops`)."""
+    defs = layouts(ttgir)
+    loops = _loops(ttgir)
+    tmem_loads = [(_shape(m.group(1)), m.group(2)) for m in
+                  re.finditer(r"ttng\.tmem_load .*-> tensor<([\dx]+)x\w+, (#[\w]+)>", ttgir)]
+    out = []
+    for number, op, (a, b, c) in ((n, op, types[:3]) for n, op, types in _dot_lines(ttgir)):
+        m, k = _shape(a[1])[-2:]
+        n = _shape(b[1])[-1]
+        result = defs.get(c[2] or "", {})
+        entry = {"family": op, "shape": [m, n, k]}
+        if op == "dot":
+            entry["family"] = {2: "mma.sync", 3: "wgmma"}.get(result.get("version"), "fma")
+        if result.get("kind") == "nvidia_mma":
+            entry["warps"] = result["warpsPerCTA"][-2:]
+            entry["instr_n"] = result["instrShape"][1]
+            entry["replication"] = replication(result, [m, n])
+        elif op == "tcgen05":
+            # one thread issues it; the warps that read its result from tensor memory may repeat work
+            entry["instr_n"] = result.get("blockN", n)
+            same = [replication(defs.get(alias, {}), shape) for shape, alias in tmem_loads if shape == [m, n]]
+            entry["replication"] = max(same, default=1)
+        else:
+            entry["replication"] = replication(result, [m, n]) if result else 1
+        inside = [(end - start, index) for index, (start, end) in enumerate(loops) if start < number < end]
+        entry["loop"] = min(inside)[1] if inside else None
+        entry["in_loop"] = bool(inside)
+        out.append(entry)
+    return out
+
+
+def _loops(ttgir: str) -> list[tuple[int, int]]:
+    """Line ranges ``[start, end]`` of every ``scf.for`` body (matched by indentation)."""
+    lines = ttgir.splitlines()
+    ranges = []
+    for i, line in enumerate(lines):
+        if re.search(r"\bscf\.for\b", line) and line.rstrip().endswith("{"):
+            indent = len(line) - len(line.lstrip())
+            for j in range(i + 1, len(lines)):
+                other = lines[j]
+                if other.strip().startswith("}") and len(other) - len(other.lstrip()) == indent:
+                    ranges.append((i, j))
+                    break
+    return ranges
+
+
+def products_per_step(found: list[dict], ttgir: str) -> int:
+    """Products in the innermost loop (one that holds no other) with the most of them; 0 when no
+    product is inside one. Products a software pipeline peeled off into an outer loop do not count."""
+    loops = _loops(ttgir)
+    innermost = {i for i, (start, end) in enumerate(loops)
+                 if not any(start < s and e < end for s, e in loops)}
+    per_loop: dict = {}
+    for entry in found:
+        if entry.get("loop") in innermost:
+            per_loop[entry["loop"]] = per_loop.get(entry["loop"], 0) + 1
+    return max(per_loop.values(), default=0)
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+
+
+def sass_loop_spills(sass: str) -> int:
+    """``LDL``/``STL`` instructions inside an innermost loop of the SASS (the range of a backward
+    branch that holds no other): paid on every step of the main loops."""
+    rows = [(int(addr, 16), text) for addr, text in _SASS_LINE.findall(sass)]
+    loops = []
+    for addr, text in rows:
+        branch = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) <= addr:
+            loops.append((int(branch.group(1), 16), addr))
+    innermost = [(lo, hi) for lo, hi in loops if not any(lo < a and b < hi for a, b in loops)]
+    spills = [addr for addr, text in rows if re.search(r"\b(LDL|STL)\b", text)]
+    return sum(1 for addr in spills if any(lo <= addr <= hi for lo, hi in innermost))
+
+
+def ctas_per_sm(regs: Optional[int], threads: int, shared: int, shared_limit: int) -> Optional[int]:
+    """Resident programs per SM allowed by registers (8-register granularity) and shared memory."""
+    if not regs:
+        return None
+    by_regs = REGISTERS_PER_SM // (math.ceil(regs / 8) * 8 * threads)
+    by_shared = (shared_limit + RESERVED_SHARED_PER_CTA) // (shared + RESERVED_SHARED_PER_CTA)
+    return min(by_regs, by_shared)
+
+
+def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: int, num_warps: int, shared: int,
+            regs: Optional[int], stack: Optional[int], shared_limit: int) -> dict:
+    """The static report of one image (see the module docstring)."""
+    found = dots(ttgir)
+    main = [d for d in found if d["in_loop"]] or found
+    waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
+    wgmma_n = [d["instr_n"] for d in main if d["family"] == "wgmma"]
+    threads = num_warps * 32
+    return {
+        "mma_families": sorted({d["family"] for d in found}),
+        "dots": [{k: d[k] for k in ("family", "shape", "instr_n", "warps", "replication", "in_loop") if k in d}
+                 for d in found],
+        "max_replication": max((d["replication"] for d in found), default=1),
+        "min_wgmma_n": min(wgmma_n) if wgmma_n else None,
+        "products_per_step": products_per_step(found, ttgir),
+        "keys_per_cta": block_n if kind in STEP_KERNEL_KINDS else None,
+        "spill_bytes": stack,
+        "spill_ops_in_loops": sass_loop_spills(sass) if sass else None,
+        "threads": threads,
+        "regs_x_threads": regs * threads if regs else None,
+        "dynamic_shared": shared,
+        "ctas_per_sm": ctas_per_sm(regs, threads, shared, shared_limit),
+        "tma": "cp.async.bulk.tensor" in ptx,
+        "wgmma_wait_max": max(waits) if waits else None,
+    }
+
+
+# --- the static targets of the training kernels -----------------------------------------------------
+
+TRAINING_KERNELS = ("attn_fwd_kernel", "attn_bwd_kernel")
+_PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5}
+MIN_KEYS_PER_CTA = 128  # per dK/dV program, head dims <= 128 (FA2 and FA3 walk 128 keys)
+MIN_WGMMA_N = 64
+
+
+def target_misses(row: dict) -> list[str]:
+    """Why one build-report row of a training kernel (forward, fused backward) on sm_90a or
+    sm_100a misses the static targets; empty when it meets them:
+
+    * no product computed by more than one warp (replication 1);
+    * the main products (those over the program's own rows: the largest M of the main loop; the
+      backward's per-step dQ product is not one) on the architecture's tensor cores: wgmma with
+      N >= 64 (or the product's whole N, at head dim 32) on sm_90a, tcgen05 on sm_100a;
+    * the products per step of the design (forward 2, fused backward 5: nothing recomputed);
+    * at head dims <= 128, at least 128 keys per dK/dV program.
+    """
+    misses = []
+    kernel, arch = row["kernel"], row["arch"]
+    loop = [d for d in row.get("dots", []) if d.get("in_loop")]
+    if not loop:
+        return ["no tensor-core product inside a loop"]
+    if not row.get("ptx_mma"):
+        misses.append("no tensor-core instruction in the PTX (an empty kernel?)")
+    replicated = [d for d in row["dots"] if d["replication"] > 1]
+    if replicated:
+        misses.append(f"replicated work: {', '.join(_dot_text(d) for d in replicated)}")
+    rows = max(d["shape"][0] for d in loop)
+    main = [d for d in loop if d["shape"][0] == rows]
+    want = "tcgen05" if arch.startswith("sm_100") else "wgmma" if arch.startswith("sm_90") else None
+    if want is not None:
+        other = [d for d in main if d["family"] != want]
+        if other:
+            misses.append(f"main products not on {want}: {', '.join(_dot_text(d) for d in other)}")
+    if want == "wgmma":
+        # a product narrower than 64 (head dim 32) cannot have a wider instruction
+        narrow = [d for d in main if d["family"] == "wgmma" and d.get("instr_n", 0) < min(MIN_WGMMA_N, d["shape"][1])]
+        if narrow:
+            misses.append(f"wgmma N < {MIN_WGMMA_N}: {', '.join(_dot_text(d) for d in narrow)}")
+    expected = _PRODUCTS_PER_STEP.get(kernel)
+    if expected is not None and row.get("products_per_step") != expected:
+        misses.append(f"{row.get('products_per_step')} products per step, the design does {expected}")
+    keys = row.get("keys_per_cta")
+    if keys is not None and row.get("block_d", 0) <= 128 and keys < MIN_KEYS_PER_CTA:
+        misses.append(f"{keys} keys per dK/dV program (< {MIN_KEYS_PER_CTA})")
+    return misses
+
+
+def _dot_text(d: dict) -> str:
+    m, n, k = d["shape"]
+    return f"{d['family']} {m}x{n}x{k} (N {d.get('instr_n')}, x{d['replication']})"

@@ -1,0 +1,391 @@
+"""``python -m flash_attn bench tune``: turn one short GPU window into launch configs.
+
+GPU time comes in windows of about 15 minutes, so the sweep is three steps, two on the CPU:
+
+1. ``--tune-step prepare`` (CPU, no GPU needed): compile every candidate config of
+   :data:`CANDIDATES` for the architecture (and the kernels a backward needs beside it) into
+   ``--out`` as ahead-of-time images with their manifest and build report: a folder of a few MB to
+   carry to the GPU with the op library.
+2. ``--tune-step run`` (GPU): with those images (``FLASH_ATTN_AOT_DIR``), time every candidate
+   through the real planner and the ``aot`` backend (strict: no silent fallback) next to
+   ``sdpa[flash]`` and ``sdpa[cudnn]`` in the same process; check each candidate's output and
+   gradients against SDPA's; append one JSON row per measurement to ``tune-results.jsonl`` as it
+   goes (a cut-off run keeps its rows) and stop before ``--budget-s``.
+3. ``--tune-step fold`` (CPU): per kernel kind and head dim, the candidate with the lowest
+   geometric-mean time over the measured shapes (correct everywhere, >= 3 % faster than the
+   current entry) replaces the entry of the launch-config table in
+   :mod:`flash_attn.planning.configs` (the one place configs live); a Markdown summary is written.
+
+Candidates are timed in bf16 (the configs do not depend on the dtype), lean variant (no softcap,
+ALiBi, dropout), at ``batch x seqlen = 16k`` tokens and ``heads x head dim = 2048``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from flash_attn.planning import configs
+
+C = configs.Config
+SPLIT = None  # a "bwd_fused" candidate: the split dK/dV + dQ kernels (configs.fused_backward)
+RESULTS = "tune-results.jsonl"
+CANDIDATES_FILE = "candidates.json"
+MIN_GAIN = 0.03  # a new entry must be this much faster than the current one (run-to-run noise)
+
+# (kind, family) -> head dim -> candidates (the table's current entry is always timed too).
+CANDIDATES: dict = {
+    ("fwd", "sm90"): {
+        64: [C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3)],
+        128: [C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 2)],
+        256: [C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2)],
+    },
+    # Blackwell (not shipped yet: configs). Tensor memory holds 512 fp32 columns: dK, dV (128 x d
+    # each), S and dP (64 each) and dQ (d) overflow it at head dim 128 with two stages (Triton 3.9
+    # then emits an empty kernel, which the build refuses); at 256 dK/dV alone fill it.
+    ("bwd_fused", "sm100"): {
+        64: [C(64, 128, 8, 2), SPLIT],
+        128: [C(64, 128, 8, 1), SPLIT],
+    },
+    ("bwd_fused", "sm90"): {
+        64: [C(64, 128, 8, 2), C(64, 128, 8, 1), C(128, 128, 8, 2), SPLIT],
+        128: [C(64, 128, 8, 2), C(64, 128, 8, 3), C(64, 128, 8, 1), C(32, 128, 8, 2), C(32, 128, 8, 1), SPLIT],
+        256: [C(64, 128, 8, 1), C(32, 128, 8, 1), SPLIT],
+    },
+}
+
+
+def candidates(family: str, headdims: Iterable[int] = (64, 128, 256)) -> list[tuple[str, int, Optional[configs.Config]]]:
+    """``(kind, head dim, config)`` to time on ``family``: the table's entry first, then the others."""
+    out = []
+    for (kind, fam), by_headdim in CANDIDATES.items():
+        if fam != family:
+            continue
+        for d in headdims:
+            current = configs.pick(kind, d, family)
+            listed = [current] + [c for c in by_headdim.get(d, []) if c != current]
+            out.extend((kind, d, c) for c in listed)
+    return out
+
+
+def _key(kind: str, family: str, d: int) -> tuple:
+    return (kind, family, configs.HEADDIM_BUCKETS[configs._bucket(d)], False)
+
+
+def _config_text(config: Optional[configs.Config]) -> str:
+    return "split" if config is None else f"{config.block_m}x{config.block_n}w{config.num_warps}s{config.num_stages}"
+
+
+# --- 1. prepare (CPU) --------------------------------------------------------------------------------
+
+
+def prepare_specs(family: str, headdims: Iterable[int], dtype: str = "bf16") -> Callable:
+    """``capability -> specs`` for :func:`flash_attn.aot.build.build`: the lean images of every
+    candidate, and of the table's forward, preprocess, convert and split kernels beside them."""
+    from flash_attn.aot import specializations as S  # noqa: PLC0415
+
+    def spec(kernel: str, kind: str, d: int, config: configs.Config):
+        return S.attention_spec(kernel, dtype, configs.padded_headdim(d), config)
+
+    def specs(_capability) -> list:
+        out: dict = {}
+        for d in headdims:
+            pre = configs.pick("fwd", d, family)
+            out[spec("attn_fwd_kernel", "fwd", d, pre)] = None
+            out[spec("attn_bwd_preprocess_kernel", "fwd", d, pre)] = None
+            out[spec("attn_bwd_dq_convert_kernel", "fwd", d, pre)] = None
+            out[spec("attn_bwd_dkdv_kernel", "bwd_dkdv", d, configs.pick("bwd_dkdv", d, family))] = None
+            out[spec("attn_bwd_dq_kernel", "bwd_dq", d, configs.pick("bwd_dq", d, family))] = None
+        for kind, d, config in candidates(family, headdims):
+            if config is not None:
+                kernel = "attn_fwd_kernel" if kind == "fwd" else "attn_bwd_kernel"
+                out[spec(kernel, kind, d, config)] = None
+        return list(out)
+
+    return specs
+
+
+def prepare(out: Path, arch: str = "90", headdims: Iterable[int] = (64, 128, 256), jobs: Optional[int] = None,
+            quiet: bool = False) -> dict:
+    """Compile the candidates for ``arch`` (``FLASH_ATTN_CUDA_ARCHS`` syntax) into ``out``."""
+    from flash_attn.aot import build as aot_build  # noqa: PLC0415
+
+    cubins, _ = aot_build.resolve_archs(arch)
+    family = configs.arch_family(cubins[0].capability)
+    headdims = list(headdims)
+    report = aot_build.build(out, arch, jobs=jobs, quiet=quiet, specs=prepare_specs(family, headdims))
+    listed = [{"kind": k, "head_dim": d, "config": None if c is None else list(c)} for k, d, c in
+              candidates(family, headdims)]
+    (Path(out) / CANDIDATES_FILE).write_text(json.dumps({"family": family, "arch": arch, "candidates": listed}, indent=1))
+    return report
+
+
+# --- 2. run (GPU) ------------------------------------------------------------------------------------
+
+
+def _forget_plans(backend: str) -> None:
+    importlib.import_module(f"flash_attn.backends.{backend}")._backend.forget_plans()
+
+
+def _rel_error(ours, ref) -> float:
+    ours, ref = ours.detach().float(), ref.detach().float()
+    return float((ours - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def cuda_timer(fn: Callable, warmup: int = 3, repeats: int = 10) -> float:
+    """Median milliseconds of ``fn`` on the current CUDA stream (``bench gpu``'s event timer)."""
+    from flash_attn.benchmarks import gpu  # noqa: PLC0415
+
+    return statistics.median(gpu.cuda_event_timer(fn, warmup, repeats))
+
+
+def _sdpa(q, k, v, causal: bool, backend_name: str):
+    import torch  # noqa: PLC0415
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+               "math": SDPBackend.MATH}[backend_name]
+    with sdpa_kernel(backend):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def run(out: Path, *, device: str = "cuda", backend: str = "aot", family: Optional[str] = None,
+        headdims: Iterable[int] = (64, 128, 256), seqlens: Iterable[int] = (4096, 16384), total_tokens: int = 16384,
+        hidden: int = 2048, budget_s: float = 420.0, timer: Callable = cuda_timer, reference: str = "flash",
+        baselines: Iterable[str] = ("flash", "cudnn"), tolerance: float = 3e-2) -> Path:
+    """Time every candidate; rows go to ``out/tune-results.jsonl`` as they are measured."""
+    import torch  # noqa: PLC0415
+
+    from flash_attn import dispatch, flash_attn_func  # noqa: PLC0415
+    from flash_attn.benchmarks import common  # noqa: PLC0415
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if family is None:
+        family = configs.arch_family(torch.cuda.get_device_capability())
+    deadline = time.monotonic() + budget_s
+    path = out / RESULTS
+    env = {"FLASH_ATTN_BACKEND": backend, "FLASH_ATTN_STRICT_BACKEND": "1"}
+    saved_env = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        with path.open("a") as sink:
+            def write(row: dict) -> None:
+                sink.write(json.dumps(row) + "\n")
+                sink.flush()
+
+            write({"event": "start", "family": family, "backend": backend, "machine": common.machine()})
+            for d in headdims:
+                for seqlen in seqlens:
+                    for causal in (False, True):
+                        if time.monotonic() > deadline:
+                            write({"event": "stopped", "reason": f"budget of {budget_s:.0f} s spent"})
+                            return path
+                        _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, timer,
+                                   reference, baselines, tolerance, device, flash_attn_func, dispatch)
+            write({"event": "done"})
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        _forget_plans(backend)
+    return path
+
+
+def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, timer, reference, baselines,
+               tolerance, device, flash_attn_func, dispatch) -> None:
+    import torch  # noqa: PLC0415
+
+    from flash_attn.benchmarks import common  # noqa: PLC0415
+
+    batch, heads = max(1, total_tokens // seqlen), max(1, hidden // d)
+    shape = {"head_dim": d, "seqlen": seqlen, "batch": batch, "heads": heads, "causal": causal, "dtype": "bf16"}
+    gen = torch.Generator(device=device).manual_seed(seqlen * 1000 + d)
+    q, k, v, dout = (torch.randn(batch, seqlen, heads, d, generator=gen, device=device, dtype=torch.bfloat16)
+                     for _ in range(4))
+    fwd_flops = common.attention_flops(batch, heads, seqlen, seqlen, d, causal)
+    bwd_flops = fwd_flops * 2.5
+
+    def grads(fn):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = fn(*leaves)
+        return o, torch.autograd.grad(o, leaves, dout)
+
+    ref_out, ref_grads = grads(lambda a, b, c: _sdpa(a, b, c, causal, reference))
+    for name in baselines:
+        try:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            o = _sdpa(*leaves, causal, name)
+            fwd_ms = timer(lambda: _sdpa(q, k, v, causal, name))
+            bwd_ms = timer(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+            write({**shape, "impl": f"sdpa[{name}]", "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                   "fwd_tflops": fwd_flops / fwd_ms / 1e9, "bwd_tflops": bwd_flops / bwd_ms / 1e9})
+        except Exception as exc:  # noqa: BLE001  (a baseline this PyTorch cannot run: say so, go on)
+            write({**shape, "impl": f"sdpa[{name}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
+
+    for kind, cand_d, config in candidates(family, [d]):
+        row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
+        try:
+            with configs.overridden({_key(kind, family, d): config}):
+                _forget_plans(backend)
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                o = flash_attn_func(*leaves, causal=causal)
+                g = torch.autograd.grad(o, leaves, dout, retain_graph=True)
+                errors = [_rel_error(o, ref_out)] + [_rel_error(a, b) for a, b in zip(g, ref_grads)]
+                row.update(backend_ran=dispatch.last_backend(), max_rel_error=max(errors),
+                           ok=all(e < tolerance for e in errors))
+                if kind == "fwd":
+                    ms = timer(lambda: flash_attn_func(q, k, v, causal=causal))
+                    row.update(ms=ms, tflops=fwd_flops / ms / 1e9)
+                else:
+                    ms = timer(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+                    row.update(ms=ms, tflops=bwd_flops / ms / 1e9)
+        except Exception as exc:  # noqa: BLE001  (a crashed candidate is a row, not the end of the sweep)
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            _forget_plans(backend)
+        write(row)
+
+
+# --- 3. fold (CPU) ------------------------------------------------------------------------------------
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a run cut off mid-line: the rows before it stand
+    return rows
+
+
+def winners(rows: list[dict]) -> list[dict]:
+    """Per ``(kind, head dim)``: every candidate's geometric-mean time over the shapes all of them
+    were measured on, whether it was correct everywhere, and the winner."""
+    start = next((r for r in rows if r.get("event") == "start"), {})
+    family = start.get("family")
+    groups: dict = {}
+    for r in rows:
+        if r.get("impl") == "flash_attn" and "kind" in r:
+            groups.setdefault((r["kind"], r["head_dim"]), []).append(r)
+    out = []
+    for (kind, d), group in sorted(groups.items()):
+        shapes_by_config: dict = {}
+        for r in group:
+            shapes_by_config.setdefault(r["config"], {})[(r["seqlen"], r["causal"])] = r
+        common_shapes = set.intersection(*(set(s) for s in shapes_by_config.values()))
+        scored = []
+        for config, by_shape in shapes_by_config.items():
+            measured = [by_shape[s] for s in common_shapes]
+            ok = bool(measured) and all(r.get("ok") and r.get("ms") for r in measured)
+            mean = math.exp(sum(math.log(r["ms"]) for r in measured) / len(measured)) if ok else None
+            scored.append({"config": config, "ok": ok, "geomean_ms": mean, "shapes": len(measured)})
+        current = _config_text(configs.pick(kind, d, family)) if family else None
+        good = [s for s in scored if s["ok"]]
+        best = min(good, key=lambda s: s["geomean_ms"]) if good else None
+        base = next((s for s in scored if s["config"] == current and s["ok"]), None)
+        choose = best
+        if best and base and best["geomean_ms"] > base["geomean_ms"] * (1 - MIN_GAIN):
+            choose = base  # within noise of the current entry: keep it
+        out.append({"kind": kind, "family": family, "head_dim": d, "current": current,
+                    "winner": choose["config"] if choose else None, "candidates": scored})
+    return out
+
+
+def _parse_config(text: str) -> Optional[configs.Config]:
+    if text == "split":
+        return None
+    m, n, w, s = map(int, re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text).groups())
+    return configs.Config(m, n, w, s)
+
+
+def _entry_text(config: Optional[configs.Config]) -> str:
+    return "None" if config is None else f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages})"
+
+
+def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True) -> list[dict]:
+    """Rewrite the table entries of ``configs_path`` (default: the package's configs module) whose
+    winner differs from the current entry; returns :func:`winners`' rows with ``changed`` set."""
+    rows = winners(read_rows(results))
+    path = Path(configs_path or configs.__file__)
+    source = path.read_text()
+    for row in rows:
+        row["changed"] = False
+        if row["winner"] is None or row["winner"] == row["current"] or row["family"] is None:
+            continue
+        pattern = re.compile(r'^(\s*(?:_TABLE\[)?\("%s", "%s"\)\]?(?::| =) \()(.*)(\),?)$' % (row["kind"], row["family"]),
+                             re.M)
+        match = pattern.search(source)
+        if match is None:
+            row["note"] = "no literal table entry to rewrite"
+            continue
+        entries = _split_entries(match.group(2))
+        bucket = configs._bucket(row["head_dim"])
+        entries[bucket] = _entry_text(_parse_config(row["winner"]))
+        source = source[:match.start(2)] + ", ".join(entries) + source[match.end(2):]
+        row["changed"] = True
+    if write:
+        path.write_text(source)
+    return rows
+
+
+def _split_entries(text: str) -> list[str]:
+    """The four comma-separated entries of a table row (commas inside ``_C(...)`` kept)."""
+    out, depth, current = [], 0, ""
+    for ch in text:
+        if ch == "," and depth == 0:
+            out.append(current.strip())
+            current = ""
+            continue
+        depth += ch == "("
+        depth -= ch == ")"
+        current += ch
+    if current.strip():
+        out.append(current.strip())
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    lines = ["| kind | d | current | winner | changed | candidates (geomean ms; x: wrong or failed) |",
+             "| --- | ---: | --- | --- | --- | --- |"]
+    for r in rows:
+        cands = ", ".join(f"{c['config']} {c['geomean_ms']:.3f}" if c["ok"] else f"{c['config']} x"
+                          for c in r["candidates"])
+        lines.append(f"| {r['kind']} | {r['head_dim']} | {r['current']} | {r['winner']} | {r.get('changed')} | {cands} |")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    step = args.tune_step
+    out = Path(args.out)
+    headdims = args.headdims or [64, 128, 256]
+    if step == "prepare":
+        report = prepare(out, args.archs or "90", headdims)
+        print(f"compiled {report['totals']['kernels']} images into {out} in {report['totals']['wall_seconds']} s")
+        return 0
+    if step == "run":
+        os.environ.setdefault("FLASH_ATTN_AOT_DIR", str(out.resolve()))
+        path = run(out, headdims=headdims, seqlens=args.seqlens or (4096, 16384), budget_s=args.budget_s)
+        rows = read_rows(path)
+        crashed = [r for r in rows if r.get("impl") == "flash_attn" and not r.get("ok")]
+        print(summary(winners(rows)))
+        return 1 if crashed else 0
+    rows = fold(out / RESULTS if out.is_dir() else out, write=not args.dry_run)
+    text = summary(rows)
+    print(text)
+    (out if out.is_dir() else out.parent).joinpath("tune-summary.md").write_text(text + "\n")
+    return 0

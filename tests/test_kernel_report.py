@@ -1,0 +1,192 @@
+"""The static kernel report (:mod:`flash_attn.aot.kernel_report`) and the targets it holds the
+training kernels to on sm_90a and sm_100a.
+
+The parser is checked on small hand-written TTGIR/SASS excerpts (in Triton 3.9's syntax); the
+targets on the real images: sm_90a from the build report of the installed (or freshly built)
+images, sm_100a compiled here (no GPU needed). A planted 16-row tile must fail the targets.
+What this cannot show: speed. A kernel that meets every target may still be slow; only a GPU
+run (`python -m flash_attn bench tune`) says how fast.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from flash_attn.aot import kernel_report as R
+from flash_attn.planning import configs
+
+WGMMA_8x1 = "#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 64, 16]}>"
+WGMMA_4x2 = "#mma1 = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 2], instrShape = [16, 32, 16]}>"
+MMA_V2 = "#mma2 = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 8]}>"
+LINEAR = ("#linear = #ttg.linear<{register = [[0, 1]], lane = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]], "
+          "warp = [[32, 0], [64, 0], [0, 0]], block = []}>")
+
+
+def test_replication_of_mma_and_linear_layouts():
+    defs = R.layouts("\n".join([WGMMA_8x1, WGMMA_4x2, MMA_V2, LINEAR]))
+    # 8 warps along M cover 128 rows: a 64-row product is computed twice, a 128-row one once
+    assert R.replication(defs["#mma"], [64, 64]) == 2
+    assert R.replication(defs["#mma"], [128, 64]) == 1
+    assert R.replication(defs["#mma1"], [64, 64]) == 1  # 4 x 2 warps: 64 rows, 2 x 32 columns
+    assert R.replication(defs["#mma1"], [64, 32]) == 2
+    assert R.replication(defs["#mma2"], [16, 64]) == 8  # mma.sync: 16 rows a warp
+    assert R.replication(defs["#linear"], [128, 64]) == 2  # a zero warp basis: two warps, same data
+
+
+_TTGIR = f"""{WGMMA_8x1}
+{WGMMA_4x2}
+module {{
+  tt.func public @k() {{
+    %a = ttng.warp_group_dot %q, %k, %z {{isAsync = true}} : !ttg.memdesc<128x64xbf16, #shared, #smem> * !ttg.memdesc<64x64xbf16, #shared1, #smem> -> tensor<128x64xf32, #mma> loc(#loc1)
+    %r:2 = scf.for %i = %c0 to %n step %c64 iter_args(%x = %a) -> (tensor<128x64xf32, #mma>) : i32 {{
+      %s = ttng.warp_group_dot %q, %k, %z {{isAsync = true}} : !ttg.memdesc<128x64xbf16, #shared, #smem> * !ttg.memdesc<64x64xbf16, #shared1, #smem> -> tensor<128x64xf32, #mma> loc(#loc2)
+      %o = ttng.warp_group_dot %p, %v, %x {{isAsync = true}} : tensor<128x64xbf16, #ttg.dot_op<{{opIdx = 0, parent = #mma, kWidth = 2}}>> * !ttg.memdesc<64x64xbf16, #shared, #smem> -> tensor<128x64xf32, #mma> loc(#loc3)
+      %d = ttng.warp_group_dot %t, %k2, %z2 {{isAsync = true}} : tensor<64x128xbf16, #ttg.dot_op<{{opIdx = 0, parent = #mma1, kWidth = 2}}>> * !ttg.memdesc<128x64xbf16, #shared, #smem> -> tensor<64x64xf32, #mma1> loc(#loc4)
+      scf.yield %o : tensor<128x64xf32, #mma> loc(#loc5)
+    }} loc(#loc6)
+    tt.return loc(#loc7)
+  }} loc(#loc8)
+}} loc(#loc9)
+"""
+
+
+def test_dots_loops_and_products_per_step():
+    found = R.dots(_TTGIR)
+    assert [d["shape"] for d in found] == [[128, 64, 64], [128, 64, 64], [128, 64, 64], [64, 64, 128]]
+    assert [d["in_loop"] for d in found] == [False, True, True, True]
+    assert {d["family"] for d in found} == {"wgmma"}
+    assert [d["instr_n"] for d in found] == [64, 64, 64, 32]
+    assert R.products_per_step(found, _TTGIR) == 3  # the peeled product before the loop is not a step's
+
+
+_SASS = """
+        /*0100*/                   STL [R1+0x10], R2 ;
+        /*0110*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0120*/                   LDL R3, [R1+0x10] ;
+        /*0130*/                   STL.64 [R1+0x18], R4 ;
+        /*0140*/               @P0 BRA 0x110 ;
+        /*0150*/                   LDL R3, [R1+0x10] ;
+        /*0160*/                   EXIT ;
+"""
+
+
+def test_spills_inside_loops_are_counted():
+    assert R.sass_loop_spills(_SASS) == 2  # the STL before the loop and the LDL after it are paid once
+
+
+def test_ctas_per_sm():
+    assert R.ctas_per_sm(255, 256, 160 * 1024, 227 * 1024) == 1
+    assert R.ctas_per_sm(128, 256, 64 * 1024, 227 * 1024) == 2  # 2 x 256 x 128 registers fill the SM
+
+
+# --- the targets on real images ---------------------------------------------------------------------
+
+
+def _compile_row(kernel: str, block_d: int, config: configs.Config, cap: int, features: bool = False) -> dict:
+    """One image through the real build step (``compile_job``): its build-report row."""
+    pytest.importorskip("triton")
+    from dataclasses import asdict
+
+    from flash_attn.aot import build as aot_build, specializations as S
+    from flash_attn.planning import declarations
+
+    decl = declarations.get(kernel)
+    blocks = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d)
+    spec = S.Spec.of(kernel, "bf16", {**decl.aot_constexprs(features), **blocks}, config)
+    job_spec = asdict(spec)
+    job_spec["flags"] = [list(x) for x in spec.flags]
+    arch = {90: "sm_90a", 100: "sm_100a"}[cap]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = aot_build.compile_job({"spec": job_spec, "cap": cap, "out": tmp, "cubins": [arch], "ptx": [],
+                                        "cuobjdump": aot_build.cuobjdump_path()})
+    return result["rows"][0][1]
+
+
+def _training_rows(report: dict, arch: str) -> list[dict]:
+    return [r for r in report["kernels"] if r["arch"] == arch and r["image"] == "cubin"
+            and r["kernel"] in R.TRAINING_KERNELS]
+
+
+def test_sm90a_training_images_meet_the_static_targets(report):
+    """Every forward and fused-backward image of sm_90a (lean and score-features, fp16 and bf16,
+    every head dim) as built: no replicated product, main products on wgmma with N >= 64, 2 / 5
+    products per step, >= 128 keys per dK/dV program at head dims <= 128."""
+    rows = _training_rows(report, "sm_90a")
+    kernels = {(r["kernel"], r["block_d"]) for r in rows}
+    assert {("attn_bwd_kernel", d) for d in (32, 64, 128, 256)} <= kernels, kernels
+    assert {("attn_fwd_kernel", d) for d in (32, 64, 128, 256)} <= kernels, kernels
+    misses = {r["key"]: R.target_misses(r) for r in rows}
+    assert not {k: v for k, v in misses.items() if v}, json.dumps(misses, indent=1)
+    # the report carries the whole static picture per image
+    for r in rows:
+        assert r["regs_x_threads"] and r["ctas_per_sm"] >= 1 and r["tma"] is False
+        assert r["spill_ops_in_loops"] is not None and r["wgmma_wait_max"] is not None
+
+
+# sm_100a: the shipped forward, and the fused backward as the sweep's Blackwell candidate (not
+# shipped yet: configs.fused_backward; head dim 256 has none: dK and dV alone fill the 512
+# tensor-memory columns)
+def _sm100_cases():
+    from flash_attn.benchmarks import tune
+
+    fused = tune.CANDIDATES[("bwd_fused", "sm100")]
+    return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in (64, 128, 256)] + \
+        [("attn_bwd_kernel", d, fused[d][0]) for d in (64, 128)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,block_d,config", _sm100_cases(), ids=lambda x: str(x))
+def test_sm100a_training_images_meet_the_static_targets(kernel, block_d, config):
+    row = _compile_row(kernel, block_d, config, 100)
+    assert R.target_misses(row) == [], row
+
+
+def test_fused_backward_ships_on_hopper_only():
+    assert all(configs.fused_backward(d, "sm90") is not None for d in (32, 64, 128, 256))
+    assert all(configs.fused_backward(d, family) is None for d in (32, 64, 128, 256)
+               for family in ("sm80", "sm86", "sm100", "sm120"))
+
+
+@pytest.mark.slow
+def test_a_planted_16_row_tile_fails_the_targets():
+    """The old dK/dV tile (16 queries x 64 keys, 8 warps) in the fused kernel: both warpgroups
+    compute the same 64-key products, and 64 keys per program is below the target."""
+    row = _compile_row("attn_bwd_kernel", 128, configs.Config(16, 64, 8, 2), 90)
+    misses = R.target_misses(row)
+    assert any("replicated work" in m for m in misses), misses
+    assert any("keys per dK/dV program" in m for m in misses), misses
+    assert any("wgmma N <" in m for m in misses), misses
+
+
+def test_an_empty_kernel_fails_the_targets():
+    """Triton 3.9 emits an empty kernel when tcgen05 tiles overflow tensor memory (the fused
+    backward at head dim 128 with two stages on sm_100a): the report flags it."""
+    row = {"key": "k", "kernel": "attn_bwd_kernel", "arch": "sm_100a", "block_d": 128, "ptx_mma": [],
+           "products_per_step": 5, "keys_per_cta": 128,
+           "dots": [{"family": "tcgen05", "shape": [128, 64, 128], "instr_n": 64, "replication": 1, "in_loop": True}]}
+    assert any("empty kernel" in m for m in R.target_misses(row))
+
+
+@pytest.mark.slow
+def test_the_build_refuses_an_empty_kernel():
+    with pytest.raises(RuntimeError, match="empty kernel"):
+        _compile_row("attn_bwd_kernel", 128, configs.Config(64, 128, 8, 2), 100)
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    """The build report of the installed images, or of a fresh sm_80/sm_90a build."""
+    from flash_attn.aot import build as aot_build, manifest as aot_manifest
+
+    installed = aot_manifest.find_manifest_dir()
+    if installed is not None and (installed / "build-report.json").is_file():
+        data = json.loads((installed / "build-report.json").read_text())
+        if any(r.get("arch") == "sm_90a" and "dots" in r for r in data.get("kernels", [])):
+            return data
+    out = Path(tempfile.mkdtemp(prefix="aot-report-"))
+    aot_build.build(out, "90", quiet=True)
+    return json.loads((out / "build-report.json").read_text())

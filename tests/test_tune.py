@@ -1,0 +1,144 @@
+"""``bench tune`` end to end on the CPU: prepare compiles the candidates for sm_90a (for real),
+run times them with the GPU timing faked (the real planner, kernels and correctness check, run by
+Triton's interpreter), fold rewrites the config table.
+
+What the fake timer stands in for: CUDA-event times on a GPU. It cannot show which candidate is
+fast; it shows that the sweep measures every candidate through the planner's override, checks it,
+keeps its rows when cut off, and that the fold picks the fastest correct one and edits the table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flash_attn.benchmarks import tune
+from flash_attn.planning import configs
+
+C = configs.Config
+FAST = C(16, 16, 1, 1)  # the interpreter runs any tile: three candidates for head dim 32
+SLOW = C(32, 32, 1, 1)
+
+
+@pytest.fixture
+def interpreter_candidates(monkeypatch):
+    monkeypatch.setattr(tune, "CANDIDATES", {
+        ("fwd", "interpret"): {32: [FAST, SLOW]},
+        ("bwd_fused", "interpret"): {32: [FAST, SLOW, tune.SPLIT]},
+    })
+
+
+def fake_timer(times: dict):
+    """Milliseconds by the config the planner was told to use (what a GPU would measure)."""
+    def timer(fn):
+        fn()  # the call must run: a candidate that crashes must crash here too
+        active = list(configs._overrides.values())
+        return times.get(tune._config_text(active[0]) if active else "table", 5.0)
+    return timer
+
+
+def _run(out: Path, times: dict, **kwargs) -> list[dict]:
+    path = tune.run(out, device="cpu", backend="interpret", family="interpret", headdims=[32], seqlens=[32],
+                    total_tokens=32, hidden=64, timer=fake_timer(times), reference="math", baselines=(), **kwargs)
+    return tune.read_rows(path)
+
+
+def test_run_measures_and_checks_every_candidate(tmp_path, interpreter_candidates):
+    rows = _run(tmp_path, {"16x16w1s1": 1.0, "32x32w1s1": 2.0})
+    measured = [r for r in rows if r.get("impl") == "flash_attn"]
+    # per shape (causal and not): the table's entry + the listed ones, forward and backward
+    configs_seen = {(r["kind"], r["config"]) for r in measured}
+    assert configs_seen == {("fwd", "32x16w1s1"), ("fwd", "16x16w1s1"), ("fwd", "32x32w1s1"),
+                            ("bwd_fused", "16x32w1s1"), ("bwd_fused", "16x16w1s1"), ("bwd_fused", "32x32w1s1"),
+                            ("bwd_fused", "split")}
+    assert len(measured) == 2 * len(configs_seen)
+    assert all(r["ok"] and r["backend_ran"] == "interpret" and r["max_rel_error"] < 2e-2 for r in measured), measured
+    assert rows[0]["event"] == "start" and rows[-1]["event"] == "done"
+
+
+def test_a_wrong_candidate_is_caught(tmp_path, interpreter_candidates, monkeypatch):
+    real = tune._sdpa
+    monkeypatch.setattr(tune, "_sdpa", lambda q, k, v, causal, name: real(q, k, v, causal, name) * 1.5)
+    rows = [r for r in _run(tmp_path, {}) if r.get("impl") == "flash_attn"]
+    assert rows and not any(r["ok"] for r in rows)
+    assert all(w["winner"] is None for w in tune.winners(tune.read_rows(tmp_path / tune.RESULTS)))
+
+
+def test_a_cut_off_run_keeps_its_rows(tmp_path, interpreter_candidates):
+    rows = _run(tmp_path, {}, budget_s=0.0)
+    assert rows[-1]["event"] == "stopped"
+    with (tmp_path / tune.RESULTS).open("a") as f:
+        f.write('{"impl": "flash_attn", "kind": "fwd", "conf')  # killed mid-row
+    assert tune.read_rows(tmp_path / tune.RESULTS) == rows
+
+
+_TABLE_TEXT = '''_TABLE = {
+    ("fwd", "interpret"): (_C(32, 16, 1, 1), _C(32, 16, 1, 1), _C(32, 16, 1, 1), _C(32, 16, 1, 1)),
+    ("bwd_fused", "interpret"): (_C(16, 32, 1, 1), _C(16, 32, 1, 1), None, None),
+}
+'''
+
+
+def test_fold_writes_the_fastest_correct_candidate(tmp_path, interpreter_candidates):
+    _run(tmp_path, {"16x16w1s1": 1.0, "32x32w1s1": 2.0, "split": 0.5})
+    table = tmp_path / "configs_copy.py"
+    table.write_text(_TABLE_TEXT)
+    rows = tune.fold(tmp_path / tune.RESULTS, table)
+    by_kind = {r["kind"]: r for r in rows}
+    assert by_kind["fwd"]["winner"] == "16x16w1s1" and by_kind["fwd"]["changed"]
+    assert by_kind["bwd_fused"]["winner"] == "split" and by_kind["bwd_fused"]["changed"]
+    text = table.read_text()
+    assert '("fwd", "interpret"): (_C(16, 16, 1, 1), _C(32, 16, 1, 1),' in text  # head dim 32: the first bucket
+    assert '("bwd_fused", "interpret"): (None, _C(16, 32, 1, 1), None, None),' in text
+    assert "16x16w1s1" in tune.summary(rows)
+
+
+def test_fold_keeps_an_entry_within_noise(tmp_path, interpreter_candidates):
+    _run(tmp_path, {"16x16w1s1": 4.95, "32x32w1s1": 9.0, "split": 9.0})  # the table's entry: 5.0
+    rows = tune.winners(tune.read_rows(tmp_path / tune.RESULTS))
+    assert {r["kind"]: r["winner"] for r in rows} == {"fwd": "32x16w1s1", "bwd_fused": "16x32w1s1"}
+
+
+def test_fold_edits_the_real_table(tmp_path):
+    """Rows as a GPU run of sm90 writes them: the d128 fused-backward entry of the package's own
+    table is rewritten, and the rewritten module still gives every other entry unchanged."""
+    rows = [{"event": "start", "family": "sm90"}]
+    for config, ms in (("64x128w8s2", 2.0), ("64x128w8s3", 1.5), ("split", 3.0)):
+        for seqlen in (4096, 16384):
+            rows.append({"impl": "flash_attn", "kind": "bwd_fused", "head_dim": 128, "seqlen": seqlen, "causal": False,
+                         "config": config, "ok": True, "ms": ms * seqlen / 4096})
+    results = tmp_path / tune.RESULTS
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    copy = tmp_path / "configs.py"
+    copy.write_text(Path(configs.__file__).read_text())
+    (row,) = tune.fold(results, copy)
+    assert row["winner"] == "64x128w8s3" and row["changed"]
+    namespace: dict = {"__name__": "configs_copy"}
+    exec(compile(copy.read_text(), str(copy), "exec"), namespace)  # noqa: S102
+    assert namespace["pick"]("bwd_fused", 128, "sm90") == C(64, 128, 8, 3)
+    for kind in configs.KINDS:
+        for family in ("sm80", "sm86", "sm90", "sm100", "sm120"):
+            for d in (32, 64, 256):
+                assert namespace["pick"](kind, d, family) == configs.pick(kind, d, family)
+
+
+@pytest.mark.slow
+def test_prepare_compiles_every_candidate_for_sm90a(tmp_path):
+    pytest.importorskip("triton")
+    from flash_attn.aot import specializations as S
+
+    report = tune.prepare(tmp_path, "90", [64], jobs=2, quiet=True)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    keys = {e["key"] for e in manifest["kernels"]}
+    for kind, d, config in tune.candidates("sm90", [64]):
+        if config is not None:
+            kernel = "attn_fwd_kernel" if kind == "fwd" else "attn_bwd_kernel"
+            assert S.attention_spec(kernel, "bf16", d, config).key in keys, (kind, config)
+    listed = json.loads((tmp_path / tune.CANDIDATES_FILE).read_text())
+    assert listed["family"] == "sm90" and len(listed["candidates"]) == len(tune.candidates("sm90", [64]))
+    # small enough to carry to a GPU beside the op library
+    assert report["totals"]["bytes"] < 16 * 2**20
+    assert all(r.get("dots") for r in report["kernels"] if r["kernel"] in ("attn_fwd_kernel", "attn_bwd_kernel"))
