@@ -57,6 +57,15 @@ def rand_(t: torch.Tensor) -> torch.Tensor:
     return t.copy_(torch.randn(t.shape, device=t.device, dtype=torch.float32))
 
 
+
+def assert_same_grads(got, want) -> None:
+    """dq, dk, dv of two runs of the same backward: dK/dV bit for bit; dQ up to the order of the
+    fused kernel's atomic fp32 additions (deterministic=False, the default), one rounding step of
+    the output dtype."""
+    dq, dk, dv = got
+    torch.testing.assert_close(dq, want[0], rtol=1e-2, atol=1e-3)
+    assert torch.equal(dk, want[1]) and torch.equal(dv, want[2])
+
 @gpu
 def test_forward_replays_like_eager(backend):
     q, k, v = (torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -98,8 +107,7 @@ def test_training_step_replays_like_eager(backend):
         replayed = [g.clone() for g in graph_grads]
         step()
         assert dispatch.last_backend() == backend  # of the backward, the step's last call
-        for got, want in zip(replayed, (q.grad, k.grad, v.grad)):
-            assert torch.equal(got, want)
+        assert_same_grads(replayed, (q.grad, k.grad, v.grad))
 
 
 @gpu
@@ -199,8 +207,8 @@ def test_varlen_training_step_replays_like_eager(backend):
         replayed = [static["out"].clone()] + [g.clone() for g in graph_grads]
         out = step()
         assert dispatch.last_backend() == backend
-        for got, want in zip(replayed, (out, q.grad, k.grad, v.grad)):
-            assert torch.equal(got, want)
+        assert torch.equal(replayed[0], out)
+        assert_same_grads(replayed[1:], (q.grad, k.grad, v.grad))
 
 
 def _paged_cache(b=3, page=256, pages_per_seq=3, hk=2, d=128, dtype=torch.float16):
@@ -276,8 +284,7 @@ def test_reduce_overhead_training_step_matches_eager(backend, reduce_overhead):
         want = block(q, k, v)
         assert dispatch.last_backend() == backend
         assert torch.equal(out, want)
-        for got, ref in zip(grads, torch.autograd.grad(want, (q, k, v), dout)):
-            assert torch.equal(got, ref)
+        assert_same_grads(grads, torch.autograd.grad(want, (q, k, v), dout))
 
 
 @gpu

@@ -52,6 +52,34 @@ def test_dry_run_selects_the_gpu_tests_not_the_full_matrix(dry_run):
             assert "--flash-no-skip" in line and "not\\ full_matrix" in line, line
 
 
+def test_the_oracle_steps_run_every_device_test_file(dry_run):
+    """The aot and triton steps run the oracle tests of every public function (issue 25, part 1):
+    the upstream API, the low-level _flash_attn_* / flash_attn_gpu.* functions, the transformers
+    integration, and the two-device test (which the gpu step leaves to them)."""
+    commands = dict(re.findall(r"^=== (\S+) \(limit \d+s, \d+s of the budget left\): (.*)$", dry_run, re.M))
+    for step in ("aot", "triton"):
+        for name in ("test_attention_oracle.py", "test_decode_superset.py", "test_lowlevel_api.py",
+                     "test_transformers_integration.py", "test_two_devices.py"):
+            assert f" tests/{name}" in commands[step], (step, name)
+    assert "--ignore tests/test_two_devices.py" in commands["gpu"]
+
+
+def test_the_two_device_skip_is_expected_only_with_one_gpu(monkeypatch):
+    """With one GPU the two-device test's skip passes --flash-no-skip; without any GPU it fails."""
+    import torch
+
+    import test_two_devices
+    from conftest import EXPECTED_SKIPS
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for count, expected in ((1, True), (0, False)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        reason = test_two_devices._skip_reason()
+        assert reason and any(e in reason for e in EXPECTED_SKIPS) == expected, reason
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert test_two_devices._skip_reason() == ""
+
+
 def test_dry_run_limits_fit_the_budget(dry_run):
     budget, reserved = map(int, re.search(r"budget: (\d+)s; step limits \+ 2s grace each: (\d+)s \(fits\)",
                                           dry_run).groups())
