@@ -251,8 +251,9 @@ def _backward_delta(dout, q, k, v, out, lse, dq, dk, dv, varlen, alibi_slopes, s
         for given in (dq, dk, dv):
             if given is not None:
                 given.zero_()
-        delta = torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32))
-        return delta.t() if varlen is not None else delta.transpose(1, 2)
+        from flash_attn.backends import reference  # noqa: PLC0415  (loaded on demand, as dispatch does)
+
+        return reference.delta(dout, out, varlen is not None)
     params = AttentionParams(softmax_scale=scale, window_left=left, window_right=right, softcap=softcap,
                              dropout_p=dropout_p, dropout_seed=rng_state)
     *grads, delta = dispatch.run("backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen,

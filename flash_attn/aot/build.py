@@ -179,14 +179,16 @@ def resource_usage(cubin: Path, cuobjdump: Optional[str]) -> dict:
     return out
 
 
-def static_report(spec, compiled, usage: dict, cap: int) -> dict:
-    """:func:`flash_attn.aot.kernel_report.analyse` of one image (its cubin's SASS and resources)."""
+def static_report(spec, compiled, usage: dict, cap: int, products: list) -> dict:
+    """:func:`flash_attn.aot.kernel_report.analyse` of one image (its cubin's SASS and resources;
+    ``products``: the compile's :func:`~flash_attn.aot.kernel_report.dots`)."""
     decl = declarations.get(spec.kernel)
     family = configs.arch_family((cap // 10, cap % 10))
     return kernel_report.analyse(
         compiled.asm.get("ttgir", ""), compiled.asm.get("ptx", ""), usage.get("_sass", ""), kind=decl.config_kind,
         block_n=spec.block_n, num_warps=spec.num_warps, shared=int(compiled.metadata.shared),
-        regs=usage.get("reg"), stack=usage.get("stack"), shared_limit=configs.SHARED_MEMORY_LIMIT[family])
+        regs=usage.get("reg"), stack=usage.get("stack"), shared_limit=configs.SHARED_MEMORY_LIMIT[family],
+        found=products)
 
 
 def _write_image(path: Path, data: bytes) -> Path:
@@ -245,11 +247,11 @@ def compile_job(job: dict) -> dict:
     target = re.search(r"^\.target\s+(\w+)", ptx, re.M)
     triton_arch = target.group(1) if target else f"sm_{cap}"
     ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
-    products = [d for d in kernel_report.dots(compiled.asm.get("ttgir", "")) if d["family"] != "fma"]
-    if products and not ptx_mma:
+    products = kernel_report.dots(compiled.asm.get("ttgir", ""))
+    if any(d["family"] != "fma" for d in products) and not ptx_mma:
         # Triton emits an empty kernel when the tiles overflow tensor memory (sm100): it would run
         # and return zeros; a build must not ship it
-        raise RuntimeError(f"compiling {spec.key} for sm_{cap}: {len(products)} tensor-core products in the TTGIR but "
+        raise RuntimeError(f"compiling {spec.key} for sm_{cap}: tensor-core products in the TTGIR but "
                            f"none in the PTX (an empty kernel: tiles too large for tensor memory?)")
     isa = re.search(r"^\.version\s+(\d+\.\d+)", ptx, re.M)
     features = bool(dict(spec.flags).get("HAS_SOFTCAP"))  # the score-features variant
@@ -273,7 +275,7 @@ def compile_job(job: dict) -> dict:
             raw = Path(tmp) / f"{spec.key}.cubin"
             raw.write_bytes(cubin)
             usage = resource_usage(raw, job.get("cuobjdump"))
-        usage.update(static_report(spec, compiled, usage, cap))
+        usage.update(static_report(spec, compiled, usage, cap, products))
         usage.pop("_sass", None)
         path = _write_image(out_dir / "images" / arch / f"{spec.key}.cubin", cubin)
         rows.append(({**base, "arch": arch, "image": str(path.relative_to(out_dir))},

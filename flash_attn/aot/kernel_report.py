@@ -195,9 +195,10 @@ def ctas_per_sm(regs: Optional[int], threads: int, shared: int, shared_limit: in
 
 
 def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: int, num_warps: int, shared: int,
-            regs: Optional[int], stack: Optional[int], shared_limit: int) -> dict:
-    """The static report of one image (see the module docstring)."""
-    found = dots(ttgir)
+            regs: Optional[int], stack: Optional[int], shared_limit: int, found: Optional[list] = None) -> dict:
+    """The static report of one image (see the module docstring); ``found``: :func:`dots` of the
+    TTGIR when the caller has them already (every image of one compile shares its TTGIR)."""
+    found = dots(ttgir) if found is None else found
     main = [d for d in found if d["in_loop"]] or found
     waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
     wgmma_n = [d["instr_n"] for d in main if d["family"] == "wgmma"]

@@ -176,6 +176,4 @@ def signature(spec: Spec) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def dtype_name(dtype) -> Optional[str]:
-    text = str(dtype).replace("torch.", "")
-    return {"float16": "fp16", "bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}.get(text)
+dtype_name = declarations.dtype_name

@@ -82,6 +82,11 @@ def kvcache_inputs(q, cache, alibi_slopes=None) -> dict:
                 block_table=cache.block_table, cos=cache.rotary_cos, sin=cache.rotary_sin, alibi=alibi_slopes)
 
 
+def capturing(device) -> bool:
+    """Whether ``device``'s current CUDA stream is capturing a graph (False off CUDA)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 # ---------------------------------------------------------------------------------------------
 # Preparations and buffers
 

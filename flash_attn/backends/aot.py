@@ -32,7 +32,7 @@ from flash_attn import limits
 from flash_attn.aot import library as op_library, specializations as S
 from flash_attn.aot.archs import config_capability
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
-from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, ready, slots
+from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, ready, slots
 from flash_attn.planning import configs, plan as P
 
 __all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
@@ -231,10 +231,7 @@ _CUDA_ANSWER = re.compile(r"\b(cudaError\w+|CUDA_ERROR_\w+)\b.*")
 
 
 def _transient(exc: Exception, device) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError) or _TRANSIENT.search(str(exc)):
-        return True
-    device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or bool(_TRANSIENT.search(str(exc))) or capturing(device)
 
 
 def _refused_image(arch: str, key: str, exc: Exception) -> str:

@@ -238,10 +238,13 @@ def backward(
         problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
         dq, dk, dv = _attention_backward(problem, params, dout, out, lse)
         result = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    if not return_delta:
-        return result
-    delta = torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32))  # (b, sq, h) or (total, h)
-    return (*result, delta.t() if varlen is not None else delta.transpose(1, 2))
+    return (*result, delta(dout, out, varlen is not None)) if return_delta else result
+
+
+def delta(dout: Tensor, out: Tensor, packed: bool) -> Tensor:
+    """Delta ``rowsum(dout * out)`` in fp32, laid out like lse: ``(b, h, sq)``, packed ``(h, total)``."""
+    rows = torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32))  # (b, sq, h) or (total, h)
+    return rows.t() if packed else rows.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from flash_attn import limits
-from flash_attn.backends._execute import KernelBackend, execute, launch_kwargs, ready
+from flash_attn.backends._execute import KernelBackend, capturing, execute, launch_kwargs, ready
 from flash_attn.planning import configs, registry
 from flash_attn.planning.plan import Target
 
@@ -137,10 +137,6 @@ class _Jitted:
         self.ready, self.ran, self.failure = ready(plan), False, None
 
 
-def _capturing(device) -> bool:
-    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 class _TritonBackend(KernelBackend):
     def executable(self, plan, target, device):
         return _Jitted(plan)
@@ -155,7 +151,7 @@ class _TritonBackend(KernelBackend):
         except torch.cuda.OutOfMemoryError:
             raise  # the call's memory, not Triton: the next backend would need it too
         except Exception as exc:
-            failure = diagnose(exc, _capturing(device))
+            failure = diagnose(exc, capturing(device))
             if failure.scope == "plan":
                 jitted.failure = (failure.cause, failure.fix, failure.scope)
             raise failure from exc

@@ -23,6 +23,12 @@ from typing import Mapping, Optional
 __all__ = ["EXACT_IMAGE_BLOCK_DS", "EXACT_IMAGE_DTYPES", "EXACT_IMAGE_FAMILIES", "Kernel", "KERNELS", "get"]
 
 
+def dtype_name(dtype) -> Optional[str]:
+    """``"fp16"``/``"bf16"`` for a q/k/v dtype (a ``torch.dtype`` or its name), else ``None``."""
+    text = str(dtype).replace("torch.", "")
+    return {"float16": "fp16", "bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}.get(text)
+
+
 def _names(text: str) -> frozenset:
     return frozenset(text.split())
 

@@ -463,9 +463,6 @@ def _block_d(head_dim: int, features: bool, target: Target) -> int:
     return block_d
 
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
 def _attention_constexprs(kernel: str, target: Target, features: bool, exact: dict, blocks: dict,
                           dtype: torch.dtype) -> dict:
     """The constexprs of an attention launch: the call's own flags (JIT), or the shipped image's:
@@ -475,7 +472,7 @@ def _attention_constexprs(kernel: str, target: Target, features: bool, exact: di
     decl = declarations.get(kernel)
     if (not features and decl.exact and target.family in declarations.EXACT_IMAGE_FAMILIES
             and blocks["BLOCK_D"] in declarations.EXACT_IMAGE_BLOCK_DS
-            and _DTYPE_NAMES.get(dtype) in declarations.EXACT_IMAGE_DTYPES
+            and declarations.dtype_name(dtype) in declarations.EXACT_IMAGE_DTYPES
             and all(exact[name] == value for name, value in decl.exact.items())):
         return {**decl.exact_constexprs(), **blocks}
     return {**decl.aot_constexprs(features), **blocks}
