@@ -109,13 +109,16 @@ def _ours(backend: str) -> Implementation:
     )
 
 
-def _sdpa(label: str, backend_name: str) -> Implementation:
+def sdpa_forward(q, k, v, causal: bool):
+    """PyTorch's SDPA on our ``(batch, seqlen, heads, headdim)`` layout (whichever SDPA backend the
+    caller's ``sdpa_kernel`` context allows)."""
     import torch.nn.functional as F  # noqa: PLC0415
 
-    def forward(q, k, v, causal):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-        return out.transpose(1, 2)  # back to (batch, seqlen, heads, headdim), like dout
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)  # back to (batch, seqlen, heads, headdim), like dout
 
+
+def _sdpa(label: str, backend_name: str) -> Implementation:
     def unavailable(device):
         try:
             from torch.nn.attention import SDPBackend  # noqa: PLC0415
@@ -130,7 +133,7 @@ def _sdpa(label: str, backend_name: str) -> Implementation:
 
         return sdpa_kernel(getattr(SDPBackend, backend_name))
 
-    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(forward), context, decode=sdpa_decode)
+    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(sdpa_forward), context, decode=sdpa_decode)
 
 
 def sdpa_decode(q, k_cache, v_cache):

@@ -147,15 +147,15 @@ def cuda_timer(fn: Callable, warmup: int = 3, repeats: int = 10) -> float:
 
 
 def _sdpa(q, k, v, causal: bool, backend_name: str):
-    import torch  # noqa: PLC0415
+    """SDPA with one backend: ``"flash"`` (FA2), ``"cudnn"`` or ``"math"`` (the reference on a CPU)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    from flash_attn.benchmarks import gpu  # noqa: PLC0415
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                "math": SDPBackend.MATH}[backend_name]
     with sdpa_kernel(backend):
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                               v.transpose(1, 2), is_causal=causal)
-    return out.transpose(1, 2)
+        return gpu.sdpa_forward(q, k, v, causal)
 
 
 def run(out: Path, *, device: str = "cuda", backend: str = "aot", family: Optional[str] = None,
