@@ -32,7 +32,7 @@ launches = [0]
 def no_launch(*a): launches[0] += 1
 _aot_library.launch = no_launch
 dispatch.select_backend = lambda device: aot
-from flash_attn import ops as _ops; _ops.select_backend = lambda device: aot
+from flash_attn import custom_ops as _ops; _ops.select_backend = lambda device: aot
 
 from flash_attn import flash_attn_func, flash_attn_with_kvcache
 g = torch.Generator().manual_seed(0)

@@ -22,7 +22,7 @@ fix; a failure of the machine (compiler, cache) moves every later call too.
 failure on first use, raises :class:`BackendRefusedError` naming the backend and the reason (no
 effect under ``auto`` or ``reference``). :func:`last_backend` names the backend that ran this
 thread's last call (for tests that must know; calls with nothing to compute and the plain dense
-CPU shortcut of :mod:`flash_attn.ops` do not reach a backend and leave it unchanged).
+CPU shortcut of :mod:`flash_attn.custom_ops` do not reach a backend and leave it unchanged).
 
 CUDA-graph capture: the reference backend reads tensor values on the host, which capture
 forbids. A CUDA call that would run on it while the stream is capturing raises

@@ -2,7 +2,7 @@
 
 Each function checks its arguments (:mod:`flash_attn.validation`), normalises them (default
 softmax scale, ``causal`` as a window bound) and calls one ``flash_attn::*`` custom operator
-(:mod:`flash_attn.ops`; in plain eager calls its body directly), which runs the backend chosen
+(:mod:`flash_attn.custom_ops`; in plain eager calls its body directly), which runs the backend chosen
 by ``FLASH_ATTN_BACKEND`` (:mod:`flash_attn.dispatch`): the ahead-of-time GPU kernels on CUDA tensors when installed,
 the exact PyTorch reference backend on every other device.
 
@@ -42,7 +42,7 @@ from typing import Optional, Union
 import torch
 
 from flash_attn import entry_points as flash_attn_gpu  # noqa: F401  (upstream's handle, see below)
-from flash_attn import kvcache, ops, validation
+from flash_attn import custom_ops, kvcache, validation
 from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
     _flash_attn_backward,
     _flash_attn_forward,
@@ -72,10 +72,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     left, right = validation.causal_window(causal, window_size)
     scale = validation.softmax_scale(softmax_scale, q.shape[-1])
     if cu_seqlens_q is None and not return_attn_probs and alibi_slopes is None and dropout_p == 0 and softcap == 0:
-        out = ops.plain_cpu_forward(q, k, v, scale, left, right)
+        out = custom_ops.plain_cpu_forward(q, k, v, scale, left, right)
         if out is not None:
             return out
-    out, lse, s_dmask, _ = ops.forward(
+    out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         max_seqlen_q, max_seqlen_k, scale, left, right,
         float(softcap), float(dropout_p), bool(return_attn_probs), bool(deterministic),

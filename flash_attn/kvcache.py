@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_attn import ops, validation
+from flash_attn import custom_ops, validation
 
 
 def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -18,7 +18,7 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     # like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
     # rotated as a local/causal block or at one position)
     left, right = validation.bounded_window(causal, window_size, _cache_capacity(k_cache, block_table))
-    return ops.forward_kvcache(
+    return custom_ops.forward_kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, rotary_cos, rotary_sin, alibi_slopes, validation.softmax_scale(softmax_scale, headdim), left,
         right, float(softcap), bool(rotary_interleaved), int(num_splits),

@@ -10,7 +10,7 @@ Names, parameter names, order, defaults and return values are upstream's (2.8.3)
 ``torch.library.custom_op`` registration (the decorated objects are ``CustomOpDef``s, so
 ``._init_fn`` introspection works; fake implementations serve ``torch.compile``). Unlike
 upstream they run on every device and backend: each op checks its arguments and runs the body
-of the package's own ``flash_attn::forward`` op (:mod:`flash_attn.ops`), or for the backward the
+of the package's own ``flash_attn::forward`` op (:mod:`flash_attn.custom_ops`), or for the backward the
 backend contract (:mod:`flash_attn.backends`) directly, which writes the caller's gradients in
 place and hands back the kernels' Delta for ``softmax_d``.
 
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from flash_attn import dispatch, validation
-from flash_attn.ops import _forward_body, _varlen_layout
+from flash_attn.custom_ops import _forward_body, _varlen_layout
 from flash_attn.params import AttentionParams, VarlenLayout
 
 __all__ = [

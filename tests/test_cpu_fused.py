@@ -6,7 +6,7 @@ CPU attention kernels, called so that they compute exactly flash-attn's semantic
 * forward and backward against the float64 oracle with small blocks forced, so that windows,
   edges, merges and masks all occur on small shapes;
 * the fused kernels really run where they apply, and the tiled engine where they do not;
-* plain eager calls go straight to the one kernel call (``ops.plain_cpu_forward``) exactly where
+* plain eager calls go straight to the one kernel call (``custom_ops.plain_cpu_forward``) exactly where
   the general plan is that call, with the general path's results bit for bit.
 """
 
@@ -306,7 +306,7 @@ def test_mask_blocks_stay_within_the_budget():
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain dense calls: straight to the one kernel call (ops.plain_cpu_forward)
+# Plain dense calls: straight to the one kernel call (custom_ops.plain_cpu_forward)
 # ----------------------------------------------------------------------------------------------
 
 # (dtype, sq, sk, h, hk, causal, amx and native fp16, goes straight to the kernel). With

@@ -147,7 +147,7 @@ def test_dropout_draws_a_new_mask_per_replay(backend):
     """The seed comes from the device's generator inside the graph: each replay a new one, and
     the output is exactly the attention with that seed's mask (the reference backend's)."""
     from flash_attn.backends import reference
-    from flash_attn.ops import attention_forward
+    from flash_attn.custom_ops import attention_forward
     from flash_attn.params import AttentionParams
 
     q, k, v = (torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -360,7 +360,7 @@ def test_reduce_overhead_dropout_draws_new_masks(backend, reduce_overhead):
 
 @gpu
 def test_placeholders_made_inside_a_capture_are_new():
-    from flash_attn import ops
+    from flash_attn import custom_ops as ops
     from flash_attn.backends import _execute
 
     device = torch.device("cuda")
@@ -380,7 +380,7 @@ def test_no_placeholder_is_kept_for_a_gpu_stand_in(monkeypatch):
     allocate warm-up calls, which are no capture, from the graphs' pool). What the stand-in cannot
     show: the CUDA allocator's pools themselves (test_placeholders_made_inside_a_capture_are_new,
     on a GPU, and the reduce-overhead tests do)."""
-    from flash_attn import ops
+    from flash_attn import custom_ops as ops
     from flash_attn.backends import _execute
 
     real_empty = torch.empty

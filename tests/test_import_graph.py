@@ -26,7 +26,7 @@ LAYERS = (
     # the public API
     ("api", ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.lowlevel", "flash_attn.entry_points",
              "flash_attn.kvcache", "flash_attn.bert_padding", "flash_attn.layers")),
-    ("ops", ("flash_attn.ops",)),  # the custom ops (autograd, torch.compile)
+    ("ops", ("flash_attn.custom_ops",)),  # the custom ops (autograd, torch.compile)
     ("dispatch", ("flash_attn.dispatch", "flash_attn.validation")),  # which backend runs a call
     ("backends", ("flash_attn.backends",)),  # reference, triton, interpret, aot: run plans
     ("aot", ("flash_attn.aot",)),  # shipped images: architectures, manifest, op library
@@ -130,18 +130,18 @@ def test_the_checks_see_violations(tmp_path):
     (tmp_path / "flash_attn" / "kernels").mkdir(parents=True)
     sources = {
         "flash_attn/__init__.py": "from flash_attn.flash_attn_interface import flash_attn_func\n",
-        "flash_attn/flash_attn_interface.py": "from flash_attn import ops\n",
-        "flash_attn/ops.py": "from flash_attn import limits\n",
+        "flash_attn/flash_attn_interface.py": "from flash_attn import custom_ops\n",
+        "flash_attn/custom_ops.py": "from flash_attn import limits\n",
         "flash_attn/limits.py": "def f():\n    from flash_attn.kernels import forward\n",
         "flash_attn/kernels/__init__.py": "",
-        "flash_attn/kernels/forward.py": "def g():\n    import flash_attn.ops\n",
+        "flash_attn/kernels/forward.py": "def g():\n    import flash_attn.custom_ops\n",
     }
     for name, text in sources.items():
         (tmp_path / name).write_text(text)
     modules = {name[:-3].replace("/", ".").removesuffix(".__init__"): tmp_path / name for name in sources}
     made_up = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert made_up["flash_attn"] == {"flash_attn.flash_attn_interface"}
-    assert made_up["flash_attn.flash_attn_interface"] == {"flash_attn.ops"}  # a submodule: no edge to the package
-    assert upward_edges(made_up) == ["flash_attn.kernels.forward (kernels) imports flash_attn.ops (ops)",
+    assert made_up["flash_attn.flash_attn_interface"] == {"flash_attn.custom_ops"}  # a submodule: no edge to the package
+    assert upward_edges(made_up) == ["flash_attn.kernels.forward (kernels) imports flash_attn.custom_ops (ops)",
                                      "flash_attn.limits (core) imports flash_attn.kernels.forward (kernels)"]
-    assert cycles(made_up) == ["flash_attn.ops -> flash_attn.limits -> flash_attn.kernels.forward -> flash_attn.ops"]
+    assert cycles(made_up) == ["flash_attn.custom_ops -> flash_attn.limits -> flash_attn.kernels.forward -> flash_attn.custom_ops"]

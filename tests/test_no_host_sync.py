@@ -30,7 +30,7 @@ import warnings
 import pytest
 import torch
 
-from flash_attn import dispatch, ops, validation
+from flash_attn import custom_ops as ops, dispatch, validation
 from flash_attn.aot import manifest as aot_manifest, archs
 from flash_attn.backends import aot, triton as triton_backend
 from flash_attn.planning import configs, plan as P

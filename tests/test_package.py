@@ -129,5 +129,5 @@ def test_public_functions_are_documented(name):
 
 
 def test_submodules_import_cleanly():
-    for mod in ("flash_attn.flash_attn_interface", "flash_attn.ops", "flash_attn.dispatch", "flash_attn.validation"):
+    for mod in ("flash_attn.flash_attn_interface", "flash_attn.custom_ops", "flash_attn.dispatch", "flash_attn.validation"):
         importlib.import_module(mod)

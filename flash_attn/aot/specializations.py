@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from flash_attn.planning import configs, declarations, decode_configs, registry
 
@@ -117,18 +117,20 @@ def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config
     return Spec.of(kernel, dtype, {**flags, **blocks}, config)
 
 
-def attention_specs(family: str, dtype: str) -> list[Spec]:
+def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
+                    with_features: bool = True) -> list[Spec]:
     """The attention kernels' specialisations for devices of ``family``: per kernel, the lean
     variant for every ``BLOCK_D`` and (forward, dK/dV, dQ) the score-features variant; each with
-    the launch config the planner picks for that family, head dim and variant."""
+    the launch config the planner picks for that family, head dim and variant. ``block_ds`` and
+    ``with_features`` narrow it (``bench tune`` builds one head dim's lean kernels)."""
     out = []
-    fused = any(configs.fused_backward(d, family, f) for d in BLOCK_DS for f in (False, True))
+    fused = any(configs.fused_backward(d, family, f) for d in block_ds for f in (False, True))
     for kernel in ATTENTION_KERNELS:
         if kernel == "attn_bwd_dq_convert_kernel" and not fused:
             continue  # only the fused backward needs it
         decl = declarations.get(kernel)
-        for features in (False, True) if decl.has_features else (False,):
-            for block_d in FEATURE_BLOCK_DS if features else BLOCK_DS:
+        for features in (False, True) if decl.has_features and with_features else (False,):
+            for block_d in [d for d in FEATURE_BLOCK_DS if d in block_ds] if features else block_ds:
                 config = configs.pick(decl.config_kind, block_d, family, features)
                 if config is None:  # the split kernels serve this head dim (configs.fused_backward)
                     continue

@@ -87,26 +87,19 @@ def _config_text(config: Optional[configs.Config]) -> str:
 
 
 def prepare_specs(family: str, headdims: Iterable[int], dtype: str = "bf16") -> Callable:
-    """``capability -> specs`` for :func:`flash_attn.aot.build.build`: the lean images of every
-    candidate, and of the table's forward, preprocess, convert and split kernels beside them."""
+    """``capability -> specs`` for :func:`flash_attn.aot.build.build`: for the table and for each
+    candidate put in its place, every lean image a call of that head dim needs (the planner's own
+    choice: exact-call and folded images, the preprocess and convert kernels that follow the
+    forward's config, the split kernels)."""
     from flash_attn.aot import specializations as S  # noqa: PLC0415
-
-    def spec(kernel: str, kind: str, d: int, config: configs.Config):
-        return S.attention_spec(kernel, dtype, configs.padded_headdim(d), config)
 
     def specs(_capability) -> list:
         out: dict = {}
         for d in headdims:
-            pre = configs.pick("fwd", d, family)
-            out[spec("attn_fwd_kernel", "fwd", d, pre)] = None
-            out[spec("attn_bwd_preprocess_kernel", "fwd", d, pre)] = None
-            out[spec("attn_bwd_dq_convert_kernel", "fwd", d, pre)] = None
-            out[spec("attn_bwd_dkdv_kernel", "bwd_dkdv", d, configs.pick("bwd_dkdv", d, family))] = None
-            out[spec("attn_bwd_dq_kernel", "bwd_dq", d, configs.pick("bwd_dq", d, family))] = None
-        for kind, d, config in candidates(family, headdims):
-            if config is not None:
-                kernel = "attn_fwd_kernel" if kind == "fwd" else "attn_bwd_kernel"
-                out[spec(kernel, kind, d, config)] = None
+            block_ds = (configs.padded_headdim(d),)
+            for kind, _, config in candidates(family, [d]):
+                with configs.overridden({_key(kind, family, d): config}):
+                    out.update(dict.fromkeys(S.attention_specs(family, dtype, block_ds, with_features=False)))
         return list(out)
 
     return specs
