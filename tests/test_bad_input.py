@@ -36,6 +36,14 @@ def varlen(lens_q=(3, 4), lens_k=(5, 2), h=4, hk=2, d=32, dtype=FP16):
     return q, k, v, cu_from_lens(lens_q), cu_from_lens(lens_k), max(lens_q), max(lens_k)
 
 
+@pytest.fixture
+def host_value_checks(monkeypatch):
+    """Checks that read tensor contents (cu_seqlens, cache lengths, page tables) run on the host
+    for CPU tensors always and for GPU tensors only with FLASH_ATTN_DEBUG=1: reading a GPU tensor
+    waits for the device and breaks CUDA-graph capture (tests/test_no_host_sync.py)."""
+    monkeypatch.setenv("FLASH_ATTN_DEBUG", "1")
+
+
 def raises(exc, *words):
     """pytest.raises whose message must contain every word (case-insensitive)."""
     pattern = "".join(f"(?=.*{re.escape(w)})" for w in words)
@@ -167,6 +175,7 @@ def test_cu_seqlens_not_1d():
         flash_attn_varlen_func(q, k, v, cq.view(1, -1), ck.view(1, -1), mq, mk)
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_cu_seqlens_decreasing():
     q, k, v, _, ck, mq, mk = varlen()
     cq = torch.tensor([0, 5, 7], dtype=torch.int32, device=q.device)
@@ -177,6 +186,7 @@ def test_cu_seqlens_decreasing():
         flash_attn_varlen_func(q, k, v, bad, bad_k, 7, 7)
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_cu_seqlens_must_start_at_zero():
     q, k, v, _, ck, mq, mk = varlen()
     cq = torch.tensor([1, 3, 7], dtype=torch.int32, device=q.device)
@@ -191,6 +201,7 @@ def test_cu_seqlens_q_and_k_lengths_differ():
         flash_attn_varlen_func(q, k, v, cq, ck, mq, mk)
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_cu_seqlens_last_entry_not_total():
     q, k, v, cq, ck, mq, mk = varlen()
     with raises(ValueError, "cu_seqlens_q"):
@@ -199,6 +210,7 @@ def test_cu_seqlens_last_entry_not_total():
         flash_attn_varlen_func(q, k, v, cq, cu_from_lens([5, 3]), mq, mk)
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_max_seqlen_smaller_than_a_length():
     q, k, v, cq, ck, mq, mk = varlen()
     with raises(ValueError, "max_seqlen_q"):
@@ -229,6 +241,7 @@ def _paged(page=16, lens_k=(20, 5), num_blocks=4):
     return q, kp, vp, cu_from_lens([2, 2]), cu_from_lens(lens_k)
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_block_table_out_of_range():
     q, kp, vp, cq, ck = _paged()
     ok = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=q.device)
@@ -239,6 +252,7 @@ def test_block_table_out_of_range():
             flash_attn_varlen_func(q, kp, vp, cq, ck, 2, 20, block_table=bad)
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_block_table_too_few_pages_for_a_sequence():
     q, kp, vp, cq, ck = _paged(lens_k=(40, 5))
     bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=q.device)
@@ -267,6 +281,7 @@ def _cache(b=2, cap=8, sn=1, d=32, dtype=FP16):
     return q, kc, vc, kn, vn
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_kv_cache_too_small_for_the_append():
     q, kc, vc, kn, vn = _cache(cap=8, sn=3)
     seqlens = torch.tensor([5, 6], dtype=torch.int32, device=q.device)
@@ -277,6 +292,7 @@ def test_kv_cache_too_small_for_the_append():
     flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=torch.tensor([5, 4], dtype=torch.int32, device=q.device))
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_kv_cache_seqlens_beyond_cache():
     q, kc, vc, _, _ = _cache(cap=8)
     with raises(ValueError, "cache"):
@@ -299,6 +315,7 @@ def test_kv_cache_append_needs_seqlens_and_both_k_v():
         flash_attn_with_kvcache(q, kc, vc, kn, None, cache_seqlens=1)
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_kv_cache_batch_idx_out_of_range():
     q, kc, vc, kn, vn = _cache()
     with raises(IndexError, "cache_batch_idx"):
@@ -306,6 +323,7 @@ def test_kv_cache_batch_idx_out_of_range():
                                 cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32, device=q.device))
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_kv_cache_leftpad_beyond_seqlens():
     q, kc, vc, kn, vn = _cache()
     with raises(ValueError, "cache_leftpad"):
@@ -313,6 +331,7 @@ def test_kv_cache_leftpad_beyond_seqlens():
                                 cache_leftpad=torch.tensor([0, 3], dtype=torch.int32, device=q.device))
 
 
+@pytest.mark.usefixtures("host_value_checks")
 def test_kv_cache_rotary_errors():
     q, kc, vc, kn, vn = _cache(d=32)
     cos = torch.ones(8, 8, dtype=FP16, device=q.device)

@@ -43,8 +43,9 @@ def test_dry_run_selects_the_gpu_tests_not_the_full_matrix(dry_run):
     # -m "gpu" alone replaced pyproject's -m 'not full_matrix' and selected 3,645 tests
     assert 50 <= _selected(dry_run, "gpu") < 400
     assert 10 <= _selected(dry_run, "graphs") < 100
-    for step in ("aot", "triton"):
-        assert 100 <= _selected(dry_run, step) < 1000
+    assert 100 <= _selected(dry_run, "aot") < 1000
+    # the triton step: a few public calls, each JIT-compiled on a fresh machine (.ci/gpu-check)
+    assert 5 <= _selected(dry_run, "triton") < 30
     for step in ("compile-aot", "compile-triton"):
         assert _selected(dry_run, step) >= 10
     for line in dry_run.splitlines():
@@ -55,7 +56,8 @@ def test_dry_run_selects_the_gpu_tests_not_the_full_matrix(dry_run):
 def test_the_oracle_steps_run_every_device_test_file(dry_run):
     """The aot and triton steps run the oracle tests of every public function (issue 25, part 1):
     the upstream API, the low-level _flash_attn_* / flash_attn_gpu.* functions, the transformers
-    integration, and the two-device test (which the gpu step leaves to them)."""
+    integration, and the two-device test (which the gpu step leaves to them). The triton step
+    runs a subset of them (-k): the JIT compiles each specialisation first, ~8 s a test on an H200."""
     commands = dict(re.findall(r"^=== (\S+) \(limit \d+s, \d+s of the budget left\): (.*)$", dry_run, re.M))
     for step in ("aot", "triton"):
         for name in ("test_attention_oracle.py", "test_decode_superset.py", "test_lowlevel_api.py",

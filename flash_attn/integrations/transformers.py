@@ -57,14 +57,16 @@ _REQUIRED_FLASH_UTILS = (
     "_loaded_implementation",
     "_flash_fn",
     "_flash_varlen_fn",
-    "_flash_with_kvcache_fn",
     "_pad_fn",
     "_unpad_fn",
     "_process_flash_kwargs_fn",
-    "_process_with_kvcache_kwargs_fn",
     "_lazy_define_process_function",
     "lazy_import_flash_attention",
 )
+
+# Set where this transformers has them (newer 5.x releases; 5.17 has no
+# _process_with_kvcache_kwargs_fn).
+_OPTIONAL_FLASH_UTILS = ("_flash_with_kvcache_fn", "_process_with_kvcache_kwargs_fn")
 
 log = logging.getLogger(__name__)
 _registered: set[str] = set()
@@ -126,12 +128,17 @@ def _fill_function_cache(name: str) -> None:
     flash_utils = _modules()["flash_utils"]
     flash_utils._flash_fn = flash_attn_func
     flash_utils._flash_varlen_fn = _varlen_with_int_lengths
-    # transformers wraps the paged (KV cache) function like this when it imports it itself.
-    flash_utils._flash_with_kvcache_fn = torch.compiler.disable(flash_attn_with_kvcache)
     flash_utils._pad_fn = _pad_input_int64
     flash_utils._unpad_fn = unpad_input
     flash_utils._process_flash_kwargs_fn = flash_utils._lazy_define_process_function(flash_attn_varlen_func)
-    flash_utils._process_with_kvcache_kwargs_fn = flash_utils._lazy_define_process_function(flash_attn_with_kvcache)
+    optional = {
+        # transformers wraps the paged (KV cache) function like this when it imports it itself.
+        "_flash_with_kvcache_fn": torch.compiler.disable(flash_attn_with_kvcache),
+        "_process_with_kvcache_kwargs_fn": flash_utils._lazy_define_process_function(flash_attn_with_kvcache),
+    }
+    for attr in _OPTIONAL_FLASH_UTILS:
+        if hasattr(flash_utils, attr):
+            setattr(flash_utils, attr, optional[attr])
     flash_utils._loaded_implementation = name
 
 

@@ -75,7 +75,7 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
     ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims.
-    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 2), _C(128, 64, 8, 2)),
+    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2)),
     ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 8, 2), _C(16, 64, 8, 2)),
     ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 16, 8, 2)),
     # The fused backward (deterministic=False). None: the split dK/dV + dQ kernels run instead
@@ -85,7 +85,7 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # step, wgmma N >= 64 on the main products; it spills (d128: ~0.8 KB), which the sweep weighs.
     ("bwd_fused", "sm80"): (None, None, None, None),
     ("bwd_fused", "sm86"): (None, None, None, None),
-    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 1)),
+    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 1)),
 }
 # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
 _TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
