@@ -92,11 +92,8 @@ def _compile_row(kernel: str, block_d: int, config: configs.Config, cap: int, fe
     from dataclasses import asdict
 
     from flash_attn.aot import build as aot_build, specializations as S
-    from flash_attn.planning import declarations
 
-    decl = declarations.get(kernel)
-    blocks = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d)
-    spec = S.Spec.of(kernel, "bf16", {**decl.aot_constexprs(features), **blocks}, config)
+    spec = S.attention_spec(kernel, "bf16", block_d, config, features)
     job_spec = asdict(spec)
     job_spec["flags"] = [list(x) for x in spec.flags]
     arch = {90: "sm_90a", 100: "sm_100a"}[cap]

@@ -113,6 +113,8 @@ def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config
     blocks = dict(BLOCK_M=config.block_m, BLOCK_D=block_d)
     if "BLOCK_N" in registry.constexpr_names(kernel):
         blocks["BLOCK_N"] = config.block_n
+    if "BLOCK_DOUT" in registry.constexpr_names(kernel):
+        blocks["BLOCK_DOUT"] = configs.fused_columns(block_d)
     flags = decl.exact_constexprs() if exact else decl.aot_constexprs(features)
     return Spec.of(kernel, dtype, {**flags, **blocks}, config)
 

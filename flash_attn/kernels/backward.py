@@ -69,16 +69,19 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_query_tiles(
-    dk, dv, k, v, offs_n, offs_d, d_mask,
+    dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask,
     Q_head, dO_head, dQ_head, L_head, D_head, lo, hi,
     stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLIT_D: tl.constexpr,
 ):
     """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head;
     with ``ATOMIC_DQ`` also add this key block's share of dQ (unscaled, fp32) into ``dQ_head``.
+    The gradients cover the head-dim columns ``offs_o`` (all of them unless ``SPLIT_D``: then
+    the scores and dP use every column, the three gradient products only these).
 
     Tiles are laid out keys x queries (transposed scores), so both products are plain dots.
     Interior tiles (``MASKED`` False) are fully inside ``seqlen_q`` and fully visible.
@@ -104,6 +107,16 @@ def _dkdv_query_tiles(
                 do = tl.load(do_rows[:, None] + offs_d[None, :])
             lse_log2 = tl.load(L_head + offs_m) * LOG2E
             delta = tl.load(D_head + offs_m)
+        if SPLIT_D:
+            if MASKED:
+                o_ld_mask = (offs_m < seqlen_q)[:, None] & o_mask[None, :]
+            else:
+                o_ld_mask = o_mask[None, :]
+            q_out = tl.load(q_rows[:, None] + offs_o[None, :], mask=o_ld_mask, other=0.0)
+            do_out = tl.load(do_rows[:, None] + offs_o[None, :], mask=o_ld_mask, other=0.0)
+        else:
+            q_out = q
+            do_out = do
         qk_t = tl.dot(k, tl.trans(q))
         s_t, tanh_t = masking.logits_log2(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale_log2,
                                           cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
@@ -117,19 +130,19 @@ def _dkdv_query_tiles(
                 inv_keep = 1.0 / (1.0 - dropout_p)
                 p_drop_t = tl.where(keep_t, p_t * inv_keep, 0.0)
                 dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
-        dv = tl.dot(p_drop_t.to(do.dtype), do, dv)
+        dv = tl.dot(p_drop_t.to(do.dtype), do_out, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q, dk)
+        dk = tl.dot(ds_t, q_out, dk)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k)
-            dq_ptrs = row_ptrs(dQ_head, start_m, stride_dqs, BLOCK_M)[:, None] + offs_d[None, :]
+            dq = tl.dot(tl.trans(ds_t), k_out)
+            dq_ptrs = row_ptrs(dQ_head, start_m, stride_dqs, BLOCK_M)[:, None] + offs_o[None, :]
             if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < seqlen_q)[:, None] & d_mask[None, :], sem="relaxed")
+                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < seqlen_q)[:, None] & o_mask[None, :], sem="relaxed")
             elif PAD_HEADDIM:
-                tl.atomic_add(dq_ptrs, dq, mask=d_mask[None, :], sem="relaxed")
+                tl.atomic_add(dq_ptrs, dq, mask=o_mask[None, :], sem="relaxed")
             else:
                 tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
@@ -151,10 +164,13 @@ def _dkdv_program(
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
 ):
     """One key block of one kv head: dK/dV over every query tile of the group's heads that sees
-    it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``)."""
+    it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``). With
+    ``BLOCK_DOUT < BLOCK_D`` the gradients' head-dim columns are split over ``BLOCK_D //
+    BLOCK_DOUT`` programs (grid axis 1 is kv head x part): each recomputes the scores and dP
+    and keeps only its columns of dK/dV in registers."""
     stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
     stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
     stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
@@ -164,7 +180,8 @@ def _dkdv_program(
     stride_dqb, stride_dqs, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqs), stride_16b(stride_dqh)
     # the first key blocks are seen by the most queries under a causal mask: they go first
     pid_n, b = block_and_batch(seqlen_k, BLOCK_N, False)
-    kv_h = tl.program_id(1)
+    D_PARTS: tl.constexpr = BLOCK_D // BLOCK_DOUT
+    kv_h = tl.program_id(1) // D_PARTS
     dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
     q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
     k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
@@ -175,6 +192,9 @@ def _dkdv_program(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
+    offs_o = (tl.program_id(1) % D_PARTS) * BLOCK_DOUT + tl.arange(0, BLOCK_DOUT)
+    o_mask = offs_o < head_dim
+    out_mask = (offs_n < seqlen_k)[:, None] & o_mask[None, :]
     b64 = b.to(tl.int64)
     k0 = k_start.to(tl.int64)
     q0 = q_start.to(tl.int64)
@@ -182,8 +202,12 @@ def _dkdv_program(
     v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vs + kv_h * stride_vh, start_n, stride_vs, BLOCK_N)
     k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if D_PARTS > 1:
+        k_out = tl.load(k_rows[:, None] + offs_o[None, :], mask=out_mask, other=0.0)
+    else:
+        k_out = k
+    dk = tl.zeros([BLOCK_N, BLOCK_DOUT], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DOUT], dtype=tl.float32)
 
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     lo, mid_lo, mid_hi, hi = masking.query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
@@ -197,26 +221,26 @@ def _dkdv_program(
         L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, dQ_head, L_head, D_head, lo, mid_lo,
+            dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask, Q_head, dO_head, dQ_head, L_head, D_head, lo, mid_lo,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M)
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_lo, mid_hi,
+            dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_lo, mid_hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M)
+            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, offs_n, offs_d, d_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_hi, hi,
+            dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_hi, hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M)
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
 
     dk = dk * softmax_scale
     dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)
     dv_rows = row_ptrs(dV + b64 * stride_dvb + k0 * stride_dvs + kv_h * stride_dvh, start_n, stride_dvs, BLOCK_N)
-    tl.store(dk_rows[:, None] + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_rows[:, None] + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=kv_mask)
+    tl.store(dk_rows[:, None] + offs_o[None, :], dk.to(dK.dtype.element_ty), mask=out_mask)
+    tl.store(dv_rows[:, None] + offs_o[None, :], dv.to(dV.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -235,19 +259,22 @@ def attn_bwd_kernel(
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
 ):
     """The fused backward (``deterministic=False``): grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch,
-    nheads_k)``, as :func:`attn_bwd_dkdv_kernel`, plus dQ added atomically (fp32, unscaled) into
-    ``dQAccum`` (zeroed, Q's shape; :func:`attn_bwd_dq_convert_kernel` finishes it): five products
-    per tile pair instead of the split kernels' seven, in an order that varies between runs."""
+    nheads_k * BLOCK_D // BLOCK_DOUT)``, as :func:`attn_bwd_dkdv_kernel`, plus dQ added
+    atomically (fp32, unscaled) into ``dQAccum`` (zeroed, Q's shape;
+    :func:`attn_bwd_dq_convert_kernel` finishes it): five products per tile pair instead of the
+    split kernels' seven (seven with the head dim split in two), in an order that varies between
+    runs."""
     _dkdv_program(
         Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum, CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
         stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
         seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
-        dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, True, BLOCK_M, BLOCK_N, BLOCK_D)
+        dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, True, BLOCK_M, BLOCK_N, BLOCK_D,
+        BLOCK_DOUT)
 
 
 @triton.jit
@@ -277,7 +304,8 @@ def attn_bwd_dkdv_kernel(
         stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
         0, 0, 0, stride_lb, stride_lh, stride_ab,
         seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
-        dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, False, BLOCK_M, BLOCK_N, BLOCK_D)
+        dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, False, BLOCK_M, BLOCK_N, BLOCK_D,
+        BLOCK_D)
 
 
 @triton.jit

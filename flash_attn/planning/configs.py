@@ -83,9 +83,11 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # kernel replicates or spills KBs where the split ones do not, and neither is measured there.
     # Hopper: 128 keys per program on two warpgroups (no replicated product), 64 queries per
     # step, wgmma N >= 64 on the main products; it spills (d128: ~0.8 KB), which the sweep weighs.
+    # d256 splits the head dim over two programs (FUSED_BACKWARD_COLUMNS): 32 queries a step is
+    # the tile whose operands still fit the 227 KB of shared memory.
     ("bwd_fused", "sm80"): (None, None, None, None),
     ("bwd_fused", "sm86"): (None, None, None, None),
-    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 1)),
+    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 1)),
 }
 # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
 _TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
@@ -206,6 +208,17 @@ def fused_backward(headdim: int, family: str, features: bool = False) -> Optiona
     return pick("bwd_fused", headdim, family, features)
 
 
+# The fused backward's gradient columns per program: at head dim 256 two programs share a key
+# block, each recomputing the scores and dP over all 256 columns (seven products per tile pair
+# instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md).
+FUSED_BACKWARD_COLUMNS = 128
+
+
+def fused_columns(block_d: int) -> int:
+    """``BLOCK_DOUT`` of the fused backward for ``BLOCK_D``."""
+    return min(block_d, FUSED_BACKWARD_COLUMNS)
+
+
 def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False) -> Config:
     """:func:`pick` for a compute capability (``None``: Triton's interpreter)."""
     return pick(kind, headdim, "interpret" if capability is None else arch_family(capability), features)
@@ -237,6 +250,10 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     elif kind in ("bwd_dkdv", "bwd_fused"):
         resident = 2 * bn * d  # K, V
         streamed = 2 * bm * d  # Q, dO (lse, delta: negligible)
+        columns = fused_columns(d)
+        if kind == "bwd_fused" and columns < d:  # the head dim split: K, Q and dO's own columns too
+            resident += bn * columns
+            streamed += 2 * bm * columns
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
     staged = bm * bn * (2 if kind == "bwd_fused" else 1)  # the fused backward also stages dS^T for dQ

@@ -650,9 +650,14 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
                  PAD_HEADDIM=head_dim != block_d)
     dkdv = dict(common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"]))
 
-    def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict) -> Launch:
+    def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
+                         columns: Optional[int] = None) -> Launch:
+        """``columns``: the fused backward's BLOCK_DOUT (the head dim split over programs)."""
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
-        grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k) if per_key_block else \
+        parts = 1
+        if columns is not None:
+            blocks["BLOCK_DOUT"], parts = columns, block_d // columns
+        grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k * parts) if per_key_block else \
             (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
         return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, exact, blocks, s.q.dtype),
                        cfg)
@@ -668,7 +673,7 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
         dq_accum = lay.buffer("dq_accum", s.q.shape, torch.float32, padded=True, zeroed=True)
         accum_rows = lay.rows("dq_accum")
         launches.append(attention_launch("attn_bwd_kernel", fused, True, dict(
-            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows))))
+            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), configs.fused_columns(block_d)))
         launches.append(_launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
             dQAccum=dq_accum, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", accum_rows),
             **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
