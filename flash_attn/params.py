@@ -33,8 +33,12 @@ class AttentionParams(NamedTuple):
 
     @property
     def is_local(self) -> bool:
-        """True when any window bound applies (causal counts as local with left unbounded)."""
-        return self.window_left >= 0 or self.window_right >= 0
+        return window_applies(self.window_left, self.window_right)
+
+
+def window_applies(window_left: int, window_right: int) -> bool:
+    """True when any window bound applies (causal counts as local with left unbounded)."""
+    return window_left >= 0 or window_right >= 0
 
 
 @dataclass(frozen=True)

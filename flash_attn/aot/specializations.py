@@ -40,25 +40,22 @@ DTYPES = ("fp16", "bf16")
 BLOCK_DS = (32, 64, 128, 256)
 # The score-features variant starts at 64: head dims <= 32 run on it exactly (run-time head-dim mask).
 FEATURE_BLOCK_DS = (64, 128, 256)
-ATTENTION_KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dq_convert_kernel",
-                     "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
-DECODE_KERNELS = ("split_kv_kernel", "append_kv_kernel", "rotary_q_kernel", "combine_splits_kernel")
+# The kernels compiled ahead of time, from their declarations: attention kernels are sized by the
+# launch-config tables, the KV-cache kernels by decode_configs.
+ATTENTION_KERNELS = tuple(k.name for k in declarations.KERNELS.values() if k.ships and k.config_kind is not None)
+DECODE_KERNELS = tuple(k.name for k in declarations.KERNELS.values() if k.ships and k.config_kind is None)
 _BLOCK_FIELDS = ("BLOCK_D", "BLOCK_M", "BLOCK_N")
 
-# Image architecture (compile target) -> config families whose launch configs it must carry.
-_FAMILIES_BY_MAJOR = {8: ("sm80", "sm86"), 9: ("sm90",), 10: ("sm100",), 11: ("sm100",), 12: ("sm120",)}
-
-
 def families_for(capability: tuple[int, int]) -> tuple[str, ...]:
-    """Config families whose devices run an image compiled for ``capability``."""
-    if capability[0] == 8 and capability[1] != 0:
-        return ("sm86",)
-    return _FAMILIES_BY_MAJOR.get(capability[0], (configs.arch_family(capability),))
+    """Config families whose devices run an image compiled for ``capability``: its own, and for
+    sm_80 also sm86's (an sm_86/sm_89 GPU runs sm_80 cubins, with its smaller shared memory)."""
+    family = configs.arch_family(capability)
+    return (family, "sm86") if capability == (8, 0) else (family,)
 
 
 def family_capability(family: str) -> tuple[int, int]:
     """A compute capability whose image carries ``family``'s configs."""
-    return {"sm80": (8, 0), "sm86": (8, 6), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}[family]
+    return configs.FAMILY_CAPABILITY[family]
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,9 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dq", "sm90"): (None, None, _C(64, 32, 8, 2), None),
     # d128: the lean 64x128 keeps ~1.1 KB of stack and ~1,250 spill instructions in its loop with
     # the features' live tiles; 32 queries a step: 0.5 KB and ~120 (dQ on mma.sync, M = 32)
-    ("bwd_fused", "sm90"): (None, None, _C(32, 128, 8, 1), None),
+    # d64: the lean 128x128 (the sweep's) keeps 1.6 KB of stack and ~1,600 spill instructions in
+    # its loop with the features' tiles; 64x128 (the lean entry before the sweep) 344 B and 64
+    ("bwd_fused", "sm90"): (None, _C(64, 128, 8, 2), _C(32, 128, 8, 1), None),
     ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), None),  # compiles 30 % faster than 128x64
     ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None),  # d64: 64x32 keeps 8 B, 128x64 none
@@ -130,6 +132,10 @@ INTERPRETER_CONFIGS = {
     "bwd_dq": Config(32, 16, 1, 1),
     "bwd_fused": Config(16, 32, 1, 1),
 }
+
+
+# Each family's own compute capability: the target its images are compiled for.
+FAMILY_CAPABILITY = {"sm80": (8, 0), "sm86": (8, 6), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
 
 
 def arch_family(capability: tuple[int, int]) -> str:

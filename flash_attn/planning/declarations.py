@@ -52,6 +52,8 @@ class Kernel:
     # causal mask, a head dim equal to BLOCK_D) run an image compiled for exactly that, on the
     # families, head dims and dtypes of EXACT_IMAGE_*; every other call runs the folded image
     exact: Mapping[str, object] = field(default_factory=dict)
+    # compiled ahead of time; False: Triton's JIT and interpreter only (a testing feature)
+    ships: bool = True
 
     def exact_constexprs(self) -> dict:
         """The constexprs of its exact-call image (:attr:`folded` with :attr:`exact` on top)."""
@@ -104,7 +106,7 @@ _DECLARED = (
            folded=MappingProxyType(dict(_LEAN, IS_PAGED=False, BlockTable=None)), has_features=True, exact=_EXACT),
     Kernel("attn_probs_kernel", "flash_attn.kernels.forward", "fwd",
            _pointers(dt="Q K", fp32="LSE S AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim")),
+           _ATTENTION_FLOATS, _names("head_dim"), ships=False),
     Kernel("attn_bwd_preprocess_kernel", "flash_attn.kernels.backward", "fwd",
            _pointers(dt="Out dOut", fp32="Delta", i32="CuSeqlensQ"), divisible_by_8=_names("head_dim")),
     Kernel("attn_bwd_kernel", "flash_attn.kernels.backward", "bwd_fused",

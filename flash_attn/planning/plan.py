@@ -28,6 +28,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
+from flash_attn.params import window_applies
 from flash_attn.planning import configs, declarations, decode_configs as dc, registry
 
 __all__ = [
@@ -196,7 +197,7 @@ def bucket_seqlen(n: int) -> int:
     if n <= 0:
         return 0
     step = max(SEQLEN_TILE, 1 << max((n - 1).bit_length() - 3, 0))
-    return -(-n // step) * step
+    return cdiv(n, step) * step
 
 
 def _varlen_info(varlen, exact: bool = False) -> Optional[VarlenInfo]:
@@ -565,7 +566,7 @@ def _named(prefix: str, suffixes: str, values) -> dict:
 
 
 def _is_local(scalars: Scalars) -> bool:
-    return scalars.window_left >= 0 or scalars.window_right >= 0
+    return window_applies(scalars.window_left, scalars.window_right)
 
 
 def _score_scalars(scalars: Scalars) -> dict:
@@ -701,9 +702,9 @@ def choose_num_splits(requested: int, programs: int, key_blocks: int, sms: int) 
         return max(1, min(int(requested), key_blocks))
     if programs >= 0.8 * sms:
         return 1
-    splits = min(-(-sms // max(programs, 1)), key_blocks, dc.MAX_SPLITS)
-    per_split = -(-key_blocks // splits)
-    return -(-key_blocks // per_split)
+    splits = min(cdiv(sms, max(programs, 1)), key_blocks, dc.MAX_SPLITS)
+    per_split = cdiv(key_blocks, splits)
+    return cdiv(key_blocks, per_split)
 
 
 def _max_visible_keys(capacity: int, scalars: Scalars, query_rows_per_tile: int) -> int:
