@@ -9,6 +9,12 @@
 set -euxo pipefail
 
 export MAX_JOBS="${MAX_JOBS:-${CPU_COUNT:-2}}"
+
+# pixi-build copies only the files the build reads (recipe.yaml's `source`), not README.md, which
+# pyproject.toml names as the wheel's long description: a one-line stand-in then.
+if [[ ! -f README.md ]]; then
+    echo "# flash-attn" > README.md
+fi
 export CMAKE_BUILD_PARALLEL_LEVEL="${MAX_JOBS}"
 
 if [[ "${cuda_compiler_version:-None}" == "None" ]]; then

@@ -37,7 +37,7 @@ class Rendered:
         return str(self.variant.get("cuda_compiler_version", "None"))
 
 
-def render(platform: str, variants=None, build_platform: str | None = None) -> list[Rendered]:
+def render(platform: str, variants=None, build_platform: str | None = None, recipe_path: Path = RECIPE) -> list[Rendered]:
     """The recipe rendered for ``platform`` (no solving): with conda_build_config.yaml, or the given
     ``VariantConfig``; built on ``platform`` itself unless ``build_platform`` names another
     (cross-compiling). Skipped variants are left out, as rattler-build leaves them out."""
@@ -47,20 +47,20 @@ def render(platform: str, variants=None, build_platform: str | None = None) -> l
     platform_config = PlatformConfig(target_platform=platform, build_platform=build_platform, host_platform=platform)
     if variants is None:
         variants = VariantConfig.from_conda_build_config(VARIANTS, JinjaConfig(platform_config))
-    recipe = Stage0Recipe.from_file(RECIPE)
+    recipe = Stage0Recipe.from_file(recipe_path)
     rendered = [Rendered(dict(v.variant), v.recipe.to_dict())
                 for v in recipe.render(variants, RenderConfig(platform=platform_config))]
-    return [r for r in rendered if not _skipped(r, platform, build_platform)]
+    return [r for r in rendered if not _skipped(r, platform, build_platform, recipe_path)]
 
 
-def _skipped(rendered: Rendered, platform: str, build_platform: str) -> bool:
+def _skipped(rendered: Rendered, platform: str, build_platform: str, recipe_path: Path = RECIPE) -> bool:
     """The recipe's ``build.skip`` conditions for this variant. py-rattler-build evaluates them but
     does not report the result, so they are evaluated here, with jinja2, over the same names:
     the rendered context, the variant and the platform selectors."""
     import jinja2
     import yaml
 
-    conditions = yaml.safe_load(RECIPE.read_text())["build"].get("skip", [])
+    conditions = yaml.safe_load(recipe_path.read_text())["build"].get("skip", [])
     os_name, _, arch = platform.partition("-")
     names = {"linux": os_name == "linux", "osx": os_name == "osx", "win": os_name == "win",
              "unix": os_name in ("linux", "osx"), "x86_64": arch == "64", "aarch64": arch == "aarch64",
@@ -92,6 +92,43 @@ def pip_torch_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+# The oldest PyTorch the recipe builds against (recipe.yaml's torch_min: `libtorch 2.10.* cpu_*` in host).
+TORCH_FLOOR = "2.10"
+TORCH_FLOOR_CACHE = Path(os.environ.get("FLASH_ATTN_TORCH_FLOOR_CACHE", Path.home() / ".cache" / "flash-attn-tests"))
+
+
+def torch_floor_dir() -> Path:
+    """A ``torch`` folder of PyTorch 2.10 (the recipe's floor) holding what a build against it
+    reads: ``include/``, ``version.py`` and the libraries the op library links (``lib/libtorch_cpu.so``,
+    ``lib/libc10.so`` and what they need from torch/lib). From PyPI's wheel: ``pip download
+    torch==2.10.* --no-deps`` into ``TORCH_FLOOR_CACHE`` (``$FLASH_ATTN_TORCH_FLOOR_CACHE``, default
+    ``~/.cache/flash-attn-tests``), once: ~0.9 GB downloaded, ~0.6 GB extracted; the wheel is
+    deleted after extraction. Raises RuntimeError when pip cannot get it (offline)."""
+    target = TORCH_FLOOR_CACHE / f"torch-{TORCH_FLOOR}"
+    done = target / ".complete"
+    if done.is_file():
+        return target / "torch"
+    download = TORCH_FLOOR_CACHE / "download"
+    download.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                           "-d", str(download), f"torch=={TORCH_FLOOR}.*"], capture_output=True, text=True)
+    wheels = sorted(download.glob(f"torch-{TORCH_FLOOR}.*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise RuntimeError(f"pip download torch=={TORCH_FLOOR}.* failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    with zipfile.ZipFile(wheels[-1]) as wheel:
+        wanted = [n for n in wheel.namelist()
+                  if n.startswith("torch/include/") or n == "torch/version.py"
+                  or (n.startswith("torch/lib/") and not n.startswith(("torch/lib/libtorch_cuda", "torch/lib/libc10_cuda",
+                                                                       "torch/lib/libcaffe2_nvrtc", "torch/lib/libtorch_python")))]
+        wheel.extractall(target, wanted)
+    for library in (target / "torch" / "lib").glob("*.so*"):
+        library.chmod(0o755)
+    for wheel_file in wheels:
+        wheel_file.unlink()
+    done.write_text(wheels[-1].name)
+    return target / "torch"
+
+
 def lay_out_conda_forge_libtorch(prefix: Path, torch_dir: Path | None = None) -> Path:
     """A conda prefix shaped like one holding conda-forge's ``libtorch``: the C++ headers in
     ``include/`` (``include/torch/csrc/stable/...``, ``include/c10``, ...) and the libraries in
@@ -120,6 +157,30 @@ def copy_source(dest: Path) -> Path:
         if source.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / name)
+    return dest
+
+
+def copy_recipe_sources(rendered: Rendered, dest: Path) -> Path:
+    """The work directory rattler-build makes from a rendered recipe's ``path`` sources: each path
+    (relative to recipe/) copied to its ``target_directory`` (a folder) or by its name (a file),
+    with .gitignore applied (rattler-build's default ``use_gitignore``). Only path sources."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for source in rendered.recipe.get("source", []):
+        assert "path" in source, f"not a path source: {source}"
+        path = (RECIPE.parent / source["path"]).resolve()
+        relative = path.relative_to(REPO)
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "--", str(relative)], cwd=REPO,
+                                check=True, capture_output=True).stdout.decode().split("\0")
+        for name in filter(None, listed):
+            file = REPO / name
+            if not file.is_file():
+                continue
+            if path.is_dir():
+                target = dest / source.get("target_directory", ".") / Path(name).relative_to(relative)
+            else:
+                target = dest / source.get("target_directory", ".") / source.get("file_name", path.name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(file, target)
     return dest
 
 
@@ -173,11 +234,12 @@ def staged_site_packages(prefix: Path) -> Path:
     return found[0]
 
 
-def assemble(rendered: Rendered, prefix: Path, output_dir: Path, platform: str) -> Path:
+def assemble(rendered: Rendered, prefix: Path, output_dir: Path, platform: str, depends: list[str] | None = None) -> Path:
     """A ``.conda`` from the staged files and the rendered metadata. CEP-20 layout: a
     Python-version-independent package keeps its Python files in ``site-packages/`` (no
     ``lib/pythonX.Y``), like ``noarch: python``; the console script is the recipe's entry point,
-    which the installer writes, so ``bin/`` from pip is not packaged."""
+    which the installer writes, so ``bin/`` from pip is not packaged. ``depends``: what rattler-build
+    would write (``conda_channel.rattler_build_records``), by default the rendered run requirements."""
     from rattler_build import FileEntry, assemble_package
 
     site = staged_site_packages(prefix)
@@ -190,7 +252,7 @@ def assemble(rendered: Rendered, prefix: Path, output_dir: Path, platform: str) 
         target_platform=platform, build_string=recipe["build"]["string"], output_dir=output_dir,
         files=files, homepage=about.get("homepage"), license=about.get("license"),
         summary=about.get("summary"), description=about.get("description"),
-        depends=[str(d) for d in recipe["requirements"].get("run", [])],
+        depends=depends if depends is not None else [str(d) for d in recipe["requirements"].get("run", [])],
         constrains=[str(d) for d in recipe["requirements"].get("run_constraints", [])],
         build_number=int(recipe["build"].get("number", 0)),
         noarch="python" if recipe["build"].get("python", {}).get("version_independent") else None,

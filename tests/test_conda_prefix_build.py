@@ -3,10 +3,14 @@
 conda-forge splits PyTorch: ``libtorch`` puts the C++ headers in ``$PREFIX/include`` and the
 libraries in ``$PREFIX/lib``; its ``pytorch`` package has no ``site-packages/torch/include``. The
 recipe builds the CUDA variants with ``libtorch`` in host and recipe/build.sh points the build at
-``$PREFIX``. Here CMake builds the real ``csrc/`` against such a prefix, assembled from pip's
-torch 2.13.0 wheel (``packaging_helpers.lay_out_conda_forge_libtorch`` says what that stand-in
-cannot show), with a Python that has no torch package at all. ``find_torch.py``'s search order is
-checked on its own (no compile) for the other layouts it must handle.
+``$PREFIX``. Here CMake builds the real ``csrc/`` against such a prefix holding the recipe's floor,
+PyTorch 2.10 (the headers and libtorch_cpu.so of PyPI's torch 2.10 wheel, fetched once into a cache
+by ``packaging_helpers.torch_floor_dir``; ``lay_out_conda_forge_libtorch`` says what that stand-in
+for conda-forge's ``libtorch 2.10.* cpu_*`` cannot show), with a Python that has no torch package
+at all, and the library is then loaded by the newest PyTorch (this interpreter's, 2.13): the
+stable-ABI promise the recipe's ``libtorch >=2.10`` / ``pytorch >=2.10`` run requirements make.
+``find_torch.py``'s search order is checked on its own (no compile) for the other layouts it must
+handle.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from packaging_helpers import REPO, cuda_toolkit, lay_out_conda_forge_libtorch, pip_torch_dir, render  # noqa: I001
+from packaging_helpers import (  # noqa: I001
+    REPO, TORCH_FLOOR, cuda_toolkit, lay_out_conda_forge_libtorch, pip_torch_dir, render, torch_floor_dir)
 
 FIND_TORCH = REPO / "csrc" / "cmake" / "find_torch.py"
 
@@ -57,8 +62,17 @@ def _fields(out: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def conda_prefix(tmp_path_factory) -> Path:
-    return lay_out_conda_forge_libtorch(tmp_path_factory.mktemp("conda") / "prefix")
+def floor_torch() -> Path:
+    try:
+        return torch_floor_dir()
+    except RuntimeError as error:
+        pytest.skip(f"PyTorch {TORCH_FLOOR}, the recipe's floor, is not available here: {error}")
+
+
+@pytest.fixture(scope="module")
+def conda_prefix(tmp_path_factory, floor_torch) -> Path:
+    """A prefix shaped like one with conda-forge's libtorch 2.10."""
+    return lay_out_conda_forge_libtorch(tmp_path_factory.mktemp("conda") / "prefix", floor_torch)
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +103,22 @@ def built_library(conda_prefix, tmp_path_factory) -> tuple[Path, str]:
 def test_op_library_builds_against_the_conda_prefix(built_library, conda_prefix):
     library, configure_log = built_library
     assert library.is_file()
-    assert f"headers from {conda_prefix / 'include'} (found via FLASH_ATTN_TORCH_DIR)" in configure_log
+    assert f"torch {TORCH_FLOOR}.0 headers from {conda_prefix / 'include'} (found via FLASH_ATTN_TORCH_DIR)" in configure_log
     assert not list(conda_prefix.rglob("site-packages")), "the prefix holds no torch package"
     # The include path the compiler was given is the prefix's, and nothing under a torch package.
     commands = (library.parent / "build.ninja").read_text()
     assert f"-isystem {conda_prefix / 'include'}" in commands
     assert "site-packages/torch/include" not in commands
+
+
+def test_op_library_uses_no_python_c_api(built_library):
+    """The recipe's abi3audit stand-in (recipe/check_no_python_c_api.py, run by its CUDA test step)
+    on the real op library: no Python symbol imported, no libpython linked."""
+    library, _ = built_library
+    result = subprocess.run([sys.executable, str(REPO / "recipe" / "check_no_python_c_api.py"), str(library)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no Python C API" in result.stdout
 
 
 def test_op_library_links_only_what_the_recipe_declares(built_library):
@@ -117,9 +141,13 @@ def test_op_library_links_only_what_the_recipe_declares(built_library):
 
 
 def test_op_library_loads_with_torch(built_library, tmp_path):
-    """Built against the prefix's headers, it loads into a running PyTorch 2.13 and registers its ops
-    (the stable ABI: libtorch_cpu.so is already loaded by `import torch`)."""
+    """Built against PyTorch 2.10's headers, it loads into the newest PyTorch here (2.13) and
+    registers its ops (the stable ABI: libtorch_cpu.so is already loaded by `import torch`)."""
     library, _ = built_library
+    import importlib.metadata
+
+    running = importlib.metadata.version("torch")
+    assert tuple(map(int, running.split("+")[0].split(".")[:2])) > tuple(map(int, TORCH_FLOOR.split("."))), running
     script = ("import sys, torch; torch.ops.load_library(sys.argv[1]); "
               "print(all(hasattr(torch.ops.flash_attn, op) for op in ('aot_register_kernel', 'aot_launch')))")
     result = subprocess.run([sys.executable, "-c", script, str(library)], cwd=tmp_path, capture_output=True, text=True)
@@ -137,18 +165,18 @@ def test_find_torch_finds_libtorch_in_the_conda_prefix(conda_prefix, tmp_path):
     assert result.returncode == 0, result.stderr
     fields = _fields(result.stdout)
     assert fields["include"] == str(conda_prefix / "include") and fields["lib"] == str(conda_prefix / "lib")
-    assert fields["version"] == "2.13.0"
+    assert fields["version"] == f"{TORCH_FLOOR}.0"  # the floor's headers, not this interpreter's torch
     assert fields["found_by"] == "the target environment's libtorch (CONDA_PREFIX)"
 
 
-def test_find_torch_skips_conda_forges_pytorch_package(conda_prefix, tmp_path):
+def test_find_torch_skips_conda_forges_pytorch_package(conda_prefix, floor_torch, tmp_path):
     """conda-forge's pytorch: site-packages/torch has version.py and lib/ (links into $PREFIX/lib)
     but no include/; the headers are the prefix's."""
     package = conda_prefix.parent / "with-pytorch"
     lay_out_conda_forge_libtorch(package)
     torch_pkg = package / "lib" / "python3.11" / "site-packages" / "torch"
     torch_pkg.mkdir(parents=True)
-    shutil.copy(pip_torch_dir() / "version.py", torch_pkg / "version.py")
+    shutil.copy(floor_torch / "version.py", torch_pkg / "version.py")
     (torch_pkg / "lib").symlink_to(package / "lib")
     result = _find_torch(_python_without_torch(tmp_path), {"CONDA_PREFIX": str(package)})
     assert result.returncode == 0, result.stderr

@@ -2,7 +2,9 @@
 
 py-rattler (the solver pixi is built on) solves over a local channel (tests/conda_channel.py):
 the builds conda-forge's feedstock would publish (this recipe rendered with the pinning and the CUDA
-13 migration, tests/conda_forge_pinning.py) as repodata records with their run_exports, beside
+13 migration, tests/conda_forge_pinning.py), each as rattler-build itself solves its build and host
+environments and attaches their run_exports (``--render-only --with-solve`` over a channel of real,
+empty packages carrying their feedstocks' run_exports.json), beside
 conda-forge-shaped Python, PyTorch, Triton and CUDA records. Each scenario is a machine (its
 virtual packages: a CUDA 12 or 13 driver, none, macOS, Windows) and what the user asks for, and
 asserts the exact flash-attn build picked.
@@ -26,7 +28,7 @@ pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (
 
 import conda_channel  # noqa: E402
 import conda_forge_pinning as cf  # noqa: E402
-from packaging_helpers import render  # noqa: E402
+from packaging_helpers import RECIPE, render  # noqa: E402
 
 PLATFORMS = ["linux-64", "osx-arm64", "win-64"]
 
@@ -76,14 +78,30 @@ SCENARIOS = {
 }
 
 
+def write_variant_file(config, path: Path) -> Path:
+    """A py-rattler-build VariantConfig as the variants file rattler-build reads (zip_keys kept)."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({**config.to_dict(), **({"zip_keys": config.zip_keys} if config.zip_keys else {})}))
+    return path
+
+
 @pytest.fixture(scope="module")
-def ours() -> dict:
-    """The feedstock's builds: platform -> kind (cuda129/cuda130/cpu) -> repodata record."""
+def ours(tmp_path_factory) -> dict:
+    """The feedstock's builds: platform -> kind (cuda129/cuda130/cpu) -> repodata record, as
+    rattler-build itself renders and solves them (``--render-only --with-solve``) over a channel
+    of real packages: their ``depends`` are the recipe's run requirements plus the run_exports
+    rattler-build attached from the solved build and host environments."""
+    folder = tmp_path_factory.mktemp("rattler-build")
+    url = conda_channel.write_package_channel(folder / "channel", [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)])
     builds = {}
     for platform in PLATFORMS:
-        variants = render(platform, cf.variant_config(cf.feedstock_spec(platform)))
-        builds[platform] = {v.recipe["build"]["string"].split("_")[0]: conda_channel.recipe_record(v, platform)
-                            for v in variants}
+        variants = write_variant_file(cf.variant_config(cf.feedstock_spec(platform)), folder / f"{platform}.yaml")
+        records = conda_channel.rattler_build_records(RECIPE, platform, url, [variants])
+        builds[platform] = {r["build"].split("_")[0]: r for r in records}
+        # every build the feedstock renders (skipped ones left out) was solved
+        assert sorted(builds[platform]) == sorted(v.recipe["build"]["string"].split("_")[0]
+                                                  for v in render(platform, cf.variant_config(cf.feedstock_spec(platform))))
         builds[platform]["cpu"]["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
     return builds
 
@@ -149,8 +167,9 @@ def test_cpu_build_installs_everywhere(machine, channel, ours):
 
 
 def test_records_carry_the_run_exports(ours):
-    """What rattler-build writes into index.json: run requirements plus the compilers', sysroot's,
-    nvcc's and python-abi3's run_exports; libtorch's exact pin and cuda-cudart are ignored."""
+    """What rattler-build writes into index.json (it solved build and host and attached the
+    run_exports): run requirements plus the compilers', sysroot's, nvcc's and python-abi3's
+    run_exports; libtorch's pin, cuda-cudart and python's python_abi are ignored."""
     cuda129, cuda130, cpu = (set(ours["linux-64"][k]["depends"]) for k in ("cuda129", "cuda130", "cpu"))
     assert {"python >=3.10", "pytorch >=2.10", "libtorch >=2.10", "pytorch * cuda*", "__cuda >=12",
             "cuda-version >=12.9,<13", "libgcc >=14", "libstdcxx >=14", "__glibc >=2.17,<3.0.a0",

@@ -8,11 +8,18 @@
   cross-compiled from linux-64 with cross-python, the Triton bounds, the test steps' selections;
 * the build scripts: build.sh on Linux/macOS (portable to macOS's bash 3.2 and BSD sed),
   build.bat on Windows, and that the recipe lets rattler-build pick the right one;
-* (slow) the CPU-only build through build.sh: no compiler, no torch, no compiled file;
-* (slow) a local package build: recipe/build.sh with this machine's toolchain into a staging
-  prefix laid out like conda-forge's libtorch (headers in include/, no torch package in the build
-  environment), a ``.conda`` assembled from it with the rendered metadata, inspected, then
-  installed into a fresh venv with torch 2.13.0 where the import and a CPU test subset run.
+* one recipe for the checkout, pixi-build and the feedstock (its source per context), the build
+  number conda-forge's bot bumps, the linter's hints, the Python C API check of the op library;
+* `pixi run build`'s test half (recipe/test_built_packages.sh) with stand-ins for rattler-build and
+  nvidia-smi;
+* (slow) the CPU-only build through build.sh, from pixi-build's sources: no compiler, no torch,
+  no compiled file;
+* (slow) a local package build: recipe/build.sh with this machine's toolchain, from pixi-build's
+  sources (no tests, no README), into a staging prefix laid out like conda-forge's libtorch 2.10
+  (the recipe's floor: PyPI's torch 2.10 headers and libtorch_cpu.so; no torch package in the
+  build environment), a ``.conda`` assembled from it with the depends rattler-build attaches,
+  inspected, then installed into a fresh venv with torch 2.13.0 where the op library loads and the
+  import and a CPU test subset run.
 pixi.toml is checked in tests/test_pixi_workspace.py, the solver's choice in test_conda_solver.py.
 """
 
@@ -31,9 +38,9 @@ from pathlib import Path
 import pytest
 
 from packaging_helpers import (  # noqa: I001  (tests/ is on sys.path: pytest's rootdir-relative import)
-    BUILD_BAT, BUILD_SCRIPT, PIXI, RECIPE, REPO, SCHEMAS, assemble, compiled_files, copy_source,
-    extract_into_venv, lay_out_conda_forge_libtorch, make_venv, open_conda, render, run_build_script, run_from_site,
-    staged_site_packages, triton_requirement,
+    BUILD_BAT, BUILD_SCRIPT, PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, assemble, compiled_files, copy_recipe_sources,
+    extract_into_venv, lay_out_conda_forge_libtorch, make_venv, open_conda, render, run_build_script,
+    run_from_site, staged_site_packages, torch_floor_dir, triton_requirement,
 )
 
 yaml = pytest.importorskip("yaml")
@@ -160,8 +167,10 @@ def test_render_is_python_and_torch_version_independent(rendered):
     _, variants = rendered
     for v in variants:
         assert v.recipe["build"]["python"]["version_independent"] is True
-        ignored = v.recipe["requirements"]["ignore_run_exports"]["from_package"]
-        assert {"libtorch", "cuda-cudart-dev"} == set(ignored)
+        ignored = v.recipe["requirements"]["ignore_run_exports"]
+        # python: pixi-build's lock applies only what is written (tests/test_pixi_workspace.py)
+        assert {"python", "libtorch", "cuda-cudart-dev"} == set(ignored["from_package"])
+        assert ignored["by_name"] == ["python_abi"]
         for spec in _specs(v, "run") + _specs(v, "run_constraints"):
             name, *rest = spec.split()
             if name in {"python", "pytorch", "libtorch"}:
@@ -194,6 +203,186 @@ def test_render_other_platforms_give_the_cpu_variant_only(platform):
     _check_cpu_variant(v)
     text = json.dumps(v.recipe.get("tests", []))
     assert "cuda.is_available" not in text and "libflash_attn_aot" not in text
+
+
+# --- one recipe: the checkout, pixi-build and the feedstock ------------------------------------------------
+
+
+def _with(platform: str, **values):
+    from rattler_build import JinjaConfig, PlatformConfig, VariantConfig
+
+    config = VariantConfig.from_conda_build_config(VARIANTS, JinjaConfig(PlatformConfig(target_platform=platform)))
+    return VariantConfig({**config.to_dict(), **values}, zip_keys=config.zip_keys or None)
+
+
+CHECKOUT_SOURCES = [{"path": "../flash_attn", "target_directory": "flash_attn"}, {"path": "../csrc", "target_directory": "csrc"},
+                    {"path": "../CMakeLists.txt"}, {"path": "../pyproject.toml"}, {"path": "../LICENSE"}]
+
+
+def test_recipe_source_follows_where_it_is_built():
+    """`pixi run build` / CI (conda_build_config.yaml: checkout): the build's inputs plus the test
+    files; pixi-build (pixi.toml: pixi): the build's inputs only; a feedstock (conda-forge's
+    pinning, which has no such key): the release tarball, url + sha256, and nothing else."""
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    import conda_forge_pinning as cf
+
+    for v in render("linux-64"):
+        assert v.recipe["source"] == [*CHECKOUT_SOURCES, {"path": "../tests", "target_directory": "tests"},
+                                      {"path": "../README.md"}]
+    for v in render("linux-64", _with("linux-64", flash_attn_source=["pixi"])):
+        assert v.recipe["source"] == CHECKOUT_SOURCES
+    for platform in ("linux-64", "osx-arm64", "win-64"):
+        for v in render(platform, cf.variant_config(cf.feedstock_spec(platform))):
+            [source] = v.recipe["source"]
+            assert sorted(source) == ["sha256", "url"]
+            assert re.fullmatch(r"[0-9a-f]{64}", source["sha256"])
+            assert source["url"].endswith(f"/v{_version()}.tar.gz")
+    # every path exists (rattler-build fails on a missing one)
+    for source in CHECKOUT_SOURCES:
+        assert (RECIPE.parent / source["path"]).resolve().exists(), source
+
+
+def test_build_number_is_the_one_the_bot_bumps(tmp_path):
+    """conda-forge's bot bumps a context variable named `build_number` (or an integer build.number):
+    bumping it moves every build, the CUDA ones keeping their +200."""
+    pytest.importorskip("rattler_build", reason=NO_RATTLER)
+    recipe = yaml.safe_load(RECIPE.read_text())
+    assert recipe["context"]["build_number"] == 0 and "build_base" not in recipe["context"]
+    text = RECIPE.read_text()
+    assert text.count("  build_number: 0\n") == 1
+    bumped = tmp_path / "recipe" / "recipe.yaml"
+    bumped.parent.mkdir()
+    bumped.write_text(text.replace("  build_number: 0\n", "  build_number: 3\n"))
+    numbers = {v.cuda: (v.recipe["build"]["number"], v.recipe["build"]["string"]) for v in
+               render("linux-64", _with("linux-64"), recipe_path=bumped)}
+    assert {cuda: number for cuda, (number, _) in numbers.items()} == {"12.9": 203, "13.0": 203, "None": 3}
+    assert all(string.endswith(f"_{number}") for number, string in numbers.values())
+
+
+def test_recipe_answers_the_linters_hints():
+    """conda-smithy's hints for a v1, python version-independent recipe (conda_smithy/linter/hints.py,
+    August 2026): every python test also tests the newest Python (`"*"`), beside python_min; pip's
+    check is not switched off without a reason (here: not switched off); the maintainers and
+    addresses a person must fill say TODO. The abi3audit hint (a python-abi3 host requirement
+    without an abi3audit test) is answered by recipe/check_no_python_c_api.py and skipped in
+    recipe/feedstock-conda-forge.yml, with the reason (test_check_no_python_c_api_*)."""
+    recipe = yaml.safe_load(RECIPE.read_text())
+    python_tests = [t["python"] for t in recipe["tests"] if "python" in t]
+    assert python_tests
+    for test in python_tests:
+        assert test["python_version"] == ["${{ python_min }}.*", "*"]
+        assert test.get("pip_check", True) is True
+    assert all("TODO" in recipe["about"][key] for key in ("homepage", "repository", "documentation"))
+    assert recipe["extra"]["recipe-maintainers"] == ["TODO-github-handle"]
+    forge = yaml.safe_load((RECIPE.parent / "feedstock-conda-forge.yml").read_text())
+    assert forge["conda_build_tool"] == "rattler-build"
+    assert forge["build_platform"] == {"linux_aarch64": "linux_64"}
+    assert forge["linter"]["skip"] == ["hint_abi3_missing_abi3audit"]
+    cuda_tests = json.dumps(recipe["tests"])
+    assert "python check_no_python_c_api.py" in cuda_tests
+
+
+def _shared_library(tmp_path: Path, name: str, code: str) -> Path:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler (cc)")
+    source = tmp_path / f"{name}.c"
+    source.write_text(code)
+    library = tmp_path / f"lib{name}.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return library
+
+
+def _check_c_api(*libraries: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RECIPE.parent / "check_no_python_c_api.py"), *map(str, libraries)],
+                          capture_output=True, text=True)
+
+
+def test_check_no_python_c_api_flags_what_abi3audit_lets_through(tmp_path):
+    """The recipe's Python C API check on two small libraries: one that imports a limited-API and a
+    private CPython symbol is refused, one without is accepted. (abi3audit 0.0.x, run on such a
+    library, reports no violation at all: it audits extension modules, which the op library is
+    not; tests/test_conda_prefix_build.py runs the check on the real op library.)"""
+    uses = _shared_library(tmp_path, "uses", "int Py_IsInitialized(void); int _PyObject_GC_New(void);\n"
+                                           "int f(void) { return Py_IsInitialized() + _PyObject_GC_New(); }\n")
+    clean = _shared_library(tmp_path, "clean", "int g(void) { return 1; }\n")
+    refused = _check_c_api(uses)
+    assert refused.returncode == 1 and "Py_IsInitialized" in refused.stdout and "_PyObject_GC_New" in refused.stdout
+    accepted = _check_c_api(clean)
+    assert accepted.returncode == 0 and "no Python C API" in accepted.stdout
+    assert _check_c_api(clean, uses).returncode == 1
+
+
+# --- `pixi run build`: built, then tested as far as the machine can -----------------------------------------
+
+
+def _fake_tools(folder: Path, log: Path, driver_cuda: str | None, failing: str = "") -> dict:
+    """Stand-ins on PATH: `rattler-build` records each call with CONDA_OVERRIDE_CUDA and fails for
+    a package whose name contains ``failing``; `nvidia-smi` prints a driver header (or is absent)."""
+    folder.mkdir()
+    (folder / "rattler-build").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$* CONDA_OVERRIDE_CUDA=${{CONDA_OVERRIDE_CUDA:-}}" >> "{log}"\n'
+        f'case "$*" in *{failing or "no-such-package"}*) exit 1 ;; esac\n')
+    if driver_cuda:
+        (folder / "nvidia-smi").write_text(
+            "#!/usr/bin/env bash\n"
+            f'echo "| NVIDIA-SMI 570.00   Driver Version: 570.00   CUDA Version: {driver_cuda}     |"\n')
+    for tool in folder.iterdir():
+        tool.chmod(0o755)
+    system = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists())
+    return {**os.environ, "PATH": f"{folder}:{system}"}
+
+
+PACKAGES = ["flash-attn-2.9.0-cuda129_h1111111_200.conda", "flash-attn-2.9.0-cuda130_h2222222_200.conda",
+            "flash-attn-2.9.0-cpu_h3333333_0.conda"]
+
+
+@pytest.mark.parametrize("driver,expected", [
+    (None, {"cuda129": "12.0", "cuda130": "13.0", "cpu": ""}),     # no driver: both CUDA builds with the override
+    ("12.8", {"cuda129": "", "cuda130": "13.0", "cpu": ""}),       # CUDA 12 driver: the 13.0 build with it
+    ("13.0", {"cuda129": "", "cuda130": "", "cpu": ""}),           # CUDA 13 driver: every build as it is
+])
+def test_built_packages_are_tested_as_far_as_the_machine_can(driver, expected, tmp_path):
+    """recipe/test_built_packages.sh (the second half of `pixi run build`) with stand-ins for
+    rattler-build and nvidia-smi: each package is tested, a CUDA build this machine has no driver
+    for with CONDA_OVERRIDE_CUDA set to its major (its import, doctor and CPU tests run, its GPU
+    step reports the GPU tests as not run); it says so per package. What it cannot show: rattler-build
+    installing the test environments (conda-forge is unreachable here)."""
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        pytest.skip("the stand-in packages are linux-64's")
+    log = tmp_path / "calls.log"
+    (tmp_path / "output" / "linux-64").mkdir(parents=True)
+    for name in PACKAGES:
+        (tmp_path / "output" / "linux-64" / name).write_bytes(b"")
+    env = _fake_tools(tmp_path / "bin", log, driver)
+    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = {line.split("flash-attn-2.9.0-")[1].split("_")[0]: line.rsplit("CONDA_OVERRIDE_CUDA=", 1)[1]
+             for line in log.read_text().splitlines()}
+    assert calls == expected
+    assert all(line.startswith("test --package-file output/linux-64/") for line in log.read_text().splitlines())
+    for kind, override in expected.items():
+        if override:
+            assert f"no driver for CUDA {override.split('.')[0]} here" in result.stdout and "GPU tests not run" in result.stdout
+    assert not (tmp_path / "output" / "broken").exists()
+
+
+def test_built_packages_fail_the_task_when_a_test_fails(tmp_path):
+    log = tmp_path / "calls.log"
+    (tmp_path / "output" / "linux-64").mkdir(parents=True)
+    for name in PACKAGES:
+        (tmp_path / "output" / "linux-64" / name).write_bytes(b"")
+    env = _fake_tools(tmp_path / "bin", log, None, failing="cpu_")
+    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert len(log.read_text().splitlines()) == 3  # the others were still tested
+    empty = tmp_path / "empty"
+    (empty / "output").mkdir(parents=True)
+    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=empty, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 1 and "no flash-attn package" in result.stderr
 
 
 # What rattler-build does with `build: script: file:` (rattler_build_script's Script::find_file and
@@ -352,7 +541,10 @@ def test_cpu_only_build_compiles_nothing(tmp_path):
     triton, and a C/C++ compiler that does not exist. The staged package has no compiled file,
     imports, and says why it has no `aot` backend."""
     build_python = make_venv(tmp_path / "build-venv", "scikit-build-core>=0.11")
-    src = copy_source(tmp_path / "src")
+    # pixi-build's work directory: the build's inputs only (build.sh writes README.md's stand-in)
+    [cpu] = [v for v in render("linux-64", _with("linux-64", flash_attn_source=["pixi"])) if v.cuda == "None"]
+    src = copy_recipe_sources(cpu, tmp_path / "src")
+    assert sorted(p.name for p in src.iterdir()) == ["CMakeLists.txt", "LICENSE", "csrc", "flash_attn", "pyproject.toml"]
     prefix = tmp_path / "prefix"
     run = run_build_script(src, prefix, build_python, {
         "cuda_compiler_version": "None", "CC": "/nonexistent/cc", "CXX": "/nonexistent/c++",
@@ -372,6 +564,30 @@ def test_cpu_only_build_compiles_nothing(tmp_path):
     assert Path(location).is_relative_to(site)
     assert not loaded and reason.startswith("this is a CPU-only build of flash_attn")
     print(f"\nCPU-only build.sh: {run.seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_release_tarball_builds_the_cpu_variant(tmp_path):
+    """The feedstock's source: a release tarball, i.e. `git archive` of the tagged commit (what
+    GitHub serves under /archive/refs/tags/). Here the archive of HEAD: it holds every file the
+    build reads, and build.sh builds the CPU variant from it (the CUDA variants read the same
+    files, tests/test_packaging.py's local package build)."""
+    import tarfile
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    archive = tmp_path / "release.tar"
+    subprocess.run(["git", "archive", "--format=tar", "--prefix=flash-attn/", "-o", str(archive), "HEAD"], cwd=REPO, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path, filter="data")
+    src = tmp_path / "flash-attn"
+    for source in CHECKOUT_SOURCES:
+        assert (src / source["path"].removeprefix("../")).exists(), source
+    build_python = make_venv(tmp_path / "build-venv", "scikit-build-core>=0.11")
+    prefix = tmp_path / "prefix"
+    run = run_build_script(src, prefix, build_python, {"cuda_compiler_version": "None"})
+    assert "CPU-only build" in run.log
+    assert list(staged_site_packages(prefix).glob("flash_attn-*.dist-info"))
 
 
 # --- a local package build ------------------------------------------------------------------------------
@@ -405,22 +621,37 @@ def local_package(tmp_path_factory):
     work = tmp_path_factory.mktemp("package")
     # The build venv plays the conda build prefix: python and triton, no torch (as in the recipe).
     build_python = make_venv(work / "build-venv", triton_requirement(), "scikit-build-core>=0.11")
-    src = copy_source(work / "src")
-    # The staging prefix plays the host prefix, holding conda-forge's libtorch layout.
-    prefix = lay_out_conda_forge_libtorch(work / "prefix")
+    # The work directory pixi-build makes: the pixi variant's sources only (no tests, no README).
+    [pixi_variant] = [v for v in render("linux-64", _with("linux-64", flash_attn_source=["pixi"])) if v.cuda == cuda_version]
+    src = copy_recipe_sources(pixi_variant, work / "src")
+    assert not (src / "tests").exists() and not (src / "README.md").exists()
+    # The staging prefix plays the host prefix: conda-forge's libtorch layout, of the recipe's
+    # floor (PyTorch 2.10: libtorch 2.10.* in host); the package is then run with torch 2.13.
+    try:
+        floor = torch_floor_dir()
+    except RuntimeError as error:
+        pytest.skip(f"PyTorch 2.10, the recipe's floor, is not available here: {error}")
+    prefix = lay_out_conda_forge_libtorch(work / "prefix", floor)
     run = run_build_script(src, prefix, build_python, {
         # ptxas is the local toolkit's; build.sh points the build at $PREFIX for torch.
         "cuda_compiler_version": cuda_version, "CUDA_HOME": str(cuda_home),
         "BUILD_PREFIX": str(build_python.parents[1]), "KERNEL_PYTHON": str(build_python),
         "TRITON_PTXAS_PATH": str(cuda_home / "bin" / "ptxas"), "FLASH_ATTN_CUDA_ARCHS": BUILD_ARCHS, "MAX_JOBS": "2",
     })
+    # index.json's depends: what rattler-build itself attaches for this variant (its solve of build
+    # and host over conda-forge-shaped packages with their run_exports, tests/conda_channel.py).
+    import conda_channel
+
+    channel = conda_channel.write_package_channel(work / "channel", conda_channel.conda_forge_records("linux-64"))
+    [attached] = [r for r in conda_channel.rattler_build_records(RECIPE, "linux-64", channel, [VARIANTS],
+                                                                 {"cuda_compiler_version": [cuda_version]})]
     start = time.monotonic()
-    path = assemble(variant, prefix, work / "output", "linux-64")
+    path = assemble(variant, prefix, work / "output", "linux-64", depends=attached["depends"])
     assemble_s = time.monotonic() - start
     print(f"\nlocal build (CUDA {cuda_version}, archs {BUILD_ARCHS}): {run.seconds:.0f} s, "
           f"peak RSS {run.peak_rss_mib:.0f} MiB; assemble {assemble_s:.1f} s; "
           f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB")
-    return variant, path, open_conda(path), {"work": work, "src": src, "prefix": prefix}
+    return variant, path, open_conda(path), {"work": work, "src": src, "prefix": prefix, "run": run}
 
 
 @pytest.mark.slow
@@ -432,9 +663,30 @@ def test_package_index(local_package):
     assert index["build"] == variant.recipe["build"]["string"]
     assert index["subdir"] == "linux-64" and index["noarch"] == "python"  # CEP-20
     assert index["build_number"] == 200
-    assert sorted(index["depends"]) == sorted(_specs(variant, "run"))
+    # the recipe's run requirements, and what rattler-build attached from build and host: the
+    # compilers' and sysroot's, nvcc's cuda-version, python-abi3's; not python_abi (python's, dropped
+    # for a version-independent package), not libtorch's exact pin, not cuda-cudart (ignored)
+    major = variant.cuda.split(".")[0]
+    assert set(_specs(variant, "run")) < set(index["depends"])
+    assert {"libgcc >=14", "libstdcxx >=14", "__glibc >=2.28,<3.0.a0", f"cuda-version >={variant.cuda},<{int(major) + 1}",
+            f"cpython >={PYTHON_MIN}", "_python_abi3_support 1.*"} <= set(index["depends"]), index["depends"]
+    assert not [d for d in index["depends"] if d.startswith(("python_abi ", "cuda-cudart", "libtorch >=2.10.0,<"))]
     assert sorted(index.get("constrains", [])) == sorted(_specs(variant, "run_constraints"))
     assert index["license"] == "BSD-3-Clause"
+
+
+@pytest.mark.slow
+def test_package_was_built_against_the_torch_floor(local_package):
+    """The op library in the package was compiled against PyTorch 2.10's headers (the recipe's
+    libtorch 2.10.* in host) and uses no Python C API; test_package_installs_and_runs_in_a_fresh_venv
+    then loads it into torch 2.13."""
+    _, _, archive, dirs = local_package
+    assert "torch 2.10.0 headers from" in dirs["run"].log
+    library = dirs["work"] / "libflash_attn_aot.so"
+    library.write_bytes(archive.files["site-packages/flash_attn/_C/libflash_attn_aot.so"])
+    result = subprocess.run([sys.executable, str(RECIPE.parent / "check_no_python_c_api.py"), str(library)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
 
 
 @pytest.mark.slow
@@ -481,6 +733,12 @@ def test_package_installs_and_runs_in_a_fresh_venv(local_package, tmp_path):
                            cwd=tmp_path, capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr
     assert Path(probe.stdout.strip()).is_relative_to(site), probe.stdout
+    # the op library, compiled against torch 2.10's headers, loads into torch 2.13 and registers its ops
+    load = subprocess.run([str(python), "-c", "import sys, torch; torch.ops.load_library(sys.argv[1]); "
+                           "print(torch.__version__, hasattr(torch.ops.flash_attn, 'aot_launch'))",
+                           str(site / "flash_attn" / "_C" / "libflash_attn_aot.so")], cwd=tmp_path, capture_output=True, text=True)
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert load.stdout.startswith("2.13") and load.stdout.split()[1] == "True", load.stdout
     doctor = subprocess.run([str(python), "-m", "flash_attn", "doctor"], cwd=tmp_path, capture_output=True, text=True)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     # The CPU subset, from a folder outside the source tree so flash_attn comes from the venv.
