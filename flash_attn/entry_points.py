@@ -2,7 +2,7 @@
 
 Upstream's interface module does ``import flash_attn_2_cuda as flash_attn_gpu`` and some code
 calls that extension directly (``flash_attn_gpu.fwd(...)``). This module offers the same five
-functions with the same positional arguments (flash-attn 2.8.3, ``csrc/flash_attn/flash_api.cpp``)
+functions with the same positional arguments (flash-attn 2.8.4, ``csrc/flash_attn/flash_api.cpp``)
 and the same list results, implemented with this package's custom ops, so such code runs on any
 device and backend:
 
@@ -10,8 +10,9 @@ device and backend:
 * ``bwd``, ``varlen_bwd`` -> ``[dq, dk, dv, softmax_d]`` (gradient buffers allocated when None)
 * ``fwd_kvcache`` -> ``[out, softmax_lse]``
 
-A given ``out`` is written in place. The RNG ``gen`` slot upstream keeps must be None: dropout
-masks come from PyTorch's default generator (``torch.manual_seed``).
+A given ``out`` is written in place. The RNG generator slot (``unused_generator_compat``), kept
+upstream only so the positions stay, must be None (a RuntimeError otherwise, upstream's message):
+dropout masks come from PyTorch's default generator (``torch.manual_seed``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ __all__ = ["fwd", "varlen_fwd", "bwd", "varlen_bwd", "fwd_kvcache"]
 
 
 def _no_generator(gen) -> None:
+    """Checked first, before any other argument, as upstream's TORCH_CHECK is."""
     if gen is not None:
-        raise ValueError(
-            "flash_attn: the generator argument must be None; dropout masks are drawn from PyTorch's "
-            "default generator (seed it with torch.manual_seed)"
+        raise RuntimeError(
+            "flash-attn: the RNG `generator` argument is no longer supported and must be None; "
+            "dropout (when enabled) uses the default generator (seed it with torch.manual_seed)."
         )
 
 
@@ -55,8 +57,8 @@ def _grad_buffers(q, k, v, dq, dk, dv):
 
 
 def fwd(q, k, v, out, alibi_slopes, p_dropout, softmax_scale, is_causal, window_size_left, window_size_right,
-        softcap, return_softmax, gen):
-    _no_generator(gen)
+        softcap, return_softmax, unused_generator_compat):
+    _no_generator(unused_generator_compat)
     o, lse, s_dmask, rng_state = _flash_attn_forward(
         q, k, v, p_dropout, softmax_scale, is_causal, window_size_left, window_size_right, softcap, alibi_slopes,
         return_softmax,
@@ -66,19 +68,19 @@ def fwd(q, k, v, out, alibi_slopes, p_dropout, softmax_scale, is_causal, window_
 
 def varlen_fwd(q, k, v, out, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpad_k, block_table, alibi_slopes,
                max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
-               window_size_right, softcap, return_softmax, gen):
-    _no_generator(gen)
+               window_size_right, softcap, return_softmax, unused_generator_compat, num_splits=0):
+    _no_generator(unused_generator_compat)
     o, lse, s_dmask, rng_state = _flash_attn_varlen_forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, is_causal,
         window_size_left, window_size_right, softcap, alibi_slopes, return_softmax, block_table, leftpad_k,
-        seqused_k, zero_tensors,
+        seqused_k, zero_tensors, num_splits,
     )
     return [_into(out, o), lse, s_dmask, rng_state]
 
 
 def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, p_dropout, softmax_scale, is_causal,
-        window_size_left, window_size_right, softcap, deterministic, gen, rng_state):
-    _no_generator(gen)
+        window_size_left, window_size_right, softcap, deterministic, unused_generator_compat, rng_state):
+    _no_generator(unused_generator_compat)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
     softmax_d = _flash_attn_backward(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, p_dropout, softmax_scale, is_causal, window_size_left,
@@ -89,8 +91,8 @@ def bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, p_dropout, so
 
 def varlen_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
                max_seqlen_q, max_seqlen_k, p_dropout, softmax_scale, zero_tensors, is_causal, window_size_left,
-               window_size_right, softcap, deterministic, gen, rng_state):
-    _no_generator(gen)
+               window_size_right, softcap, deterministic, unused_generator_compat, rng_state):
+    _no_generator(unused_generator_compat)
     dq, dk, dv = _grad_buffers(q, k, v, dq, dk, dv)
     softmax_d = _flash_attn_varlen_backward(
         dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -6,7 +6,7 @@ ring-flash-attention, and the frameworks built on it) import these from
 log-sum-exp to combine partial results, and a backward that normalises with the *global*
 ``out`` and ``softmax_lse`` they pass in.
 
-Names, parameter names, order, defaults and return values are upstream's (2.8.3), and so is the
+Names, parameter names, order, defaults and return values are upstream's (2.8.4), and so is the
 ``torch.library.custom_op`` registration (the decorated objects are ``CustomOpDef``s, so
 ``._init_fn`` introspection works; fake implementations serve ``torch.compile``). Unlike
 upstream they run on every device and backend: each op checks its arguments and runs the body
@@ -175,6 +175,24 @@ def _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, sequs
     return k.unsqueeze(1), v.unsqueeze(1), cu_used, table
 
 
+def _check_num_splits(num_splits, q, k, block_table, max_seqlen_q, dropout_p, causal, window_size_left,
+                      window_size_right, alibi_slopes) -> None:
+    """Upstream (2.8.4) splits the keys of a paged varlen call only where it runs decoding with
+    the query heads folded into rows (one query per sequence, GQA, no window, dropout or ALiBi);
+    elsewhere it refuses ``num_splits > 1`` with a RuntimeError, and so do we."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int (0: automatic), got {type(num_splits).__name__}")
+    if block_table is None or num_splits <= 1:
+        return
+    causal = bool(causal) and not (max_seqlen_q == 1 and alibi_slopes is None)  # one query: causal changes nothing
+    right = 0 if causal else window_size_right
+    folds_heads = (max_seqlen_q == 1 and q.shape[1] > k.shape[2] and window_size_left < 0 and right < 0
+                   and dropout_p == 0 and q.shape[2] % 8 == 0 and alibi_slopes is None)
+    if not folds_heads:
+        raise RuntimeError("num_splits > 1 is not supported for varlen paged KV (as in flash-attn 2.8.4), "
+                           f"got num_splits={num_splits}")
+
+
 @torch.library.custom_op("flash_attn::_flash_attn_varlen_forward", mutates_args=())
 def _flash_attn_varlen_forward(
     q: torch.Tensor,
@@ -196,15 +214,21 @@ def _flash_attn_varlen_forward(
     leftpad_k: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
     zero_tensors: bool = False,
+    num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed sequences ``q (total_q, h, d)``, ``k/v (total_k, hk, d)`` or paged ->
-    ``(out, softmax_lse fp32 (h, total_q), S_dmask, rng_state)``."""
+    ``(out, softmax_lse fp32 (h, total_q), S_dmask, rng_state)``.
+
+    ``num_splits`` is upstream's split-KV count (0: its heuristic); the result does not depend on it
+    here (every backend reduces the keys in one pass), but the calls upstream refuses are refused."""
     q, k, v = _last_dim_contiguous(q, k, v)
     max_seqlen_q = validation.as_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = validation.as_max_seqlen(max_seqlen_k, "max_seqlen_k")
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     batch = cu_seqlens_q.shape[0] - 1
     _options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q.device)
+    _check_num_splits(num_splits, q, k, block_table, max_seqlen_q, dropout_p, causal, window_size_left,
+                      window_size_right, alibi_slopes)
     left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
     k, v, cu_seqlens_k, block_table = _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k)
     return _defined_seed(_forward_body(
@@ -216,7 +240,7 @@ def _flash_attn_varlen_forward(
 @_flash_attn_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
       window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
-      block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
+      block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False, num_splits=0):
     batch = cu_seqlens_q.shape[0] - 1
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     s_dmask = _fake_s_dmask(q, return_softmax, batch, max_seqlen_q, max_seqlen_k)

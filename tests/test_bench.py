@@ -579,3 +579,47 @@ def test_overhead_packed_training_finds_its_plans():
     assert by_case["packed training"]["launches_per_call"] == 4
     assert by_case["packed training"]["plans_per_call"] < 0.5
     assert all(by_case[case]["plans_per_call"] == 0 for case in ("forward", "forward+backward", "decode step"))
+
+
+# --- bench ops: the fused loss and norms against PyTorch's ops ------------------------------------
+
+
+def test_ops_quick_in_process(tmp_path, capsys):
+    from flash_attn.benchmarks import ops
+
+    status = cli.main(["bench", "ops", "--quick", "--impls", "flash_attn,torch", "--dtypes", "fp32", "--repeats",
+                       "1", "--ops-devices", "cpu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    rows = json.loads((tmp_path / "bench-ops.json").read_text())["results"]
+    assert [(r["op"], r["impl"]) for r in rows] == [(op, impl) for op in ops.OPS for impl in ("flash_attn", "torch")]
+    for row in rows:
+        assert row["status"] == "ok" and row["time_ms"] > 0 and row["device"] == "cpu"
+        # both rows computed the same thing (fp32: up to summation order)
+        assert row["max_diff_vs_torch"] < 1e-4, row
+        if sys.platform == "linux":
+            assert row["peak_mib"] is not None and row["peak_mib"] >= 0
+    assert all((r["speedup_vs_torch"] is not None) == (r["impl"] == "flash_attn") for r in rows)
+    assert {r["width"] for r in rows} == {1000, 256} and {r["tokens"] for r in rows} == {256}
+    assert "| loss | cpu | fp32 |" in out
+    assert (tmp_path / "bench-ops.csv").read_text().startswith("op,impl,device")
+
+
+def test_ops_a_failing_compile_costs_only_its_own_row(tmp_path, monkeypatch):
+    def no_compiler(fn, *args, **kwargs):
+        def fails(*a, **k):
+            raise RuntimeError("no C++ compiler")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    status = cli.main(["bench", "ops", "--quick", "--ops", "loss", "--repeats", "1", "--ops-devices", "cpu",
+                       "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "bench-ops.json").read_text())["results"]
+    assert status == 0
+    assert {r["impl"]: r["status"] for r in rows} == {"flash_attn": "ok", "torch": "ok", "torch.compile": "error"}
+    assert "no C++ compiler" in rows[-1]["note"]
+
+
+def test_ops_unknown_names_are_refused(tmp_path, capsys):
+    assert cli.main(["bench", "ops", "--ops", "softmax", "--out", str(tmp_path)]) == 2
+    assert "unknown op" in capsys.readouterr().err

@@ -338,6 +338,26 @@ def test_triton_missing_where_it_is_needed(capsys, gpu_machine):
     assert "aot:" in finding["detail"]  # says why the ahead-of-time kernels cannot run either
 
 
+def test_fused_ops_without_triton_run_their_pytorch_path_on_the_gpu(capsys, gpu_machine):
+    gpu_machine(cuda_torch([A100]), driver([A100]), triton_installed=False)
+    _, report = run_json(capsys)
+    finding = checks(report)["fused-ops"][0]
+    assert finding["severity"] == "warning" and "PyTorch path" in finding["summary"]
+    assert "install triton" in finding["fix"]
+
+
+def test_fused_ops_with_triton_run_its_kernels(capsys, gpu_machine):
+    gpu_machine(cuda_torch([A100]), driver([A100]), triton_installed=True)
+    _, report = run_json(capsys)
+    finding = checks(report)["fused-ops"][0]
+    assert finding["severity"] == "info" and "Triton kernels" in finding["summary"]
+
+
+def test_fused_ops_without_a_gpu_say_nothing(capsys):
+    _, report = run_json(capsys)
+    assert "fused-ops" not in checks(report)
+
+
 def test_triton_missing_on_a_cpu_machine_is_only_information(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     status, report = run_json(capsys)

@@ -23,9 +23,13 @@ LAYERS = (
     # command-line tools and integrations: use everything, used by nothing in the package
     ("tools", ("flash_attn.__main__", "flash_attn.doctor", "flash_attn.benchmarks", "flash_attn.integrations",
                "flash_attn.aot.build", "flash_attn.aot.info")),
+    # upstream's model-building packages: layers, blocks, whole models, losses, generation helpers
+    ("modules", ("flash_attn.modules", "flash_attn.models", "flash_attn.losses", "flash_attn.utils")),
     # the public API
     ("api", ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.lowlevel", "flash_attn.entry_points",
              "flash_attn.kvcache", "flash_attn.bert_padding", "flash_attn.layers")),
+    # upstream's flash_attn.ops: fused norms, loss, rotary, activations (flash_attn.layers.rotary uses them)
+    ("fused_ops", ("flash_attn.ops",)),
     ("ops", ("flash_attn.custom_ops",)),  # the custom ops (autograd, torch.compile)
     ("dispatch", ("flash_attn.dispatch", "flash_attn.validation")),  # which backend runs a call
     ("backends", ("flash_attn.backends",)),  # reference, triton, interpret, aot: run plans

@@ -41,9 +41,13 @@ def on_device(dtype, half=FP16):
 
 
 # ---------------------------------------------------------------------------------------------
-# Upstream's signatures, copied as data from flash-attn v2.8.3 (Dao-AILab/flash-attention, commit
-# 060c9188beec3a8b62b33a3bfa6d5d2d44975fab, BSD-3-Clause, Copyright (c) 2023 Tri Dao):
-# flash_attn/flash_attn_interface.py lines 77, 143, 238, 330 (name, annotation, default).
+# Upstream's signatures, copied as data from flash-attn's current source, version 2.8.4 in its
+# flash_attn/__init__.py (Dao-AILab/flash-attention, commit 0251105a2fb19d2957484b7f023cd8c115286ced
+# of 2026-08-15, BSD-3-Clause, Copyright (c) 2023 Tri Dao): flash_attn/flash_attn_interface.py
+# lines 85, 154, 253, 348 (name, annotation, default). Since v2.8.3 (060c9188) the varlen forward
+# gained ``num_splits`` and the entry points' generator slot must be None (a RuntimeError).
+UPSTREAM_VERSION = "2.8.4"
+UPSTREAM_COMMIT = "0251105a2fb19d2957484b7f023cd8c115286ced"
 
 UPSTREAM_SIGNATURES = {
     "_flash_attn_forward": [
@@ -62,6 +66,7 @@ UPSTREAM_SIGNATURES = {
         ("alibi_slopes", "Optional[torch.Tensor]", None), ("return_softmax", "bool", False),
         ("block_table", "Optional[torch.Tensor]", None), ("leftpad_k", "Optional[torch.Tensor]", None),
         ("seqused_k", "Optional[torch.Tensor]", None), ("zero_tensors", "bool", False),
+        ("num_splits", "int", 0),
     ],
     "_flash_attn_backward": [
         ("dout", "torch.Tensor", REQUIRED), ("q", "torch.Tensor", REQUIRED), ("k", "torch.Tensor", REQUIRED),
@@ -93,21 +98,25 @@ UPSTREAM_RETURNS = {
     "_flash_attn_varlen_backward": "torch.Tensor",
 }
 # The positional arguments of flash_attn_2_cuda's functions (the same commit,
-# csrc/flash_attn/flash_api.cpp: mha_fwd line 351, mha_varlen_fwd 515, mha_bwd 768,
-# mha_varlen_bwd 974, mha_fwd_kvcache 1203; bound as fwd, varlen_fwd, bwd, varlen_bwd, fwd_kvcache).
+# csrc/flash_attn/flash_api.cpp: mha_fwd line 369, mha_varlen_fwd 539, mha_bwd 801,
+# mha_varlen_bwd 1011, mha_fwd_kvcache 1244; bound as fwd, varlen_fwd, bwd, varlen_bwd, fwd_kvcache).
+GENERATOR_SLOT = "unused_generator_compat"
+# upstream's TORCH_CHECK message (a RuntimeError), the part its own test matches
+GENERATOR_MESSAGE = r"generator` argument is no longer supported"
 UPSTREAM_ENTRY_POINTS = {
     "fwd": ["q", "k", "v", "out_", "alibi_slopes_", "p_dropout", "softmax_scale", "is_causal", "window_size_left",
-            "window_size_right", "softcap", "return_softmax", "gen_"],
+            "window_size_right", "softcap", "return_softmax", GENERATOR_SLOT],
     "varlen_fwd": ["q", "k", "v", "out_", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "leftpad_k_", "block_table_",
                    "alibi_slopes_", "max_seqlen_q", "max_seqlen_k", "p_dropout", "softmax_scale", "zero_tensors",
-                   "is_causal", "window_size_left", "window_size_right", "softcap", "return_softmax", "gen_"],
+                   "is_causal", "window_size_left", "window_size_right", "softcap", "return_softmax", GENERATOR_SLOT,
+                   "num_splits"],
     "bwd": ["dout", "q", "k", "v", "out", "softmax_lse", "dq_", "dk_", "dv_", "alibi_slopes_", "p_dropout",
-            "softmax_scale", "is_causal", "window_size_left", "window_size_right", "softcap", "deterministic", "gen_",
-            "rng_state"],
+            "softmax_scale", "is_causal", "window_size_left", "window_size_right", "softcap", "deterministic",
+            GENERATOR_SLOT, "rng_state"],
     "varlen_bwd": ["dout", "q", "k", "v", "out", "softmax_lse", "dq_", "dk_", "dv_", "cu_seqlens_q", "cu_seqlens_k",
                    "alibi_slopes_", "max_seqlen_q", "max_seqlen_k", "p_dropout", "softmax_scale", "zero_tensors",
-                   "is_causal", "window_size_left", "window_size_right", "softcap", "deterministic", "gen_",
-                   "rng_state"],
+                   "is_causal", "window_size_left", "window_size_right", "softcap", "deterministic",
+                   GENERATOR_SLOT, "rng_state"],
     "fwd_kvcache": ["q", "kcache", "vcache", "k_", "v_", "seqlens_k_", "rotary_cos_", "rotary_sin_",
                     "cache_batch_idx_", "leftpad_k_", "block_table_", "alibi_slopes_", "out_", "softmax_scale",
                     "is_causal", "window_size_left", "window_size_right", "softcap", "is_rotary_interleaved",
@@ -388,6 +397,36 @@ def test_varlen_leftpad_and_seqused_select_key_rows():
         torch.cuda.synchronize() if dev.type == "cuda" else None
 
 
+def test_varlen_num_splits_as_upstream():
+    """Upstream 2.8.4's ``num_splits`` (its test_flash_attn_varlen_paged_kv_num_splits, on the CPU
+    too): the default and an explicit 0 give the same bits, through the op and the entry point;
+    a paged call with one query per sequence and a right window of 0 (so no head folding) refuses
+    ``num_splits > 1`` with a RuntimeError, and one that folds heads (GQA decoding) accepts it."""
+    g = gen(21)
+    h, hk, d, page, batch = 4, 2, 32, 4, 2
+    pool_k, pool_v = randn((6, page, hk, d), FP16, g), randn((6, page, hk, d), FP16, g)
+    table = torch.tensor([[4, 0, 2], [1, 5, 3]], dtype=torch.int32, device=pool_k.device)
+    q = randn((batch, h, d), FP16, g)
+    cu_q = cu_from_lens([1, 1])
+    seqused = torch.tensor([7, 12], dtype=torch.int32, device=q.device)
+    cu_k = cu_from_lens([7, 12])
+    kwargs = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1, max_seqlen_k=12, dropout_p=0.0,
+                  softmax_scale=d ** -0.5, causal=False, window_size_left=-1, window_size_right=0,
+                  block_table=table, seqused_k=seqused)
+    default = _flash_attn_varlen_forward(q, pool_k, pool_v, **kwargs)[0]
+    explicit = _flash_attn_varlen_forward(q, pool_k, pool_v, **kwargs, num_splits=0)[0]
+    assert torch.equal(default, explicit)
+    via_entry = flash_attn_gpu.varlen_fwd(q, pool_k, pool_v, None, cu_q, cu_k, seqused, None, table, None, 1, 12,
+                                          0.0, d ** -0.5, False, False, -1, 0, 0.0, False, None, 0)[0]
+    assert torch.equal(default, via_entry)
+    with pytest.raises(RuntimeError, match="num_splits > 1 is not supported"):
+        _flash_attn_varlen_forward(q, pool_k, pool_v, **kwargs, num_splits=2)
+    folded = _flash_attn_varlen_forward(q, pool_k, pool_v, **{**kwargs, "window_size_right": -1}, num_splits=2)[0]
+    assert torch.equal(folded, _flash_attn_varlen_forward(q, pool_k, pool_v, **{**kwargs, "window_size_right": -1})[0])
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        _flash_attn_varlen_forward._init_fn(q, pool_k, pool_v, **kwargs, num_splits=1.5)
+
+
 # ---------------------------------------------------------------------------------------------
 # The property context parallelism needs.
 
@@ -481,11 +520,14 @@ def test_fwd_kvcache_entry_point_vs_oracle():
     check_close(k_cache, expected.k_cache, expected.k_cache, BF16, "k_cache (appended in place)")
 
 
+@pytest.mark.parametrize("bad", [torch.Generator(), torch.empty(1)], ids=["generator", "tensor"])
 @pytest.mark.parametrize("name", ["fwd", "varlen_fwd", "bwd", "varlen_bwd"])
-def test_generator_slot_must_be_none(name):
+def test_generator_slot_must_be_none(name, bad):
+    """Upstream 2.8.4 checks the slot first (the other arguments do not matter) and raises a
+    RuntimeError; its own test passes a tensor there."""
     args = [None] * len(UPSTREAM_ENTRY_POINTS[name])
-    args[UPSTREAM_ENTRY_POINTS[name].index("gen_")] = torch.Generator()
-    with pytest.raises(ValueError, match="generator argument must be None"):
+    args[UPSTREAM_ENTRY_POINTS[name].index(GENERATOR_SLOT)] = bad
+    with pytest.raises(RuntimeError, match=GENERATOR_MESSAGE):
         getattr(flash_attn_gpu, name)(*args)
 
 

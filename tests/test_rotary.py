@@ -1,4 +1,7 @@
-"""Rotary embeddings against a naive per-token complex-number oracle in float64."""
+"""Rotary embeddings against a naive per-token complex-number oracle in float64: the PyTorch path,
+the Triton kernel (flash_attn.ops.triton.rotary) in Triton's interpreter, upstream's autograd for
+in-place rotation of a leaf that requires grad (apply_rotary_emb, apply_rotary_emb_qkv_ and _kv_),
+torch.compile(fullgraph=True) with gradients, and a short hypothesis fuzz of the kernel."""
 
 import math
 
@@ -475,3 +478,203 @@ def test_torch_compile():
     compiled = torch.compile(fn, backend="aot_eager")
     for got, want in zip(compiled(x, offsets, xv, cu), fn(x, offsets, xv, cu)):
         torch.testing.assert_close(got, want)
+
+
+# --- the Triton kernel in Triton's interpreter -----------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from flash_attn.backends import _interpreter  # noqa: E402
+from flash_attn.ops.triton import rotary as rotary_ops  # noqa: E402
+from flash_attn.ops.triton.rotary import apply_rotary  # noqa: E402
+
+
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """Route every rotation (also apply_rotary_emb's) through the Triton kernel, run by the
+    interpreter on CPU tensors; 4-token row blocks, so that sequences span several programs."""
+    monkeypatch.setattr(rotary_ops, "_launch", _interpreter.launch)
+    monkeypatch.setattr(rotary_ops, "_kernel_applies", lambda x: x.dtype != torch.float64)
+    real = rotary_ops._rotate_triton
+    calls = []
+
+    def small_blocks(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs, block_m=4)
+
+    monkeypatch.setattr(rotary_ops, "_rotate_triton", small_blocks)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("offset_kind", ["int", "tensor32", "tensor64"])
+@pytest.mark.parametrize("rotary_dim", [8, 6])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_kernel_dense_matches_oracle(interpreted_kernel, inplace, interleaved, rotary_dim, offset_kind, dtype):
+    batch, seqlen, nheads, headdim = 3, 9, 2, 10
+    x = torch.randn(batch, seqlen, nheads, headdim).to(dtype)
+    cos, sin = random_table(16, rotary_dim // 2)
+    offsets, offset_list = make_offsets(offset_kind, batch)
+    ref = oracle_dense(x, cos.float(), sin.float(), interleaved, offset_list)
+    before = x.clone()
+    out = apply_rotary(x, cos.float(), sin.float(), seqlen_offsets=offsets, interleaved=interleaved,
+                       inplace=inplace)
+    assert interpreted_kernel, "the kernel did not run"
+    assert (out is x) == inplace
+    if not inplace:
+        assert torch.equal(x, before)
+    assert_matches(out, ref)
+    assert torch.equal(out[..., rotary_dim:], before[..., rotary_dim:])
+
+
+@pytest.mark.parametrize("offset_kind", ["zero", "tensor32"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_kernel_varlen_matches_oracle(interpreted_kernel, inplace, interleaved, offset_kind):
+    cu_list = [0, 5, 5, 11]  # an empty sequence; rows 11 and 12 belong to none and pass through
+    x = torch.randn(13, 2, 8)
+    cos, sin = random_table(14, 3)
+    offsets, offset_list = make_offsets(offset_kind, 3)
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    ref = oracle_varlen(x, cos.float(), sin.float(), interleaved, cu_list, offset_list)
+    out = apply_rotary(x, cos.float(), sin.float(), seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=6,
+                       interleaved=interleaved, inplace=inplace)
+    assert interpreted_kernel
+    assert_matches(out, ref)
+
+
+def test_kernel_conjugate_strided_input_and_positions_past_the_table(interpreted_kernel):
+    qkv = torch.randn(2, 5, 3, 2, 8)
+    k = qkv[:, :, 1]  # not contiguous
+    cos, sin = random_table(6, 4)
+    offsets = torch.tensor([0, 3])  # batch 1 reaches positions 6 and 7: past the 6-row table
+    out = apply_rotary(k, cos.float(), sin.float(), seqlen_offsets=offsets, conjugate=True)
+    assert interpreted_kernel
+    ref = oracle_dense(k[:, :3], cos.float(), -sin.float(), False, [0, 3])
+    assert_matches(out[:, :3], ref)
+    assert torch.equal(out[1, 3:], k[1, 3:])  # unrotated, as upstream's kernel leaves them
+
+
+def test_apply_rotary_pytorch_path_conjugate_undoes_the_rotation():
+    x = torch.randn(2, 4, 3, 8, dtype=torch.float64)
+    cos, sin = random_table(6, 4)
+    rotated = apply_rotary(x, cos, sin, seqlen_offsets=2, interleaved=True)
+    assert_matches(rotated, oracle_dense(x, cos, sin, True, [2, 2]))
+    back = apply_rotary(rotated, cos, sin, seqlen_offsets=2, interleaved=True, conjugate=True)
+    torch.testing.assert_close(back, x, rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_forward_and_backward_through_apply_rotary_emb(interpreted_kernel):
+    x = torch.randn(2, 6, 2, 8, requires_grad=True)
+    cos, sin = random_table(8, 4)
+    grad = torch.randn(2, 6, 2, 8)
+    out = apply_rotary_emb(x, cos.float(), sin.float(), seqlen_offsets=torch.tensor([2, 0]))
+    out.backward(grad)
+    assert len(interpreted_kernel) == 2  # the forward and the backward
+    assert_matches(out.detach(), oracle_dense(x.detach(), cos.float(), sin.float(), False, [2, 0]))
+    assert_matches(x.grad, oracle_dense(grad, cos.float(), -sin.float(), False, [2, 0]))
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(batch=st.integers(1, 3), seqlen=st.integers(1, 9), nheads=st.integers(1, 3), half=st.integers(1, 5),
+       extra=st.integers(0, 3), interleaved=st.booleans(), inplace=st.booleans(), tensor_offsets=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_kernel_fuzz(batch, seqlen, nheads, half, extra, interleaved, inplace, tensor_offsets, seed):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rotary_ops, "_launch", _interpreter.launch)
+        mp.setattr(rotary_ops, "_kernel_applies", lambda x: True)
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(batch, seqlen, nheads, 2 * half + extra, generator=g)
+        cos, sin = random_table(seqlen + 4, half, seed=seed)
+        offset_list = torch.randint(0, 5, (batch,), generator=g).tolist()
+        offsets = torch.tensor(offset_list) if tensor_offsets else offset_list[0]
+        if not tensor_offsets:
+            offset_list = [offset_list[0]] * batch
+        ref = oracle_dense(x, cos.float(), sin.float(), interleaved, offset_list)
+        out = apply_rotary(x, cos.float(), sin.float(), seqlen_offsets=offsets, interleaved=interleaved,
+                           inplace=inplace)
+        assert_matches(out, ref)
+
+
+# --- upstream's autograd for in-place rotation ------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_inplace_on_a_leaf_that_requires_grad(interleaved):
+    """Upstream's own test pattern: ``x`` a leaf with requires_grad, ``inplace=True``."""
+    x = torch.randn(2, 5, 2, 8, requires_grad=True)
+    x_before = x.detach().clone()
+    cos, sin = random_table(7, 3)
+    grad = torch.randn(2, 5, 2, 8)
+    out = apply_rotary_emb(x, cos.float(), sin.float(), interleaved, inplace=True, seqlen_offsets=1)
+    ref = oracle_dense(x_before, cos.float(), sin.float(), interleaved, [1, 1])
+    assert out.data_ptr() == x.data_ptr()  # written in place: a view of x, as upstream
+    assert_matches(x.detach(), ref)
+    assert_matches(out.detach(), ref)
+    out.backward(grad)
+    assert_matches(x.grad, oracle_dense(grad, cos.float(), -sin.float(), interleaved, [1, 1]))
+
+
+def test_inplace_on_a_non_leaf_keeps_its_history():
+    # x is marked modified: using x itself afterwards (not the return value) differentiates right
+    leaf = torch.randn(1, 4, 2, 8, dtype=torch.float64, requires_grad=True)
+    x = leaf * 2
+    cos, sin = random_table(4, 4)
+    out = apply_rotary_emb(x, cos, sin, inplace=True)
+    assert out is x
+    (x * x).sum().backward()
+    rotated = oracle_dense(leaf.detach() * 2, cos, sin, False, [0])
+    expected = 2 * oracle_dense(2 * rotated, cos, -sin, False, [0])
+    torch.testing.assert_close(leaf.grad, expected)
+
+
+def test_inplace_leaf_with_differentiable_tables_is_refused():
+    x = torch.randn(1, 3, 1, 4, requires_grad=True)
+    cos, sin = random_table(3, 2)
+    with pytest.raises(ValueError, match="cos and sin"):
+        apply_rotary_emb(x, cos.float().requires_grad_(), sin.float(), inplace=True)
+
+
+@pytest.mark.parametrize("layout", ["packed3", "gqa", "kv"])
+def test_packed_inplace_on_a_leaf_that_requires_grad(layout):
+    cos, sin = random_table(6, 3)
+    if layout == "kv":
+        packed = torch.randn(2, 4, 2, 2, 8, dtype=torch.float64, requires_grad=True)
+        out = apply_rotary_emb_kv_(packed, cos, sin, seqlen_offsets=2)
+        parts = [(0, slice(None))]
+    elif layout == "packed3":
+        packed = torch.randn(2, 4, 3, 2, 8, dtype=torch.float64, requires_grad=True)
+        out = apply_rotary_emb_qkv_(packed, cos, sin, seqlen_offsets=2)
+        parts = [(0, slice(None)), (1, slice(None))]
+    else:
+        packed = torch.randn(2, 4, 3 + 2, 8, dtype=torch.float64, requires_grad=True)  # 3 q, 1 k, 1 v
+        out = apply_rotary_emb_qkv_(packed, cos, sin, seqlen_offsets=2, num_heads_q=3)
+        parts = [(None, slice(0, 3)), (None, slice(3, 4))]
+    weight = torch.randn(packed.shape, dtype=torch.float64)
+    (out * weight).sum().backward()
+    expected = weight.clone()
+    for index, heads in parts:
+        view = (slice(None), slice(None), index, heads) if index is not None else (slice(None), slice(None), heads)
+        expected[view] = oracle_dense(weight[view], cos, -sin, False, [2, 2])
+    torch.testing.assert_close(packed.grad, expected)
+
+
+def test_torch_compile_fullgraph_with_gradients():
+    torch._dynamo.reset()
+    cos, sin = random_table(10, 3)
+    cos, sin = cos.float(), sin.float()
+
+    def fn(x, offsets):
+        return apply_rotary_emb(x, cos, sin, interleaved=True, seqlen_offsets=offsets).square().sum()
+
+    x_eager = torch.randn(2, 5, 2, 8, requires_grad=True)
+    x_comp = x_eager.detach().clone().requires_grad_()
+    offsets = torch.tensor([1, 4])
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    loss_eager, loss_comp = fn(x_eager, offsets), compiled(x_comp, offsets)
+    loss_eager.backward()
+    loss_comp.backward()
+    torch.testing.assert_close(loss_comp, loss_eager)
+    torch.testing.assert_close(x_comp.grad, x_eager.grad)

@@ -9,6 +9,9 @@
 * ``build``: wall time, peak memory and size of the ahead-of-time kernel build (:mod:`.build`);
 * ``overhead``: host time per call of the public functions on the ``aot`` path, launches stubbed
   (or, with ``--device cuda``, for real) (:mod:`.overhead`);
+* ``ops``: the fused loss (``cross_entropy_loss``) and norms (``rms_norm_fn``/``layer_norm_fn``) vs
+  ``F.cross_entropy``/``F.rms_norm``/``F.layer_norm`` and ``torch.compile`` of them, forward +
+  backward, with peak memory, on the CPU and on CUDA when present (:mod:`.ops`);
 * ``tune``: the launch-config sweep in three steps (``--tune-step prepare`` on the CPU, ``run`` on
   a GPU, ``fold`` on the CPU) that turns one short GPU window into configs (:mod:`.tune`);
 * ``auto`` (default): ``gpu`` when PyTorch sees a CUDA device, else ``cpu``.
@@ -41,7 +44,7 @@ def _words(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("mode", nargs="?", choices=("auto", "cpu", "gpu", "build", "overhead", "tune"), default="auto",
+    parser.add_argument("mode", nargs="?", choices=("auto", "cpu", "gpu", "build", "overhead", "tune", "ops"), default="auto",
                         help="what to benchmark (default: gpu if CUDA is available, else cpu)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder (default: bench-results)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few repeats (a smoke test)")
@@ -80,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--device", choices=("stubbed", "cuda"), default="stubbed",
                           help="stubbed: launches replaced by a no-op, any machine (default); cuda: real calls on a GPU")
     overhead.add_argument("--calls", type=int, default=200, help="calls per timed run (default 200)")
+    ops = parser.add_argument_group("ops mode (uses --total-tokens for the tokens, --hidden for the norms' width, "
+                                    "--dtypes, --threads, --impls: flash_attn,torch,torch.compile)")
+    ops.add_argument("--ops", type=_words, help="ops: loss,rms_norm,layer_norm (default: all)")
+    ops.add_argument("--vocab", type=int, default=32768, help="ops: vocabulary size of the loss (default 32768)")
+    ops.add_argument("--ops-devices", type=_words, help="ops: cpu and/or cuda (default: cpu, and cuda when present)")
     tune = parser.add_argument_group("tune mode (uses --out, --archs, --headdims, --seqlens)")
     tune.add_argument("--tune-step", choices=("prepare", "run", "fold"), default="prepare",
                       help="prepare: compile the candidates (CPU); run: time them (GPU); fold: update the config table")
@@ -101,7 +109,41 @@ def run(args: argparse.Namespace) -> int:
         import torch  # noqa: PLC0415
 
         mode = "gpu" if torch.cuda.is_available() else "cpu"
-    return {"cpu": run_cpu, "gpu": run_gpu, "build": run_build, "overhead": run_overhead, "tune": run_tune}[mode](args)
+    return {"cpu": run_cpu, "gpu": run_gpu, "build": run_build, "overhead": run_overhead, "tune": run_tune,
+            "ops": run_ops}[mode](args)
+
+
+def run_ops(args: argparse.Namespace) -> int:
+    import torch  # noqa: PLC0415
+
+    from flash_attn.benchmarks import ops  # noqa: PLC0415
+
+    config = {
+        "ops": args.ops or list(ops.OPS), "impls": args.impls or list(ops.IMPLEMENTATIONS),
+        "devices": args.ops_devices or ["cpu"] + (["cuda"] if torch.cuda.is_available() else []),
+        "dtypes": args.dtypes or ["bf16"], "tokens": 256 if args.quick else args.total_tokens,
+        "vocab": 1000 if args.quick else args.vocab, "hidden": 256 if args.quick else args.hidden,
+        "repeats": args.repeats or (2 if args.quick else 3),
+    }
+    unknown = [o for o in config["ops"] if o not in ops.OPS] + [i for i in config["impls"] if i not in ops.IMPLEMENTATIONS]
+    unknown += [d for d in config["dtypes"] if d not in ops.DTYPES]
+    if unknown:
+        print(f"unknown op, implementation or dtype {unknown}; ops mode knows {', '.join(ops.OPS)}, "
+              f"{', '.join(ops.IMPLEMENTATIONS)}, dtypes {', '.join(ops.DTYPES)}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = {"mode": "ops", "config": config, "machine": common.machine()}
+    rows = ops.run(config, progress=_progress)
+    columns = ("op", "impl", "device", "dtype", "pass", "tokens", "width", "time_ms", "time_ms_min", "repeats",
+               "peak_mib", "speedup_vs_torch", "max_diff_vs_torch", "status", "note")
+    paths = common.write_results(args.out, "bench-ops", meta, rows, columns)
+    print(common.markdown_table(rows, [("op", "op"), ("device", "device"), ("dtype", "dtype"), ("tokens", "tokens"),
+                                       ("width", "vocab / hidden"), ("impl", "impl"), ("time_ms", "fwd+bwd (ms)"),
+                                       ("peak_mib", "peak (MiB)"), ("speedup_vs_torch", "torch / ours"),
+                                       ("max_diff_vs_torch", "max abs diff vs torch"), ("status", "status")]))
+    print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
+    return 0 if all(r["status"] in ("ok", "unsupported") or r["impl"] != "flash_attn" for r in rows) else 1
 
 
 def run_tune(args: argparse.Namespace) -> int:

@@ -31,6 +31,8 @@ check                      problem
 ``triton-missing``         Triton is not installed although a GPU needs it
 ``gpu-backend``            a GPU that runs on the (slow) reference backend or only on Triton
 ``backend-env``            ``FLASH_ATTN_BACKEND`` is invalid or cannot run on a GPU
+``fused-ops``              what ``flash_attn.ops.triton`` (norms, loss, rotary) runs on the GPUs:
+                           Triton's JIT (information), or without Triton the PyTorch path
 ``no-gpu``                 no NVIDIA GPU is visible (information)
 =========================  ======================================================================
 

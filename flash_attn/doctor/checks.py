@@ -384,6 +384,24 @@ def backend_env(facts: dict) -> list[Finding]:
     ) for gpu in _gpus_torch_uses(facts) if gpu.get("requested_reason")]
 
 
+def fused_ops(facts: dict) -> list[Finding]:
+    """What upstream's fused ops (``flash_attn.ops.triton``: norms, loss, rotary) run on each GPU:
+    Triton kernels, JIT-compiled on first use (none are shipped ahead of time), or without Triton
+    their PyTorch path."""
+    gpus = [gpu for gpu in _gpus_torch_uses(facts) if _capability(gpu) >= MIN_CAPABILITY]
+    if not gpus:
+        return []
+    names = ", ".join(_label(gpu) for gpu in gpus)
+    if facts["triton"].get("installed"):
+        return [Finding("fused-ops", "info", f"{names}: the fused norms, loss and rotary run Triton kernels",
+                        "flash_attn.ops.triton compiles them with Triton on first use (a few seconds per shape "
+                        "family); nothing of them is shipped ahead of time.", "")]
+    return [Finding("fused-ops", "warning", f"{names}: the fused norms, loss and rotary run their PyTorch path",
+                    "Triton is not installed: flash_attn.ops.triton's CUDA kernels need it (exact results either "
+                    "way, slower and with more memory without it).",
+                    "`pip install triton` or `conda install triton`")]
+
+
 def no_gpu(facts: dict) -> list[Finding]:
     if not facts["torch"].get("installed") or facts["driver"].get("devices") or facts["gpus"]:
         return []
@@ -408,6 +426,7 @@ CHECKS: dict[str, Callable[[dict], list[Finding]]] = {
     "triton-missing": triton_missing,
     "gpu-backend": gpu_backend,
     "backend-env": backend_env,
+    "fused-ops": fused_ops,
     "no-gpu": no_gpu,
 }
 

@@ -1,13 +1,15 @@
-"""Rotary position embeddings (RoPE) with the flash-attn 2.8 API, in plain PyTorch.
+"""Rotary position embeddings (RoPE) with the flash-attn 2.8 API.
 
 A token at position ``p`` has the pairs of its first ``rotary_dim`` features rotated by the
 angles whose cosines and sines are row ``p`` of the ``cos`` / ``sin`` tables
 ``(seqlen_ro, rotary_dim / 2)``. Pair ``i`` is made of features ``(i, i + rotary_dim / 2)``
 (GPT-NeoX layout, ``interleaved=False``) or ``(2i, 2i + 1)`` (GPT-J layout, ``interleaved=True``);
 features past ``rotary_dim`` are passed through. The arithmetic runs in float32 (float64 for
-float64 inputs) and is rounded once to the input dtype. Everything is ordinary differentiable
-tensor code, so autograd and ``torch.compile`` see through it; the gradient of a rotation is
-the rotation by the opposite angle.
+float64 inputs) and is rounded once to the input dtype: on CUDA by one Triton kernel
+(:func:`flash_attn.ops.triton.rotary.apply_rotary`), elsewhere by PyTorch ops. The gradient of a
+rotation is the rotation by the opposite angle; as upstream, custom autograd functions write in
+place inside their forward, so in-place rotation of a leaf that requires grad works. Gradients
+for ``cos``/``sin`` (which upstream does not give) come from the PyTorch ops path.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from flash_attn.ops.triton.rotary import (
+    Offsets,
+    _check_args,
+    _rotate_torch,
+    apply_rotary,
+)
 
 __all__ = [
     "RotaryEmbedding",
@@ -27,120 +36,50 @@ __all__ = [
     "rotate_half",
 ]
 
-Offsets = Union[int, Tensor]
+def _autograd_allows_in_place(x: Tensor) -> bool:
+    """Whether ``x`` may be marked as modified in place: not a leaf that requires grad, nor a
+    view of one (autograd refuses both, even inside a custom Function)."""
+    base = x._base if x._is_view() else x
+    return not (base.is_leaf and base.requires_grad)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _rotate_without_autograd(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace,
+                             conjugate=False) -> Tensor:
+    """The kernel on CUDA, PyTorch elsewhere; nothing recorded for autograd."""
+    with torch.no_grad():
+        return apply_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace, conjugate)
 
 
-def _check_table(cos: Tensor, sin: Tensor) -> Tuple[int, int]:
-    """Validate cos/sin and return ``(seqlen_ro, rotary_dim)``."""
-    if not isinstance(cos, Tensor) or not isinstance(sin, Tensor):
-        raise ValueError("cos and sin must be tensors")
-    if cos.ndim != 2:
-        raise ValueError(f"cos must have shape (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)}")
-    if sin.shape != cos.shape:
-        raise ValueError(
-            f"sin and cos must have the same shape, got {tuple(sin.shape)} and {tuple(cos.shape)}"
-        )
-    if not (cos.dtype.is_floating_point and sin.dtype.is_floating_point):
-        raise ValueError(f"cos and sin must be floating point, got {cos.dtype} and {sin.dtype}")
-    if cos.shape[1] == 0:
-        raise ValueError("cos and sin must have at least one column (rotary_dim >= 2)")
-    return cos.shape[0], 2 * cos.shape[1]
+class _ApplyRotaryEmb(torch.autograd.Function):
+    """Differentiable in ``x`` only (as upstream): forward and backward are rotations, the
+    backward by minus the angle, so nothing but the tables is saved. In place, the forward writes
+    into ``x``; where autograd allows it (not a leaf, nor a view of one) ``x`` is marked modified and
+    returned, so its own history follows; otherwise (upstream's case of a leaf that requires
+    grad) the result is a view of ``x`` carrying the rotation's backward."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
+        out = _rotate_without_autograd(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace)
+        offsets_tensor = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
+        ctx.save_for_backward(cos, sin, cu_seqlens, offsets_tensor)
+        ctx.offset = None if offsets_tensor is not None else seqlen_offsets
+        ctx.options = (max_seqlen, interleaved)
+        if inplace and _autograd_allows_in_place(x):
+            ctx.mark_dirty(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin, cu_seqlens, offsets_tensor = ctx.saved_tensors
+        offsets = offsets_tensor if ctx.offset is None else ctx.offset
+        max_seqlen, interleaved = ctx.options
+        dx = _rotate_without_autograd(grad, cos, sin, offsets, cu_seqlens, max_seqlen, interleaved,
+                                      inplace=False, conjugate=True)
+        return dx, None, None, None, None, None, None, None
 
 
-def _check_offsets(seqlen_offsets: Offsets, batch: int, seqlen: int, seqlen_ro: int) -> None:
-    if isinstance(seqlen_offsets, Tensor):
-        if seqlen_offsets.shape != (batch,):
-            raise ValueError(
-                f"seqlen_offsets tensor must have shape ({batch},), "
-                f"got {tuple(seqlen_offsets.shape)}"
-            )
-        if seqlen_offsets.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"seqlen_offsets must be int32 or int64, got {seqlen_offsets.dtype}")
-        if seqlen > seqlen_ro:
-            raise ValueError(f"seqlen {seqlen} is longer than the cos/sin table ({seqlen_ro})")
-        return
-    if isinstance(seqlen_offsets, bool) or not isinstance(seqlen_offsets, int):
-        raise ValueError(f"seqlen_offsets must be an int or a tensor, got {type(seqlen_offsets)}")
-    if seqlen_offsets < 0:
-        raise ValueError(f"seqlen_offsets must be >= 0, got {seqlen_offsets}")
-    if seqlen_offsets + seqlen > seqlen_ro:
-        raise ValueError(
-            f"seqlen_offsets + seqlen = {seqlen_offsets} + {seqlen} exceeds the cos/sin table "
-            f"length {seqlen_ro}"
-        )
-
-
-def _lookup(table: Tensor, pos: Tensor, identity: float, dtype: torch.dtype) -> Tensor:
-    """Rows ``table[pos]``; positions outside the table give the identity rotation.
-
-    Only tensor offsets (whose values are not checked, to avoid a device sync) can reach
-    outside the table; the identity there matches what upstream's kernel does.
-    """
-    seqlen_ro = table.shape[0]
-    valid = (pos >= 0) & (pos < seqlen_ro)
-    rows = table[pos.clamp(0, seqlen_ro - 1)].to(dtype)
-    return torch.where(valid.unsqueeze(-1), rows, torch.full_like(rows, identity))
-
-
-def _angles_dense(
-    cos: Tensor, sin: Tensor, seqlen: int, seqlen_offsets: Offsets, dtype: torch.dtype
-) -> Tuple[Tensor, Tensor]:
-    """cos/sin broadcastable to ``(batch, seqlen, nheads, rotary_dim / 2)``."""
-    if isinstance(seqlen_offsets, int):
-        c = cos[seqlen_offsets : seqlen_offsets + seqlen].to(dtype)
-        s = sin[seqlen_offsets : seqlen_offsets + seqlen].to(dtype)
-        return c[None, :, None, :], s[None, :, None, :]
-    arange = torch.arange(seqlen, device=cos.device, dtype=torch.int64)
-    pos = seqlen_offsets.to(device=cos.device, dtype=torch.int64)[:, None] + arange[None, :]
-    c, s = _lookup(cos, pos, 1.0, dtype), _lookup(sin, pos, 0.0, dtype)
-    return c[:, :, None, :], s[:, :, None, :]
-
-
-def _angles_varlen(
-    cos: Tensor,
-    sin: Tensor,
-    cu_seqlens: Tensor,
-    total: int,
-    seqlen_offsets: Offsets,
-    dtype: torch.dtype,
-) -> Tuple[Tensor, Tensor]:
-    """cos/sin broadcastable to ``(total, nheads, rotary_dim / 2)``.
-
-    Positions restart at 0 in every sequence.
-    """
-    batch = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.to(device=cos.device, dtype=torch.int64)
-    token = torch.arange(total, device=cu.device, dtype=torch.int64)
-    # Sequence of each token: how many sequence ends are <= token (empty sequences are skipped).
-    seq = torch.searchsorted(cu[1:].contiguous(), token, right=True)
-    seq_c = seq.clamp(max=max(batch - 1, 0))
-    pos = token - cu[seq_c]
-    if isinstance(seqlen_offsets, Tensor):
-        if batch > 0:
-            pos = pos + seqlen_offsets.to(device=cu.device, dtype=torch.int64)[seq_c]
-    else:
-        pos = pos + seqlen_offsets
-    # Rows past cu_seqlens[-1] belong to no sequence: leave them unrotated (-1 -> identity).
-    pos = torch.where(seq < batch, pos, torch.full_like(pos, -1))
-    c, s = _lookup(cos, pos, 1.0, dtype), _lookup(sin, pos, 0.0, dtype)
-    return c[:, None, :], s[:, None, :]
-
-
-def _rotate(x_rot: Tensor, c: Tensor, s: Tensor, interleaved: bool) -> Tensor:
-    half = x_rot.shape[-1] // 2
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-    else:
-        x1, x2 = x_rot[..., :half], x_rot[..., half:]
-    o1 = x1 * c - x2 * s
-    o2 = x1 * s + x2 * c
-    if interleaved:
-        return torch.stack((o1, o2), dim=-1).flatten(-2)
-    return torch.cat((o1, o2), dim=-1)
+def _tables_need_grad(cos: Tensor, sin: Tensor) -> bool:
+    return torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
 
 
 def apply_rotary_emb(
@@ -160,7 +99,8 @@ def apply_rotary_emb(
         cos, sin: ``(seqlen_ro, rotary_dim / 2)``, ``rotary_dim <= headdim``.
         interleaved: rotate feature pairs (0, 1), (2, 3), ... (GPT-J) instead of
             (i, i + rotary_dim / 2) (GPT-NeoX).
-        inplace: write the result into ``x`` and return ``x``.
+        inplace: write the result into ``x`` and return ``x`` (with autograd recording a leaf
+            ``x`` that requires grad: a view of ``x``, as upstream).
         seqlen_offsets: int, or int32/int64 tensor ``(batch,)``: token ``j`` of sequence ``b`` is
             at position ``j + offset[b]`` (decoding with a KV cache). Int offsets must keep every
             position inside the table; for tensor offsets (not checked, to avoid a device sync)
@@ -168,53 +108,25 @@ def apply_rotary_emb(
         cu_seqlens: ``(batch + 1,)`` int sequence boundaries into ``total``; positions restart at
             0 in every sequence. Requires max_seqlen (the longest sequence, an int).
 
-    Returns a tensor shaped like ``x`` (``x`` itself when ``inplace``).
-    """
-    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
-        raise ValueError("x must be a floating-point tensor")
-    seqlen_ro, rotary_dim = _check_table(cos, sin)
-    if cu_seqlens is None:
-        if x.ndim != 4:
-            raise ValueError(
-                f"x must have shape (batch, seqlen, nheads, headdim), got {tuple(x.shape)}"
-            )
-        batch, seqlen = x.shape[0], x.shape[1]
-    else:
-        if x.ndim != 3:
-            raise ValueError(
-                f"with cu_seqlens, x must have shape (total, nheads, headdim), got {tuple(x.shape)}"
-            )
-        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype not in (
-            torch.int32,
-            torch.int64,
-        ):
-            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of length batch + 1")
-        if max_seqlen is None:
-            raise ValueError("max_seqlen must be given together with cu_seqlens")
-        batch, seqlen = cu_seqlens.shape[0] - 1, int(max_seqlen)
-    headdim = x.shape[-1]
-    if rotary_dim > headdim:
-        raise ValueError(f"rotary_dim ({rotary_dim}) must be <= headdim ({headdim})")
-    _check_offsets(seqlen_offsets, batch, seqlen, seqlen_ro)
+    On CUDA the rotation is one Triton kernel (:func:`flash_attn.ops.triton.rotary.apply_rotary`),
+    elsewhere PyTorch ops. Gradients flow to ``x``, and also to ``cos``/``sin`` when they require
+    grad (upstream gives them none): then the rotation is recorded op by op in PyTorch.
 
-    dtype = _compute_dtype(x.dtype)
-    if cu_seqlens is None:
-        c, s = _angles_dense(cos, sin, seqlen, seqlen_offsets, dtype)
-    else:
-        c, s = _angles_varlen(cos, sin, cu_seqlens, x.shape[0], seqlen_offsets, dtype)
-    x_rot = x[..., :rotary_dim].to(dtype)
-    if inplace and dtype == x.dtype and (cos.requires_grad or sin.requires_grad):
-        # The product with a differentiable table saves x_rot for backward; it must not be
-        # the very memory we are about to overwrite.
-        x_rot = x_rot.clone()
-    rotated = _rotate(x_rot, c, s, interleaved)
-    if inplace:
-        x[..., :rotary_dim].copy_(rotated)
-        return x
-    rotated = rotated.to(x.dtype)
-    if rotary_dim == headdim:
-        return rotated
-    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+    Returns a tensor shaped like ``x``.
+    """
+    _check_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen)
+    if _tables_need_grad(cos, sin):
+        if inplace and not _autograd_allows_in_place(x):
+            raise ValueError(
+                "inplace=True on a leaf tensor that requires grad (or a view of one) cannot also "
+                "give gradients to cos and sin: detach cos and sin, or use inplace=False"
+            )
+        return _rotate_torch(x, cos, sin, seqlen_offsets, cu_seqlens, interleaved, inplace)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _ApplyRotaryEmb.apply(
+            x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen
+        )
+    return apply_rotary(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace)
 
 
 # Older name kept by upstream for backward compatibility.
@@ -282,6 +194,57 @@ def _split_qk(qkv: Tensor, num_heads_q: Optional[int]) -> Tuple[Tensor, Tensor]:
     )
 
 
+def _rotated_parts(packed: Tensor, num_heads_q: Optional[int]) -> Tuple[Tensor, ...]:
+    """The views of a packed tensor that get rotated: (q, k) of a qkv (ndim 4 or 5 with 3 in
+    dim 2), (k,) of a kv (ndim 5 with 2 in dim 2)."""
+    if packed.ndim == 5 and packed.shape[2] == 2:
+        return (packed[:, :, 0],)
+    return _split_qk(packed, num_heads_q)
+
+
+def _rotate_parts(parts, tables, interleaved, seqlen_offsets, conjugate=False) -> None:
+    for part, (cos, sin) in zip(parts, tables):
+        _rotate_without_autograd(part, cos, sin, seqlen_offsets, None, None, interleaved, True, conjugate)
+
+
+class _RotatePackedInPlace(torch.autograd.Function):
+    """Upstream's autograd for ``apply_rotary_emb_qkv_`` / ``apply_rotary_emb_kv_``: the forward
+    rotates q and k (or k) inside the packed tensor in place, the backward rotates the same parts
+    of the gradient back. Marked as modified in place where autograd allows it (see
+    :class:`_ApplyRotaryEmb`); a packed leaf that requires grad comes back as a view of itself."""
+
+    @staticmethod
+    def forward(ctx, packed, tables, interleaved, seqlen_offsets, num_heads_q):
+        _rotate_parts(_rotated_parts(packed, num_heads_q), tables, interleaved, seqlen_offsets)
+        ctx.tables, ctx.offsets, ctx.options = tables, seqlen_offsets, (interleaved, num_heads_q)
+        if _autograd_allows_in_place(packed):
+            ctx.mark_dirty(packed)
+        return packed
+
+    @staticmethod
+    def backward(ctx, grad):
+        interleaved, num_heads_q = ctx.options
+        grad = grad.clone()  # the incoming gradient may be shared or expanded: never write into it
+        _rotate_parts(_rotated_parts(grad, num_heads_q), ctx.tables, interleaved, ctx.offsets, conjugate=True)
+        return grad, None, None, None, None
+
+
+def _rotate_packed(packed, tables, interleaved, seqlen_offsets, num_heads_q) -> Tensor:
+    """Rotate the parts of ``packed`` in place with ``tables`` ((cos, sin) per part)."""
+    parts = _rotated_parts(packed, num_heads_q)
+    if any(_tables_need_grad(cos, sin) for cos, sin in tables):
+        # differentiable tables: op by op (a packed leaf that requires grad is refused there)
+        for part, (cos, sin) in zip(parts, tables):
+            apply_rotary_emb(part, cos, sin, interleaved, True, seqlen_offsets)
+        return packed
+    for part, (cos, sin) in zip(parts, tables):  # bad arguments fail here, before any write
+        _check_args(part, cos, sin, seqlen_offsets, None, None)
+    if torch.is_grad_enabled() and packed.requires_grad:
+        return _RotatePackedInPlace.apply(packed, tables, interleaved, seqlen_offsets, num_heads_q)
+    _rotate_parts(parts, tables, interleaved, seqlen_offsets)
+    return packed
+
+
 def apply_rotary_emb_qkv_(
     qkv: Tensor,
     cos: Tensor,
@@ -296,16 +259,19 @@ def apply_rotary_emb_qkv_(
 
     qkv: ``(batch, seqlen, 3, nheads, headdim)``, or ``(batch, seqlen, num_heads_q +
     2 * num_heads_k, headdim)`` (MQA/GQA, ``num_heads_q`` required). k uses ``cos_k`` /
-    ``sin_k`` when given (XPos), otherwise the same tables as q.
+    ``sin_k`` when given (XPos), otherwise the same tables as q. With autograd recording a
+    leaf ``qkv`` that requires grad, the result is a view of ``qkv`` (as upstream).
     """
     if (cos_k is None) != (sin_k is None):
         raise ValueError("cos_k and sin_k must be given together")
-    q, k = _split_qk(qkv, num_heads_q)
+    if qkv.ndim == 5 and qkv.shape[2] != 3:
+        raise ValueError(
+            f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}"
+        )
+    _split_qk(qkv, num_heads_q)  # shape errors before anything else
     if cos_k is None:
         cos_k, sin_k = cos, sin
-    apply_rotary_emb(q, cos, sin, interleaved, True, seqlen_offsets)
-    apply_rotary_emb(k, cos_k, sin_k, interleaved, True, seqlen_offsets)
-    return qkv
+    return _rotate_packed(qkv, ((cos, sin), (cos_k, sin_k)), interleaved, seqlen_offsets, num_heads_q)
 
 
 def apply_rotary_emb_kv_(
@@ -315,13 +281,13 @@ def apply_rotary_emb_kv_(
     interleaved: bool = False,
     seqlen_offsets: Offsets = 0,
 ) -> Tensor:
-    """Rotate k of a packed kv ``(batch, seqlen, 2, nheads, headdim)`` *in place*; return ``kv``."""
+    """Rotate k of a packed kv ``(batch, seqlen, 2, nheads, headdim)`` *in place*; return ``kv``
+    (a view of it for a leaf that requires grad, as upstream)."""
     if kv.ndim != 5 or kv.shape[2] != 2:
         raise ValueError(
             f"kv must have shape (batch, seqlen, 2, nheads, headdim), got {tuple(kv.shape)}"
         )
-    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, True, seqlen_offsets)
-    return kv
+    return _rotate_packed(kv, ((cos, sin),), interleaved, seqlen_offsets, None)
 
 
 class RotaryEmbedding(torch.nn.Module):

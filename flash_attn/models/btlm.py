@@ -1,0 +1,5 @@
+"""Placeholder for upstream's ``flash_attn.models.btlm``: not provided (see flash_attn.models)."""
+
+from flash_attn.models import not_provided
+
+raise not_provided("btlm")
