@@ -507,6 +507,7 @@ def test_fuzz_shapes_and_options(rows, n, rms, bias, residual, parallel, rowscal
              prenorm=prenorm)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(test_device().type != "cuda", reason="the compiled Triton kernels need a CUDA device "
                     "(--flash-device cuda); here they run in the interpreter (tests above)")
 @pytest.mark.parametrize("dtype", [FP16, BF16])
