@@ -33,6 +33,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from flash_attn.ops.triton import cuda_launch
+
 try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
     import triton
     import triton.language as tl
@@ -101,19 +103,8 @@ if triton is not None:
         tl.store(dlogits_ptr + row.to(tl.int64) * drow_stride + cols, d * g, mask=inside)
 
 
-def _cuda_launch(kernel, grid, **kwargs) -> None:
-    """Launch on the GPU that holds the tensors (Triton launches on the current device);
-    ``wrap_triton`` lets ``torch.compile`` trace the launch."""
-    device = next(v.device for v in kwargs.values() if isinstance(v, Tensor))
-    if device.index is None or device.index == torch.cuda.current_device():
-        torch.library.wrap_triton(kernel)[grid](**kwargs)
-        return
-    with torch.cuda.device(device):
-        torch.library.wrap_triton(kernel)[grid](**kwargs)
-
-
 # The tests swap these for Triton's interpreter on CPU tensors (flash_attn.backends._interpreter).
-_launch: Callable = _cuda_launch
+_launch: Callable = cuda_launch
 
 
 def _kernels_apply(logits: Tensor) -> bool:
