@@ -28,7 +28,7 @@ TOL = {
 
 def assert_matches(out, ref):
     """``out`` equals the float64 ``ref`` rounded once to ``out.dtype``, up to one ulp."""
-    torch.testing.assert_close(out, ref.to(out.dtype), **TOL[out.dtype])
+    torch.testing.assert_close(out.cpu(), ref.to(out.dtype), **TOL[out.dtype])
 
 
 def random_table(seqlen_ro, half, seed=0):
@@ -480,7 +480,7 @@ def test_torch_compile():
         torch.testing.assert_close(got, want)
 
 
-# --- the Triton kernel in Triton's interpreter -----------------------------------------------------
+# --- the Triton kernel: in Triton's interpreter on the CPU, compiled on CUDA (--flash-device cuda) -----
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -488,14 +488,30 @@ from hypothesis import strategies as st  # noqa: E402
 from flash_attn.backends import _interpreter  # noqa: E402
 from flash_attn.ops.triton import rotary as rotary_ops  # noqa: E402
 from flash_attn.ops.triton.rotary import apply_rotary  # noqa: E402
+from conftest import test_device  # noqa: E402
+
+
+def on_device(*tensors):
+    """The kernel tests' inputs, drawn on the CPU, on the device under test."""
+    moved = tuple(t.to(test_device()) for t in tensors)
+    return moved if len(moved) > 1 else moved[0]
+
+
+def route_to_kernel(mp):
+    """Every rotation through the Triton kernel: on CUDA compiled by Triton's JIT, on the CPU run
+    by Triton's interpreter."""
+    if test_device().type != "cuda":
+        mp.setattr(rotary_ops, "_launch", _interpreter.launch)
+        mp.setattr(rotary_ops, "_kernel_applies", lambda x: x.dtype != torch.float64)
+    elif rotary_ops.triton is None:
+        pytest.skip("Triton is not installed: the rotary kernel cannot run on CUDA")
 
 
 @pytest.fixture
 def interpreted_kernel(monkeypatch):
-    """Route every rotation (also apply_rotary_emb's) through the Triton kernel, run by the
-    interpreter on CPU tensors; 4-token row blocks, so that sequences span several programs."""
-    monkeypatch.setattr(rotary_ops, "_launch", _interpreter.launch)
-    monkeypatch.setattr(rotary_ops, "_kernel_applies", lambda x: x.dtype != torch.float64)
+    """Route every rotation (also apply_rotary_emb's) through the Triton kernel (see
+    route_to_kernel); 4-token row blocks, so that sequences span several programs."""
+    route_to_kernel(monkeypatch)
     real = rotary_ops._rotate_triton
     calls = []
 
@@ -518,9 +534,11 @@ def test_kernel_dense_matches_oracle(interpreted_kernel, inplace, interleaved, r
     cos, sin = random_table(16, rotary_dim // 2)
     offsets, offset_list = make_offsets(offset_kind, batch)
     ref = oracle_dense(x, cos.float(), sin.float(), interleaved, offset_list)
+    x = on_device(x)
     before = x.clone()
-    out = apply_rotary(x, cos.float(), sin.float(), seqlen_offsets=offsets, interleaved=interleaved,
-                       inplace=inplace)
+    out = apply_rotary(x, *on_device(cos.float(), sin.float()),
+                       seqlen_offsets=on_device(offsets) if torch.is_tensor(offsets) else offsets,
+                       interleaved=interleaved, inplace=inplace)
     assert interpreted_kernel, "the kernel did not run"
     assert (out is x) == inplace
     if not inplace:
@@ -539,20 +557,21 @@ def test_kernel_varlen_matches_oracle(interpreted_kernel, inplace, interleaved, 
     offsets, offset_list = make_offsets(offset_kind, 3)
     cu = torch.tensor(cu_list, dtype=torch.int32)
     ref = oracle_varlen(x, cos.float(), sin.float(), interleaved, cu_list, offset_list)
-    out = apply_rotary(x, cos.float(), sin.float(), seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=6,
-                       interleaved=interleaved, inplace=inplace)
+    out = apply_rotary(*on_device(x, cos.float(), sin.float()),
+                       seqlen_offsets=on_device(offsets) if torch.is_tensor(offsets) else offsets,
+                       cu_seqlens=on_device(cu), max_seqlen=6, interleaved=interleaved, inplace=inplace)
     assert interpreted_kernel
     assert_matches(out, ref)
 
 
 def test_kernel_conjugate_strided_input_and_positions_past_the_table(interpreted_kernel):
-    qkv = torch.randn(2, 5, 3, 2, 8)
+    qkv = on_device(torch.randn(2, 5, 3, 2, 8))
     k = qkv[:, :, 1]  # not contiguous
     cos, sin = random_table(6, 4)
     offsets = torch.tensor([0, 3])  # batch 1 reaches positions 6 and 7: past the 6-row table
-    out = apply_rotary(k, cos.float(), sin.float(), seqlen_offsets=offsets, conjugate=True)
+    out = apply_rotary(k, *on_device(cos.float(), sin.float(), offsets), conjugate=True)
     assert interpreted_kernel
-    ref = oracle_dense(k[:, :3], cos.float(), -sin.float(), False, [0, 3])
+    ref = oracle_dense(k[:, :3].cpu(), cos.float(), -sin.float(), False, [0, 3])
     assert_matches(out[:, :3], ref)
     assert torch.equal(out[1, 3:], k[1, 3:])  # unrotated, as upstream's kernel leaves them
 
@@ -567,13 +586,14 @@ def test_apply_rotary_pytorch_path_conjugate_undoes_the_rotation():
 
 
 def test_kernel_forward_and_backward_through_apply_rotary_emb(interpreted_kernel):
-    x = torch.randn(2, 6, 2, 8, requires_grad=True)
+    x = on_device(torch.randn(2, 6, 2, 8)).requires_grad_()
     cos, sin = random_table(8, 4)
     grad = torch.randn(2, 6, 2, 8)
-    out = apply_rotary_emb(x, cos.float(), sin.float(), seqlen_offsets=torch.tensor([2, 0]))
-    out.backward(grad)
+    cos_d, sin_d, offsets = on_device(cos.float(), sin.float(), torch.tensor([2, 0]))
+    out = apply_rotary_emb(x, cos_d, sin_d, seqlen_offsets=offsets)
+    out.backward(on_device(grad))
     assert len(interpreted_kernel) == 2  # the forward and the backward
-    assert_matches(out.detach(), oracle_dense(x.detach(), cos.float(), sin.float(), False, [2, 0]))
+    assert_matches(out.detach(), oracle_dense(x.detach().cpu(), cos.float(), sin.float(), False, [2, 0]))
     assert_matches(x.grad, oracle_dense(grad, cos.float(), -sin.float(), False, [2, 0]))
 
 
@@ -583,8 +603,7 @@ def test_kernel_forward_and_backward_through_apply_rotary_emb(interpreted_kernel
        seed=st.integers(0, 2**16))
 def test_kernel_fuzz(batch, seqlen, nheads, half, extra, interleaved, inplace, tensor_offsets, seed):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rotary_ops, "_launch", _interpreter.launch)
-        mp.setattr(rotary_ops, "_kernel_applies", lambda x: True)
+        route_to_kernel(mp)
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(batch, seqlen, nheads, 2 * half + extra, generator=g)
         cos, sin = random_table(seqlen + 4, half, seed=seed)
@@ -593,8 +612,9 @@ def test_kernel_fuzz(batch, seqlen, nheads, half, extra, interleaved, inplace, t
         if not tensor_offsets:
             offset_list = [offset_list[0]] * batch
         ref = oracle_dense(x, cos.float(), sin.float(), interleaved, offset_list)
-        out = apply_rotary(x, cos.float(), sin.float(), seqlen_offsets=offsets, interleaved=interleaved,
-                           inplace=inplace)
+        out = apply_rotary(*on_device(x, cos.float(), sin.float()),
+                           seqlen_offsets=on_device(offsets) if torch.is_tensor(offsets) else offsets,
+                           interleaved=interleaved, inplace=inplace)
         assert_matches(out, ref)
 
 
