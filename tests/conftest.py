@@ -65,7 +65,8 @@ def pytest_addoption(parser):
 # without a GPU, tests of two GPUs on a machine with one (tests/test_two_devices.py; without any
 # GPU its reason differs and fails), tools of a CUDA toolkit the runner lacks, an interpreter
 # older than the kernels need (a GPU runner's Triton is PyTorch's, e.g. 3.6 with torch 2.11; its
-# GPU compiler runs them, which the triton steps check), and refusals by design (below).
+# GPU compiler runs them, which the triton steps check), a comparison with upstream's source where no
+# copy of it is (the recorded table is tested everywhere), and refusals by design (below).
 EXPECTED_SKIPS = (
     "checks the behaviour without a usable GPU",
     "GPU backends may be available on this device",
@@ -73,6 +74,7 @@ EXPECTED_SKIPS = (
     "a second GPU is absent",
     "cuobjdump not found",
     "interpreter cannot run these kernels",
+    "upstream's git mirror is not on this machine",
     "refused by design: ",
 )
 # The planner's refusals by design (flash_attn/planning/plan.py; not shipped ahead of time:
@@ -133,6 +135,17 @@ def backend_name() -> str:
 
 def test_device() -> torch.device:
     return torch.device(_STATE["device"])
+
+
+def skip_unless_the_interpreter_runs() -> None:
+    """Skip a test that runs Triton kernels in Triton's interpreter where that interpreter is too
+    old for them (a GPU runner's Triton is PyTorch's, e.g. 3.6; the same kernels run compiled in
+    its CUDA tests)."""
+    from flash_attn.backends import interpret  # noqa: PLC0415
+
+    reason = interpret.unavailable_reason(torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(reason)
 
 
 test_device.__test__ = False  # not a test

@@ -488,7 +488,7 @@ from hypothesis import strategies as st  # noqa: E402
 from flash_attn.backends import _interpreter  # noqa: E402
 from flash_attn.ops.triton import rotary as rotary_ops  # noqa: E402
 from flash_attn.ops.triton.rotary import apply_rotary  # noqa: E402
-from conftest import test_device  # noqa: E402
+from conftest import skip_unless_the_interpreter_runs, test_device  # noqa: E402
 
 
 def on_device(*tensors):
@@ -501,6 +501,7 @@ def route_to_kernel(mp):
     """Every rotation through the Triton kernel: on CUDA compiled by Triton's JIT, on the CPU run
     by Triton's interpreter."""
     if test_device().type != "cuda":
+        skip_unless_the_interpreter_runs()
         mp.setattr(rotary_ops, "_launch", _interpreter.launch)
         mp.setattr(rotary_ops, "_kernel_applies", lambda x: x.dtype != torch.float64)
     elif rotary_ops.triton is None:
