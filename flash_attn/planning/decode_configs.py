@@ -35,6 +35,8 @@ __all__ = [
     "APPEND_BLOCK_T",
     "COMBINE_BLOCK_R",
     "MAX_SPLITS",
+    "SPLIT_PROGRAMS_PER_SM",
+    "MIN_BLOCKS_PER_SPLIT",
     "INTERPRET_NUM_SMS",
     "AUX_CONFIG",
     "ROTARY_CONFIG",
@@ -104,6 +106,11 @@ ROTARY_CONFIG = Config(0, 0, 16, 1)
 COMBINE_CONFIG = Config(0, 0, 4, 3)
 # Most splits the heuristic picks (the combine reads every split of every row).
 MAX_SPLITS = 128
+# The split heuristic (flash_attn.planning.plan.choose_num_splits) aims at this many programs per
+# SM (the d128 decode kernel's occupancy on sm_90a) with at least MIN_BLOCKS_PER_SPLIT key blocks
+# per split: the best split counts measured on an H100 (benchmarks/README.md, "Decode").
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_BLOCKS_PER_SPLIT = 8
 # SM count assumed in Triton's interpreter (an A100's), so that the heuristic is exercised.
 INTERPRET_NUM_SMS = 108
 

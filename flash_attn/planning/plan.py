@@ -22,6 +22,8 @@ reads a tensor value, so plans are made (and tested) anywhere, also for meta ten
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
@@ -692,17 +694,28 @@ def choose_num_splits(requested: int, programs: int, key_blocks: int, sms: int) 
     ``programs``: attention programs without splitting (batch * nheads_k * query tiles);
     ``key_blocks``: the most key blocks one program may have to visit. ``requested > 0`` is
     honoured, clamped to ``key_blocks`` (more splits would only be empty). ``requested == 0``:
-    one split when the programs already fill ~80% of the SMs; otherwise enough splits that
-    ``programs * splits >= sms``, at most ``key_blocks`` and :data:`~decode_configs.MAX_SPLITS`,
-    then reduced to the fewest splits that give every split the same number of blocks, so that no
-    split is left empty.
+    the GPU runs ``slots = sms *`` :data:`~decode_configs.SPLIT_PROGRAMS_PER_SM` programs at once;
+    one split when the programs already fill ~80% of the slots; otherwise the fewest splits whose
+    waves of programs are nearly (95%) as full as the best count's, a last wave that runs almost
+    empty costing a whole wave's time. At most :data:`~decode_configs.MAX_SPLITS`, no split shorter
+    than :data:`~decode_configs.MIN_BLOCKS_PER_SPLIT` blocks, and then the fewest splits that give
+    every split the same number of blocks, so that no split is left empty.
     """
     key_blocks = max(int(key_blocks), 1)
     if requested > 0:
         return max(1, min(int(requested), key_blocks))
-    if programs >= 0.8 * sms:
+    slots = sms * dc.SPLIT_PROGRAMS_PER_SM
+    programs = max(int(programs), 1)
+    if programs >= 0.8 * slots:
         return 1
-    splits = min(cdiv(sms, max(programs, 1)), key_blocks, dc.MAX_SPLITS)
+    most = max(1, min(dc.MAX_SPLITS, key_blocks // dc.MIN_BLOCKS_PER_SPLIT))
+
+    def fullness(splits: int) -> float:
+        waves = programs * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(fullness(s) for s in range(1, most + 1))
+    splits = next(s for s in range(1, most + 1) if fullness(s) >= 0.95 * best)
     per_split = cdiv(key_blocks, splits)
     return cdiv(key_blocks, per_split)
 
