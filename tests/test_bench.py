@@ -581,6 +581,21 @@ def test_overhead_packed_training_finds_its_plans():
     assert all(by_case[case]["plans_per_call"] == 0 for case in ("forward", "forward+backward", "decode step"))
 
 
+def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
+    """``--profile`` writes, per case, where host time goes: the public entry point and the
+    dispatcher appear with their cumulative time, at least the whole call's own time in sum."""
+    status = cli.main(["bench", "overhead", "--profile", "--calls", "20", "--repeats", "1", "--out", str(tmp_path)])
+    if status == 2:
+        pytest.skip(capsys.readouterr().err)
+    assert status == 0
+    text = (tmp_path / "bench-overhead-profile-decode-step.txt").read_text()
+    assert text.startswith("20 calls")
+    assert "(flash_attn/kvcache.py:" in text and "(flash_attn/dispatch.py:" in text
+    assert sorted(p.name for p in tmp_path.glob("bench-overhead-profile-*.txt")) == sorted(
+        f"bench-overhead-profile-{c.replace(' ', '-').replace('+', '-')}.txt" for c in
+        ("forward", "forward+backward", "packed training", "decode step"))
+
+
 # --- bench ops: the fused loss and norms against PyTorch's ops ------------------------------------
 
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from flash_attn.benchmarks import common
 
@@ -83,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--device", choices=("stubbed", "cuda"), default="stubbed",
                           help="stubbed: launches replaced by a no-op, any machine (default); cuda: real calls on a GPU")
     overhead.add_argument("--calls", type=int, default=200, help="calls per timed run (default 200)")
+    overhead.add_argument("--profile", action="store_true",
+                          help="overhead: also write where each case spends host time (cProfile) to --out")
     ops = parser.add_argument_group("ops mode (uses --total-tokens for the tokens, --hidden for the norms' width, "
                                     "--dtypes, --threads, --impls: flash_attn,torch,torch.compile)")
     ops.add_argument("--ops", type=_words, help="ops: loss,rms_norm,layer_norm (default: all)")
@@ -156,14 +159,19 @@ def run_overhead(args: argparse.Namespace) -> int:
     from flash_attn.benchmarks import overhead  # noqa: PLC0415
 
     mode = "device" if args.device == "cuda" else "stubbed"
+    profiles: Optional[dict] = {} if args.profile else None
     try:
-        rows = overhead.run(mode, calls=args.calls, repeats=args.repeats or 5)
+        rows = overhead.run(mode, calls=args.calls, repeats=args.repeats or 5, profiles=profiles)
     except RuntimeError as exc:
         print(f"bench overhead: {exc}", file=sys.stderr)
         return 2
     meta = {"mode": "overhead", "config": {"device": mode, "calls": args.calls}, "machine": common.machine()}
     columns = ("mode", "case", "us_per_call", "us_min", "us_max", "launches_per_call")
     paths = common.write_results(args.out, "bench-overhead", meta, rows, columns)
+    for case, text in (profiles or {}).items():
+        path = Path(args.out) / f"bench-overhead-profile-{case.replace(' ', '-').replace('+', '-')}.txt"
+        path.write_text(text)
+        paths[f"profile {case}"] = path
     print(common.markdown_table(rows, [("case", "call"), ("us_per_call", "us per call"), ("us_min", "min"),
                                        ("us_max", "max"), ("launches_per_call", "launches")]))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items() if kind != "png"))
