@@ -141,10 +141,12 @@ def _real_run(tmp_path, *steps, fail_when=""):
 def test_every_step_runs_in_strict_mode(tmp_path):
     result, calls, out = _real_run(tmp_path, "doctor", "graphs", "overhead", "bench")
     assert result.returncode == 0, result.stdout
-    assert len(calls) == 4 and all(c.startswith("strict=1 ") for c in calls)
-    graphs, overhead, bench = calls[1:]
+    assert len(calls) == 5 and all(c.startswith("strict=1 ") for c in calls)
+    graphs, stubbed, overhead, bench = calls[1:]
     assert "--flash-no-skip" in graphs and "-m gpu and not full_matrix" in graphs
-    assert "backend=aot" in overhead and "--device cuda" in overhead  # strict binds only a named backend
+    # the same Python stubbed on this host's CPU, then for real: strict binds only a named backend
+    assert "backend=aot" in stubbed and "--device" not in stubbed and "--profile" in stubbed
+    assert "backend=aot" in overhead and "--device cuda" in overhead and "--profile" in overhead
     assert "bench gpu" in bench and f"--out {out}/bench" in bench
     assert {p.name for p in out.iterdir()} >= {"doctor.log", "graphs.log", "summary.txt"}
     assert "bench: ok in " in (out / "summary.txt").read_text()
