@@ -1,8 +1,8 @@
 """flash_attn: exact FlashAttention with the flash-attn 2.8 Python API.
 
-GPU kernels are Triton code compiled ahead of time into the package; every other device runs an
-exact, memory-efficient PyTorch reference. ``FLASH_ATTN_BACKEND`` picks the backend
-(see :mod:`flash_attn.dispatch`).
+GPU kernels are Triton code compiled ahead of time into the package; CPU tensors run on PyTorch's
+fused CPU attention kernels (exact, memory-efficient), every other device on an exact PyTorch
+reference. ``FLASH_ATTN_BACKEND`` picks the backend (see :mod:`flash_attn.dispatch`).
 """
 
 from flash_attn._version import __version__

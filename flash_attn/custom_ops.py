@@ -8,11 +8,10 @@ tensor value on the host for CUDA tensors (no device synchronisation, so they ru
 graph capture): the value checks (cu_seqlens, cache lengths, block tables) run for CPU tensors,
 and for CUDA tensors only with ``FLASH_ATTN_DEBUG=1``.
 
-Eager calls go around PyTorch's dispatcher (:func:`eager_call`), and a plain dense CPU call on the
-reference backend (:func:`plain_cpu_forward`) goes straight to the one fused-kernel call that
-backend would make: on the CPU the Python between the public function and the kernel is a large
-part of a short call (through the op and the general plan, a 64-token call took 1.7-1.9x SDPA's
-time).
+Eager calls go around PyTorch's dispatcher (:func:`eager_call`), and an eager forward first
+offers itself to the chosen backend's own route (:func:`flash_attn.dispatch.run_direct`: the cpu
+backend's plain calls, one fused-kernel call with PyTorch's own autograd formula): on the CPU the
+Python between the public function and the kernel is a large part of a short call.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from torch import Tensor
 
 from flash_attn import dispatch, validation
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.placeholders import placeholder
 
 DEBUG_ENV = "FLASH_ATTN_DEBUG"
 
@@ -39,31 +39,15 @@ def _draw_dropout_seed(dropout_p: float, device, fresh: bool = True) -> Tensor:
     """The forward's ``rng_state``: an int64 seed drawn by ``device``'s generator on the device,
     which ``torch.manual_seed`` reproduces and a CUDA graph replay draws anew (PyTorch advances
     the generator's offset per replay). Without dropout nothing reads it: left uninitialised, and
-    unless ``fresh`` (an op's output must be) a placeholder (:func:`_unused`)."""
+    unless ``fresh`` (an op's output must be) a shared :func:`~flash_attn.placeholders.placeholder`."""
     if dropout_p == 0.0:
-        return torch.empty((1,), dtype=torch.int64, device=device) if fresh else _unused(torch.int64, device)
+        if fresh:
+            return torch.empty((1,), dtype=torch.int64, device=device)
+        return placeholder(torch.int64, device, (1,))
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
-_unused_tensors: dict[tuple, Tensor] = {}
-
-
-def _unused(dtype, device) -> Tensor:
-    """A tensor of ``dtype`` nobody reads: shared by the direct calls on the CPU, made per call
-    elsewhere. A kept CUDA tensor would cross capture boundaries: one made outside a CUDA graph
-    and used inside it, or one made during a cudagraph-trees warm-up (not a capture, but its
-    memory comes from the graphs' private pool) that the pool may hand out again."""
-    if device.type != "cpu":
-        return torch.empty((0,) if dtype == torch.float32 else (1,), dtype=dtype, device=device)
-    key = (dtype, device)
-    found = _unused_tensors.get(key)
-    if found is None:
-        found = _unused_tensors[key] = torch.empty((0,) if dtype == torch.float32 else (1,), dtype=dtype,
-                                                   device=device)
-    return found
-
-
-def _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k) -> Optional[VarlenLayout]:
+def varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k) -> Optional[VarlenLayout]:
     """Bundle the varlen arguments (``None`` for dense inputs), checking their values when
     :func:`_checks_values`."""
     if cu_seqlens_q is None:
@@ -94,7 +78,7 @@ def _empty_softmax(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def _forward_body(
+def forward_body(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -113,7 +97,8 @@ def _forward_body(
     deterministic: bool,
     seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(out, lse, s_dmask or an empty tensor, rng_state)``; see the backend contract.
+    """The ``flash_attn::forward`` op's body (also :mod:`flash_attn.lowlevel`'s forward, inside its
+    own op). Returns ``(out, lse, s_dmask or an empty tensor, rng_state)``; see the backend contract.
 
     ``deterministic`` only matters to the backward; it is an input here so that autograd can
     hand it on. ``seed``: the dropout seed drawn by the caller (:func:`forward`), or ``None`` to
@@ -127,7 +112,7 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                  softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
     else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls)."""
-    varlen = _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
+    varlen = varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
     if seed is None or dropout_p == 0.0:
@@ -139,13 +124,13 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
     )
     if s_dmask is None:
-        s_dmask = _empty_softmax(q) if fresh else _unused(torch.float32, q.device)
+        s_dmask = _empty_softmax(q) if fresh else placeholder(torch.float32, q.device, (0,))
     else:
         s_dmask = s_dmask.contiguous()
     return out.contiguous(), lse.contiguous(), s_dmask, rng_state
 
 
-attention_forward = torch.library.custom_op("flash_attn::forward", mutates_args=())(_forward_body)
+attention_forward = torch.library.custom_op("flash_attn::forward", mutates_args=())(forward_body)
 
 
 def _nothing_to_attend(q: Tensor, k: Tensor, varlen: Optional[VarlenLayout]) -> bool:
@@ -381,9 +366,15 @@ class _Attention(torch.autograd.Function):
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars):
     """``flash_attn::forward`` (arguments as the op's): through the op, or in eager calls
-    (:func:`eager_call`) its body directly, with autograd's record where needed."""
+    (:func:`eager_call`) the backend's own route when it takes the call
+    (:func:`flash_attn.dispatch.run_direct`), else the op's body directly, with autograd's record
+    where needed."""
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
     record = eager_call(tensors)
+    if record is not None:
+        direct = dispatch.run_direct("forward", q.device, *tensors, *scalars)
+        if direct is not None:
+            return direct
     if record is None:
         # The seed is drawn here, by aten's random op, and handed to the op: the op is pure to
         # PyTorch, so the compiler's CSE merged two identical dropout calls into one mask when the
@@ -408,25 +399,3 @@ def forward_kvcache(q, k_cache, v_cache, *args):
         if not cache.is_inference():
             torch.autograd.graph.increment_version(cache)
     return result
-
-
-def plain_cpu_forward(q, k, v, softmax_scale, window_left, window_right) -> Optional[Tensor]:
-    """The output of a dense eager CPU call that needs no ALiBi, softcap, dropout, softmax
-    probabilities or window other than causal (``window_right`` 0) (the caller checks those),
-    computed by the reference backend's one fused-kernel call without the op, the dispatcher or
-    the backend's general plan; ``None`` when the call needs them (:func:`reference.plain_forward`).
-
-    The kernel keeps PyTorch's own autograd formula, whose backward is the very kernel call the
-    reference backend makes. Measured on one thread at 16 tokens, with the caches evicted before
-    each call (as a long kernel does), time beyond SDPA's: 115-120 -> 60-67 us per forward,
-    260-280 -> 60-65 us per forward+backward (fp32 and bf16).
-    """
-    if window_left >= 0 or window_right > 0 or q.device.type != "cpu" or _nothing_to_attend(q, k, None):
-        return None
-    if eager_call((q, k, v)) is None:
-        return None
-    if dispatch.chain(q.device)[0] != "reference":
-        return None
-    from flash_attn.backends import reference  # loaded by the dispatcher already
-
-    return reference.plain_forward(q, k, v, softmax_scale, causal=window_right == 0)

@@ -3,16 +3,18 @@
 ``FLASH_ATTN_BACKEND`` is read on every call (so tests and users can switch it at run time):
 
 * ``auto`` (default): CUDA tensors go to ``aot``, else ``triton`` (whichever can run on the
-  device), every other device to ``reference``. When ``aot`` cannot run on a GPU, one warning
-  per device names why (a driver too old for the images, no image for the GPU, ...) and the
-  backend used instead;
-* ``aot`` | ``triton`` | ``interpret`` | ``reference``: that backend, or a clear error naming
-  what is missing when it cannot run on the device at all.
+  device), CPU tensors to ``cpu`` (PyTorch's fused CPU kernels where they are exact, else the
+  reference's tiled engine), every other device to ``reference``. When ``aot`` cannot run on a
+  GPU, one warning per device names why (a driver too old for the images, no image for the GPU,
+  ...) and the backend used instead;
+* ``aot`` | ``triton`` | ``interpret`` | ``cpu`` | ``reference``: that backend, or a clear error
+  naming what is missing when it cannot run on the device at all (``reference`` is the exact
+  tiled definition alone, on any device).
 
 A backend may still refuse one call (a head dim it was not built for, fp32 inputs, ...): it
 answers why, before anything runs, and the call runs on the next backend of the chain (``aot`` ->
-``triton`` -> ``reference``; the exact PyTorch reference runs everything), with a one-time
-warning naming the reason. A backend may also fail on first use (Triton without a C compiler for
+``triton`` -> ``reference``; the exact PyTorch reference runs everything, as does ``cpu``), with a
+one-time warning naming the reason. A backend may also fail on first use (Triton without a C compiler for
 its launcher, an unwritable Triton cache, a kernel that does not compile: the backend raises its
 ``BackendFailed``): the call runs on the next backend, with one warning naming the cause and the
 fix; a failure of the machine (compiler, cache) moves every later call too.
@@ -20,9 +22,13 @@ fix; a failure of the machine (compiler, cache) moves every later call too.
 ``FLASH_ATTN_STRICT_BACKEND=1`` turns those fallbacks into errors for the backend that
 ``FLASH_ATTN_BACKEND`` names (``aot``, ``triton`` or ``interpret``): a call it refuses, or a
 failure on first use, raises :class:`BackendRefusedError` naming the backend and the reason (no
-effect under ``auto`` or ``reference``). :func:`last_backend` names the backend that ran this
-thread's last call (for tests that must know; calls with nothing to compute and the plain dense
-CPU shortcut of :mod:`flash_attn.custom_ops` do not reach a backend and leave it unchanged).
+effect under ``auto``, ``cpu`` or ``reference``). :func:`last_backend` names the backend that ran
+this thread's last call (for tests that must know; calls with nothing to compute do not reach a
+backend and leave it unchanged).
+
+Eager calls (:func:`flash_attn.custom_ops.eager_call`) may first take the chosen backend's own
+route around the op and the general plan (:func:`run_direct`; the ``cpu`` backend's plain calls):
+the backend decides which calls it takes.
 
 CUDA-graph capture: the reference backend reads tensor values on the host, which capture
 forbids. A CUDA call that would run on it while the stream is capturing raises
@@ -44,13 +50,14 @@ import torch
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
 STRICT_ENV = "FLASH_ATTN_STRICT_BACKEND"
-BACKEND_NAMES = ("auto", "aot", "triton", "interpret", "reference")
+BACKEND_NAMES = ("auto", "aot", "triton", "interpret", "cpu", "reference")
 # The backends FLASH_ATTN_STRICT_BACKEND holds to their calls.
 KERNEL_BACKENDS = ("aot", "triton", "interpret")
 # Preference order of ``auto`` on a CUDA device.
 _CUDA_PREFERENCE = ("aot", "triton")
 # Where a refused call goes next.
-_NEXT = {"aot": ("triton", "reference"), "triton": ("reference",), "interpret": ("reference",), "reference": ()}
+_NEXT = {"aot": ("triton", "reference"), "triton": ("reference",), "interpret": ("reference",), "cpu": (),
+         "reference": ()}
 # Device types whose calls ``auto`` gives to the GPU kernel backends (tests add "meta" to stand
 # in for a GPU).
 GPU_DEVICE_TYPES = ("cuda",)
@@ -59,6 +66,7 @@ _MODULES = {
     "aot": "flash_attn.backends.aot",
     "triton": "flash_attn.backends.triton",
     "interpret": "flash_attn.backends.interpret",
+    "cpu": "flash_attn.backends.cpu",
     "reference": "flash_attn.backends.reference",
 }
 _warned: set[str] = set()
@@ -141,6 +149,8 @@ def warn_once(key: str, message: str) -> None:
 
 def auto_choice(device: torch.device) -> tuple[str, list[str]]:
     """What ``auto`` picks on ``device`` and why each better backend was passed over."""
+    if device.type == "cpu":
+        return "cpu", []
     if device.type not in GPU_DEVICE_TYPES:
         return "reference", [f"{device.type} tensors always use the reference backend"]
     reasons = []
@@ -202,9 +212,29 @@ def select_backend(device: torch.device) -> ModuleType:
     return _load(chain(torch.device(device))[0])[0]
 
 
+_routes: dict[tuple[str, str], Optional[Callable]] = {}
+
+
+def run_direct(op: str, device: torch.device, *args):
+    """The result of the first backend of ``device``'s chain on its own route for an eager call
+    of ``op`` (its ``direct_<op>``, given the op's arguments), or ``None`` when it has no such
+    route or its route does not take this call (then the caller runs the op). Callers make sure
+    the call is eager (nothing traces it); the backend decides everything else."""
+    name = chain(device)[0]
+    route = _routes.get((name, op), _routes)
+    if route is _routes:
+        route = _routes[name, op] = getattr(_load(name)[0], "direct_" + op, None)
+    if route is None or name in _failed:
+        return None
+    result = route(*args)
+    if result is not None:
+        _thread.backend = name
+    return result
+
+
 def _runner(module: ModuleType, op: str, args, kwargs) -> Callable | str:
     prepare = getattr(module, "prepare_" + op, None)
-    if prepare is None:  # a backend that runs every call (the reference)
+    if prepare is None:  # a backend that runs every call (cpu, the reference)
         return lambda: getattr(module, op)(*args, **kwargs)
     return prepare(*args, **kwargs)
 
@@ -292,4 +322,4 @@ def run(op: str, device: torch.device, *args, **kwargs):
                     return result
         _check_strict(skip, op)
         skipped.append(skip)
-    raise RuntimeError(f"no backend ran the {op}: {skipped[0].why if skipped else ''}")  # the reference runs every call
+    raise RuntimeError(f"no backend ran the {op}: {skipped[0].why if skipped else ''}")  # cpu/reference run every call

@@ -4,7 +4,8 @@ Each function checks its arguments (:mod:`flash_attn.validation`), normalises th
 softmax scale, ``causal`` as a window bound) and calls one ``flash_attn::*`` custom operator
 (:mod:`flash_attn.custom_ops`; in plain eager calls its body directly), which runs the backend chosen
 by ``FLASH_ATTN_BACKEND`` (:mod:`flash_attn.dispatch`): the ahead-of-time GPU kernels on CUDA tensors when installed,
-the exact PyTorch reference backend on every other device.
+PyTorch's fused CPU kernels on CPU tensors (the ``cpu`` backend), the exact PyTorch reference backend on
+every other device.
 
 Masking (every function): with ``causal=True`` the mask is aligned to the **bottom-right**
 corner of the ``seqlen_q x seqlen_k`` score matrix. With seqlen_q = 2 and seqlen_k = 5 the
@@ -71,10 +72,6 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     )
     left, right = validation.causal_window(causal, window_size)
     scale = validation.softmax_scale(softmax_scale, q.shape[-1])
-    if cu_seqlens_q is None and not return_attn_probs and alibi_slopes is None and dropout_p == 0 and softcap == 0:
-        out = custom_ops.plain_cpu_forward(q, k, v, scale, left, right)
-        if out is not None:
-            return out
     out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         max_seqlen_q, max_seqlen_k, scale, left, right,

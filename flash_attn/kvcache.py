@@ -60,15 +60,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape (batch,), got {type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    _check_index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
+    validation.check_index_vector(cache_seqlens, "cache_seqlens", batch, q.device)
     return q, k, v, cache_seqlens
-
-
-def _check_index_vector(t, name: str, batch: int, device) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
-        raise TypeError(f"{name} must be an int32 tensor of shape ({batch},), got {validation._describe(t)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but q is on {device}")
 
 
 def _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits):
@@ -77,7 +70,7 @@ def _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin
         raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass cache_batch_idx to map them")
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
         if t is not None:
-            _check_index_vector(t, name, batch, q.device)
+            validation.check_index_vector(t, name, batch, q.device)
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:

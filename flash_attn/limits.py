@@ -1,7 +1,9 @@
 """The limits of the GPU kernels and of a launch, in one place.
 
-Validation, the planner, the backends and the doctor all read these; nothing else states them.
-Pure Python (the doctor reads it without importing torch).
+Validation, the planner, the backends and the doctor all read these; nothing else states them:
+the op library's C++ checks (csrc/) take INT32_MAX and GRID_LIMITS from a header generated from this
+file at build time (csrc/cmake/limits_header.py; tests/test_aot_library.py keeps them equal).
+Pure Python (the doctor and the build read it without importing torch).
 """
 
 from __future__ import annotations
@@ -25,3 +27,9 @@ POINTER_ALIGNMENT = 16
 INT32_MAX = 2**31 - 1
 # CUDA's grid limits (programs per axis).
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints (``triton.cdiv`` without Triton): blocks of ``b``
+    that cover ``a``."""
+    return -(-a // b)

@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 
 from flash_attn import dispatch, validation
-from flash_attn.custom_ops import _forward_body, _varlen_layout
+from flash_attn.custom_ops import forward_body, varlen_layout
+from flash_attn.limits import cdiv
 from flash_attn.params import AttentionParams, VarlenLayout
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
 
 
 def round_multiple(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
+    return cdiv(x, m) * m
 
 
 def _last_dim_contiguous(*tensors):
@@ -114,7 +115,7 @@ def _flash_attn_forward(
     validation.check_dense_qkv(q, k, v)
     _options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
     left, right = validation.bounded_window(causal, (window_size_left, window_size_right), k.shape[1])
-    return _defined_seed(_forward_body(
+    return _defined_seed(forward_body(
         q, k, v, None, None, None, alibi_slopes, q.shape[1], k.shape[1], float(softmax_scale), left, right,
         float(softcap), float(dropout_p), bool(return_softmax), False,
     ), dropout_p)
@@ -150,10 +151,7 @@ def _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, sequs
     batch = cu_seqlens_k.shape[0] - 1
     for name, t in (("leftpad_k", leftpad_k), ("seqused_k", seqused_k)):
         if t is not None:
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
-                raise TypeError(f"{name} must be an int32 tensor of shape ({batch},), got {validation._describe(t)}")
-            if t.device != k.device:
-                raise ValueError(f"{name} is on {t.device} but k is on {k.device}")
+            validation.check_index_vector(t, name, batch, k.device, owner="k")
     if block_table is not None and leftpad_k is not None:
         raise ValueError("leftpad_k cannot be combined with a block_table (paged KV), as in flash-attn")
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
@@ -231,7 +229,7 @@ def _flash_attn_varlen_forward(
                       window_size_right, alibi_slopes)
     left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
     k, v, cu_seqlens_k, block_table = _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k)
-    return _defined_seed(_forward_body(
+    return _defined_seed(forward_body(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
         float(softmax_scale), left, right, float(softcap), float(dropout_p), bool(return_softmax), False,
     ), dropout_p)
@@ -384,7 +382,7 @@ def _flash_attn_varlen_backward(
     batch = cu_seqlens_q.shape[0] - 1
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (nheads, total_q))
     _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
-    _varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)  # value checks
+    varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)  # value checks
     left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
     varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     delta = _backward_delta(

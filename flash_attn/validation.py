@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from flash_attn.limits import MAX_HEADDIM
+from flash_attn.limits import MAX_HEADDIM, cdiv
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -164,6 +164,15 @@ def check_block_table(block_table, batch: int, device: torch.device) -> None:
         _fail(ValueError, f"block_table is on {block_table.device} but q is on {device}")
 
 
+def check_index_vector(t, name: str, batch: int, device: torch.device, owner: str = "q") -> None:
+    """``t`` is an int32 tensor of shape ``(batch,)`` (per-sequence lengths or indices) on
+    ``device``, the device of the tensor named ``owner``."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or tuple(t.shape) != (batch,):
+        _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {_describe(t)}")
+    if t.device != device:
+        _fail(ValueError, f"{name} is on {t.device} but {owner} is on {device}")
+
+
 def check_options(dropout_p, softcap, window_size, alibi_slopes, batch: int, nheads: int, device) -> tuple[int, int]:
     """Scalar options; returns ``window_size`` as two ints."""
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
@@ -218,7 +227,7 @@ def check_cu_seqlens_values(cu: torch.Tensor, name: str, total: Optional[int], m
 def check_block_table_values(block_table: torch.Tensor, num_blocks: int, page_size: int, seqlens: Sequence[int]) -> None:
     """Every page a sequence uses exists, and the table has enough columns for its length."""
     for b, n in enumerate(seqlens):
-        needed = -(-n // page_size) if n > 0 else 0
+        needed = cdiv(n, page_size) if n > 0 else 0
         if needed > block_table.shape[1]:
             _fail(ValueError, f"block_table has {block_table.shape[1]} pages per sequence but sequence {b} needs {needed} pages of {page_size} rows")
         if needed:

@@ -2,8 +2,9 @@
 
 Options
 -------
-``--flash-backend NAME`` (default ``reference``): every test runs with ``FLASH_ATTN_BACKEND=NAME``
-(set per test by an autouse fixture), so the same suite checks the Triton / AOT GPU backends.
+``--flash-backend NAME`` (default ``cpu`` on the CPU, ``reference`` on other devices): every test
+runs with ``FLASH_ATTN_BACKEND=NAME`` (set per test by an autouse fixture), so the same suite checks
+the Triton / AOT GPU backends (and, with ``reference``, the exact tiled definition alone).
 ``--flash-device DEV`` (default ``cpu``): the device the tests put their tensors on
 (``--flash-device cuda`` runs the same tests on a GPU).
 ``--flash-no-skip`` (for ``.ci/gpu-check``): a skipped test fails, unless its reason is one of
@@ -44,7 +45,7 @@ import re
 import pytest
 import torch
 
-_STATE = {"backend": "reference", "device": "cpu"}
+_STATE = {"backend": "cpu", "device": "cpu"}
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-3, torch.float64: 1e-10}
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,8 +54,8 @@ DTYPE_IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32
 
 def pytest_addoption(parser):
     group = parser.getgroup("flash_attn")
-    group.addoption("--flash-backend", default="reference",
-                    help="FLASH_ATTN_BACKEND used by the tests (default: reference)")
+    group.addoption("--flash-backend", default=None,
+                    help="FLASH_ATTN_BACKEND used by the tests (default: cpu on the CPU, else reference)")
     group.addoption("--flash-device", default="cpu",
                     help="device the tests create their tensors on (default: cpu; e.g. cuda)")
     group.addoption("--flash-no-skip", action="store_true",
@@ -124,8 +125,8 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_configure(config):
-    _STATE["backend"] = config.getoption("--flash-backend")
     _STATE["device"] = config.getoption("--flash-device")
+    _STATE["backend"] = config.getoption("--flash-backend") or ("cpu" if _STATE["device"] == "cpu" else "reference")
     os.environ["FLASH_ATTN_BACKEND"] = _STATE["backend"]
 
 

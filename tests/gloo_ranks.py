@@ -27,7 +27,7 @@ def skip_unless_cpu_ranks_can_run(monkeypatch) -> None:
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this PyTorch build")
-    if backend_name() not in ("auto", "reference", "interpret"):
+    if backend_name() not in ("auto", "cpu", "reference", "interpret"):
         pytest.skip(f"the ranks run on CPU processes; backend {backend_name()} does not run on CPU tensors")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
 

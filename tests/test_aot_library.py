@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import check_close
+from flash_attn import limits
 from flash_attn.aot import library as aot
 from flash_attn.aot.archs import Arch, DEFAULT_CUDA_ARCHS, parse_arch, parse_arch_list, select_image
 from packaging_helpers import compiled_files, run_from_site
@@ -292,6 +293,44 @@ def test_launch_with_meta_tensors_only_checks(ops, toy):
         ops.aot_launch(toy, [4, 2], [], [32], [0.5])
 
 
+def test_launch_limits_are_those_of_limits_py(ops, toy, toy_ptx):
+    """The library's grid and int32 checks use flash_attn/limits.py's values (a header generated from
+    it at build time): each bound passes the checks, one past it is refused."""
+    meta = [OUT.to("meta")]
+    ops.aot_launch(toy, list(limits.GRID_LIMITS), meta, [16], [1.0])  # the Meta kernel: checks only
+    for axis, limit in enumerate(limits.GRID_LIMITS):
+        grid = [1, 1, 1]
+        grid[axis] = limit + 1
+        with pytest.raises(RuntimeError, match=re.escape(f"grid[{axis}] = {limit + 1} is outside 0..{limit}")):
+            ops.aot_launch(toy, grid, meta, [16], [1.0])
+    clustered = ops.aot_register_kernel(str(toy_ptx), "toy", TOY_SIG, 4, 2, 0)  # num_ctas=2
+    bound = limits.GRID_LIMITS[0] // 2
+    ops.aot_launch(clustered, [bound], meta, [16], [1.0])
+    with pytest.raises(RuntimeError, match=re.escape(f"grid[0] = {bound + 1} is outside 0..{bound} (num_ctas multiplies")):
+        ops.aot_launch(clustered, [bound + 1], meta, [16], [1.0])
+    top = limits.INT32_MAX // 16 * 16
+    ops.aot_launch(toy, [1], meta, [top], [1.0])
+    with pytest.raises(RuntimeError, match=re.escape(f"(range {-limits.INT32_MAX - 1} to {limits.INT32_MAX})")):
+        ops.aot_launch(toy, [1], meta, [top + 16], [1.0])
+
+
+def test_csrc_takes_its_limits_from_limits_py():
+    """csrc states no limit of its own: the build generates them from limits.py."""
+    import importlib.util
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("limits_header", repo / "csrc" / "cmake" / "limits_header.py")
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    text = generator.header()
+    assert f"kInt32Max = {limits.INT32_MAX};" in text
+    assert "kGridLimits[3] = {" + ", ".join(map(str, limits.GRID_LIMITS)) + "};" in text
+    for source in sorted((repo / "csrc").glob("*.[ch]*")):
+        for literal in ("65535", "2147483647", str(limits.GRID_LIMITS[1]), str(limits.INT32_MAX)):
+            assert literal not in source.read_text(), f"{source.name} states {literal}: take it from flash_attn/limits.py"
+    assert "limits_header.py" in (repo / "CMakeLists.txt").read_text()
+
+
 def test_python_helpers_pass_arguments_through(library, toy):
     with pytest.raises(RuntimeError, match="ints\\[0\\] = 8 must be divisible by 16"):
         aot.launch(toy, (1,), [OUT], [8], [1.0])
@@ -483,7 +522,7 @@ def test_cpu_only_build(tmp_path):
     """FLASH_ATTN_ENABLE_CUDA=OFF configures, builds and installs with no compiler, no torch and no
     CUDA toolkit within reach; it compiles nothing and installs only _C/build_config.json. flash_attn
     laid out as that install (the Python files plus what CMake installed) imports, explains in
-    status() and the doctor why there is no `aot` backend, and runs the reference backend (checked
+    status() and the doctor why there is no `aot` backend, and runs the cpu backend (checked
     against the oracle)."""
     cmake = _tool("cmake")
     _tool("ninja")
@@ -522,7 +561,7 @@ def test_cpu_only_build(tmp_path):
         "print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))\n"
     )
     tests = Path(__file__).resolve().parent
-    backend = {"FLASH_ATTN_BACKEND": "auto"}  # what a user gets: CPU tensors go to the reference backend
+    backend = {"FLASH_ATTN_BACKEND": "auto"}  # what a user gets: CPU tensors go to the cpu backend
     result = run_from_site(site, "-c", script, str(tmp_path / "out.pt"), cwd=tmp_path, extra_paths=[tests], env=backend)
     assert result.returncode == 0, result.stderr
     location, loaded, reason = json.loads(result.stdout.strip().splitlines()[-1])

@@ -66,7 +66,7 @@ def test_import_and_reference_backend_without_triton():
         from flash_attn.planning import configs
         from flash_attn.planning import plan
         from flash_attn.aot import specializations  # noqa: F401
-        from flash_attn.backends import aot, reference  # noqa: F401
+        from flash_attn.backends import aot, cpu as cpu_backend, reference  # noqa: F401
 
         torch.manual_seed(0)
         q = torch.randn(2, 9, 4, 32, requires_grad=True)
@@ -84,6 +84,7 @@ def test_import_and_reference_backend_without_triton():
         assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
         cpu = torch.device("cpu")
         assert dispatch.unavailable_reason("reference", cpu) is None
+        assert dispatch.unavailable_reason("cpu", cpu) is None and dispatch.last_backend() == "cpu"
         interp = dispatch.unavailable_reason("interpret", cpu)
         assert_no_triton()
         print(json.dumps({"interpret": interp}))
@@ -232,8 +233,9 @@ def test_aot_features_and_kvcache_launch_without_triton():
 
 
 def test_kernel_names_resolve_like_the_jit_functions():
-    """:func:`registry.arg_names` and :func:`registry.constexpr_names` (read from the source, no
-    Triton) are what the ``JITFunction`` says."""
+    """:func:`registry.arg_names` and :func:`registry.constexpr_names` (the kernels' declarations,
+    read without Triton) are what the ``JITFunction`` says: a declaration that drifts from its
+    kernel's signature fails here."""
     pytest.importorskip("triton")
     from flash_attn.planning import registry
 

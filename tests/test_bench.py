@@ -1,7 +1,7 @@
 """``python -m flash_attn bench``: the CPU mode end to end on tiny sizes (in process and in child
 processes; plain cases and the feature cases against SDPA with explicit masks, with the speed
 ratio), that its memory measurement sees what eager attention allocates (quadratic) and that the
-reference backend keeps it small, PyTorch's flex_attention as a second baseline (the same work, its
+cpu and reference backends keep it small, PyTorch's flex_attention as a second baseline (the same work, its
 forward only), the GPU mode's plumbing with a fake timer on the CPU,
 and the build mode on a stand-in build command."""
 
@@ -170,18 +170,17 @@ def test_memory_measurement_sees_eager_grow_quadratically():
 
 
 @LINUX_PROC
-@pytest.mark.parametrize("engine", ["fused", "tiled"])
-def test_reference_backend_memory_is_bounded(engine):
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_cpu_backends_memory_is_bounded(backend):
     """The same problem through this package stays far below eager's 128 MiB score matrix, on
-    PyTorch's fused kernels and on the tiled engine with 1 MiB score tiles (run in a child, so
-    nothing freed earlier hides the peak; what the allocator keeps varies by a few MiB)."""
+    the cpu backend (PyTorch's fused kernels) and on the reference's tiled engine with its 1 MiB
+    score tiles (run in a child, so nothing freed earlier hides the peak; what the allocator keeps
+    varies by a few MiB)."""
     script = textwrap.dedent(f"""
         import json
-        from flash_attn.backends import _reference_core, reference
         from flash_attn.benchmarks import cpu
-        _reference_core.TILE_BUDGET_BYTES = 1 << 20
-        reference.USE_FUSED_CPU_KERNELS = {engine == "fused"}
-        spec = dict(impls=["flash_attn"], seqlen=4096, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1, warmup=1)
+        spec = dict(impls=["flash_attn"], seqlen=4096, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1,
+                    warmup=1, backend={backend!r})
         print(json.dumps(cpu.measure(spec)))
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -1,13 +1,14 @@
-"""The reference backend's fused CPU path (:mod:`flash_attn.backends._cpu_fused`): PyTorch's own
-CPU attention kernels, called so that they compute exactly flash-attn's semantics.
+"""The cpu backend (:mod:`flash_attn.backends.cpu`, its plan in :mod:`flash_attn.backends._cpu_fused`):
+PyTorch's own CPU attention kernels, called so that they compute exactly flash-attn's semantics.
 
 * the call plan covers exactly the visible (query, key) pairs, each once (checked against the
   oracle's mask, independently of any attention arithmetic);
 * forward and backward against the float64 oracle with small blocks forced, so that windows,
   edges, merges and masks all occur on small shapes;
 * the fused kernels really run where they apply, and the tiled engine where they do not;
-* plain eager calls go straight to the one kernel call (``custom_ops.plain_cpu_forward``) exactly where
-  the general plan is that call, with the general path's results bit for bit.
+* plain eager calls go straight to the one kernel call (``cpu.direct_forward``; autograd then records
+  PyTorch's own formula for the kernel) exactly where the general plan is that call, with the
+  general path's results bit for bit.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import random
 import pytest
 import torch
 
-from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.flash_attn_interface import _flash_attn_forward
 from flash_attn.backends import _causal_tree as tree
 from flash_attn.backends import _cpu_fused as fused
-from flash_attn.backends import reference
+from flash_attn.backends import _layouts
 from flash_attn.params import AttentionParams
 
 from conftest import backward_floor, check_close, cu_from_lens, gen, make_slopes, oracle_pair, randn, test_device
@@ -30,7 +31,7 @@ from oracle import attention_ref, attention_varlen_ref, kvcache_ref, visible_mas
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
-pytestmark = pytest.mark.skipif(test_device().type != "cpu" or fused._OPS is None,
+pytestmark = pytest.mark.skipif(test_device().type != "cpu" or fused.OPS is None,
                                 reason="the fused path serves CPU tensors (PyTorch's CPU attention kernels)")
 
 
@@ -52,7 +53,7 @@ def _covered(sq: int, sk: int, left: int, right: int, dtype=FP32, backward=False
     """How often each (row, key) pair is computed by the plan, honouring each call's mask."""
     q = torch.zeros(1, sq, 1, 1, dtype=dtype)
     k = torch.zeros(1, sk, 1, 1, dtype=dtype)
-    problem = reference._dense_problem(q, k, k, None)
+    problem = _layouts._dense_problem(q, k, k, None)
     params = AttentionParams(1.0, left, right)
     count = torch.zeros(sq, sk, dtype=torch.int64)
     for group in fused.plan(problem, params, backward=backward):
@@ -87,7 +88,7 @@ def test_plan_shapes():
     """No mask at all for full and causal attention; masks only on the edges of a window."""
     def calls(sq, sk, left, right):
         q, k = torch.zeros(1, sq, 1, 1), torch.zeros(1, sk, 1, 1)
-        problem = reference._dense_problem(q, k, k, None)
+        problem = _layouts._dense_problem(q, k, k, None)
         return [c for g in fused.plan(problem, AttentionParams(1.0, left, right)) for c in g]
 
     assert [(c.causal, c.masked) for c in calls(100, 100, -1, -1)] == [(False, False)]
@@ -195,14 +196,16 @@ def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks, monkeypatc
     q = randn((b, sq, h, 32), dtype, g, requires_grad=True)
     k, v = (randn((b, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
     dout = randn(q.shape, dtype, g)
-    ran = []
-    for name in ("forward", "backward"):
-        original = getattr(tree, name)
-        monkeypatch.setattr(tree, name, lambda *args, _f=original, _n=name: ran.append(_n) or _f(*args))
-    out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.4)
-    out.backward(dout)
+    result = {}
+    calls = _fused_calls(lambda: result.update(out=flash_attn_func(q, k, v, causal=True, softmax_scale=0.4)))
+    out = result["out"]
+    calls += _fused_calls(lambda: out.backward(dout))
+    assert dispatch.last_backend() == "cpu"
     _, lse, _, _ = _flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, 0.4, True, -1, 0, 0.0, None, False)
-    assert ran == (["forward", "backward", "forward"] if dtype == FP32 else [])
+    # the square's kernel calls: one per part of the tree in fp32, one in bf16; a full call beside it when sq < sk
+    square = len(tree._parts(min(sq, sk))) if dtype == FP32 else 1
+    beside = 1 if sq < sk else 0
+    assert [name for name, _ in calls] == ["forward"] * (square + beside) + ["backward"] * (square + beside), calls
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=(-1, 0), softmax_scale=0.4)
     check_close(out, ref.out, naive.out, dtype, "out")
     check_close(lse, ref.lse, naive.lse, FP32, "lse")
@@ -251,7 +254,7 @@ def test_half_precision_computed_in_fp32_where_faster(dtype, fast_half, features
     ones (fp16 without native fp16 products; the bf16 causal forward and the larger bf16 full
     forward without AMX): the kernels see the dtype the policy names, and the results match the
     oracle either way."""
-    monkeypatch.setattr(fused, "_native_fp16", lambda: fast_half)
+    monkeypatch.setattr(fused, "native_fp16", lambda: fast_half)
     monkeypatch.setattr(fused, "_amx", lambda: fast_half)
     g = gen(11)
     b, n, h = 2, features.get("n", 24), 2
@@ -276,25 +279,27 @@ def test_half_precision_computed_in_fp32_where_faster(dtype, fast_half, features
         check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
 
 
-def test_fused_kernels_run_where_they_apply():
+def test_fused_kernels_run_where_they_apply(monkeypatch):
+    """The cpu backend (auto's choice for CPU tensors) calls the fused kernels wherever they apply;
+    the reference backend never does."""
     g = gen(7)
     q, k, v = (randn((1, 64, 2, 32), BF16, g, requires_grad=True) for _ in range(3))
     assert _count_fused_calls(lambda: flash_attn_func(q, k, v, causal=True).sum().backward()) == 2
+    assert dispatch.last_backend() == "cpu"
     assert _count_fused_calls(lambda: flash_attn_func(q, k, v, window_size=(8, 8))) > 0
     assert _count_fused_calls(lambda: flash_attn_func(q, k, v, softcap=5.0).sum().backward()) == 0
     assert _count_fused_calls(lambda: flash_attn_func(q, k, v, dropout_p=0.1).sum().backward()) == 0
-    reference.USE_FUSED_CPU_KERNELS = False
-    try:
-        assert _count_fused_calls(lambda: flash_attn_func(q, k, v, causal=True)) == 0
-    finally:
-        reference.USE_FUSED_CPU_KERNELS = True
+    assert dispatch.last_backend() == "cpu"
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
+    assert _count_fused_calls(lambda: flash_attn_func(q, k, v, causal=True).sum().backward()) == 0
+    assert dispatch.last_backend() == "reference"
 
 
 def test_mask_blocks_stay_within_the_budget():
     """ALiBi over 4k keys: non-causal builds mask blocks within MASK_BUDGET_BYTES; causal builds
     none (a per-key broadcast row and a per-row lse term instead)."""
     q = torch.zeros(2, 4096, 8, 1)
-    problem = reference._dense_problem(q, q[:, :, :2], q[:, :, :2], torch.ones(2, 8))
+    problem = _layouts._dense_problem(q, q[:, :, :2], q[:, :, :2], torch.ones(2, 8))
     calls = [c for g in fused.plan(problem, AttentionParams(1.0, -1, -1)) for c in g]
     assert len(calls) > 1 and all(c.masked for c in calls)
     for call in calls:
@@ -306,7 +311,7 @@ def test_mask_blocks_stay_within_the_budget():
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain dense calls: straight to the one kernel call (custom_ops.plain_cpu_forward)
+# Plain dense calls: straight to the one kernel call (cpu.direct_forward)
 # ----------------------------------------------------------------------------------------------
 
 # (dtype, sq, sk, h, hk, causal, amx and native fp16, goes straight to the kernel). With
@@ -330,12 +335,20 @@ PLAIN_CASES = [
 ]
 
 
-def _spy_plain(monkeypatch) -> list:
-    """Records each call that went straight to the kernel."""
-    taken = []
-    original = fused.plain_forward
-    monkeypatch.setattr(fused, "plain_forward", lambda *args, **kw: taken.append(args[3:]) or original(*args, **kw))
-    return taken
+def _went_straight(out: torch.Tensor) -> bool:
+    """Whether autograd recorded PyTorch's own formula for the fused kernel (the direct route of
+    plain calls) rather than this package's (the op and the general plan)."""
+    fn = out.grad_fn
+    while fn is not None and fn.name().startswith("Transpose"):
+        fn = fn.next_functions[0][0]
+    return fn is not None and "FlashAttentionForCpu" in fn.name()
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    """A tracing-like mode: calls under it take the op (and the general plan), never the direct route."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("dtype, sq, sk, h, hk, causal, fast_cpu, direct", PLAIN_CASES, ids=str)
@@ -344,16 +357,15 @@ def test_plain_calls_go_straight_to_the_kernel(dtype, sq, sk, h, hk, causal, fas
     """The plain calls whose general plan is one kernel call in their own dtype skip the op, the
     dispatcher and the plan; the results match the oracle, and match the general path's exactly
     (the same kernel calls, forward and backward)."""
-    monkeypatch.setattr(fused, "_native_fp16", lambda: fast_cpu)
+    monkeypatch.setattr(fused, "native_fp16", lambda: fast_cpu)
     monkeypatch.setattr(fused, "_amx", lambda: fast_cpu)
-    taken = _spy_plain(monkeypatch)
     g = gen(sq * 7 + sk)
     q = randn((2, sq, h, 32), dtype, g, requires_grad=True)
     k, v = (randn((2, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
     dout = randn(q.shape, dtype, g)
     out = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
     out.backward(dout)
-    assert taken == ([(0.3, causal)] if direct else [])
+    assert _went_straight(out) == direct and dispatch.last_backend() == "cpu"
     assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
 
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=(-1, 0) if causal else (-1, -1),
@@ -367,59 +379,50 @@ def test_plain_calls_go_straight_to_the_kernel(dtype, sq, sk, h, hk, causal, fas
         grads = [t.grad for t in (q, k, v)]
         for t in (q, k, v):
             t.grad = None
-        monkeypatch.setattr(reference, "plain_forward", lambda *args, **kw: None)
-        general = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
+        with _PassThrough():
+            general = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
+        assert not _went_straight(general)
         general.backward(dout)
         assert torch.equal(general, out)
         for t, grad in zip((q, k, v), grads):
             assert torch.equal(t.grad, grad)
 
 
-class _PassThrough(torch.overrides.TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-def test_only_plain_eager_reference_calls_go_straight_to_the_kernel(monkeypatch):
-    """Every option the kernel cannot compute, every backend but the reference, tracing modes and
-    the fused path switched off all take the general path (which is still right)."""
-    taken = _spy_plain(monkeypatch)
+def test_only_plain_eager_cpu_backend_calls_go_straight_to_the_kernel(monkeypatch):
+    """Every option the kernel cannot compute, every backend but cpu (the reference included) and
+    tracing modes all take the general path (which is still right)."""
     g = gen(3)
-    q, k, v = (randn((1, 16, 2, 32), FP32, g) for _ in range(3))
+    q, k, v = (randn((1, 16, 2, 32), FP32, g, requires_grad=True) for _ in range(3))
     slopes = make_slopes((2,), seed=1)
     want = attention_ref(q, k, v).out.float()
 
     def check(expected: bool, **options):
-        taken.clear()
-        flash_attn_func(q, k, v, **options)
-        assert bool(taken) == expected, options
+        out = flash_attn_func(q, k, v, **options)
+        out = out[0] if isinstance(out, tuple) else out
+        assert _went_straight(out) == expected, options
 
     check(True)
+    assert dispatch.last_backend() == "cpu"
     check(True, causal=True, deterministic=True)
     for options in ({"window_size": (4, 4)}, {"window_size": (-1, 3)}, {"window_size": (5, 0)},
-                    {"alibi_slopes": slopes}, {"softcap": 3.0}, {"dropout_p": 0.1}):
+                    {"alibi_slopes": slopes}, {"softcap": 3.0}, {"dropout_p": 0.1}, {"return_attn_probs": True}):
         check(False, **options)
-    taken.clear()
-    flash_attn_func(q, k, v, return_attn_probs=True)
-    assert not taken
     cu = torch.tensor([0, 16], dtype=torch.int32)
-    flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16)
-    assert not taken
+    assert not _went_straight(flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16))
 
     with _PassThrough():
         check(False)
-    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", False)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
     check(False)
-    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", True)
-    from flash_attn import dispatch
+    assert dispatch.last_backend() == "reference"
     if dispatch.unavailable_reason("interpret", q.device) is None:
         monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
-        monkeypatch.setattr(fused, "_native_fp16", lambda: True)  # fp16 would go straight on the reference
-        taken.clear()
-        out = flash_attn_func(q.half(), k.half(), v.half())  # fp16: what the interpreted kernels take
-        assert not taken
+        monkeypatch.setattr(fused, "native_fp16", lambda: True)  # fp16 would go straight on the cpu backend
+        half = [t.detach().half().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*half)  # fp16: what the interpreted kernels take
+        assert not _went_straight(out) and dispatch.last_backend() == "interpret"
         torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
-    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "cpu")
     check(True)
 
 

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from flash_attn import flash_attn_func
+from flash_attn import dispatch, flash_attn_func
 from flash_attn.flash_attn_interface import _flash_attn_forward
 from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import _onednn as onednn
@@ -27,7 +27,7 @@ from oracle import attention_ref
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
-pytestmark = pytest.mark.skipif(test_device().type != "cpu" or onednn._LINEAR is None or fused._OPS is None,
+pytestmark = pytest.mark.skipif(test_device().type != "cpu" or onednn._LINEAR is None or fused.OPS is None,
                                 reason="oneDNN's products serve CPU tensors where PyTorch ships oneDNN")
 
 
@@ -185,6 +185,10 @@ def test_the_choice(monkeypatch):
     assert _linear_calls(call)
     assert not _linear_calls(lambda: flash_attn_func(q[:, :200], q[:, :200], q[:, :200]))  # below MIN_ROWS
     assert not _linear_calls(lambda: flash_attn_func(q, q, q, softcap=5.0))  # the tiled engine's
+    assert dispatch.last_backend() == "cpu"
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")  # the exact definition alone: never oneDNN
+    assert not _linear_calls(call) and dispatch.last_backend() == "reference"
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "cpu")
     monkeypatch.setattr(onednn, "_LINEAR", None)  # a PyTorch without oneDNN
     assert not onednn.applies(4096, 4096)
     assert not _linear_calls(call)

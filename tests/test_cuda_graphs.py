@@ -360,15 +360,14 @@ def test_reduce_overhead_dropout_draws_new_masks(backend, reduce_overhead):
 
 @gpu
 def test_placeholders_made_inside_a_capture_are_new():
-    from flash_attn import custom_ops as ops
-    from flash_attn.backends import _execute
+    from flash_attn.placeholders import placeholder
 
     device = torch.device("cuda")
-    before = (_execute._placeholder(torch.int32, device), ops._unused(torch.int64, device))
+    before = (placeholder(torch.int32, device), placeholder(torch.int64, device, (1,)))
     inside = []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        inside += [_execute._placeholder(torch.int32, device), ops._unused(torch.int64, device)]
+        inside += [placeholder(torch.int32, device), placeholder(torch.int64, device, (1,))]
     for outside, made_inside in zip(before, inside):
         assert made_inside is not outside and made_inside.data_ptr() != outside.data_ptr()
 
@@ -380,8 +379,8 @@ def test_no_placeholder_is_kept_for_a_gpu_stand_in(monkeypatch):
     allocate warm-up calls, which are no capture, from the graphs' pool). What the stand-in cannot
     show: the CUDA allocator's pools themselves (test_placeholders_made_inside_a_capture_are_new,
     on a GPU, and the reduce-overhead tests do)."""
-    from flash_attn import custom_ops as ops
-    from flash_attn.backends import _execute
+    from flash_attn import placeholders
+    from flash_attn.placeholders import placeholder
 
     real_empty = torch.empty
 
@@ -391,18 +390,17 @@ def test_no_placeholder_is_kept_for_a_gpu_stand_in(monkeypatch):
     capturing = {"now": False}
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
-    monkeypatch.setattr(_execute, "_unused", {})
-    monkeypatch.setattr(ops, "_unused_tensors", {})
+    monkeypatch.setattr(placeholders, "_kept", {})
     cuda = torch.device("cuda")
     made = {"outside": [], "inside": []}
     for phase in ("outside", "inside"):
         capturing["now"] = phase == "inside"
-        made[phase] = [_execute._placeholder(torch.int32, cuda), ops._unused(torch.int64, cuda),
-                       ops._unused(torch.float32, cuda)]
+        made[phase] = [placeholder(torch.int32, cuda), placeholder(torch.int64, cuda, (1,)),
+                       placeholder(torch.float32, cuda, (0,))]
     for outside, inside in zip(made["outside"], made["inside"]):
         assert inside is not outside
-    assert not _execute._unused and not ops._unused_tensors
+    assert not placeholders._kept
     # the CPU keeps sharing one (no capture there; it saves an allocation per call)
     cpu = torch.device("cpu")
-    assert _execute._placeholder(torch.int32, cpu) is _execute._placeholder(torch.int32, cpu)
-    assert ops._unused(torch.int64, cpu) is ops._unused(torch.int64, cpu)
+    assert placeholder(torch.int32, cpu) is placeholder(torch.int32, cpu)
+    assert placeholder(torch.int64, cpu, (1,)) is placeholder(torch.int64, cpu, (1,))

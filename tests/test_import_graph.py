@@ -32,11 +32,12 @@ LAYERS = (
     ("fused_ops", ("flash_attn.ops",)),
     ("ops", ("flash_attn.custom_ops",)),  # the custom ops (autograd, torch.compile)
     ("dispatch", ("flash_attn.dispatch", "flash_attn.validation")),  # which backend runs a call
-    ("backends", ("flash_attn.backends",)),  # reference, triton, interpret, aot: run plans
+    ("backends", ("flash_attn.backends",)),  # cpu, reference, triton, interpret, aot: run plans
     ("aot", ("flash_attn.aot",)),  # shipped images: architectures, manifest, op library
     ("planning", ("flash_attn.planning",)),  # call -> launches, configs (no Triton, no device)
     ("kernels", ("flash_attn.kernels",)),  # Triton source only
-    ("core", ("flash_attn.params", "flash_attn.limits", "flash_attn.dropout", "flash_attn._version")),
+    ("core", ("flash_attn.params", "flash_attn.limits", "flash_attn.dropout", "flash_attn.placeholders",
+              "flash_attn._version")),
 )
 
 

@@ -1,10 +1,10 @@
-"""The reference backend against an independent, naive float64 attention.
+"""The reference backend (and the cpu backend) against an independent, naive float64 attention.
 
 The oracle below builds the full score matrix and the masks straight from the formulas of
 :class:`flash_attn.params.AttentionParams`; gradients come from autograd on it. Tests run the
-tiled engine with tiny forced chunks, so the online softmax and the tile skipping run across many
-ragged chunks; the tests taking the ``engine`` fixture also run with PyTorch's fused CPU kernels
-switched on (the backend's default on CPU, used where they apply).
+reference's tiled engine with tiny chunks (its ``chunks`` parameter), so the online softmax and
+the tile skipping run across many ragged chunks; the tests taking the ``engine`` fixture also run
+on the cpu backend (PyTorch's fused CPU kernels where they apply, the tiled engine elsewhere).
 """
 
 from __future__ import annotations
@@ -20,27 +20,41 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flash_attn.backends import _layouts
 from flash_attn.backends import _reference_core as core
-from flash_attn.backends import reference
+from flash_attn.backends import cpu
+from flash_attn.backends import reference as reference_backend
 from flash_attn.dropout import keep_mask
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
 
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True)
-def small_chunks(monkeypatch):
-    """The tiled engine with ragged chunks (5 query rows x 7 key columns) unless a test overrides
-    them or asks for the fused kernels (``engine``)."""
-    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", False)
-    monkeypatch.setattr(core, "FORCED_CHUNKS", (5, 7))
+class _Chunked:
+    """The reference backend with ``chunks`` (query rows x key columns per tile) given to every
+    call unless the call gives its own: ragged 5 x 7 chunks here."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def forward(self, *args, **kwargs):
+        return reference_backend.forward(*args, **{"chunks": self.chunks, **kwargs})
+
+    def backward(self, *args, **kwargs):
+        return reference_backend.backward(*args, **{"chunks": self.chunks, **kwargs})
+
+    def forward_kvcache(self, *args, **kwargs):
+        return reference_backend.forward_kvcache(*args, **{"chunks": self.chunks, **kwargs})
 
 
-@pytest.fixture(params=["tiled", "fused"])
-def engine(request, monkeypatch):
-    """Runs a test twice: tiled engine only, and with the fused CPU kernels where they apply."""
-    monkeypatch.setattr(reference, "USE_FUSED_CPU_KERNELS", request.param == "fused")
-    return request.param
+reference = _Chunked((5, 7))
+
+
+@pytest.fixture(params=["reference", "cpu"])
+def engine(request):
+    """Runs a test twice: on the reference's tiled engine (ragged chunks), and on the cpu backend
+    (the fused CPU kernels where they apply)."""
+    return reference if request.param == "reference" else cpu
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,9 +151,9 @@ def test_dense_forward_backward_match_naive(case, engine):
     window, softcap = cfg.get("window", (-1, -1)), cfg.get("softcap", 0.0)
     slopes = _slopes(cfg.get("alibi"), b, cfg["h"])
     params = params_for(d, window, softcap)
-    out, lse, s_dmask = reference.forward(q, k, v, params, alibi_slopes=slopes)
+    out, lse, s_dmask = engine.forward(q, k, v, params, alibi_slopes=slopes)
     assert s_dmask is None and out.dtype == q.dtype and lse.dtype == torch.float32
-    dq, dk, dv = reference.backward(dout, q, k, v, out, lse, params, alibi_slopes=slopes)
+    dq, dk, dv = engine.backward(dout, q, k, v, out, lse, params, alibi_slopes=slopes)
     assert not any(torch.isnan(x).any() for x in (out, lse, dq, dk, dv))
     for i in range(b):
         row_slopes = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[i])
@@ -156,8 +170,8 @@ def test_rows_without_keys_give_zero_out_inf_lse_and_zero_grads(engine):
     q, k, v, dout = random_qkv(1, 12, 5, 2, 2, 8)
     for window in [(-1, 0), (0, 0)]:
         params = params_for(8, window)
-        out, lse, _ = reference.forward(q, k, v, params)
-        dq, dk, dv = reference.backward(dout, q, k, v, out, lse, params)
+        out, lse, _ = engine.forward(q, k, v, params)
+        dq, dk, dv = engine.backward(dout, q, k, v, out, lse, params)
         assert torch.all(out[0, :7] == 0) and torch.all(lse[0, :, :7] == INF)
         assert torch.all(dq[0, :7] == 0)
         assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
@@ -170,13 +184,12 @@ def test_rows_without_keys_give_zero_out_inf_lse_and_zero_grads(engine):
 @pytest.mark.parametrize("preload", [True, False], ids=["kv-converted-once", "kv-per-tile"])
 @pytest.mark.parametrize("chunks", [(1, 1), (3, 64), (64, 2), None])
 def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks, preload):
-    monkeypatch.setattr(core, "FORCED_CHUNKS", chunks)
     if not preload:
         monkeypatch.setattr(core, "PRELOAD_BUDGET_BYTES", 0)
     q, k, v, dout = random_qkv(2, 11, 14, 2, 1, 8, seed=3)
     params = params_for(8, (6, 0), softcap=2.0)
-    out, lse, _ = reference.forward(q, k, v, params)
-    dq, dk, dv = reference.backward(dout, q, k, v, out, lse, params)
+    out, lse, _ = reference.forward(q, k, v, params, chunks=chunks)
+    dq, dk, dv = reference.backward(dout, q, k, v, out, lse, params, chunks=chunks)
     ref = naive_with_grads(q[1], k[1], v[1], dout[1], scale=params.softmax_scale, window=(6, 0), softcap=2.0)
     close(out[1], ref[0])
     close(lse[1], ref[1])
@@ -188,8 +201,8 @@ def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks, preload):
 def test_half_precision_inputs(dtype, engine):
     q, k, v, dout = random_qkv(2, 21, 33, 4, 2, 16, dtype=dtype)
     params = params_for(16, (-1, 0))
-    out, lse, _ = reference.forward(q, k, v, params)
-    dq, dk, dv = reference.backward(dout, q, k, v, out, lse, params)
+    out, lse, _ = engine.forward(q, k, v, params)
+    dq, dk, dv = engine.backward(dout, q, k, v, out, lse, params)
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
     tol = 1e-2 if dtype == torch.float16 else 4e-2
     for i in range(2):
@@ -239,13 +252,12 @@ def test_dense_dropout_matches_oracle_with_mask_from_s_dmask():
             close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_dropout_mask_does_not_depend_on_chunking(monkeypatch):
+def test_dropout_mask_does_not_depend_on_chunking():
     q, k, v, _ = random_qkv(1, 10, 13, 2, 2, 8)
     params = params_for(8, dropout_p=0.5, seed=99)
     results = []
     for chunks in [(1, 1), (4, 5), (10, 13)]:
-        monkeypatch.setattr(core, "FORCED_CHUNKS", chunks)
-        results.append(reference.forward(q, k, v, params, return_softmax=True))
+        results.append(reference.forward(q, k, v, params, return_softmax=True, chunks=chunks))
     for out, _, s_dmask in results[1:]:
         assert torch.equal(s_dmask < 0, results[0][2] < 0)
         close(out, results[0][0], atol=1e-6, rtol=1e-6)
@@ -294,10 +306,10 @@ def test_varlen_matches_naive_including_empty_sequences(window, alibi, dropout_p
     q, k, v, dout, layout = _varlen_case(seqlens_q, seqlens_k, h, hk, d)
     slopes = torch.rand(len(seqlens_q), h) if alibi else None
     params = params_for(d, window, dropout_p=dropout_p, seed=42)
-    out, lse, s_dmask = reference.forward(q, k, v, params, varlen=layout, alibi_slopes=slopes, return_softmax=True)
+    out, lse, s_dmask = engine.forward(q, k, v, params, varlen=layout, alibi_slopes=slopes, return_softmax=True)
     assert out.shape == q.shape and lse.shape == (h, q.shape[0])
     assert s_dmask.shape == (len(seqlens_q), h, max(seqlens_q), max(seqlens_k))
-    grads = reference.backward(dout, q, k, v, out, lse, params, varlen=layout, alibi_slopes=slopes)
+    grads = engine.backward(dout, q, k, v, out, lse, params, varlen=layout, alibi_slopes=slopes)
     assert all(torch.isfinite(x).all() for x in grads)
     # Sequence 2 has queries but no keys: zeros and +inf.
     assert torch.all(out[3:10] == 0) and torch.all(lse[:, 3:10] == INF)
@@ -325,8 +337,8 @@ def test_paged_varlen_gradients_land_in_the_page_pool(engine):
     block_table = torch.randperm(num_pages, generator=g)[: 4 * 3].view(4, 3).to(torch.int32)
     layout = VarlenLayout(layout.cu_seqlens_q, layout.cu_seqlens_k, layout.max_seqlen_q, layout.max_seqlen_k, block_table)
     params = params_for(d, (-1, 0))
-    out, lse, _ = reference.forward(q, k_pool, v_pool, params, varlen=layout)
-    grads = reference.backward(dout, q, k_pool, v_pool, out, lse, params, varlen=layout)
+    out, lse, _ = engine.forward(q, k_pool, v_pool, params, varlen=layout)
+    grads = engine.backward(dout, q, k_pool, v_pool, out, lse, params, varlen=layout)
     assert grads[1].shape == k_pool.shape and grads[2].shape == v_pool.shape
     seq_rows = lambda pool, b: pool[block_table[b].long()].flatten(0, 1)[: seqlens_k[b]]
     k_seqs = [seq_rows(k_pool, b) for b in range(4)]
@@ -408,7 +420,7 @@ def test_kvcache_matches_naive(case, engine):
     cache = KVCacheInputs(k_cache, v_cache, seqlens, k_new, v_new, batch_idx, leftpad, block_table, cos, sin,
                           cfg.get("interleaved", True))
     params = params_for(d, window)
-    out, lse = reference.forward_kvcache(q, params, cache, alibi_slopes=slopes)
+    out, lse = engine.forward_kvcache(q, params, cache, alibi_slopes=slopes)
     assert out.shape == q.shape and lse.shape == (B, h, sq)
 
     for b in range(B):
@@ -473,33 +485,30 @@ class _AllocationRecorder(TorchDispatchMode):
 
 def test_no_full_score_matrix_is_allocated(monkeypatch):
     """With a 64 KiB tile budget, no op output may reach the size of one head's sq x sk scores."""
-    monkeypatch.setattr(core, "FORCED_CHUNKS", None)
     monkeypatch.setattr(core, "TILE_BUDGET_BYTES", 64 << 10)
     sq = sk = 256
     q, k, v, dout = random_qkv(1, sq, sk, 2, 1, 8)
     params = params_for(8, dropout_p=0.1, seed=1)
     with _AllocationRecorder() as recorder:
-        out, lse, _ = reference.forward(q, k, v, params)
-        reference.backward(dout, q, k, v, out, lse, params)
+        out, lse, _ = reference.forward(q, k, v, params, chunks=None)
+        reference.backward(dout, q, k, v, out, lse, params, chunks=None)
     # No op output exceeds one fp32 tile of the (dropout-shrunk) budget: 8192 elements here,
     # an eighth of one head's scores (inputs are 256 x 2 x 8).
     tile_elements = core.TILE_BUDGET_BYTES // core.DROPOUT_TILE_SHRINK // 4
     assert tile_elements <= sq * sk // 8
     assert recorder.largest <= tile_elements
     # The recorder does see a full score matrix when the chunks cover everything.
-    monkeypatch.setattr(core, "FORCED_CHUNKS", (sq, sk))
     with _AllocationRecorder() as recorder:
-        reference.forward(q, k, v, params_for(8))
+        reference.forward(q, k, v, params_for(8), chunks=(sq, sk))
     assert recorder.largest >= sq * sk
 
 
-def test_causal_skips_fully_masked_key_chunks(monkeypatch):
-    monkeypatch.setattr(core, "FORCED_CHUNKS", (16, 16))
+def test_causal_skips_fully_masked_key_chunks():
     q, k, v, _ = random_qkv(1, 128, 128, 2, 2, 8)
     counts = {}
     for name, window in [("full", (-1, -1)), ("causal", (-1, 0)), ("local", (8, 0))]:
         with _AllocationRecorder() as recorder:
-            reference.forward(q, k, v, params_for(8, window))
+            reference.forward(q, k, v, params_for(8, window), chunks=(16, 16))
         counts[name] = recorder.matmuls
     # 8 x 8 tiles in full; causal visits the 36 on or below the diagonal; local (8, 0) one tile
     # for the first row chunk and two for each later one (rows 16..31 see columns 8..31).
@@ -507,14 +516,13 @@ def test_causal_skips_fully_masked_key_chunks(monkeypatch):
     assert counts["local"] * 64 == counts["full"] * 15
 
 
-def test_tiles_reuse_their_buffers(monkeypatch):
+def test_tiles_reuse_their_buffers():
     """No tensor is allocated per tile: four times the tiles, as many tile-sized allocations.
 
     Sizes are chosen so that every per-call tensor (K/V in fp32, outputs, gradients) is at least
     half a tile at both lengths and every per-row tensor (lse, row statistics) below it. Softcap in bf16 takes the most
     buffers; ALiBi and dropout (index and mask tensors per tile) are not covered."""
     chunk_q, chunk_k = 16, 32
-    monkeypatch.setattr(core, "FORCED_CHUNKS", (chunk_q, chunk_k))
     tile = 2 * chunk_q * chunk_k  # batch 1, 2 heads
 
     def tile_sized_allocations(seqlen):
@@ -522,8 +530,8 @@ def test_tiles_reuse_their_buffers(monkeypatch):
         params = params_for(16, softcap=5.0)
         for _ in range(2):  # the second call: the thread's scratch exists by then
             with _AllocationRecorder() as recorder:
-                out, lse, _ = reference.forward(q, k, v, params)
-                reference.backward(dout, q, k, v, out, lse, params)
+                out, lse, _ = reference.forward(q, k, v, params, chunks=(chunk_q, chunk_k))
+                reference.backward(dout, q, k, v, out, lse, params, chunks=(chunk_q, chunk_k))
         return sum(1 for n in recorder.allocated if n >= tile // 2)
 
     per_call = tile_sized_allocations(64)  # 8 tiles
@@ -575,30 +583,29 @@ def test_threads_running_the_engine_at_once_get_their_own_answers():
             assert torch.equal(a, b)
 
 
-def test_default_chunk_sizes_respect_the_budget(monkeypatch):
-    monkeypatch.setattr(core, "FORCED_CHUNKS", None)
+def test_default_chunk_sizes_respect_the_budget():
     q = torch.empty(1, 16384, 8, 64)
-    problem = reference._dense_problem(q, q[:, :, :1], q[:, :, :1], None)
+    problem = _layouts._dense_problem(q, q[:, :, :1], q[:, :, :1], None)
     chunk_q, chunk_k = core.chunk_sizes(problem, params_for(64))
     assert 4 * 8 * chunk_q * chunk_k <= core.TILE_BUDGET_BYTES
     # not degenerate: whole rows of 64 queries at least, tiles TILE_ASPECT times as wide as tall
     assert chunk_q >= 64 and core.TILE_ASPECT * chunk_q <= chunk_k < (core.TILE_ASPECT + 1) * chunk_q
-    decode = reference._dense_problem(q[:, :1], q[:, :, :1], q[:, :, :1], None)
+    decode = _layouts._dense_problem(q[:, :1], q[:, :, :1], q[:, :, :1], None)
     assert core.chunk_sizes(decode, params_for(64)) == (1, 16384)
 
 
 _MEMORY_SCRIPT = textwrap.dedent(
     """
     import resource, time, torch
-    from flash_attn.backends import reference
+    from flash_attn.backends import cpu
     from flash_attn.params import AttentionParams
     torch.set_num_threads(2)
     s, h, d = 16384, 8, 64
     q, k, v = (torch.randn(1, s, h, d) for _ in range(3))
-    warm = reference.forward(q[:, :64], k[:, :64], v[:, :64], AttentionParams(0.125))  # load kernels
+    warm = cpu.forward(q[:, :64], k[:, :64], v[:, :64], AttentionParams(0.125))  # load kernels
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    out, lse, _ = reference.forward(q, k, v, AttentionParams(0.125))
+    out, lse, _ = cpu.forward(q, k, v, AttentionParams(0.125))
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print((after - before) * 1024, seconds)

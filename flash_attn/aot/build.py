@@ -27,6 +27,7 @@ Triton 3.9 uses that second tool from sm_90 on); the ptxas used per architecture
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -38,7 +39,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from flash_attn.aot import kernel_report, library as op_library, specializations as S
 from flash_attn.aot.archs import DEFAULT_CUDA_ARCHS, Arch, parse_arch_list
@@ -376,28 +377,67 @@ def _tree_rss_mb(root: int) -> float:
 def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None, quiet: bool = False,
           fresh_cache: bool = True, specs=None) -> dict:
     """Compile everything (or ``specs``, see :func:`plan`); returns the report (also written to
-    ``out_dir``)."""
-    import multiprocessing  # noqa: PLC0415
-
+    ``out_dir``). Stages: resolve the architectures, plan the jobs (:func:`plan`), compile them
+    (:func:`_compile_all`), write the manifest and the report (:func:`_manifest`, :func:`_report`)."""
     import triton  # noqa: PLC0415
 
     _pin_ptxas()
     cubins, ptxs = resolve_archs(archs if archs is not None else os.environ.get(ARCHS_ENV))
     jobs = int(jobs or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
-    out_dir = Path(out_dir)
+    out_dir = _clear_output(Path(out_dir))
+    work = plan(cubins, ptxs, specs)
+    cuobjdump = cuobjdump_path()
+    for job in work:
+        job["out"], job["cuobjdump"] = str(out_dir), cuobjdump
+    compiled = _compile_all(work, jobs, quiet, fresh_cache)
+    _write_json(out_dir / MANIFEST, _manifest(compiled, triton.__version__))
+    report = _report(compiled, work, cubins, ptxs, cuobjdump, jobs, triton.__version__)
+    _write_json(out_dir / REPORT, report)
+    return report
+
+
+def _clear_output(out_dir: Path) -> Path:
+    """``out_dir``, made, without a previous build's manifest, report and images."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in (out_dir / MANIFEST, out_dir / REPORT):
         stale.unlink(missing_ok=True)
     shutil.rmtree(out_dir / "images", ignore_errors=True)
-    work = plan(cubins, ptxs, specs)
-    cuobjdump = cuobjdump_path()
-    tmp_cache = None
-    if fresh_cache:
-        tmp_cache = tempfile.mkdtemp(prefix="flash_attn_aot_cache_")
-        os.environ["TRITON_CACHE_DIR"] = tmp_cache
-    for job in work:
-        job["out"], job["cuobjdump"] = str(out_dir), cuobjdump
+    return out_dir
 
+
+class _Compiled(NamedTuple):
+    """What the compile jobs produced: manifest entries and report rows (sorted by arch and
+    key), the build's wall seconds, the peak RSS of its process tree and of one worker (MB)."""
+
+    manifest_rows: list
+    report_rows: list
+    wall: float
+    peak_rss_mb: float
+    worker_rss_mb: int
+
+    @property
+    def archs(self) -> list:
+        return sorted({e["arch"] for e in self.manifest_rows})
+
+
+@contextlib.contextmanager
+def _fresh_triton_cache(fresh: bool):
+    """With ``fresh``, Triton compiles into a new, empty cache (honest timings), removed after."""
+    if not fresh:
+        yield
+        return
+    tmp_cache = tempfile.mkdtemp(prefix="flash_attn_aot_cache_")
+    os.environ["TRITON_CACHE_DIR"] = tmp_cache
+    try:
+        yield
+    finally:
+        shutil.rmtree(tmp_cache, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _peak_rss():
+    """Samples the resident memory of this process tree every 0.5 s; yields a one-item list that
+    holds the peak so far (MB)."""
     peak = [0.0]
     stop = threading.Event()
 
@@ -408,70 +448,88 @@ def build(out_dir: Path, archs: Optional[str] = None, jobs: Optional[int] = None
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    start = time.time()
-    progress = _Progress(len(work), quiet)
-    manifest_rows, report_rows, worker_rss = [], [], 0
     try:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pending = {pool.submit(compile_job, job): job for job in work}
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    job = pending.pop(future)
-                    label = f"{job['spec']['kernel']} {job['spec']['dtype']} d{job['spec']['block_d']} sm_{job['cap']}"
-                    try:
-                        result = future.result()
-                    except Exception as exc:  # noqa: BLE001
-                        for other in pending:
-                            other.cancel()
-                        progress.close()
-                        raise RuntimeError(f"build-kernels: {label}: {exc}") from None
-                    for entry, row in result["rows"]:
-                        manifest_rows.append(entry)
-                        report_rows.append(row)
-                    worker_rss = max(worker_rss, result["worker_rss_mb"])
-                    progress.update(label)
+        yield peak
     finally:
         stop.set()
         sampler.join()
-        progress.close()
-        if tmp_cache:
-            shutil.rmtree(tmp_cache, ignore_errors=True)
-    wall = time.time() - start
+
+
+def _compile_all(work: list, jobs: int, quiet: bool, fresh_cache: bool) -> _Compiled:
+    """Runs the compile jobs, timed and memory-sampled."""
+    with _fresh_triton_cache(fresh_cache), _peak_rss() as peak:
+        start = time.time()
+        progress = _Progress(len(work), quiet)
+        try:
+            manifest_rows, report_rows, worker_rss = _run_jobs(work, jobs, progress)
+        finally:
+            progress.close()
+        wall = time.time() - start
     manifest_rows.sort(key=lambda e: (e["arch"], e["key"]))
     report_rows.sort(key=lambda e: (e["arch"], e["key"]))
-    archs_built = sorted({e["arch"] for e in manifest_rows})
-    manifest = {
+    return _Compiled(manifest_rows, report_rows, wall, peak[0], worker_rss)
+
+
+def _run_jobs(work: list, jobs: int, progress: _Progress) -> tuple[list, list, int]:
+    """:func:`compile_job` for each job in ``jobs`` spawned processes; the first failure cancels
+    the rest and raises. Returns the manifest entries, the report rows and the largest worker RSS."""
+    import multiprocessing  # noqa: PLC0415
+
+    manifest_rows, report_rows, worker_rss = [], [], 0
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = {pool.submit(compile_job, job): job for job in work}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                job = pending.pop(future)
+                label = f"{job['spec']['kernel']} {job['spec']['dtype']} d{job['spec']['block_d']} sm_{job['cap']}"
+                try:
+                    result = future.result()
+                except Exception as exc:  # noqa: BLE001
+                    for other in pending:
+                        other.cancel()
+                    progress.close()
+                    raise RuntimeError(f"build-kernels: {label}: {exc}") from None
+                for entry, row in result["rows"]:
+                    manifest_rows.append(entry)
+                    report_rows.append(row)
+                worker_rss = max(worker_rss, result["worker_rss_mb"])
+                progress.update(label)
+    return manifest_rows, report_rows, worker_rss
+
+
+def _manifest(compiled: _Compiled, triton_version: str) -> dict:
+    return {"format": FORMAT, "triton": triton_version, "archs": compiled.archs, "kernels": compiled.manifest_rows}
+
+
+def _report(compiled: _Compiled, work: list, cubins: list, ptxs: list, cuobjdump: Optional[str], jobs: int,
+            triton_version: str) -> dict:
+    rows, archs_built = compiled.report_rows, compiled.archs
+    return {
         "format": FORMAT,
-        "triton": triton.__version__,
-        "archs": archs_built,
-        "kernels": manifest_rows,
-    }
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    image_bytes = sum(r["bytes"] for r in report_rows)
-    report = {
-        "format": FORMAT,
-        "triton": triton.__version__,
+        "triton": triton_version,
         "archs": archs_built,
         "requested": {"cubin": [a.name for a in cubins], "ptx": [a.name for a in ptxs]},
         "ptxas": {f"sm_{cap}": ptxas_for(cap) for cap in sorted({job["cap"] for job in work})},
         "cuobjdump": cuobjdump,
         "jobs": jobs,
         "totals": {
-            "kernels": len(report_rows),
+            "kernels": len(rows),
             "specs_compiled": len(work),
-            "wall_seconds": round(wall, 1),
-            "compile_cpu_seconds": round(sum(r["compile_seconds"] for r in report_rows), 1),
-            "peak_rss_mb": round(peak[0], 1),
-            "max_worker_rss_mb": worker_rss,
-            "bytes": image_bytes,  # as stored (compressed)
-            "raw_bytes": sum(r["raw_bytes"] for r in report_rows),  # the cubins/PTX themselves
-            "bytes_by_arch": {a: sum(r["bytes"] for r in report_rows if r["arch"] == a) for a in archs_built},
+            "wall_seconds": round(compiled.wall, 1),
+            "compile_cpu_seconds": round(sum(r["compile_seconds"] for r in rows), 1),
+            "peak_rss_mb": round(compiled.peak_rss_mb, 1),
+            "max_worker_rss_mb": compiled.worker_rss_mb,
+            "bytes": sum(r["bytes"] for r in rows),  # as stored (compressed)
+            "raw_bytes": sum(r["raw_bytes"] for r in rows),  # the cubins/PTX themselves
+            "bytes_by_arch": {a: sum(r["bytes"] for r in rows if r["arch"] == a) for a in archs_built},
         },
-        "kernels": report_rows,
+        "kernels": rows,
     }
-    (out_dir / REPORT).write_text(json.dumps(report, indent=1, sort_keys=True))
-    return report
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
 
 
 # --- CLI (flash_attn.__main__ conventions) --------------------------------------------------------

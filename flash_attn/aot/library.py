@@ -80,7 +80,7 @@ def _read_build_config(library: Path) -> dict:
 CPU_ONLY_REASON = (
     "this is a CPU-only build of flash_attn (built with FLASH_ATTN_CPU_ONLY=1, or the conda `cpu` build): "
     "it ships no op library and no ahead-of-time kernels, so the `aot` backend is unavailable; "
-    "CPU tensors use the reference backend, and a GPU needs a CUDA build of flash-attn"
+    "CPU tensors use the cpu backend, and a GPU needs a CUDA build of flash-attn"
 )
 
 

@@ -28,6 +28,17 @@ deterministic=False, grads=None, return_delta=False)`` -> ``(dq, dk, dv)`` shape
     ``cache`` a :class:`~flash_attn.params.KVCacheInputs`; q ``(b, sq, h, d)``; appends
     ``cache.k_new``/``v_new`` into the cache in place (after rotary on k) before attending.
 
+Optional: ``direct_forward(*args)`` with the arguments of the ``flash_attn::forward`` op
+(:mod:`flash_attn.custom_ops`) -> the op's outputs ``(out, lse, s_dmask, rng_state)`` or ``None``: a
+route for eager calls around the op, which the backend takes for the calls it chooses (``None``:
+the op runs). Only the ``cpu``
+backend has one (its plain calls: one fused-kernel call that keeps PyTorch's own autograd formula).
+
 Arguments arrive already validated and normalised by :mod:`flash_attn.flash_attn_interface`
 (dtypes, shapes, devices, value ranges), so a backend only computes.
+
+The backends: ``aot`` and ``triton`` (the GPU kernels, shipped or compiled on first use),
+``interpret`` (the same kernels in Triton's interpreter), ``cpu`` (:mod:`.cpu`: PyTorch's fused
+CPU kernels, oneDNN products and a causal tree, exactly; the fast path of CPU tensors) and
+``reference`` (:mod:`.reference`: the exact tiled definition alone, on any device).
 """

@@ -3,8 +3,7 @@ visible half of its scores (and a little more) is computed.
 
 The kernel's own causal mask skips whole key blocks of 512 columns per query block of 256 rows
 (64 or 32 when the query is shorter), so it still computes 1.46x the visible scores at 1k
-tokens and 1.25x at 2k, and a causal square of 512 rows or fewer costs as much as a full one
-(measured: 2 x 512 rows 6.95 ms causal, 6.82 ms full).
+tokens and 1.25x at 2k, and a causal square of 512 rows or fewer costs as much as a full one.
 
 Here a square of ``n = c * 2^L`` rows (``c`` in ``[BASE_ROWS, 2 * BASE_ROWS)``) is cut into
 blocks of ``c`` rows. The ``c x c`` blocks on the diagonal run causal, all in one call (the
@@ -16,12 +15,8 @@ causally. Every part uses the global ``out`` and ``lse`` in the backward, and th
 gradients are summed (exact, as context parallelism is); the forward merges a row's parts in
 place, by their shares of the softmax mass (:func:`forward`).
 
-fp32 only: the bf16 backward kernel is slower on small blocks (1k: 20 ms as one call, 26-36 ms
-as a tree with 64-256-row blocks), and merging bf16 partial outputs would round each of them.
-Measured on one thread (4 heads, d 64) in ``bench cpu`` (ours against SDPA, alternating calls),
-fp32 causal: forward 0.94-0.98x SDPA as one call -> 1.10 / 1.02 / 1.03 / 1.02x at 1k-8k;
-forward+backward 0.99-1.00x -> 1.16 / 1.07 / 1.04 / 1.02x. (A first forward tree that merged
-by weighted sums of fp32 copies lost 4-10% at 1k-4k: the merge, not the kernel calls.)
+fp32 only: the bf16 backward kernel is slower on small blocks, and merging bf16 partial outputs
+would round each of them. What the tree gains (and the sizes below): benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -31,11 +26,10 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-# Diagonal blocks have between BASE_ROWS and 2 * BASE_ROWS rows (64 measured best, 128 close).
+# Diagonal blocks have between BASE_ROWS and 2 * BASE_ROWS rows.
 BASE_ROWS = 64
-# Squares smaller than this run as one causal call: at 256-288 rows the tree's extra calls cost
-# more than they save (forward 0.96 vs 0.89 ms at 256, 1.19 vs 1.11 ms at 288; from 320 rows the
-# tree wins: 1.28 vs 1.36 ms; one thread, 4 heads, d 64).
+# Squares smaller than this run as one causal call: below it the tree's extra calls cost more
+# than they save.
 MIN_ROWS = 5 * BASE_ROWS
 
 # Picks a part's blocks out of a (B, n, ...) tensor as a (B, m, rows, ...) view.
@@ -44,7 +38,7 @@ Selector = Callable[[Tensor], Tensor]
 
 def applies(n_rows: int, n_cols: int, dtype: torch.dtype) -> bool:
     """True when a causal call of ``n_rows x n_cols`` (top-left aligned) gains from the tree:
-    an fp32 square (see the module docstring for what was measured)."""
+    an fp32 square (see the module docstring)."""
     return dtype == torch.float32 and n_rows == n_cols and n_rows >= MIN_ROWS
 
 

@@ -1,4 +1,5 @@
-"""PyTorch's own fused CPU attention kernels, used wherever their semantics are exactly ours.
+"""PyTorch's own fused CPU attention kernels, used (by :mod:`flash_attn.backends.cpu`) wherever
+their semantics are exactly ours.
 
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` (the kernel behind
 ``scaled_dot_product_attention`` on the CPU) returns the output *and* the log-sum-exp, handles
@@ -47,78 +48,42 @@ MASK_BUDGET_BYTES = 64 << 20
 # Fewer query rows per call than this make the kernels (the backward most) inefficient.
 MIN_MASK_ROWS = 128
 # Query rows per block of a sliding-window plan: an eighth of the window, within these bounds
-# (small blocks waste less work on the band's edges, large ones make fewer calls). Measured (one
-# thread, 4 heads, d 64, causal windows of 128-1024 keys at 1k-4k tokens): 128-row blocks take
-# up to 12% less time than 256-row ones (fp32 forward and forward+backward, bf16 forward), and
-# are within 1-2% where they do not.
+# (small blocks waste less work on the band's edges, large ones make fewer calls).
 BAND_MIN_ROWS, BAND_MAX_ROWS = 128, 1024
-# PyTorch's half-precision backward kernels are slow on small blocks: 256 rows there (bf16, 4k
-# tokens, 1024-key window: forward+backward 343 ms against 407 with 128-row blocks; 256-key
-# window: 161 against 168).
+# PyTorch's half-precision backward kernels are slow on small blocks: larger ones there.
 BAND_MIN_ROWS_HALF_BACKWARD = 256
 # A band at most this many blocks wide runs as one masked call per block: computing its few
-# columns under a mask costs less than two more calls and their merge (windows of 128-256 keys:
-# 12-16% less forward time, 2-9% less forward+backward); from 512 keys the split ties or wins.
+# columns under a mask costs less than two more calls and their merge.
 NARROW_BAND_BLOCKS = 2
+# (Where these numbers come from: benchmarks/README.md, "CPU engine: where its thresholds come from".)
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _ops():
     aten = torch.ops.aten
     name = "_scaled_dot_product_flash_attention_for_cpu"
-    # torch's own binding of the forward is ~2 us quicker per call than torch.ops (no Python
-    # overload resolution); the backward has none
+    # torch's own binding of the forward is quicker per call than torch.ops (no Python overload
+    # resolution); the backward has none
     forward = getattr(torch, name, None) or getattr(aten, name, None)
     backward = getattr(aten, name + "_backward", None)
     return (forward, backward) if forward is not None and backward is not None else None
 
 
-_OPS = _ops()
+OPS = _ops()
 
 
 def supports(problem: core.Problem, params: AttentionParams) -> bool:
     """True when the fused kernels compute exactly this problem."""
     q = problem.q
     return (
-        _OPS is not None
+        OPS is not None
         and q.device.type == "cpu"
-        and q.dtype in _DTYPES
+        and q.dtype in DTYPES
         and params.softcap == 0
         and params.dropout_p == 0
         and problem.head_dim_v == q.shape[-1]
     )
-
-
-def one_plain_call(q: Tensor, k: Tensor, causal: bool) -> bool:
-    """Whether the general plan for dense, non-empty ``q (B, sq, h, d)``, ``k (B, sk, hk, d)``
-    (no ALiBi, softcap, dropout or window; ``causal`` bottom-right) is one kernel call in q's
-    dtype on all rows and keys: full attention, or a causal square that is not cut as a tree, in
-    a dtype not converted to fp32 (:func:`_runs_in_fp32`), and not one that :mod:`._onednn` computes."""
-    dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
-    if _OPS is None or q.device.type != "cpu" or dtype not in _DTYPES:
-        return False
-    if dtype == torch.float16 and not _native_fp16():
-        return False
-    if _onednn_takes(dtype, sq, sk):
-        return False
-    if causal:
-        if sq != sk or _causal_tree.applies(sq, sk, dtype):
-            return False
-        if dtype == torch.bfloat16 and _bf16_forward_as_fp32_tree(sq, sk):
-            return False
-    elif dtype == torch.bfloat16 and _bf16_full_forward_in_fp32(sq, sk):
-        return False
-    return True
-
-
-def plain_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Tensor:
-    """The output of :func:`one_plain_call`'s problems, ``(B, sq, h, d)``: the kernel called
-    directly, so that autograd, where it records, keeps PyTorch's own formula for it, whose
-    backward is the kernel :func:`attention_backward` calls for this plan."""
-    forward, _ = _OPS
-    out, _ = forward(_heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale)
-    return out.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,7 +92,7 @@ def plain_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -
 
 
 @functools.cache
-def _native_fp16() -> bool:
+def native_fp16() -> bool:
     """Whether oneDNN multiplies fp16 matrices natively on this CPU (AVX512-FP16 or AMX-FP16);
     without it PyTorch's fp16 attention kernels fall back to scalar products."""
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
@@ -141,26 +106,21 @@ def _amx() -> bool:
 
 
 # The bf16 forward of a causal square of at least this many rows runs as the fp32 tree on a CPU
-# without AMX. Ratio SDPA / ours, one thread, 4 heads, d 64, as the fp32 tree -> as one bf16
-# call: 512 rows 0.86-0.92 -> 0.96-0.97, 640-704 0.90-0.94 -> 0.98, 768 1.04 -> 0.97, 1k
-# 1.08-1.10 -> 0.98, 2k 1.04-1.06 -> 0.99, 4k 1.07 -> 0.98-1.01 (converting costs more than the
-# tree saves on smaller squares).
+# without AMX (converting costs more than the tree saves on smaller squares).
 BF16_TREE_MIN_ROWS = 768
 
 
-def _bf16_forward_as_fp32_tree(rows: int, cols: int) -> bool:
+def bf16_forward_as_fp32_tree(rows: int, cols: int) -> bool:
     """Whether a bf16 causal ``rows x cols`` call (top-left aligned) runs forward as the fp32 tree."""
     return rows >= BF16_TREE_MIN_ROWS and _causal_tree.applies(rows, cols, torch.float32) and not _amx()
 
 
 # The bf16 forward of full attention over at least this many rows and keys runs on the fp32
-# kernel on a CPU without AMX. Kernel time bf16 / converted to fp32 and back (one thread, 4 heads,
-# d 64, alternating in one process; median and IQR): 1k 0.93 (0.91-0.94), 2k 0.97 (0.96-0.99),
-# 3k 1.03 (1.00-1.05), 4k 1.04-1.07 (1.02-1.08), 8k 1.06 (1.06-1.07).
+# kernel on a CPU without AMX (below, converting costs more than it saves).
 BF16_FULL_FP32_MIN = 3072
 
 
-def _bf16_full_forward_in_fp32(rows: int, cols: int) -> bool:
+def bf16_full_forward_in_fp32(rows: int, cols: int) -> bool:
     """Whether a bf16 full (unmasked, non-causal) ``rows x cols`` call runs forward in fp32."""
     return rows >= BF16_FULL_FP32_MIN and cols >= BF16_FULL_FP32_MIN and not _amx()
 
@@ -169,19 +129,18 @@ def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bo
     """Whether a half-precision problem runs faster on the fp32 kernels (its values are exact in
     fp32, and fp32 arithmetic only rounds less, so the result is at least as accurate):
 
-    * fp16 without native fp16 products: measured 1.7x (forward) and 10x (backward) slower than
-      converting to fp32 and back (4 heads, d 64, 1k-4k tokens, one thread);
+    * fp16 without native fp16 products (PyTorch's fp16 kernels then use scalar products);
     * the bf16 forward of a causal square from ``BF16_TREE_MIN_ROWS`` rows, on a CPU without
-      AMX: the fp32 tree took 4-10% less time than the bf16 kernel's one call at 1k-8k tokens;
+      AMX (the fp32 tree);
     * the bf16 forward of full attention from ``BF16_FULL_FP32_MIN`` rows and keys, on a CPU
-      without AMX: 3-7% less time at 3k-8k tokens (below, converting costs more than it saves),
+      without AMX,
     except where :mod:`._onednn`'s forward runs (it converts bf16 block by block itself). The bf16
-    backward kernel stays: the fp32 kernel took 1.3-1.45x its time, and :mod:`._onednn` with the
-    conversions 1.7x at 1k and 1.0x at 4k tokens.
+    backward kernel stays (slower in fp32, also on :mod:`._onednn`). Measurements:
+    benchmarks/README.md.
     """
     dtype = problem.q.dtype
     if dtype == torch.float16:
-        return not _native_fp16()
+        return not native_fp16()
     if dtype != torch.bfloat16 or backward:
         return False
     if any(_onednn_applies(problem, call) for group in groups for call in group):
@@ -189,9 +148,9 @@ def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bo
     for group in groups:
         for call in group:
             rows, cols = call.i1 - call.i0, call.c1 - call.c0
-            if _plain_causal(problem, call) and _bf16_forward_as_fp32_tree(rows, cols):
+            if _plain_causal(problem, call) and bf16_forward_as_fp32_tree(rows, cols):
                 return True
-            if _plain_full(problem, call) and _bf16_full_forward_in_fp32(rows, cols):
+            if _plain_full(problem, call) and bf16_full_forward_in_fp32(rows, cols):
                 return True
     return False
 
@@ -356,7 +315,7 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call,
                  onednn: bool = True) -> tuple[Tensor, Tensor]:
     """``(out (B, h, rows, d), lse fp32 (B, h, rows))`` of one call; a row that sees none of the
     call's keys gets out 0 and lse -inf (the log of an empty sum, so merging ignores it)."""
-    forward, _ = _OPS
+    forward, _ = OPS
     k, v = problem.load_kv(call.c0, call.c1)
     if onednn and _onednn_applies(problem, call):
         forward = _onednn.forward
@@ -389,13 +348,11 @@ def _plain_full(problem: core.Problem, call: _Call) -> bool:
 
 
 # The bf16 forward runs on :mod:`._onednn` (computed in fp32, converted block by block) from this
-# many rows and keys (bench cpu, one thread, 4 heads, d 64, ratio to SDPA at 512 tokens: forward
-# 1.16-1.42, forward+backward 0.99-1.04; at 1k 1.02-1.29 and 1.03-1.17). Converted as a whole
-# problem first, it had lost up to 1k tokens (0.83-0.97).
+# many rows and keys (converted block by block, not as a whole problem first).
 BF16_ONEDNN_MIN = 512
 
 
-def _onednn_takes(dtype: torch.dtype, rows: int, cols: int, backward: bool = False) -> bool:
+def onednn_takes(dtype: torch.dtype, rows: int, cols: int, backward: bool = False) -> bool:
     """Whether :mod:`._onednn` computes a ``rows x cols`` call without mask or ALiBi, faster than
     the fused kernel: fp32, and the forward of bf16 from ``BF16_ONEDNN_MIN`` rows and keys."""
     if dtype == torch.bfloat16:
@@ -407,9 +364,9 @@ def _onednn_takes(dtype: torch.dtype, rows: int, cols: int, backward: bool = Fal
 
 
 def _onednn_applies(problem: core.Problem, call: _Call, backward: bool = False) -> bool:
-    """A call of ``problem`` that :func:`_onednn_takes`."""
+    """A call of ``problem`` that :func:`onednn_takes`."""
     return (not call.masked and problem.alibi_slopes is None
-            and _onednn_takes(problem.q.dtype, call.i1 - call.i0, call.c1 - call.c0, backward))
+            and onednn_takes(problem.q.dtype, call.i1 - call.i0, call.c1 - call.c0, backward))
 
 
 def _tree_applies(problem: core.Problem, call: _Call) -> bool:
@@ -486,7 +443,7 @@ def attention_backward(
 
 def _run_backward(problem, params, call, dout, out, lse):
     """``(dq rows, dk cols, dv cols)`` of one call, ``(B, n, heads, d)``."""
-    _, backward = _OPS
+    _, backward = OPS
     rows = slice(call.i0, call.i1)
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]

@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
 
 __all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
@@ -106,27 +107,11 @@ _PREPARE = {
 }
 
 
-_unused: dict[tuple, torch.Tensor] = {}
-
-
-def _placeholder(dtype, device) -> torch.Tensor:
-    """A tensor nothing reads or writes: one per dtype on the CPU, made per call elsewhere. A kept
-    CUDA tensor would cross capture boundaries: one made outside a CUDA graph and used inside it,
-    or one made during a cudagraph-trees warm-up (not a capture, but its memory comes from the
-    graphs' private pool) that the pool may hand out again while it is kept here."""
-    if device.type != "cpu":
-        return torch.empty(16, dtype=dtype, device=device)
-    found = _unused.get((dtype, device))
-    if found is None:
-        found = _unused[(dtype, device)] = torch.empty(16, dtype=dtype, device=device)
-    return found
-
-
 def _allocator(buffer: P.Buffer):
     """``(tensors, device) -> tensor`` for ``buffer``, with its shapes worked out once (a per-call
     row count, :class:`~flash_attn.planning.plan.Rows`, is read from ``tensors``)."""
     if buffer.unused:
-        return lambda tensors, device: _placeholder(buffer.dtype, device)
+        return lambda tensors, device: placeholder(buffer.dtype, device)
     make, storage, dtype, columns = (torch.zeros if buffer.zeroed else torch.empty), buffer.storage, buffer.dtype, \
         buffer.shape[-1] if buffer.storage != buffer.shape else None
     if any(isinstance(n, P.Rows) for n in storage):

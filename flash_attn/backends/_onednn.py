@@ -3,10 +3,8 @@ for CPUs where PyTorch's BLAS multiplies fp32 matrices at a fraction of the CPU'
 
 PyTorch multiplies fp32 matrices on the CPU with its BLAS (MKL in the x86 wheels), and so does
 its fused attention kernel. On AMD CPUs MKL takes its AVX2 code path even where the CPU has
-AVX-512. Measured on the development machine (AMD EPYC with AVX-512, one thread): a 256x64 by
-64x2048 product runs at 110 GFLOP/s through MKL and 241 GFLOP/s through oneDNN (which PyTorch
-also ships: ``mkldnn::_linear_pointwise``), with the same largest error against float64; the
-fused kernel runs at 92 GFLOP/s at 1k-16k tokens.
+AVX-512, and oneDNN (which PyTorch also ships: ``mkldnn::_linear_pointwise``) multiplies about
+twice as fast there, with the same largest error against float64 (benchmarks/README.md).
 
 :func:`forward` and :func:`backward` compute exactly the contract of
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward for what
@@ -22,9 +20,8 @@ Whether this runs is measured, not guessed (:func:`faster_here`): where the two 
 measured here) the fused kernel stays.
 
 Known cost: oneDNN's product has no ``out=``, so every score tile is a fresh tensor, and glibc
-returns and refaults some of that memory from call to call: ~650 minor page faults per call at
-1k tokens, fp32, 4 heads (~1.1 ms of 8.2 ms; none with glibc told to keep its memory, which a
-library should not decide for its process).
+returns and refaults some of that memory from call to call (a library should not tell glibc to
+keep its memory for its process).
 """
 
 from __future__ import annotations
@@ -41,23 +38,19 @@ from torch import Tensor
 # "auto" (default): where :func:`faster_here` says so; "1": wherever it applies; "0": never.
 MODE_ENV = "FLASH_ATTN_CPU_ONEDNN"
 # Keys per score tile, and query rows: 256 for the forward of full attention, 128 for causal
-# rows (less of the diagonal tile is wasted) and the backward. Measured (one thread, 4 heads, d 64,
-# fp32, 1k-16k tokens, 64-512 rows x 1024-4096 keys): the forward of full attention 256 x 2048 best
-# (whole rows of 16k keys took 1.8x its time: the tile leaves the cache); causal forward at 1k
-# 7.0 ms with 128 rows, 10.0 with 256; backward at 1k-2k 15-20% quicker with 128 rows, at 4k 10%
-# slower (full) or even (causal). Rows must divide COLS (:func:`_key_blocks`).
+# rows (less of the diagonal tile is wasted) and the backward; a tile stays in the cache. Rows
+# must divide COLS (:func:`_key_blocks`). Where the sizes come from: benchmarks/README.md.
 COLS = 2048
 FULL_FORWARD_ROWS, ROWS = 256, 128
 # Calls with fewer query rows or keys run on the fused kernel (per-tile Python costs more than
 # the faster products save).
 MIN_ROWS = MIN_COLS = 256
 # auto mode uses oneDNN where its products are at least this much faster than the BLAS's
-# (:func:`faster_here`; this module's calls then measured 1.0-1.9x the fused kernel's speed) ...
+# (:func:`faster_here`) ...
 REQUIRED_PRODUCT_SPEEDUP = 1.5
-# ... with at most this many threads (the counts measured here), and with more than one thread
+# ... with at most this many threads (the counts measured), and with more than one thread
 # only from MULTI_THREAD_MIN rows and keys: the tile loop parallelises less well than the fused
-# kernel's loop over heads and row blocks. bench cpu, 4 heads, d 64, ratio to SDPA: one thread
-# 1.03-1.83x at 1k-16k (fp32); two threads 0.74-0.93x at 1k and 1.01-1.62x at 4k tokens.
+# kernel's loop over heads and row blocks.
 MAX_AUTO_THREADS = 2
 MULTI_THREAD_MIN = 4096
 
@@ -77,7 +70,7 @@ _LINEAR = _linear_op()
 
 def _mm(x: Tensor, w: Tensor) -> Tensor:
     """``x @ w.T`` in fp32 on oneDNN. ``w`` must be contiguous: a strided one takes oneDNN's
-    reference path (measured: 710 ms instead of 0.45 ms for 256x64 by 64x2048)."""
+    reference path, three orders of magnitude slower."""
     return _LINEAR(x, w, None, "none", [], "")
 
 
@@ -124,9 +117,8 @@ def faster_here(threads: int) -> bool:
     ``threads`` threads: the cause of this module's gain, and a property of the CPU and the BLAS,
     so the choice does not flip from run to run.
 
-    Measured on the development machine: one (256, 64) x (64, 2048) product of each, five
-    alternating rounds after a warm-up, fastest of each (~10 ms once per process): 2.0-2.2x in
-    six fresh processes on one and two threads. Its own generator leaves the global RNG alone.
+    One (256, 64) x (64, 2048) product of each, five alternating rounds after a warm-up, fastest
+    of each (~10 ms once per process). Its own generator leaves the global RNG alone.
     """
     generator = torch.Generator().manual_seed(0)
     a, w = torch.randn(FULL_FORWARD_ROWS, 64, generator=generator), torch.randn(COLS, 64, generator=generator)

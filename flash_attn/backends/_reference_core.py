@@ -1,4 +1,5 @@
-"""Exact, memory-bounded attention in plain PyTorch: the engine of the reference backend.
+"""Exact, memory-bounded attention in plain PyTorch: the engine of the reference backend (and
+of the cpu backend for what PyTorch's fused kernels do not compute).
 
 Everything here works on one *batched problem* (:class:`Problem`): ``B`` sequences that share
 the query length ``sq``. Keys are read chunk by chunk through a loader, so the same code serves
@@ -42,10 +43,8 @@ from flash_attn.params import AttentionParams
 
 # Bytes of one fp32 score tile (B x h x chunk_q x chunk_k) on the CPU: small enough that the
 # tile's few elementwise passes run in the caches, large enough that per-tile Python overhead is
-# small. A handful of tile-sized temporaries are alive at once. Measured (one thread, 4 heads,
-# d=64, causal softcap): 1 MiB tiles 4x as wide as tall (128 x 512) take 15-25% less time at 1k
-# tokens than 2 MiB tiles twice as wide as tall (less of the diagonal tile is wasted and the
-# tile stays in L2), the same at 4k, and ~7% more at 16k (twice the tiles' Python overhead).
+# small. A handful of tile-sized temporaries are alive at once (measurements: benchmarks/README.md,
+# "CPU engine: where its thresholds come from").
 TILE_BUDGET_BYTES = 1 << 20
 # Tile width over height: row statistics and the output accumulator are updated once per tile.
 TILE_ASPECT = 4
@@ -58,12 +57,10 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 # Scratch buffers a thread keeps between calls on the CPU (see :class:`_Scratch`), at most
 # this many bytes: a call's fp32 buffers at 1 MiB tiles take 3-5 MiB; dropout's five int64
-# words take 5 MiB more, the largest dropped first (keeping 16 MiB measured the same).
+# words take 5 MiB more, the largest dropped first.
 KEPT_SCRATCH_BYTES = 8 << 20
 # K and V columns (fp32, all a problem may see) are converted once up to this size, else per tile.
 PRELOAD_BUDGET_BYTES = 256 << 20
-# Tests set ``(chunk_q, chunk_k)`` here to force many small chunks.
-FORCED_CHUNKS: Optional[tuple[int, int]] = None
 
 KVLoader = Callable[[int, int], tuple[Tensor, Tensor]]
 
@@ -113,10 +110,12 @@ class Problem:
 # ----------------------------------------------------------------------------------------------
 
 
-def chunk_sizes(problem: Problem, params: AttentionParams) -> tuple[int, int]:
-    """``(chunk_q, chunk_k)`` so that one fp32 ``(B, h, chunk_q, chunk_k)`` tile fits the budget."""
-    if FORCED_CHUNKS is not None:
-        return FORCED_CHUNKS
+def chunk_sizes(problem: Problem, params: AttentionParams,
+                chunks: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+    """``(chunk_q, chunk_k)`` so that one fp32 ``(B, h, chunk_q, chunk_k)`` tile fits the budget;
+    ``chunks``, when given, instead (tests run many ragged chunks with it)."""
+    if chunks is not None:
+        return chunks
     budget = TILE_BUDGET_BYTES if problem.q.device.type == "cpu" else ACCELERATOR_TILE_BUDGET_BYTES
     budget //= DROPOUT_TILE_SHRINK if params.dropout_p > 0 else 1
     area = max(1, budget // (4 * problem.batch * problem.nheads))
@@ -241,10 +240,8 @@ class _Scratch:
 
     A fresh tile-sized tensor per tile is a fresh ``malloc`` of ~1 MiB, and glibc hands such
     blocks back to the OS when they are freed, to take them again page by page for the next
-    one. Measured (one thread, bf16 causal softcap, 1k tokens, forward+backward): ~4,300 page
-    faults and 70 ms per call with a tensor per tile; 1,200-1,600 faults and 43-45 ms with the
-    buffers reused within the call; 600-900 faults and 39-41 ms with them also kept between
-    calls (:func:`_scratch_for`).
+    one: reusing the buffers within a call, and keeping them between calls
+    (:func:`_scratch_for`), saves most of those page faults (benchmarks/README.md).
     """
 
     def __init__(self, device: torch.device):
@@ -453,13 +450,15 @@ def _tile_mask(
 
 
 @torch.no_grad()
-def attention_forward(problem: Problem, params: AttentionParams) -> tuple[Tensor, Tensor]:
-    """Exact attention of one problem. Returns ``out`` like q and fp32 ``lse (B, h, sq)``."""
+def attention_forward(problem: Problem, params: AttentionParams,
+                      chunks: Optional[tuple[int, int]] = None) -> tuple[Tensor, Tensor]:
+    """Exact attention of one problem. Returns ``out`` like q and fp32 ``lse (B, h, sq)``.
+    ``chunks``: the tile shape to use instead of the budget's (:func:`chunk_sizes`)."""
     q = problem.q
     B, sq, h, _ = q.shape
     hk = problem.nheads_k
     base2 = _Base2.of(problem, params)
-    chunk_q, chunk_k = chunk_sizes(problem, params)
+    chunk_q, chunk_k = chunk_sizes(problem, params, chunks)
     columns = _column_source(problem, params, chunk_q)
     with _scratch_for(q.device, B * h * chunk_q * chunk_k) as scratch:
         out = q.new_empty(B, sq, h, problem.head_dim_v)
@@ -496,7 +495,8 @@ def attention_forward(problem: Problem, params: AttentionParams) -> tuple[Tensor
 
 
 @torch.no_grad()
-def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: Tensor, sk_out: int) -> Tensor:
+def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: Tensor, sk_out: int,
+                               chunks: Optional[tuple[int, int]] = None) -> Tensor:
     """fp32 ``(B, h, sq, sk_out)``: normalised probabilities, negated where dropout drops them.
 
     Recomputed tile by tile from the forward's ``lse (B, h, sq)``; column ``c`` is written at
@@ -508,7 +508,7 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
     assert len(problem.key_start) == 1, "return_softmax needs one key_start for all sequences"
     start = problem.key_start[0]
     base2 = _Base2.of(problem, params)
-    chunk_q, chunk_k = chunk_sizes(problem, params)
+    chunk_q, chunk_k = chunk_sizes(problem, params, chunks)
     with _scratch_for(q.device, B * h * chunk_q * chunk_k) as scratch:
         probs = torch.zeros(B, h, sq, sk_out, dtype=torch.float32, device=q.device)
         for i0 in range(0, sq, chunk_q):
@@ -533,7 +533,8 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
 
 @torch.no_grad()
 def attention_backward(
-    problem: Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor
+    problem: Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor,
+    chunks: Optional[tuple[int, int]] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Flash-attention backward of one problem, recomputing P tile by tile from ``lse``.
 
@@ -547,7 +548,7 @@ def attention_backward(
     dev = q.device
     dim_v = problem.head_dim_v
     base2 = _Base2.of(problem, params)
-    chunk_q, chunk_k = chunk_sizes(problem, params)
+    chunk_q, chunk_k = chunk_sizes(problem, params, chunks)
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=dev)
     dk = torch.zeros(B, hk, problem.n_cols, d, dtype=torch.float32, device=dev)
     dv = torch.zeros(B, hk, problem.n_cols, dim_v, dtype=torch.float32, device=dev)

@@ -1,55 +1,44 @@
 """The reference backend: exact flash-attn 2.8 semantics in plain PyTorch, on any device.
 
-It implements the contract of :mod:`flash_attn.backends` on two engines that take the same
-problems: PyTorch's fused CPU attention kernels (:mod:`flash_attn.backends._cpu_fused`) wherever
-their semantics are exactly ours (CPU tensors, no softcap, no dropout), and the tiled engine of
-:mod:`flash_attn.backends._reference_core` everywhere else (online softmax forward, flash
-backward, on any device). Neither ever holds a full ``(sq x sk)`` score matrix. This module only
-adapts the three input layouts to the engines:
+The definition the kernels are checked against, and nothing else: the tiled engine of
+:mod:`flash_attn.backends._reference_core` (online softmax forward, flash backward; masking,
+ALiBi, softcap and dropout as :mod:`flash_attn.kernels.masking` states them), never holding a
+full ``(sq x sk)`` score matrix, on the three layouts of the contract
+(:mod:`flash_attn.backends._layouts`). CPU tensors go to the faster :mod:`flash_attn.backends.cpu`
+under ``auto``; this backend runs them when ``FLASH_ATTN_BACKEND=reference`` names it.
 
-* dense ``(b, s, h, d)`` tensors: one batched problem, no python loop over the batch;
-* varlen (packed) tensors: one problem per sequence; paged K/V are gathered per sequence
-  (``index_select`` of its pages) and their gradients scatter-added back into the page pool;
-* the KV cache: new rows (rotary applied) are written into the cache in place, then one
-  batched problem reads the cache chunk by chunk (through the page table when paged).
-
-Dropout uses :func:`flash_attn.dropout.keep_mask` with positions inside each sequence, so the
-mask does not depend on chunking and matches the Triton kernels bit for bit.
+Every function takes ``chunks``: the ``(query rows, key columns)`` of a tile to use instead of
+those the tile budget gives (tests run many small, ragged chunks with it).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from flash_attn.backends import _cpu_fused as fused
+from flash_attn.backends import _layouts
 from flash_attn.backends import _reference_core as core
+from flash_attn.backends._layouts import delta  # noqa: F401  (part of this backend's API: lowlevel)
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
 
-__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache"]
+__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "engine"]
 
-# False runs every problem on the tiled engine (tests of that engine use it).
-USE_FUSED_CPU_KERNELS = True
-
-
-def _engine(problem: core.Problem, params: AttentionParams):
-    """PyTorch's fused CPU kernels where they compute exactly this problem, else the tiled engine."""
-    if USE_FUSED_CPU_KERNELS and fused.supports(problem, params):
-        return fused
-    return core
+Chunks = Optional[tuple[int, int]]
 
 
-def _attention_forward(problem: core.Problem, params: AttentionParams, return_softmax: bool = False):
-    # The probabilities of return_softmax are recomputed by the tiled engine from lse: the same
-    # engine computes lse, so that they are normalised to exactly 1.
-    engine = core if return_softmax else _engine(problem, params)
-    return engine.attention_forward(problem, params)
-
-
-def _attention_backward(problem: core.Problem, params: AttentionParams, dout, out, lse):
-    return _engine(problem, params).attention_backward(problem, params, dout, out, lse)
+@functools.lru_cache(maxsize=16)
+def engine(chunks: Chunks = None) -> _layouts.Engine:
+    """The tiled engine as an :class:`~flash_attn.backends._layouts.Engine` (with ``chunks``)."""
+    return _layouts.Engine(
+        forward=lambda problem, params, return_softmax: core.attention_forward(problem, params, chunks),
+        backward=lambda problem, params, dout, out, lse: core.attention_backward(
+            problem, params, dout, out, lse, chunks),
+        probabilities=lambda problem, params, lse, sk: core.softmax_with_dropout_signs(
+            problem, params, lse, sk, chunks),
+    )
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
@@ -57,132 +46,6 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared helpers
-# ----------------------------------------------------------------------------------------------
-
-
-def _slopes_for(alibi_slopes: Optional[Tensor], batch: Optional[int] = None) -> Optional[Tensor]:
-    """ALiBi slopes as fp32 ``(1 or B, h)``; ``batch`` picks one row of ``(b, h)`` slopes."""
-    if alibi_slopes is None:
-        return None
-    slopes = alibi_slopes.to(torch.float32)
-    if slopes.dim() == 1:
-        return slopes.unsqueeze(0)
-    return slopes if batch is None else slopes[batch : batch + 1]
-
-
-def _column_loader(k: Tensor, v: Tensor) -> core.KVLoader:
-    """Loader over contiguous keys ``k, v (B, sk, hk, d)``."""
-    return lambda c0, c1: (k[:, c0:c1], v[:, c0:c1])
-
-
-def _dense_problem(
-    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], first_batch: int = 0
-) -> core.Problem:
-    """A problem over ``q (B, sq, h, d)`` and keys ``k, v (B, sk, hk, d)``, all of equal length."""
-    return core.Problem(
-        q=q,
-        load_kv=_column_loader(k, v),
-        n_cols=k.shape[1],
-        nheads_k=k.shape[2],
-        head_dim_v=v.shape[-1],
-        key_start=[0],
-        key_len=[k.shape[1]],
-        first_batch=first_batch,
-        alibi_slopes=alibi_slopes,
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Varlen: one dense problem per sequence
-# ----------------------------------------------------------------------------------------------
-
-
-def _sequence_pages(varlen: VarlenLayout, b: int, seqlen_k: int, page_size: int) -> Tensor:
-    """Indices of the pages holding sequence ``b``'s ``seqlen_k`` keys."""
-    npages = -(-seqlen_k // page_size)
-    return varlen.block_table[b, :npages].to(torch.int64)
-
-
-def _sequence_kv(
-    k: Tensor, v: Tensor, varlen: VarlenLayout, b: int, k0: int, k1: int
-) -> tuple[Tensor, Tensor]:
-    """Sequence ``b``'s keys as contiguous ``(sk, hk, d)`` tensors (gathering pages if paged)."""
-    if varlen.block_table is None:
-        return k[k0:k1], v[k0:k1]
-    pages = _sequence_pages(varlen, b, k1 - k0, k.shape[1])
-    gather = lambda pool: pool.index_select(0, pages).flatten(0, 1)[: k1 - k0]
-    return gather(k), gather(v)
-
-
-def _sequence_problems(q: Tensor, k: Tensor, v: Tensor, varlen: VarlenLayout, alibi_slopes: Optional[Tensor]):
-    """Yield ``(b, q0, q1, k0, k1, problem)`` for every sequence with at least one query row."""
-    cu_q = varlen.cu_seqlens_q.tolist()
-    cu_k = varlen.cu_seqlens_k.tolist()
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        if q1 == q0:
-            continue
-        kb, vb = _sequence_kv(k, v, varlen, b, k0, k1)
-        slopes = _slopes_for(alibi_slopes, b)
-        problem = _dense_problem(q[q0:q1].unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), slopes, first_batch=b)
-        yield b, q0, q1, k0, k1, problem
-
-
-def _varlen_forward(q, k, v, params, varlen, alibi_slopes, return_softmax):
-    total_q, h, _ = q.shape
-    batch = varlen.cu_seqlens_q.shape[0] - 1
-    out = q.new_zeros(total_q, h, v.shape[-1])
-    lse = torch.full((h, total_q), float("inf"), dtype=torch.float32, device=q.device)
-    s_dmask = None
-    if return_softmax:
-        shape = (batch, h, varlen.max_seqlen_q, varlen.max_seqlen_k)
-        s_dmask = torch.zeros(shape, dtype=torch.float32, device=q.device)
-    for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes):
-        out_b, lse_b = _attention_forward(problem, params, return_softmax)
-        out[q0:q1] = out_b[0]
-        lse[:, q0:q1] = lse_b[0]
-        if return_softmax:
-            probs = core.softmax_with_dropout_signs(problem, params, lse_b, k1 - k0)
-            s_dmask[b, :, : q1 - q0, : k1 - k0] = probs[0]
-    return out, lse, s_dmask
-
-
-def _scatter_pages(pool_grad: Tensor, grad: Tensor, pages: Tensor) -> None:
-    """Add a sequence's key gradient ``(sk, hk, d)`` into ``pool_grad (num_pages, page, hk, d)``."""
-    page_size = pool_grad.shape[1]
-    padded = pool_grad.new_zeros(pages.shape[0] * page_size, *grad.shape[1:])
-    padded[: grad.shape[0]] = grad
-    # index_add_ accumulates, so pages shared by several sequences get every contribution.
-    pool_grad.index_add_(0, pages, padded.view(pages.shape[0], page_size, *grad.shape[1:]))
-
-
-def _varlen_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes):
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes):
-        dq_b, dk_b, dv_b = _attention_backward(
-            problem, params, dout[q0:q1].unsqueeze(0), out[q0:q1].unsqueeze(0), lse[:, q0:q1].unsqueeze(0)
-        )
-        dq[q0:q1] = dq_b[0]
-        if varlen.block_table is None:
-            dk[k0:k1] += dk_b[0]
-            dv[k0:k1] += dv_b[0]
-        else:
-            pages = _sequence_pages(varlen, b, k1 - k0, k.shape[1])
-            _scatter_pages(dk, dk_b[0], pages)
-            _scatter_pages(dv, dv_b[0], pages)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# The contract: forward / backward
-# ----------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
 def forward(
     q: Tensor,
     k: Tensor,
@@ -192,25 +55,12 @@ def forward(
     varlen: Optional[VarlenLayout] = None,
     alibi_slopes: Optional[Tensor] = None,
     return_softmax: bool = False,
+    chunks: Chunks = None,
 ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(out, lse, s_dmask)``; shapes as in :mod:`flash_attn.backends`."""
-    if varlen is not None:
-        return _varlen_forward(q, k, v, params, varlen, alibi_slopes, return_softmax)
-    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
-    out, lse = _attention_forward(problem, params, return_softmax)
-    s_dmask = core.softmax_with_dropout_signs(problem, params, lse, k.shape[1]) if return_softmax else None
-    return out, lse, s_dmask
+    return _layouts.forward(engine(chunks), q, k, v, params, varlen, alibi_slopes, return_softmax)
 
 
-def plain_forward(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool) -> Optional[Tensor]:
-    """:func:`forward`'s output for a dense problem that the fused kernel computes in one call
-    (:func:`fused.one_plain_call`), or ``None``."""
-    if not (USE_FUSED_CPU_KERNELS and fused.one_plain_call(q, k, causal)):
-        return None
-    return fused.plain_forward(q, k, v, softmax_scale, causal)
-
-
-@torch.no_grad()
 def backward(
     dout: Tensor,
     q: Tensor,
@@ -225,6 +75,7 @@ def backward(
     deterministic: bool = False,
     grads: Optional[tuple] = None,
     return_delta: bool = False,
+    chunks: Chunks = None,
 ) -> tuple[Tensor, ...]:
     """``(dq, dk, dv)`` shaped like q, k, v (the page pool when paged), and with ``return_delta``
     Delta ``rowsum(dout * out)`` fp32 shaped like lse.
@@ -232,146 +83,13 @@ def backward(
     ``deterministic`` and ``grads`` are accepted for the contract: this backend is always
     deterministic, and computes its gradients in its own (fp32) buffers, never in the caller's.
     """
-    if varlen is not None:
-        result = _varlen_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes)
-    else:
-        problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
-        dq, dk, dv = _attention_backward(problem, params, dout, out, lse)
-        result = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    return (*result, delta(dout, out, varlen is not None)) if return_delta else result
+    return _layouts.backward(engine(chunks), dout, q, k, v, out, lse, params, varlen, alibi_slopes, return_delta)
 
 
-def delta(dout: Tensor, out: Tensor, packed: bool) -> Tensor:
-    """Delta ``rowsum(dout * out)`` in fp32, laid out like lse: ``(b, h, sq)``, packed ``(h, total)``."""
-    rows = torch.linalg.vecdot(dout.to(torch.float32), out.to(torch.float32))  # (b, sq, h) or (total, h)
-    return rows.t() if packed else rows.transpose(1, 2)
-
-
-# ----------------------------------------------------------------------------------------------
-# KV cache
-# ----------------------------------------------------------------------------------------------
-
-
-def _rotate_at(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> Tensor:
-    """Rotary embedding of ``x (B, s, h, d)`` with row ``positions[b, t]`` of the tables.
-
-    cos/sin: ``(seqlen_ro, rotary_dim / 2)``; features past ``rotary_dim`` pass through.
-    ``interleaved`` rotates pairs ``(2i, 2i+1)`` (GPT-J), else ``(i, i + rotary_dim/2)`` (NeoX).
-    Computed in fp32 and rounded once to ``x.dtype``, like the fused kernels.
-    """
-    half = cos.shape[1]
-    rotary_dim = 2 * half
-    c = cos[positions].to(torch.float32).unsqueeze(2)  # (B, s, 1, half)
-    s = sin[positions].to(torch.float32).unsqueeze(2)
-    x_rot = x[..., :rotary_dim].to(torch.float32)
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-    else:
-        x1, x2 = x_rot[..., :half], x_rot[..., half:]
-    r1, r2 = x1 * c - x2 * s, x1 * s + x2 * c
-    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
-    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
-
-
-def _cache_rows(cache: KVCacheInputs, batch: int) -> Tensor:
-    """int64 ``(B,)``: the cache batch row of each query batch entry (non-paged caches)."""
-    if cache.cache_batch_idx is not None:
-        return cache.cache_batch_idx.to(torch.int64)
-    return torch.arange(batch, device=cache.k_cache.device)
-
-
-def _append_new_rows(cache: KVCacheInputs, k_new: Tensor, seqlens: Tensor) -> None:
-    """Write ``k_new``/``cache.v_new (B, s_new, hk, d)`` into the cache in place at rows
-    ``seqlens[b] + t`` (through the page table when paged)."""
-    B, s_new = k_new.shape[:2]
-    rows = seqlens.unsqueeze(1) + torch.arange(s_new, device=seqlens.device)  # (B, s_new)
-    if cache.block_table is None:
-        batch_rows = _cache_rows(cache, B).unsqueeze(1).expand(B, s_new)
-        cache.k_cache[batch_rows, rows] = k_new.to(cache.k_cache.dtype)
-        cache.v_cache[batch_rows, rows] = cache.v_new.to(cache.v_cache.dtype)
-        return
-    page_size = cache.k_cache.shape[1]
-    table = cache.block_table.to(torch.int64)
-    pages = table.gather(1, rows // page_size)
-    cache.k_cache[pages, rows % page_size] = k_new.to(cache.k_cache.dtype)
-    cache.v_cache[pages, rows % page_size] = cache.v_new.to(cache.v_cache.dtype)
-
-
-def _cache_loader(cache: KVCacheInputs, batch: int) -> core.KVLoader:
-    """Loader of cache columns ``c0:c1`` for every batch entry, ``(B, c1 - c0, hk, d)``.
-
-    Only the requested columns are gathered, so the cache is never copied whole.
-    """
-    k_cache, v_cache = cache.k_cache, cache.v_cache
-    if cache.block_table is None:
-        if cache.cache_batch_idx is None:
-            return lambda c0, c1: (k_cache[:batch, c0:c1], v_cache[:batch, c0:c1])
-        rows = _cache_rows(cache, batch)
-        # Slice the columns first (a view), so index_select copies only this chunk.
-        return lambda c0, c1: (
-            k_cache[:, c0:c1].index_select(0, rows),
-            v_cache[:, c0:c1].index_select(0, rows),
-        )
-
-    page_size = k_cache.shape[1]
-    # Table entries past a sequence's end may be arbitrary; clamp them to valid pages (the
-    # columns they hold are masked anyway).
-    table = cache.block_table.to(torch.int64).clamp(0, k_cache.shape[0] - 1)
-
-    def load(c0: int, c1: int) -> tuple[Tensor, Tensor]:
-        p0, p1 = c0 // page_size, -(-c1 // page_size)
-        pages = table[:, p0:p1]  # (B, np)
-        lo = c0 - p0 * page_size
-        gather = lambda pool: pool[pages].flatten(1, 2)[:, lo : lo + (c1 - c0)]
-        return gather(k_cache), gather(v_cache)
-
-    return load
-
-
-@torch.no_grad()
 def forward_kvcache(
-    q: Tensor, params: AttentionParams, cache: KVCacheInputs, *, alibi_slopes: Optional[Tensor] = None
+    q: Tensor, params: AttentionParams, cache: KVCacheInputs, *, alibi_slopes: Optional[Tensor] = None,
+    chunks: Chunks = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out (b, sq, h, d), lse fp32 (b, h, sq))`` of ``flash_attn_with_kvcache``.
-
-    Appends ``cache.k_new``/``v_new`` in place (after rotary on k) and rotates q (at
-    ``cache_seqlens[b] + t`` when local/causal, else at ``cache_seqlens[b]`` for every row)
-    before attending to cache rows ``cache_leftpad[b] : cache_seqlens[b] + seqlen_new``.
-    ``cache.num_splits`` is a GPU scheduling hint and is ignored here. With a block table,
-    ``cache_batch_idx`` is not used (flash-attn does not support combining them).
-    """
-    B, sq = q.shape[:2]
-    device = q.device
-    seqlens = cache.cache_seqlens.to(device=device, dtype=torch.int64)
-    s_new = 0 if cache.k_new is None else cache.k_new.shape[1]
-    rotary = cache.rotary_cos is not None
-    if cache.k_new is not None:
-        k_new = cache.k_new
-        if rotary:
-            positions = seqlens.unsqueeze(1) + torch.arange(s_new, device=device)
-            k_new = _rotate_at(k_new, cache.rotary_cos, cache.rotary_sin, positions, cache.rotary_interleaved)
-        _append_new_rows(cache, k_new, seqlens)
-    if rotary:
-        # Local/causal queries sit at consecutive positions after the cache; otherwise flash-attn
-        # rotates every query row at position cache_seqlens[b].
-        steps = torch.arange(sq, device=device)
-        if not params.is_local:
-            steps = torch.zeros_like(steps)
-        positions = seqlens.unsqueeze(1) + steps
-        q = _rotate_at(q, cache.rotary_cos, cache.rotary_sin, positions, cache.rotary_interleaved)
-
-    ends = seqlens + s_new  # one past the last attended cache row
-    starts = torch.zeros_like(ends)
-    if cache.cache_leftpad is not None:
-        starts = cache.cache_leftpad.to(device=device, dtype=torch.int64)
-    problem = core.Problem(
-        q=q,
-        load_kv=_cache_loader(cache, B),
-        n_cols=int(ends.max().item()) if B > 0 else 0,
-        nheads_k=cache.k_cache.shape[-2],
-        head_dim_v=cache.v_cache.shape[-1],
-        key_start=starts.tolist(),
-        key_len=(ends - starts).tolist(),
-        alibi_slopes=_slopes_for(alibi_slopes),
-    )
-    return _attention_forward(problem, params)
+    """``(out (b, sq, h, d), lse fp32 (b, h, sq))`` of ``flash_attn_with_kvcache``
+    (:func:`flash_attn.backends._layouts.forward_kvcache`)."""
+    return _layouts.forward_kvcache(engine(chunks), q, params, cache, alibi_slopes)

@@ -1,6 +1,6 @@
 """``python -m flash_attn bench [cpu|gpu|build]`` (``pixi run bench``): benchmarks.
 
-* ``cpu``: this package's reference backend side by side with PyTorch SDPA on the CPU (and
+* ``cpu``: this package's cpu backend side by side with PyTorch SDPA on the CPU (and
   optionally naive eager attention): time, the speed ratio and peak memory over sequence length,
   plain and with the features SDPA needs a materialised mask for (:mod:`flash_attn.benchmarks.cpu`);
 * ``gpu``: forward / forward+backward TFLOPs of the ``aot`` and ``triton`` backends vs SDPA's

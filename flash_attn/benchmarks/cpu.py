@@ -1,4 +1,4 @@
-"""CPU benchmark: this package (its reference backend, what every CPU user gets) side by side with
+"""CPU benchmark: this package (its cpu backend, what every CPU user gets) side by side with
 PyTorch's ``scaled_dot_product_attention`` (and, on request, naive eager attention).
 
 Two kinds of cases:
@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from flash_attn.benchmarks.common import available_memory_bytes, summarize
+from flash_attn.limits import cdiv
 
 IMPLEMENTATIONS = {
-    "flash_attn": "flash_attn (reference backend)",
+    "flash_attn": "flash_attn (cpu backend)",
     "sdpa": "torch SDPA (CPU)",
     "eager": "eager (materialised softmax)",
     "flex": "torch flex_attention (compiled by inductor; forward only on the CPU)",
@@ -340,7 +341,7 @@ def _paged(k, v, lengths, generator):
     """The sequences' keys/values in shuffled pages of ``PAGE_SIZE`` rows, and the block table."""
     import torch  # noqa: PLC0415
 
-    need = [-(-n // PAGE_SIZE) for n in lengths]
+    need = [cdiv(n, PAGE_SIZE) for n in lengths]
     order = torch.randperm(sum(need), generator=generator)
     shape = (sum(need), PAGE_SIZE) + tuple(k.shape[2:])
     k_pool, v_pool = k.new_zeros(shape), v.new_zeros(shape)
@@ -366,7 +367,7 @@ def measure(spec: dict) -> dict:
     """Peak memory and median time of every implementation of one case, in this process."""
     import torch  # noqa: PLC0415
 
-    os.environ["FLASH_ATTN_BACKEND"] = "reference"
+    os.environ["FLASH_ATTN_BACKEND"] = spec.get("backend", "cpu")  # "reference": the tiled definition alone
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     impls = list(spec["impls"])
@@ -376,7 +377,7 @@ def measure(spec: dict) -> dict:
     warm = _calls(dict(spec, seqlen=64 if spec.get("feature") == "paged" else 16, seed=1, impls=warm_impls))
     for impl in warm_impls:
         warm[impl]()
-    if "flash_attn" in warm_impls:  # the reference backend's one-time CPU set-up, not a call's
+    if "flash_attn" in warm_impls:  # the cpu backend's one-time set-up, not a call's
         from flash_attn.backends import _onednn  # noqa: PLC0415
 
         _onednn.warm_up()
@@ -426,7 +427,7 @@ def measure(spec: dict) -> dict:
 
 
 def _run_child(spec: dict, timeout: float) -> dict:
-    env = dict(os.environ, FLASH_ATTN_BACKEND="reference")
+    env = dict(os.environ, FLASH_ATTN_BACKEND="cpu")
     try:
         proc = subprocess.run([sys.executable, "-m", "flash_attn.benchmarks.cpu", json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout, env=env)

@@ -160,7 +160,7 @@ def torch_cpu_build(facts: dict) -> list[Finding]:
     return [Finding(
         "torch-cpu-build", "error",
         f"PyTorch {torch_info['version']} is a CPU build, but the driver sees {len(driver_gpus)} GPU(s): {names}",
-        "Every call runs on the CPU reference backend; the GPU is never used.",
+        "Every call runs on the CPU (the cpu backend); the GPU is never used.",
         _torch_install_fix(min(driver_cuda_major, 13) if driver_cuda_major else None)
         + (f" (the driver supports up to CUDA {driver.get('cuda_version_text')})" if driver.get("cuda_version") else ""),
     )]
@@ -374,7 +374,7 @@ def backend_env(facts: dict) -> list[Finding]:
     findings = []
     if backends.get("requested_error"):
         findings.append(Finding("backend-env", "error", backends["requested_error"], "",
-                                "unset FLASH_ATTN_BACKEND or set it to auto|aot|triton|interpret|reference"))
+                                "unset FLASH_ATTN_BACKEND or set it to auto|aot|triton|interpret|cpu|reference"))
     requested = backends.get("requested", "auto")
     if requested.strip().lower() in ("", "auto"):
         return findings
@@ -406,7 +406,7 @@ def no_gpu(facts: dict) -> list[Finding]:
     if not facts["torch"].get("installed") or facts["driver"].get("devices") or facts["gpus"]:
         return []
     return [Finding("no-gpu", "info", "no NVIDIA GPU is visible",
-                    "All calls use the exact PyTorch reference backend (O(n) memory, slower than a GPU).", "")]
+                    "All calls use the cpu backend (PyTorch's fused CPU kernels, exact; O(n) memory, slower than a GPU).", "")]
 
 
 # Every check id and its function, in the order findings are listed.

@@ -64,7 +64,7 @@ def _summary_rows(f: dict) -> list[tuple[str, str]]:
 
 def _gpu_lines(gpus: list[dict]) -> list[str]:
     if not gpus:
-        return ["  none visible; CPU tensors use the reference backend"]
+        return ["  none visible; CPU tensors use the cpu backend"]
     lines = []
     for gpu in gpus:
         lines.append(f"  [{gpu['index']}] {gpu.get('name')}  {gpu.get('arch', '?')}  {_gib(gpu.get('memory_bytes'))}"

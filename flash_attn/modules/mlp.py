@@ -7,6 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
+from flash_attn.limits import cdiv
+
 _FUSED_DENSE_MISSING = (
     "{name} needs upstream's fused_dense CUDA extension (fused_dense_lib), which this "
     "flash-attn package does not provide; use flash_attn.modules.mlp.Mlp (same computation with "
@@ -16,7 +18,7 @@ _FUSED_DENSE_MISSING = (
 
 def _hidden_gated(in_features, hidden_features, multiple_of):
     hidden = hidden_features if hidden_features is not None else int(8 * in_features / 3)
-    return -(-hidden // multiple_of) * multiple_of  # rounded up to a multiple of multiple_of
+    return cdiv(hidden, multiple_of) * multiple_of  # rounded up to a multiple of multiple_of
 
 
 def _gate(y, activation):

@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
+from flash_attn.limits import cdiv
 from flash_attn.params import window_applies
 from flash_attn.planning import configs, declarations, decode_configs as dc, registry
 
@@ -38,9 +39,6 @@ __all__ = [
     "describe_forward", "describe_backward", "describe_kvcache", "bucket_seqlen",
     "plan_forward", "plan_backward", "plan_kvcache", "choose_num_splits", "uses_score_features",
 ]
-
-cdiv = registry.cdiv
-
 
 class Slot(str):
     """A tensor of the call, by name (an input, a prepared copy, or a buffer of the plan)."""
@@ -739,23 +737,92 @@ def _cache_refusal(s: KVCacheShape) -> Optional[str]:
     return None
 
 
-def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
-    batch, seqlen_q, nheads, head_dim = s.q.shape
+def _kvcache_refusal(s: KVCacheShape, target: Target) -> Optional[str]:
+    head_dim = s.q.shape[3]
     if target.aot:
-        why = _kernel_refusal(s.q.dtype, head_dim, target) or _cache_refusal(s)
-        if why is not None:
-            return why
-    elif head_dim > limits.MAX_HEADDIM:
+        return _kernel_refusal(s.q.dtype, head_dim, target) or _cache_refusal(s)
+    if head_dim > limits.MAX_HEADDIM:
         return f"head dimension {head_dim} > {limits.MAX_HEADDIM}"
-    superset = target.aot
-    nheads_k = s.k_cache.shape[2]
-    group = nheads // nheads_k
-    paged = s.block_table is not None
-    rotary = s.cos is not None
-    interleaved = s.rotary_interleaved and rotary
-    seqlen_new = 0 if s.k_new is None else s.k_new.shape[1]
-    block_d = dc.superset_block_d(head_dim) if superset else configs.padded_headdim(head_dim)
+    return None
 
+
+class _CacheAddress(NamedTuple):
+    """How the kernels find a sequence's cache rows: in pages of ``page_size`` rows listed by
+    ``block_table`` (row stride ``stride_btb``), or, when ``identity_table``, page ``b`` for
+    sequence ``b``. ``paged``/``batch_idx``: the kernels' ``PAGED``/``HAS_BATCH_IDX`` flags."""
+
+    block_table: Slot
+    stride_btb: int
+    identity_table: int
+    page_size: int
+    capacity: int  # the cache rows one sequence can address
+    paged: bool
+    batch_idx: bool
+
+
+def _cache_address(s: KVCacheShape, lay: _Layouts, superset: bool, int32_unused: Slot) -> _CacheAddress:
+    """The caller's block table; in superset mode (the ahead-of-time images, always paged) a
+    plain cache is addressed as one page per sequence: page ``cache_batch_idx[b]`` (a column view
+    of it) or page ``b`` (the identity table). ``int32_unused``: an int32 pointer no kernel reads."""
+    paged, page_size = s.block_table is not None, s.k_cache.shape[1]
+    identity_table = 0
+    if paged:
+        block_table = lay.input("block_table", s.block_table, "plain")
+    elif superset and s.batch_idx is not None:
+        block_table = lay.column("block_table", "batch_idx", s.batch_idx)
+    else:
+        block_table, identity_table = int32_unused, int(superset)
+        lay.strides["block_table"] = (0, 0)
+    capacity = s.block_table.shape[1] * page_size if paged else s.k_cache.shape[1]
+    flags = (True, False) if superset else (paged, s.batch_idx is not None and not paged)
+    return _CacheAddress(block_table, lay.strides["block_table"][0], identity_table, page_size, capacity, *flags)
+
+
+class _KVCall(NamedTuple):
+    """One KV-cache call as its launches see it: sizes, tensors by slot, the cache's addressing.
+    ``superset``: planned for the ahead-of-time images (inputs in the ``"rows"`` layout, results
+    padded, every feature compiled in). Optional pointers a call lacks stand as another tensor of
+    the call of the same type, which the kernel does not read: ``lse`` (fp32), ``seqlens`` (int32)."""
+
+    s: KVCacheShape
+    superset: bool
+    lay: _Layouts
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    seqlen_new: int
+    block_d: int
+    q: Slot
+    out: Slot
+    lse: Slot
+    seqlens: Slot
+    cos: Slot
+    sin: Slot
+    rotary_half: int
+    stride_ro: int
+    leftpad: Slot
+    batch_idx: Slot
+    alibi: Slot
+    cache: _CacheAddress
+
+    @property
+    def rows(self) -> str:
+        """The layout q-like inputs are brought into."""
+        return "rows" if self.superset else "plain"
+
+    @property
+    def lse_rows(self) -> tuple:
+        """lse ``(batch, nheads, seqlen_q)``: its strides in the kernels' (batch, row, head) order."""
+        b, h, s = self.lay.strides["lse"]
+        return b, s, h
+
+
+def _kv_call(s: KVCacheShape, target: Target) -> _KVCall:
+    """Lays out the call's inputs and results (in this order: the order of its preparations and buffers)."""
+    superset = target.aot
+    batch, seqlen_q, nheads, head_dim = s.q.shape
     lay = _Layouts()
     q = lay.input("q", s.q, "rows" if superset else "plain")
     lay.strides["k_cache"] = _effective_strides(s.k_cache)
@@ -763,101 +830,146 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
     out = lay.buffer("out", s.q.shape, s.q.dtype, padded=superset)
     lse = lay.buffer("lse", (batch, nheads, seqlen_q), torch.float32)
     seqlens = lay.input("seqlens", s.seqlens, "plain")
-    fp32_unused = lse  # a float32 pointer a kernel does not read
-    if rotary:
+    if s.cos is not None:
         how = "fp32" if superset else "plain"
         cos, sin = lay.input("cos", s.cos, how), lay.input("sin", s.sin, how)
         rotary_half, stride_ro = s.cos.shape[1], lay.strides["cos"][0]
     else:
-        cos = sin = fp32_unused
+        cos = sin = lse
         rotary_half = stride_ro = 0
     leftpad = lay.input("leftpad", s.leftpad, "plain") if s.leftpad is not None else seqlens
     batch_idx = lay.input("batch_idx", s.batch_idx, "plain") if s.batch_idx is not None else seqlens
-    alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else fp32_unused
-    # the cache as pages: the caller's block table; in superset mode a plain cache is addressed as
-    # one page per sequence: page cache_batch_idx[b] (a column view of it), or page b (identity)
-    identity_table = 0
-    if paged:
-        block_table = lay.input("block_table", s.block_table, "plain")
-    elif superset and s.batch_idx is not None:
-        block_table = lay.column("block_table", "batch_idx", s.batch_idx)
-    else:
-        block_table, identity_table = seqlens, int(superset)
-        lay.strides["block_table"] = (0, 0)
-    stride_btb = lay.strides["block_table"][0]
-    page_size = s.k_cache.shape[1]
-    table_flags = dict(PAGED=True, HAS_BATCH_IDX=False) if superset else dict(
-        PAGED=paged, HAS_BATCH_IDX=s.batch_idx is not None and not paged)
+    alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else lse
+    cache = _cache_address(s, lay, superset, seqlens)
+    block_d = dc.superset_block_d(head_dim) if superset else configs.padded_headdim(head_dim)
+    seqlen_new = 0 if s.k_new is None else s.k_new.shape[1]
+    return _KVCall(s=s, superset=superset, lay=lay, batch=batch, seqlen_q=seqlen_q, nheads=nheads,
+                   nheads_k=s.k_cache.shape[2], head_dim=head_dim, seqlen_new=seqlen_new, block_d=block_d, q=q,
+                   out=out, lse=lse, seqlens=seqlens, cos=cos, sin=sin, rotary_half=rotary_half, stride_ro=stride_ro,
+                   leftpad=leftpad, batch_idx=batch_idx, alibi=alibi, cache=cache)
 
-    launches = []
-    if s.k_new is not None and seqlen_new > 0 and batch * nheads_k > 0:
-        k_new, v_new = lay.input("k_new", s.k_new, "rows" if superset else "plain"), \
-            lay.input("v_new", s.v_new, "rows" if superset else "plain")
-        launches.append(_launch("append_kv_kernel", (batch * nheads_k * cdiv(seqlen_new, dc.APPEND_BLOCK_T),), dict(
-            K_new=k_new, V_new=v_new, K_cache=Slot("k_cache"), V_cache=Slot("v_cache"), Cos=cos, Sin=sin,
-            Seqlens=seqlens, BatchIdx=batch_idx, BlockTable=block_table,
-            **_named("stride_kn", "bsh", lay.rows("k_new")), **_named("stride_vn", "bsh", lay.rows("v_new")),
-            **_named("stride_kc", "bsh", lay.strides["k_cache"][:3]),
-            **_named("stride_vc", "bsh", lay.strides["v_cache"][:3]),
-            stride_btb=stride_btb, stride_ro=stride_ro, nheads_k=nheads_k, seqlen_new=seqlen_new, head_dim=head_dim,
-            rotary_half=rotary_half, page_size=page_size, identity_table=identity_table),
-            dict(dc.append_constexprs(block_d, table_flags["PAGED"], table_flags["HAS_BATCH_IDX"], rotary,
-                                      interleaved)), dc.AUX_CONFIG))
-    if rotary and batch * nheads * seqlen_q > 0:
-        q_rot = lay.buffer("q_rot", s.q.shape, s.q.dtype, padded=superset)
-        launches.append(_launch("rotary_q_kernel", (batch * nheads * cdiv(seqlen_q, dc.APPEND_BLOCK_T),), dict(
-            Q=q, Q_out=q_rot, Cos=cos, Sin=sin, Seqlens=seqlens,
-            **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_o", "bsh", lay.rows("q_rot")),
-            stride_ro=stride_ro, nheads=nheads, seqlen_q=seqlen_q, head_dim=head_dim, rotary_half=rotary_half),
-            dc.rotary_q_constexprs(block_d, _is_local(s.scalars), interleaved), dc.ROTARY_CONFIG))
-        q = q_rot
-    if batch * nheads * seqlen_q == 0:
-        return _finish(s.q.dtype, lay, launches, ("out", "lse"))
 
-    capacity = s.block_table.shape[1] * page_size if paged else s.k_cache.shape[1]
-    rows = seqlen_q * group
-    config = dc.decode_config(target.family, head_dim, rows, fp32=s.q.dtype == torch.float32)
+def _kv_splits(kv: _KVCall, target: Target) -> tuple:
+    """The split kernel's config, its query tiles per (batch, kv head), and the number of key splits."""
+    s, group = kv.s, kv.nheads // kv.nheads_k
+    rows = kv.seqlen_q * group
+    config = dc.decode_config(target.family, kv.head_dim, rows, fp32=s.q.dtype == torch.float32)
     m_blocks = cdiv(rows, config.block_m)
-    query_rows_per_tile = min(seqlen_q, cdiv(config.block_m, group) + 1)
+    query_rows_per_tile = min(kv.seqlen_q, cdiv(config.block_m, group) + 1)
+    capacity = kv.cache.capacity
     key_blocks = cdiv(_max_visible_keys(capacity, s.scalars, query_rows_per_tile), config.block_n) + 1
     key_blocks = min(key_blocks, max(cdiv(capacity, config.block_n), 1))
-    splits = choose_num_splits(s.num_splits, batch * nheads_k * m_blocks, key_blocks, target.sm_count)
+    splits = choose_num_splits(s.num_splits, kv.batch * kv.nheads_k * m_blocks, key_blocks, target.sm_count)
+    return config, m_blocks, splits
 
-    # one split writes out/lse directly; several write fp32 partial results for the combine
-    lse_s = lay.strides["lse"]
+
+class _Partials(NamedTuple):
+    """Where the split kernel writes: with one split, out and lse themselves; with several, fp32
+    partial results ``(splits, batch, seqlen_q, nheads[, head_dim])`` for the combine."""
+
+    splits: int
+    out: Slot
+    out_strides: tuple  # (split, batch, row, head)
+    lse: Slot
+    lse_strides: tuple  # (split, batch, row, head)
+    empty_lse: float  # the lse of a row that sees no key
+
+
+def _kv_partials(kv: _KVCall, splits: int) -> _Partials:
     if splits == 1:
-        out_part, part_strides = fp32_unused, (0, 0, 0, 0)
-        lse_part, lse_part_strides = lse, (0, lse_s[0], lse_s[2], lse_s[1])
-        empty_lse = float("inf")
-    else:
-        out_part = lay.buffer("out_part", (splits, batch, seqlen_q, nheads, head_dim), torch.float32)
-        part_strides = lay.strides["out_part"][:4]
-        lse_part = lay.buffer("lse_part", (splits, batch, seqlen_q, nheads), torch.float32)
-        lse_part_strides = lay.strides["lse_part"]
-        empty_lse = float("-inf")
-    if superset:
-        features = dict(dc.SPLIT_KV_SUPERSET)
-    else:
-        features = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=s.scalars.softcap > 0.0,
-                        HAS_ALIBI=s.alibi is not None, HAS_LEFTPAD=s.leftpad is not None,
-                        **table_flags)
-    launches.append(_launch("split_kv_kernel", (batch * nheads_k * m_blocks, splits), dict(
-        Q=q, K=Slot("k_cache"), V=Slot("v_cache"), Out=out, OutPart=out_part, Lse=lse_part, Seqlens=seqlens,
-        Leftpad=leftpad, BatchIdx=batch_idx, BlockTable=block_table, Alibi=alibi,
+        return _Partials(1, kv.lse, (0, 0, 0, 0), kv.lse, (0, *kv.lse_rows), float("inf"))
+    lay = kv.lay
+    out_part = lay.buffer("out_part", (splits, kv.batch, kv.seqlen_q, kv.nheads, kv.head_dim), torch.float32)
+    lse_part = lay.buffer("lse_part", (splits, kv.batch, kv.seqlen_q, kv.nheads), torch.float32)
+    return _Partials(splits, out_part, lay.strides["out_part"][:4], lse_part, lay.strides["lse_part"], float("-inf"))
+
+
+def _append_launch(kv: _KVCall) -> Launch:
+    """Writes the new keys and values (rotated, with rotary) into the cache."""
+    s, lay, cache = kv.s, kv.lay, kv.cache
+    k_new, v_new = lay.input("k_new", s.k_new, kv.rows), lay.input("v_new", s.v_new, kv.rows)
+    grid = (kv.batch * kv.nheads_k * cdiv(kv.seqlen_new, dc.APPEND_BLOCK_T),)
+    return _launch("append_kv_kernel", grid, dict(
+        K_new=k_new, V_new=v_new, K_cache=Slot("k_cache"), V_cache=Slot("v_cache"), Cos=kv.cos, Sin=kv.sin,
+        Seqlens=kv.seqlens, BatchIdx=kv.batch_idx, BlockTable=cache.block_table,
+        **_named("stride_kn", "bsh", lay.rows("k_new")), **_named("stride_vn", "bsh", lay.rows("v_new")),
+        **_named("stride_kc", "bsh", lay.strides["k_cache"][:3]),
+        **_named("stride_vc", "bsh", lay.strides["v_cache"][:3]),
+        stride_btb=cache.stride_btb, stride_ro=kv.stride_ro, nheads_k=kv.nheads_k, seqlen_new=kv.seqlen_new,
+        head_dim=kv.head_dim, rotary_half=kv.rotary_half, page_size=cache.page_size,
+        identity_table=cache.identity_table),
+        dict(dc.append_constexprs(kv.block_d, cache.paged, cache.batch_idx, s.cos is not None, s.rotary_interleaved)),
+        dc.AUX_CONFIG)
+
+
+def _rotary_q_launch(kv: _KVCall, q_rot: Slot) -> Launch:
+    """Writes q rotated into ``q_rot``."""
+    lay = kv.lay
+    grid = (kv.batch * kv.nheads * cdiv(kv.seqlen_q, dc.APPEND_BLOCK_T),)
+    return _launch("rotary_q_kernel", grid, dict(
+        Q=kv.q, Q_out=q_rot, Cos=kv.cos, Sin=kv.sin, Seqlens=kv.seqlens,
+        **_named("stride_q", "bsh", lay.rows(kv.q)), **_named("stride_o", "bsh", lay.rows(q_rot)),
+        stride_ro=kv.stride_ro, nheads=kv.nheads, seqlen_q=kv.seqlen_q, head_dim=kv.head_dim,
+        rotary_half=kv.rotary_half),
+        dc.rotary_q_constexprs(kv.block_d, _is_local(kv.s.scalars), kv.s.rotary_interleaved), dc.ROTARY_CONFIG)
+
+
+def _split_kv_features(kv: _KVCall) -> dict:
+    """The split kernel's feature flags: the call's own, or every feature (superset)."""
+    if kv.superset:
+        return dict(dc.SPLIT_KV_SUPERSET)
+    s = kv.s
+    return dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=s.scalars.softcap > 0.0, HAS_ALIBI=s.alibi is not None,
+                HAS_LEFTPAD=s.leftpad is not None, PAGED=kv.cache.paged, HAS_BATCH_IDX=kv.cache.batch_idx)
+
+
+def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int, parts: _Partials) -> Launch:
+    """Attention of q (``q``: rotated or not) over the cache, its keys in ``parts.splits`` splits."""
+    s, lay, cache, sc = kv.s, kv.lay, kv.cache, kv.s.scalars
+    return _launch("split_kv_kernel", (kv.batch * kv.nheads_k * m_blocks, parts.splits), dict(
+        Q=q, K=Slot("k_cache"), V=Slot("v_cache"), Out=kv.out, OutPart=parts.out, Lse=parts.lse,
+        Seqlens=kv.seqlens, Leftpad=kv.leftpad, BatchIdx=kv.batch_idx, BlockTable=cache.block_table, Alibi=kv.alibi,
         **_named("stride_q", "bsh", lay.rows(q)), **_named("stride_k", "bsh", lay.strides["k_cache"][:3]),
-        **_named("stride_v", "bsh", lay.strides["v_cache"][:3]), **_named("stride_o", "bsh", lay.rows("out")),
-        **_named("stride_p", "xbsh", part_strides), **_named("stride_l", "xbsh", lse_part_strides),
-        stride_btb=stride_btb, stride_ab=_alibi_batch_stride(lay, s.alibi),
-        nheads_k=nheads_k, seqlen_q=seqlen_q, seqlen_new=seqlen_new, group=group, head_dim=head_dim,
-        page_size=page_size, use_leftpad=int(s.leftpad is not None), use_alibi=int(s.alibi is not None),
-        identity_table=identity_table, softmax_scale=s.scalars.softmax_scale, softcap=s.scalars.softcap,
-        window_left=s.scalars.window_left, window_right=s.scalars.window_right, empty_lse=empty_lse),
-        dc.split_kv_constexprs(config, block_d, features), config))
-    if splits > 1:
-        launches.append(_launch("combine_splits_kernel", (batch * cdiv(seqlen_q * nheads, dc.COMBINE_BLOCK_R),), dict(
-            OutPart=out_part, LsePart=lse_part, Out=out, Lse=lse,
-            **_named("stride_p", "xbsh", part_strides), **_named("stride_m", "xbsh", lse_part_strides),
-            **_named("stride_o", "bsh", lay.rows("out")), **_named("stride_l", "bsh", (lse_s[0], lse_s[2], lse_s[1])),
-            num_splits=splits, seqlen_q=seqlen_q, nheads=nheads, head_dim=head_dim),
-            dc.combine_constexprs(block_d), dc.COMBINE_CONFIG))
-    return _finish(s.q.dtype, lay, launches, ("out", "lse"))
+        **_named("stride_v", "bsh", lay.strides["v_cache"][:3]), **_named("stride_o", "bsh", lay.rows(kv.out)),
+        **_named("stride_p", "xbsh", parts.out_strides), **_named("stride_l", "xbsh", parts.lse_strides),
+        stride_btb=cache.stride_btb, stride_ab=_alibi_batch_stride(lay, s.alibi),
+        nheads_k=kv.nheads_k, seqlen_q=kv.seqlen_q, seqlen_new=kv.seqlen_new, group=kv.nheads // kv.nheads_k,
+        head_dim=kv.head_dim, page_size=cache.page_size, use_leftpad=int(s.leftpad is not None),
+        use_alibi=int(s.alibi is not None), identity_table=cache.identity_table, softmax_scale=sc.softmax_scale,
+        softcap=sc.softcap, window_left=sc.window_left, window_right=sc.window_right, empty_lse=parts.empty_lse),
+        dc.split_kv_constexprs(config, kv.block_d, _split_kv_features(kv)), config)
+
+
+def _combine_launch(kv: _KVCall, parts: _Partials) -> Launch:
+    """Merges the splits' partial results into out and lse."""
+    grid = (kv.batch * cdiv(kv.seqlen_q * kv.nheads, dc.COMBINE_BLOCK_R),)
+    return _launch("combine_splits_kernel", grid, dict(
+        OutPart=parts.out, LsePart=parts.lse, Out=kv.out, Lse=kv.lse,
+        **_named("stride_p", "xbsh", parts.out_strides), **_named("stride_m", "xbsh", parts.lse_strides),
+        **_named("stride_o", "bsh", kv.lay.rows(kv.out)), **_named("stride_l", "bsh", kv.lse_rows),
+        num_splits=parts.splits, seqlen_q=kv.seqlen_q, nheads=kv.nheads, head_dim=kv.head_dim),
+        dc.combine_constexprs(kv.block_d), dc.COMBINE_CONFIG)
+
+
+def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
+    """Append the new keys/values (:func:`_append_launch`), rotate q (:func:`_rotary_q_launch`),
+    attend over the cache in key splits (:func:`_split_kv_launch`), combine them (:func:`_combine_launch`)."""
+    why = _kvcache_refusal(s, target)
+    if why is not None:
+        return why
+    kv = _kv_call(s, target)
+    launches = []
+    if s.k_new is not None and kv.seqlen_new > 0 and kv.batch * kv.nheads_k > 0:
+        launches.append(_append_launch(kv))
+    queries = kv.batch * kv.nheads * kv.seqlen_q
+    q = kv.q
+    if s.cos is not None and queries > 0:
+        q = kv.lay.buffer("q_rot", s.q.shape, s.q.dtype, padded=kv.superset)
+        launches.append(_rotary_q_launch(kv, q))
+    if queries > 0:
+        config, m_blocks, splits = _kv_splits(kv, target)
+        parts = _kv_partials(kv, splits)
+        launches.append(_split_kv_launch(kv, q, config, m_blocks, parts))
+        if splits > 1:
+            launches.append(_combine_launch(kv, parts))
+    return _finish(s.q.dtype, kv.lay, launches, ("out", "lse"))

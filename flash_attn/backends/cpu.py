@@ -1,0 +1,149 @@
+"""The cpu backend: CPU tensors on PyTorch's fused CPU attention kernels, exactly.
+
+It implements the contract of :mod:`flash_attn.backends` for CPU tensors on two engines that
+take the same problems (:mod:`flash_attn.backends._layouts` adapts the layouts to them):
+
+* :mod:`._cpu_fused`, PyTorch's fused CPU kernels, wherever their semantics are exactly ours (no
+  softcap, no dropout); its plan adds the oneDNN products (:mod:`._onednn`, where a per-process
+  probe finds them faster) and the causal tree (:mod:`._causal_tree`);
+* the reference backend's tiled engine (:mod:`._reference_core`) for the rest, and for the
+  forward of ``return_softmax`` (its probabilities are recomputed from that engine's lse, so that
+  they sum to exactly 1).
+
+:func:`direct_forward` is the eager route the dispatcher offers to public calls
+(:func:`flash_attn.dispatch.run_direct`): whether a call is *plain* -- dense, no ALiBi, softcap,
+dropout, softmax probabilities or window other than causal, and one kernel call in the general
+plan -- is decided there and nowhere else; a plain call is that one kernel call, whose autograd
+formula, where autograd records, is PyTorch's own (its backward is the kernel call
+:func:`backward` makes for the same problem).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from flash_attn.backends import _causal_tree, _layouts
+from flash_attn.backends import _cpu_fused as fused
+from flash_attn.backends import _reference_core as core
+from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.placeholders import placeholder
+
+__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "direct_forward"]
+
+
+def unavailable_reason(device: torch.device) -> Optional[str]:
+    """The cpu backend runs CPU tensors."""
+    return None if device.type == "cpu" else f"it runs CPU tensors only, not {device.type}"
+
+
+def _forward(problem: core.Problem, params: AttentionParams, return_softmax: bool):
+    if not return_softmax and fused.supports(problem, params):
+        return fused.attention_forward(problem, params)
+    return core.attention_forward(problem, params)
+
+
+def _backward(problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor):
+    if fused.supports(problem, params):
+        return fused.attention_backward(problem, params, dout, out, lse)
+    return core.attention_backward(problem, params, dout, out, lse)
+
+
+ENGINE = _layouts.Engine(forward=_forward, backward=_backward, probabilities=core.softmax_with_dropout_signs)
+
+
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    params: AttentionParams,
+    *,
+    varlen: Optional[VarlenLayout] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    return_softmax: bool = False,
+) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """``(out, lse, s_dmask)``; shapes as in :mod:`flash_attn.backends`."""
+    return _layouts.forward(ENGINE, q, k, v, params, varlen, alibi_slopes, return_softmax)
+
+
+def backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    params: AttentionParams,
+    *,
+    varlen: Optional[VarlenLayout] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    deterministic: bool = False,
+    grads: Optional[tuple] = None,
+    return_delta: bool = False,
+) -> tuple[Tensor, ...]:
+    """``(dq, dk, dv)`` (and Delta), as the reference backend's: always deterministic, computed in
+    its own buffers."""
+    return _layouts.backward(ENGINE, dout, q, k, v, out, lse, params, varlen, alibi_slopes, return_delta)
+
+
+def forward_kvcache(
+    q: Tensor, params: AttentionParams, cache: KVCacheInputs, *, alibi_slopes: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of ``flash_attn_with_kvcache`` (:func:`flash_attn.backends._layouts.forward_kvcache`)."""
+    return _layouts.forward_kvcache(ENGINE, q, params, cache, alibi_slopes)
+
+
+# ----------------------------------------------------------------------------------------------
+# The eager route of plain calls
+# ----------------------------------------------------------------------------------------------
+
+
+def _one_kernel_call(q: Tensor, k: Tensor, causal: bool) -> bool:
+    """Whether the general plan for dense, non-empty ``q (B, sq, h, d)``, ``k (B, sk, hk, d)``
+    (no ALiBi, softcap, dropout or window; ``causal`` bottom-right) is one kernel call in q's
+    dtype on all rows and keys: full attention, or a causal square that is not cut as a tree, in
+    a dtype not converted to fp32, and not one that :mod:`._onednn` computes."""
+    dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
+    if fused.OPS is None or dtype not in fused.DTYPES:
+        return False
+    if dtype == torch.float16 and not fused.native_fp16():
+        return False
+    if fused.onednn_takes(dtype, sq, sk):
+        return False
+    if causal:
+        if sq != sk or _causal_tree.applies(sq, sk, dtype):
+            return False
+        if dtype == torch.bfloat16 and fused.bf16_forward_as_fp32_tree(sq, sk):
+            return False
+    elif dtype == torch.bfloat16 and fused.bf16_full_forward_in_fp32(sq, sk):
+        return False
+    return True
+
+
+# The op's unused outputs of a direct call (no softmax, no dropout seed), shared: nothing reads them.
+_UNUSED = placeholder(torch.float32, torch.device("cpu"), (0,)), placeholder(torch.int64, torch.device("cpu"), (1,))
+
+
+def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic):
+    """The outputs of ``flash_attn::forward`` (``out, lse, s_dmask, rng_state``; arguments as the
+    op's) for a plain eager call, computed as the one kernel call the general plan would make,
+    without the op or the plan; ``None`` for any other call (the caller then takes the general
+    route). ``s_dmask`` and ``rng_state`` are shared placeholders (the direct calls of
+    :mod:`flash_attn.custom_ops` return the same).
+
+    Only for eager calls (the dispatcher's caller checks that): ``out`` carries PyTorch's own
+    autograd formula for the kernel where autograd records. Saving the op and the plan is most of a
+    short call's time on the CPU (benchmarks/README.md).
+    """
+    if (cu_seqlens_q is not None or alibi_slopes is not None or return_softmax or softcap != 0.0
+            or dropout_p != 0.0 or window_left >= 0 or window_right > 0 or q.numel() == 0 or k.numel() == 0):
+        return None
+    causal = window_right == 0
+    if not _one_kernel_call(q, k, causal):
+        return None
+    kernel = fused.OPS[0]
+    out, lse = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale)
+    return out.transpose(1, 2), lse, *_UNUSED
