@@ -9,15 +9,19 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "flash_attn_limits.h"  // generated from flash_attn/limits.py at build time (CMakeLists.txt)
 #include "kernel_spec.h"
 #include "launcher.h"
 
@@ -25,6 +29,10 @@ namespace flash_attn_aot {
 namespace {
 
 using torch::stable::Tensor;
+
+// limits.py's INT32_MAX is the range of the kernels' i32 parameters, which check_int enforces.
+static_assert(limits::kInt32Max == std::numeric_limits<int32_t>::max(),
+              "flash_attn/limits.py's INT32_MAX is not the largest int32");
 
 // ------------------------------------------------------------------------------------------
 // Kernel registry: kernel id -> KernelSpec. Specs are never removed, so references stay valid.
@@ -163,19 +171,19 @@ int64_t register_kernel(const std::string& image_path, const std::string& kernel
   spec->config = config;
   spec->args = parse_signature(signature, &dtype_code);
   check_config(config);
-  bool has_global = false, has_profile = false;
-  for (const auto& a : spec->args) {
-    spec->num_tensors += a.kind == ArgKind::Pointer;
-    spec->num_ints += a.kind == ArgKind::Int;
-    spec->num_floats += a.kind == ArgKind::Float;
-    has_global |= a.kind == ArgKind::GlobalScratch;
-    has_profile |= a.kind == ArgKind::ProfileScratch;
+  for (size_t i = 0; i < spec->args.size(); ++i) {
+    const ArgKind kind = spec->args[i].kind;
+    spec->num_tensors += kind == ArgKind::Pointer;
+    spec->num_ints += kind == ArgKind::Int;
+    spec->num_floats += kind == ArgKind::Float;
+    if (kind == ArgKind::GlobalScratch) spec->global_scratch_slot = int(i);
+    if (kind == ArgKind::ProfileScratch) spec->profile_scratch_slot = int(i);
   }
-  if (config.global_scratch_bytes > 0 && !has_global) {
+  if (config.global_scratch_bytes > 0 && spec->global_scratch_slot < 0) {
     throw AotError("global_scratch_bytes is " + std::to_string(config.global_scratch_bytes) +
                    " but the signature has no global_scratch entry");
   }
-  if (config.profile_scratch_bytes > 0 && !has_profile) {
+  if (config.profile_scratch_bytes > 0 && spec->profile_scratch_slot < 0) {
     throw AotError("profile_scratch_bytes is " + std::to_string(config.profile_scratch_bytes) +
                    " but the signature has no profile_scratch entry");
   }
@@ -201,23 +209,77 @@ int64_t register_kernel(const std::string& image_path, const std::string& kernel
   return int64_t(g_specs.size() - 1);
 }
 
-struct TensorFacts {
-  int32_t device_type, device_index, dtype;
+// ------------------------------------------------------------------------------------------
+// aot_launch: check the grid, the counts and the tensors, pack the parameters, allocate Triton's
+// scratch, launch. Every message is built only when its check fails.
+// ------------------------------------------------------------------------------------------
+std::string kernel_text(const KernelSpec& spec) { return "kernel '" + spec.kernel_name + "'"; }
+
+// The grid padded to 3 dims (missing ones are 1): 1 to 3 entries, each from 0 to flash_attn/limits.py's
+// GRID_LIMITS, grid[0] to GRID_LIMITS[0] / num_ctas (the CTAs of a cluster multiply it). A zero
+// dim launches nothing.
+std::array<int64_t, 3> check_grid(const std::vector<int64_t>& grid, int64_t num_ctas) {
+  if (grid.empty() || grid.size() > 3) {
+    throw AotError("grid must have 1, 2 or 3 entries, got " + std::to_string(grid.size()));
+  }
+  std::array<int64_t, 3> g = {1, 1, 1};
+  std::copy(grid.begin(), grid.end(), g.begin());
+  const int64_t bounds[3] = {limits::kGridLimits[0] / num_ctas, limits::kGridLimits[1], limits::kGridLimits[2]};
+  for (int i = 0; i < 3; ++i) {
+    if (g[i] < 0 || g[i] > bounds[i]) {
+      throw AotError("grid[" + std::to_string(i) + "] = " + std::to_string(g[i]) + " is outside 0.." +
+                     std::to_string(bounds[i]) + (i == 0 && num_ctas > 1 ? " (num_ctas multiplies grid[0])" : ""));
+    }
+  }
+  return g;
+}
+
+// The signature says how many tensors, ints and floats, in which order.
+void check_counts(const KernelSpec& spec, size_t tensors, size_t ints, size_t floats) {
+  if (int(tensors) != spec.num_tensors || int(ints) != spec.num_ints || int(floats) != spec.num_floats) {
+    throw AotError(kernel_text(spec) + " takes " + spec.describe() + "; got " + std::to_string(tensors) +
+                   " tensors, " + std::to_string(ints) + " ints, " + std::to_string(floats) + " floats");
+  }
+}
+
+struct Device {
+  int32_t type, index;
 };
 
+// Each tensor defined, of the signature's dtype, all on one device: returns that device.
+Device check_tensors(const KernelSpec& spec, const std::vector<Tensor>& tensors) {
+  Device first{0, 0};
+  size_t t = 0;
+  for (const ArgSpec& a : spec.args) {
+    if (a.kind != ArgKind::Pointer) continue;
+    const Tensor& x = tensors[t];
+    if (!x.defined()) throw AotError("tensors[" + std::to_string(t) + "] ('" + a.token + "') is an undefined tensor");
+    Device d{0, 0};
+    int32_t dtype = 0;
+    shim_check(aoti_torch_get_device_type(x.get(), &d.type), "aoti_torch_get_device_type");
+    shim_check(aoti_torch_get_device_index(x.get(), &d.index), "aoti_torch_get_device_index");
+    shim_check(aoti_torch_get_dtype(x.get(), &dtype), "aoti_torch_get_dtype");
+    if (dtype != a.torch_dtype) {
+      throw AotError("tensors[" + std::to_string(t) + "] has dtype " + dtype_name(dtype) + " but " + kernel_text(spec) +
+                     " expects " + dtype_name(a.torch_dtype) + " ('" + a.token + "')");
+    }
+    if (t == 0) {
+      first = d;
+    } else if (d.type != first.type || d.index != first.index) {
+      throw AotError("tensors[" + std::to_string(t) + "] is on " + device_name(d.type, d.index) + " but tensors[0] is on " +
+                     device_name(first.type, first.index) + "; all must be on the same CUDA device");
+    }
+    ++t;
+  }
+  if (tensors.empty()) throw AotError(kernel_text(spec) + " takes no tensor, so there is no device to launch it on");
+  return first;
+}
+
 void check_int(const ArgSpec& a, int64_t v, size_t index) {
-  int64_t lo = std::numeric_limits<int64_t>::min(), hi = std::numeric_limits<int64_t>::max();
-  if (a.type == "i1" || a.type == "u1") lo = 0, hi = 1;
-  else if (a.type == "i8") lo = -128, hi = 127;
-  else if (a.type == "u8") lo = 0, hi = 255;
-  else if (a.type == "i16") lo = -32768, hi = 32767;
-  else if (a.type == "u16") lo = 0, hi = 65535;
-  else if (a.type == "i32") lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max();
-  else if (a.type == "u32") lo = 0, hi = std::numeric_limits<uint32_t>::max();
-  else if (a.type == "u64") lo = 0;
-  if (v < lo || v > hi) {
+  if (v < a.min_value || v > a.max_value) {
     throw AotError("ints[" + std::to_string(index) + "] = " + std::to_string(v) + " does not fit the kernel's " +
-                   a.type + " parameter (range " + std::to_string(lo) + " to " + std::to_string(hi) + ")");
+                   a.type + " parameter (range " + std::to_string(a.min_value) + " to " + std::to_string(a.max_value) +
+                   ")");
   }
   if (a.divisor > 1 && v % a.divisor != 0) {
     throw AotError("ints[" + std::to_string(index) + "] = " + std::to_string(v) + " must be divisible by " +
@@ -225,67 +287,12 @@ void check_int(const ArgSpec& a, int64_t v, size_t index) {
   }
 }
 
-// Checks everything and packs the parameter slots. With `meta_only` (fake/meta tensors, used when
-// tracing), stops before anything that needs real memory or a GPU.
-void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const std::vector<Tensor>& tensors,
-                      const std::vector<int64_t>& ints, const std::vector<double>& floats, bool meta_only) {
-  const KernelSpec& spec = spec_for(kernel_id);
-  const std::string kernel = "kernel '" + spec.kernel_name + "'";
-  const LaunchConfig& c = spec.config;
-
-  // Grid: 1 to 3 dims, each >= 0 and within CUDA's limits; a zero dim launches nothing.
-  if (grid.empty() || grid.size() > 3) {
-    throw AotError("grid must have 1, 2 or 3 entries, got " + std::to_string(grid.size()));
-  }
-  int64_t g[3] = {1, 1, 1};
-  for (size_t i = 0; i < grid.size(); ++i) g[i] = grid[i];
-  const int64_t limits[3] = {std::numeric_limits<int32_t>::max() / c.num_ctas, 65535, 65535};
-  for (int i = 0; i < 3; ++i) {
-    if (g[i] < 0 || g[i] > limits[i]) {
-      throw AotError("grid[" + std::to_string(i) + "] = " + std::to_string(g[i]) + " is outside 0.." +
-                     std::to_string(limits[i]) + (i == 0 && c.num_ctas > 1 ? " (num_ctas multiplies grid[0])" : ""));
-    }
-  }
-
-  // Counts: the signature says how many of each kind, in which order.
-  if (int(tensors.size()) != spec.num_tensors || int(ints.size()) != spec.num_ints ||
-      int(floats.size()) != spec.num_floats) {
-    throw AotError(kernel + " takes " + spec.describe() + "; got " + std::to_string(tensors.size()) + " tensors, " +
-                   std::to_string(ints.size()) + " ints, " + std::to_string(floats.size()) + " floats");
-  }
-
-  // Tensors: defined, the signature's dtype, all on one device.
-  std::vector<TensorFacts> facts(tensors.size());
-  size_t t = 0;
-  for (const ArgSpec& a : spec.args) {
-    if (a.kind != ArgKind::Pointer) continue;
-    const Tensor& x = tensors[t];
-    if (!x.defined()) throw AotError("tensors[" + std::to_string(t) + "] ('" + a.token + "') is an undefined tensor");
-    TensorFacts& f = facts[t];
-    shim_check(aoti_torch_get_device_type(x.get(), &f.device_type), "aoti_torch_get_device_type");
-    shim_check(aoti_torch_get_device_index(x.get(), &f.device_index), "aoti_torch_get_device_index");
-    shim_check(aoti_torch_get_dtype(x.get(), &f.dtype), "aoti_torch_get_dtype");
-    if (f.dtype != a.torch_dtype) {
-      throw AotError("tensors[" + std::to_string(t) + "] has dtype " + dtype_name(f.dtype) + " but " + kernel +
-                     " expects " + dtype_name(a.torch_dtype) + " ('" + a.token + "')");
-    }
-    if (t > 0 && (f.device_type != facts[0].device_type || f.device_index != facts[0].device_index)) {
-      throw AotError("tensors[" + std::to_string(t) + "] is on " + device_name(f.device_type, f.device_index) +
-                     " but tensors[0] is on " + device_name(facts[0].device_type, facts[0].device_index) +
-                     "; all must be on the same CUDA device");
-    }
-    ++t;
-  }
-  if (tensors.empty()) throw AotError(kernel + " takes no tensor, so there is no device to launch it on");
-  const bool no_data = meta_only || facts[0].device_type == aoti_torch_device_type_meta();
-
-  // Pack: one 8-byte slot per kernel parameter, value in the parameter's C type.
-  PackedLaunch launch;
-  launch.device = facts[0].device_index;
-  std::copy(g, g + 3, launch.grid);
-  launch.slots.assign(spec.args.size(), 0);
+// One 8-byte slot per kernel parameter, the value in the parameter's C type: ints range- and
+// divisibility-checked, pointers alignment-checked (and left null with `no_data`: meta tensors).
+// The scratch slots stay null here.
+void pack(const KernelSpec& spec, const std::vector<Tensor>& tensors, const std::vector<int64_t>& ints,
+          const std::vector<double>& floats, bool no_data, PackedLaunch& launch) {
   size_t ti = 0, ii = 0, fi = 0;
-  int global_slot = -1, profile_slot = -1;
   for (size_t s = 0; s < spec.args.size(); ++s) {
     const ArgSpec& a = spec.args[s];
     switch (a.kind) {
@@ -297,16 +304,16 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
           char hex[32];
           std::snprintf(hex, sizeof hex, "0x%llx", static_cast<unsigned long long>(address));
           throw AotError("tensors[" + std::to_string(index) + "] data pointer " + hex + " is not " +
-                         std::to_string(a.divisor) + "-byte aligned as " + kernel + " assumes ('" + a.token +
-                         "'); pass a tensor whose storage offset keeps that alignment");
+                         std::to_string(a.divisor) + "-byte aligned as " + kernel_text(spec) + " assumes ('" +
+                         a.token + "'); pass a tensor whose storage offset keeps that alignment");
         }
         launch.slots[s] = address;
         break;
       }
       case ArgKind::Int: {
         const size_t index = ii++;
-        check_int(a, ints[index], index);
         const int64_t v = ints[index];
+        check_int(a, v, index);
         std::memcpy(&launch.slots[s], &v, sizeof v);  // little-endian: narrower params read the low bytes
         break;
       }
@@ -321,41 +328,63 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
         break;
       }
       case ArgKind::GlobalScratch:
-        global_slot = int(s);
-        break;
       case ArgKind::ProfileScratch:
-        profile_slot = int(s);
         break;
     }
   }
+}
+
+// Triton's hidden scratch buffers: bytes per program (times the CTAs of a cluster), taken from
+// PyTorch's caching allocator on the launch device and current stream, so freeing them (when the
+// caller drops the result, after the launch) is ordered after the kernel. Null when not needed.
+struct Scratch {
+  std::optional<Tensor> global, profile;
+};
+
+Scratch allocate_scratch(const KernelSpec& spec, const Tensor& like, int64_t programs, PackedLaunch& launch) {
+  const LaunchConfig& c = spec.config;
+  auto allocate = [&](int slot, int64_t bytes_per_program) -> std::optional<Tensor> {
+    if (slot < 0 || bytes_per_program == 0) return std::nullopt;
+    int64_t total = 0;
+    if (__builtin_mul_overflow(programs, c.num_ctas * bytes_per_program, &total)) {
+      throw AotError(kernel_text(spec) + ": the scratch buffer for a grid of " + std::to_string(programs) +
+                     " programs overflows");
+    }
+    Tensor buffer = torch::stable::new_empty(like, {total}, torch::headeronly::ScalarType::Byte);
+    launch.slots[slot] = reinterpret_cast<uint64_t>(buffer.data_ptr());
+    return buffer;
+  };
+  Scratch scratch;
+  scratch.global = allocate(spec.global_scratch_slot, c.global_scratch_bytes);
+  scratch.profile = allocate(spec.profile_scratch_slot, c.profile_scratch_bytes);
+  return scratch;
+}
+
+// Checks everything in this order (tests/test_aot_library.py): kernel id, grid, counts, tensors,
+// ints and pointers (while packing), then that the tensors are CUDA tensors. With `meta_only`
+// (fake/meta tensors, used when tracing), stops before anything that needs real memory or a GPU.
+void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const std::vector<Tensor>& tensors,
+                      const std::vector<int64_t>& ints, const std::vector<double>& floats, bool meta_only) {
+  const KernelSpec& spec = spec_for(kernel_id);
+  const std::array<int64_t, 3> g = check_grid(grid, spec.config.num_ctas);
+  check_counts(spec, tensors.size(), ints.size(), floats.size());
+  const Device device = check_tensors(spec, tensors);
+  PackedLaunch launch(spec.args.size());
+  pack(spec, tensors, ints, floats, meta_only || device.type == aoti_torch_device_type_meta(), launch);
   if (meta_only) return;
   // Last, the device: on a machine without a usable GPU, require_cuda() says why.
-  if (facts[0].device_type != aoti_torch_device_type_cuda()) {
+  if (device.type != aoti_torch_device_type_cuda()) {
     require_cuda();
-    throw AotError("the tensors are on " + device_name(facts[0].device_type, facts[0].device_index) + "; " + kernel +
+    throw AotError("the tensors are on " + device_name(device.type, device.index) + "; " + kernel_text(spec) +
                    " runs on CUDA tensors only");
   }
   if (g[0] == 0 || g[1] == 0 || g[2] == 0) return;
+  launch.device = device.index;
+  std::copy(g.begin(), g.end(), launch.grid);
   const int64_t programs = g[0] * g[1] * g[2];  // < 2^63 within the grid limits
-
-  // Triton's hidden scratch buffers: bytes per program (times the CTAs of a cluster), taken from
-  // PyTorch's caching allocator on the launch device and current stream, so freeing them when this
-  // function returns is ordered after the kernel.
-  std::vector<Tensor> scratch;
-  auto allocate = [&](int slot, int64_t bytes_per_program) {
-    if (slot < 0 || bytes_per_program == 0) return;
-    int64_t total = 0;
-    if (__builtin_mul_overflow(programs, c.num_ctas * bytes_per_program, &total)) {
-      throw AotError(kernel + ": the scratch buffer for a grid of " + std::to_string(programs) + " programs overflows");
-    }
-    scratch.push_back(torch::stable::new_empty(tensors[0], {total}, torch::headeronly::ScalarType::Byte));
-    launch.slots[slot] = reinterpret_cast<uint64_t>(scratch.back().data_ptr());
-  };
-  allocate(global_slot, c.global_scratch_bytes);
-  allocate(profile_slot, c.profile_scratch_bytes);
-
+  const Scratch scratch = allocate_scratch(spec, tensors[0], programs, launch);
   launch.stream = current_cuda_stream(launch.device);
-  flash_attn_aot::launch(kernel_id, spec, launch);
+  flash_attn_aot::launch(spec, launch);
 }
 
 // ---- boxed entry points -----------------------------------------------------------------
@@ -429,7 +458,7 @@ std::vector<int64_t> aot_kernel_attributes(int64_t kernel, int64_t device) {
       throw AotError("device " + std::to_string(device) + " does not exist (" +
                      std::to_string(cuda_info().device_count) + " CUDA devices are visible)");
     }
-    return kernel_attributes(kernel, spec, int(device));
+    return kernel_attributes(spec, int(device));
   });
 }
 

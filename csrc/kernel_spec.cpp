@@ -5,6 +5,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <sstream>
 
 namespace flash_attn_aot {
@@ -22,16 +23,29 @@ struct ScalarInfo {
   ArgKind kind;
   int bytes;
   bool is_signed;
+  int64_t min_value = 0, max_value = 0;  // ints: the values the parameter's C type holds
 };
+
+template <typename T>
+constexpr ScalarInfo int_type(const char* name) {
+  return {name, ArgKind::Int, int(sizeof(T)), std::numeric_limits<T>::is_signed,
+          int64_t(std::numeric_limits<T>::min()),
+          // u64: the ints arrive as int64
+          uint64_t(std::numeric_limits<T>::max()) > uint64_t(std::numeric_limits<int64_t>::max())
+              ? std::numeric_limits<int64_t>::max()
+              : int64_t(std::numeric_limits<T>::max())};
+}
 
 // Triton's scalar parameter types and the size each has in the kernel's parameter list (read off
 // the PTX Triton emits: i1/u1 are .u8 params). fp16/bf16 scalars are not supported: Triton passes
 // them as 16-bit floats and our kernels take fp32 scalars.
 constexpr ScalarInfo kScalars[] = {
-    {"i1", ArgKind::Int, 1, false},  {"u1", ArgKind::Int, 1, false},   {"i8", ArgKind::Int, 1, true},
-    {"u8", ArgKind::Int, 1, false},  {"i16", ArgKind::Int, 2, true},   {"u16", ArgKind::Int, 2, false},
-    {"i32", ArgKind::Int, 4, true},  {"u32", ArgKind::Int, 4, false},  {"i64", ArgKind::Int, 8, true},
-    {"u64", ArgKind::Int, 8, false}, {"fp32", ArgKind::Float, 4, true}, {"f32", ArgKind::Float, 4, true},
+    {"i1", ArgKind::Int, 1, false, 0, 1}, {"u1", ArgKind::Int, 1, false, 0, 1},
+    int_type<int8_t>("i8"),               int_type<uint8_t>("u8"),
+    int_type<int16_t>("i16"),             int_type<uint16_t>("u16"),
+    int_type<int32_t>("i32"),             int_type<uint32_t>("u32"),
+    int_type<int64_t>("i64"),             int_type<uint64_t>("u64"),
+    {"fp32", ArgKind::Float, 4, true},    {"f32", ArgKind::Float, 4, true},
     {"fp64", ArgKind::Float, 8, true},
 };
 
@@ -112,6 +126,8 @@ std::vector<ArgSpec> parse_signature(const std::string& text, int32_t (*dtype_co
       a.type = info->name;
       a.param_bytes = info->bytes;
       a.is_signed = info->is_signed;
+      a.min_value = info->min_value;
+      a.max_value = info->max_value;
     }
     out.push_back(a);
   }

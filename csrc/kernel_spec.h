@@ -3,6 +3,7 @@
 // or driver (and are tested that way).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -31,6 +32,7 @@ struct ArgSpec {
   int param_bytes = 0;    // size of the kernel parameter: 8 for pointers, 4 for i32/fp32, ...
   bool is_signed = true;  // ints only
   int64_t divisor = 1;    // ":N" suffix: pointer aligned to N bytes / int divisible by N
+  int64_t min_value = 0, max_value = 0;  // ints only: the range of the C type (i1/u1: 0 to 1)
   int32_t torch_dtype = -1;  // pointers: the aoti_torch_dtype_* code the tensor must have
 };
 
@@ -46,6 +48,8 @@ struct LaunchConfig {
   bool pdl = false;          // Triton's launch_pdl (programmatic dependent launch)
 };
 
+struct LoadedKernel;  // the launcher's per-device state of one kernel (launcher_cuda.cpp)
+
 struct KernelSpec {
   std::string image_path;
   std::string kernel_name;
@@ -56,7 +60,12 @@ struct KernelSpec {
   int num_tensors = 0;
   int num_ints = 0;
   int num_floats = 0;
+  int global_scratch_slot = -1;   // index in `args` of global_scratch; -1: none
+  int profile_scratch_slot = -1;  // index in `args` of profile_scratch; -1: none
   LaunchConfig config;
+  // Set by the launcher when the kernel is first loaded (lives as long as the process), so a launch
+  // finds its per-device state without a lookup.
+  mutable std::atomic<LoadedKernel*> loaded{nullptr};
 
   // "3 tensors, 1 int, 1 float (signature: *fp32, *fp32, *fp32, i32, fp32, global_scratch, ...)"
   std::string describe() const;

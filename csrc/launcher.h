@@ -3,6 +3,7 @@
 // No torch types here: the op layer (aot_ops.cpp) turns tensors into pointers first.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -24,23 +25,45 @@ const CudaInfo& cuda_info();
 // Throws AotError("no CUDA device is available: ...") unless at least one device can be used.
 void require_cuda();
 
+// `n` value-initialised T: inline up to N (no allocation per launch), on the heap beyond.
+template <typename T, size_t N>
+class SmallBuffer {
+ public:
+  explicit SmallBuffer(size_t n) : size_(n) {
+    if (n > N) heap_.assign(n, T{});
+  }
+  T* data() { return size_ > N ? heap_.data() : inline_; }
+  size_t size() const { return size_; }
+  T& operator[](size_t i) { return data()[i]; }
+
+ private:
+  size_t size_;
+  T inline_[N] = {};
+  std::vector<T> heap_;
+};
+
+// Parameters held inline per launch: every shipped kernel has fewer (at most 50).
+constexpr size_t kInlineParams = 64;
+
 // What aot_launch hands over once the arguments are checked: one 8-byte slot per kernel parameter
 // holding its value (pointers, ints and floats already in their C types, little-endian), the
 // hidden scratch pointers included.
 struct PackedLaunch {
+  explicit PackedLaunch(size_t num_params) : slots(num_params) {}
   int device = 0;
   int64_t grid[3] = {1, 1, 1};
   void* stream = nullptr;  // cudaStream_t of PyTorch's current stream on `device`
-  std::vector<uint64_t> slots;
+  SmallBuffer<uint64_t, kInlineParams> slots;
 };
 
-// Loads `spec` on `device` the first time (cached per kernel id and device), then launches it.
-// Every CUDA failure becomes AotError naming the kernel and the CUDA error string.
-void launch(int64_t kernel_id, const KernelSpec& spec, PackedLaunch& launch);
+// Loads `spec` on `launch.device` the first time (cached per kernel and device), then launches it.
+// Every CUDA failure becomes AotError naming the kernel and the CUDA error string; no message is
+// built unless something fails.
+void launch(const KernelSpec& spec, PackedLaunch& launch);
 
 // Loads `spec` on `device` (cached as above) and returns what the driver says about it:
 // {registers per thread, local (spill) bytes per thread, static shared bytes, max threads per block,
 //  max dynamic shared bytes the device allows per block (opt-in)}.
-std::vector<int64_t> kernel_attributes(int64_t kernel_id, const KernelSpec& spec, int device);
+std::vector<int64_t> kernel_attributes(const KernelSpec& spec, int device);
 
 }  // namespace flash_attn_aot

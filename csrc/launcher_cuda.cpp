@@ -5,7 +5,6 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 
 #include "launcher.h"
 
@@ -16,16 +15,22 @@ std::string error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
 
+// Messages are built only when something fails: a launch builds no string.
+std::string kernel_label(const KernelSpec& spec) {
+  return "kernel '" + spec.kernel_name + "' (" + spec.image_path + ")";
+}
+
 // Makes `device` current for the scope and restores the previous device afterwards, so the
 // caller's (PyTorch's) current device is unchanged.
 class DeviceScope {
  public:
-  explicit DeviceScope(int device, const std::string& what) {
+  DeviceScope(int device, const KernelSpec& spec) {
     cudaError_t err = cudaGetDevice(&previous_);
     if (err == cudaSuccess && previous_ != device) err = cudaSetDevice(device);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      throw AotError(what + ": cannot select CUDA device " + std::to_string(device) + " (" + error_text(err) + ")");
+      throw AotError(kernel_label(spec) + ": cannot select CUDA device " + std::to_string(device) + " (" +
+                     error_text(err) + ")");
     }
     restore_ = previous_ != device;
   }
@@ -48,16 +53,28 @@ struct Loaded {
   int shared_optin = 0;
 };
 
-struct PerKernel {
+}  // namespace
+
+// One kernel's state on every device; `KernelSpec::loaded` points at it once created.
+struct LoadedKernel {
   std::mutex mutex;
   std::vector<std::unique_ptr<Loaded>> devices;  // index = CUDA device
 };
 
-std::mutex g_registry_mutex;
-std::unordered_map<int64_t, std::unique_ptr<PerKernel>> g_loaded;
+namespace {
 
-std::string kernel_label(const KernelSpec& spec) {
-  return "kernel '" + spec.kernel_name + "' (" + spec.image_path + ")";
+std::mutex g_registry_mutex;
+std::vector<std::unique_ptr<LoadedKernel>> g_loaded;  // owns every LoadedKernel (never freed)
+
+LoadedKernel& loaded_kernel(const KernelSpec& spec, int64_t device_count) {
+  if (LoadedKernel* known = spec.loaded.load(std::memory_order_acquire)) return *known;
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  if (LoadedKernel* known = spec.loaded.load(std::memory_order_relaxed)) return *known;
+  auto created = std::make_unique<LoadedKernel>();
+  for (int64_t d = 0; d < device_count; ++d) created->devices.push_back(std::make_unique<Loaded>());
+  spec.loaded.store(created.get(), std::memory_order_release);
+  g_loaded.push_back(std::move(created));
+  return *g_loaded.back();
 }
 
 std::string device_label(int device) {
@@ -71,11 +88,13 @@ std::string device_label(int device) {
   return label;
 }
 
+[[noreturn]] void fail(cudaError_t err, const std::string& what) {
+  cudaGetLastError();  // clear this runtime's per-thread error so it does not leak into later calls
+  throw AotError(what + ": " + error_text(err));
+}
+
 void check(cudaError_t err, const std::string& what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear this runtime's per-thread error so it does not leak into later calls
-    throw AotError(what + ": " + error_text(err));
-  }
+  if (err != cudaSuccess) fail(err, what);
 }
 
 // Compares the parameter list the driver reports with the signature. Drivers older than 12.4 do
@@ -104,30 +123,22 @@ void check_params(const KernelSpec& spec, cudaKernel_t kernel, const std::string
   }
 }
 
-Loaded& ensure_loaded(int64_t kernel_id, const KernelSpec& spec, int device) {
+Loaded& ensure_loaded(const KernelSpec& spec, int device) {
   require_cuda();
   const CudaInfo& info = cuda_info();
   if (device < 0 || device >= info.device_count) {
     throw AotError("CUDA device " + std::to_string(device) + " does not exist (" +
                    std::to_string(info.device_count) + " visible)");
   }
-  PerKernel* per_kernel;
-  {
-    std::lock_guard<std::mutex> lock(g_registry_mutex);
-    auto& slot = g_loaded[kernel_id];
-    if (!slot) {
-      slot = std::make_unique<PerKernel>();
-      for (int64_t d = 0; d < info.device_count; ++d) slot->devices.push_back(std::make_unique<Loaded>());
-    }
-    per_kernel = slot.get();
-  }
-  Loaded& loaded = *per_kernel->devices[device];
+  LoadedKernel& per_kernel = loaded_kernel(spec, info.device_count);
+  Loaded& loaded = *per_kernel.devices[device];
   if (loaded.ready.load(std::memory_order_acquire)) return loaded;
 
-  std::lock_guard<std::mutex> lock(per_kernel->mutex);
+  // First use on this device: load and check (messages built up front here, once per kernel).
+  std::lock_guard<std::mutex> lock(per_kernel.mutex);
   if (loaded.ready.load(std::memory_order_relaxed)) return loaded;
   const std::string label = kernel_label(spec);
-  DeviceScope scope(device, label);
+  DeviceScope scope(device, spec);
   const std::string on = " on " + device_label(device);
 
   cudaLibrary_t library = nullptr;
@@ -206,13 +217,12 @@ void require_cuda() {
   if (info.device_count <= 0) throw AotError("no CUDA device is available: " + info.error);
 }
 
-void launch(int64_t kernel_id, const KernelSpec& spec, PackedLaunch& launch) {
-  Loaded& loaded = ensure_loaded(kernel_id, spec, launch.device);
+void launch(const KernelSpec& spec, PackedLaunch& launch) {
+  Loaded& loaded = ensure_loaded(spec, launch.device);
   const LaunchConfig& c = spec.config;
-  const std::string label = kernel_label(spec);
-  DeviceScope scope(launch.device, label);
+  DeviceScope scope(launch.device, spec);
 
-  std::vector<void*> params(launch.slots.size());
+  SmallBuffer<void*, kInlineParams> params(launch.slots.size());
   for (size_t i = 0; i < params.size(); ++i) params[i] = &launch.slots[i];
 
   cudaLaunchAttribute attrs[4];
@@ -244,14 +254,16 @@ void launch(int64_t kernel_id, const KernelSpec& spec, PackedLaunch& launch) {
   config.stream = static_cast<cudaStream_t>(launch.stream);
   config.attrs = attrs;
   config.numAttrs = n_attrs;
-  check(cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(loaded.kernel), params.data()),
-        "launching " + label + " on device " + std::to_string(launch.device) + " with grid (" +
-            std::to_string(launch.grid[0]) + ", " + std::to_string(launch.grid[1]) + ", " +
-            std::to_string(launch.grid[2]) + ") failed");
+  const cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(loaded.kernel), params.data());
+  if (err != cudaSuccess) {
+    fail(err, "launching " + kernel_label(spec) + " on device " + std::to_string(launch.device) + " with grid (" +
+                  std::to_string(launch.grid[0]) + ", " + std::to_string(launch.grid[1]) + ", " +
+                  std::to_string(launch.grid[2]) + ") failed");
+  }
 }
 
-std::vector<int64_t> kernel_attributes(int64_t kernel_id, const KernelSpec& spec, int device) {
-  const Loaded& loaded = ensure_loaded(kernel_id, spec, device);
+std::vector<int64_t> kernel_attributes(const KernelSpec& spec, int device) {
+  const Loaded& loaded = ensure_loaded(spec, device);
   const cudaFuncAttributes& a = loaded.attributes;
   return {int64_t(a.numRegs), int64_t(a.localSizeBytes), int64_t(a.sharedSizeBytes), int64_t(a.maxThreadsPerBlock),
           int64_t(loaded.shared_optin)};
