@@ -877,6 +877,8 @@ UPSTREAM_SIGNATURES = {
     'flash_attn.modules.mha.FlashCrossAttention.forward': 'self, q, kv, causal=None, cu_seqlens=None, max_seqlen=None, cu_seqlens_k=None, max_seqlen_k=None',
     'flash_attn.modules.mha.FlashSelfAttention.__init__': 'self, causal=False, softmax_scale=None, attention_dropout=0.0, window_size=(-1, -1), alibi_slopes=None, deterministic=False',  # noqa: E501
     'flash_attn.modules.mha.FlashSelfAttention.forward': 'self, qkv, causal=None, cu_seqlens=None, max_seqlen=None',
+    'flash_attn.layers.patch_embed.PatchEmbed.__init__': 'self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, norm_layer=None, flatten=True, bias=True, fused_bias_fc=False',  # noqa: E501
+    'flash_attn.layers.patch_embed.PatchEmbed.forward': 'self, x',
     'flash_attn.modules.mha.MHA.__init__': 'self, embed_dim, num_heads, num_heads_kv=None, cross_attn=False, qkv_proj_bias=True, out_proj_bias=True, dropout=0.0, softmax_scale=None, causal=False, layer_idx=None, dwconv=False, rotary_emb_dim=0, rotary_emb_base=10000.0, rotary_emb_scale_base=None, rotary_emb_interleaved=False, use_alibi=False, window_size=(-1, -1), fused_bias_fc=False, use_flash_attn=False, return_residual=False, checkpointing=False, device=None, dtype=None',  # noqa: E501
     'flash_attn.modules.mha.MHA._apply_rotary_update_kvcache_attention': 'self, q, kv, inference_params',
     'flash_attn.modules.mha.MHA._update_kv_cache': 'self, kv, inference_params',
@@ -984,7 +986,7 @@ def test_recorded_signatures_are_upstreams_source():
         pytest.skip("upstream's git mirror is not on this machine; the table above is the record")
     for name, text in UPSTREAM_SIGNATURES.items():
         module_parts = name.split(".")
-        n = 3 if module_parts[2] in ("mha", "mlp", "block", "embedding", "generation", "distributed") else 2
+        n = 3 if module_parts[2] in ("mha", "mlp", "block", "embedding", "generation", "distributed", "patch_embed") else 2
         path = "/".join(module_parts[:n]) + ".py"
         source = subprocess.run(["git", "-C", str(UPSTREAM_MIRROR), "show", f"{UPSTREAM_COMMIT}:{path}"],
                                 capture_output=True, text=True, check=True).stdout
