@@ -1,2 +1,3 @@
-"""Helpers shared by the modules: ``generation`` (``InferenceParams``, sampling, ``decode``) and
-``distributed`` (the collectives the tensor-parallel modules use)."""
+"""Helpers shared by the modules: ``generation`` (``InferenceParams``, sampling, ``decode``),
+``distributed`` (the collectives the tensor-parallel modules use) and ``benchmark`` (upstream's
+timing, profiling and memory helpers, on the inputs' device)."""
