@@ -579,7 +579,8 @@ def test_fallback_warning_once_per_cause(monkeypatch):
 
 
 # Command-line front ends: their output is the product.
-LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "aot/build.py", "aot/info.py"}
+# utils/benchmark.py: upstream's benchmark helpers print their measurements when verbose=True (their API)
+LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "aot/build.py", "aot/info.py", "utils/benchmark.py"}
 
 
 def test_library_code_never_prints():
