@@ -89,6 +89,12 @@ def _output_for_backward(y, caller: str) -> torch.Tensor:
     return y
 
 
+def _forward_output(fn, inputs, kwinputs, device, amp, amp_dtype, caller: str) -> torch.Tensor:
+    """One forward call under the benchmark's autocast, as the tensor a backward pass starts from."""
+    with _autocast(device, amp, amp_dtype):
+        return _output_for_backward(fn(*inputs, **kwinputs), caller)
+
+
 def _grad_for(y: torch.Tensor, grad, caller: str) -> torch.Tensor:
     if grad is None:
         return torch.randn_like(y)
@@ -186,8 +192,7 @@ def benchmark_backward(
     if verbose:
         print(desc, "- Backward pass")
     device = _device_of(inputs, kwinputs)
-    with _autocast(device, amp, amp_dtype):
-        y = _output_for_backward(fn(*inputs, **kwinputs), "benchmark_backward")
+    y = _forward_output(fn, inputs, kwinputs, device, amp, amp_dtype, "benchmark_backward")
     grad = _grad_for(y, grad, "benchmark_backward")
 
     def backward():
@@ -230,16 +235,13 @@ def benchmark_combined(
     if verbose:
         print(desc, "- Forward + Backward pass")
     device = _device_of(inputs, kwinputs)
-    with _autocast(device, amp, amp_dtype):
-        y = _output_for_backward(fn(*inputs, **kwinputs), "benchmark_combined")
-    grad = _grad_for(y, grad, "benchmark_combined")
-    del y
+    grad = _grad_for(_forward_output(fn, inputs, kwinputs, device, amp, amp_dtype, "benchmark_combined"), grad,
+                     "benchmark_combined")
 
     def forward_backward():
         _clear_grads(inputs)
-        with _autocast(device, amp, amp_dtype):
-            out = _output_for_backward(fn(*inputs, **kwinputs), "benchmark_combined")
-        out.backward(grad, retain_graph=True)
+        _forward_output(fn, inputs, kwinputs, device, amp, amp_dtype, "benchmark_combined").backward(
+            grad, retain_graph=True)
 
     return _time(forward_backward, repeats, verbose)
 
@@ -367,8 +369,7 @@ def pytorch_profiler(
     device = _device_of(inputs, kwinputs)
     g = None
     if backward:
-        with _autocast(device, amp, amp_dtype):
-            g = torch.randn_like(_output_for_backward(fn(*inputs, **kwinputs), "pytorch_profiler"))
+        g = torch.randn_like(_forward_output(fn, inputs, kwinputs, device, amp, amp_dtype, "pytorch_profiler"))
 
     def step():
         if backward:
