@@ -39,14 +39,14 @@ This module is the only place that decides and warns.
 
 from __future__ import annotations
 
-import importlib
 import os
 import threading
 import warnings
-from types import ModuleType
 from typing import Callable, Optional
 
 import torch
+
+from flash_attn.backends.contract import Backend
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
 STRICT_ENV = "FLASH_ATTN_STRICT_BACKEND"
@@ -62,12 +62,43 @@ _NEXT = {"aot": ("triton", "reference"), "triton": ("reference",), "interpret": 
 # in for a GPU).
 GPU_DEVICE_TYPES = ("cuda",)
 
-_MODULES = {
-    "aot": "flash_attn.backends.aot",
-    "triton": "flash_attn.backends.triton",
-    "interpret": "flash_attn.backends.interpret",
-    "cpu": "flash_attn.backends.cpu",
-    "reference": "flash_attn.backends.reference",
+
+
+# Each backend imported only when first asked for (aot and triton import the planner, the op
+# library and Triton), by a plain import that readers and the import-graph test can follow.
+def _import_aot() -> Backend:
+    from flash_attn.backends import aot  # noqa: PLC0415
+
+    return aot.BACKEND
+
+
+def _import_triton() -> Backend:
+    from flash_attn.backends import triton  # noqa: PLC0415
+
+    return triton.BACKEND
+
+
+def _import_interpret() -> Backend:
+    from flash_attn.backends import interpret  # noqa: PLC0415
+
+    return interpret.BACKEND
+
+
+def _import_cpu() -> Backend:
+    from flash_attn.backends import cpu  # noqa: PLC0415
+
+    return cpu.BACKEND
+
+
+def _import_reference() -> Backend:
+    from flash_attn.backends import reference  # noqa: PLC0415
+
+    return reference.BACKEND
+
+
+_IMPORTERS: dict[str, Callable[[], Backend]] = {
+    "aot": _import_aot, "triton": _import_triton, "interpret": _import_interpret, "cpu": _import_cpu,
+    "reference": _import_reference,
 }
 _warned: set[str] = set()
 _chains: dict[tuple, tuple] = {}
@@ -116,26 +147,25 @@ def last_backend() -> Optional[str]:
 _loaded: dict[str, tuple] = {}
 
 
-def _load(name: str) -> tuple[ModuleType | None, str | None]:
-    """The backend module, or ``(None, reason)`` when it is not part of this installation."""
-    module = _MODULES[name]
-    found = _loaded.get(module)
+def _load(name: str) -> tuple[Backend | None, str | None]:
+    """The backend, or ``(None, reason)`` when it is not part of this installation."""
+    found = _loaded.get(name)
     if found is None:
         try:
-            found = importlib.import_module(module), None
+            found = _IMPORTERS[name](), None
         except ImportError as exc:
             found = None, f"the {name!r} backend is not installed ({exc})"
-        _loaded[module] = found
+        _loaded[name] = found
     return found
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
     """Why backend ``name`` cannot run on ``device``, or ``None`` if it can."""
-    module, reason = _load(name)
-    if module is None:
+    backend, reason = _load(name)
+    if backend is None:
         return reason
     try:
-        return module.unavailable_reason(device)
+        return backend.unavailable_reason(device)
     except Exception as exc:  # noqa: BLE001  (a backend that cannot tell is not used: the reason says why)
         return f"its check of the device failed ({type(exc).__name__}: {exc})"
 
@@ -207,8 +237,8 @@ def reset() -> None:
     _failed.clear()
 
 
-def select_backend(device: torch.device) -> ModuleType:
-    """The first backend module of the chain for ``device`` (what the doctor reports)."""
+def select_backend(device: torch.device) -> Backend:
+    """The first backend of the chain for ``device`` (what the doctor reports)."""
     return _load(chain(torch.device(device))[0])[0]
 
 
@@ -217,26 +247,19 @@ _routes: dict[tuple[str, str], Optional[Callable]] = {}
 
 def run_direct(op: str, device: torch.device, *args):
     """The result of the first backend of ``device``'s chain on its own route for an eager call
-    of ``op`` (its ``direct_<op>``, given the op's arguments), or ``None`` when it has no such
-    route or its route does not take this call (then the caller runs the op). Callers make sure
-    the call is eager (nothing traces it); the backend decides everything else."""
+    of ``op`` (its ``Backend.direct[op]``, given the op's arguments), or ``None`` when it has no
+    such route or its route does not take this call (then the caller runs the op). Callers make
+    sure the call is eager (nothing traces it); the backend decides everything else."""
     name = chain(device)[0]
     route = _routes.get((name, op), _routes)
     if route is _routes:
-        route = _routes[name, op] = getattr(_load(name)[0], "direct_" + op, None)
+        route = _routes[name, op] = _load(name)[0].direct.get(op)
     if route is None or name in _failed:
         return None
     result = route(*args)
     if result is not None:
         _thread.backend = name
     return result
-
-
-def _runner(module: ModuleType, op: str, args, kwargs) -> Callable | str:
-    prepare = getattr(module, "prepare_" + op, None)
-    if prepare is None:  # a backend that runs every call (cpu, the reference)
-        return lambda: getattr(module, op)(*args, **kwargs)
-    return prepare(*args, **kwargs)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -256,7 +279,7 @@ class _Skip:
 
 def _backend_failure(name: str, exc: Exception) -> Optional[_Skip]:
     """The backend's own failure (its ``BackendFailed``), or ``None`` for any other error."""
-    failed = getattr(_load(name)[0], "BackendFailed", None)
+    failed = _load(name)[0].failure
     if failed is None or not isinstance(exc, failed):
         return None
     skip = _Skip(name, str(exc), failure=True)
@@ -299,14 +322,14 @@ def _tell(op: str, skipped: list[_Skip], ran: str) -> None:
 
 def run(op: str, device: torch.device, *args, **kwargs):
     """Run ``op`` (``"forward"``, ``"backward"`` or ``"forward_kvcache"`` of the backend contract,
-    :mod:`flash_attn.backends`) on the first backend of the chain that serves the call."""
+    :mod:`flash_attn.backends.contract`) on the first backend of the chain that serves the call."""
     skipped: list[_Skip] = []
     for name in chain(device):
         if name == "reference" and _capturing(device):
             raise _capture_error(op, device, skipped)
         skip = _failed.get(name)
         if skip is None:
-            runner = _runner(_load(name)[0], op, args, kwargs)
+            runner = _load(name)[0].prepare[op](*args, **kwargs)
             if isinstance(runner, str):
                 skip = _Skip(name, runner)
             else:

@@ -111,7 +111,7 @@ AOT_SETUP = f"    TESTS = {str(Path(__file__).parent)!r}\n" + """
     # an H100, as far as the backend asks (CPU tensors stand in for its memory)
     images = aot._DeviceImages(m, "sm_90a", plan.Target("sm90", 132, aot=True))
     aot._device_images = lambda device: images
-    aot.unavailable_reason = lambda device: None
+    aot.BACKEND.unavailable_reason = lambda device: None
 
     registered, launched = {}, []
 

@@ -50,7 +50,7 @@ def triton_on_cpu(monkeypatch):
     """``FLASH_ATTN_BACKEND=triton`` with the triton backend able to run (its plans for an H100,
     CPU tensors); ``use(stand_in)`` sets what each launch does. Returns ``(use, launches)``."""
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "triton")
-    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(triton_backend._backend, "target", lambda device: P.Target("sm90", 132))
     monkeypatch.setattr(triton_backend._backend, "plans", PlanCache())
     launches = []
@@ -188,7 +188,7 @@ def test_a_backend_whose_check_raises_is_unavailable_with_the_reason(monkeypatch
     def broken(device):
         raise ValueError("cannot read GPU architecture 'sm_9x'")
 
-    monkeypatch.setattr(triton_backend, "unavailable_reason", broken)
+    monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", broken)
     reason = dispatch.unavailable_reason("triton", torch.device("cuda", 0))
     assert "ValueError" in reason and "sm_9x" in reason
 
@@ -201,7 +201,7 @@ def gpu_with_images(monkeypatch):
     """``auto`` on cuda:0 of a machine whose op library loads and whose Triton can run; ``set_up(
     capability, driver, archs)`` picks the GPU, the driver's CUDA release and the shipped images."""
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "auto")
-    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(aot.op_library, "status", lambda: aot.op_library.LibraryStatus(True, "lib", ""))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 

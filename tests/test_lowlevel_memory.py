@@ -71,7 +71,7 @@ def stub_h100(monkeypatch) -> list:
         launched.append({name: t for name, t in tensors.items() if name in ("dq", "dk", "dv")})
 
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
-    monkeypatch.setattr(interpret, "unavailable_reason", lambda device: None)  # Triton may be missing: no launch
+    monkeypatch.setattr(interpret.BACKEND, "unavailable_reason", lambda device: None)  # Triton may be missing: no launch
     monkeypatch.setattr(interpret._backend, "target", lambda device: Target("sm90", 132))
     monkeypatch.setattr(interpret._backend, "run_launch", run_launch)
     monkeypatch.setattr(interpret._backend, "plans", _execute.PlanCache())

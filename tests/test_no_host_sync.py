@@ -77,12 +77,12 @@ def gpu_on_meta(monkeypatch, custom_op_bodies):
     monkeypatch.setattr(dispatch, "_failed", {})
     launched = {"aot": [], "triton": []}
     images = _images_for_h100()
-    monkeypatch.setattr(aot, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(aot.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
     real = aot._launch_op()
     monkeypatch.setattr(aot, "_launch_op",
                         lambda: lambda kid, grid, *a: (real(kid, grid, *a), launched["aot"].append(kid)))
-    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(triton_backend._backend, "target", lambda device: P.Target("sm90", 132))
     monkeypatch.setattr(triton_backend._backend, "run_launch", lambda launch, tensors, device: launched[
         "triton"].append((launch.kernel, [tensors[v] for _, v in launch.args if isinstance(v, P.Slot)])))
@@ -262,8 +262,8 @@ def test_a_refused_call_reads_nothing_on_the_host(gpu_on_meta, name, call, where
                                  "its launch tables are for NVIDIA GPUs, not ROCm"])
 @pytest.mark.parametrize("name,call", ALL_CALLS, ids=[name for name, _ in ALL_CALLS])
 def test_a_gpu_no_kernel_backend_runs_on_raises_under_capture(gpu_on_meta, monkeypatch, name, call, why):
-    monkeypatch.setattr(aot, "unavailable_reason", lambda device: "no shipped image runs on compute capability 7.5")
-    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda device: why)
+    monkeypatch.setattr(aot.BACKEND, "unavailable_reason", lambda device: "no shipped image runs on compute capability 7.5")
+    monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: why)
     with pytest.raises(dispatch.GraphCaptureError, match="no GPU kernel backend can run on meta") as raised:
         call()
     assert why in str(raised.value)

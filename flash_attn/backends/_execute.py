@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from flash_attn.backends.contract import Backend
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
 
@@ -245,12 +246,13 @@ class KernelBackend:
         shape = P.describe_kvcache(q, params, cache, alibi_slopes)
         return self._prepare(P.plan_kvcache, shape, kvcache_inputs(q, cache, alibi_slopes), q.device)
 
-    def contract(self) -> tuple:
-        """The module-level functions of a backend: ``prepare_forward``, ``prepare_backward``,
-        ``prepare_forward_kvcache`` (for the dispatcher), ``forward``, ``backward``,
-        ``forward_kvcache`` (direct calls; a refused call raises :class:`KernelsCannotRun`)."""
-        return (self.prepare_forward, self.prepare_backward, self.prepare_forward_kvcache, self.forward, self.backward,
-                self.forward_kvcache)
+    def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
+        """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its
+        plans or images do not serve (its plain ``forward``/``backward``/``forward_kvcache``
+        raise :class:`KernelsCannotRun` for those instead)."""
+        return Backend(self.name, unavailable_reason,
+                       {"forward": self.prepare_forward, "backward": self.prepare_backward,
+                        "forward_kvcache": self.prepare_forward_kvcache}, failure=failure)
 
     def forward(self, *args, **kwargs):
         return _run_or_raise(self.name, "forward", self.prepare_forward(*args, **kwargs))

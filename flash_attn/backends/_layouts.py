@@ -23,6 +23,7 @@ from torch import Tensor
 
 from flash_attn.backends import _reference_core as core
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.rotation import rotate_pairs
 
 
 class Engine(NamedTuple):
@@ -164,10 +165,11 @@ def _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slop
 
 
 @torch.no_grad()
-def forward(engine: Engine, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams,
-            varlen: Optional[VarlenLayout], alibi_slopes: Optional[Tensor],
-            return_softmax: bool) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``(out, lse, s_dmask)`` of the contract's ``forward`` (:mod:`flash_attn.backends`)."""
+def forward(engine: Engine, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, *,
+            varlen: Optional[VarlenLayout] = None, alibi_slopes: Optional[Tensor] = None,
+            return_softmax: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The contract's ``forward`` (:mod:`flash_attn.backends.contract`) on ``engine``:
+    ``(out, lse, s_dmask)``."""
     if varlen is not None:
         return _varlen_forward(engine, q, k, v, params, varlen, alibi_slopes, return_softmax)
     problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
@@ -178,9 +180,14 @@ def forward(engine: Engine, q: Tensor, k: Tensor, v: Tensor, params: AttentionPa
 
 @torch.no_grad()
 def backward(engine: Engine, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             params: AttentionParams, varlen: Optional[VarlenLayout], alibi_slopes: Optional[Tensor],
-             return_delta: bool) -> tuple[Tensor, ...]:
-    """The contract's ``backward``: ``(dq, dk, dv)`` in the inputs' dtypes (and Delta)."""
+             params: AttentionParams, *, varlen: Optional[VarlenLayout] = None,
+             alibi_slopes: Optional[Tensor] = None, deterministic: bool = False, grads: Optional[tuple] = None,
+             return_delta: bool = False) -> tuple[Tensor, ...]:
+    """The contract's ``backward`` on ``engine``: ``(dq, dk, dv)`` in the inputs' dtypes (and Delta).
+
+    ``deterministic`` and ``grads`` are accepted for the contract: the engines are always
+    deterministic, and compute their gradients in their own buffers, never in the caller's.
+    """
     if varlen is not None:
         result = _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slopes)
     else:
@@ -212,13 +219,7 @@ def _rotate_at(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleav
     rotary_dim = 2 * half
     c = cos[positions].to(torch.float32).unsqueeze(2)  # (B, s, 1, half)
     s = sin[positions].to(torch.float32).unsqueeze(2)
-    x_rot = x[..., :rotary_dim].to(torch.float32)
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-    else:
-        x1, x2 = x_rot[..., :half], x_rot[..., half:]
-    r1, r2 = x1 * c - x2 * s, x1 * s + x2 * c
-    rotated = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
+    rotated = rotate_pairs(x[..., :rotary_dim].to(torch.float32), c, s, interleaved)
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
@@ -279,7 +280,8 @@ def _cache_loader(cache: KVCacheInputs, batch: int) -> core.KVLoader:
 
 @torch.no_grad()
 def forward_kvcache(
-    engine: Engine, q: Tensor, params: AttentionParams, cache: KVCacheInputs, alibi_slopes: Optional[Tensor]
+    engine: Engine, q: Tensor, params: AttentionParams, cache: KVCacheInputs, *,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (b, sq, h, d), lse fp32 (b, h, sq))`` of ``flash_attn_with_kvcache``.
 

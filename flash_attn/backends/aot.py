@@ -35,8 +35,7 @@ from flash_attn.aot.manifest import Manifest, driver_release, manifest
 from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, ready, slots
 from flash_attn.planning import configs, plan as P
 
-__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
-           "prepare_forward_kvcache"]
+__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache"]
 
 _NAME = "aot"
 def unavailable_reason(device: torch.device) -> Optional[str]:
@@ -275,4 +274,5 @@ def _launch_op():
 
 
 _backend = _AotBackend(_NAME, _target)
-prepare_forward, prepare_backward, prepare_forward_kvcache, forward, backward, forward_kvcache = _backend.contract()
+BACKEND = _backend.contract(unavailable_reason)
+forward, backward, forward_kvcache = _backend.forward, _backend.backward, _backend.forward_kvcache

@@ -20,6 +20,7 @@ formula, where autograd records, is PyTorch's own (its backward is the kernel ca
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -28,10 +29,11 @@ from torch import Tensor
 from flash_attn.backends import _causal_tree, _layouts
 from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import _reference_core as core
-from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.backends.contract import runs_every_call
+from flash_attn.params import AttentionParams
 from flash_attn.placeholders import placeholder
 
-__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "direct_forward"]
+__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "direct_forward"]
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
@@ -54,45 +56,11 @@ def _backward(problem: core.Problem, params: AttentionParams, dout: Tensor, out:
 ENGINE = _layouts.Engine(forward=_forward, backward=_backward, probabilities=core.softmax_with_dropout_signs)
 
 
-def forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    params: AttentionParams,
-    *,
-    varlen: Optional[VarlenLayout] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    return_softmax: bool = False,
-) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``(out, lse, s_dmask)``; shapes as in :mod:`flash_attn.backends`."""
-    return _layouts.forward(ENGINE, q, k, v, params, varlen, alibi_slopes, return_softmax)
-
-
-def backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    params: AttentionParams,
-    *,
-    varlen: Optional[VarlenLayout] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    deterministic: bool = False,
-    grads: Optional[tuple] = None,
-    return_delta: bool = False,
-) -> tuple[Tensor, ...]:
-    """``(dq, dk, dv)`` (and Delta), as the reference backend's: always deterministic, computed in
-    its own buffers."""
-    return _layouts.backward(ENGINE, dout, q, k, v, out, lse, params, varlen, alibi_slopes, return_delta)
-
-
-def forward_kvcache(
-    q: Tensor, params: AttentionParams, cache: KVCacheInputs, *, alibi_slopes: Optional[Tensor] = None
-) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of ``flash_attn_with_kvcache`` (:func:`flash_attn.backends._layouts.forward_kvcache`)."""
-    return _layouts.forward_kvcache(ENGINE, q, params, cache, alibi_slopes)
+# The contract's operations on this engine (signatures: flash_attn.backends.contract); the backward
+# is always deterministic and computed in the engine's own buffers.
+forward = functools.partial(_layouts.forward, ENGINE)
+backward = functools.partial(_layouts.backward, ENGINE)
+forward_kvcache = functools.partial(_layouts.forward_kvcache, ENGINE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,3 +115,7 @@ def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slope
     kernel = fused.OPS[0]
     out, lse = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale)
     return out.transpose(1, 2), lse, *_UNUSED
+
+
+BACKEND = runs_every_call("cpu", unavailable_reason, forward, backward, forward_kvcache,
+                          direct={"forward": direct_forward})

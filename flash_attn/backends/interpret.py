@@ -17,8 +17,7 @@ from flash_attn.backends._execute import KernelBackend, launch_kwargs
 from flash_attn.planning import decode_configs, registry
 from flash_attn.planning.plan import Target
 
-__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
-           "prepare_forward_kvcache", "TARGET", "run_launch"]
+__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "TARGET", "run_launch"]
 
 _NAME = "interpret"
 MIN_TRITON = (3, 7)
@@ -52,4 +51,5 @@ def run_launch(launch, tensors: dict, device=None) -> None:
 
 
 _backend = KernelBackend(_NAME, lambda device: TARGET, run_launch)
-prepare_forward, prepare_backward, prepare_forward_kvcache, forward, backward, forward_kvcache = _backend.contract()
+BACKEND = _backend.contract(unavailable_reason)
+forward, backward, forward_kvcache = _backend.forward, _backend.backward, _backend.forward_kvcache

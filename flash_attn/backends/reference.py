@@ -22,9 +22,9 @@ from torch import Tensor
 from flash_attn.backends import _layouts
 from flash_attn.backends import _reference_core as core
 from flash_attn.backends._layouts import delta  # noqa: F401  (part of this backend's API: lowlevel)
-from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.backends.contract import runs_every_call
 
-__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "engine"]
+__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "engine"]
 
 Chunks = Optional[tuple[int, int]]
 
@@ -46,50 +46,22 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     return None
 
 
-def forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    params: AttentionParams,
-    *,
-    varlen: Optional[VarlenLayout] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    return_softmax: bool = False,
-    chunks: Chunks = None,
-) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-    """``(out, lse, s_dmask)``; shapes as in :mod:`flash_attn.backends`."""
-    return _layouts.forward(engine(chunks), q, k, v, params, varlen, alibi_slopes, return_softmax)
+def forward(*args, chunks: Chunks = None, **kwargs) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The contract's ``forward`` (:mod:`flash_attn.backends.contract`): ``(out, lse, s_dmask)``."""
+    return _layouts.forward(engine(chunks), *args, **kwargs)
 
 
-def backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    params: AttentionParams,
-    *,
-    varlen: Optional[VarlenLayout] = None,
-    alibi_slopes: Optional[Tensor] = None,
-    deterministic: bool = False,
-    grads: Optional[tuple] = None,
-    return_delta: bool = False,
-    chunks: Chunks = None,
-) -> tuple[Tensor, ...]:
-    """``(dq, dk, dv)`` shaped like q, k, v (the page pool when paged), and with ``return_delta``
-    Delta ``rowsum(dout * out)`` fp32 shaped like lse.
-
-    ``deterministic`` and ``grads`` are accepted for the contract: this backend is always
-    deterministic, and computes its gradients in its own (fp32) buffers, never in the caller's.
-    """
-    return _layouts.backward(engine(chunks), dout, q, k, v, out, lse, params, varlen, alibi_slopes, return_delta)
+def backward(*args, chunks: Chunks = None, **kwargs) -> tuple[Tensor, ...]:
+    """The contract's ``backward``: ``(dq, dk, dv)`` shaped like q, k, v (the page pool when
+    paged), and with ``return_delta`` Delta ``rowsum(dout * out)`` fp32 shaped like lse. Always
+    deterministic; the gradients are computed in the engine's own (fp32) buffers."""
+    return _layouts.backward(engine(chunks), *args, **kwargs)
 
 
-def forward_kvcache(
-    q: Tensor, params: AttentionParams, cache: KVCacheInputs, *, alibi_slopes: Optional[Tensor] = None,
-    chunks: Chunks = None,
-) -> tuple[Tensor, Tensor]:
-    """``(out (b, sq, h, d), lse fp32 (b, h, sq))`` of ``flash_attn_with_kvcache``
+def forward_kvcache(*args, chunks: Chunks = None, **kwargs) -> tuple[Tensor, Tensor]:
+    """The contract's ``forward_kvcache``: ``(out (b, sq, h, d), lse fp32 (b, h, sq))``
     (:func:`flash_attn.backends._layouts.forward_kvcache`)."""
-    return _layouts.forward_kvcache(engine(chunks), q, params, cache, alibi_slopes)
+    return _layouts.forward_kvcache(engine(chunks), *args, **kwargs)
+
+
+BACKEND = runs_every_call("reference", unavailable_reason, forward, backward, forward_kvcache)

@@ -29,8 +29,7 @@ from flash_attn.backends._execute import KernelBackend, capturing, execute, laun
 from flash_attn.planning import configs, registry
 from flash_attn.planning.plan import Target
 
-__all__ = ["unavailable_reason", "forward", "backward", "forward_kvcache", "prepare_forward", "prepare_backward",
-           "prepare_forward_kvcache", "BackendFailed", "diagnose"]
+__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "BackendFailed", "diagnose"]
 
 _NAME = "triton"
 
@@ -160,4 +159,5 @@ class _TritonBackend(KernelBackend):
 
 
 _backend = _TritonBackend(_NAME, _target, _run_launch)
-prepare_forward, prepare_backward, prepare_forward_kvcache, forward, backward, forward_kvcache = _backend.contract()
+BACKEND = _backend.contract(unavailable_reason, failure=BackendFailed)
+forward, backward, forward_kvcache = _backend.forward, _backend.backward, _backend.forward_kvcache

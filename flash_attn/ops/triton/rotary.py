@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from flash_attn.ops.triton import cuda_launch
+from flash_attn.rotation import rotate_pairs
 
 try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
     import triton
@@ -226,19 +227,6 @@ def _angles_varlen(
     return c[:, None, :], s[:, None, :]
 
 
-def _rotate(x_rot: Tensor, c: Tensor, s: Tensor, interleaved: bool) -> Tensor:
-    half = x_rot.shape[-1] // 2
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-    else:
-        x1, x2 = x_rot[..., :half], x_rot[..., half:]
-    o1 = x1 * c - x2 * s
-    o2 = x1 * s + x2 * c
-    if interleaved:
-        return torch.stack((o1, o2), dim=-1).flatten(-2)
-    return torch.cat((o1, o2), dim=-1)
-
-
 def _check_args(
     x: Tensor,
     cos: Tensor,
@@ -301,7 +289,7 @@ def _rotate_torch(
         # The product with a differentiable table saves x_rot for backward; it must not be
         # the very memory we are about to overwrite.
         x_rot = x_rot.clone()
-    rotated = _rotate(x_rot, c, s, interleaved)
+    rotated = rotate_pairs(x_rot, c, s, interleaved)
     if inplace:
         x[..., :rotary_dim].copy_(rotated)
         return x

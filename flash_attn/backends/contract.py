@@ -1,0 +1,89 @@
+"""The backend contract as one object per backend: what the dispatcher may call, by name.
+
+Every backend module defines ``BACKEND``, a :class:`Backend`; :mod:`flash_attn.dispatch` reaches
+backends only through it. The three operations (:data:`OPS`) and their arguments:
+
+``forward(q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False)``
+    -> ``(out, lse, s_dmask)``.
+    Dense: q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``; out like q, lse fp32 ``(b, h, sq)``.
+    Varlen (``varlen`` a :class:`~flash_attn.params.VarlenLayout`): q ``(total_q, h, d)``,
+    k/v ``(total_k, hk, d)`` or paged; out like q, lse fp32 ``(h, total_q)``.
+    ``s_dmask`` is ``None`` unless ``return_softmax``; then fp32 ``(b, h, max_sq, max_sk)`` holding
+    the softmax probabilities, negated where dropout dropped the entry.
+    Rows that see no key: out 0, lse +inf.
+
+``backward(dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
+deterministic=False, grads=None, return_delta=False)`` -> ``(dq, dk, dv)`` shaped like q, k, v
+(for paged K/V: like the page pool).
+    The probabilities are recomputed from the given ``lse`` and the softmax correction
+    ``rowsum(dout * out)`` from the given ``out``, never from a fresh forward: given the ``out``
+    and ``lse`` of a longer sequence (context parallelism), the result is this block's share.
+    ``grads``: the caller's ``(dq, dk, dv)`` (each may be ``None``), which a backend may write in
+    place and return; ``return_delta``: a fourth result, Delta ``rowsum(dout * out)`` fp32 shaped
+    like lse (both for the low-level API, :mod:`flash_attn.lowlevel`).
+
+``forward_kvcache(q, params, cache, *, alibi_slopes=None)`` -> ``(out, lse)``
+    ``cache`` a :class:`~flash_attn.params.KVCacheInputs`; q ``(b, sq, h, d)``; appends
+    ``cache.k_new``/``v_new`` into the cache in place (after rotary on k) before attending.
+
+Arguments arrive already validated and normalised by :mod:`flash_attn.flash_attn_interface`
+(dtypes, shapes, devices, value ranges), so a backend only computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional, Union
+
+import torch
+
+OPS = ("forward", "backward", "forward_kvcache")
+
+Runner = Callable[[], tuple]
+# prepare(*op_args, **op_kwargs) -> a runner that computes the call, or why the backend refuses it
+# (answered before anything runs, so the dispatcher can run the call elsewhere).
+Prepare = Callable[..., Union[Runner, str]]
+# direct(*args of the flash_attn::<op> custom op) -> the op's outputs, or None: the call is not taken.
+Direct = Callable[..., Optional[tuple]]
+
+
+@dataclass(slots=True)
+class Backend:
+    """One backend, as the dispatcher sees it.
+
+    ``unavailable_reason(device)``: ``None`` when the backend can run tensors on ``device``, else a
+    sentence saying why not. ``prepare``: one :data:`Prepare` per op of :data:`OPS`. ``direct``:
+    optional eager routes around the custom op (only the ``cpu`` backend has one, for the plain
+    forward calls it takes; see :func:`flash_attn.dispatch.run_direct`). ``failure``: the
+    exception type by which the backend says *it* failed on first use, not the call (Triton's
+    compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
+    the next backend.
+    """
+
+    name: str
+    unavailable_reason: Callable[[torch.device], Optional[str]]
+    prepare: Mapping[str, Prepare]
+    direct: Mapping[str, Direct] = field(default_factory=lambda: MappingProxyType({}))
+    failure: Optional[type[BaseException]] = None
+
+    def __post_init__(self):
+        if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS):
+            raise ValueError(f"backend {self.name!r}: prepare must name exactly {OPS}, direct a subset "
+                             f"(got {sorted(self.prepare)}, {sorted(self.direct)})")
+        self.prepare = MappingProxyType(dict(self.prepare))
+        self.direct = MappingProxyType(dict(self.direct))
+
+
+def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kvcache,
+                    direct: Optional[Mapping[str, Direct]] = None) -> Backend:
+    """A backend that refuses no call it can run (cpu, reference): each op's runner calls the
+    given function with the call's arguments."""
+
+    def preparing(op: Callable) -> Prepare:
+        return lambda *args, **kwargs: lambda: op(*args, **kwargs)
+
+    return Backend(name, unavailable_reason,
+                   {"forward": preparing(forward), "backward": preparing(backward),
+                    "forward_kvcache": preparing(forward_kvcache)},
+                   direct or {})
