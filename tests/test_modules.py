@@ -1003,13 +1003,14 @@ def test_recorded_signatures_are_upstreams_source():
 # ---------------------------------------------------------------------------------------------
 
 
+# rotary: q rotated in place, k inside the packed kv (GQA) or q and k inside the packed qkv (MHA)
+@pytest.mark.parametrize("rotary", [None, "gqa", "packed"])
 @pytest.mark.parametrize("use_flash_attn", [False, True], ids=["torch", "flash"])
-def test_mha_compiles_fullgraph_and_matches_eager(use_flash_attn):
+def test_mha_compiles_fullgraph_and_matches_eager(use_flash_attn, rotary):
     if dev().type == "cpu" and shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("inductor on CPU needs a C compiler")
-    # No rotary: RotaryEmbedding's table cache asks tensor.is_inference(), which dynamo
-    # cannot trace (a graph break, an error under fullgraph=True).
-    m = _mha(use_flash_attn=use_flash_attn, causal=True, num_heads_kv=2)
+    m = _mha(use_flash_attn=use_flash_attn, causal=True, num_heads_kv=H if rotary == "packed" else 2,
+             rotary_emb_dim=8 if rotary else 0)
     x = randn(2, 6, E, seed=20)
     torch._dynamo.reset()
     compiled = torch.compile(m, fullgraph=True)

@@ -123,6 +123,11 @@ def apply_rotary_emb(
             )
         return _rotate_torch(x, cos, sin, seqlen_offsets, cu_seqlens, interleaved, inplace)
     if torch.is_grad_enabled() and x.requires_grad:
+        if inplace and torch.compiler.is_compiling():
+            # torch.compile traces neither _is_view() nor a custom Function marking a view dirty:
+            # the same rotation out of place, copied back (autograd records the copy).
+            return x.copy_(_ApplyRotaryEmb.apply(x, cos, sin, interleaved, False, seqlen_offsets, cu_seqlens,
+                                                 max_seqlen))
         return _ApplyRotaryEmb.apply(
             x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen
         )
@@ -232,14 +237,16 @@ class _RotatePackedInPlace(torch.autograd.Function):
 def _rotate_packed(packed, tables, interleaved, seqlen_offsets, num_heads_q) -> Tensor:
     """Rotate the parts of ``packed`` in place with ``tables`` ((cos, sin) per part)."""
     parts = _rotated_parts(packed, num_heads_q)
-    if any(_tables_need_grad(cos, sin) for cos, sin in tables):
-        # differentiable tables: op by op (a packed leaf that requires grad is refused there)
+    recorded = torch.is_grad_enabled() and packed.requires_grad
+    if any(_tables_need_grad(cos, sin) for cos, sin in tables) or (recorded and torch.compiler.is_compiling()):
+        # differentiable tables: op by op (a packed leaf that requires grad is refused there);
+        # under torch.compile, part by part as apply_rotary_emb traces it
         for part, (cos, sin) in zip(parts, tables):
             apply_rotary_emb(part, cos, sin, interleaved, True, seqlen_offsets)
         return packed
     for part, (cos, sin) in zip(parts, tables):  # bad arguments fail here, before any write
         _check_args(part, cos, sin, seqlen_offsets, None, None)
-    if torch.is_grad_enabled() and packed.requires_grad:
+    if recorded:
         return _RotatePackedInPlace.apply(packed, tables, interleaved, seqlen_offsets, num_heads_q)
     _rotate_parts(parts, tables, interleaved, seqlen_offsets)
     return packed
@@ -320,6 +327,7 @@ class RotaryEmbedding(torch.nn.Module):
         scale = self._compute_scale(device) if scale_base is not None else None
         self.register_buffer("scale", scale, persistent=False)
         self._seq_len_cached = 0
+        self._cached_in_inference = False
         self._cos_cached: Optional[Tensor] = None
         self._sin_cached: Optional[Tensor] = None
         self._cos_k_cached: Optional[Tensor] = None
@@ -340,10 +348,13 @@ class RotaryEmbedding(torch.nn.Module):
             or cached is None
             or cached.device != device
             or cached.dtype != dtype
-            or (self.training and cached.is_inference())
+            or (self.training and self._cached_in_inference)
         ):
             return
         self._seq_len_cached = seqlen
+        # Tables made under inference mode cannot be saved for backward. Remembered as a flag
+        # rather than asked with tensor.is_inference(), which torch.compile cannot trace.
+        self._cached_in_inference = torch.is_inference_mode_enabled()
         # Tables are built in float32 even if the module was cast to half precision: positions
         # times frequencies are large numbers, and bf16 would visibly change cos/sin.
         inv_freq = self.inv_freq
