@@ -2,7 +2,8 @@
 ``sample``'s distribution, and ``decode`` on a tiny language model built from flash_attn.modules
 (the kv cache through ``InferenceParams``): greedy decoding gives the tokens and logits of
 re-running the whole sequence without a cache, ``teacher_outputs`` and ``eos_token_id`` work,
-and what is not provided (CUDA graphs, speculative decoding) says so.
+speculative decoding gives the main model's greedy tokens and draws from its distribution, and
+CUDA-graph decoding gives eager decoding's tokens (on a CUDA device; elsewhere a clear error).
 """
 
 from __future__ import annotations
@@ -239,10 +240,127 @@ def test_model_cache_allocation_and_helper():
     torch.testing.assert_close(logits[:, -1], model(prompt).logits[:, -1], rtol=1e-4, atol=1e-5)
 
 
-def test_what_is_not_provided_says_so():
+def test_cuda_graph_decoding_needs_a_cuda_model():
+    if test_device().type == "cuda":
+        pytest.skip("the model is on a CUDA device here (test_cuda_graph_decode_matches_eager runs)")
     model = _model(True)
-    with pytest.raises(NotImplementedError, match="cg=False"):
-        decode(torch.tensor([[1]]), model, max_length=3, cg=True)
-    for name in ("update_graph_cache", "capture_graph", "sample_speculative", "decode_speculative"):
-        with pytest.raises(NotImplementedError, match=name):
-            getattr(generation, name)()
+    with pytest.raises(ValueError, match="cg=False"):
+        decode(torch.tensor([[1]], device=test_device()), model, max_length=3, cg=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        generation.update_graph_cache(model, None, 1, 1, 8)
+
+
+def test_cuda_graph_decode_matches_eager():
+    if test_device().type != "cuda":
+        pytest.skip("needs a CUDA device")
+    model = _model(True)
+    prompt = torch.tensor([[1, 5, 9], [2, 2, 30]], device=test_device())
+    eager = decode(prompt, model, max_length=12)
+    graphed = decode(prompt, model, max_length=12, cg=True)
+    assert torch.equal(graphed.sequences, eager.sequences)
+    for ours, theirs in zip(graphed.scores, eager.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    again = decode(prompt[:1], model, max_length=10, cg=True)  # a smaller batch: the graphs are reused
+    assert torch.equal(again.sequences, eager.sequences[:1, :10])
+    spec = generation.decode_speculative(prompt[:1], model, _model(True), max_length=12, cg=True)
+    assert torch.equal(spec.sequences, eager.sequences[:1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sample_speculative_greedy_keeps_the_drafts_the_main_model_would_pick():
+    logits = randn(3, 4, 11, seed=5)
+    best = logits.argmax(-1)  # (3, 4): what greedy decoding of the main model picks
+    drafts = best[:, :3].clone()
+    drafts[1, 1] = (best[1, 1] + 1) % 11  # row 1: its second draft is wrong
+    drafts[2, 0] = (best[2, 0] + 1) % 11  # row 2: its first
+    # greedy drafts: the draft model's argmax (one-hot logits that agree with the drafts)
+    draft_logits = torch.full((3, 3, 11), -30.0).scatter(-1, drafts.unsqueeze(-1), 30.0)
+    tokens, generated = generation.sample_speculative(logits, draft_logits, drafts)
+    assert generated.tolist() == [4, 2, 1]
+    assert torch.equal(tokens[0], best[0])
+    assert torch.equal(tokens[1, :2], best[1, :2]) and torch.equal(tokens[2, :1], best[2, :1])
+
+
+@pytest.mark.parametrize("top_k, top_p, temperature", [(0, 0.0, 1.0), (3, 0.0, 0.7), (0, 0.9, 1.3)])
+def test_sample_speculative_draws_from_the_main_model(top_k, top_p, temperature):
+    """Whatever the draft proposes, the first new token is distributed as sampling the main
+    model (the theorem of speculative sampling), and a draft token is kept with probability
+    sum(min(p, q)). Checked on 200k rows against float64 oracles (5 sigma)."""
+    torch.manual_seed(7)
+    rows, vocab = 200_000, 5
+    main = randn(1, 2, vocab, seed=8).expand(rows, 2, vocab).contiguous() * 1.5
+    draft = randn(1, 1, vocab, seed=9).expand(rows, 1, vocab).contiguous() * 1.5
+    q = generation._filtered_probs(draft.double()[:1, 0], top_k, top_p, temperature)[0]
+    p = generation._filtered_probs(main.double()[:1, 0], top_k, top_p, temperature)[0]
+    tokens_draft = torch.multinomial(q.float(), rows, replacement=True).view(rows, 1)
+    tokens, generated = generation.sample_speculative(main, draft, tokens_draft, top_k=top_k, top_p=top_p,
+                                                      temperature=temperature)
+    counts = torch.bincount(tokens[:, 0], minlength=vocab).double()
+    sigma = (rows * p * (1 - p)).sqrt()
+    assert ((counts - rows * p).abs() <= 5 * sigma + 1).all(), (counts / rows, p)
+    accept = torch.minimum(p, q).sum()
+    kept = (generated == 2).double().sum()
+    assert abs(kept - rows * accept) <= 5 * (rows * accept * (1 - accept)).sqrt() + 1
+
+
+def test_sample_speculative_checks_its_inputs():
+    logits, draft, tokens = randn(2, 4, 7), randn(2, 3, 7), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="logits_draft"):
+        generation.sample_speculative(logits[:, :3], draft, tokens)
+    with pytest.raises(ValueError, match="int32/int64"):
+        generation.sample_speculative(logits, draft, tokens.float())
+    with pytest.raises(ValueError, match="top_p"):
+        generation.sample_speculative(logits, draft, tokens, top_k=0, top_p=1.5)
+
+
+def _greedy_without_cache(model, prompt, max_length):
+    seq, logits_seen = prompt, []
+    with torch.no_grad():
+        while seq.shape[1] < max_length:
+            logits = model(seq).logits[:, -1]
+            logits_seen.append(logits)
+            seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    return seq, torch.stack(logits_seen, dim=1)
+
+
+@pytest.mark.parametrize("draft_seed", [0, 1], ids=["same-model", "other-model"])
+@pytest.mark.parametrize("lookahead", [1, 3, 5])
+def test_greedy_speculative_decoding_gives_the_main_models_tokens(draft_seed, lookahead):
+    model = _model(True)
+    torch.manual_seed(draft_seed)
+    draft = TinyLM(False).to(test_device()).eval()  # another model (its own weights) or the same
+    if draft_seed == 0:
+        draft.load_state_dict(model.state_dict())
+    prompt = torch.tensor([[1, 5, 9]], device=test_device())
+    out = generation.decode_speculative(prompt, model, draft, max_length=14, speculative_lookahead=lookahead)
+    expected, expected_logits = _greedy_without_cache(model, prompt, 14)
+    assert isinstance(out, generation.GreedySearchDecoderOnlyOutput)
+    assert torch.equal(out.sequences, expected)
+    assert out.scores.shape == (1, 11, VOCAB)
+    torch.testing.assert_close(out.scores, expected_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_speculative_decoding_with_its_own_draft_keeps_every_draft(caplog):
+    model = _model(True)
+    prompt = torch.tensor([[3, 1]], device=test_device())
+    with caplog.at_level("INFO", logger="flash_attn.utils.generation"):
+        out = generation.decode_speculative(prompt, model, model, max_length=12, speculative_lookahead=4,
+                                            top_k=0, temperature=0.8, enable_timing=True)
+    assert isinstance(out, generation.SampleDecoderOnlyOutput) and out.sequences.shape == (1, 12)
+    assert int(out.sequences.max()) < VOCAB
+    # p == q for every draft token: kept with probability 1; 10 new tokens in rounds of 4 + 1
+    assert "acceptance rate 100.00%" in caplog.text and "2 calls to the main model" in caplog.text
+
+
+def test_speculative_decoding_checks_its_inputs():
+    model = _model(True)
+    with pytest.raises(ValueError, match="batch size 1"):
+        generation.decode_speculative(torch.tensor([[1], [2]]), model, model, max_length=5)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generation.decode_speculative(torch.tensor([[1]]), model, model, max_length=5, eos_token_id=0)
+    with pytest.raises(ValueError, match="speculative_lookahead"):
+        generation.decode_speculative(torch.tensor([[1]]), model, model, max_length=5, speculative_lookahead=0)
