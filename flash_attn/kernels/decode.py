@@ -90,41 +90,11 @@ def _cache_rows(rows, row_mask, seq, bt_row, page_size, identity_table, PAGED: t
 
 @triton.jit
 def _attend_blocks(
-    acc,
-    m_i,
-    l_i,
-    q,
-    row_pos,
-    slope_log2,
-    K,
-    V,
-    seq,
-    bt_row,
-    block_start,
-    block_end,
-    first_row,
-    seqlen_k,
-    seqlen_q,
-    offs_d,
-    d_mask,
-    page_size,
-    stride_kb,
-    stride_ks,
-    k_head,
-    stride_vb,
-    stride_vs,
-    v_head,
-    qk_scale_log2,
-    cap_on,
-    cap_in,
-    cap_out_log2,
-    window_left,
-    window_right,
-    identity_table,
-    BLOCK_N: tl.constexpr,
-    IS_LOCAL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    acc, m_i, l_i, q, row_pos, slope_log2,
+    K, V, seq, bt_row, block_start, block_end, first_row, seqlen_k, seqlen_q, offs_d, d_mask, page_size,
+    stride_kb, stride_ks, k_head, stride_vb, stride_vs, v_head,
+    qk_scale_log2, cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table,
+    BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr,
 ):
     """Online softmax over key blocks ``[block_start, block_end)`` (positions ``j``, 0-based).
@@ -157,63 +127,134 @@ def _attend_blocks(
 
 
 @triton.jit
+def _program_tile(seqlen_q, group, nheads_k, BLOCK_M: tl.constexpr):
+    """This program's ``(b, kv_head, m_block, split, num_splits)``: axis 0 is (batch entry, kv
+    head) x row blocks, row block fastest (so any batch x heads fits the grid), axis 1 the split."""
+    num_m_blocks = tl.cdiv(seqlen_q * group, BLOCK_M)
+    pid_bh = tl.program_id(0) // num_m_blocks
+    m_block = tl.program_id(0) % num_m_blocks
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    return pid_bh // nheads_k, pid_bh % nheads_k, m_block, split, num_splits
+
+
+@triton.jit
+def _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new, use_leftpad, stride_btb,
+                    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
+    """Where the keys of batch entry ``b`` live: ``(first_row, seqlen_k, seq, bt_row)``, i.e. cache
+    rows ``[first_row, first_row + seqlen_k)`` of cache sequence ``seq`` (int64; its page when the
+    table is the identity) or of the pages listed at ``bt_row`` (its block-table row)."""
+    if HAS_LEFTPAD:
+        first_row = tl.load(Leftpad + b, mask=use_leftpad != 0, other=0)
+    else:
+        first_row = 0
+    seqlen_k = tl.load(Seqlens + b) + seqlen_new - first_row
+    if PAGED:
+        seq = b.to(tl.int64)
+        bt_row = BlockTable + b.to(tl.int64) * stride_btb
+    else:
+        if HAS_BATCH_IDX:
+            seq = tl.load(BatchIdx + b).to(tl.int64)
+        else:
+            seq = b.to(tl.int64)
+        bt_row = BlockTable
+    return first_row, seqlen_k, seq, bt_row
+
+
+@triton.jit
+def _packed_rows(m_block, kv_head, seqlen_q, group, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The tile's packed rows ``m -> (query row m // group, head kv_head * group + m % group)``:
+    ``(row_pos, head, m_mask, offs_d, d_mask)``."""
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < seqlen_q * group
+    d_mask = offs_d < head_dim
+    return offs_m // group, kv_head * group + offs_m % group, m_mask, offs_d, d_mask
+
+
+@triton.jit
+def _load_packed_q(Q, b, row_pos, head, m_mask, offs_d, d_mask, stride_qb, stride_qs, stride_qh):
+    """The ``(BLOCK_M, BLOCK_D)`` query tile of the packed rows (zeros outside them)."""
+    q_off = b.to(tl.int64) * stride_qb + row_pos.to(tl.int64) * stride_qs + head * stride_qh
+    return tl.load(Q + q_off[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _alibi_slopes_log2(Alibi, b, head, m_mask, stride_ab, use_alibi, HAS_ALIBI: tl.constexpr,
+                       BLOCK_M: tl.constexpr):
+    """Each packed row's ALiBi slope times ``log2(e)`` (fp32; zero when ``use_alibi == 0``)."""
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b * stride_ab + head, mask=m_mask & ((head * 0 + use_alibi) != 0), other=0.0)
+        return slope.to(tl.float32) * LOG2E
+    else:
+        return tl.zeros([BLOCK_M], dtype=tl.float32)
+
+
+@triton.jit
+def _split_share(m_block, split, num_splits, seqlen_q, group, seqlen_k, window_left, window_right,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr):
+    """This split's contiguous share ``[start, end)`` of the key blocks some row of the tile sees
+    (``ceil(blocks / num_splits)`` per split; empty for the splits past the last block)."""
+    t_first = (m_block * BLOCK_M) // group
+    t_last = (tl.minimum((m_block + 1) * BLOCK_M, seqlen_q * group) - 1) // group
+    block_lo, block_hi = _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
+                                          IS_LOCAL)
+    per_split = (block_hi - block_lo + num_splits - 1) // num_splits
+    start = tl.minimum(block_lo + split * per_split, block_hi)
+    return start, tl.minimum(start + per_split, block_hi)
+
+
+@triton.jit
+def _normalised(acc, m_i, l_i, empty_lse):
+    """The online softmax's result: ``(out, lse)``, lse in natural log (``empty_lse`` and out 0
+    for a row that saw no key)."""
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    return out, tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, empty_lse)
+
+
+@triton.jit
+def _store_out(Out, OutPart, out, b, split, num_splits, row_pos, head, m_mask, offs_d, d_mask, stride_ob, stride_os,
+               stride_oh, stride_px, stride_pb, stride_ps, stride_ph):
+    """``out`` into the final output (one split, in ``Out``'s dtype) or into this split's fp32
+    partial output."""
+    row_off = row_pos.to(tl.int64)
+    o_mask = m_mask[:, None] & d_mask[None, :]
+    # a branch on a uniform scalar around stores only: nothing is yielded, no extra live tiles
+    if num_splits == 1:
+        o_off = b.to(tl.int64) * stride_ob + row_off * stride_os + head * stride_oh
+        tl.store(Out + o_off[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+    else:
+        p_off = split.to(tl.int64) * stride_px + b.to(tl.int64) * stride_pb + row_off * stride_ps + head * stride_ph
+        tl.store(OutPart + p_off[:, None] + offs_d[None, :], out, mask=o_mask)
+
+
+@triton.jit
+def _store_lse(Lse, lse, b, split, row_pos, head, m_mask, stride_lx, stride_lb, stride_ls, stride_lh):
+    """This split's logsumexp of each packed row (the final one when there is one split)."""
+    l_off = split.to(tl.int64) * stride_lx + b.to(tl.int64) * stride_lb + row_pos.to(tl.int64) * stride_ls \
+        + head * stride_lh
+    tl.store(Lse + l_off, lse, mask=m_mask)
+
+
+@triton.jit
 def split_kv_kernel(
-    Q,
-    K,
-    V,
-    Out,
-    OutPart,
-    Lse,
-    Seqlens,
-    Leftpad,
-    BatchIdx,
-    BlockTable,
-    Alibi,
-    stride_qb,
-    stride_qs,
-    stride_qh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_px,
-    stride_pb,
-    stride_ps,
-    stride_ph,
-    stride_lx,
-    stride_lb,
-    stride_ls,
-    stride_lh,
-    stride_btb,
-    stride_ab,
-    nheads_k,
-    seqlen_q,
-    seqlen_new,
-    group,
-    head_dim,
-    page_size,
-    use_leftpad,
-    use_alibi,
-    identity_table,
-    softmax_scale,
-    softcap,
-    window_left,
-    window_right,
-    empty_lse,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_LOCAL: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    PAGED: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr,
-    HAS_LEFTPAD: tl.constexpr,
+    Q, K, V, Out, OutPart, Lse,
+    Seqlens, Leftpad, BatchIdx, BlockTable, Alibi,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_px, stride_pb, stride_ps, stride_ph,
+    stride_lx, stride_lb, stride_ls, stride_lh,
+    stride_btb, stride_ab,
+    nheads_k, seqlen_q, seqlen_new, group, head_dim, page_size,
+    use_leftpad, use_alibi, identity_table,
+    softmax_scale, softcap, window_left, window_right, empty_lse,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
 ):
     """Grid ``(batch * nheads_k * cdiv(seqlen_q * group, BLOCK_M), num_splits)``.
 
@@ -225,56 +266,15 @@ def split_kv_kernel(
     pointers chosen at run time rather than one pointer of either type, so that the kernel has a
     single signature per dtype (an ahead-of-time build compiles one kernel, not two).
     """
-    # axis 0: (batch entry, kv head) x row blocks, row-block fastest (any batch x heads fits)
-    num_m_blocks = tl.cdiv(seqlen_q * group, BLOCK_M)
-    pid_bh = tl.program_id(0) // num_m_blocks
-    m_block = tl.program_id(0) % num_m_blocks
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
-    b = pid_bh // nheads_k
-    kv_head = pid_bh % nheads_k
-
-    # keys of this sequence: cache rows [first_row, first_row + seqlen_k)
-    if HAS_LEFTPAD:
-        first_row = tl.load(Leftpad + b, mask=use_leftpad != 0, other=0)
-    else:
-        first_row = 0
-    seqlen_k = tl.load(Seqlens + b) + seqlen_new - first_row
-    if PAGED:
-        seq = b.to(tl.int64)  # its page, when identity_table
-        bt_row = BlockTable + b.to(tl.int64) * stride_btb
-    else:
-        if HAS_BATCH_IDX:
-            seq = tl.load(BatchIdx + b).to(tl.int64)
-        else:
-            seq = b.to(tl.int64)
-        bt_row = BlockTable
-
-    # packed query rows: m -> (query row m // group, head kv_head * group + m % group)
-    rows_q = seqlen_q * group
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < rows_q
-    d_mask = offs_d < head_dim
-    row_pos = offs_m // group
-    head = kv_head * group + offs_m % group
-    q_off = b.to(tl.int64) * stride_qb + row_pos.to(tl.int64) * stride_qs + head * stride_qh
-    q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    if HAS_ALIBI:
-        slope_log2 = tl.load(Alibi + b * stride_ab + head, mask=m_mask & ((head * 0 + use_alibi) != 0), other=0.0)
-        slope_log2 = slope_log2.to(tl.float32) * LOG2E
-    else:
-        slope_log2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b, kv_head, m_block, split, num_splits = _program_tile(seqlen_q, group, nheads_k, BLOCK_M)
+    first_row, seqlen_k, seq, bt_row = _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new,
+                                                       use_leftpad, stride_btb, PAGED, HAS_BATCH_IDX, HAS_LEFTPAD)
+    row_pos, head, m_mask, offs_d, d_mask = _packed_rows(m_block, kv_head, seqlen_q, group, head_dim, BLOCK_M, BLOCK_D)
+    q = _load_packed_q(Q, b, row_pos, head, m_mask, offs_d, d_mask, stride_qb, stride_qs, stride_qh)
+    slope_log2 = _alibi_slopes_log2(Alibi, b, head, m_mask, stride_ab, use_alibi, HAS_ALIBI, BLOCK_M)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
-
-    # key blocks seen by some row of the tile, and this split's share [start, end) of them
-    t_first = (m_block * BLOCK_M) // group
-    t_last = (tl.minimum((m_block + 1) * BLOCK_M, rows_q) - 1) // group
-    block_lo, block_hi = _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right, BLOCK_N,
-                                          IS_LOCAL)
-    per_split = (block_hi - block_lo + num_splits - 1) // num_splits
-    start = tl.minimum(block_lo + split * per_split, block_hi)
-    end = tl.minimum(start + per_split, block_hi)
+    start, end = _split_share(m_block, split, num_splits, seqlen_q, group, seqlen_k, window_left, window_right,
+                              BLOCK_M, BLOCK_N, IS_LOCAL)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -285,21 +285,10 @@ def split_kv_kernel(
         kv_head.to(tl.int64) * stride_vh, qk_scale_log2, cap_on, cap_in, cap_out_log2, window_left, window_right,
         identity_table, BLOCK_N, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
 
-    seen = l_i > 0.0
-    l_safe = tl.where(seen, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, empty_lse)
-    row_off = row_pos.to(tl.int64)
-    o_mask = m_mask[:, None] & d_mask[None, :]
-    # a branch on a uniform scalar around stores only: nothing is yielded, no extra live tiles
-    if num_splits == 1:
-        o_off = b.to(tl.int64) * stride_ob + row_off * stride_os + head * stride_oh
-        tl.store(Out + o_off[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
-    else:
-        p_off = split.to(tl.int64) * stride_px + b.to(tl.int64) * stride_pb + row_off * stride_ps + head * stride_ph
-        tl.store(OutPart + p_off[:, None] + offs_d[None, :], out, mask=o_mask)
-    l_off = split.to(tl.int64) * stride_lx + b.to(tl.int64) * stride_lb + row_off * stride_ls + head * stride_lh
-    tl.store(Lse + l_off, lse, mask=m_mask)
+    out, lse = _normalised(acc, m_i, l_i, empty_lse)
+    _store_out(Out, OutPart, out, b, split, num_splits, row_pos, head, m_mask, offs_d, d_mask, stride_ob, stride_os,
+               stride_oh, stride_px, stride_pb, stride_ps, stride_ph)
+    _store_lse(Lse, lse, b, split, row_pos, head, m_mask, stride_lx, stride_lb, stride_ls, stride_lh)
 
 
 @triton.jit
