@@ -82,8 +82,9 @@ def test_spec_set_size_is_deliberate():
                 len(specs) - len(attention))
 
     # sm_90a: + the fused backward, its dQ convert, and the bf16 exact-call forward and fused
-    # backward at head dims 64 and 128; Blackwell and sm_120: the split kernels only
-    assert counts((9, 0)) == (32 + 8 + 8 + 4, 18 + 6, 60)
+    # backward at head dims 64 and 128, + the plain decoding step's exact split-KV image (2 dtypes x
+    # 3 buckets); Blackwell and sm_120: the split kernels only
+    assert counts((9, 0)) == (32 + 8 + 8 + 4, 18 + 6, 60 + 6)
     assert counts((10, 0)) == (32, 18, 60)
     assert counts((12, 0)) == (32, 18, 60)
     lean, features, decode = counts((8, 0))

@@ -158,6 +158,37 @@ def test_launches_are_aot_variants(name, family):
         assert splits_run > 1  # the combine is among the checked launches
 
 
+# The exact-call image of the plain decoding step (decode_configs.SPLIT_KV_EXACT): which calls it
+# serves on a family that ships it, and that it serves them exactly (interpreter vs oracle).
+EXACT_CASES = {
+    # one query row, causal (masks nothing), GQA, a new key appended with rotary, 3 splits
+    "decode_causal_rotary": (Case(seqlens=(70, 200), nheads=8, nheads_k=2, seqlen_cache=256, seqlen_new=1,
+                                  rotary="neox", causal=True), 3, True),
+    "decode_d128_one_split": (Case(seqlens=(5, 33), headdim=128, nheads=4, nheads_k=4), 1, True),
+    "decode_d256": (Case(seqlens=(40, 17), headdim=256, nheads=2, nheads_k=1, seqlen_new=1), 0, True),
+    # not served: three causal rows (masked), paged, a left window, ALiBi, softcap, cache_batch_idx
+    "causal_three_rows": (Case(seqlens=(30, 41), seqlen_q=3, seqlen_new=3, causal=True), 0, False),
+    "paged": (Case(seqlens=(70, 200), seqlen_cache=256, page_size=16, seqlen_new=1), 0, False),
+    "left_window": (Case(seqlens=(30, 41), window=(8, 0)), 0, False),
+    "alibi": (Case(seqlens=(30, 41), alibi="heads"), 0, False),
+    "softcap": (Case(seqlens=(30, 41), softcap=4.0), 0, False),
+    "batch_idx": (Case(seqlens=(30, 41), batch_idx=True), 0, False),
+}
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("name", list(EXACT_CASES))
+def test_the_plain_decoding_step_runs_the_exact_image(name, family):
+    case, splits, served = EXACT_CASES[name]
+    recorder = Recorder()
+    check_case(case, torch.bfloat16, "interpret", num_splits=splits, target=superset("interpret", family),
+               run_launch=recorder)
+    check_launches(recorder.launches, family, torch.bfloat16)
+    flags = next(launch.constexprs for launch, _ in recorder.launches if launch.kernel == "split_kv_kernel")
+    expected = dc.SPLIT_KV_EXACT if served and dc.ships_exact(family) else dc.SPLIT_KV_SUPERSET
+    assert {k: flags[k] for k in expected} == expected
+
+
 def test_misaligned_inputs_are_made_ready():
     """Misaligned inputs are copied into the declared layout (the result stays exact); a size-1
     cache dimension with an odd stride is fine (its stride is passed as 0)."""
@@ -235,14 +266,17 @@ def _constexpr_params(kernel: str) -> set:
 def test_aot_variants_are_complete_and_distinct(family):
     variants = dc.aot_variants(family)
     keys = [(k, tuple(sorted(f.items())), c) for k, f, c in variants]
-    assert len(keys) == len(set(keys)) == 30  # 3 head-dim buckets x (2 split + 3 append + 4 rotary + 1 combine)
+    # 3 head-dim buckets x (2 split + 3 append + 4 rotary + 1 combine), + 1 exact split each where shipped
+    assert len(keys) == len(set(keys)) == (33 if family == "sm90" else 30)
     for kernel, constexprs, config in variants:
         assert set(constexprs) == _constexpr_params(kernel), kernel
         assert constexprs["BLOCK_D"] in dc.HEADDIM_BUCKETS
         if kernel == "split_kv_kernel":
             assert config in dc.DECODE_CONFIGS[(family, constexprs["BLOCK_D"])]
             assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == (config.block_m, config.block_n)
-            assert {k: constexprs[k] for k in dc.SPLIT_KV_SUPERSET} == dc.SPLIT_KV_SUPERSET
+            flags = {k: constexprs[k] for k in dc.SPLIT_KV_SUPERSET}
+            assert flags == dc.SPLIT_KV_SUPERSET or (flags == dc.SPLIT_KV_EXACT and dc.ships_exact(family)
+                                                     and config == dc.DECODE_CONFIGS[(family, constexprs["BLOCK_D"])][0])
         else:
             assert config in (dc.AUX_CONFIG, dc.ROTARY_CONFIG, dc.COMBINE_CONFIG)
 

@@ -15,6 +15,8 @@ every call it serves (only dead work differs):
                          (``identity_table``); ``BLOCK_M``/``BLOCK_N`` both configs of
                          :data:`DECODE_CONFIGS`; ``BLOCK_D`` the head-dim bucket 64/128/256
                          (loads and stores mask the run-time head dim).
+                         On families that ship exact-call images, also :data:`SPLIT_KV_EXACT`
+                         for the plain decoding step (the decode config of each bucket).
 ``append_kv_kernel``     paged the same way, ``(HAS_ROTARY, INTERLEAVED)`` as the call needs.
 ``rotary_q_kernel``      ``PER_ROW_POSITION`` x ``INTERLEAVED`` as the call needs.
 ``combine_splits_kernel`` as it is.
@@ -28,7 +30,8 @@ others, and the dispatcher falls back, before anything runs.
 from __future__ import annotations
 
 import itertools
-from flash_attn.planning import configs
+
+from flash_attn.planning import configs, declarations
 
 __all__ = [
     "DECODE_CONFIGS",
@@ -44,6 +47,8 @@ __all__ = [
     "FAMILIES",
     "HEADDIM_BUCKETS",
     "SPLIT_KV_SUPERSET",
+    "SPLIT_KV_EXACT",
+    "ships_exact",
     "APPEND_ROTARY",
     "headdim_bucket",
     "decode_config",
@@ -151,6 +156,12 @@ def decode_config(family: str, head_dim: int, packed_rows: int, fp32: bool = Fal
 # superset mode: every feature compiled in and switched at run time (see the module doc)
 SPLIT_KV_SUPERSET = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True, HAS_BATCH_IDX=False,
                          HAS_LEFTPAD=True)
+# The exact-call image of the plain decoding step: a contiguous cache (no block table, no
+# cache_batch_idx) read without the paged addressing's divisions, and no window (causal with one
+# query row masks nothing), softcap, ALiBi or left padding. Shipped for the decode config (packed
+# rows <= its BLOCK_M) of each head-dim bucket, where the attention kernels' exact images ship.
+SPLIT_KV_EXACT = dict(IS_LOCAL=False, HAS_SOFTCAP=False, HAS_ALIBI=False, PAGED=False, HAS_BATCH_IDX=False,
+                      HAS_LEFTPAD=False)
 # (HAS_ROTARY, INTERLEAVED) of append_kv_kernel: no rotary, GPT-NeoX halves, GPT-J pairs
 APPEND_ROTARY = ((False, False), (True, False), (True, True))
 
@@ -183,6 +194,12 @@ def combine_constexprs(block_d: int) -> dict:
     return dict(BLOCK_R=COMBINE_BLOCK_R, BLOCK_D=block_d)
 
 
+def ships_exact(family: str) -> bool:
+    """Whether ``family``'s images include :data:`SPLIT_KV_EXACT` (where the attention kernels'
+    exact-call images ship: :data:`flash_attn.planning.declarations.EXACT_IMAGE_FAMILIES`)."""
+    return family in declarations.EXACT_IMAGE_FAMILIES
+
+
 def aot_variants(family: str) -> list[tuple[str, dict, Config]]:
     """Every ``(kernel name, constexprs, launch config)`` that superset mode launches on GPU
     architecture family ``family`` (:data:`FAMILIES`) for an fp16 or bf16 call (the list is the
@@ -193,6 +210,9 @@ def aot_variants(family: str) -> list[tuple[str, dict, Config]]:
     for bucket in HEADDIM_BUCKETS:
         for config in dict.fromkeys(DECODE_CONFIGS[(family, bucket)]):  # decode, many-rows (deduplicated)
             out.append(("split_kv_kernel", split_kv_constexprs(config, bucket, SPLIT_KV_SUPERSET), config))
+        if ships_exact(family):
+            config = DECODE_CONFIGS[(family, bucket)][0]
+            out.append(("split_kv_kernel", split_kv_constexprs(config, bucket, SPLIT_KV_EXACT), config))
         for rotary, interleaved in APPEND_ROTARY:
             out.append(("append_kv_kernel", append_constexprs(bucket, True, False, rotary, interleaved), AUX_CONFIG))
         for per_row, interleaved in itertools.product((False, True), repeat=2):

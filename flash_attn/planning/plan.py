@@ -914,16 +914,29 @@ def _rotary_q_launch(kv: _KVCall, q_rot: Slot) -> Launch:
         dc.rotary_q_constexprs(kv.block_d, _is_local(kv.s.scalars), kv.s.rotary_interleaved), dc.ROTARY_CONFIG)
 
 
-def _split_kv_features(kv: _KVCall) -> dict:
-    """The split kernel's feature flags: the call's own, or every feature (superset)."""
+def _plain_decode(kv: _KVCall, config: configs.Config, target: Target) -> bool:
+    """Whether the shipped exact-call image of the decoding step serves this launch exactly
+    (:data:`flash_attn.planning.decode_configs.SPLIT_KV_EXACT`)."""
+    s, sc = kv.s, kv.s.scalars
+    # a window whose left side is unbounded masks nothing for one query row (aligned bottom-right)
+    unmasked = not _is_local(sc) or (kv.seqlen_q == 1 and sc.window_left < 0)
+    return (dc.ships_exact(target.family) and config == dc.DECODE_CONFIGS[(target.family, kv.block_d)][0]
+            and unmasked and sc.softcap == 0.0 and s.alibi is None and s.leftpad is None
+            and s.block_table is None and s.batch_idx is None)
+
+
+def _split_kv_features(kv: _KVCall, config: configs.Config, target: Target) -> dict:
+    """The split kernel's feature flags: the call's own (JIT), else the shipped exact-call image's
+    where it serves the call, else every feature (superset)."""
     if kv.superset:
-        return dict(dc.SPLIT_KV_SUPERSET)
+        return dict(dc.SPLIT_KV_EXACT if _plain_decode(kv, config, target) else dc.SPLIT_KV_SUPERSET)
     s = kv.s
     return dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=s.scalars.softcap > 0.0, HAS_ALIBI=s.alibi is not None,
                 HAS_LEFTPAD=s.leftpad is not None, PAGED=kv.cache.paged, HAS_BATCH_IDX=kv.cache.batch_idx)
 
 
-def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int, parts: _Partials) -> Launch:
+def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int, parts: _Partials,
+                     target: Target) -> Launch:
     """Attention of q (``q``: rotated or not) over the cache, its keys in ``parts.splits`` splits."""
     s, lay, cache, sc = kv.s, kv.lay, kv.cache, kv.s.scalars
     return _launch("split_kv_kernel", (kv.batch * kv.nheads_k * m_blocks, parts.splits), dict(
@@ -937,7 +950,7 @@ def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int
         head_dim=kv.head_dim, page_size=cache.page_size, use_leftpad=int(s.leftpad is not None),
         use_alibi=int(s.alibi is not None), identity_table=cache.identity_table, softmax_scale=sc.softmax_scale,
         softcap=sc.softcap, window_left=sc.window_left, window_right=sc.window_right, empty_lse=parts.empty_lse),
-        dc.split_kv_constexprs(config, kv.block_d, _split_kv_features(kv)), config)
+        dc.split_kv_constexprs(config, kv.block_d, _split_kv_features(kv, config, target)), config)
 
 
 def _combine_launch(kv: _KVCall, parts: _Partials) -> Launch:
@@ -969,7 +982,7 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
     if queries > 0:
         config, m_blocks, splits = _kv_splits(kv, target)
         parts = _kv_partials(kv, splits)
-        launches.append(_split_kv_launch(kv, q, config, m_blocks, parts))
+        launches.append(_split_kv_launch(kv, q, config, m_blocks, parts, target))
         if splits > 1:
             launches.append(_combine_launch(kv, parts))
     return _finish(s.q.dtype, kv.lay, launches, ("out", "lse"))
