@@ -3,8 +3,9 @@ PyTorch's own CPU attention kernels, called so that they compute exactly flash-a
 
 * the call plan covers exactly the visible (query, key) pairs, each once (checked against the
   oracle's mask, independently of any attention arithmetic);
-* forward and backward against the float64 oracle with small blocks forced, so that windows,
-  edges, merges and masks all occur on small shapes;
+* forward and backward against the float64 oracle on an engine of small blocks
+  (``cpu.engine(tuning)``), so that windows, edges, merges and masks all occur on small shapes,
+  and with the CPU's features faked, so that every half-precision policy runs on any CPU;
 * the fused kernels really run where they apply, and the tiled engine where they do not;
 * plain eager calls go straight to the one kernel call (``cpu.direct_forward``; autograd then records
   PyTorch's own formula for the kernel) exactly where the general plan is that call, with the
@@ -13,18 +14,19 @@ PyTorch's own CPU attention kernels, called so that they compute exactly flash-a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
 import pytest
 import torch
 
-from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from flash_attn.flash_attn_interface import _flash_attn_forward
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func
 from flash_attn.backends import _causal_tree as tree
 from flash_attn.backends import _cpu_fused as fused
-from flash_attn.backends import _layouts
-from flash_attn.params import AttentionParams
+from flash_attn.backends import _layouts, cpu
+from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning
+from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
 
 from conftest import backward_floor, check_close, cu_from_lens, gen, make_slopes, oracle_pair, randn, test_device
 from oracle import attention_ref, attention_varlen_ref, kvcache_ref, visible_mask
@@ -35,18 +37,40 @@ pytestmark = pytest.mark.skipif(test_device().type != "cpu" or fused.OPS is None
                                 reason="the fused path serves CPU tensors (PyTorch's CPU attention kernels)")
 
 
+# Blocks of a few rows, so that every kind of call appears on small shapes.
+SMALL_BLOCKS = Tuning(
+    band_min_rows=4, band_min_rows_half_backward=6,  # the half-precision backward cut unlike the forward
+    band_max_rows=8, min_mask_rows=3, mask_budget_bytes=2048, tree_base_rows=4, tree_min_rows=8,
+    bf16_tree_min_rows=16, bf16_full_fp32_min=32,
+)
+
+
 @pytest.fixture
-def small_blocks(monkeypatch):
-    """Blocks of a few rows, so that every kind of call appears on small shapes."""
-    monkeypatch.setattr(fused, "BAND_MIN_ROWS", 4)
-    monkeypatch.setattr(fused, "BAND_MIN_ROWS_HALF_BACKWARD", 6)  # cut unlike the forward
-    monkeypatch.setattr(fused, "BAND_MAX_ROWS", 8)
-    monkeypatch.setattr(fused, "MIN_MASK_ROWS", 3)
-    monkeypatch.setattr(fused, "MASK_BUDGET_BYTES", 2048)
-    monkeypatch.setattr(tree, "BASE_ROWS", 4)
-    monkeypatch.setattr(tree, "MIN_ROWS", 8)
-    monkeypatch.setattr(fused, "BF16_TREE_MIN_ROWS", 16)
-    monkeypatch.setattr(fused, "BF16_FULL_FP32_MIN", 32)
+def small_blocks() -> _layouts.Engine:
+    """The cpu backend's engine on :data:`SMALL_BLOCKS`, on this CPU."""
+    return cpu.engine(SMALL_BLOCKS)
+
+
+def _cpu(fast: bool) -> fused.Features:
+    """This CPU, said to have (or to lack) native fp16 products and AMX."""
+    return dataclasses.replace(fused.THIS_CPU, native_fp16=lambda: fast, amx=lambda: fast)
+
+
+def _window(causal: bool) -> tuple[int, int]:
+    return (-1, 0) if causal else (-1, -1)
+
+
+def _forward_backward(engine, q, k, v, dout, params, **options):
+    """``out, lse, (dq, dk, dv)`` of the contract's forward and backward on ``engine``."""
+    out, lse, _ = _layouts.forward(engine, q, k, v, params, **options)
+    return out, lse, _layouts.backward(engine, dout, q, k, v, out, lse, params, **options)
+
+
+def _check_vs_oracle(out, grads, q, k, v, dout, ref, rg, naive, ng, dtype, scale):
+    check_close(out, ref.out, naive.out, dtype, "out")
+    floor = backward_floor(q, k, v, dout, scale, ref.probs)
+    for grad, want, approx, name in zip(grads, rg, ng, ("dq", "dk", "dv")):
+        check_close(grad, want, approx, dtype, name, grad=True, floor=floor)
 
 
 def _covered(sq: int, sk: int, left: int, right: int, dtype=FP32, backward=False) -> torch.Tensor:
@@ -56,7 +80,7 @@ def _covered(sq: int, sk: int, left: int, right: int, dtype=FP32, backward=False
     problem = _layouts._dense_problem(q, k, k, None)
     params = AttentionParams(1.0, left, right)
     count = torch.zeros(sq, sk, dtype=torch.int64)
-    for group in fused.plan(problem, params, backward=backward):
+    for group in fused.plan(problem, params, backward=backward, tuning=SMALL_BLOCKS):
         assert len({(c.i0, c.i1) for c in group}) == 1, "calls of a group share their rows"
         for call in group:
             rows, cols = call.i1 - call.i0, call.c1 - call.c0
@@ -71,7 +95,7 @@ def _covered(sq: int, sk: int, left: int, right: int, dtype=FP32, backward=False
     return count
 
 
-def test_plan_covers_each_visible_pair_exactly_once(small_blocks):
+def test_plan_covers_each_visible_pair_exactly_once():
     rng = random.Random(0)
     windows = [-1, 0, 1, 3, 7, 20]
     cases = [(sq, sk, left, right) for sq, sk in [(1, 1), (5, 17), (17, 5), (16, 16), (33, 40), (40, 33), (9, 64)]
@@ -126,56 +150,51 @@ CASES = [
 def test_fused_forward_backward_vs_oracle(case, small_blocks):
     dtype, b, sq, sk, h, hk, d, window, alibi = case
     g = gen(sq + 3 * sk)
-    q, k, v = randn((b, sq, h, d), dtype, g, requires_grad=True), randn((b, sk, hk, d), dtype, g, requires_grad=True), \
-        randn((b, sk, hk, d), dtype, g, requires_grad=True)
+    q, k, v = randn((b, sq, h, d), dtype, g), randn((b, sk, hk, d), dtype, g), randn((b, sk, hk, d), dtype, g)
     dout = randn((b, sq, h, d), dtype, g)
     slopes = None if alibi is None else make_slopes((h,) if alibi == "h" else (b, h), seed=3)
-    out = flash_attn_func(q, k, v, window_size=window, alibi_slopes=slopes, softmax_scale=0.3)
-    out.backward(dout)
+    out, _, grads = _forward_backward(small_blocks, q, k, v, dout, AttentionParams(0.3, *window), alibi_slopes=slopes)
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, alibi_slopes=slopes,
                                      softmax_scale=0.3)
-    check_close(out, ref.out, naive.out, dtype, "out")
-    floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
-    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
-        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
+    _check_vs_oracle(out, grads, q, k, v, dout, ref, rg, naive, ng, dtype, 0.3)
 
 
 def test_fused_varlen_and_kvcache_vs_oracle(small_blocks):
     lens_q, lens_k = [9, 0, 30, 4], [20, 3, 30, 0]
     g = gen(5)
-    q = randn((sum(lens_q), 4, 32), BF16, g, requires_grad=True)
-    k, v = (randn((sum(lens_k), 2, 32), BF16, g, requires_grad=True) for _ in range(2))
+    q = randn((sum(lens_q), 4, 32), BF16, g)
+    k, v = (randn((sum(lens_k), 2, 32), BF16, g) for _ in range(2))
     dout = randn(q.shape, BF16, g)
     slopes = make_slopes((4, 4), seed=6)
     cu_q, cu_k = cu_from_lens(lens_q), cu_from_lens(lens_k)
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, causal=True, window_size=(7, -1), alibi_slopes=slopes)
-    out.backward(dout)
+    varlen = VarlenLayout(cu_q, cu_k, 30, 30)
+    params = AttentionParams(32 ** -0.5, 7, 0)  # causal, window (7, -1)
+    out, _, grads = _forward_backward(small_blocks, q, k, v, dout, params, varlen=varlen, alibi_slopes=slopes)
     ref, rg, naive, ng = oracle_pair(attention_varlen_ref, [q, k, v], dout, cu_q=cu_q.tolist(), cu_k=cu_k.tolist(),
                                      causal=True, window=(7, -1), alibi_slopes=slopes)
-    check_close(out, ref.out, naive.out, BF16, "out")
-    floor = backward_floor(q, k, v, dout, None, ref.probs)
-    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
-        check_close(t.grad, want, approx, BF16, name, grad=True, floor=floor)
+    _check_vs_oracle(out, grads, q, k, v, dout, ref, rg, naive, ng, BF16, None)
     # the KV cache: per-sequence key ranges (left padding, lengths) in one batched masked call
     qc = randn((3, 5, 4, 32), FP32, g)
     k_cache, v_cache = randn((3, 40, 2, 32), FP32, g), randn((3, 40, 2, 32), FP32, g)
     seqlens = torch.tensor([3, 17, 35], dtype=torch.int32)
     leftpad = torch.tensor([0, 4, 30], dtype=torch.int32)
     kwargs = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=True, alibi_slopes=slopes[:3])
-    out, lse = flash_attn_with_kvcache(qc, k_cache, v_cache, return_softmax_lse=True, **kwargs)
+    cache = KVCacheInputs(k_cache, v_cache, seqlens, cache_leftpad=leftpad)
+    out, lse = _layouts.forward_kvcache(small_blocks, qc, AttentionParams(32 ** -0.5, -1, 0), cache,
+                                        alibi_slopes=slopes[:3])
     expected = kvcache_ref(qc, k_cache, v_cache, **kwargs)
     naive = kvcache_ref(qc, k_cache, v_cache, compute_dtype=None, **kwargs)
     check_close(out, expected.out, naive.out, FP32, "kvcache out")
     check_close(lse, expected.lse, naive.lse, FP32, "kvcache lse")
 
 
-def test_causal_tree_covers_the_triangle_exactly_once(small_blocks):
+def test_causal_tree_covers_the_triangle_exactly_once():
     """The tree's parts (diagonal blocks, levels of rectangles, tail) compute every (row, key)
     pair of a causal square with key <= row exactly once, and no other pair."""
     for n in list(range(8, 80)) + [127, 128, 129, 255, 1000]:
         index = torch.arange(n).view(1, n, 1)
         count = torch.zeros(n, n, dtype=torch.int64)
-        for rows, cols, causal, _ in tree._parts(n):
+        for rows, cols, causal, _ in tree._parts(n, SMALL_BLOCKS.tree_base_rows):
             for r, c in zip(rows(index)[0, :, :, 0], cols(index)[0, :, :, 0]):
                 seen = torch.ones(len(r), len(c), dtype=torch.int64)
                 count[r.view(-1, 1), c.view(1, -1)] += seen.tril_() if causal else seen
@@ -189,29 +208,25 @@ def test_causal_tree_covers_the_triangle_exactly_once(small_blocks):
     (FP32, 1, 70, 33, 2, 1),    # sq > sk: the first rows see nothing
     (BF16, 2, 45, 45, 4, 4),    # bf16 on its own kernel (with AMX): one causal call each way
 ], ids=str)
-def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk, small_blocks, monkeypatch):
+def test_causal_tree_vs_oracle(dtype, b, sq, sk, h, hk):
     """Forward (out and lse) and backward of causal squares cut into a tree, against the oracle."""
-    monkeypatch.setattr(fused, "_amx", lambda: True)
+    engine = cpu.engine(SMALL_BLOCKS, _cpu(fast=True))
     g = gen(sq * sk + b)
-    q = randn((b, sq, h, 32), dtype, g, requires_grad=True)
-    k, v = (randn((b, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
+    q = randn((b, sq, h, 32), dtype, g)
+    k, v = (randn((b, sk, hk, 32), dtype, g) for _ in range(2))
     dout = randn(q.shape, dtype, g)
+    params = AttentionParams(0.4, -1, 0)
     result = {}
-    calls = _fused_calls(lambda: result.update(out=flash_attn_func(q, k, v, causal=True, softmax_scale=0.4)))
-    out = result["out"]
-    calls += _fused_calls(lambda: out.backward(dout))
-    assert dispatch.last_backend() == "cpu"
-    _, lse, _, _ = _flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, 0.4, True, -1, 0, 0.0, None, False)
+    calls = _fused_calls(lambda: result.update(zip(("out", "lse", "_"), _layouts.forward(engine, q, k, v, params))))
+    out, lse = result["out"], result["lse"]
+    calls += _fused_calls(lambda: result.update(grads=_layouts.backward(engine, dout, q, k, v, out, lse, params)))
     # the square's kernel calls: one per part of the tree in fp32, one in bf16; a full call beside it when sq < sk
-    square = len(tree._parts(min(sq, sk))) if dtype == FP32 else 1
+    square = len(tree._parts(min(sq, sk), SMALL_BLOCKS.tree_base_rows)) if dtype == FP32 else 1
     beside = 1 if sq < sk else 0
     assert [name for name, _ in calls] == ["forward"] * (square + beside) + ["backward"] * (square + beside), calls
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=(-1, 0), softmax_scale=0.4)
-    check_close(out, ref.out, naive.out, dtype, "out")
     check_close(lse, ref.lse, naive.lse, FP32, "lse")
-    floor = backward_floor(q, k, v, dout, 0.4, ref.probs)
-    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
-        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
+    _check_vs_oracle(out, result["grads"], q, k, v, dout, ref, rg, naive, ng, dtype, 0.4)
 
 
 _KERNELS = {
@@ -248,35 +263,32 @@ def _count_fused_calls(fn) -> int:
     (BF16, True, {"n": 40}, (BF16, BF16)),
     (BF16, False, {"causal": True, "alibi": True}, (BF16, BF16)),
 ], ids=str)
-def test_half_precision_computed_in_fp32_where_faster(dtype, fast_half, features, computed_in, small_blocks,
-                                                      monkeypatch):
+def test_half_precision_computed_in_fp32_where_faster(dtype, fast_half, features, computed_in):
     """Half-precision problems run on the fp32 kernels where PyTorch's half kernels are the slower
     ones (fp16 without native fp16 products; the bf16 causal forward and the larger bf16 full
     forward without AMX): the kernels see the dtype the policy names, and the results match the
     oracle either way."""
-    monkeypatch.setattr(fused, "native_fp16", lambda: fast_half)
-    monkeypatch.setattr(fused, "_amx", lambda: fast_half)
+    engine = cpu.engine(SMALL_BLOCKS, _cpu(fast_half))
     g = gen(11)
     b, n, h = 2, features.get("n", 24), 2
-    q, k, v = (randn((b, n, h, 32), dtype, g, requires_grad=True) for _ in range(3))
+    q, k, v = (randn((b, n, h, 32), dtype, g) for _ in range(3))
     dout = randn(q.shape, dtype, g)
     slopes = make_slopes((b, h), seed=5) if features.get("alibi") else None
-    causal = features.get("causal", False)
+    window = _window(features.get("causal", False))
+    params = AttentionParams(0.3, *window)
     result = {}
-    calls = _fused_calls(lambda: result.update(out=flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes,
-                                                                   softmax_scale=0.3)))
-    calls += _fused_calls(lambda: result["out"].backward(dout))
+    calls = _fused_calls(lambda: result.update(zip(("out", "lse", "_"), _layouts.forward(
+        engine, q, k, v, params, alibi_slopes=slopes))))
+    out, lse = result["out"], result["lse"]
+    calls += _fused_calls(lambda: result.update(grads=_layouts.backward(
+        engine, dout, q, k, v, out, lse, params, alibi_slopes=slopes)))
     forward_dtypes = {d for name, d in calls if name == "forward"}
     backward_dtypes = {d for name, d in calls if name == "backward"}
     assert (forward_dtypes, backward_dtypes) == ({computed_in[0]}, {computed_in[1]}), calls
-    assert result["out"].dtype == dtype and q.grad.dtype == dtype
-    window = (-1, 0) if causal else (-1, -1)
+    assert out.dtype == dtype and result["grads"][0].dtype == dtype
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, softmax_scale=0.3,
                                      alibi_slopes=slopes)
-    check_close(result["out"], ref.out, naive.out, dtype, "out")
-    floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
-    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
-        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
+    _check_vs_oracle(out, result["grads"], q, k, v, dout, ref, rg, naive, ng, dtype, 0.3)
 
 
 def test_fused_kernels_run_where_they_apply(monkeypatch):
@@ -296,14 +308,14 @@ def test_fused_kernels_run_where_they_apply(monkeypatch):
 
 
 def test_mask_blocks_stay_within_the_budget():
-    """ALiBi over 4k keys: non-causal builds mask blocks within MASK_BUDGET_BYTES; causal builds
+    """ALiBi over 4k keys: non-causal builds mask blocks within the mask budget; causal builds
     none (a per-key broadcast row and a per-row lse term instead)."""
     q = torch.zeros(2, 4096, 8, 1)
     problem = _layouts._dense_problem(q, q[:, :, :2], q[:, :, :2], torch.ones(2, 8))
     calls = [c for g in fused.plan(problem, AttentionParams(1.0, -1, -1)) for c in g]
     assert len(calls) > 1 and all(c.masked for c in calls)
     for call in calls:
-        assert 4 * 2 * 8 * (call.i1 - call.i0) * (call.c1 - call.c0) <= fused.MASK_BUDGET_BYTES
+        assert 4 * 2 * 8 * (call.i1 - call.i0) * (call.c1 - call.c0) <= DEFAULT_TUNING.mask_budget_bytes
     causal = [c for g in fused.plan(problem, AttentionParams(1.0, -1, 0)) for c in g]
     assert [c.masked for c in causal] == [False]
     columns, rows = fused._alibi_columns(problem, causal[0])
@@ -315,7 +327,7 @@ def test_mask_blocks_stay_within_the_budget():
 # ----------------------------------------------------------------------------------------------
 
 # (dtype, sq, sk, h, hk, causal, amx and native fp16, goes straight to the kernel). With
-# small_blocks a causal fp32 square of 8 rows or more is cut as a tree, bf16 from 16 rows
+# SMALL_BLOCKS a causal fp32 square of 8 rows or more is cut as a tree, bf16 from 16 rows
 # (without AMX, in fp32).
 PLAIN_CASES = [
     (FP32, 37, 37, 4, 2, False, False, True),    # full, GQA
@@ -352,40 +364,38 @@ class _PassThrough(torch.overrides.TorchFunctionMode):
 
 
 @pytest.mark.parametrize("dtype, sq, sk, h, hk, causal, fast_cpu, direct", PLAIN_CASES, ids=str)
-def test_plain_calls_go_straight_to_the_kernel(dtype, sq, sk, h, hk, causal, fast_cpu, direct, small_blocks,
-                                               monkeypatch):
+def test_plain_calls_go_straight_to_the_kernel(dtype, sq, sk, h, hk, causal, fast_cpu, direct):
     """The plain calls whose general plan is one kernel call in their own dtype skip the op, the
-    dispatcher and the plan; the results match the oracle, and match the general path's exactly
-    (the same kernel calls, forward and backward)."""
-    monkeypatch.setattr(fused, "native_fp16", lambda: fast_cpu)
-    monkeypatch.setattr(fused, "_amx", lambda: fast_cpu)
+    dispatcher and the plan (``cpu.direct_forward`` answers them; for the engine of SMALL_BLOCKS on
+    a CPU with or without AMX and native fp16 here); the results match the oracle, and match the
+    general path's exactly (the same kernel calls, forward and backward)."""
+    tuning, features = SMALL_BLOCKS, _cpu(fast_cpu)
+    engine = cpu.engine(tuning, features)
     g = gen(sq * 7 + sk)
     q = randn((2, sq, h, 32), dtype, g, requires_grad=True)
     k, v = (randn((2, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
     dout = randn(q.shape, dtype, g)
-    out = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
-    out.backward(dout)
-    assert _went_straight(out) == direct and dispatch.last_backend() == "cpu"
+    window = _window(causal)
+    params = AttentionParams(0.3, *window)
+    straight = cpu.direct_forward(q, k, v, None, None, None, None, sq, sk, 0.3, *window, 0.0, 0.0, False, False,
+                                  tuning=tuning, features=features)
+    assert (straight is not None) == direct
+    if direct:  # autograd records PyTorch's own formula for the kernel
+        out = straight[0]
+        assert _went_straight(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    else:
+        out, _, grads = _forward_backward(engine, q, k, v, dout, params)
     assert out.dtype == dtype and out.shape == q.shape and out.is_contiguous()
 
-    ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=(-1, 0) if causal else (-1, -1),
-                                     softmax_scale=0.3)
-    check_close(out, ref.out, naive.out, dtype, "out")
-    floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
-    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
-        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
+    ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, softmax_scale=0.3)
+    _check_vs_oracle(out, grads, q, k, v, dout, ref, rg, naive, ng, dtype, 0.3)
 
     if direct:  # the general path makes the very same kernel calls
-        grads = [t.grad for t in (q, k, v)]
-        for t in (q, k, v):
-            t.grad = None
-        with _PassThrough():
-            general = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3)
-        assert not _went_straight(general)
-        general.backward(dout)
+        general, _, general_grads = _forward_backward(engine, q, k, v, dout, params)
         assert torch.equal(general, out)
-        for t, grad in zip((q, k, v), grads):
-            assert torch.equal(t.grad, grad)
+        for general_grad, grad in zip(general_grads, grads):
+            assert torch.equal(general_grad, grad)
 
 
 def test_only_plain_eager_cpu_backend_calls_go_straight_to_the_kernel(monkeypatch):
@@ -394,7 +404,6 @@ def test_only_plain_eager_cpu_backend_calls_go_straight_to_the_kernel(monkeypatc
     g = gen(3)
     q, k, v = (randn((1, 16, 2, 32), FP32, g, requires_grad=True) for _ in range(3))
     slopes = make_slopes((2,), seed=1)
-    want = attention_ref(q, k, v).out.float()
 
     def check(expected: bool, **options):
         out = flash_attn_func(q, k, v, **options)
@@ -417,11 +426,12 @@ def test_only_plain_eager_cpu_backend_calls_go_straight_to_the_kernel(monkeypatc
     assert dispatch.last_backend() == "reference"
     if dispatch.unavailable_reason("interpret", q.device) is None:
         monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
-        monkeypatch.setattr(fused, "native_fp16", lambda: True)  # fp16 would go straight on the cpu backend
-        half = [t.detach().half().requires_grad_() for t in (q, k, v)]
-        out = flash_attn_func(*half)  # fp16: what the interpreted kernels take
+        half = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+        assert cpu.direct_forward(*half, None, None, None, None, 16, 16, 32 ** -0.5, -1, -1, 0.0, 0.0, False, False)
+        out = flash_attn_func(*half)  # bf16: the interpreted kernels take it, and it would go straight on cpu
         assert not _went_straight(out) and dispatch.last_backend() == "interpret"
-        torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
+        ref, _, naive, _ = oracle_pair(attention_ref, half)
+        check_close(out, ref.out, naive.out, BF16, "out")
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "cpu")
     check(True)
 

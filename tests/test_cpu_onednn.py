@@ -3,8 +3,9 @@
 * the two functions against a float64 attention of their own contract (top-left causal, GQA,
   the natural-log lse, a backward that takes the caller's ``out``/``lse``), on tiles of a few
   rows and keys so that online softmax, skipped and masked blocks all occur on small shapes;
-* through the public API, forced on, against the float64 oracle: the plan's calls run here
-  (seen in the profiler) and the results keep the oracle's tolerance;
+* through the cpu backend's engine with small tiles (``cpu.engine(tuning)``), forced on, against
+  the float64 oracle: the plan's calls run here (seen in the profiler) and the results keep the
+  oracle's tolerance;
 * the choice: off, on, below the size, bf16 (forward here, computed in fp32, backward on
   PyTorch's bf16 kernel), the measured default that leaves the global RNG alone;
 * no strided weight ever reaches oneDNN (its slow reference path), bad inputs are refused.
@@ -12,37 +13,38 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from flash_attn import dispatch, flash_attn_func
-from flash_attn.flash_attn_interface import _flash_attn_forward
 from flash_attn.backends import _cpu_fused as fused
+from flash_attn.backends import _layouts, cpu
 from flash_attn.backends import _onednn as onednn
+from flash_attn.backends._reference_core import Tuning
+from flash_attn.params import AttentionParams
 
 from conftest import backward_floor, check_close, gen, oracle_pair, randn, test_device
 from oracle import attention_ref
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
-pytestmark = pytest.mark.skipif(test_device().type != "cpu" or onednn._LINEAR is None or fused.OPS is None,
+pytestmark = pytest.mark.skipif(test_device().type != "cpu" or onednn.LINEAR is None or fused.OPS is None,
                                 reason="oneDNN's products serve CPU tensors where PyTorch ships oneDNN")
 
 
+# Calls of any size, with tiles of a few rows and keys; windows cut into blocks of a few rows.
+SMALL_TILES = Tuning(onednn_min_rows=1, onednn_min_cols=1, onednn_rows=4, onednn_full_forward_rows=8, onednn_cols=16,
+                     bf16_onednn_min=1, band_min_rows=4, band_max_rows=8)
+
+
 @pytest.fixture
-def small_tiles(monkeypatch):
-    """Forced on, for calls of any size, with tiles of a few rows and keys."""
+def small_tiles(monkeypatch) -> _layouts.Engine:
+    """The cpu backend's engine on :data:`SMALL_TILES`, with oneDNN forced on (its public switch)."""
     monkeypatch.setenv(onednn.MODE_ENV, "1")
-    monkeypatch.setattr(onednn, "MIN_ROWS", 1)
-    monkeypatch.setattr(onednn, "MIN_COLS", 1)
-    monkeypatch.setattr(onednn, "ROWS", 4)
-    monkeypatch.setattr(onednn, "FULL_FORWARD_ROWS", 8)
-    monkeypatch.setattr(onednn, "COLS", 16)
-    monkeypatch.setattr(fused, "BF16_ONEDNN_MIN", 1)
-    monkeypatch.setattr(fused, "BAND_MIN_ROWS", 4)  # windows cut into blocks of a few rows
-    monkeypatch.setattr(fused, "BAND_MAX_ROWS", 8)
+    return cpu.engine(SMALL_TILES)
 
 
 def _contract_f64(q, k, v, causal, scale, lse=None):
@@ -89,16 +91,16 @@ def _heads_first(shape, seed):
     (1, 4, 2, 50, 21, True),     # more rows than keys: the last rows see every key
     (1, 2, 2, 5, 70, False),     # one row block over several key blocks (online softmax)
 ], ids=str)
-def test_kernels_vs_their_contract_in_float64(B, h, hk, sq, sk, causal, small_tiles):
+def test_kernels_vs_their_contract_in_float64(B, h, hk, sq, sk, causal):
     scale = 0.3
     q, k, v = _heads_first((B, h, sq, 32), 1), _heads_first((B, hk, sk, 32), 2), _heads_first((B, hk, sk, 32), 3)
-    out, lse = onednn.forward(q, k, v, 0.0, causal, scale=scale)
+    out, lse = onednn.forward(q, k, v, 0.0, causal, scale=scale, tuning=SMALL_TILES)
     want_out, want_lse, _ = _contract_f64(q, k, v, causal, scale)
     assert out.shape == q.shape and lse.shape == (B, h, sq) and lse.dtype == FP32
     torch.testing.assert_close(out.double(), want_out, rtol=0, atol=32 * torch.finfo(FP32).eps)
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=32 * torch.finfo(FP32).eps * want_lse.abs().max().item())
     dout = _heads_first((B, h, sq, 32), 4)
-    grads = onednn.backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    grads = onednn.backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale, tuning=SMALL_TILES)
     for got, want, name in zip(grads, _contract_grads_f64(dout, q, k, v, out, lse, causal, scale), ("dq", "dk", "dv")):
         assert got.shape == want.shape, name
         atol = 64 * torch.finfo(FP32).eps * max(1.0, want.abs().max().item())
@@ -106,18 +108,18 @@ def test_kernels_vs_their_contract_in_float64(B, h, hk, sq, sk, causal, small_ti
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_bf16_forward_is_the_fp32_forward_rounded_once(causal, small_tiles):
+def test_bf16_forward_is_the_fp32_forward_rounded_once(causal):
     """bf16 inputs are converted block by block: the same fp32 arithmetic as on their fp32
     values, with only ``out`` rounded to bf16."""
     q, k, v = (_heads_first(shape, seed).bfloat16() for shape, seed in
                (((2, 4, 37, 32), 1), ((2, 2, 45, 32), 2), ((2, 2, 45, 32), 3)))
-    out, lse = onednn.forward(q, k, v, 0.0, causal, scale=0.3)
-    out32, lse32 = onednn.forward(q.float(), k.float(), v.float(), 0.0, causal, scale=0.3)
+    out, lse = onednn.forward(q, k, v, 0.0, causal, scale=0.3, tuning=SMALL_TILES)
+    out32, lse32 = onednn.forward(q.float(), k.float(), v.float(), 0.0, causal, scale=0.3, tuning=SMALL_TILES)
     assert out.dtype == BF16 and lse.dtype == FP32
     assert torch.equal(out, out32.bfloat16()) and torch.equal(lse, lse32)
 
 
-def test_backward_takes_the_callers_out_and_lse(small_tiles):
+def test_backward_takes_the_callers_out_and_lse():
     """A block of keys differentiated with the whole sequence's ``out``/``lse`` (what context
     parallelism does) gets that block's share of the gradient, not its own softmax's."""
     scale = 0.25
@@ -127,9 +129,10 @@ def test_backward_takes_the_callers_out_and_lse(small_tiles):
     out, lse = out.float(), lse.float()
     block = slice(10, 30)
     kb, vb = k[:, :, block], v[:, :, block]
-    dq, dk, dv = onednn.backward(dout, q, kb, vb, out, lse, 0.0, False, scale=scale)
+    dq, dk, dv = onednn.backward(dout, q, kb, vb, out, lse, 0.0, False, scale=scale, tuning=SMALL_TILES)
     want = _contract_grads_f64(dout, q, kb, vb, out, lse, False, scale)
-    own = onednn.backward(dout, q, kb, vb, *onednn.forward(q, kb, vb, scale=scale), scale=scale)
+    own = onednn.backward(dout, q, kb, vb, *onednn.forward(q, kb, vb, scale=scale, tuning=SMALL_TILES), scale=scale,
+                          tuning=SMALL_TILES)
     for got, expected, wrong in zip((dq, dk, dv), want, own):
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
         assert (wrong.double() - expected).abs().max() > 1e-2  # the block's own softmax differs
@@ -155,25 +158,27 @@ def _linear_calls(fn) -> list[str]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_public_api_on_onednn_vs_oracle(case, small_tiles):
+def test_cpu_engine_on_onednn_vs_oracle(case, small_tiles):
     dtype, b, sq, sk, h, hk, causal, window = case
     g = gen(sq * sk + h)
-    q = randn((b, sq, h, 32), dtype, g, requires_grad=True)
-    k, v = (randn((b, sk, hk, 32), dtype, g, requires_grad=True) for _ in range(2))
+    q = randn((b, sq, h, 32), dtype, g)
+    k, v = (randn((b, sk, hk, 32), dtype, g) for _ in range(2))
     dout = randn(q.shape, dtype, g)
+    params = AttentionParams(0.3, *window)
     result = {}
-    forward = _linear_calls(lambda: result.update(out=flash_attn_func(q, k, v, softmax_scale=0.3, window_size=window)))
-    backward = _linear_calls(lambda: result["out"].backward(dout))
+    forward = _linear_calls(lambda: result.update(zip(("out", "lse", "_"), _layouts.forward(small_tiles, q, k, v,
+                                                                                          params))))
+    out, lse = result["out"], result["lse"]
+    backward = _linear_calls(lambda: result.update(grads=_layouts.backward(small_tiles, dout, q, k, v, out, lse,
+                                                                           params)))
     assert forward and set(forward) == {"float"}, forward  # bf16 too: multiplied in fp32
     assert bool(backward) == (dtype == FP32), backward     # bf16 keeps PyTorch's bf16 backward
-    _, lse, _, _ = _flash_attn_forward(q.detach(), k.detach(), v.detach(), 0.0, 0.3, causal, window[0], window[1],
-                                       0.0, None, False)
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, softmax_scale=0.3)
-    check_close(result["out"], ref.out, naive.out, dtype, "out")
+    check_close(out, ref.out, naive.out, dtype, "out")
     check_close(lse, ref.lse, naive.lse, FP32, "lse")
     floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
-    for t, want, approx, name in zip((q, k, v), rg, ng, ("dq", "dk", "dv")):
-        check_close(t.grad, want, approx, dtype, name, grad=True, floor=floor)
+    for grad, want, approx, name in zip(result["grads"], rg, ng, ("dq", "dk", "dv")):
+        check_close(grad, want, approx, dtype, name, grad=True, floor=floor)
 
 
 def test_the_choice(monkeypatch):
@@ -183,31 +188,28 @@ def test_the_choice(monkeypatch):
     assert not _linear_calls(call)
     monkeypatch.setenv(onednn.MODE_ENV, "1")
     assert _linear_calls(call)
-    assert not _linear_calls(lambda: flash_attn_func(q[:, :200], q[:, :200], q[:, :200]))  # below MIN_ROWS
+    assert not _linear_calls(lambda: flash_attn_func(q[:, :200], q[:, :200], q[:, :200]))  # below onednn_min_rows
     assert not _linear_calls(lambda: flash_attn_func(q, q, q, softcap=5.0))  # the tiled engine's
     assert dispatch.last_backend() == "cpu"
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")  # the exact definition alone: never oneDNN
     assert not _linear_calls(call) and dispatch.last_backend() == "reference"
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "cpu")
-    monkeypatch.setattr(onednn, "_LINEAR", None)  # a PyTorch without oneDNN
-    assert not onednn.applies(4096, 4096)
-    assert not _linear_calls(call)
+    assert onednn.applies(4096, 4096) and not onednn.applies(4096, 4096, linear=None)  # a PyTorch without oneDNN
+    without = cpu.engine(features=dataclasses.replace(fused.THIS_CPU, onednn_linear=None))
+    assert _linear_calls(lambda: _layouts.forward(cpu.ENGINE, q, q, q, AttentionParams(32 ** -0.5, -1, 0)))
+    assert not _linear_calls(lambda: _layouts.forward(without, q, q, q, AttentionParams(32 ** -0.5, -1, 0)))
 
 
 @pytest.mark.parametrize("bf16_min, on_onednn", [(1, True), (1000, False)])
-def test_bf16_runs_here_only_from_its_size(bf16_min, on_onednn, small_tiles, monkeypatch):
+def test_bf16_runs_here_only_from_its_size(bf16_min, on_onednn, small_tiles):
     """A bf16 causal square converted to fp32 for the fp32 tree (no AMX) stays on the tree below
-    ``BF16_ONEDNN_MIN`` (the conversion is the tree's, not this module's gain)."""
-    from flash_attn.backends import _causal_tree as tree  # noqa: PLC0415
-
-    monkeypatch.setattr(fused, "BF16_ONEDNN_MIN", bf16_min)
-    monkeypatch.setattr(fused, "BF16_TREE_MIN_ROWS", 16)
-    monkeypatch.setattr(fused, "_amx", lambda: False)
-    monkeypatch.setattr(tree, "BASE_ROWS", 4)
-    monkeypatch.setattr(tree, "MIN_ROWS", 8)
+    the tuning's ``bf16_onednn_min`` (the conversion is the tree's, not this module's gain)."""
+    tuning = dataclasses.replace(SMALL_TILES, bf16_onednn_min=bf16_min, bf16_tree_min_rows=16, tree_base_rows=4,
+                                 tree_min_rows=8)
+    engine = cpu.engine(tuning, dataclasses.replace(fused.THIS_CPU, amx=lambda: False))
     q, k, v = (randn((1, 40, 2, 32), BF16, seed) for seed in (1, 2, 3))
     result = {}
-    calls = _linear_calls(lambda: result.update(out=flash_attn_func(q, k, v, causal=True, softmax_scale=0.3)))
+    calls = _linear_calls(lambda: result.update(out=_layouts.forward(engine, q, k, v, AttentionParams(0.3, -1, 0))[0]))
     assert bool(calls) == on_onednn, calls
     ref, _, naive, _ = oracle_pair(attention_ref, [q, k, v], window=(-1, 0), softmax_scale=0.3)
     check_close(result["out"], ref.out, naive.out, BF16, "out")
@@ -236,34 +238,35 @@ def test_measured_default_is_cached_and_leaves_the_global_rng_alone(monkeypatch,
 
 def test_threads_and_sizes_of_the_measured_default(monkeypatch, threads):
     monkeypatch.delenv(onednn.MODE_ENV, raising=False)
-    monkeypatch.setattr(onednn, "faster_here", lambda threads: True)  # a CPU where oneDNN is faster
+
+    def applies(rows, cols):  # on a CPU where oneDNN is faster
+        return onednn.applies(rows, cols, faster=lambda threads: True)
+
     threads(1)
-    assert onednn.applies(256, 256) and not onednn.applies(255, 4096) and not onednn.applies(4096, 255)
+    assert applies(256, 256) and not applies(255, 4096) and not applies(4096, 255)
     threads(2)
-    assert onednn.applies(4096, 4096) and not onednn.applies(4095, 8192)
+    assert applies(4096, 4096) and not applies(4095, 8192)
     threads(3)  # not measured: the fused kernel
-    assert not onednn.applies(16384, 16384)
+    assert not applies(16384, 16384)
     monkeypatch.setenv(onednn.MODE_ENV, "1")
-    assert onednn.applies(256, 256)
+    assert applies(256, 256)
     monkeypatch.setenv(onednn.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="FLASH_ATTN_CPU_ONEDNN='fast'"):
-        onednn.applies(4096, 4096)
+        applies(4096, 4096)
 
 
-def test_no_strided_weight_reaches_onednn(small_tiles, monkeypatch):
+def test_no_strided_weight_reaches_onednn():
     """oneDNN multiplies by a strided weight on its reference path (measured 1,500x slower)."""
     weights = []
-    real = onednn._LINEAR
 
     def spy(x, w, *args):
         weights.append((tuple(w.shape), w.is_contiguous()))
-        return real(x, w, *args)
+        return onednn.LINEAR(x, w, *args)
 
-    monkeypatch.setattr(onednn, "_LINEAR", spy)
     q, k, v = _heads_first((1, 2, 37, 16), 10), _heads_first((1, 1, 45, 16), 11), _heads_first((1, 1, 45, 16), 12)
-    out, lse = onednn.forward(q, k, v, 0.0, True)
-    onednn.backward(q, q, k, v, out, lse, 0.0, True)
-    onednn.forward(q, k, v, 0.0, False)
+    out, lse = onednn.forward(q, k, v, 0.0, True, tuning=SMALL_TILES, linear=spy)
+    onednn.backward(q, q, k, v, out, lse, 0.0, True, tuning=SMALL_TILES, linear=spy)
+    onednn.forward(q, k, v, 0.0, False, tuning=SMALL_TILES, linear=spy)
     assert weights and all(contiguous for _, contiguous in weights), [w for w in weights if not w[1]]
 
 

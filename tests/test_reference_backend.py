@@ -50,6 +50,17 @@ class _Chunked:
 reference = _Chunked((5, 7))
 
 
+def _tiled(tuning: core.Tuning, chunks=None) -> _layouts.Engine:
+    """The tiled engine with ``tuning``'s budgets (and ``chunks``, when given, instead of the tile budget's)."""
+    return _layouts.Engine(
+        forward=lambda problem, params, return_softmax: core.attention_forward(problem, params, chunks, tuning),
+        backward=lambda problem, params, dout, out, lse: core.attention_backward(
+            problem, params, dout, out, lse, chunks, tuning),
+        probabilities=lambda problem, params, lse, sk: core.softmax_with_dropout_signs(
+            problem, params, lse, sk, chunks, tuning),
+    )
+
+
 @pytest.fixture(params=["reference", "cpu"])
 def engine(request):
     """Runs a test twice: on the reference's tiled engine (ragged chunks), and on the cpu backend
@@ -183,13 +194,13 @@ def test_rows_without_keys_give_zero_out_inf_lse_and_zero_grads(engine):
 
 @pytest.mark.parametrize("preload", [True, False], ids=["kv-converted-once", "kv-per-tile"])
 @pytest.mark.parametrize("chunks", [(1, 1), (3, 64), (64, 2), None])
-def test_chunk_shapes_do_not_change_the_result(monkeypatch, chunks, preload):
-    if not preload:
-        monkeypatch.setattr(core, "PRELOAD_BUDGET_BYTES", 0)
+def test_chunk_shapes_do_not_change_the_result(chunks, preload):
+    tuning = core.DEFAULT_TUNING if preload else core.Tuning(preload_budget_bytes=0)
+    engine = _tiled(tuning, chunks)
     q, k, v, dout = random_qkv(2, 11, 14, 2, 1, 8, seed=3)
     params = params_for(8, (6, 0), softcap=2.0)
-    out, lse, _ = reference.forward(q, k, v, params, chunks=chunks)
-    dq, dk, dv = reference.backward(dout, q, k, v, out, lse, params, chunks=chunks)
+    out, lse, _ = _layouts.forward(engine, q, k, v, params)
+    dq, dk, dv = _layouts.backward(engine, dout, q, k, v, out, lse, params)
     ref = naive_with_grads(q[1], k[1], v[1], dout[1], scale=params.softmax_scale, window=(6, 0), softcap=2.0)
     close(out[1], ref[0])
     close(lse[1], ref[1])
@@ -483,18 +494,19 @@ class _AllocationRecorder(TorchDispatchMode):
         return result
 
 
-def test_no_full_score_matrix_is_allocated(monkeypatch):
+def test_no_full_score_matrix_is_allocated():
     """With a 64 KiB tile budget, no op output may reach the size of one head's sq x sk scores."""
-    monkeypatch.setattr(core, "TILE_BUDGET_BYTES", 64 << 10)
+    tuning = core.Tuning(tile_budget_bytes=64 << 10)
+    engine = _tiled(tuning)
     sq = sk = 256
     q, k, v, dout = random_qkv(1, sq, sk, 2, 1, 8)
     params = params_for(8, dropout_p=0.1, seed=1)
     with _AllocationRecorder() as recorder:
-        out, lse, _ = reference.forward(q, k, v, params, chunks=None)
-        reference.backward(dout, q, k, v, out, lse, params, chunks=None)
+        out, lse, _ = _layouts.forward(engine, q, k, v, params)
+        _layouts.backward(engine, dout, q, k, v, out, lse, params)
     # No op output exceeds one fp32 tile of the (dropout-shrunk) budget: 8192 elements here,
     # an eighth of one head's scores (inputs are 256 x 2 x 8).
-    tile_elements = core.TILE_BUDGET_BYTES // core.DROPOUT_TILE_SHRINK // 4
+    tile_elements = tuning.tile_budget_bytes // core.DROPOUT_TILE_SHRINK // 4
     assert tile_elements <= sq * sk // 8
     assert recorder.largest <= tile_elements
     # The recorder does see a full score matrix when the chunks cover everything.
@@ -538,20 +550,19 @@ def test_tiles_reuse_their_buffers():
     assert 0 < per_call == tile_sized_allocations(128)  # 32 tiles
 
 
-def test_a_thread_keeps_its_scratch_between_calls_within_a_bound(monkeypatch):
+def test_a_thread_keeps_its_scratch_between_calls_within_a_bound():
     cpu = torch.device("cpu")
-    with core._scratch_for(cpu, 64) as first:
+    with core._scratch_for(cpu, 64, core.Tuning(kept_scratch_bytes=4 * 32)) as first:  # keeps at most 128 bytes
         small = first.take("small", 4, 4).data_ptr()
         first.take("large", 64)
         with core._scratch_for(cpu, 64) as nested:  # a call made during another: its own
             assert nested is not first
             assert nested.take("small", 4, 4).data_ptr() != small
         assert getattr(core._KEPT, "scratch", None) is not nested  # and it is not kept
-        monkeypatch.setattr(core, "KEPT_SCRATCH_BYTES", 4 * 32)
     assert core._KEPT.scratch is first  # one scratch per thread: the outermost call's
     with core._scratch_for(cpu, 64) as again:
         assert again.take("small", 4, 4).data_ptr() == small  # kept: already paged in
-        assert "large" not in again._buffers  # over KEPT_SCRATCH_BYTES: handed back
+        assert "large" not in again._buffers  # over the bound: handed back
 
 
 def test_threads_running_the_engine_at_once_get_their_own_answers():
@@ -587,7 +598,7 @@ def test_default_chunk_sizes_respect_the_budget():
     q = torch.empty(1, 16384, 8, 64)
     problem = _layouts._dense_problem(q, q[:, :, :1], q[:, :, :1], None)
     chunk_q, chunk_k = core.chunk_sizes(problem, params_for(64))
-    assert 4 * 8 * chunk_q * chunk_k <= core.TILE_BUDGET_BYTES
+    assert 4 * 8 * chunk_q * chunk_k <= core.DEFAULT_TUNING.tile_budget_bytes
     # not degenerate: whole rows of 64 queries at least, tiles TILE_ASPECT times as wide as tall
     assert chunk_q >= 64 and core.TILE_ASPECT * chunk_q <= chunk_k < (core.TILE_ASPECT + 1) * chunk_q
     decode = _layouts._dense_problem(q[:, :1], q[:, :, :1], q[:, :, :1], None)

@@ -5,7 +5,8 @@ The kernel's own causal mask skips whole key blocks of 512 columns per query blo
 (64 or 32 when the query is shorter), so it still computes 1.46x the visible scores at 1k
 tokens and 1.25x at 2k, and a causal square of 512 rows or fewer costs as much as a full one.
 
-Here a square of ``n = c * 2^L`` rows (``c`` in ``[BASE_ROWS, 2 * BASE_ROWS)``) is cut into
+Here a square of ``n = c * 2^L`` rows (``c`` in ``[base_rows, 2 * base_rows)``, ``base_rows``
+the tuning's ``tree_base_rows``: :class:`._reference_core.Tuning`) is cut into
 blocks of ``c`` rows. The ``c x c`` blocks on the diagonal run causal, all in one call (the
 blocks become a batch dimension, a view). Every other visible score lies in exactly one of ``L``
 levels of full rectangles: at the level of ``n_l = c * 2^l`` rows, the odd block of each aligned
@@ -26,20 +27,14 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-# Diagonal blocks have between BASE_ROWS and 2 * BASE_ROWS rows.
-BASE_ROWS = 64
-# Squares smaller than this run as one causal call: below it the tree's extra calls cost more
-# than they save.
-MIN_ROWS = 5 * BASE_ROWS
-
 # Picks a part's blocks out of a (B, n, ...) tensor as a (B, m, rows, ...) view.
 Selector = Callable[[Tensor], Tensor]
 
 
-def applies(n_rows: int, n_cols: int, dtype: torch.dtype) -> bool:
+def applies(n_rows: int, n_cols: int, dtype: torch.dtype, min_rows: int) -> bool:
     """True when a causal call of ``n_rows x n_cols`` (top-left aligned) gains from the tree:
-    an fp32 square (see the module docstring)."""
-    return dtype == torch.float32 and n_rows == n_cols and n_rows >= MIN_ROWS
+    an fp32 square of at least ``min_rows`` (the tuning's ``tree_min_rows``) rows."""
+    return dtype == torch.float32 and n_rows == n_cols and n_rows >= min_rows
 
 
 class _Part(NamedTuple):
@@ -53,10 +48,11 @@ class _Part(NamedTuple):
     first: bool
 
 
-def _parts(n: int) -> list[_Part]:
-    """The calls that cover a causal square of ``n`` rows, each ``m`` blocks of equal shape."""
+def _parts(n: int, base_rows: int) -> list[_Part]:
+    """The calls that cover a causal square of ``n`` rows, each ``m`` blocks of equal shape, on
+    diagonal blocks of ``base_rows`` to ``2 * base_rows`` rows."""
     levels = 0
-    while (n >> (levels + 1)) >= BASE_ROWS:
+    while (n >> (levels + 1)) >= base_rows:
         levels += 1
     c = n >> levels
     body = c << levels
@@ -90,9 +86,10 @@ def _sequence_first(x: Tensor, B: int) -> Tensor:
     return x.transpose(1, 2).unflatten(0, (B, -1))
 
 
-def forward(kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Top-left causal attention of fp32 ``q (B, n, h, d)`` over ``k, v (B, n, hk, d)``, as the
-    kernel returns it: ``out (B, h, n, d)`` and ``lse (B, h, n)`` (views of ``(B, n, ...)`` buffers).
+def forward(kernel, q: Tensor, k: Tensor, v: Tensor, scale: float, base_rows: int) -> tuple[Tensor, Tensor]:
+    """Top-left causal attention of fp32 ``q (B, n, h, d)`` over ``k, v (B, n, hk, d)`` on the
+    tree of :func:`_parts` (``base_rows``), as the kernel returns it: ``out (B, h, n, d)`` and
+    ``lse (B, h, n)`` (views of ``(B, n, ...)`` buffers).
 
     A later part of a row is merged into what it has so far in place: with ``w`` the part's
     share of the row's softmax mass, ``sigmoid(lse_part - lse_so_far)``, the output moves to
@@ -100,7 +97,7 @@ def forward(kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tens
     """
     B, n, h, d = q.shape
     out = lse = None
-    for part in _parts(n):
+    for part in _parts(n, base_rows):
         o, lse_p = kernel(_heads_first(part.rows(q)), _heads_first(part.cols(k)), _heads_first(part.cols(v)),
                           0.0, part.causal, scale=scale)
         o, lse_p = _sequence_first(o, B), _sequence_first(lse_p, B)  # (B, m, rows, h[, d])
@@ -121,7 +118,7 @@ def forward(kernel, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tens
 
 
 def backward(kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-             scale: float) -> tuple[Tensor, Tensor, Tensor]:
+             scale: float, base_rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of top-left causal attention of ``q (B, n, h, d)`` over ``k, v (B, n, hk, d)``,
     given ``dout, out (B, n, h, d)`` and fp32 ``lse (B, h, n)`` (used as given). Returns fp32
     ``dq (B, n, h, d)``, ``dk, dv (B, n, hk, d)``."""
@@ -130,7 +127,7 @@ def backward(kernel, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
     lse_rows = lse.transpose(1, 2)
-    for rows, cols, causal, _ in _parts(n):
+    for rows, cols, causal, _ in _parts(n, base_rows):
         lse_p = rows(lse_rows).flatten(0, 1).transpose(1, 2).contiguous()
         grads = kernel(_heads_first(rows(dout)), _heads_first(rows(q)), _heads_first(cols(k)),
                        _heads_first(cols(v)), _heads_first(rows(out)), lse_p, 0.0, causal, scale=scale)

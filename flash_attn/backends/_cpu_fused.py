@@ -18,7 +18,7 @@ share with flash-attn is spelled out here and worked around exactly:
   per-row term (taken out of the log-sum-exp), both kept small near the diagonal;
 * other ALiBi and per-sequence key ranges (the KV cache) become an explicit additive fp32 mask,
   built per block of query rows over only the key columns that block can see, so memory stays
-  O(n) (``MASK_BUDGET_BYTES``);
+  O(n) (the tuning's ``mask_budget_bytes``);
 * its causal mask skips work only in blocks of 512 keys: an fp32 causal square runs as a tree
   of batched calls that compute about the visible half (:mod:`._causal_tree`);
 * a row that sees no key must give out 0 and lse +inf (the kernel gives lse 0): fixed up;
@@ -28,34 +28,29 @@ share with flash-attn is spelled out here and worked around exactly:
   mask or ALiBi run on :mod:`._onednn` instead: the same contract on oneDNN's fp32 products.
 
 Problems are :class:`~flash_attn.backends._reference_core.Problem` objects, so the same code
-serves dense tensors, one varlen sequence and the KV cache.
+serves dense tensors, one varlen sequence and the KV cache. Every plan takes the engine's
+sizes (:class:`~flash_attn.backends._reference_core.Tuning`) and the CPU's features
+(:class:`Features`) as parameters (:func:`flash_attn.backends.cpu.engine`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from flash_attn.backends import _causal_tree, _onednn
 from flash_attn.backends import _reference_core as core
+from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning
 from flash_attn.params import AttentionParams
 
-# Bytes of one explicit mask block (rows x visible columns x ALiBi heads x batch, fp32).
-MASK_BUDGET_BYTES = 64 << 20
-# Fewer query rows per call than this make the kernels (the backward most) inefficient.
-MIN_MASK_ROWS = 128
-# Query rows per block of a sliding-window plan: an eighth of the window, within these bounds
-# (small blocks waste less work on the band's edges, large ones make fewer calls).
-BAND_MIN_ROWS, BAND_MAX_ROWS = 128, 1024
-# PyTorch's half-precision backward kernels are slow on small blocks: larger ones there.
-BAND_MIN_ROWS_HALF_BACKWARD = 256
 # A band at most this many blocks wide runs as one masked call per block: computing its few
 # columns under a mask costs less than two more calls and their merge.
 NARROW_BAND_BLOCKS = 2
-# (Where these numbers come from: benchmarks/README.md, "CPU engine: where its thresholds come from".)
+# (Where the tuning's numbers come from: benchmarks/README.md, "CPU engine: where its thresholds come from".)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -92,7 +87,7 @@ def supports(problem: core.Problem, params: AttentionParams) -> bool:
 
 
 @functools.cache
-def native_fp16() -> bool:
+def _native_fp16() -> bool:
     """Whether oneDNN multiplies fp16 matrices natively on this CPU (AVX512-FP16 or AMX-FP16);
     without it PyTorch's fp16 attention kernels fall back to scalar products."""
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
@@ -105,52 +100,69 @@ def _amx() -> bool:
     return init is None or bool(init())
 
 
-# The bf16 forward of a causal square of at least this many rows runs as the fp32 tree on a CPU
-# without AMX (converting costs more than the tree saves on smaller squares).
-BF16_TREE_MIN_ROWS = 768
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What the engine asks of the CPU it runs on: probes, each asked only where a plan needs the
+    answer (those of :data:`THIS_CPU` measure once per process), and oneDNN's product. Tests
+    pass fakes, so that every policy runs on any CPU."""
+
+    # () -> whether fp16 products are native (else fp16 problems run on the fp32 kernels).
+    native_fp16: Callable[[], bool]
+    # () -> whether the CPU has AMX tiles (else larger bf16 forwards run in fp32).
+    amx: Callable[[], bool]
+    # (threads) -> whether oneDNN's fp32 products are much faster than PyTorch's BLAS here.
+    onednn_faster: Callable[[int], bool]
+    # oneDNN's fp32 product (:data:`._onednn.LINEAR`), or None: no oneDNN calls.
+    onednn_linear: Optional[Callable]
 
 
-def bf16_forward_as_fp32_tree(rows: int, cols: int) -> bool:
-    """Whether a bf16 causal ``rows x cols`` call (top-left aligned) runs forward as the fp32 tree."""
-    return rows >= BF16_TREE_MIN_ROWS and _causal_tree.applies(rows, cols, torch.float32) and not _amx()
+# The CPU this process runs on.
+THIS_CPU = Features(native_fp16=_native_fp16, amx=_amx, onednn_faster=_onednn.faster_here,
+                    onednn_linear=_onednn.LINEAR)
 
 
-# The bf16 forward of full attention over at least this many rows and keys runs on the fp32
-# kernel on a CPU without AMX (below, converting costs more than it saves).
-BF16_FULL_FP32_MIN = 3072
+def bf16_forward_as_fp32_tree(rows: int, cols: int, tuning: Tuning, features: Features) -> bool:
+    """Whether a bf16 causal ``rows x cols`` call (top-left aligned) runs forward as the fp32
+    tree: from ``tuning.bf16_tree_min_rows`` rows on a CPU without AMX (converting costs more
+    than the tree saves on smaller squares)."""
+    return (rows >= tuning.bf16_tree_min_rows and _causal_tree.applies(rows, cols, torch.float32, tuning.tree_min_rows)
+            and not features.amx())
 
 
-def bf16_full_forward_in_fp32(rows: int, cols: int) -> bool:
-    """Whether a bf16 full (unmasked, non-causal) ``rows x cols`` call runs forward in fp32."""
-    return rows >= BF16_FULL_FP32_MIN and cols >= BF16_FULL_FP32_MIN and not _amx()
+def bf16_full_forward_in_fp32(rows: int, cols: int, tuning: Tuning, features: Features) -> bool:
+    """Whether a bf16 full (unmasked, non-causal) ``rows x cols`` call runs forward on the fp32
+    kernel: from ``tuning.bf16_full_fp32_min`` rows and keys on a CPU without AMX."""
+    least = tuning.bf16_full_fp32_min
+    return rows >= least and cols >= least and not features.amx()
 
 
-def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bool) -> bool:
+def _runs_in_fp32(problem: core.Problem, groups: list[list[_Call]], backward: bool, tuning: Tuning,
+                  features: Features) -> bool:
     """Whether a half-precision problem runs faster on the fp32 kernels (its values are exact in
     fp32, and fp32 arithmetic only rounds less, so the result is at least as accurate):
 
     * fp16 without native fp16 products (PyTorch's fp16 kernels then use scalar products);
-    * the bf16 forward of a causal square from ``BF16_TREE_MIN_ROWS`` rows, on a CPU without
-      AMX (the fp32 tree);
-    * the bf16 forward of full attention from ``BF16_FULL_FP32_MIN`` rows and keys, on a CPU
-      without AMX,
+    * the bf16 forward of a causal square from ``tuning.bf16_tree_min_rows`` rows, on a CPU
+      without AMX (the fp32 tree);
+    * the bf16 forward of full attention from ``tuning.bf16_full_fp32_min`` rows and keys, on a
+      CPU without AMX,
     except where :mod:`._onednn`'s forward runs (it converts bf16 block by block itself). The bf16
     backward kernel stays (slower in fp32, also on :mod:`._onednn`). Measurements:
     benchmarks/README.md.
     """
     dtype = problem.q.dtype
     if dtype == torch.float16:
-        return not native_fp16()
+        return not features.native_fp16()
     if dtype != torch.bfloat16 or backward:
         return False
-    if any(_onednn_applies(problem, call) for group in groups for call in group):
+    if any(_onednn_applies(problem, call, tuning, features) for group in groups for call in group):
         return False  # its forward computes bf16 in fp32 itself, block by block
     for group in groups:
         for call in group:
             rows, cols = call.i1 - call.i0, call.c1 - call.c0
-            if _plain_causal(problem, call) and bf16_forward_as_fp32_tree(rows, cols):
+            if _plain_causal(problem, call) and bf16_forward_as_fp32_tree(rows, cols, tuning, features):
                 return True
-            if _plain_full(problem, call) and bf16_full_forward_in_fp32(rows, cols):
+            if _plain_full(problem, call) and bf16_full_forward_in_fp32(rows, cols, tuning, features):
                 return True
     return False
 
@@ -184,10 +196,12 @@ class _Call:
         return f"_Call(rows {self.i0}:{self.i1}, cols {self.c0}:{self.c1}, {kind})"
 
 
-def plan(problem: core.Problem, params: AttentionParams, backward: bool = False) -> list[list[_Call]]:
+def plan(problem: core.Problem, params: AttentionParams, backward: bool = False,
+         tuning: Tuning = DEFAULT_TUNING) -> list[list[_Call]]:
     """Groups of calls; the calls of one group share their rows and see disjoint columns, and
     are merged by log-sum-exp. Rows in no group see no key (out 0, lse +inf). The backward may
-    cut a window differently (each call takes its share from the global ``out``/``lse``)."""
+    cut a window differently (each call takes its share from the global ``out``/``lse``).
+    ``tuning``: the sizes of its blocks."""
     sq, sk = problem.seqlen_q, problem.n_cols
     if sq == 0 or sk == 0:
         return []
@@ -197,26 +211,29 @@ def plan(problem: core.Problem, params: AttentionParams, backward: bool = False)
     )
     left, right = params.window_left, params.window_right
     if not one_range or (problem.alibi_slopes is not None and right != 0):
-        return _masked_plan(problem, params)
+        return _masked_plan(problem, params, tuning)
     if left < 0 and right < 0:
         return [[_Call(0, sq, 0, sk)]]
     if left < 0 and right == 0:  # bottom-right causal from the kernel's top-left causal
         if sq >= sk:
             return [[_Call(sq - sk, sq, 0, sk, causal=True)]]
         return [[_Call(0, sq, 0, sk - sq), _Call(0, sq, sk - sq, sk, causal=True)]]
+    # PyTorch's half-precision backward kernels are slow on small blocks: larger ones there
     half_backward = backward and problem.q.dtype != torch.float32
-    return _band_plan(sq, sk, left, right, BAND_MIN_ROWS_HALF_BACKWARD if half_backward else BAND_MIN_ROWS)
+    min_rows = tuning.band_min_rows_half_backward if half_backward else tuning.band_min_rows
+    return _band_plan(sq, sk, left, right, min_rows, tuning.band_max_rows)
 
 
-def _band_plan(sq: int, sk: int, left: int, right: int, min_rows: int) -> list[list[_Call]]:
-    """A sliding window over one key range: per block of rows, the columns every row sees run
-    unmasked, the left edge with a small mask and the right edge on the kernel's causal mask (a
-    narrow band: one masked call per block)."""
+def _band_plan(sq: int, sk: int, left: int, right: int, min_rows: int, max_rows: int) -> list[list[_Call]]:
+    """A sliding window over one key range: per block of rows (an eighth of the window, between
+    ``min_rows`` and ``max_rows``: small blocks waste less work on the band's edges, large ones
+    make fewer calls), the columns every row sees run unmasked, the left edge with a small mask
+    and the right edge on the kernel's causal mask (a narrow band: one masked call per block)."""
     off = sk - sq
     lo = (lambda i: 0) if left < 0 else (lambda i: min(sk, max(0, i + off - left)))
     hi = (lambda i: sk) if right < 0 else (lambda i: min(sk, max(0, i + off + right + 1)))
     span = (sk if left < 0 else left) + (sk if right < 0 else right) + 1
-    rows = min(sq, max(min_rows, min(BAND_MAX_ROWS, span // 8)))
+    rows = min(sq, max(min_rows, min(max_rows, span // 8)))
     narrow = span <= NARROW_BAND_BLOCKS * rows
     groups = []
     for i0 in range(0, sq, rows):
@@ -240,11 +257,11 @@ def _band_plan(sq: int, sk: int, left: int, right: int, min_rows: int) -> list[l
     return groups
 
 
-def _masked_plan(problem: core.Problem, params: AttentionParams) -> list[list[_Call]]:
+def _masked_plan(problem: core.Problem, params: AttentionParams, tuning: Tuning) -> list[list[_Call]]:
     """ALiBi or per-sequence key ranges (the KV cache): one masked call per block of rows, over
     the columns any row of the block may see."""
     sq = problem.seqlen_q
-    rows = _mask_rows(problem)
+    rows = _mask_rows(problem, tuning)
     groups = []
     for i0 in range(0, sq, rows):
         i1 = min(sq, i0 + rows)
@@ -255,12 +272,13 @@ def _masked_plan(problem: core.Problem, params: AttentionParams) -> list[list[_C
     return groups
 
 
-def _mask_rows(problem: core.Problem) -> int:
-    """Query rows per masked call, so that one mask block fits ``MASK_BUDGET_BYTES``."""
+def _mask_rows(problem: core.Problem, tuning: Tuning) -> int:
+    """Query rows per masked call, so that one mask block fits ``tuning.mask_budget_bytes`` (but
+    at least ``tuning.min_mask_rows``: fewer make the kernels inefficient)."""
     batch = problem.batch if len(problem.key_len) > 1 or len(problem.key_start) > 1 or _per_batch_slopes(problem) else 1
     heads = problem.nheads if problem.alibi_slopes is not None else 1
     per_row = 4 * batch * heads * max(problem.n_cols, 1)
-    return max(MIN_MASK_ROWS, MASK_BUDGET_BYTES // per_row)
+    return max(tuning.min_mask_rows, tuning.mask_budget_bytes // per_row)
 
 
 def _per_batch_slopes(problem: core.Problem) -> bool:
@@ -311,16 +329,17 @@ def _heads_first(x: Tensor) -> Tensor:
     return x.transpose(1, 2)
 
 
-def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call,
+def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call, tuning: Tuning, features: Features,
                  onednn: bool = True) -> tuple[Tensor, Tensor]:
     """``(out (B, h, rows, d), lse fp32 (B, h, rows))`` of one call; a row that sees none of the
     call's keys gets out 0 and lse -inf (the log of an empty sum, so merging ignores it)."""
     forward, _ = OPS
     k, v = problem.load_kv(call.c0, call.c1)
-    if onednn and _onednn_applies(problem, call):
-        forward = _onednn.forward
-    elif _tree_applies(problem, call):
-        return _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale)
+    if onednn and _onednn_applies(problem, call, tuning, features):
+        forward = functools.partial(_onednn.forward, tuning=tuning, linear=features.onednn_linear)
+    elif _tree_applies(problem, call, tuning):
+        return _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale,
+                                    tuning.tree_base_rows)
     mask = seen = row_term = None
     if call.masked:
         mask, seen = _mask(problem, params, call)
@@ -347,31 +366,30 @@ def _plain_full(problem: core.Problem, call: _Call) -> bool:
     return not call.causal and not call.masked and problem.alibi_slopes is None
 
 
-# The bf16 forward runs on :mod:`._onednn` (computed in fp32, converted block by block) from this
-# many rows and keys (converted block by block, not as a whole problem first).
-BF16_ONEDNN_MIN = 512
-
-
-def onednn_takes(dtype: torch.dtype, rows: int, cols: int, backward: bool = False) -> bool:
+def onednn_takes(dtype: torch.dtype, rows: int, cols: int, tuning: Tuning, features: Features,
+                 backward: bool = False) -> bool:
     """Whether :mod:`._onednn` computes a ``rows x cols`` call without mask or ALiBi, faster than
-    the fused kernel: fp32, and the forward of bf16 from ``BF16_ONEDNN_MIN`` rows and keys."""
+    the fused kernel: fp32, and the forward of bf16 from ``tuning.bf16_onednn_min`` rows and keys
+    (converted block by block, not as a whole problem first)."""
     if dtype == torch.bfloat16:
-        if backward or min(rows, cols) < BF16_ONEDNN_MIN:
+        if backward or min(rows, cols) < tuning.bf16_onednn_min:
             return False
     elif dtype != torch.float32:
         return False
-    return _onednn.applies(rows, cols)
+    return _onednn.applies(rows, cols, tuning, features.onednn_linear, features.onednn_faster)
 
 
-def _onednn_applies(problem: core.Problem, call: _Call, backward: bool = False) -> bool:
+def _onednn_applies(problem: core.Problem, call: _Call, tuning: Tuning, features: Features,
+                    backward: bool = False) -> bool:
     """A call of ``problem`` that :func:`onednn_takes`."""
     return (not call.masked and problem.alibi_slopes is None
-            and onednn_takes(problem.q.dtype, call.i1 - call.i0, call.c1 - call.c0, backward))
+            and onednn_takes(problem.q.dtype, call.i1 - call.i0, call.c1 - call.c0, tuning, features, backward))
 
 
-def _tree_applies(problem: core.Problem, call: _Call) -> bool:
+def _tree_applies(problem: core.Problem, call: _Call, tuning: Tuning) -> bool:
     """A plain causal square that :mod:`._causal_tree` serves."""
-    return _plain_causal(problem, call) and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0, problem.q.dtype)
+    return _plain_causal(problem, call) and _causal_tree.applies(call.i1 - call.i0, call.c1 - call.c0,
+                                                                 problem.q.dtype, tuning.tree_min_rows)
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -387,18 +405,20 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def attention_forward(problem: core.Problem, params: AttentionParams, onednn: bool = True) -> tuple[Tensor, Tensor]:
-    """``out`` like q and fp32 ``lse (B, h, sq)``, as :func:`core.attention_forward`.
-    ``onednn``: whether :mod:`._onednn` may compute calls (not for a bf16 problem converted to
-    fp32 for the fused kernels' sake: below its own size, see :func:`_runs_in_fp32`)."""
+def attention_forward(problem: core.Problem, params: AttentionParams, tuning: Tuning = DEFAULT_TUNING,
+                      features: Features = THIS_CPU, onednn: bool = True) -> tuple[Tensor, Tensor]:
+    """``out`` like q and fp32 ``lse (B, h, sq)``, as :func:`core.attention_forward`, planned with
+    ``tuning`` for a CPU with ``features``. ``onednn``: whether :mod:`._onednn` may compute calls
+    (not for a bf16 problem converted to fp32 for the fused kernels' sake: below its own size,
+    see :func:`_runs_in_fp32`)."""
     q = problem.q
     B, sq, h, d = q.shape
-    groups = plan(problem, params)
-    if _runs_in_fp32(problem, groups, backward=False):
-        out, lse = attention_forward(_in_fp32(problem), params, onednn=q.dtype != torch.bfloat16)
+    groups = plan(problem, params, False, tuning)
+    if _runs_in_fp32(problem, groups, False, tuning, features):
+        out, lse = attention_forward(_in_fp32(problem), params, tuning, features, onednn=q.dtype != torch.bfloat16)
         return out.to(q.dtype), lse
     if len(groups) == 1 and groups[0][0].i0 == 0 and groups[0][0].i1 == sq:  # one block: no copies
-        out, lse = _merge([_run_forward(problem, params, call, onednn) for call in groups[0]])
+        out, lse = _merge([_run_forward(problem, params, call, tuning, features, onednn) for call in groups[0]])
         if any(call.masked for call in groups[0]):  # only a mask can leave a row without keys
             lse.masked_fill_(lse == float("-inf"), float("inf"))
         return out.transpose(1, 2), lse
@@ -406,7 +426,8 @@ def attention_forward(problem: core.Problem, params: AttentionParams, onednn: bo
     lse = torch.full((B, h, sq), float("inf"), dtype=torch.float32, device=q.device)
     for group in groups:
         rows = slice(group[0].i0, group[0].i1)
-        group_out, group_lse = _merge([_run_forward(problem, params, call, onednn) for call in group])
+        group_out, group_lse = _merge([_run_forward(problem, params, call, tuning, features, onednn)
+                                       for call in group])
         out[:, rows] = group_out.transpose(1, 2)
         lse[:, :, rows] = group_lse.masked_fill_(group_lse == float("-inf"), float("inf"))
     return out, lse
@@ -414,44 +435,46 @@ def attention_forward(problem: core.Problem, params: AttentionParams, onednn: bo
 
 @torch.no_grad()
 def attention_backward(
-    problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor
+    problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor,
+    tuning: Tuning = DEFAULT_TUNING, features: Features = THIS_CPU,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``dq (B, sq, h, d)``, ``dk, dv (B, n_cols, hk, d)``, as :func:`core.attention_backward`
-    (in the dtype computed in when one call covers everything, else accumulated in fp32).
+    (in the dtype computed in when one call covers everything, else accumulated in fp32);
+    ``tuning`` and ``features`` as :func:`attention_forward`'s.
 
     Every call's probabilities come from the given ``lse`` and its correction term from the
     given ``out`` (not recomputed), so a block of a longer sequence gets its exact share.
     """
     q = problem.q
     B, sq, h, d = q.shape
-    groups = plan(problem, params, backward=True)
-    if _runs_in_fp32(problem, groups, backward=True):
-        return attention_backward(_in_fp32(problem), params, dout.float(), out.float(), lse)
+    groups = plan(problem, params, True, tuning)
+    if _runs_in_fp32(problem, groups, True, tuning, features):
+        return attention_backward(_in_fp32(problem), params, dout.float(), out.float(), lse, tuning, features)
     calls = [call for group in groups for call in group]
     if len(calls) == 1 and (calls[0].i0, calls[0].i1, calls[0].c0, calls[0].c1) == (0, sq, 0, problem.n_cols):
-        return _run_backward(problem, params, calls[0], dout, out, lse)
+        return _run_backward(problem, params, calls[0], dout, out, lse, tuning, features)
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=q.device)
     dk = torch.zeros(B, problem.n_cols, problem.nheads_k, d, dtype=torch.float32, device=q.device)
     dv = torch.zeros(B, problem.n_cols, problem.nheads_k, problem.head_dim_v, dtype=torch.float32, device=q.device)
     for call in calls:
-        gq, gk, gv = _run_backward(problem, params, call, dout, out, lse)
+        gq, gk, gv = _run_backward(problem, params, call, dout, out, lse, tuning, features)
         dq[:, call.i0:call.i1] += gq
         dk[:, call.c0:call.c1] += gk
         dv[:, call.c0:call.c1] += gv
     return dq, dk, dv
 
 
-def _run_backward(problem, params, call, dout, out, lse):
+def _run_backward(problem, params, call, dout, out, lse, tuning, features):
     """``(dq rows, dk cols, dv cols)`` of one call, ``(B, n, heads, d)``."""
     _, backward = OPS
     rows = slice(call.i0, call.i1)
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]
-    if _onednn_applies(problem, call, backward=True):
-        backward = _onednn.backward
-    elif _tree_applies(problem, call):
+    if _onednn_applies(problem, call, tuning, features, backward=True):
+        backward = functools.partial(_onednn.backward, tuning=tuning, linear=features.onednn_linear)
+    elif _tree_applies(problem, call, tuning):
         return _causal_tree.backward(backward, dout[:, rows], problem.q[:, rows], k, v, out[:, rows], lse_c,
-                                     params.softmax_scale)
+                                     params.softmax_scale, tuning.tree_base_rows)
     mask = None
     if call.masked:
         mask = _mask(problem, params, call)[0]

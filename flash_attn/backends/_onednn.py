@@ -11,7 +11,8 @@ twice as fast there, with the same largest error against float64 (benchmarks/REA
 :mod:`._cpu_fused` asks of them: ``(B, h, s, d)`` fp32 inputs, GQA (query head ``j`` reads key
 head ``j // (h // hk)``), the top-left causal mask, the natural-log log-sum-exp, and a backward
 that takes the caller's ``out`` and ``lse``. Per query head, blocks of 128-256 rows meet blocks
-of ``COLS`` keys (a score tile of 1-2 MiB); the softmax runs online across key blocks; causal rows
+of 2048 keys (a score tile of 1-2 MiB; the sizes are the tuning's ``onednn_*``:
+:class:`._reference_core.Tuning`); the softmax runs online across key blocks; causal rows
 skip the key blocks they cannot see and mask only the block on their diagonal. The scale is
 folded into q in base 2, so a tile's probabilities are one subtraction and one ``exp2``.
 
@@ -35,16 +36,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning
+
 # "auto" (default): where :func:`faster_here` says so; "1": wherever it applies; "0": never.
 MODE_ENV = "FLASH_ATTN_CPU_ONEDNN"
-# Keys per score tile, and query rows: 256 for the forward of full attention, 128 for causal
-# rows (less of the diagonal tile is wasted) and the backward; a tile stays in the cache. Rows
-# must divide COLS (:func:`_key_blocks`). Where the sizes come from: benchmarks/README.md.
-COLS = 2048
-FULL_FORWARD_ROWS, ROWS = 256, 128
-# Calls with fewer query rows or keys run on the fused kernel (per-tile Python costs more than
-# the faster products save).
-MIN_ROWS = MIN_COLS = 256
 # auto mode uses oneDNN where its products are at least this much faster than the BLAS's
 # (:func:`faster_here`) ...
 REQUIRED_PRODUCT_SPEEDUP = 1.5
@@ -65,27 +60,28 @@ def _linear_op():
         return None
 
 
-_LINEAR = _linear_op()
+# oneDNN's fp32 product (``mkldnn::_linear_pointwise``), or None where this PyTorch has none.
+LINEAR = _linear_op()
 
 
-def _mm(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w.T`` in fp32 on oneDNN. ``w`` must be contiguous: a strided one takes oneDNN's
-    reference path, three orders of magnitude slower."""
-    return _LINEAR(x, w, None, "none", [], "")
+def _mm(linear, x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w.T`` in fp32 on oneDNN (``linear``: :data:`LINEAR`). ``w`` must be contiguous: a
+    strided one takes oneDNN's reference path, three orders of magnitude slower."""
+    return linear(x, w, None, "none", [], "")
 
 
 class _TransposedBlocks:
     """``x (s, d)`` as contiguous ``(d, cols)`` weights, the ones that multiply a tile by rows
-    ``c0:c1`` of ``x``: whole blocks of ``COLS`` rows are made once, a causal tile's shorter
-    block is copied when asked for (a strided weight would be slow, :func:`_mm`)."""
+    ``c0:c1`` of ``x``: whole blocks of ``block`` rows (the tiles' keys) are made once, a causal
+    tile's shorter block is copied when asked for (a strided weight would be slow, :func:`_mm`)."""
 
-    def __init__(self, x: Tensor):
-        self.x = x
-        self.blocks = [_fp32_copy(x[c0:c0 + COLS].t()) for c0 in range(0, x.shape[0], COLS)]
+    def __init__(self, x: Tensor, block: int):
+        self.x, self.block = x, block
+        self.blocks = [_fp32_copy(x[c0:c0 + block].t()) for c0 in range(0, x.shape[0], block)]
 
     def __getitem__(self, cols: tuple[int, int]) -> Tensor:
         c0, c1 = cols
-        block = self.blocks[c0 // COLS]
+        block = self.blocks[c0 // self.block]
         return block if block.shape[1] == c1 - c0 else _fp32_copy(self.x[c0:c1].t())
 
 
@@ -94,9 +90,11 @@ def _fp32_copy(x: Tensor) -> Tensor:
     return torch.empty(x.shape, dtype=torch.float32).copy_(x)
 
 
-def applies(rows: int, cols: int) -> bool:
-    """Whether a call of ``rows`` queries and ``cols`` keys (CPU, no mask, a dtype it takes) runs here."""
-    if _LINEAR is None or rows < MIN_ROWS or cols < MIN_COLS:
+def applies(rows: int, cols: int, tuning: Tuning = DEFAULT_TUNING, linear=LINEAR, faster=None) -> bool:
+    """Whether a call of ``rows`` queries and ``cols`` keys (CPU, no mask, a dtype it takes) runs
+    here, with oneDNN's product ``linear`` (None: none) and ``faster(threads)`` saying whether it
+    is much faster than the BLAS (:func:`faster_here` when not given)."""
+    if linear is None or rows < tuning.onednn_min_rows or cols < tuning.onednn_min_cols:
         return False
     mode = os.environ.get(MODE_ENV, "auto").strip().lower()
     if mode in ("0", "off", "false", "no"):
@@ -108,7 +106,7 @@ def applies(rows: int, cols: int) -> bool:
     threads = torch.get_num_threads()
     if threads > MAX_AUTO_THREADS or (threads > 1 and min(rows, cols) < MULTI_THREAD_MIN):
         return False
-    return faster_here(threads)
+    return (faster or faster_here)(threads)
 
 
 @functools.cache
@@ -121,12 +119,13 @@ def faster_here(threads: int) -> bool:
     of each (~10 ms once per process). Its own generator leaves the global RNG alone.
     """
     generator = torch.Generator().manual_seed(0)
-    a, w = torch.randn(FULL_FORWARD_ROWS, 64, generator=generator), torch.randn(COLS, 64, generator=generator)
+    a = torch.randn(DEFAULT_TUNING.onednn_full_forward_rows, 64, generator=generator)
+    w = torch.randn(DEFAULT_TUNING.onednn_cols, 64, generator=generator)
     times = {"blas": [], "onednn": []}
     try:
         with torch.no_grad():
             for round_ in range(6):
-                for name, call in (("blas", lambda: torch.mm(a, w.t())), ("onednn", lambda: _mm(a, w))):
+                for name, call in (("blas", lambda: torch.mm(a, w.t())), ("onednn", lambda: _mm(LINEAR, a, w))):
                     start = time.perf_counter()
                     call()
                     if round_:
@@ -139,7 +138,7 @@ def faster_here(threads: int) -> bool:
 def warm_up() -> None:
     """A process's one-time set-up: oneDNN's first product (its library state, ~15 MiB of memory)
     and :func:`faster_here`'s probe, so that a benchmark does not count them as a call's."""
-    if _LINEAR is not None:
+    if LINEAR is not None:
         faster_here(torch.get_num_threads())
 
 
@@ -159,28 +158,31 @@ def _upper_triangle(n: int) -> Tensor:
     return torch.ones(n, n, dtype=torch.bool).triu_(1)
 
 
-def _above_diagonal(rows: int, cols: int) -> Tensor:
+def _above_diagonal(rows: int, cols: int, tile_rows: int) -> Tensor:
     """Where column ``j > i`` in a causal tile's ``rows x cols`` part that starts at its first
-    row's diagonal (the rest of the tile is visible to every row)."""
-    return _upper_triangle(ROWS)[:rows, :cols]
+    row's diagonal (the rest of the tile is visible to every row); tiles of ``tile_rows`` rows."""
+    return _upper_triangle(tile_rows)[:rows, :cols]
 
 
-def _key_blocks(i0: int, i1: int, sk: int, causal: bool):
-    """``(c0, c1, masked)`` of the key blocks rows ``i0:i1`` see; with the top-left causal mask
-    row ``i`` sees keys ``<= i``, and ``ROWS`` dividing ``COLS`` puts every masked block's first
-    key at or left of its first row: no row of a tile sees nothing, and the hidden part lies in
-    the tile's last ``c1 - i0`` columns (:func:`_above_diagonal`)."""
+def _key_blocks(i0: int, i1: int, sk: int, causal: bool, block: int):
+    """``(c0, c1, masked)`` of the key blocks of ``block`` keys that rows ``i0:i1`` see; with the
+    top-left causal mask row ``i`` sees keys ``<= i``, and the tiles' rows dividing ``block``
+    puts every masked block's first key at or left of its first row: no row of a tile sees
+    nothing, and the hidden part lies in the tile's last ``c1 - i0`` columns
+    (:func:`_above_diagonal`)."""
     end = min(sk, i1) if causal else sk
-    for c0 in range(0, end, COLS):
-        c1 = min(end, c0 + COLS)
+    for c0 in range(0, end, block):
+        c1 = min(end, c0 + block)
         yield c0, c1, causal and c1 - 1 > i0
 
 
 @torch.no_grad()
 def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
-            attn_mask: Optional[Tensor] = None, scale: Optional[float] = None) -> tuple[Tensor, Tensor]:
+            attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+            tuning: Tuning = DEFAULT_TUNING, linear=LINEAR) -> tuple[Tensor, Tensor]:
     """``(out (B, h, sq, d), lse fp32 (B, h, sq))`` as the fused kernel's forward, computed in
-    fp32; bf16 inputs are converted block by block, and only ``out`` is rounded back to bf16."""
+    fp32; bf16 inputs are converted block by block, and only ``out`` is rounded back to bf16.
+    ``tuning``: the tile sizes; ``linear``: oneDNN's product (:data:`LINEAR`)."""
     _check(q, k, v, dropout_p, attn_mask, (torch.float32, torch.bfloat16))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -188,20 +190,21 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
     c = (d ** -0.5 if scale is None else scale) * _LOG2E  # scores in base 2
     out = torch.empty(B, sq, h, v.shape[-1], dtype=q.dtype).transpose(1, 2)
     lse = torch.empty(B, h, sq, dtype=torch.float32)
-    rows = ROWS if is_causal else FULL_FORWARD_ROWS
+    rows = tuning.onednn_rows if is_causal else tuning.onednn_full_forward_rows
+    block = tuning.onednn_cols
     for b in range(B):
         for jk in range(hk):
             k_head = _fp32_copy(k[b, jk])
-            v_cols = _TransposedBlocks(v[b, jk])  # P @ V is linear(P, V^T)
+            v_cols = _TransposedBlocks(v[b, jk], block)  # P @ V is linear(P, V^T)
             for j in range(jk * group, (jk + 1) * group):
                 q_head = _fp32_copy(q[b, j]).mul_(c)
                 for i0 in range(0, sq, rows):
                     i1 = min(sq, i0 + rows)
                     m = total = acc = None
-                    for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal):
-                        s = _mm(q_head[i0:i1], k_head[c0:c1])
+                    for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
+                        s = _mm(linear, q_head[i0:i1], k_head[c0:c1])
                         if masked:
-                            s[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0), float("-inf"))
+                            s[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), float("-inf"))
                         block_max = s.amax(-1, keepdim=True)
                         if m is None:
                             m = block_max
@@ -210,7 +213,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
                             alpha = torch.exp2(m - new_m)
                             m = new_m
                         p = s.sub_(m).exp2_()
-                        part = _mm(p, v_cols[c0, c1])
+                        part = _mm(linear, p, v_cols[c0, c1])
                         if acc is None:
                             acc, total = part, p.sum(-1, keepdim=True)
                         else:
@@ -224,10 +227,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
 @torch.no_grad()
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
              dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Optional[Tensor] = None,
-             scale: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
+             scale: Optional[float] = None, tuning: Tuning = DEFAULT_TUNING,
+             linear=LINEAR) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` as the fused kernel's backward: the probabilities come from the given
     ``logsumexp`` and the correction term from the given ``out``. fp32 only (PyTorch's bf16
-    backward kernel is the quicker one for bf16)."""
+    backward kernel is the quicker one for bf16). ``tuning`` and ``linear`` as :func:`forward`'s."""
     _check(q, k, v, dropout_p, attn_mask, (torch.float32,))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -239,24 +243,25 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, log
     dv = torch.zeros(B, sk, hk, v.shape[-1], dtype=torch.float32).transpose(1, 2)
     delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): (B, h, sq, 1)
     lse2 = (logsumexp * _LOG2E).unsqueeze(-1)
+    rows, block = tuning.onednn_rows, tuning.onednn_cols
     for b in range(B):
         for jk in range(hk):
             k_head, v_head = k[b, jk].contiguous(), v[b, jk].contiguous()
-            k_cols = _TransposedBlocks(k_head)  # dS @ K is linear(dS, K^T)
+            k_cols = _TransposedBlocks(k_head, block)  # dS @ K is linear(dS, K^T)
             for j in range(jk * group, (jk + 1) * group):
                 q_head = q[b, j]
                 q_scaled = q_head * c
-                for i0 in range(0, sq, ROWS):
-                    i1 = min(sq, i0 + ROWS)
+                for i0 in range(0, sq, rows):
+                    i1 = min(sq, i0 + rows)
                     q_cols = q_head[i0:i1].t().contiguous()
                     do_rows = grad_out[b, j, i0:i1]
                     do_cols = do_rows.t().contiguous()
-                    for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal):
-                        p = _mm(q_scaled[i0:i1], k_head[c0:c1]).sub_(lse2[b, j, i0:i1]).exp2_()
+                    for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
+                        p = _mm(linear, q_scaled[i0:i1], k_head[c0:c1]).sub_(lse2[b, j, i0:i1]).exp2_()
                         if masked:
-                            p[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0), 0.0)
-                        dv[b, jk, c0:c1] += _mm(p.t(), do_cols)
-                        ds = _mm(do_rows, v_head[c0:c1]).sub_(delta[b, j, i0:i1]).mul_(p)
-                        dq[b, j, i0:i1] += _mm(ds, k_cols[c0, c1])
-                        dk[b, jk, c0:c1] += _mm(ds.t(), q_cols)
+                            p[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), 0.0)
+                        dv[b, jk, c0:c1] += _mm(linear, p.t(), do_cols)
+                        ds = _mm(linear, do_rows, v_head[c0:c1]).sub_(delta[b, j, i0:i1]).mul_(p)
+                        dq[b, j, i0:i1] += _mm(linear, ds, k_cols[c0, c1])
+                        dk[b, jk, c0:c1] += _mm(linear, ds.t(), q_cols)
     return dq.mul_(scale), dk.mul_(scale), dv

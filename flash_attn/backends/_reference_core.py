@@ -11,13 +11,13 @@ dense tensors, one varlen sequence, and the (possibly paged) KV cache, and never
 * the backward recomputes the probabilities tile by tile from the saved logsumexp (the flash
   attention backward) and accumulates dq per query chunk and dk/dv per key column.
 
-Tiles are small enough to stay in the CPU's caches (``TILE_BUDGET_BYTES``), and scores are kept
-in base 2 (``exp2`` is several times faster than ``exp`` on CPUs): the softmax scale times
+Tiles are small enough to stay in the CPU's caches (``Tuning.tile_budget_bytes``), and scores are
+kept in base 2 (``exp2`` is several times faster than ``exp`` on CPUs): the softmax scale times
 ``log2(e)`` is folded into q, and softcap ``c * tanh(x / c)`` is computed as
 ``2c * sigmoid(2x / c)`` (one vectorised pass, ``tanh`` is several times slower) minus the
 constant ``c``, which only shifts every score of a row alike: the softmax ignores it and the
 log-sum-exp subtracts it. K/V are converted to fp32 once per problem when that copy is small
-(``PRELOAD_BUDGET_BYTES``), not once per query chunk.
+(``Tuning.preload_budget_bytes``), not once per query chunk.
 
 Tiles keep the grouped-query layout ``(B, hk, g, rows, cols)`` (``h = hk * g``; query head
 ``kh * g + gi`` reads kv head ``kh``), so K/V are never repeated across the group.
@@ -41,26 +41,63 @@ from torch import Tensor
 from flash_attn.dropout import keep_mask
 from flash_attn.params import AttentionParams
 
-# Bytes of one fp32 score tile (B x h x chunk_q x chunk_k) on the CPU: small enough that the
-# tile's few elementwise passes run in the caches, large enough that per-tile Python overhead is
-# small. A handful of tile-sized temporaries are alive at once (measurements: benchmarks/README.md,
-# "CPU engine: where its thresholds come from").
-TILE_BUDGET_BYTES = 1 << 20
 # Tile width over height: row statistics and the output accumulator are updated once per tile.
 TILE_ASPECT = 4
-# On GPUs (MPS, ROCm, old CUDA) every op is a kernel launch: fewer, larger tiles.
-ACCELERATOR_TILE_BUDGET_BYTES = 64 << 20
 # Dropout regenerates its mask with int64 arithmetic (several tile-sized int64 temporaries),
 # so dropout tiles are made this many times smaller.
 DROPOUT_TILE_SHRINK = 2
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-# Scratch buffers a thread keeps between calls on the CPU (see :class:`_Scratch`), at most
-# this many bytes: a call's fp32 buffers at 1 MiB tiles take 3-5 MiB; dropout's five int64
-# words take 5 MiB more, the largest dropped first.
-KEPT_SCRATCH_BYTES = 8 << 20
-# K and V columns (fp32, all a problem may see) are converted once up to this size, else per tile.
-PRELOAD_BUDGET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The sizes the CPU engine is tuned with: this module's tile budgets, and the thresholds of
+    the fused kernels' plan (:mod:`._cpu_fused`), the causal tree (:mod:`._causal_tree`) and the
+    oneDNN products (:mod:`._onednn`). The defaults are the measured ones (benchmarks/README.md,
+    "CPU engine: where its thresholds come from"); tests pass small ones, so that every kind of
+    block, tile and call appears on small shapes. A parameter of the engines, never changed in
+    place (:func:`flash_attn.backends.cpu.engine`)."""
+
+    # Bytes of one fp32 score tile (B x h x chunk_q x chunk_k) on the CPU: in the caches, yet few tiles.
+    tile_budget_bytes: int = 1 << 20
+    # The same on GPUs (MPS, ROCm, old CUDA), where every op is a kernel launch: fewer, larger tiles.
+    accelerator_tile_budget_bytes: int = 64 << 20
+    # Bytes of scratch buffers a thread keeps between calls on the CPU (:class:`_Scratch`).
+    kept_scratch_bytes: int = 8 << 20
+    # K and V columns (fp32, all a problem may see) are converted once up to this size, else per tile.
+    preload_budget_bytes: int = 256 << 20
+    # Bytes of one explicit mask block of the fused plan (rows x visible columns x ALiBi heads x batch, fp32).
+    mask_budget_bytes: int = 64 << 20
+    # Fewest query rows per masked call (fewer make the kernels, the backward most, inefficient).
+    min_mask_rows: int = 128
+    # Query rows per block of a sliding window: an eighth of the window, within these bounds.
+    band_min_rows: int = 128
+    band_max_rows: int = 1024
+    # The lower bound for the half-precision backward (PyTorch's kernels are slow on small blocks).
+    band_min_rows_half_backward: int = 256
+    # A bf16 causal square from this many rows runs forward as the fp32 tree without AMX.
+    bf16_tree_min_rows: int = 768
+    # bf16 full attention from this many rows and keys runs forward in fp32 without AMX.
+    bf16_full_fp32_min: int = 3072
+    # bf16 forwards from this many rows and keys run on oneDNN (converted block by block).
+    bf16_onednn_min: int = 512
+    # Rows of the causal tree's diagonal blocks: between this and twice this.
+    tree_base_rows: int = 64
+    # Smallest causal square cut as a tree (below, its extra calls cost more than they save).
+    tree_min_rows: int = 5 * 64
+    # Fewest query rows, and keys, of a call on oneDNN (per-tile Python costs more than it saves).
+    onednn_min_rows: int = 256
+    onednn_min_cols: int = 256
+    # Query rows of oneDNN's tiles in the forward of full attention.
+    onednn_full_forward_rows: int = 256
+    # Query rows of oneDNN's causal and backward tiles (they must divide ``onednn_cols``).
+    onednn_rows: int = 128
+    # Keys per oneDNN tile.
+    onednn_cols: int = 2048
+
+
+DEFAULT_TUNING = Tuning()
 
 KVLoader = Callable[[int, int], tuple[Tensor, Tensor]]
 
@@ -110,13 +147,14 @@ class Problem:
 # ----------------------------------------------------------------------------------------------
 
 
-def chunk_sizes(problem: Problem, params: AttentionParams,
-                chunks: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+def chunk_sizes(problem: Problem, params: AttentionParams, chunks: Optional[tuple[int, int]] = None,
+                tuning: Tuning = DEFAULT_TUNING) -> tuple[int, int]:
     """``(chunk_q, chunk_k)`` so that one fp32 ``(B, h, chunk_q, chunk_k)`` tile fits the budget;
     ``chunks``, when given, instead (tests run many ragged chunks with it)."""
     if chunks is not None:
         return chunks
-    budget = TILE_BUDGET_BYTES if problem.q.device.type == "cpu" else ACCELERATOR_TILE_BUDGET_BYTES
+    on_cpu = problem.q.device.type == "cpu"
+    budget = tuning.tile_budget_bytes if on_cpu else tuning.accelerator_tile_budget_bytes
     budget //= DROPOUT_TILE_SHRINK if params.dropout_p > 0 else 1
     area = max(1, budget // (4 * problem.batch * problem.nheads))
     # A short side (decoding: sq == 1) lets the other grow.
@@ -270,9 +308,9 @@ _KEPT = threading.local()  # .scratch: the one a thread keeps between calls; .bu
 
 
 @contextlib.contextmanager
-def _scratch_for(device: torch.device, largest_tile: int):
+def _scratch_for(device: torch.device, largest_tile: int, tuning: Tuning = DEFAULT_TUNING):
     """A :class:`_Scratch` for one call. On the CPU the thread keeps one between calls (at
-    most ``KEPT_SCRATCH_BYTES``), so the next call finds its buffers already paged in; a call
+    most ``tuning.kept_scratch_bytes``), so the next call finds its buffers already paged in; a call
     made while another runs (a hook) gets one of its own. Elsewhere the device's caching
     allocator already reuses memory."""
     keeps = device.type == "cpu" and not getattr(_KEPT, "busy", False)  # the thread's outermost call
@@ -285,7 +323,7 @@ def _scratch_for(device: torch.device, largest_tile: int):
         yield scratch
     finally:
         if keeps:
-            scratch.keep_at_most(KEPT_SCRATCH_BYTES)
+            scratch.keep_at_most(tuning.kept_scratch_bytes)
             _KEPT.scratch, _KEPT.busy = scratch, False
 
 
@@ -356,13 +394,13 @@ def _load_columns(problem: Problem, c0: int, c1: int) -> tuple[Tensor, Tensor]:
     return tuple(converted(x) for x in problem.load_kv(c0, c1))
 
 
-def _column_source(problem: Problem, params: AttentionParams, chunk_q: int) -> KVLoader:
+def _column_source(problem: Problem, params: AttentionParams, chunk_q: int, tuning: Tuning) -> KVLoader:
     """``(c0, c1) -> (k, v)`` as :func:`_load_columns`: slices of one fp32 copy of every column
     the problem may see when several query chunks will read them and the copy is small."""
     lo, hi = visible_columns(problem, params, 0, problem.seqlen_q)
     d = problem.q.shape[-1]
     size = 4 * problem.batch * problem.nheads_k * (hi - lo) * (d + problem.head_dim_v)
-    if problem.seqlen_q <= chunk_q or size > PRELOAD_BUDGET_BYTES or hi <= lo:
+    if problem.seqlen_q <= chunk_q or size > tuning.preload_budget_bytes or hi <= lo:
         return lambda c0, c1: _load_columns(problem, c0, c1)
     k_all, v_all = _load_columns(problem, lo, hi)
     return lambda c0, c1: (k_all[:, :, c0 - lo : c1 - lo], v_all[:, :, c0 - lo : c1 - lo])
@@ -450,17 +488,18 @@ def _tile_mask(
 
 
 @torch.no_grad()
-def attention_forward(problem: Problem, params: AttentionParams,
-                      chunks: Optional[tuple[int, int]] = None) -> tuple[Tensor, Tensor]:
+def attention_forward(problem: Problem, params: AttentionParams, chunks: Optional[tuple[int, int]] = None,
+                      tuning: Tuning = DEFAULT_TUNING) -> tuple[Tensor, Tensor]:
     """Exact attention of one problem. Returns ``out`` like q and fp32 ``lse (B, h, sq)``.
-    ``chunks``: the tile shape to use instead of the budget's (:func:`chunk_sizes`)."""
+    ``chunks``: the tile shape to use instead of the budget's (:func:`chunk_sizes`); ``tuning``:
+    the budgets."""
     q = problem.q
     B, sq, h, _ = q.shape
     hk = problem.nheads_k
     base2 = _Base2.of(problem, params)
-    chunk_q, chunk_k = chunk_sizes(problem, params, chunks)
-    columns = _column_source(problem, params, chunk_q)
-    with _scratch_for(q.device, B * h * chunk_q * chunk_k) as scratch:
+    chunk_q, chunk_k = chunk_sizes(problem, params, chunks, tuning)
+    columns = _column_source(problem, params, chunk_q, tuning)
+    with _scratch_for(q.device, B * h * chunk_q * chunk_k, tuning) as scratch:
         out = q.new_empty(B, sq, h, problem.head_dim_v)
         lse = torch.empty(B, h, sq, dtype=torch.float32, device=q.device)
         for i0 in range(0, sq, chunk_q):
@@ -496,7 +535,7 @@ def attention_forward(problem: Problem, params: AttentionParams,
 
 @torch.no_grad()
 def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: Tensor, sk_out: int,
-                               chunks: Optional[tuple[int, int]] = None) -> Tensor:
+                               chunks: Optional[tuple[int, int]] = None, tuning: Tuning = DEFAULT_TUNING) -> Tensor:
     """fp32 ``(B, h, sq, sk_out)``: normalised probabilities, negated where dropout drops them.
 
     Recomputed tile by tile from the forward's ``lse (B, h, sq)``; column ``c`` is written at
@@ -508,8 +547,8 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
     assert len(problem.key_start) == 1, "return_softmax needs one key_start for all sequences"
     start = problem.key_start[0]
     base2 = _Base2.of(problem, params)
-    chunk_q, chunk_k = chunk_sizes(problem, params, chunks)
-    with _scratch_for(q.device, B * h * chunk_q * chunk_k) as scratch:
+    chunk_q, chunk_k = chunk_sizes(problem, params, chunks, tuning)
+    with _scratch_for(q.device, B * h * chunk_q * chunk_k, tuning) as scratch:
         probs = torch.zeros(B, h, sq, sk_out, dtype=torch.float32, device=q.device)
         for i0 in range(0, sq, chunk_q):
             i1 = min(sq, i0 + chunk_q)
@@ -534,7 +573,7 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
 @torch.no_grad()
 def attention_backward(
     problem: Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor,
-    chunks: Optional[tuple[int, int]] = None,
+    chunks: Optional[tuple[int, int]] = None, tuning: Tuning = DEFAULT_TUNING,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Flash-attention backward of one problem, recomputing P tile by tile from ``lse``.
 
@@ -548,13 +587,13 @@ def attention_backward(
     dev = q.device
     dim_v = problem.head_dim_v
     base2 = _Base2.of(problem, params)
-    chunk_q, chunk_k = chunk_sizes(problem, params, chunks)
+    chunk_q, chunk_k = chunk_sizes(problem, params, chunks, tuning)
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=dev)
     dk = torch.zeros(B, hk, problem.n_cols, d, dtype=torch.float32, device=dev)
     dv = torch.zeros(B, hk, problem.n_cols, dim_v, dtype=torch.float32, device=dev)
     dropout_scale = 1.0 / (1.0 - params.dropout_p)
-    columns = _column_source(problem, params, chunk_q)
-    with _scratch_for(dev, B * h * chunk_q * chunk_k) as scratch:
+    columns = _column_source(problem, params, chunk_q, tuning)
+    with _scratch_for(dev, B * h * chunk_q * chunk_k, tuning) as scratch:
         for i0 in range(0, sq, chunk_q):
             i1 = min(sq, i0 + chunk_q)
             qc = _grouped_rows(q, i0, i1, hk, scratch, "q")

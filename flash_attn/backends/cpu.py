@@ -16,6 +16,11 @@ dropout, softmax probabilities or window other than causal, and one kernel call 
 plan -- is decided there and nowhere else; a plain call is that one kernel call, whose autograd
 formula, where autograd records, is PyTorch's own (its backward is the kernel call
 :func:`backward` makes for the same problem).
+
+The engine's sizes (:class:`~flash_attn.backends._reference_core.Tuning`) and the CPU's features
+(:class:`~flash_attn.backends._cpu_fused.Features`) are parameters: :func:`engine` makes the
+engine for others (tests run small sizes and fake CPUs on it); :data:`ENGINE` and
+:func:`direct_forward` use the defaults and this CPU's features.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from torch import Tensor
 from flash_attn.backends import _causal_tree, _layouts
 from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import _reference_core as core
+from flash_attn.backends._cpu_fused import THIS_CPU, Features
+from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning
 from flash_attn.backends.contract import runs_every_call
 from flash_attn.params import AttentionParams
 from flash_attn.placeholders import placeholder
 
-__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "direct_forward"]
+__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "direct_forward", "engine"]
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
@@ -41,19 +48,29 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     return None if device.type == "cpu" else f"it runs CPU tensors only, not {device.type}"
 
 
-def _forward(problem: core.Problem, params: AttentionParams, return_softmax: bool):
-    if not return_softmax and fused.supports(problem, params):
-        return fused.attention_forward(problem, params)
-    return core.attention_forward(problem, params)
+@functools.lru_cache(maxsize=16)
+def engine(tuning: Tuning = DEFAULT_TUNING, features: Features = THIS_CPU) -> _layouts.Engine:
+    """The cpu backend's engine as an :class:`~flash_attn.backends._layouts.Engine`, sized by
+    ``tuning`` for a CPU with ``features``: the fused kernels where they apply, the tiled engine
+    for the rest."""
+
+    def forward(problem: core.Problem, params: AttentionParams, return_softmax: bool):
+        if not return_softmax and fused.supports(problem, params):
+            return fused.attention_forward(problem, params, tuning, features)
+        return core.attention_forward(problem, params, None, tuning)
+
+    def backward(problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor):
+        if fused.supports(problem, params):
+            return fused.attention_backward(problem, params, dout, out, lse, tuning, features)
+        return core.attention_backward(problem, params, dout, out, lse, None, tuning)
+
+    def probabilities(problem: core.Problem, params: AttentionParams, lse: Tensor, sk: int):
+        return core.softmax_with_dropout_signs(problem, params, lse, sk, None, tuning)
+
+    return _layouts.Engine(forward=forward, backward=backward, probabilities=probabilities)
 
 
-def _backward(problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor):
-    if fused.supports(problem, params):
-        return fused.attention_backward(problem, params, dout, out, lse)
-    return core.attention_backward(problem, params, dout, out, lse)
-
-
-ENGINE = _layouts.Engine(forward=_forward, backward=_backward, probabilities=core.softmax_with_dropout_signs)
+ENGINE = engine()
 
 
 # The contract's operations on this engine (signatures: flash_attn.backends.contract); the backward
@@ -68,24 +85,25 @@ forward_kvcache = functools.partial(_layouts.forward_kvcache, ENGINE)
 # ----------------------------------------------------------------------------------------------
 
 
-def _one_kernel_call(q: Tensor, k: Tensor, causal: bool) -> bool:
-    """Whether the general plan for dense, non-empty ``q (B, sq, h, d)``, ``k (B, sk, hk, d)``
-    (no ALiBi, softcap, dropout or window; ``causal`` bottom-right) is one kernel call in q's
-    dtype on all rows and keys: full attention, or a causal square that is not cut as a tree, in
-    a dtype not converted to fp32, and not one that :mod:`._onednn` computes."""
+def _one_kernel_call(q: Tensor, k: Tensor, causal: bool, tuning: Tuning, features: Features) -> bool:
+    """Whether the general plan (of :func:`engine` with ``tuning`` and ``features``) for dense,
+    non-empty ``q (B, sq, h, d)``, ``k (B, sk, hk, d)`` (no ALiBi, softcap, dropout or window;
+    ``causal`` bottom-right) is one kernel call in q's dtype on all rows and keys: full
+    attention, or a causal square that is not cut as a tree, in a dtype not converted to fp32,
+    and not one that :mod:`._onednn` computes."""
     dtype, sq, sk = q.dtype, q.shape[1], k.shape[1]
     if fused.OPS is None or dtype not in fused.DTYPES:
         return False
-    if dtype == torch.float16 and not fused.native_fp16():
+    if dtype == torch.float16 and not features.native_fp16():
         return False
-    if fused.onednn_takes(dtype, sq, sk):
+    if fused.onednn_takes(dtype, sq, sk, tuning, features):
         return False
     if causal:
-        if sq != sk or _causal_tree.applies(sq, sk, dtype):
+        if sq != sk or _causal_tree.applies(sq, sk, dtype, tuning.tree_min_rows):
             return False
-        if dtype == torch.bfloat16 and fused.bf16_forward_as_fp32_tree(sq, sk):
+        if dtype == torch.bfloat16 and fused.bf16_forward_as_fp32_tree(sq, sk, tuning, features):
             return False
-    elif dtype == torch.bfloat16 and fused.bf16_full_forward_in_fp32(sq, sk):
+    elif dtype == torch.bfloat16 and fused.bf16_full_forward_in_fp32(sq, sk, tuning, features):
         return False
     return True
 
@@ -95,11 +113,13 @@ _UNUSED = placeholder(torch.float32, torch.device("cpu"), (0,)), placeholder(tor
 
 
 def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                   softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic):
+                   softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic,
+                   *, tuning: Tuning = DEFAULT_TUNING, features: Features = THIS_CPU):
     """The outputs of ``flash_attn::forward`` (``out, lse, s_dmask, rng_state``; arguments as the
     op's) for a plain eager call, computed as the one kernel call the general plan would make,
     without the op or the plan; ``None`` for any other call (the caller then takes the general
-    route). ``s_dmask`` and ``rng_state`` are shared placeholders (the direct calls of
+    route). ``tuning`` and ``features``: those of the engine whose plan it is (:data:`ENGINE`'s
+    unless given: :func:`engine`). ``s_dmask`` and ``rng_state`` are shared placeholders (the direct calls of
     :mod:`flash_attn.custom_ops` return the same).
 
     Only for eager calls (the dispatcher's caller checks that): ``out`` carries PyTorch's own
@@ -110,7 +130,7 @@ def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slope
             or dropout_p != 0.0 or window_left >= 0 or window_right > 0 or q.numel() == 0 or k.numel() == 0):
         return None
     causal = window_right == 0
-    if not _one_kernel_call(q, k, causal):
+    if not _one_kernel_call(q, k, causal, tuning, features):
         return None
     kernel = fused.OPS[0]
     out, lse = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale)
