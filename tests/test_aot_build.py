@@ -321,7 +321,7 @@ def test_every_call_passes_the_launch_checks(manifest, monkeypatch, launched, ca
     images_for(monkeypatch, manifest, capability)
     for head_dim in (40, 128):
         for name, op, args, kwargs in _all_calls(dtype, head_dim):
-            runner = getattr(aot, "prepare_" + op)(*args, **kwargs)
+            runner = aot.BACKEND.prepare[op](*args, **kwargs)
             assert not isinstance(runner, str), (name, op, runner)
             before = len(launched)
             runner()
