@@ -920,8 +920,125 @@ UPSTREAM_SIGNATURES = {
     'flash_attn.utils.generation.modify_logits_for_top_k_filtering': 'logits, top_k',
     'flash_attn.utils.generation.modify_logits_for_top_p_filtering': 'logits, top_p',
     'flash_attn.utils.generation.sample': 'logits, top_k=1, top_p=0.0, temperature=1.0',
+    # the models, upstream's other utils and its Triton linear / MLP / activation helpers (its
+    # autotuning internals init_to_zero, get_configs_io_bound, kernel_fwd and kernel_bwd are not
+    # reproduced: our kernels use a fixed tile table)
+    'flash_attn.models.gpt.create_mixer_cls': 'config, layer_idx=None, process_group=None, device=None, dtype=None',
+    'flash_attn.models.gpt.create_mlp_cls': 'config, layer_idx=None, process_group=None, device=None, dtype=None',
+    'flash_attn.models.gpt.create_block': 'config, layer_idx=None, process_group=None, device=None, dtype=None',
+    'flash_attn.models.gpt.GPTPreTrainedModel.__init__': 'self, config, *inputs, **kwargs',
+    'flash_attn.models.gpt.GPTPreTrainedModel.from_pretrained': 'cls, model_name, config, *args, strict=True, device=None, dtype=None, world_size=1, rank=0, **kwargs',  # noqa: E501
+    'flash_attn.models.gpt.GPTModel.__init__': 'self, config: GPT2Config, process_group=None, device=None, dtype=None',
+    'flash_attn.models.gpt.GPTModel.tie_weights': 'self',
+    'flash_attn.models.gpt.GPTModel.allocate_inference_cache': 'self, batch_size, max_seqlen, dtype=None, **kwargs',
+    'flash_attn.models.gpt.GPTModel.forward': 'self, input_ids, position_ids=None, inference_params=None',
+    'flash_attn.models.gpt.GPTLMHeadModel.__init__': 'self, config: GPT2Config, process_group=None, device=None, dtype=None',  # noqa: E501
+    'flash_attn.models.gpt.GPTLMHeadModel.tie_weights': 'self',
+    'flash_attn.models.gpt.GPTLMHeadModel.allocate_inference_cache': 'self, batch_size, max_seqlen, dtype=None, **kwargs',  # noqa: E501
+    'flash_attn.models.gpt.GPTLMHeadModel.forward': 'self, input_ids, position_ids=None, inference_params=None, num_last_tokens=0',  # noqa: E501
+    'flash_attn.models.gpt.GPTLMHeadModel.load_state_dict': 'self, state_dict, strict=True',
+    'flash_attn.models.gpt.shard_state_dict_tp': 'state_dict, config, world_size, rank',
+    'flash_attn.models.gpt.combine_state_dicts_tp': 'state_dicts: List[Dict[str, torch.Tensor]], config: GPT2Config',
+    'flash_attn.models.gpt.remap_state_dict_hf_gpt2': 'state_dict, config',
+    'flash_attn.models.gpt.remap_state_dict_megatron': 'state_dict, config',
+    'flash_attn.models.llama.remap_state_dict_meta_llama': 'state_dict: Dict[str, torch.Tensor], config: GPT2Config',
+    'flash_attn.models.llama.remap_state_dict_hf_llama': 'state_dict: Dict[str, torch.Tensor], config: GPT2Config',
+    'flash_attn.models.llama.inv_remap_state_dict_hf_llama': 'state_dict: Dict[str, torch.Tensor], config: GPT2Config',
+    'flash_attn.models.llama.config_from_meta_checkpoint': 'checkpoint_path: Union[str, os.PathLike], model_name: str',
+    'flash_attn.models.llama.config_from_hf_checkpoint': 'checkpoint_path: Union[str, os.PathLike], model_name: str',
+    'flash_attn.models.llama.config_from_checkpoint': "checkpoint_path: Union[str, os.PathLike], model_name: str, checkpoint_format='meta'",  # noqa: E501
+    'flash_attn.models.llama.state_dicts_from_checkpoint': 'checkpoint_path: Union[str, os.PathLike], model_name: str',
+    'flash_attn.models.llama.llama_config_to_gpt2_config': 'llama_config: LlamaConfig',
+    'flash_attn.models.bert.create_mixer_cls': 'config, cross_attn=False, return_residual=False',
+    'flash_attn.models.bert.create_mlp_cls': 'config, layer_idx=None, return_residual=False',
+    'flash_attn.models.bert.create_block': 'config, layer_idx=None',
+    'flash_attn.models.bert.BertEncoder.__init__': 'self, config: BertConfig',
+    'flash_attn.models.bert.BertEncoder.forward': 'self, hidden_states, key_padding_mask=None, subset_mask=None',
+    'flash_attn.models.bert.BertPooler.__init__': 'self, config',
+    'flash_attn.models.bert.BertPooler.forward': 'self, hidden_states, pool=True',
+    'flash_attn.models.bert.BertPredictionHeadTransform.__init__': 'self, config',
+    'flash_attn.models.bert.BertPredictionHeadTransform.forward': 'self, hidden_states: torch.Tensor',
+    'flash_attn.models.bert.BertLMPredictionHead.__init__': 'self, config',
+    'flash_attn.models.bert.BertLMPredictionHead.forward': 'self, hidden_states',
+    'flash_attn.models.bert.BertPreTrainingHeads.__init__': 'self, config',
+    'flash_attn.models.bert.BertPreTrainingHeads.forward': 'self, sequence_output, pooled_output',
+    'flash_attn.models.bert.BertPreTrainedModel.__init__': 'self, config, *inputs, **kwargs',
+    'flash_attn.models.bert.BertPreTrainedModel.from_pretrained': 'cls, model_name, config, *inputs, **kwargs',
+    'flash_attn.models.bert.BertModel.__init__': 'self, config: BertConfig, add_pooling_layer=True',
+    'flash_attn.models.bert.BertModel.forward': 'self, input_ids, position_ids=None, token_type_ids=None, attention_mask=None, masked_tokens_mask=None',  # noqa: E501
+    'flash_attn.models.bert.BertForPreTraining.__init__': 'self, config: BertConfig',
+    'flash_attn.models.bert.BertForPreTraining.tie_weights': 'self',
+    'flash_attn.models.bert.BertForPreTraining.forward': 'self, input_ids, position_ids=None, token_type_ids=None, attention_mask=None, labels=None, next_sentence_label=None',  # noqa: E501
+    'flash_attn.models.bert.remap_state_dict': 'state_dict, config: PretrainedConfig',
+    'flash_attn.models.bert.inv_remap_state_dict': 'state_dict, config: PretrainedConfig',
+    'flash_attn.models.vit.create_mixer_cls': 'num_heads, qkv_bias, attn_drop, use_flash_attn, fused_bias_fc, cross_attn=False',  # noqa: E501
+    'flash_attn.models.vit.create_mlp_cls': 'embed_dim, mlp_ratio, act_layer, fused_mlp',
+    'flash_attn.models.vit.create_block': 'embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, attn_drop_rate, drop_path1, drop_path2, norm_layer, act_layer, use_flash_attn, fused_bias_fc, fused_mlp, fused_dropout_add_ln, layer_idx=None, n_layer=None, last_layer_subset=False',  # noqa: E501
+    'flash_attn.models.vit.VisionTransformer.__init__': "self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool='token', embed_dim=768, depth=12, num_heads=12, mlp_ratio=4.0, qkv_bias=True, init_values=None, class_token=True, no_embed_class=False, pre_norm=False, fc_norm=None, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0, weight_init='', embed_layer=PatchEmbed, norm_layer=None, act_layer=None, use_flash_attn=False, fused_bias_fc=False, fused_mlp=False, fused_dropout_add_ln=False",  # noqa: E501
+    'flash_attn.models.vit.VisionTransformer.init_weights': "self, mode=''",
+    'flash_attn.models.vit.VisionTransformer.no_weight_decay': 'self',
+    'flash_attn.models.vit.VisionTransformer.forward_features': 'self, x, all_tokens=True',
+    'flash_attn.models.vit.VisionTransformer.forward_head': 'self, x, pre_logits: bool=False',
+    'flash_attn.models.vit.VisionTransformer.forward': 'self, x',
+    'flash_attn.models.vit.VisionTransformer.load_state_dict': 'self, state_dict, strict=True',
+    'flash_attn.models.vit.init_weights_vit_timm': "module: nn.Module, name: str=''",
+    'flash_attn.models.vit.vit_base_patch16_224': 'pretrained=False, **kwargs',
+    'flash_attn.models.opt.remap_state_dict_hf_opt': 'state_dict, config',
+    'flash_attn.models.opt.opt_config_to_gpt2_config': 'opt_config: OPTConfig',
+    'flash_attn.models.falcon.remap_state_dict_hf_falcon': 'state_dict, config',
+    'flash_attn.models.falcon.falcon_config_to_gpt2_config': 'falcon_config: FalconConfig',
+    'flash_attn.models.gptj.remap_state_dict_hf_gptj': 'state_dict, config',
+    'flash_attn.models.gptj.gptj_config_to_gpt2_config': 'gptj_config: GPTJConfig',
+    'flash_attn.models.gpt_neox.remap_state_dict_hf_gpt_neox': 'state_dict, config',
+    'flash_attn.models.gpt_neox.gpt_neox_config_to_gpt2_config': 'gpt_neox_config: GPTNeoXConfig',
+    'flash_attn.models.bigcode.remap_state_dict_hf_bigcode': 'state_dict, config: PretrainedConfig',
+    'flash_attn.models.bigcode.inv_remap_state_dict_hf_bigcode': 'state_dict, config: PretrainedConfig',
+    'flash_attn.models.bigcode.bigcode_config_to_gpt2_config': 'bigcode_config: GPTBigCodeConfig',
+    'flash_attn.models.baichuan.remap_state_dict_hf_baichuan': 'state_dict, config',
+    'flash_attn.models.baichuan.baichuan_config_to_gpt2_config': 'baichuan_config: PretrainedConfig',
+    'flash_attn.models.btlm.remap_state_dict_hf_btlm': 'state_dict, config',
+    'flash_attn.models.btlm.btlm_config_to_gpt2_config': 'btlm_config: PretrainedConfig',
+    'flash_attn.utils.pretrained.state_dict_from_pretrained': 'model_name, device=None, dtype=None',
+    'flash_attn.utils.torch.custom_amp_decorator': 'dec: Callable, cuda_amp_deprecated: bool',
+    'flash_attn.utils.testing.generate_random_padding_mask': "max_seqlen, batch_size, device, mode='random', zero_lengths=False",  # noqa: E501
+    'flash_attn.utils.testing.generate_qkv': 'q, k, v, query_padding_mask=None, key_padding_mask=None, qv=None, kvpacked=False, qkvpacked=False, query_unused_mask=None, key_unused_mask=None',  # noqa: E501
+    'flash_attn.utils.testing.construct_local_mask': 'seqlen_q, seqlen_k, window_size=(None, None), sink_token_length=0, query_padding_mask=None, key_padding_mask=None, key_leftpad=None, device=None',  # noqa: E501
+    'flash_attn.utils.testing.construct_chunk_mask': 'seqlen_q, seqlen_k, attention_chunk, query_padding_mask=None, key_padding_mask=None, key_leftpad=None, device=None',  # noqa: E501
+    'flash_attn.utils.testing.attention_ref': 'q, k, v, query_padding_mask=None, key_padding_mask=None, key_leftpad=None, attn_bias=None, dropout_p=0.0, dropout_mask=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None, window_size=(None, None), attention_chunk=0, sink_token_length=0, learnable_sink: Optional[torch.Tensor]=None, softcap=0.0, upcast=True, reorder_ops=False, intermediate_dtype=None',  # noqa: E501
+    'flash_attn.utils.library.triton_op': 'name: str, fn: Optional[Callable]=None, /, *, mutates_args: Union[str, Iterable[str]], schema: Optional[str]=None, allow_decomposition=True',  # noqa: E501
+    'flash_attn.utils.generation.InferenceParams.reset': 'self, max_seqlen, max_batch_size',
+    'flash_attn.utils.generation.sample_speculative': 'logits, logits_draft, tokens_draft, top_k=1, top_p=0.0, temperature=1.0',  # noqa: E501
+    'flash_attn.utils.generation.decode_speculative': 'input_ids, model, model_draft, max_length, speculative_lookahead=3, top_k=1, top_p=0.0, temperature=1.0, eos_token_id=None, vocab_size=None, tensor_parallel=1, cg=False, enable_timing=False, debug=False',  # noqa: E501
+    'flash_attn.utils.generation.update_graph_cache': 'model, cache, batch_size, seqlen_og, max_seqlen, decoding_seqlens=(1,), tensor_parallel=1, dtype=None, n_warmups=2',  # noqa: E501
+    'flash_attn.utils.generation.capture_graph': 'model, inference_params, batch_size, max_seqlen, decoding_seqlen=1, mempool=None, n_warmups=2',  # noqa: E501
+    'flash_attn.ops.triton.linear.triton_linear_act': "x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]=None, activation: str='id', save_act_input: bool=False",  # noqa: E501
+    'flash_attn.ops.triton.linear.triton_dgrad_act': "grad_output: torch.Tensor, weight: torch.Tensor, activation: str='id', act_input: Optional[torch.Tensor]=None",  # noqa: E501
+    'flash_attn.ops.triton.mlp.FusedDenseSqreluDenseFunc.forward': 'ctx, x, weight1, bias1, weight2, bias2, checkpoint_lvl=0',  # noqa: E501
+    'flash_attn.ops.triton.mlp.FusedDenseSqreluDenseFunc.backward': 'ctx, grad_output',
+    'flash_attn.ops.triton.mlp.FusedDenseSqreluDense.__init__': 'self, in_features, hidden_features=None, out_features=None, bias1=True, bias2=True, checkpoint_lvl=0, device=None, dtype=None',  # noqa: E501
+    'flash_attn.ops.triton.mlp.FusedDenseSqreluDense.forward': 'self, x',
+    'flash_attn.ops.triton.k_activations.get_triton_activation_kernel': 'activation: Optional[Activation]',
+    'flash_attn.ops.triton.k_activations.get_triton_activation_bwd_kernel': 'activation: Optional[Activation]',
+    'flash_attn.ops.triton.k_activations.tanh': 'x',
+    'flash_attn.ops.triton.k_activations.cosh': 'x',
+    'flash_attn.ops.triton.k_activations.relu': 'x',
+    'flash_attn.ops.triton.k_activations.relu_grad': 'x',
+    'flash_attn.ops.triton.k_activations.squared_relu': 'x',
+    'flash_attn.ops.triton.k_activations.squared_relu_grad': 'x',
+    'flash_attn.ops.triton.k_activations.leaky_relu': 'x',
+    'flash_attn.ops.triton.k_activations.leaky_relu_grad': 'x',
+    'flash_attn.ops.triton.k_activations.gelu': 'x',
+    'flash_attn.ops.triton.k_activations.gelu_grad': 'x',
+    'flash_attn.ops.triton.k_activations.gelu_approx': 'x',
+    'flash_attn.ops.triton.k_activations.gelu_approx_grad': 'x',
 }
-_DEFAULTS_NAMESPACE = {"nn": nn, "F": F, "torch": torch}
+def _defaults_namespace() -> dict:
+    from flash_attn.layers.patch_embed import PatchEmbed  # noqa: PLC0415
+
+    return {"nn": nn, "F": F, "torch": torch, "PatchEmbed": PatchEmbed}
+
+
+_DEFAULTS_NAMESPACE = _defaults_namespace()
 
 
 def parse_signature(text: str):
@@ -958,6 +1075,9 @@ def ours(qualified: str):
 
 
 def our_parameters(fn):
+    if inspect.ismethod(fn) and isinstance(fn.__self__, type):  # a classmethod: upstream's source has cls
+        fn = fn.__func__
+    fn = getattr(fn, "fn", fn)  # a Triton JIT function: the Python function it compiles
     out = []
     for p in inspect.signature(fn).parameters.values():
         prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(p.kind, "")
@@ -988,9 +1108,11 @@ def test_recorded_signatures_are_upstreams_source():
     """Where upstream's git mirror is at hand, the table above is what its source says."""
     if not UPSTREAM_MIRROR.exists() or shutil.which("git") is None:
         pytest.skip("upstream's git mirror is not on this machine; the table above is the record")
+    files = set(subprocess.run(["git", "-C", str(UPSTREAM_MIRROR), "ls-tree", "-r", "--name-only", UPSTREAM_COMMIT],
+                               capture_output=True, text=True, check=True).stdout.split())
     for name, text in UPSTREAM_SIGNATURES.items():
         module_parts = name.split(".")
-        n = 3 if module_parts[2] in ("mha", "mlp", "block", "embedding", "generation", "distributed", "patch_embed") else 2
+        n = next(n for n in range(len(module_parts), 0, -1) if "/".join(module_parts[:n]) + ".py" in files)
         path = "/".join(module_parts[:n]) + ".py"
         source = subprocess.run(["git", "-C", str(UPSTREAM_MIRROR), "show", f"{UPSTREAM_COMMIT}:{path}"],
                                 capture_output=True, text=True, check=True).stdout
