@@ -20,6 +20,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import check_close, skip_unless_the_interpreter_runs, test_device
 from flash_attn.ops.triton import k_activations as ka
@@ -224,8 +226,23 @@ def test_linear_act_kernel(kernels, activation, dtype):
     assert kernels.launched == ["_linear_act_kernel"] * 2
 
 
-def check_dgrad(activation, dtype, rows=21, in_features=37, out_features=26, device=None):
-    g = torch.Generator().manual_seed(1)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 40), in_features=st.integers(1, 70), out_features=st.integers(1, 70),
+       activation=st.sampled_from(ACTIVATIONS), bias=st.booleans(), dtype=st.sampled_from(KERNEL_DTYPES),
+       tiles=st.tuples(st.sampled_from([16, 32]), st.sampled_from([16, 32]), st.sampled_from([16, 32])),
+       seed=st.integers(0, 2**16))
+def test_linear_kernels_on_random_shapes(monkeypatch, rows, in_features, out_features, activation, bias, dtype,
+                                         tiles, seed):
+    """Fuzz: shapes that do and do not fill the tiles, every activation, with or without bias,
+    forward and dgrad through the kernels, against the float64 definitions."""
+    KernelRoute(monkeypatch, tiles)
+    x, w, b = make_linear(dtype, (rows,), in_features, out_features, seed)
+    check_forward(x, w, b if bias else None, activation, save_act_input=activation != "id")
+    check_dgrad(activation, dtype, rows, in_features, out_features, seed=seed)
+
+
+def check_dgrad(activation, dtype, rows=21, in_features=37, out_features=26, device=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
     grad_output = torch.randn(rows, out_features, generator=g).to(dtype)
     w = (torch.randn(out_features, in_features, generator=g) / math.sqrt(out_features)).to(dtype)
     pre = (torch.randn(rows, in_features, generator=g) * 2).to(dtype)
