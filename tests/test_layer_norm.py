@@ -521,3 +521,23 @@ def test_cuda_kernels_vs_oracle(case, dtype):
     inputs = make_inputs((300, 1000), dtype, device="cuda", **make)
     run_case(layer_norm_fn, inputs, {**options, "dropout_p": 0.1}, dtype)
     run_case(layer_norm_fn, inputs, options, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, FP32, BF16])
+def test_plain_cpu_rms_norm_writes_into_neither_its_input_nor_the_gradient(dtype):
+    """The CPU's plain RMSNorm (its own autograd function) computes in place in temporaries only:
+    x, weight and the incoming gradient are unchanged, and the results match float64 math."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 3, 40, generator=g).to(dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(40, generator=g)).to(dtype).requires_grad_()
+    dy = torch.randn(4, 3, 40, generator=g).to(dtype)
+    kept = x.detach().clone(), weight.detach().clone(), dy.clone()
+    out = rms_norm_fn(x, weight, None, eps=1e-5)
+    out.backward(dy)
+    assert torch.equal(x.detach(), kept[0]) and torch.equal(weight.detach(), kept[1]) and torch.equal(dy, kept[2])
+    xd, wd = kept[0].double().requires_grad_(), kept[1].double().requires_grad_()
+    ref = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-5) * wd
+    ref.backward(kept[2].double())
+    tol = {torch.float64: 1e-12, FP32: 1e-5, BF16: 3e-2}[dtype]
+    for ours, theirs in ((out, ref), (x.grad, xd.grad), (weight.grad, wd.grad)):
+        assert (ours.double() - theirs).abs().max() <= tol * (1 + theirs.abs().max())

@@ -188,6 +188,42 @@ def _scale(w: torch.Tensor, zero_centered_weight: bool) -> torch.Tensor:
     return w.float() + 1.0 if zero_centered_weight else w.float()
 
 
+class _CpuRmsNorm(torch.autograd.Function):
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32 (fp64 for fp64)
+    and rounded once: PyTorch's CPU ``F.rms_norm`` is a chain of ops whose backward is recorded op
+    by op; this saves only ``x`` and the per-row rstd, and reuses its temporaries in place
+    (benchmarks/README.md, "RMSNorm's own autograd function")."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        n = x.shape[-1]
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().div_(n).add_(eps).rsqrt_()
+        ctx.save_for_backward(x, weight, rstd)
+        return x.to(acc, copy=True).mul_(rstd).mul_(weight.to(acc)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        acc = rstd.dtype
+        xhat = x.to(acc, copy=True).mul_(rstd)  # copies: x and dy are never written
+        g = dy.to(acc, copy=True)
+        dweight = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, dweight, None
+        g.mul_(weight.to(acc))
+        mean_gx = torch.linalg.vecdot(g, xhat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
+        return g.sub_(xhat.mul_(mean_gx)).mul_(rstd).to(x.dtype), dweight, None
+
+
+def _plain_norm(x, weight, bias, eps, is_rms_norm):
+    """The norm of ``x`` alone (weight and bias in x's dtype)."""
+    if not is_rms_norm:
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    y = _CpuRmsNorm.apply(x, weight, eps) if x.device.type == "cpu" else F.rms_norm(x, x.shape[-1:], weight, eps=eps)
+    return y + bias if bias is not None else y
+
+
 def _torch_norm(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm, residual_in_fp32,
                 zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype, out, residual_out):
     res_dtype = _residual_dtype(x, residual, residual_in_fp32, residual_out)
@@ -200,8 +236,7 @@ def _torch_norm(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, r
         # nothing before the norm and parameters in x's dtype: PyTorch's norm takes x as it is (it
         # accumulates in fp32 and rounds once, as the kernel does) without an fp32 copy of x
         h = x
-        y = normalise(x, x.shape[-1:], weight, eps=eps) if is_rms_norm else normalise(x, x.shape[-1:], weight, bias, eps)
-        y = (y + bias if is_rms_norm and bias is not None else y).to(y_dtype)
+        y = _plain_norm(x, weight, bias, eps, is_rms_norm).to(y_dtype)
     else:
         h = x.float()
         if rowscale is not None:
