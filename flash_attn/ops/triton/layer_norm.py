@@ -191,29 +191,23 @@ def _scale(w: torch.Tensor, zero_centered_weight: bool) -> torch.Tensor:
 class _CpuRmsNorm(torch.autograd.Function):
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, computed in fp32 (fp64 for fp64)
     and rounded once: PyTorch's CPU ``F.rms_norm`` is a chain of ops whose backward is recorded op
-    by op; this saves only ``x`` and the per-row rstd, and reuses its temporaries in place
-    (benchmarks/README.md, "RMSNorm's own autograd function")."""
+    by op; this saves only ``x`` and the per-row rstd (benchmarks/README.md, "RMSNorm's own
+    autograd function"). The row formulas are :func:`_affine_rows` / :func:`_norm_backward_rows`."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        n = x.shape[-1]
-        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().div_(n).add_(eps).rsqrt_()
-        ctx.save_for_backward(x, weight, rstd)
-        return x.to(acc, copy=True).mul_(rstd).mul_(weight.to(acc)).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        rstd = torch.linalg.vector_norm(rows, dim=-1, dtype=acc).square_().div_(rows.shape[-1]).add_(eps).rsqrt_()
+        ctx.save_for_backward(rows, weight, rstd)
+        return _affine_rows(rows, weight, None, None, rstd).to(x.dtype).view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        acc = rstd.dtype
-        xhat = x.to(acc, copy=True).mul_(rstd)  # copies: x and dy are never written
-        g = dy.to(acc, copy=True)
-        dweight = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        if not ctx.needs_input_grad[0]:
-            return None, dweight, None
-        g.mul_(weight.to(acc))
-        mean_gx = torch.linalg.vecdot(g, xhat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
-        return g.sub_(xhat.mul_(mean_gx)).mul_(rstd).to(x.dtype), dweight, None
+        rows, weight, rstd = ctx.saved_tensors
+        dx, dweight, _ = _norm_backward_rows(dy.reshape(rows.shape), None, rows, weight, None, None, rstd,
+                                             ctx.needs_input_grad[1])
+        return dx.to(rows.dtype).view(dy.shape), dweight, None
 
 
 def _plain_norm(x, weight, bias, eps, is_rms_norm):
@@ -631,27 +625,35 @@ class LayerNormLinearFn(torch.autograd.Function):
         return (dx.to(ctx.x_dtype).view(ctx.shape), dw, db, dlinear_weight, dlinear_bias, dres, None, None, None, None)
 
 
-def _affine_rows(h, weight, bias, mean, rstd):
-    hf = h.float()
-    xhat = (hf if mean is None else hf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-    y = xhat * weight.float()
-    return y + bias.float() if bias is not None else y
-
-
-def _norm_backward_rows(dy, dresidual, h, weight, bias, mean, rstd):
-    """The kernel's backward formulas in PyTorch (fp32): ``dx`` (with the residual's gradient
-    added), ``dweight``, ``dbias``."""
-    hf = h.float()
-    xhat = (hf if mean is None else hf - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-    g = dy * weight.float()
-    dh = g - xhat * (g * xhat).mean(-1, keepdim=True)
+def _normalised_rows(h, mean, rstd):
+    """A copy of rows ``h`` in rstd's dtype, centred (LayerNorm: ``mean`` given) and scaled by
+    ``rstd``: the one temporary the row formulas below work in."""
+    xhat = h.to(rstd.dtype, copy=True)
     if mean is not None:
-        dh = dh - g.mean(-1, keepdim=True)
-    dh = dh * rstd.unsqueeze(-1)
+        xhat.sub_(mean.unsqueeze(-1))
+    return xhat.mul_(rstd.unsqueeze(-1))
+
+
+def _affine_rows(h, weight, bias, mean, rstd):
+    y = _normalised_rows(h, mean, rstd).mul_(weight.to(rstd.dtype))
+    return y.add_(bias.to(rstd.dtype)) if bias is not None else y
+
+
+def _norm_backward_rows(dy, dresidual, h, weight, bias, mean, rstd, parameter_grads=True):
+    """The kernel's backward formulas in PyTorch (in rstd's dtype, fp32 or fp64): ``dx`` (with
+    the residual's gradient added), ``dweight``, ``dbias`` (``None`` without ``parameter_grads``:
+    a full pass over the rows saved). Neither ``dy`` nor ``h`` is written."""
+    xhat = _normalised_rows(h, mean, rstd)
+    dw = (dy * xhat).sum(0).to(weight.dtype) if parameter_grads else None
+    db = dy.sum(0).to(bias.dtype) if bias is not None and parameter_grads else None
+    g = dy.to(rstd.dtype, copy=True).mul_(weight.to(rstd.dtype))  # one dtype per op: the fast CPU loops
+    g_mean = g.mean(-1, keepdim=True) if mean is not None else None
+    dh = g.sub_(xhat.mul_(torch.linalg.vecdot(g, xhat, dim=-1).div_(h.shape[-1]).unsqueeze(-1)))
+    if g_mean is not None:
+        dh.sub_(g_mean)
+    dh.mul_(rstd.unsqueeze(-1))
     if dresidual is not None:
-        dh = dh + dresidual
-    dw = (dy * xhat).sum(0).to(weight.dtype)
-    db = dy.sum(0).to(bias.dtype) if bias is not None else None
+        dh.add_(dresidual)
     return dh, dw, db
 
 
