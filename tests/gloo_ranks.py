@@ -65,3 +65,20 @@ def process_group(rank: int, world: int, init_file: str):
 def write_result(result_dir: str, rank: int, results: dict) -> None:
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(results, fh)
+
+
+def run_cases(cases: dict, rank: int, world: int, init_file: str, result_dir: str) -> None:
+    """A worker's body: every case of ``cases`` (``(rank, world) -> {what: error}``) run in the
+    group, the errors written for the test (:func:`spawn` returns them)."""
+    with process_group(rank, world, init_file):
+        results = {name: case(rank, world) for name, case in cases.items()}
+    write_result(result_dir, rank, results)
+
+
+def assert_errors_below(results: dict, cases: dict, atol: float) -> None:
+    """Every rank ran every case of ``cases`` and each error it wrote is below ``atol``."""
+    for rank, got in results.items():
+        assert set(got) == set(cases)
+        for name, errors in got.items():
+            for what, value in errors.items():
+                assert value < atol, f"rank {rank} {name}: {what} = {value}"

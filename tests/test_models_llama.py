@@ -252,16 +252,10 @@ TP_CASES = {"plain": lambda r, w: _tp_case(r, w, False), "sequence_parallel": la
 
 
 def tp_worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
-    with gloo_ranks.process_group(rank, world, init_file):
-        results = {name: case(rank, world) for name, case in TP_CASES.items()}
-    gloo_ranks.write_result(result_dir, rank, results)
+    gloo_ranks.run_cases(TP_CASES, rank, world, init_file, result_dir)
 
 
 def test_tensor_parallel_llama_over_gloo_equals_transformers(tmp_path, monkeypatch):
     gloo_ranks.skip_unless_cpu_ranks_can_run(monkeypatch)
     results = gloo_ranks.spawn(tp_worker, 2, tmp_path)
-    for rank, cases in results.items():
-        assert set(cases) == set(TP_CASES)
-        for name, errors in cases.items():
-            for what, value in errors.items():
-                assert value < ATOL, f"rank {rank} {name}: {what} = {value}"
+    gloo_ranks.assert_errors_below(results, TP_CASES, ATOL)

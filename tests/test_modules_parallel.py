@@ -222,9 +222,7 @@ CASES = {
 
 
 def worker(rank: int, world: int, init_file: str, result_dir: str) -> None:
-    with gloo_ranks.process_group(rank, world, init_file):
-        results = {name: case(rank, world) for name, case in CASES.items()}
-    gloo_ranks.write_result(result_dir, rank, results)
+    gloo_ranks.run_cases(CASES, rank, world, init_file, result_dir)
 
 
 def test_parallel_modules_over_gloo_equal_the_single_process_modules(tmp_path, monkeypatch):
