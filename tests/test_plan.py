@@ -14,7 +14,7 @@ import torch
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
-from flash_attn.planning import declarations, plan as P, registry
+from flash_attn.planning import configs, declarations, plan as P, registry
 
 H100 = P.Target("sm90", 132)
 H100_AOT = P.Target("sm90", 132, aot=True)
@@ -160,15 +160,14 @@ def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
     """Full attention with an unpadded head dim (64 or 128, bf16) runs the exact-call image on sm90
     (no mask code); causal, windowed, padded, fp16 and score-feature calls, and other families,
     the folded superset."""
-    def flags(head_dim, causal=False, family="sm90", softcap=0.0, dtype=torch.bfloat16):
-        q = meta(2, 300, 8, head_dim, dtype=dtype)
-        params = AttentionParams(0.1, -1, 0 if causal else -1, softcap=softcap)
-        if direction == "forward":
-            plan = P.plan_forward(P.describe_forward(q, q, q, params), P.Target(family, 132, aot=True))
-        else:
-            lse = meta(2, 8, 300, dtype=torch.float32)
-            plan = P.plan_backward(P.describe_backward(q, q, q, q, q, lse, params), P.Target(family, 132, aot=True))
-        main = [x for x in plan.launches if "IS_LOCAL" in x.constexprs][0]  # forward, fused or split dK/dV
+    kind = "fwd" if direction == "forward" else "bwd_fused"
+
+    def flags(head_dim, causal=False, family="sm90", softcap=0.0, dtype=torch.bfloat16, aot=True):
+        main = _main_launch(direction, head_dim, causal, family, softcap, dtype, aot)
+        # the image's own launch config: the exact-call image's entry, or the lean / features one
+        exact = main.constexprs["IS_LOCAL"] is False and main.constexprs["PAD_HEADDIM"] is False
+        if main.kernel != "attn_bwd_dkdv_kernel":  # sm100 runs the split backward kernels
+            assert main.config == configs.pick(kind, head_dim, family, softcap > 0, exact=exact and softcap == 0)
         return main.constexprs["IS_LOCAL"], main.constexprs["PAD_HEADDIM"]
 
     assert flags(128) == (False, False)
@@ -179,6 +178,34 @@ def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
     assert flags(128, family="sm100") == (True, True)
     assert flags(256) == (True, True)  # no exact-call image at head dim 256 (build budget)
     assert flags(128, dtype=torch.float16) == (True, True)  # nor for fp16
+    assert flags(64, dtype=torch.float16, aot=False) == (False, False)  # the JIT specialises every call
+    assert flags(64, causal=True, aot=False) == (True, False)
+
+
+def _main_launch(direction, head_dim, causal, family, softcap, dtype, aot):
+    """The forward's launch, or the backward's fused (or split dK/dV) one."""
+    q = meta(2, 300, 8, head_dim, dtype=dtype)
+    params = AttentionParams(0.1, -1, 0 if causal else -1, softcap=softcap)
+    target = P.Target(family, 132, aot=aot)
+    if direction == "forward":
+        plan = P.plan_forward(P.describe_forward(q, q, q, params), target)
+    else:
+        lse = meta(2, 8, 300, dtype=torch.float32)
+        plan = P.plan_backward(P.describe_backward(q, q, q, q, q, lse, params), target)
+    return [x for x in plan.launches if "IS_LOCAL" in x.constexprs][0]
+
+
+def test_the_exact_call_image_runs_in_its_own_config():
+    """On sm90 the d64 forward's exact-call image has its own tile (the sweeps measured 128x64 s3
+    faster on full attention, 128x128 s3 on causal): full calls launch with the one, causal and
+    fp16 calls (the folded image) with the other; the grid follows the config."""
+    full = _main_launch("forward", 64, False, "sm90", 0.0, torch.bfloat16, True)
+    causal = _main_launch("forward", 64, True, "sm90", 0.0, torch.bfloat16, True)
+    fp16 = _main_launch("forward", 64, False, "sm90", 0.0, torch.float16, True)
+    assert full.config == configs.pick("fwd", 64, "sm90", exact=True) != causal.config
+    assert causal.config == fp16.config == configs.pick("fwd", 64, "sm90")
+    assert full.constexprs["BLOCK_M"] == full.config.block_m and full.constexprs["BLOCK_N"] == full.config.block_n
+    assert full.grid[0] == -(-300 // full.config.block_m) * 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,15 +114,71 @@ def test_fold_edits_the_real_table(tmp_path):
     results.write_text("\n".join(json.dumps(r) for r in rows))
     copy = tmp_path / "configs.py"
     copy.write_text(Path(configs.__file__).read_text())
-    (row,) = tune.fold(results, copy)
-    assert row["winner"] == "64x128w8s3" and row["changed"]
-    namespace: dict = {"__name__": "configs_copy"}
-    exec(compile(copy.read_text(), str(copy), "exec"), namespace)  # noqa: S102
+    lean, exact = tune.fold(results, copy)
+    assert lean["winner"] == "64x128w8s3" and lean["changed"]
+    # the exact-call image's winner over the same (full-attention) rows is the lean one: it inherits
+    assert exact["variant"] == "exact" and exact["winner"] == "64x128w8s3" and not exact["changed"]
+    namespace = _module(copy)
     assert namespace["pick"]("bwd_fused", 128, "sm90") == C(64, 128, 8, 3)
+    assert namespace["pick"]("bwd_fused", 128, "sm90", exact=True) == C(64, 128, 8, 3)
     for kind in configs.KINDS:
         for family in ("sm80", "sm86", "sm90", "sm100", "sm120"):
             for d in (32, 64, 256):
                 assert namespace["pick"](kind, d, family) == configs.pick(kind, d, family)
+                assert namespace["pick"](kind, d, family, exact=True) == configs.pick(kind, d, family, exact=True)
+
+
+def _module(path: Path) -> dict:
+    namespace: dict = {"__name__": "configs_copy"}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+def _sweep_rows(times: dict, kind: str = "fwd", d: int = 64) -> list[dict]:
+    """Rows of an sm90 sweep: ``times[config] = (full ms, causal ms)`` at 4k and 16k tokens."""
+    rows = [{"event": "start", "family": "sm90"}]
+    for config, (full, causal) in times.items():
+        for seqlen in (4096, 16384):
+            for is_causal, ms in ((False, full), (True, causal)):
+                rows.append({"impl": "flash_attn", "kind": kind, "head_dim": d, "seqlen": seqlen, "causal": is_causal,
+                             "config": config, "ok": True, "ms": ms * seqlen / 4096})
+    return rows
+
+
+def test_fold_gives_the_exact_call_image_the_tile_fastest_on_full_attention(tmp_path):
+    """Full attention runs the exact-call image, causal calls the folded one: when the full rows
+    favour one tile and the causal rows another (as the H100 and H200 sweeps measured at d64), the
+    lean entry is the geometric-mean winner and the exact-call entry the full-attention winner."""
+    results = tmp_path / tune.RESULTS
+    rows = _sweep_rows({"128x128w8s3": (1.77, 1.15), "128x64w8s3": (1.51, 1.30), "128x128w8s2": (2.0, 1.35)})
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    copy = tmp_path / "configs.py"
+    copy.write_text(Path(configs.__file__).read_text().replace(
+        '("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None),', '("fwd", "sm90"): (None, None, None, None),'))
+    assert _module(copy)["pick"]("fwd", 64, "sm90", exact=True) == C(128, 128, 8, 3)  # the starting point
+    lean, exact = tune.fold(results, copy)
+    assert (lean["winner"], lean["changed"]) == ("128x128w8s3", False)  # geomean 1.8 % faster: within noise
+    assert (exact["winner"], exact["changed"]) == ("128x64w8s3", True)
+    module = _module(copy)
+    assert module["pick"]("fwd", 64, "sm90") == C(128, 128, 8, 3)
+    assert module["pick"]("fwd", 64, "sm90", exact=True) == C(128, 64, 8, 3)
+    assert module["pick"]("fwd", 128, "sm90", exact=True) == module["pick"]("fwd", 128, "sm90")
+    assert "exact-call (full attention)" in tune.summary([lean, exact])
+
+    # a later sweep where the lean winner is the exact one's too: the exact entry inherits again
+    rows = _sweep_rows({"128x128w8s3": (1.77, 1.15), "128x64w8s3": (1.51, 1.0)})
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    lean, exact = tune.fold(results, copy)
+    assert lean["winner"] == exact["winner"] == "128x64w8s3" and lean["changed"] and exact["changed"]
+    assert '("fwd", "sm90"): (None, None, None, None),' in copy.read_text().split("_EXACT_TABLE")[1]
+    assert _module(copy)["pick"]("fwd", 64, "sm90", exact=True) == C(128, 64, 8, 3)
+
+
+def test_candidates_time_both_table_entries():
+    listed = [(kind, d, c) for kind, d, c in tune.candidates("sm90", [64]) if kind == "fwd"]
+    assert listed[0][2] == configs.pick("fwd", 64, "sm90")
+    assert listed[1][2] == configs.pick("fwd", 64, "sm90", exact=True) != listed[0][2]
+    assert len(set(listed)) == len(listed)
 
 
 @pytest.mark.slow

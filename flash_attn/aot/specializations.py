@@ -16,7 +16,8 @@ Attention kernels (forward, backward preprocess, dK/dV, dQ):
     Plus one *score-features* variant per kernel from ``BLOCK_D`` 64 up: softcap, ALiBi and
     dropout compiled in together, each switched at run time. And, on the families of
     ``declarations.EXACT_IMAGE_FAMILIES``, the *exact-call* images of the forward and the fused
-    backward: full attention with an unpadded head dim, compiled without mask code.
+    backward: full attention with an unpadded head dim, compiled without mask code, in their own
+    launch config where the sweep measured one faster for them (``configs.pick(..., exact=True)``).
     Not shipped (the dispatcher falls back to Triton, else the reference): paged K/V in the varlen
     forward, ``return_attn_probs``, head dims that are not a multiple of 8.
 
@@ -134,9 +135,9 @@ def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
                 if config is None:  # the split kernels serve this head dim (configs.fused_backward)
                     continue
                 out.append(attention_spec(kernel, dtype, block_d, config, features))
-                if (decl.exact and not features and family in declarations.EXACT_IMAGE_FAMILIES
-                        and block_d in declarations.EXACT_IMAGE_BLOCK_DS and dtype in declarations.EXACT_IMAGE_DTYPES):
-                    out.append(attention_spec(kernel, dtype, block_d, config, exact=True))
+                if not features and decl.ships_exact_image(family, block_d, dtype):
+                    exact_config = configs.pick(decl.config_kind, block_d, family, exact=True)
+                    out.append(attention_spec(kernel, dtype, block_d, exact_config, exact=True))
     return out
 
 

@@ -43,7 +43,10 @@ MIN_GAIN = 0.03  # a new entry must be this much faster than the current one (ru
 # (kind, family) -> head dim -> candidates (the table's current entry is always timed too).
 CANDIDATES: dict = {
     ("fwd", "sm90"): {
-        64: [C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3)],
+        # d64 causal at 4k (0.93-0.97x FA2 on the H100): deeper pipelines, and one warpgroup on
+        # 64-row tiles (half the diagonal tile's masked work, two programs per SM)
+        64: [C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 4), C(128, 64, 8, 4),
+             C(64, 128, 4, 3)],
         128: [C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 2)],
         256: [C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2)],
     },
@@ -63,20 +66,30 @@ CANDIDATES: dict = {
 
 
 def candidates(family: str, headdims: Iterable[int] = (64, 128, 256)) -> list[tuple[str, int, Optional[configs.Config]]]:
-    """``(kind, head dim, config)`` to time on ``family``: the table's entry first, then the others."""
+    """``(kind, head dim, config)`` to time on ``family``: the table's entries first (the lean one,
+    then the exact-call image's where it differs), then the others."""
     out = []
     for (kind, fam), by_headdim in CANDIDATES.items():
         if fam != family:
             continue
         for d in headdims:
-            current = configs.pick(kind, d, family)
-            listed = [current] + [c for c in by_headdim.get(d, []) if c != current]
-            out.extend((kind, d, c) for c in listed)
+            listed = [configs.pick(kind, d, family), configs.pick(kind, d, family, exact=True), *by_headdim.get(d, [])]
+            out.extend((kind, d, c) for c in dict.fromkeys(listed))
     return out
 
 
-def _key(kind: str, family: str, d: int) -> tuple:
-    return (kind, family, configs.HEADDIM_BUCKETS[configs._bucket(d)], False)
+def _overrides(kind: str, family: str, d: int, config: Optional[configs.Config]) -> dict:
+    """A candidate in the place of the lean entry and of the exact-call image's (the variants a
+    lean call of either mask runs; the full-attention rows time the exact-call image)."""
+    bucket = configs.HEADDIM_BUCKETS[configs._bucket(d)]
+    return {(kind, family, bucket, variant): config for variant in ("lean", "exact")}
+
+
+def _kernel_of(kind: str) -> str:
+    """The kernel with an exact-call image that the config kind sizes (forward, fused backward)."""
+    from flash_attn.planning import declarations  # noqa: PLC0415
+
+    return next(k.name for k in declarations.KERNELS.values() if k.config_kind == kind and k.exact)
 
 
 def _config_text(config: Optional[configs.Config]) -> str:
@@ -98,7 +111,7 @@ def prepare_specs(family: str, headdims: Iterable[int], dtype: str = "bf16") -> 
         for d in headdims:
             block_ds = (configs.padded_headdim(d),)
             for kind, _, config in candidates(family, [d]):
-                with configs.overridden({_key(kind, family, d): config}):
+                with configs.overridden(_overrides(kind, family, d, config)):
                     out.update(dict.fromkeys(S.attention_specs(family, dtype, block_ds, with_features=False)))
         return list(out)
 
@@ -230,7 +243,7 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
     for kind, cand_d, config in candidates(family, [d]):
         row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
         try:
-            with configs.overridden({_key(kind, family, d): config}):
+            with configs.overridden(_overrides(kind, family, d, config)):
                 _forget_plans(backend)
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 o = flash_attn_func(*leaves, causal=causal)
@@ -268,7 +281,11 @@ def read_rows(path: Path) -> list[dict]:
 
 def winners(rows: list[dict]) -> list[dict]:
     """Per ``(kind, head dim)``: every candidate's geometric-mean time over the shapes all of them
-    were measured on, whether it was correct everywhere, and the winner."""
+    were measured on, whether it was correct everywhere, and the winner: for the lean entry over
+    every shape; for the exact-call image's entry (where one ships: bf16, the sweep's dtype) over
+    the full-attention shapes, which are the calls that image runs."""
+    from flash_attn.planning import declarations  # noqa: PLC0415
+
     start = next((r for r in rows if r.get("event") == "start"), {})
     family = start.get("family")
     groups: dict = {}
@@ -277,26 +294,33 @@ def winners(rows: list[dict]) -> list[dict]:
             groups.setdefault((r["kind"], r["head_dim"]), []).append(r)
     out = []
     for (kind, d), group in sorted(groups.items()):
-        shapes_by_config: dict = {}
-        for r in group:
-            shapes_by_config.setdefault(r["config"], {})[(r["seqlen"], r["causal"])] = r
-        common_shapes = set.intersection(*(set(s) for s in shapes_by_config.values()))
-        scored = []
-        for config, by_shape in shapes_by_config.items():
-            measured = [by_shape[s] for s in common_shapes]
-            ok = bool(measured) and all(r.get("ok") and r.get("ms") for r in measured)
-            mean = math.exp(sum(math.log(r["ms"]) for r in measured) / len(measured)) if ok else None
-            scored.append({"config": config, "ok": ok, "geomean_ms": mean, "shapes": len(measured)})
-        current = _config_text(configs.pick(kind, d, family)) if family else None
-        good = [s for s in scored if s["ok"]]
-        best = min(good, key=lambda s: s["geomean_ms"]) if good else None
-        base = next((s for s in scored if s["config"] == current and s["ok"]), None)
-        choose = best
-        if best and base and best["geomean_ms"] > base["geomean_ms"] * (1 - MIN_GAIN):
-            choose = base  # within noise of the current entry: keep it
-        out.append({"kind": kind, "family": family, "head_dim": d, "current": current,
-                    "winner": choose["config"] if choose else None, "candidates": scored})
+        out.append(_winner(kind, family, d, "lean", group))
+        decl = declarations.get(_kernel_of(kind))
+        if family and decl.ships_exact_image(family, configs.padded_headdim(d), "bf16"):
+            out.append(_winner(kind, family, d, "exact", [r for r in group if not r["causal"]]))
     return out
+
+
+def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[dict]) -> dict:
+    shapes_by_config: dict = {}
+    for r in group:
+        shapes_by_config.setdefault(r["config"], {})[(r["seqlen"], r["causal"])] = r
+    common_shapes = set.intersection(*(set(s) for s in shapes_by_config.values())) if shapes_by_config else set()
+    scored = []
+    for config, by_shape in shapes_by_config.items():
+        measured = [by_shape[s] for s in common_shapes]
+        ok = bool(measured) and all(r.get("ok") and r.get("ms") for r in measured)
+        mean = math.exp(sum(math.log(r["ms"]) for r in measured) / len(measured)) if ok else None
+        scored.append({"config": config, "ok": ok, "geomean_ms": mean, "shapes": len(measured)})
+    current = _config_text(configs.pick(kind, d, family, exact=variant == "exact")) if family else None
+    good = [s for s in scored if s["ok"]]
+    best = min(good, key=lambda s: s["geomean_ms"]) if good else None
+    base = next((s for s in scored if s["config"] == current and s["ok"]), None)
+    choose = best
+    if best and base and best["geomean_ms"] > base["geomean_ms"] * (1 - MIN_GAIN):
+        choose = base  # within noise of the current entry: keep it
+    return {"kind": kind, "family": family, "head_dim": d, "variant": variant, "current": current,
+            "winner": choose["config"] if choose else None, "candidates": scored}
 
 
 def _parse_config(text: str) -> Optional[configs.Config]:
@@ -310,25 +334,38 @@ def _entry_text(config: Optional[configs.Config]) -> str:
     return "None" if config is None else f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages})"
 
 
+# the table each variant's entries live in (flash_attn.planning.configs)
+_TABLE_NAMES = {"lean": "_TABLE", "exact": "_EXACT_TABLE"}
+
+
 def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True) -> list[dict]:
     """Rewrite the table entries of ``configs_path`` (default: the package's configs module) whose
-    winner differs from the current entry; returns :func:`winners`' rows with ``changed`` set."""
+    winner differs from the current entry; returns :func:`winners`' rows with ``changed`` set. An
+    exact-call entry that equals its lean entry (after the fold) is written ``None``."""
     rows = winners(read_rows(results))
     path = Path(configs_path or configs.__file__)
     source = path.read_text()
+    lean = {(r["kind"], r["head_dim"]): r["winner"] or r["current"] for r in rows if r["variant"] == "lean"}
     for row in rows:
         row["changed"] = False
-        if row["winner"] is None or row["winner"] == row["current"] or row["family"] is None:
+        if row["winner"] is None or row["family"] is None:
             continue
-        pattern = re.compile(r'^(\s*(?:_TABLE\[)?\("%s", "%s"\)\]?(?::| =) \()(.*)(\),?)$' % (row["kind"], row["family"]),
-                             re.M)
-        match = pattern.search(source)
+        table = _TABLE_NAMES[row["variant"]]
+        begin = re.search(rf"^{table}\b.*$", source, re.M)
+        pattern = re.compile(r'^(\s*(?:%s\[)?\("%s", "%s"\)\]?(?::| =) \()(.*)(\),?)$'
+                             % (table, row["kind"], row["family"]), re.M)
+        match = pattern.search(source, begin.start() if begin else len(source))
         if match is None:
-            row["note"] = "no literal table entry to rewrite"
+            if row["winner"] != row["current"]:
+                row["note"] = f"no literal {table} entry to rewrite"
             continue
         entries = _split_entries(match.group(2))
         bucket = configs._bucket(row["head_dim"])
-        entries[bucket] = _entry_text(_parse_config(row["winner"]))
+        inherited = row["variant"] == "exact" and row["winner"] == lean.get((row["kind"], row["head_dim"]))
+        text = "None" if inherited else _entry_text(_parse_config(row["winner"]))
+        if text == entries[bucket]:
+            continue
+        entries[bucket] = text
         source = source[:match.start(2)] + ", ".join(entries) + source[match.end(2):]
         row["changed"] = True
     if write:
@@ -353,12 +390,14 @@ def _split_entries(text: str) -> list[str]:
 
 
 def summary(rows: list[dict]) -> str:
-    lines = ["| kind | d | current | winner | changed | candidates (geomean ms; x: wrong or failed) |",
-             "| --- | ---: | --- | --- | --- | --- |"]
+    lines = ["| kind | d | image | current | winner | changed | candidates (geomean ms; x: wrong or failed) |",
+             "| --- | ---: | --- | --- | --- | --- | --- |"]
     for r in rows:
         cands = ", ".join(f"{c['config']} {c['geomean_ms']:.3f}" if c["ok"] else f"{c['config']} x"
                           for c in r["candidates"])
-        lines.append(f"| {r['kind']} | {r['head_dim']} | {r['current']} | {r['winner']} | {r.get('changed')} | {cands} |")
+        image = "exact-call (full attention)" if r["variant"] == "exact" else "lean"
+        lines.append(f"| {r['kind']} | {r['head_dim']} | {image} | {r['current']} | {r['winner']} | {r.get('changed')} "
+                     f"| {cands} |")
     return "\n".join(lines)
 
 

@@ -123,6 +123,15 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
 }
 
+# The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry
+# their own tile where the sweep measured one faster for them than the lean entry, which serves
+# causal and windowed calls too; ``None``: the lean entry. Chosen by the sweep's full-attention rows
+# (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs").
+_EXACT_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
+    ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None),
+    ("bwd_fused", "sm90"): (None, None, None, None),
+}
+
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
 # work per tile small while still exercising several tiles per sequence (and tiles that straddle
 # pages of 16 rows). BLOCK_M != BLOCK_N on purpose, so that the stage bounds are tested properly.
@@ -164,30 +173,39 @@ def _bucket(headdim: int) -> int:
     raise ValueError(f"head dimension {headdim} > {HEADDIM_BUCKETS[-1]} is not supported by the kernels")
 
 
-def pick(kind: str, headdim: int, family: str, features: bool = False) -> Optional[Config]:
+def pick(kind: str, headdim: int, family: str, features: bool = False, exact: bool = False) -> Optional[Config]:
     """Launch configuration of kernel ``kind`` for ``headdim`` on architecture ``family``
     (``"sm80"``, ..., or ``"interpret"`` for Triton's interpreter). ``features``: the
     score-features variant (softcap, ALiBi and dropout compiled in), whose extra live tiles need
-    smaller blocks in places (:data:`_FEATURES_TABLE`). ``None`` only for ``"bwd_fused"`` where the
-    split backward kernels run instead (:func:`fused_backward`)."""
+    smaller blocks in places (:data:`_FEATURES_TABLE`). ``exact``: the exact-call image (full
+    attention, head dim = ``BLOCK_D``; :data:`_EXACT_TABLE`). ``None`` only for ``"bwd_fused"``
+    where the split backward kernels run instead (:func:`fused_backward`)."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+    if features and exact:
+        raise ValueError("the score-features variant has no exact-call image")
+    bucket = _bucket(headdim)
     if _overrides:
-        key = (kind, family, HEADDIM_BUCKETS[_bucket(headdim)], features)
+        key = (kind, family, HEADDIM_BUCKETS[bucket], _variant(features, exact))
         if key in _overrides:
             return _overrides[key]
     if family == "interpret":
         return INTERPRETER_CONFIGS[kind]
     key = (kind, family)
-    bucket = _bucket(headdim)
     if features:
         # the score-features kernels are built from head-dim bucket 64 up (see specializations)
         bucket = max(bucket, 1)
-    if features and key in _FEATURES_TABLE:
-        override = _FEATURES_TABLE[key][bucket]
-        if override is not None:
-            return override
+    special = _FEATURES_TABLE if features else _EXACT_TABLE if exact else {}
+    if key in special and special[key][bucket] is not None:
+        return special[key][bucket]
     return _TABLE[key][bucket]
+
+
+VARIANTS = ("lean", "features", "exact")
+
+
+def _variant(features: bool, exact: bool) -> str:
+    return "features" if features else "exact" if exact else "lean"
 
 
 _overrides: dict = {}
@@ -195,8 +213,9 @@ _overrides: dict = {}
 
 @contextlib.contextmanager
 def overridden(entries: dict):
-    """Within the block, :func:`pick` answers ``entries[(kind, family, head-dim bucket, features)]``
-    (a config, or ``None`` for ``"bwd_fused"``: the split kernels) for those keys: how the tuning
+    """Within the block, :func:`pick` answers ``entries[(kind, family, head-dim bucket, variant)]``
+    (a config, or ``None`` for ``"bwd_fused"``: the split kernels) for those keys (``variant``: one
+    of :data:`VARIANTS`): how the tuning
     sweep (:mod:`flash_attn.benchmarks.tune`) runs a candidate through the real planner. Backends
     cache plans: forget them on entry and exit (``KernelBackend.forget_plans``). Not thread-safe."""
     saved = dict(_overrides)
@@ -208,10 +227,10 @@ def overridden(entries: dict):
         _overrides.update(saved)
 
 
-def fused_backward(headdim: int, family: str, features: bool = False) -> Optional[Config]:
+def fused_backward(headdim: int, family: str, features: bool = False, exact: bool = False) -> Optional[Config]:
     """The fused backward's config, or ``None`` where the split kernels serve
     ``deterministic=False`` calls too."""
-    return pick("bwd_fused", headdim, family, features)
+    return pick("bwd_fused", headdim, family, features, exact)
 
 
 # The fused backward's gradient columns per program: at head dim 256 two programs share a key
@@ -225,9 +244,10 @@ def fused_columns(block_d: int) -> int:
     return min(block_d, FUSED_BACKWARD_COLUMNS)
 
 
-def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False) -> Config:
+def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False,
+                exact: bool = False) -> Config:
     """:func:`pick` for a compute capability (``None``: Triton's interpreter)."""
-    return pick(kind, headdim, "interpret" if capability is None else arch_family(capability), features)
+    return pick(kind, headdim, "interpret" if capability is None else arch_family(capability), features, exact)
 
 
 # Blackwell's tcgen05 MMAs stage more operands (and their mbarriers) in shared memory than the

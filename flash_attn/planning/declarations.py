@@ -64,6 +64,16 @@ class Kernel:
         """Every parameter in the kernel's order (``JITFunction.arg_names``)."""
         return self.args + self.constexprs
 
+    def ships_exact_image(self, family: str, block_d: int, dtype) -> bool:
+        """Whether an exact-call image of this kernel ships for ``family``, ``block_d`` and
+        ``dtype`` (a ``torch.dtype`` or its name)."""
+        return (bool(self.exact) and family in EXACT_IMAGE_FAMILIES and block_d in EXACT_IMAGE_BLOCK_DS
+                and dtype_name(dtype) in EXACT_IMAGE_DTYPES)
+
+    def serves_exactly(self, flags: Mapping[str, object]) -> bool:
+        """Whether a call with these constexpr flags is one its exact-call image serves."""
+        return bool(self.exact) and all(flags[name] == value for name, value in self.exact.items())
+
     def exact_constexprs(self) -> dict:
         """The constexprs of its exact-call image (:attr:`folded` with :attr:`exact` on top)."""
         if not self.exact:

@@ -464,17 +464,25 @@ def _block_d(head_dim: int, features: bool, target: Target) -> int:
     return block_d
 
 
-def _attention_constexprs(kernel: str, target: Target, features: bool, exact: dict, blocks: dict,
-                          dtype: torch.dtype) -> dict:
-    """The constexprs of an attention launch: the call's own flags (JIT), or the shipped image's:
-    the exact-call image where one ships for these flags, else the folded superset."""
-    if not target.aot:
-        return {**exact, **blocks}
+def _runs_exact_image(kernel: str, target: Target, features: bool, flags: dict, block_d: int,
+                      dtype: torch.dtype) -> bool:
+    """Whether the call runs its kernel's exact-call specialisation, in that image's launch config
+    (``configs.pick(..., exact=True)``): on the JIT any lean call with the exact flags, ahead of
+    time where that image ships."""
     decl = declarations.get(kernel)
-    if (not features and decl.exact and target.family in declarations.EXACT_IMAGE_FAMILIES
-            and blocks["BLOCK_D"] in declarations.EXACT_IMAGE_BLOCK_DS
-            and declarations.dtype_name(dtype) in declarations.EXACT_IMAGE_DTYPES
-            and all(exact[name] == value for name, value in decl.exact.items())):
+    if features or not decl.serves_exactly(flags):
+        return False
+    return not target.aot or decl.ships_exact_image(target.family, block_d, dtype)
+
+
+def _attention_constexprs(kernel: str, target: Target, features: bool, flags: dict, blocks: dict,
+                          exact_image: bool) -> dict:
+    """The constexprs of an attention launch: the call's own flags (JIT), or the shipped image's:
+    the exact-call image (``exact_image``: :func:`_runs_exact_image`), else the folded superset."""
+    if not target.aot:
+        return {**flags, **blocks}
+    decl = declarations.get(kernel)
+    if exact_image:
         return {**decl.exact_constexprs(), **blocks}
     return {**decl.aot_constexprs(features), **blocks}
 
@@ -515,8 +523,11 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
         return "paged K/V in the varlen forward (not compiled ahead of time)"
     if target.aot and s.return_softmax:
         return "return_attn_probs (a testing feature) is not compiled ahead of time"
-    config = configs.pick("fwd", head_dim, target.family, features)
     block_d = _block_d(head_dim, features, target)
+    flags = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=features, HAS_ALIBI=features, HAS_DROPOUT=features,
+                 IS_PAGED=paged, PAD_HEADDIM=head_dim != block_d)
+    exact_image = _runs_exact_image("attn_fwd_kernel", target, features, flags, block_d, s.q.dtype)
+    config = configs.pick("fwd", head_dim, target.family, features, exact_image)
 
     lay = _Layouts()
     q, k, v = lay.input("q", s.q, "rows"), lay.input("k", s.k, "rows"), lay.input("v", s.v, "rows")
@@ -540,15 +551,13 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
         page_size=s.k.shape[1] if paged else 0, packed=int(packed), use_alibi=int(s.alibi is not None),
         **_score_scalars(s.scalars),
     )
-    exact = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=features, HAS_ALIBI=features, HAS_DROPOUT=features,
-                 IS_PAGED=paged, PAD_HEADDIM=head_dim != block_d)
     blocks = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d)
     grid = (cdiv(seqlen_q, config.block_m) * batch, nheads)
     launches = [_launch("attn_fwd_kernel", grid, dict(
         common, Q=q, K=k, V=v, Out=out, LSE=lse,
         **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
         **_named("stride_v", "bsh", lay.rows("v")), **_named("stride_o", "bsh", lay.rows("out"))),
-        _attention_constexprs("attn_fwd_kernel", target, features, exact, blocks, s.q.dtype), config)]
+        _attention_constexprs("attn_fwd_kernel", target, features, flags, blocks, exact_image), config)]
     results = ("out", "lse")
     if s.return_softmax:
         s_dmask = lay.buffer("s_dmask", (batch, nheads, seqlen_q, seqlen_k), torch.float32, zeroed=True)
@@ -556,7 +565,7 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
             common, Q=q, K=k, LSE=lse, S=s_dmask,
             **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
             **_named("stride_p", "bhs", lay.strides["s_dmask"][:3])),
-            dict(exact, **blocks), config))
+            dict(flags, **blocks), config))
         results = ("out", "lse", "s_dmask")
     return _finish(s.q.dtype, lay, launches, results)
 
@@ -647,12 +656,12 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
         group=nheads // nheads_k, head_dim=head_dim, packed=int(packed), use_alibi=int(s.alibi is not None),
         **_score_scalars(s.scalars),
     )
-    exact = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=features, HAS_ALIBI=features, HAS_DROPOUT=features,
+    flags = dict(IS_LOCAL=_is_local(s.scalars), HAS_SOFTCAP=features, HAS_ALIBI=features, HAS_DROPOUT=features,
                  PAD_HEADDIM=head_dim != block_d)
     dkdv = dict(common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"]))
 
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
-                         columns: Optional[int] = None) -> Launch:
+                         columns: Optional[int] = None, exact_image: bool = False) -> Launch:
         """``columns``: the fused backward's BLOCK_DOUT (the head dim split over programs)."""
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
         parts = 1
@@ -660,10 +669,11 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
             blocks["BLOCK_DOUT"], parts = columns, block_d // columns
         grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k * parts) if per_key_block else \
             (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
-        return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, exact, blocks, s.q.dtype),
+        return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
                        cfg)
 
-    fused = None if s.deterministic else configs.fused_backward(head_dim, target.family, features)
+    fused_exact = _runs_exact_image("attn_bwd_kernel", target, features, flags, block_d, s.q.dtype)
+    fused = None if s.deterministic else configs.fused_backward(head_dim, target.family, features, fused_exact)
     if fused is None:
         launches.append(attention_launch("attn_bwd_dkdv_kernel", configs.pick("bwd_dkdv", head_dim, target.family,
                                                                               features), True, dkdv))
@@ -674,7 +684,8 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
         dq_accum = lay.buffer("dq_accum", s.q.shape, torch.float32, padded=True, zeroed=True)
         accum_rows = lay.rows("dq_accum")
         launches.append(attention_launch("attn_bwd_kernel", fused, True, dict(
-            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), configs.fused_columns(block_d)))
+            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), configs.fused_columns(block_d),
+            fused_exact))
         launches.append(_launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
             dQAccum=dq_accum, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", accum_rows),
             **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
