@@ -82,9 +82,9 @@ def test_spec_set_size_is_deliberate():
                 len(specs) - len(attention))
 
     # sm_90a: + the fused backward, its dQ convert, and the bf16 exact-call forward and fused
-    # backward at head dims 64 and 128, + the plain decoding step's exact split-KV image (2 dtypes x
-    # 3 buckets); Blackwell and sm_120: the split kernels only
-    assert counts((9, 0)) == (32 + 8 + 8 + 4, 18 + 6, 60 + 6)
+    # backward at head dims 64, 128 and 256, + the plain decoding step's exact split-KV image (2
+    # dtypes x 3 buckets); Blackwell and sm_120: the split kernels only
+    assert counts((9, 0)) == (32 + 8 + 8 + 6, 18 + 6, 60 + 6)
     assert counts((10, 0)) == (32, 18, 60)
     assert counts((12, 0)) == (32, 18, 60)
     lean, features, decode = counts((8, 0))
@@ -143,7 +143,7 @@ def test_head_dims_map_to_their_bucket(head_dim, block_d, features_block_d):
         (spec,) = _planned_specs(op, args, kwargs, target)
         mask, feature = name.split("-")[:2]
         want = features_block_d if feature != "none" else block_d
-        exact = mask == "full" and feature == "none" and head_dim == block_d and block_d in (64, 128)
+        exact = mask == "full" and feature == "none" and head_dim == block_d and block_d in (64, 128, 256)
         assert spec.block_d == want and dict(spec.flags)["PAD_HEADDIM"] == (not exact), name
         assert dict(spec.flags)["IS_LOCAL"] == (not exact), name
 

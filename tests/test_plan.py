@@ -157,7 +157,7 @@ def test_backward_fused_by_default_split_when_deterministic(target):
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
-    """Full attention with an unpadded head dim (64 or 128, bf16) runs the exact-call image on sm90
+    """Full attention with an unpadded head dim (64, 128 or 256, bf16) runs the exact-call image on sm90
     (no mask code); causal, windowed, padded, fp16 and score-feature calls, and other families,
     the folded superset."""
     kind = "fwd" if direction == "forward" else "bwd_fused"
@@ -176,7 +176,8 @@ def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
     assert flags(96) == (True, True)  # padded to 128
     assert flags(128, softcap=5.0) == (True, True)
     assert flags(128, family="sm100") == (True, True)
-    assert flags(256) == (True, True)  # no exact-call image at head dim 256 (build budget)
+    assert flags(256) == (False, False)
+    assert flags(160) == (True, True)  # padded to 256
     assert flags(128, dtype=torch.float16) == (True, True)  # nor for fp16
     assert flags(64, dtype=torch.float16, aot=False) == (False, False)  # the JIT specialises every call
     assert flags(64, causal=True, aot=False) == (True, False)
