@@ -78,6 +78,16 @@ def test_spills_inside_loops_are_counted():
     assert R.sass_loop_spills(_SASS) == 2  # the STL before the loop and the LDL after it are paid once
 
 
+def test_the_build_reads_the_sass_where_there_is_a_stack_frame():
+    """The build disassembles only images with a stack frame: without one there is no spill
+    instruction (0 in loops), with one and no SASS the count is unknown (None), never 0."""
+    common = dict(kind="bwd_fused", block_n=128, num_warps=8, shared=1024, regs=128, shared_limit=227 * 1024,
+                  found=[])
+    assert R.analyse("", "", "", stack=0, **common)["spill_ops_in_loops"] == 0
+    assert R.analyse("", "", "", stack=8, **common)["spill_ops_in_loops"] is None
+    assert R.analyse("", "", _SASS, stack=8, **common)["spill_ops_in_loops"] == 2
+
+
 def test_ctas_per_sm():
     assert R.ctas_per_sm(255, 256, 160 * 1024, 227 * 1024) == 1
     assert R.ctas_per_sm(128, 256, 64 * 1024, 227 * 1024) == 2  # 2 x 256 x 128 registers fill the SM

@@ -14,7 +14,8 @@ processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, 
 * ``manifest.json``: per image, the spec and everything the launcher needs, taken from Triton's
   metadata (:func:`flash_attn.aot.library.manifest_entry`);
 * ``build-report.json``: per image, registers / spills (``STACK``/``LOCAL``) / shared bytes from
-  ``cuobjdump --dump-resource-usage``, the MMA family found in its SASS and PTX, compile seconds,
+  ``cuobjdump --dump-resource-usage``, the MMA family found in its SASS (read for the kernels
+  with tensor-core products or a stack frame; ``None`` for the others) and PTX, compile seconds,
   and the static quality report of :mod:`flash_attn.aot.kernel_report` (per product: MMA family,
   instruction N, replication; products per step, keys per dK/dV program, spills inside loops,
   CTAs per SM, TMA, wgmma waits); totals (kernel count, wall seconds, peak RSS of the build's
@@ -148,6 +149,8 @@ def _pin_ptxas() -> None:
 _MMA_SASS = (("UTC*MMA", re.compile(r"\bUTC\w*MMA")), ("HGMMA", re.compile(r"\bHGMMA\b")),
              ("HMMA", re.compile(r"\bHMMA\b")))
 _MMA_PTX = (("tcgen05.mma", "tcgen05.mma"), ("wgmma", "wgmma.mma_async"), ("mma.sync", "mma.sync"))
+# the SASS instructions each PTX family assembles to (ptxas refuses PTX a target cannot run)
+_PTX_TO_SASS = {"tcgen05.mma": "UTC*MMA", "wgmma": "HGMMA", "mma.sync": "HMMA"}
 
 
 def cuobjdump_path() -> Optional[str]:
@@ -162,21 +165,24 @@ def cuobjdump_path() -> Optional[str]:
     return shutil.which("cuobjdump")
 
 
-def resource_usage(cubin: Path, cuobjdump: Optional[str]) -> dict:
-    """Registers, spills and shared memory of a cubin's kernel, its SASS MMA families, and (key
-    ``"_sass"``, not reported) the SASS itself."""
+def resource_usage(cubin: Path, cuobjdump: Optional[str], disassemble: bool = True) -> dict:
+    """Registers, spills and shared memory of a cubin's kernel; with ``disassemble`` also its SASS
+    MMA families and (key ``"_sass"``, not reported) the SASS itself. Disassembling costs ~0.4 s
+    a cubin (the disassembler's start, whatever the kernel's size): a fifth of the default build's
+    CPU when done for every image. ``sass_mma`` is ``None`` where it was skipped."""
     if cuobjdump is None:
         return {"error": "cuobjdump not found"}
-    out: dict = {}
+    out: dict = {"sass_mma": None}
     text = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                           check=False).stdout
     for field_name in ("REG", "STACK", "SHARED", "LOCAL"):
         match = re.search(rf"\b{field_name}:(\d+)", text)
         if match:
             out[field_name.lower()] = int(match.group(1))
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
-    out["sass_mma"] = [name for name, pattern in _MMA_SASS if pattern.search(sass)]
-    out["_sass"] = sass
+    if disassemble:
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
+        out["sass_mma"] = [name for name, pattern in _MMA_SASS if pattern.search(sass)]
+        out["_sass"] = sass
     return out
 
 
@@ -249,7 +255,8 @@ def compile_job(job: dict) -> dict:
     triton_arch = target.group(1) if target else f"sm_{cap}"
     ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
     products = kernel_report.dots(compiled.asm.get("ttgir", ""))
-    if any(d["family"] != "fma" for d in products) and not ptx_mma:
+    tensor_cores = any(d["family"] != "fma" for d in products)
+    if tensor_cores and not ptx_mma:
         # Triton emits an empty kernel when the tiles overflow tensor memory (sm100): it would run
         # and return zeros; a build must not ship it
         raise RuntimeError(f"compiling {spec.key} for sm_{cap}: tensor-core products in the TTGIR but "
@@ -275,7 +282,14 @@ def compile_job(job: dict) -> dict:
         with tempfile.TemporaryDirectory() as tmp:  # cuobjdump reads a file
             raw = Path(tmp) / f"{spec.key}.cubin"
             raw.write_bytes(cubin)
-            usage = resource_usage(raw, job.get("cuobjdump"))
+            # the SASS says where a kernel spills: read where it has a stack frame (without one
+            # there is no spill instruction to find)
+            usage = resource_usage(raw, job.get("cuobjdump"), disassemble=False)
+            if usage.get("stack") or usage.get("local"):
+                usage = resource_usage(raw, job.get("cuobjdump"))
+        # its tensor-core instructions: the SASS's where read, else those its PTX assembles to
+        usage["mma"] = (usage["sass_mma"] if usage.get("sass_mma") is not None
+                        else sorted({_PTX_TO_SASS[name] for name in ptx_mma}))
         usage.update(static_report(spec, compiled, usage, cap, products))
         usage.pop("_sass", None)
         path = _write_image(out_dir / "images" / arch / f"{spec.key}.cubin", cubin)

@@ -212,7 +212,8 @@ def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: in
         "products_per_step": products_per_step(found, ttgir),
         "keys_per_cta": block_n if kind in STEP_KERNEL_KINDS else None,
         "spill_bytes": stack,
-        "spill_ops_in_loops": sass_loop_spills(sass) if sass else None,
+        # no stack frame, no spill instruction: the SASS is only read for kernels with one
+        "spill_ops_in_loops": sass_loop_spills(sass) if sass else (0 if stack == 0 else None),
         "threads": threads,
         "regs_x_threads": regs * threads if regs else None,
         "dynamic_shared": shared,
