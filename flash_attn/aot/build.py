@@ -14,8 +14,8 @@ processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, 
 * ``manifest.json``: per image, the spec and everything the launcher needs, taken from Triton's
   metadata (:func:`flash_attn.aot.library.manifest_entry`);
 * ``build-report.json``: per image, registers / spills (``STACK``/``LOCAL``) / shared bytes from
-  ``cuobjdump --dump-resource-usage``, the MMA family found in its SASS (read for the kernels
-  with tensor-core products or a stack frame; ``None`` for the others) and PTX, compile seconds,
+  ``cuobjdump --dump-resource-usage``, the MMA families of its PTX and of its SASS (``mma``: read
+  from the SASS of kernels with a stack frame, else what the PTX's assemble to), compile seconds,
   and the static quality report of :mod:`flash_attn.aot.kernel_report` (per product: MMA family,
   instruction N, replication; products per step, keys per dK/dV program, spills inside loops,
   CTAs per SM, TMA, wgmma waits); totals (kernel count, wall seconds, peak RSS of the build's
@@ -166,10 +166,8 @@ def cuobjdump_path() -> Optional[str]:
 
 
 def resource_usage(cubin: Path, cuobjdump: Optional[str], disassemble: bool = True) -> dict:
-    """Registers, spills and shared memory of a cubin's kernel; with ``disassemble`` also its SASS
-    MMA families and (key ``"_sass"``, not reported) the SASS itself. Disassembling costs ~0.4 s
-    a cubin (the disassembler's start, whatever the kernel's size): a fifth of the default build's
-    CPU when done for every image. ``sass_mma`` is ``None`` where it was skipped."""
+    """Registers, spills and shared memory of a cubin's kernel; with ``disassemble`` also
+    :func:`disassembly`'s fields (``sass_mma`` is ``None`` without)."""
     if cuobjdump is None:
         return {"error": "cuobjdump not found"}
     out: dict = {"sass_mma": None}
@@ -180,10 +178,16 @@ def resource_usage(cubin: Path, cuobjdump: Optional[str], disassemble: bool = Tr
         if match:
             out[field_name.lower()] = int(match.group(1))
     if disassemble:
-        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
-        out["sass_mma"] = [name for name, pattern in _MMA_SASS if pattern.search(sass)]
-        out["_sass"] = sass
+        out.update(disassembly(cubin, cuobjdump))
     return out
+
+
+def disassembly(cubin: Path, cuobjdump: str) -> dict:
+    """The SASS MMA families of a cubin's kernel and (key ``"_sass"``, not reported) the SASS
+    itself. Costs ~0.4 s a cubin (the disassembler's start, whatever the kernel's size): a fifth
+    of the default build's CPU when done for every image."""
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
+    return {"sass_mma": [name for name, pattern in _MMA_SASS if pattern.search(sass)], "_sass": sass}
 
 
 def static_report(spec, compiled, usage: dict, cap: int, products: list) -> dict:
@@ -255,8 +259,7 @@ def compile_job(job: dict) -> dict:
     triton_arch = target.group(1) if target else f"sm_{cap}"
     ptx_mma = [name for name, needle in _MMA_PTX if needle in ptx]
     products = kernel_report.dots(compiled.asm.get("ttgir", ""))
-    tensor_cores = any(d["family"] != "fma" for d in products)
-    if tensor_cores and not ptx_mma:
+    if any(d["family"] != "fma" for d in products) and not ptx_mma:
         # Triton emits an empty kernel when the tiles overflow tensor memory (sm100): it would run
         # and return zeros; a build must not ship it
         raise RuntimeError(f"compiling {spec.key} for sm_{cap}: tensor-core products in the TTGIR but "
@@ -286,7 +289,7 @@ def compile_job(job: dict) -> dict:
             # there is no spill instruction to find)
             usage = resource_usage(raw, job.get("cuobjdump"), disassemble=False)
             if usage.get("stack") or usage.get("local"):
-                usage = resource_usage(raw, job.get("cuobjdump"))
+                usage.update(disassembly(raw, job["cuobjdump"]))
         # its tensor-core instructions: the SASS's where read, else those its PTX assembles to
         usage["mma"] = (usage["sass_mma"] if usage.get("sass_mma") is not None
                         else sorted({_PTX_TO_SASS[name] for name in ptx_mma}))

@@ -78,11 +78,15 @@ def candidates(family: str, headdims: Iterable[int] = (64, 128, 256)) -> list[tu
     return out
 
 
+# the variants the sweep tunes, and the table of configs.py each one's entries live in
+_TABLE_NAMES = {"lean": "_TABLE", "exact": "_EXACT_TABLE"}
+
+
 def _overrides(kind: str, family: str, d: int, config: Optional[configs.Config]) -> dict:
     """A candidate in the place of the lean entry and of the exact-call image's (the variants a
     lean call of either mask runs; the full-attention rows time the exact-call image)."""
     bucket = configs.HEADDIM_BUCKETS[configs._bucket(d)]
-    return {(kind, family, bucket, variant): config for variant in ("lean", "exact")}
+    return {(kind, family, bucket, variant): config for variant in _TABLE_NAMES}
 
 
 def _kernel_of(kind: str) -> str:
@@ -332,10 +336,6 @@ def _parse_config(text: str) -> Optional[configs.Config]:
 
 def _entry_text(config: Optional[configs.Config]) -> str:
     return "None" if config is None else f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages})"
-
-
-# the table each variant's entries live in (flash_attn.planning.configs)
-_TABLE_NAMES = {"lean": "_TABLE", "exact": "_EXACT_TABLE"}
 
 
 def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True) -> list[dict]:
