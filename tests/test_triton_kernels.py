@@ -253,6 +253,24 @@ def test_deterministic_kernels_match_oracle(backend, case, recwarn):
     check_case(backend, case, deterministic=True)
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[6], CASES[7], CASES[16]], ids=str)
+def test_fused_backward_with_64_query_steps_matches_oracle(backend, case, recwarn):
+    """Hopper's fused backward walks 64 or more queries a step at head dims <= 128 and then
+    computes dQ as such; with fewer (the interpreter's 16, d256's 32) it computes dQ^T. The matrix
+    above runs the interpreter's own config: here the other path, on dense, windowed + ALiBi +
+    softcap and varlen + dropout calls."""
+    if backend.name != "interpret":
+        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
+    entries = {("bwd_fused", "interpret", bucket, variant): configs.Config(64, 32, 1, 1)
+               for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
+    backend.module._backend.forget_plans()
+    try:
+        with configs.overridden(entries):
+            check_case(backend, case)
+    finally:
+        backend.module._backend.forget_plans()
+
+
 def test_backward_is_deterministic(backend):
     case = Case(F16, 64, 4, 1, batch=2, seqlen_q=45, seqlen_k=45, window=(-1, 0), dropout_p=0.2, alibi="h")
     inp = make_inputs(case)

@@ -8,7 +8,8 @@ reports per image:
   instruction's N, and its *replication*: how many warps compute the same result element (a
   64-row tile on two warpgroups that both compute all 64 rows has replication 2);
 * ``products_per_step``: the products in the innermost loop that has the most of them (the fused
-  backward does 5 per (query tile, key block) pair, the split dK/dV + dQ kernels 4 + 3);
+  backward does 5 per (query tile, key block) pair, 7 half-width ones with its head dim split over
+  two programs; the split dK/dV + dQ kernels 4 + 3);
 * ``spill_ops_in_loops``: register spill loads/stores (``LDL``/``STL``) inside SASS loops, where
   they cost on every step (a spill outside loops is paid once);
 * ``ctas_per_sm`` from registers x threads and shared memory; TMA (``cp.async.bulk.tensor``);
@@ -16,7 +17,7 @@ reports per image:
   at once, no overlap of the tensor cores with the softmax).
 
 These are necessary conditions for speed, not proof of it: only a GPU says how fast. Pure text
-parsing (no triton, no torch).
+parsing (no triton, no torch; the launch-config table for what the design computes).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import math
 import re
 from typing import Optional
+
+from flash_attn.planning import configs
 
 __all__ = ["analyse", "dots", "layouts", "replication", "sass_loop_spills", "STEP_KERNEL_KINDS"]
 
@@ -227,6 +230,9 @@ def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: in
 
 TRAINING_KERNELS = ("attn_fwd_kernel", "attn_bwd_kernel")
 _PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5}
+# the fused backward with its head dim split over two programs (configs.fused_columns) also
+# computes the scores and dP over the other half: two more products, each half as wide
+_SPLIT_EXTRA_PRODUCTS = 2
 MIN_KEYS_PER_CTA = 128  # per dK/dV program, head dims <= 128 (FA2 and FA3 walk 128 keys)
 MIN_WGMMA_N = 64
 
@@ -236,10 +242,11 @@ def target_misses(row: dict) -> list[str]:
     sm_100a misses the static targets; empty when it meets them:
 
     * no product computed by more than one warp (replication 1);
-    * the main products (those over the program's own rows: the largest M of the main loop; the
-      backward's per-step dQ product is not one) on the architecture's tensor cores: wgmma with
+    * the main products (those over the program's own rows: the backward's keys, the forward's
+      queries; the backward's per-step dQ product is not one) on the architecture's tensor cores: wgmma with
       N >= 64 (or the product's whole N, at head dim 32) on sm_90a, tcgen05 on sm_100a;
-    * the products per step of the design (forward 2, fused backward 5: nothing recomputed);
+    * the products per step of the design (forward 2, fused backward 5: nothing recomputed; 7
+      half-width ones where the head dim is split over two programs);
     * at head dims <= 128, at least 128 keys per dK/dV program.
     """
     misses = []
@@ -252,7 +259,8 @@ def target_misses(row: dict) -> list[str]:
     replicated = [d for d in row["dots"] if d["replication"] > 1]
     if replicated:
         misses.append(f"replicated work: {', '.join(_dot_text(d) for d in replicated)}")
-    rows = max(d["shape"][0] for d in loop)
+    # a dK/dV program's own rows are its keys (its dQ^T product has the head dim as M)
+    rows = row.get("keys_per_cta") or max(d["shape"][0] for d in loop)
     main = [d for d in loop if d["shape"][0] == rows]
     want = "tcgen05" if arch.startswith("sm_100") else "wgmma" if arch.startswith("sm_90") else None
     if want is not None:
@@ -265,6 +273,8 @@ def target_misses(row: dict) -> list[str]:
         if narrow:
             misses.append(f"wgmma N < {MIN_WGMMA_N}: {', '.join(_dot_text(d) for d in narrow)}")
     expected = _PRODUCTS_PER_STEP.get(kernel)
+    if kernel == "attn_bwd_kernel" and configs.fused_columns(row["block_d"]) < row["block_d"]:
+        expected += _SPLIT_EXTRA_PRODUCTS
     if expected is not None and row.get("products_per_step") != expected:
         misses.append(f"{row.get('products_per_step')} products per step, the design does {expected}")
     keys = row.get("keys_per_cta")

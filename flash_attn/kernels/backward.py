@@ -68,8 +68,19 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _query_rows(rows, offs_m, offs_c, c_mask, seqlen_q, MASKED: tl.constexpr, PAD_HEADDIM: tl.constexpr):
+    """The columns ``offs_c`` of a query tile (Q or dO) at row pointers ``rows``; zeros outside."""
+    if MASKED:
+        return tl.load(rows[:, None] + offs_c[None, :], mask=(offs_m < seqlen_q)[:, None] & c_mask[None, :], other=0.0)
+    elif PAD_HEADDIM:
+        return tl.load(rows[:, None] + offs_c[None, :], mask=c_mask[None, :], other=0.0)
+    else:
+        return tl.load(rows[:, None] + offs_c[None, :])
+
+
+@triton.jit
 def _dkdv_query_tiles(
-    dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask,
+    dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
     Q_head, dO_head, dQ_head, L_head, D_head, lo, hi,
     stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
@@ -80,8 +91,10 @@ def _dkdv_query_tiles(
 ):
     """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head;
     with ``ATOMIC_DQ`` also add this key block's share of dQ (unscaled, fp32) into ``dQ_head``.
-    The gradients cover the head-dim columns ``offs_o`` (all of them unless ``SPLIT_D``: then
-    the scores and dP use every column, the three gradient products only these).
+    The gradients cover the head-dim columns ``offs_o`` (``k``/``v`` hold them). With
+    ``SPLIT_D`` these are half of the columns and ``offs_r`` (``k_rest``/``v_rest``) the other
+    half: the scores and dP are summed over both halves, the three gradient products use this
+    program's half only, and every operand is loaded once.
 
     Tiles are laid out keys x queries (transposed scores), so both products are plain dots.
     Interior tiles (``MASKED`` False) are fully inside ``seqlen_q`` and fully visible.
@@ -90,39 +103,27 @@ def _dkdv_query_tiles(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_rows = row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)
         do_rows = row_ptrs(dO_head, start_m, stride_dos, BLOCK_M)
+        q = _query_rows(q_rows, offs_m, offs_o, o_mask, seqlen_q, MASKED, PAD_HEADDIM)
+        do = _query_rows(do_rows, offs_m, offs_o, o_mask, seqlen_q, MASKED, PAD_HEADDIM)
         if MASKED:
             m_mask = offs_m < seqlen_q
-            q_mask = m_mask[:, None] & d_mask[None, :]
-            q = tl.load(q_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_rows[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
             lse_log2 = tl.load(L_head + offs_m, mask=m_mask, other=0.0) * LOG2E
             delta = tl.load(D_head + offs_m, mask=m_mask, other=0.0)
         else:
-            if PAD_HEADDIM:
-                q = tl.load(q_rows[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
-                do = tl.load(do_rows[:, None] + offs_d[None, :], mask=d_mask[None, :],
-                             other=0.0)
-            else:
-                q = tl.load(q_rows[:, None] + offs_d[None, :])
-                do = tl.load(do_rows[:, None] + offs_d[None, :])
             lse_log2 = tl.load(L_head + offs_m) * LOG2E
             delta = tl.load(D_head + offs_m)
-        if SPLIT_D:
-            if MASKED:
-                o_ld_mask = (offs_m < seqlen_q)[:, None] & o_mask[None, :]
-            else:
-                o_ld_mask = o_mask[None, :]
-            q_out = tl.load(q_rows[:, None] + offs_o[None, :], mask=o_ld_mask, other=0.0)
-            do_out = tl.load(do_rows[:, None] + offs_o[None, :], mask=o_ld_mask, other=0.0)
-        else:
-            q_out = q
-            do_out = do
         qk_t = tl.dot(k, tl.trans(q))
+        if SPLIT_D:
+            q_rest = _query_rows(q_rows, offs_m, offs_r, r_mask, seqlen_q, MASKED, PAD_HEADDIM)
+            qk_t = tl.dot(k_rest, tl.trans(q_rest), qk_t)
         s_t, tanh_t = masking.logits_log2(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale_log2,
                                           cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                           MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
         dp_t = tl.dot(v, tl.trans(do))
+        if SPLIT_D:
+            do_rest = _query_rows(do_rows, offs_m, offs_r, r_mask, seqlen_q, MASKED, PAD_HEADDIM)
+            dp_t = tl.dot(v_rest, tl.trans(do_rest), dp_t)
         p_drop_t = p_t
         if HAS_DROPOUT:
             if dropout_p > 0.0:  # compiled in, active per launch
@@ -130,14 +131,19 @@ def _dkdv_query_tiles(
                 inv_keep = 1.0 / (1.0 - dropout_p)
                 p_drop_t = tl.where(keep_t, p_t * inv_keep, 0.0)
                 dp_t = tl.where(keep_t, dp_t * inv_keep, 0.0)
-        dv = tl.dot(p_drop_t.to(do.dtype), do_out, dv)
+        dv = tl.dot(p_drop_t.to(do.dtype), do, dv)
         ds_t = p_t * (dp_t - delta[None, :])
         if HAS_SOFTCAP:
             ds_t = ds_t * (1.0 - tanh_t * tanh_t)
         ds_t = ds_t.to(q.dtype)
-        dk = tl.dot(ds_t, q_out, dk)
+        dk = tl.dot(ds_t, q, dk)
         if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t), k_out)
+            if BLOCK_M < 64:
+                # as dQ^T: with fewer than 64 queries a step dQ is too short for wgmma (and an
+                # mma.sync product would keep a second copy of K in shared memory)
+                dq = tl.trans(tl.dot(tl.trans(k), ds_t))
+            else:
+                dq = tl.dot(tl.trans(ds_t), k)
             dq_ptrs = row_ptrs(dQ_head, start_m, stride_dqs, BLOCK_M)[:, None] + offs_o[None, :]
             if MASKED:
                 tl.atomic_add(dq_ptrs, dq, mask=(offs_m < seqlen_q)[:, None] & o_mask[None, :], sem="relaxed")
@@ -169,8 +175,8 @@ def _dkdv_program(
     """One key block of one kv head: dK/dV over every query tile of the group's heads that sees
     it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``). With
     ``BLOCK_DOUT < BLOCK_D`` the gradients' head-dim columns are split over ``BLOCK_D //
-    BLOCK_DOUT`` programs (grid axis 1 is kv head x part): each recomputes the scores and dP
-    and keeps only its columns of dK/dV in registers."""
+    BLOCK_DOUT`` (at most two) programs (grid axis 1 is kv head x part): each recomputes the
+    scores and dP over both halves and keeps only its columns of dK/dV in registers."""
     stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
     stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
     stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
@@ -189,23 +195,26 @@ def _dkdv_program(
     if start_n >= seqlen_k:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < head_dim
-    kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
-    offs_o = (tl.program_id(1) % D_PARTS) * BLOCK_DOUT + tl.arange(0, BLOCK_DOUT)
+    tl.static_assert(D_PARTS <= 2, "the head dim splits over at most two programs")
+    part = tl.program_id(1) % D_PARTS
+    offs_o = part * BLOCK_DOUT + tl.arange(0, BLOCK_DOUT)
     o_mask = offs_o < head_dim
-    out_mask = (offs_n < seqlen_k)[:, None] & o_mask[None, :]
+    offs_r = (1 - part) * BLOCK_DOUT + tl.arange(0, BLOCK_DOUT)  # the other half (D_PARTS 2)
+    r_mask = offs_r < head_dim
+    n_mask = (offs_n < seqlen_k)[:, None]
     b64 = b.to(tl.int64)
     k0 = k_start.to(tl.int64)
     q0 = q_start.to(tl.int64)
     k_rows = row_ptrs(K + b64 * stride_kb + k0 * stride_ks + kv_h * stride_kh, start_n, stride_ks, BLOCK_N)
     v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vs + kv_h * stride_vh, start_n, stride_vs, BLOCK_N)
-    k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_rows[:, None] + offs_o[None, :], mask=n_mask & o_mask[None, :], other=0.0)
+    v = tl.load(v_rows[:, None] + offs_o[None, :], mask=n_mask & o_mask[None, :], other=0.0)
     if D_PARTS > 1:
-        k_out = tl.load(k_rows[:, None] + offs_o[None, :], mask=out_mask, other=0.0)
+        k_rest = tl.load(k_rows[:, None] + offs_r[None, :], mask=n_mask & r_mask[None, :], other=0.0)
+        v_rest = tl.load(v_rows[:, None] + offs_r[None, :], mask=n_mask & r_mask[None, :], other=0.0)
     else:
-        k_out = k
+        k_rest = k
+        v_rest = v
     dk = tl.zeros([BLOCK_N, BLOCK_DOUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DOUT], dtype=tl.float32)
 
@@ -221,17 +230,20 @@ def _dkdv_program(
         L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask, Q_head, dO_head, dQ_head, L_head, D_head, lo, mid_lo,
+            dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
+            Q_head, dO_head, dQ_head, L_head, D_head, lo, mid_lo,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_lo, mid_hi,
+            dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
+            Q_head, dO_head, dQ_head, L_head, D_head, mid_lo, mid_hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, k_out, offs_n, offs_d, d_mask, offs_o, o_mask, Q_head, dO_head, dQ_head, L_head, D_head, mid_hi, hi,
+            dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
+            Q_head, dO_head, dQ_head, L_head, D_head, mid_hi, hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
@@ -239,8 +251,8 @@ def _dkdv_program(
     dk = dk * softmax_scale
     dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)
     dv_rows = row_ptrs(dV + b64 * stride_dvb + k0 * stride_dvs + kv_h * stride_dvh, start_n, stride_dvs, BLOCK_N)
-    tl.store(dk_rows[:, None] + offs_o[None, :], dk.to(dK.dtype.element_ty), mask=out_mask)
-    tl.store(dv_rows[:, None] + offs_o[None, :], dv.to(dV.dtype.element_ty), mask=out_mask)
+    tl.store(dk_rows[:, None] + offs_o[None, :], dk.to(dK.dtype.element_ty), mask=n_mask & o_mask[None, :])
+    tl.store(dv_rows[:, None] + offs_o[None, :], dv.to(dV.dtype.element_ty), mask=n_mask & o_mask[None, :])
 
 
 @triton.jit

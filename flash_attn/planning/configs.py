@@ -83,11 +83,11 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # kernel replicates or spills KBs where the split ones do not, and neither is measured there.
     # Hopper: 128 keys per program on two warpgroups (no replicated product), 64 queries per
     # step, wgmma N >= 64 on the main products; it spills (d128: ~0.8 KB), which the sweep weighs.
-    # d256 splits the head dim over two programs (FUSED_BACKWARD_COLUMNS): 32 queries a step is
-    # the tile whose operands still fit the 227 KB of shared memory.
+    # d256 splits the head dim over two programs (FUSED_BACKWARD_COLUMNS): 32 queries a step in
+    # two stages is the tile whose operands still fit the 227 KB of shared memory.
     ("bwd_fused", "sm80"): (None, None, None, None),
     ("bwd_fused", "sm86"): (None, None, None, None),
-    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 1)),
+    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2)),
 }
 # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
 _TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
@@ -111,10 +111,10 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm90"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
     ("bwd_dq", "sm90"): (None, None, _C(64, 32, 8, 2), None),
     # d128: the lean 64x128 keeps ~1.1 KB of stack and ~1,250 spill instructions in its loop with
-    # the features' live tiles; 32 queries a step: 0.5 KB and ~120 (dQ on mma.sync, M = 32)
+    # the features' live tiles; 32 queries a step in two stages: 0.4 KB and 85
     # d64: the lean 128x128 (the sweep's) keeps 1.6 KB of stack and ~1,600 spill instructions in
     # its loop with the features' tiles; 64x128 (the lean entry before the sweep) 344 B and 64
-    ("bwd_fused", "sm90"): (None, _C(64, 128, 8, 2), _C(32, 128, 8, 1), None),
+    ("bwd_fused", "sm90"): (None, _C(64, 128, 8, 2), _C(32, 128, 8, 2), None),
     # 128x32: compiles 30-40 % faster than 128x64, and at d256 128x64 keeps 56 B of stack, 128x32 none
     ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), _C(128, 32, 8, 2)),
     ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
@@ -235,8 +235,9 @@ def fused_backward(headdim: int, family: str, features: bool = False, exact: boo
 
 
 # The fused backward's gradient columns per program: at head dim 256 two programs share a key
-# block, each recomputing the scores and dP over all 256 columns (seven products per tile pair
-# instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md).
+# block, each recomputing the scores and dP over all 256 columns (seven half-width products per
+# tile pair instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md).
+# At least half of BLOCK_D: the kernel splits the head dim over at most two programs.
 FUSED_BACKWARD_COLUMNS = 128
 
 
@@ -271,20 +272,18 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     d = padded_headdim(headdim)
     bm, bn, _, stages = config
     stages = max(stages, 1)
+    row_stats = 0
     if kind in ("fwd", "bwd_dq"):
         resident = bm * d * (1 if kind == "fwd" else 2)  # Q (and dO)
         streamed = 2 * bn * d  # K, V
     elif kind in ("bwd_dkdv", "bwd_fused"):
-        resident = 2 * bn * d  # K, V
-        streamed = 2 * bm * d  # Q, dO (lse, delta: negligible)
-        columns = fused_columns(d)
-        if kind == "bwd_fused" and columns < d:  # the head dim split: K, Q and dO's own columns too
-            resident += bn * columns
-            streamed += 2 * bm * columns
+        resident = 2 * bn * d  # K, V (with the head dim split, as two halves: the same bytes)
+        streamed = 2 * bm * d  # Q, dO
+        row_stats = 2 * 4 * bm  # bytes: the fp32 lse and delta of the streamed rows
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
     staged = bm * bn * (2 if kind == "bwd_fused" else 1)  # the fused backward also stages dS^T for dQ
-    estimate = elem_bytes * (resident + stages * streamed + staged)
+    estimate = elem_bytes * (resident + stages * streamed + staged) + stages * row_stats
     if family == "sm100":
         estimate = estimate + _SM100_BARRIER_BYTES if kind == "fwd" else int(estimate * _SM100_BACKWARD_FACTOR)
     return estimate
