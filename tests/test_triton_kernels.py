@@ -271,6 +271,32 @@ def test_fused_backward_with_64_query_steps_matches_oracle(backend, case, recwar
         backend.module._backend.forget_plans()
 
 
+def test_jit_backend_sets_a_scratch_allocator_only_where_none_is_set():
+    """Kernels that make tensor descriptors (the fused backward's TMA loads on Hopper) ask Triton's
+    allocator for scratch memory at launch: the JIT backend provides one (PyTorch's caching
+    allocator) unless the program set its own. Checked in a fresh context (Triton keeps the
+    allocator in a context variable); the allocation itself needs a GPU."""
+    pytest.importorskip("triton")
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    from flash_attn.backends import triton as jit
+
+    def mine(size, alignment, stream):
+        raise AssertionError("not called here")
+
+    def run():
+        jit._ensure_scratch_allocator()
+        ours = _allocation._allocator.get()
+        triton.set_allocator(mine)
+        jit._ensure_scratch_allocator()
+        return ours, _allocation._allocator.get()
+
+    assert contextvars.Context().run(run) == (jit._scratch_memory, mine)
+
+
 def test_backward_is_deterministic(backend):
     case = Case(F16, 64, 4, 1, batch=2, seqlen_q=45, seqlen_k=45, window=(-1, 0), dropout_p=0.2, alibi="h")
     inp = make_inputs(case)
@@ -494,7 +520,7 @@ def _compile(name, capability, headdim, flags, dtype="fp16"):
     config = configs.pick_config(declarations.get(kernel).config_kind, headdim, capability)
     block_d = configs.padded_headdim(headdim)
     constexprs = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-                      BLOCK_DOUT=configs.fused_columns(block_d))
+                      BLOCK_DOUT=configs.fused_columns(block_d), TMA=configs.uses_tma(configs.arch_family(capability)))
     constexprs = {n: value for n, value in constexprs.items() if n in registry.arg_names(kernel)}
     signature, attrs = S.signature(S.Spec.of(kernel, dtype, constexprs, config))
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)

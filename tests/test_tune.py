@@ -192,7 +192,7 @@ def test_prepare_compiles_every_candidate_for_sm90a(tmp_path):
     for kind, d, config in tune.candidates("sm90", [64]):
         if config is not None:
             kernel = "attn_fwd_kernel" if kind == "fwd" else "attn_bwd_kernel"
-            assert S.attention_spec(kernel, "bf16", d, config).key in keys, (kind, config)
+            assert S.attention_spec(kernel, "bf16", d, config, "sm90").key in keys, (kind, config)
     listed = json.loads((tmp_path / tune.CANDIDATES_FILE).read_text())
     assert listed["family"] == "sm90" and len(listed["candidates"]) == len(tune.candidates("sm90", [64]))
     # small enough to carry to a GPU beside the op library

@@ -103,16 +103,18 @@ def kernel_function(kernel: str):
     return registry.jit_function(kernel)
 
 
-def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config, features: bool = False,
-                   exact: bool = False) -> Spec:
-    """The ahead-of-time specialisation of one attention kernel: its folded flags (or, ``exact``,
-    those of its exact-call image), blocks and config."""
+def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config, family: str,
+                   features: bool = False, exact: bool = False) -> Spec:
+    """The ahead-of-time specialisation of one attention kernel for devices of ``family``: its
+    folded flags (or, ``exact``, those of its exact-call image), blocks and config."""
     decl = declarations.get(kernel)
     blocks = dict(BLOCK_M=config.block_m, BLOCK_D=block_d)
     if "BLOCK_N" in registry.constexpr_names(kernel):
         blocks["BLOCK_N"] = config.block_n
     if "BLOCK_DOUT" in registry.constexpr_names(kernel):
         blocks["BLOCK_DOUT"] = configs.fused_columns(block_d)
+    if "TMA" in registry.constexpr_names(kernel):
+        blocks["TMA"] = configs.uses_tma(family)
     flags = decl.exact_constexprs() if exact else decl.aot_constexprs(features)
     return Spec.of(kernel, dtype, {**flags, **blocks}, config)
 
@@ -134,10 +136,10 @@ def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
                 config = configs.pick(decl.config_kind, block_d, family, features)
                 if config is None:  # the split kernels serve this head dim (configs.fused_backward)
                     continue
-                out.append(attention_spec(kernel, dtype, block_d, config, features))
+                out.append(attention_spec(kernel, dtype, block_d, config, family, features))
                 if not features and decl.ships_exact_image(family, block_d, dtype):
                     exact_config = configs.pick(decl.config_kind, block_d, family, exact=True)
-                    out.append(attention_spec(kernel, dtype, block_d, exact_config, exact=True))
+                    out.append(attention_spec(kernel, dtype, block_d, exact_config, family, exact=True))
     return out
 
 

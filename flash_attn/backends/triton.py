@@ -64,9 +64,26 @@ def _target(device) -> Target:
     return _device_target(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _scratch_memory(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's global scratch (where kernels keep the tensor descriptors they make), from PyTorch's
+    caching allocator on the current device (its blocks are 512-byte aligned)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """A kernel that makes tensor descriptors (the fused backward on Hopper) needs Triton to have
+    an allocator; set ours unless the program set one (Triton keeps it per thread/context)."""
+    import triton  # noqa: PLC0415
+    from triton.runtime import _allocation  # noqa: PLC0415  (no public way to read it)
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch_memory)
+
+
 def _run_launch(launch, tensors: dict, device) -> None:
     if 0 in launch.grid:
         return
+    _ensure_scratch_allocator()
     with torch.cuda.device(device):
         registry.jit_function(launch.kernel)[launch.grid](
             **launch_kwargs(launch, tensors), num_warps=launch.config.num_warps, num_stages=launch.config.num_stages)

@@ -68,43 +68,54 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _query_rows(rows, offs_m, offs_c, c_mask, seqlen_q, MASKED: tl.constexpr, PAD_HEADDIM: tl.constexpr):
-    """The columns ``offs_c`` of a query tile (Q or dO) at row pointers ``rows``; zeros outside."""
-    if MASKED:
-        return tl.load(rows[:, None] + offs_c[None, :], mask=(offs_m < seqlen_q)[:, None] & c_mask[None, :], other=0.0)
-    elif PAD_HEADDIM:
-        return tl.load(rows[:, None] + offs_c[None, :], mask=c_mask[None, :], other=0.0)
+def _query_rows(src, start_m, stride_s, col0, c_mask, seqlen_q, MASKED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+                TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows ``start_m ...`` and columns ``col0 ...`` (``c_mask``: those inside the head dim) of a
+    query-side tile (Q or dO), zeros outside: through ``src``'s tensor descriptor (``TMA``: its
+    bounds do the masking) or from ``src``, the head's first row, with row stride ``stride_s``."""
+    if TMA:
+        tile = src.load([start_m, col0])
     else:
-        return tl.load(rows[:, None] + offs_c[None, :])
+        rows = row_ptrs(src, start_m, stride_s, BLOCK_M)[:, None] + (col0 + tl.arange(0, BLOCK_C))[None, :]
+        if MASKED:
+            row_mask = start_m + tl.arange(0, BLOCK_M) < seqlen_q
+            tile = tl.load(rows, mask=row_mask[:, None] & c_mask[None, :], other=0.0)
+        elif PAD_HEADDIM:
+            tile = tl.load(rows, mask=c_mask[None, :], other=0.0)
+        else:
+            tile = tl.load(rows)
+    return tile
 
 
 @triton.jit
 def _dkdv_query_tiles(
-    dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
-    Q_head, dO_head, dQ_head, L_head, D_head, lo, hi,
+    dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
+    Q_src, dO_src, dQ_head, L_head, D_head, lo, hi,
     stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLIT_D: tl.constexpr,
+    BLOCK_DOUT: tl.constexpr, SPLIT_D: tl.constexpr, TMA: tl.constexpr,
 ):
     """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head;
     with ``ATOMIC_DQ`` also add this key block's share of dQ (unscaled, fp32) into ``dQ_head``.
-    The gradients cover the head-dim columns ``offs_o`` (``k``/``v`` hold them). With
-    ``SPLIT_D`` these are half of the columns and ``offs_r`` (``k_rest``/``v_rest``) the other
-    half: the scores and dP are summed over both halves, the three gradient products use this
-    program's half only, and every operand is loaded once.
+    The gradients cover the ``BLOCK_DOUT`` head-dim columns from ``o_start`` (``k``/``v`` hold
+    them). With ``SPLIT_D`` these are half of the columns and those from ``r_start``
+    (``k_rest``/``v_rest``) the other half: the scores and dP are summed over both halves, the
+    three gradient products use this program's half only, and every operand is loaded once.
+    ``Q_src``/``dO_src``: the query head's tensor descriptors (``TMA``) or first rows.
 
     Tiles are laid out keys x queries (transposed scores), so both products are plain dots.
     Interior tiles (``MASKED`` False) are fully inside ``seqlen_q`` and fully visible.
     """
+    offs_o = o_start + tl.arange(0, BLOCK_DOUT)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_rows = row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)
-        do_rows = row_ptrs(dO_head, start_m, stride_dos, BLOCK_M)
-        q = _query_rows(q_rows, offs_m, offs_o, o_mask, seqlen_q, MASKED, PAD_HEADDIM)
-        do = _query_rows(do_rows, offs_m, offs_o, o_mask, seqlen_q, MASKED, PAD_HEADDIM)
+        q = _query_rows(Q_src, start_m, stride_qs, o_start, o_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA, BLOCK_M,
+                        BLOCK_DOUT)
+        do = _query_rows(dO_src, start_m, stride_dos, o_start, o_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA, BLOCK_M,
+                         BLOCK_DOUT)
         if MASKED:
             m_mask = offs_m < seqlen_q
             lse_log2 = tl.load(L_head + offs_m, mask=m_mask, other=0.0) * LOG2E
@@ -114,7 +125,8 @@ def _dkdv_query_tiles(
             delta = tl.load(D_head + offs_m)
         qk_t = tl.dot(k, tl.trans(q))
         if SPLIT_D:
-            q_rest = _query_rows(q_rows, offs_m, offs_r, r_mask, seqlen_q, MASKED, PAD_HEADDIM)
+            q_rest = _query_rows(Q_src, start_m, stride_qs, r_start, r_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA,
+                                 BLOCK_M, BLOCK_DOUT)
             qk_t = tl.dot(k_rest, tl.trans(q_rest), qk_t)
         s_t, tanh_t = masking.logits_log2(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale_log2,
                                           cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
@@ -122,7 +134,8 @@ def _dkdv_query_tiles(
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
         dp_t = tl.dot(v, tl.trans(do))
         if SPLIT_D:
-            do_rest = _query_rows(do_rows, offs_m, offs_r, r_mask, seqlen_q, MASKED, PAD_HEADDIM)
+            do_rest = _query_rows(dO_src, start_m, stride_dos, r_start, r_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA,
+                                  BLOCK_M, BLOCK_DOUT)
             dp_t = tl.dot(v_rest, tl.trans(do_rest), dp_t)
         p_drop_t = p_t
         if HAS_DROPOUT:
@@ -171,12 +184,16 @@ def _dkdv_program(
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One key block of one kv head: dK/dV over every query tile of the group's heads that sees
     it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``). With
     ``BLOCK_DOUT < BLOCK_D`` the gradients' head-dim columns are split over ``BLOCK_D //
     BLOCK_DOUT`` (at most two) programs (grid axis 1 is kv head x part): each recomputes the
-    scores and dP over both halves and keeps only its columns of dK/dV in registers."""
+    scores and dP over both halves and keeps only its columns of dK/dV in registers. With ``TMA``
+    the streamed Q and dO tiles come through tensor descriptors (Hopper's tensor memory
+    accelerator: no address arithmetic in registers; Triton keeps the descriptors in its global
+    scratch, 128 B each)."""
     stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
     stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
     stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
@@ -197,9 +214,11 @@ def _dkdv_program(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     tl.static_assert(D_PARTS <= 2, "the head dim splits over at most two programs")
     part = tl.program_id(1) % D_PARTS
-    offs_o = part * BLOCK_DOUT + tl.arange(0, BLOCK_DOUT)
+    o_start = part * BLOCK_DOUT
+    offs_o = o_start + tl.arange(0, BLOCK_DOUT)
     o_mask = offs_o < head_dim
-    offs_r = (1 - part) * BLOCK_DOUT + tl.arange(0, BLOCK_DOUT)  # the other half (D_PARTS 2)
+    r_start = (1 - part) * BLOCK_DOUT  # the other half (D_PARTS 2)
+    offs_r = r_start + tl.arange(0, BLOCK_DOUT)
     r_mask = offs_r < head_dim
     n_mask = (offs_n < seqlen_k)[:, None]
     b64 = b.to(tl.int64)
@@ -229,24 +248,35 @@ def _dkdv_program(
         dQ_head = dQAccum + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh
         L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        if TMA:
+            Q_src = tl.make_tensor_descriptor(Q_head, shape=[seqlen_q, head_dim], strides=[stride_qs, 1],
+                                              block_shape=[BLOCK_M, BLOCK_DOUT])
+            dO_src = tl.make_tensor_descriptor(dO_head, shape=[seqlen_q, head_dim], strides=[stride_dos, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DOUT])
+        else:
+            Q_src = Q_head
+            dO_src = dO_head
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
-            Q_head, dO_head, dQ_head, L_head, D_head, lo, mid_lo,
+            dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
+            Q_src, dO_src, dQ_head, L_head, D_head, lo, mid_lo,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
+            D_PARTS > 1, TMA)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
-            Q_head, dO_head, dQ_head, L_head, D_head, mid_lo, mid_hi,
+            dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
+            Q_src, dO_src, dQ_head, L_head, D_head, mid_lo, mid_hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
+            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
+            D_PARTS > 1, TMA)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, k_rest, v_rest, offs_n, offs_o, o_mask, offs_r, r_mask,
-            Q_head, dO_head, dQ_head, L_head, D_head, mid_hi, hi,
+            dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
+            Q_src, dO_src, dQ_head, L_head, D_head, mid_hi, hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, D_PARTS > 1)
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
+            D_PARTS > 1, TMA)
 
     dk = dk * softmax_scale
     dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)
@@ -272,6 +302,7 @@ def attn_bwd_kernel(
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """The fused backward (``deterministic=False``): grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch,
     nheads_k * BLOCK_D // BLOCK_DOUT)``, as :func:`attn_bwd_dkdv_kernel`, plus dQ added
@@ -286,7 +317,7 @@ def attn_bwd_kernel(
         stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
         seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
         dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, True, BLOCK_M, BLOCK_N, BLOCK_D,
-        BLOCK_DOUT)
+        BLOCK_DOUT, TMA)
 
 
 @triton.jit
@@ -317,7 +348,7 @@ def attn_bwd_dkdv_kernel(
         0, 0, 0, stride_lb, stride_lh, stride_ab,
         seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
         dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, False, BLOCK_M, BLOCK_N, BLOCK_D,
-        BLOCK_D)
+        BLOCK_D, False)
 
 
 @triton.jit

@@ -246,6 +246,17 @@ def fused_columns(block_d: int) -> int:
     return min(block_d, FUSED_BACKWARD_COLUMNS)
 
 
+# Where the fused backward streams its Q and dO tiles through tensor descriptors (the tensor memory
+# accelerator): Hopper, where dropping the address arithmetic halves the loop's register spills
+# (benchmarks/README.md), and the interpreter, which runs the Hopper kernels' path.
+TMA_FAMILIES = frozenset({"sm90", "interpret"})
+
+
+def uses_tma(family: str) -> bool:
+    """``TMA`` of the fused backward on ``family``."""
+    return family in TMA_FAMILIES
+
+
 def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False,
                 exact: bool = False) -> Config:
     """:func:`pick` for a compute capability (``None``: Triton's interpreter)."""

@@ -162,7 +162,7 @@ _DECLARED = (
            _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True, exact=_EXACT,
            args=_args(_BWD_POINTERS, "dK dV dQAccum CuSeqlensQ CuSeqlensK AlibiSlopes DropoutSeed",
                       _strides("q k v do dk dv dq"), _strides("l", "bh"), "stride_ab", _BWD_SIZES, _SCORES),
-           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES, "BLOCK_DOUT")),
+           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES, "BLOCK_DOUT TMA")),
     Kernel("attn_bwd_dq_convert_kernel", "flash_attn.kernels.backward", "fwd",
            _pointers(dt="dQ", fp32="dQAccum", i32="CuSeqlensQ"), _names("softmax_scale"), _names("head_dim"),
            args=_args("dQAccum dQ CuSeqlensQ", _strides("a dq"), "seqlen_q head_dim packed softmax_scale"),

@@ -662,11 +662,13 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
 
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
                          columns: Optional[int] = None, exact_image: bool = False) -> Launch:
-        """``columns``: the fused backward's BLOCK_DOUT (the head dim split over programs)."""
+        """``columns``: the fused backward's BLOCK_DOUT (the head dim split over programs); it
+        also takes TMA (configs.uses_tma)."""
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
         parts = 1
         if columns is not None:
             blocks["BLOCK_DOUT"], parts = columns, block_d // columns
+            blocks["TMA"] = configs.uses_tma(target.family)
         grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k * parts) if per_key_block else \
             (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
         return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
