@@ -209,6 +209,21 @@ def test_the_exact_call_image_runs_in_its_own_config():
     assert full.grid[0] == -(-300 // full.config.block_m) * 2
 
 
+@pytest.mark.parametrize("aot", [False, True], ids=["jit", "aot"])
+def test_the_fused_backward_streams_through_tensor_descriptors_where_its_config_says(aot):
+    """``TMA`` of the fused backward: on by default on sm90 (configs.TMA_FAMILIES), off on
+    Blackwell's candidates, and a config's own ``tma`` (a measured exception) wins over both."""
+    assert _main_launch("backward", 128, False, "sm90", 0.0, torch.bfloat16, aot).constexprs["TMA"] is True
+    bucket = configs.HEADDIM_BUCKETS[2]
+    pointer = {("bwd_fused", "sm90", bucket, v): configs.Config(64, 128, 8, 2, tma=False) for v in configs.VARIANTS}
+    with configs.overridden(pointer):
+        launch = _main_launch("backward", 128, True, "sm90", 0.0, torch.bfloat16, aot)
+    assert launch.kernel == "attn_bwd_kernel" and launch.constexprs["TMA"] is False
+    blackwell = {("bwd_fused", "sm100", bucket, v): configs.Config(64, 128, 8, 1) for v in configs.VARIANTS}
+    with configs.overridden(blackwell):
+        assert _main_launch("backward", 128, False, "sm100", 0.0, torch.bfloat16, aot).constexprs["TMA"] is False
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed (varlen) calls: one plan for the batches of packed training
 

@@ -271,6 +271,24 @@ def test_fused_backward_with_64_query_steps_matches_oracle(backend, case, recwar
         backend.module._backend.forget_plans()
 
 
+@pytest.mark.parametrize("case", [CASES[6], CASES[7], CASES[16]], ids=str)
+def test_fused_backward_with_pointer_loads_matches_oracle(backend, case, recwarn):
+    """The interpreter runs the fused backward the Hopper way, Q and dO through tensor
+    descriptors; a config with ``tma=False`` (a sweep candidate, or a measured exception) takes
+    the pointer loads: split d200 + dropout, windowed + ALiBi + softcap, varlen + dropout."""
+    if backend.name != "interpret":
+        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
+    interpreter = configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False)
+    entries = {("bwd_fused", "interpret", bucket, variant): interpreter
+               for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
+    backend.module._backend.forget_plans()
+    try:
+        with configs.overridden(entries):
+            check_case(backend, case)
+    finally:
+        backend.module._backend.forget_plans()
+
+
 def test_jit_backend_sets_a_scratch_allocator_only_where_none_is_set():
     """Kernels that make tensor descriptors (the fused backward's TMA loads on Hopper) ask Triton's
     allocator for scratch memory at launch: the JIT backend provides one (PyTorch's caching

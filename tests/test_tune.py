@@ -174,6 +174,38 @@ def test_fold_gives_the_exact_call_image_the_tile_fastest_on_full_attention(tmp_
     assert _module(copy)["pick"]("fwd", 64, "sm90", exact=True) == C(128, 64, 8, 3)
 
 
+def test_fold_writes_pointer_loads_where_they_win(tmp_path):
+    """The sweep times the d128 fused backward's tile with pointer loads ("-ptr") beside the same
+    tile through tensor descriptors (the sm90 default): where the pointer loads win, the folded
+    entry says ``tma=False``, and the planner and the build then compile and launch the image
+    with ``TMA`` off."""
+    results = tmp_path / tune.RESULTS
+    rows = _sweep_rows({"64x128w8s2": (2.0, 1.2), "64x128w8s2-ptr": (1.7, 1.0)}, kind="bwd_fused", d=128)
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    copy = tmp_path / "configs.py"
+    copy.write_text(Path(configs.__file__).read_text())
+    lean, exact = tune.fold(results, copy)
+    assert (lean["winner"], lean["changed"]) == ("64x128w8s2-ptr", True)
+    assert (exact["winner"], exact["changed"]) == ("64x128w8s2-ptr", False)  # inherits the lean entry
+    module = _module(copy)
+    picked = module["pick"]("bwd_fused", 128, "sm90")
+    assert picked == C(64, 128, 8, 2, tma=False) and tune._config_text(picked) == "64x128w8s2-ptr"
+    assert not module["uses_tma"]("sm90", picked) and module["uses_tma"]("sm90", C(64, 128, 8, 2))
+    assert tune._parse_config(tune._config_text(picked)) == picked
+    assert tune._parse_config("64x128w8s2") == C(64, 128, 8, 2) != picked
+
+
+def test_the_planned_and_built_tma_follow_the_config():
+    """``Config.tma`` reaches the fused backward's ``TMA`` constexpr on both sides that must agree:
+    the build's specialisation and the planner's launch."""
+    from flash_attn.aot import specializations as S
+
+    for tma, expected in ((None, True), (False, False), (True, True)):
+        spec = S.attention_spec("attn_bwd_kernel", "bf16", 128, C(64, 128, 8, 2, tma), "sm90")
+        assert dict(spec.flags)["TMA"] is expected
+    assert dict(S.attention_spec("attn_bwd_kernel", "bf16", 128, C(64, 128, 8, 2), "sm100").flags)["TMA"] is False
+
+
 def test_candidates_time_both_table_entries():
     listed = [(kind, d, c) for kind, d, c in tune.candidates("sm90", [64]) if kind == "fwd"]
     assert listed[0][2] == configs.pick("fwd", 64, "sm90")

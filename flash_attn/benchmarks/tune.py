@@ -57,12 +57,16 @@ CANDIDATES: dict = {
         64: [C(64, 128, 8, 2), SPLIT],
         128: [C(64, 128, 8, 1), SPLIT],
     },
+    # "-ptr" (tma=False): the table's tile with pointer loads instead of tensor descriptors (the
+    # static report says TMA halves the loop's spills; this measures what that is worth)
     ("bwd_fused", "sm90"): {
-        64: [C(64, 128, 8, 2), C(64, 128, 8, 1), C(128, 128, 8, 2), SPLIT],
-        128: [C(64, 128, 8, 2), C(64, 128, 8, 3), C(64, 128, 8, 1), C(32, 128, 8, 2), C(32, 128, 8, 1), SPLIT],
+        64: [C(64, 128, 8, 2), C(64, 128, 8, 1), C(128, 128, 8, 2), C(128, 128, 8, 2, tma=False), SPLIT],
+        128: [C(64, 128, 8, 2), C(64, 128, 8, 3), C(64, 128, 8, 1), C(32, 128, 8, 2), C(32, 128, 8, 1),
+              C(64, 128, 8, 2, tma=False), SPLIT],
         # d256 (the head dim split): 64x64 tiles measured 4x slower than 32x128 (replicated,
         # spilled); 16x128 s3 is the tile without a spill in its loop, 64x128 s1 the widest
-        256: [C(32, 128, 8, 2), C(32, 128, 8, 1), C(16, 128, 8, 3), C(64, 128, 8, 1), SPLIT],
+        256: [C(32, 128, 8, 2), C(32, 128, 8, 1), C(16, 128, 8, 3), C(64, 128, 8, 1), C(32, 128, 8, 2, tma=False),
+              SPLIT],
     },
 }
 
@@ -98,8 +102,13 @@ def _kernel_of(kind: str) -> str:
     return next(k.name for k in declarations.KERNELS.values() if k.config_kind == kind and k.exact)
 
 
+_TMA_TEXT = {True: "-tma", False: "-ptr", None: ""}  # Config.tma: descriptors, pointer loads, the default
+
+
 def _config_text(config: Optional[configs.Config]) -> str:
-    return "split" if config is None else f"{config.block_m}x{config.block_n}w{config.num_warps}s{config.num_stages}"
+    if config is None:
+        return "split"
+    return f"{config.block_m}x{config.block_n}w{config.num_warps}s{config.num_stages}{_TMA_TEXT[config.tma]}"
 
 
 # --- 1. prepare (CPU) --------------------------------------------------------------------------------
@@ -332,12 +341,15 @@ def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[
 def _parse_config(text: str) -> Optional[configs.Config]:
     if text == "split":
         return None
-    m, n, w, s = map(int, re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text).groups())
-    return configs.Config(m, n, w, s)
+    m, n, w, s, tma = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(-tma|-ptr)?", text).groups()
+    return configs.Config(int(m), int(n), int(w), int(s), {"-tma": True, "-ptr": False, None: None}[tma])
 
 
 def _entry_text(config: Optional[configs.Config]) -> str:
-    return "None" if config is None else f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages})"
+    if config is None:
+        return "None"
+    tma = "" if config.tma is None else f", tma={config.tma}"
+    return f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma})"
 
 
 def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True) -> list[dict]:

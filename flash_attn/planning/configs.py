@@ -43,6 +43,7 @@ class Config(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    tma: Optional[bool] = None  # the fused backward's Q/dO loads; None: the family's (uses_tma)
 
 
 HEADDIM_BUCKETS = (32, 64, 128, 256)
@@ -252,8 +253,11 @@ def fused_columns(block_d: int) -> int:
 TMA_FAMILIES = frozenset({"sm90", "interpret"})
 
 
-def uses_tma(family: str) -> bool:
-    """``TMA`` of the fused backward on ``family``."""
+def uses_tma(family: str, config: Optional[Config] = None) -> bool:
+    """``TMA`` of the fused backward on ``family`` with ``config`` (whose ``tma``, where set, is a
+    measured exception, or a sweep candidate)."""
+    if config is not None and config.tma is not None:
+        return config.tma
     return family in TMA_FAMILIES
 
 
@@ -281,8 +285,7 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     for every entry when the table was made, and for a few entries in the tests); usually less.
     """
     d = padded_headdim(headdim)
-    bm, bn, _, stages = config
-    stages = max(stages, 1)
+    bm, bn, stages = config.block_m, config.block_n, max(config.num_stages, 1)
     row_stats = 0
     if kind in ("fwd", "bwd_dq"):
         resident = bm * d * (1 if kind == "fwd" else 2)  # Q (and dO)

@@ -668,7 +668,7 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
         parts = 1
         if columns is not None:
             blocks["BLOCK_DOUT"], parts = columns, block_d // columns
-            blocks["TMA"] = configs.uses_tma(target.family)
+            blocks["TMA"] = configs.uses_tma(target.family, cfg)
         grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k * parts) if per_key_block else \
             (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
         return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
