@@ -289,6 +289,25 @@ def test_fused_backward_with_pointer_loads_matches_oracle(backend, case, recwarn
         backend.module._backend.forget_plans()
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[16], CASES[19]], ids=str)
+def test_forward_through_tensor_descriptors_matches_oracle(backend, case, recwarn):
+    """The forward with ``tma=True`` (the sweep's "-tma" candidates): K and V through tensor
+    descriptors, whose bounds mask the rows past the sequence and the columns past the head dim;
+    MQA + causal with d59, a two-sided window, varlen + dropout, and paged K/V (which keeps its
+    pointer gather)."""
+    if backend.name != "interpret":
+        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
+    interpreter = configs.INTERPRETER_CONFIGS["fwd"]._replace(tma=True)
+    entries = {("fwd", "interpret", bucket, variant): interpreter
+               for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
+    backend.module._backend.forget_plans()
+    try:
+        with configs.overridden(entries):
+            check_case(backend, case)
+    finally:
+        backend.module._backend.forget_plans()
+
+
 def test_jit_backend_sets_a_scratch_allocator_only_where_none_is_set():
     """Kernels that make tensor descriptors (the fused backward's TMA loads on Hopper) ask Triton's
     allocator for scratch memory at launch: the JIT backend provides one (PyTorch's caching
@@ -538,7 +557,8 @@ def _compile(name, capability, headdim, flags, dtype="fp16"):
     config = configs.pick_config(declarations.get(kernel).config_kind, headdim, capability)
     block_d = configs.padded_headdim(headdim)
     constexprs = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-                      BLOCK_DOUT=configs.fused_columns(block_d), TMA=configs.uses_tma(configs.arch_family(capability)))
+                      BLOCK_DOUT=configs.fused_columns(block_d),
+                      TMA=configs.uses_tma(declarations.get(kernel).config_kind, configs.arch_family(capability), config))
     constexprs = {n: value for n, value in constexprs.items() if n in registry.arg_names(kernel)}
     signature, attrs = S.signature(S.Spec.of(kernel, dtype, constexprs, config))
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)

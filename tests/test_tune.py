@@ -190,7 +190,8 @@ def test_fold_writes_pointer_loads_where_they_win(tmp_path):
     module = _module(copy)
     picked = module["pick"]("bwd_fused", 128, "sm90")
     assert picked == C(64, 128, 8, 2, tma=False) and tune._config_text(picked) == "64x128w8s2-ptr"
-    assert not module["uses_tma"]("sm90", picked) and module["uses_tma"]("sm90", C(64, 128, 8, 2))
+    assert not module["uses_tma"]("bwd_fused", "sm90", picked)
+    assert module["uses_tma"]("bwd_fused", "sm90", C(64, 128, 8, 2))
     assert tune._parse_config(tune._config_text(picked)) == picked
     assert tune._parse_config("64x128w8s2") == C(64, 128, 8, 2) != picked
 

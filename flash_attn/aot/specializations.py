@@ -114,7 +114,7 @@ def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config
     if "BLOCK_DOUT" in registry.constexpr_names(kernel):
         blocks["BLOCK_DOUT"] = configs.fused_columns(block_d)
     if "TMA" in registry.constexpr_names(kernel):
-        blocks["TMA"] = configs.uses_tma(family, config)
+        blocks["TMA"] = configs.uses_tma(decl.config_kind, family, config)
     flags = decl.exact_constexprs() if exact else decl.aot_constexprs(features)
     return Spec.of(kernel, dtype, {**flags, **blocks}, config)
 

@@ -44,18 +44,19 @@ from flash_attn.kernels.tiles import (
 @triton.jit
 def _attend_key_tiles(
     acc, m_i, l_i, q, offs_m, offs_d, d_mask,
-    K_head, V_head, bt_row, lo, hi,
+    K_head, V_head, K_desc, V_desc, bt_row, lo, hi,
     seqlen_q, seqlen_k, page_size, stride_kpage, stride_ks, stride_vpage, stride_vs,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online-softmax update of one query block over the key tiles ``[lo, hi)``.
 
     ``MASKED`` applies bounds and window (edge tiles); interior tiles lie inside ``seqlen_k`` and
-    are fully visible, so they load without a row mask and compute no mask at all.
+    are fully visible, so they load without a row mask and compute no mask at all. With ``TMA``
+    K and V come through the tensor descriptors ``K_desc``/``V_desc`` (whose bounds mask).
     """
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -65,7 +66,9 @@ def _attend_key_tiles(
             kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
         else:
             kv_mask = d_mask[None, :]
-        if MASKED or PAD_HEADDIM:
+        if TMA:
+            k = K_desc.load([start_n, 0])
+        elif MASKED or PAD_HEADDIM:
             k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_rows[:, None] + offs_d[None, :])
@@ -78,7 +81,9 @@ def _attend_key_tiles(
             if dropout_p > 0.0:  # compiled in, active per launch
                 keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
                 p = tl.where(keep, p, 0.0)
-        if MASKED or PAD_HEADDIM:
+        if TMA:
+            v = V_desc.load([start_n, 0])
+        elif MASKED or PAD_HEADDIM:
             v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         else:
             v = tl.load(v_rows[:, None] + offs_d[None, :])
@@ -100,7 +105,7 @@ def attn_fwd_kernel(
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)`` (:func:`block_and_batch`).
 
@@ -145,6 +150,16 @@ def attn_fwd_kernel(
         V_head = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kv_h * stride_vh
         bt_row = BlockTable
 
+    # TMA: K/V tiles through tensor descriptors (paged K/V is gathered row by row: pointers)
+    USE_TMA: tl.constexpr = TMA and not IS_PAGED
+    if USE_TMA:
+        K_desc = tl.make_tensor_descriptor(K_head, shape=[seqlen_k, head_dim], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+        V_desc = tl.make_tensor_descriptor(V_head, shape=[seqlen_k, head_dim], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        K_desc = K_head
+        V_desc = V_head
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
 
@@ -156,22 +171,22 @@ def attn_fwd_kernel(
                                                      BLOCK_M, BLOCK_N, IS_LOCAL)
     # stage 1: masked tiles left of the interior (sliding window's left edge)
     acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, lo, mid_lo,
+        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, lo, mid_lo,
         seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
+        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA)
     # stage 2: the interior, no mask
     acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_lo, mid_hi,
+        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_lo, mid_hi,
         seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-        False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
+        False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA)
     # stage 3: masked tiles right of the interior (diagonal, last partial tile)
     acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, bt_row, mid_hi, hi,
+        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_hi, hi,
         seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
         qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N)
+        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA)
 
     seen = l_i > 0.0
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)

@@ -43,7 +43,7 @@ class Config(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
-    tma: Optional[bool] = None  # the fused backward's Q/dO loads; None: the family's (uses_tma)
+    tma: Optional[bool] = None  # tensor-descriptor loads (forward, fused backward); None: uses_tma's default
 
 
 HEADDIM_BUCKETS = (32, 64, 128, 256)
@@ -247,18 +247,19 @@ def fused_columns(block_d: int) -> int:
     return min(block_d, FUSED_BACKWARD_COLUMNS)
 
 
-# Where the fused backward streams its Q and dO tiles through tensor descriptors (the tensor memory
-# accelerator): Hopper, where dropping the address arithmetic halves the loop's register spills
-# (benchmarks/README.md), and the interpreter, which runs the Hopper kernels' path.
-TMA_FAMILIES = frozenset({"sm90", "interpret"})
+# Where a kernel streams its tiles through tensor descriptors (the tensor memory accelerator, TMA)
+# unless its config says otherwise (Config.tma: a measured exception, or a sweep candidate). The
+# fused backward's Q and dO on Hopper: dropping the address arithmetic halves its loop's register
+# spills (benchmarks/README.md); the interpreter runs the Hopper kernels' path. The forward's K
+# and V: nowhere by default (it does not spill; the sweep times its "-tma" candidates).
+TMA_FAMILIES = {"bwd_fused": frozenset({"sm90", "interpret"}), "fwd": frozenset()}
 
 
-def uses_tma(family: str, config: Optional[Config] = None) -> bool:
-    """``TMA`` of the fused backward on ``family`` with ``config`` (whose ``tma``, where set, is a
-    measured exception, or a sweep candidate)."""
+def uses_tma(kind: str, family: str, config: Optional[Config] = None) -> bool:
+    """``TMA`` of the kernel sized by ``kind`` on ``family`` with ``config``."""
     if config is not None and config.tma is not None:
         return config.tma
-    return family in TMA_FAMILIES
+    return family in TMA_FAMILIES.get(kind, ())
 
 
 def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False,

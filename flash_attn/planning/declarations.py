@@ -144,7 +144,7 @@ _DECLARED = (
            args=_args("Q K V Out LSE CuSeqlensQ CuSeqlensK BlockTable AlibiSlopes DropoutSeed", _strides("q k v o"),
                       _strides("l", "bh"), "stride_btb stride_ab seqlen_q seqlen_k group head_dim page_size packed",
                       "use_alibi", _SCORES),
-           constexprs=_args(_FLAGS, "IS_PAGED PAD_HEADDIM", _TILES)),
+           constexprs=_args(_FLAGS, "IS_PAGED PAD_HEADDIM", _TILES, "TMA")),
     Kernel("attn_probs_kernel", "flash_attn.kernels.forward", "fwd",
            _pointers(dt="Q K", fp32="LSE S AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
            _ATTENTION_FLOATS, _names("head_dim"), ships=False,

@@ -476,12 +476,15 @@ def _runs_exact_image(kernel: str, target: Target, features: bool, flags: dict, 
 
 
 def _attention_constexprs(kernel: str, target: Target, features: bool, flags: dict, blocks: dict,
-                          exact_image: bool) -> dict:
+                          exact_image: bool, config: configs.Config) -> dict:
     """The constexprs of an attention launch: the call's own flags (JIT), or the shipped image's:
-    the exact-call image (``exact_image``: :func:`_runs_exact_image`), else the folded superset."""
+    the exact-call image (``exact_image``: :func:`_runs_exact_image`), else the folded superset;
+    and, where the kernel has one, its ``TMA`` (configs.uses_tma)."""
+    decl = declarations.get(kernel)
+    if "TMA" in registry.constexpr_names(kernel):
+        blocks = dict(blocks, TMA=configs.uses_tma(decl.config_kind, target.family, config))
     if not target.aot:
         return {**flags, **blocks}
-    decl = declarations.get(kernel)
     if exact_image:
         return {**decl.exact_constexprs(), **blocks}
     return {**decl.aot_constexprs(features), **blocks}
@@ -557,7 +560,7 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
         common, Q=q, K=k, V=v, Out=out, LSE=lse,
         **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
         **_named("stride_v", "bsh", lay.rows("v")), **_named("stride_o", "bsh", lay.rows("out"))),
-        _attention_constexprs("attn_fwd_kernel", target, features, flags, blocks, exact_image), config)]
+        _attention_constexprs("attn_fwd_kernel", target, features, flags, blocks, exact_image, config), config)]
     results = ("out", "lse")
     if s.return_softmax:
         s_dmask = lay.buffer("s_dmask", (batch, nheads, seqlen_q, seqlen_k), torch.float32, zeroed=True)
@@ -662,17 +665,15 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
 
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
                          columns: Optional[int] = None, exact_image: bool = False) -> Launch:
-        """``columns``: the fused backward's BLOCK_DOUT (the head dim split over programs); it
-        also takes TMA (configs.uses_tma)."""
+        """``columns``: the fused backward's BLOCK_DOUT (the head dim split over programs)."""
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
         parts = 1
         if columns is not None:
             blocks["BLOCK_DOUT"], parts = columns, block_d // columns
-            blocks["TMA"] = configs.uses_tma(target.family, cfg)
         grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k * parts) if per_key_block else \
             (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
-        return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
-                       cfg)
+        return _launch(kernel, grid, values,
+                       _attention_constexprs(kernel, target, features, flags, blocks, exact_image, cfg), cfg)
 
     fused_exact = _runs_exact_image("attn_bwd_kernel", target, features, flags, block_d, s.q.dtype)
     fused = None if s.deterministic else configs.fused_backward(head_dim, target.family, features, fused_exact)
