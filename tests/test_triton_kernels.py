@@ -197,6 +197,21 @@ def check_case(backend, case: Case, seed: int = 0, deterministic: bool = False):
     return inp, out, lse
 
 
+def check_case_with(backend, case, kind: str, config: configs.Config):
+    """:func:`check_case` with ``config`` in the place of the interpreter's ``kind`` entry (every
+    head dim and variant); plans made before and within are forgotten."""
+    if backend.name != "interpret":
+        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
+    entries = {(kind, "interpret", bucket, variant): config
+               for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
+    backend.module._backend.forget_plans()
+    try:
+        with configs.overridden(entries):
+            check_case(backend, case)
+    finally:
+        backend.module._backend.forget_plans()
+
+
 def check_dropout_signs(s_dmask, probs, keep, case):
     """S_dmask (``return_softmax``): |entries| are the probabilities, zero where masked, negative
     exactly where dropout dropped them (``keep`` all True without dropout)."""
@@ -259,16 +274,7 @@ def test_fused_backward_with_64_query_steps_matches_oracle(backend, case, recwar
     computes dQ as such; with fewer (the interpreter's 16, d256's 32) it computes dQ^T. The matrix
     above runs the interpreter's own config: here the other path, on dense, windowed + ALiBi +
     softcap and varlen + dropout calls."""
-    if backend.name != "interpret":
-        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
-    entries = {("bwd_fused", "interpret", bucket, variant): configs.Config(64, 32, 1, 1)
-               for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
-    backend.module._backend.forget_plans()
-    try:
-        with configs.overridden(entries):
-            check_case(backend, case)
-    finally:
-        backend.module._backend.forget_plans()
+    check_case_with(backend, case, "bwd_fused", configs.Config(64, 32, 1, 1))
 
 
 @pytest.mark.parametrize("case", [CASES[6], CASES[7], CASES[16]], ids=str)
@@ -276,17 +282,7 @@ def test_fused_backward_with_pointer_loads_matches_oracle(backend, case, recwarn
     """The interpreter runs the fused backward the Hopper way, Q and dO through tensor
     descriptors; a config with ``tma=False`` (a sweep candidate, or a measured exception) takes
     the pointer loads: split d200 + dropout, windowed + ALiBi + softcap, varlen + dropout."""
-    if backend.name != "interpret":
-        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
-    interpreter = configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False)
-    entries = {("bwd_fused", "interpret", bucket, variant): interpreter
-               for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
-    backend.module._backend.forget_plans()
-    try:
-        with configs.overridden(entries):
-            check_case(backend, case)
-    finally:
-        backend.module._backend.forget_plans()
+    check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False))
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[16], CASES[19]], ids=str)
@@ -295,17 +291,7 @@ def test_forward_through_tensor_descriptors_matches_oracle(backend, case, recwar
     descriptors, whose bounds mask the rows past the sequence and the columns past the head dim;
     MQA + causal with d59, a two-sided window, varlen + dropout, and paged K/V (which keeps its
     pointer gather)."""
-    if backend.name != "interpret":
-        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
-    interpreter = configs.INTERPRETER_CONFIGS["fwd"]._replace(tma=True)
-    entries = {("fwd", "interpret", bucket, variant): interpreter
-               for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
-    backend.module._backend.forget_plans()
-    try:
-        with configs.overridden(entries):
-            check_case(backend, case)
-    finally:
-        backend.module._backend.forget_plans()
+    check_case_with(backend, case, "fwd", configs.INTERPRETER_CONFIGS["fwd"]._replace(tma=True))
 
 
 def test_jit_backend_sets_a_scratch_allocator_only_where_none_is_set():

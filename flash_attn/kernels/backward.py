@@ -32,7 +32,9 @@ import triton.language as tl
 
 from flash_attn.kernels import masking
 from flash_attn.kernels.dropout_rng import dropout_keep
-from flash_attn.kernels.tiles import LOG2E, alibi_slope_log2, block_and_batch, load_seed, row_ptrs, sequence_bounds, stride_16b
+from flash_attn.kernels.tiles import (
+    LOG2E, alibi_slope_log2, block_and_batch, head_rows, load_seed, row_ptrs, sequence_bounds, stride_16b,
+)
 
 
 @triton.jit
@@ -248,14 +250,8 @@ def _dkdv_program(
         dQ_head = dQAccum + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh
         L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
-        if TMA:
-            Q_src = tl.make_tensor_descriptor(Q_head, shape=[seqlen_q, head_dim], strides=[stride_qs, 1],
-                                              block_shape=[BLOCK_M, BLOCK_DOUT])
-            dO_src = tl.make_tensor_descriptor(dO_head, shape=[seqlen_q, head_dim], strides=[stride_dos, 1],
-                                               block_shape=[BLOCK_M, BLOCK_DOUT])
-        else:
-            Q_src = Q_head
-            dO_src = dO_head
+        Q_src = head_rows(Q_head, seqlen_q, head_dim, stride_qs, TMA, BLOCK_M, BLOCK_DOUT)
+        dO_src = head_rows(dO_head, seqlen_q, head_dim, stride_dos, TMA, BLOCK_M, BLOCK_DOUT)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
             Q_src, dO_src, dQ_head, L_head, D_head, lo, mid_lo,

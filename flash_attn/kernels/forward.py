@@ -37,7 +37,8 @@ import triton.language as tl
 from flash_attn.kernels import masking
 from flash_attn.kernels.dropout_rng import dropout_keep
 from flash_attn.kernels.tiles import (
-    LN2, LOG2E, alibi_slope_log2, block_and_batch, kv_row_ptrs, load_seed, online_softmax_step, row_ptrs, sequence_bounds, stride_16b,
+    LN2, LOG2E, alibi_slope_log2, block_and_batch, head_rows, kv_row_ptrs, load_seed, online_softmax_step, row_ptrs,
+    sequence_bounds, stride_16b,
 )
 
 
@@ -152,14 +153,8 @@ def attn_fwd_kernel(
 
     # TMA: K/V tiles through tensor descriptors (paged K/V is gathered row by row: pointers)
     USE_TMA: tl.constexpr = TMA and not IS_PAGED
-    if USE_TMA:
-        K_desc = tl.make_tensor_descriptor(K_head, shape=[seqlen_k, head_dim], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-        V_desc = tl.make_tensor_descriptor(V_head, shape=[seqlen_k, head_dim], strides=[stride_vs, 1],
-                                           block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        K_desc = K_head
-        V_desc = V_head
+    K_desc = head_rows(K_head, seqlen_k, head_dim, stride_ks, USE_TMA, BLOCK_N, BLOCK_D)
+    V_desc = head_rows(V_head, seqlen_k, head_dim, stride_vs, USE_TMA, BLOCK_N, BLOCK_D)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
 

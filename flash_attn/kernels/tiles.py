@@ -35,6 +35,19 @@ def row_ptrs(Base, start, stride_row, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def head_rows(Base, rows, head_dim, stride_row, TMA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Where a kernel reads one head's ``rows x head_dim`` matrix from: with ``TMA`` a tensor
+    descriptor of ``BLOCK_R x BLOCK_C`` blocks (its bounds zero what lies past the rows and the
+    head dim; the planner's 16-byte alignment is what TMA needs), else ``Base`` itself."""
+    if TMA:
+        src = tl.make_tensor_descriptor(Base, shape=[rows, head_dim], strides=[stride_row, 1],
+                                        block_shape=[BLOCK_R, BLOCK_C])
+    else:
+        src = Base
+    return src
+
+
+@triton.jit
 def kv_row_ptrs(Base, start_n, seqlen_k, bt_row, page_size, stride_page, stride_row, BLOCK_N: tl.constexpr,
                 IS_PAGED: tl.constexpr):
     """Pointers to the key rows ``start_n .. start_n + BLOCK_N - 1`` of a sequence (one kv head).
