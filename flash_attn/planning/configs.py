@@ -251,7 +251,7 @@ def fused_columns(block_d: int) -> int:
 # unless its config says otherwise (Config.tma: a measured exception, or a sweep candidate). The
 # fused backward's Q and dO on Hopper: dropping the address arithmetic halves its loop's register
 # spills (benchmarks/README.md); the interpreter runs the Hopper kernels' path. The forward's K
-# and V: nowhere by default (it does not spill; the sweep times its "-tma" candidates).
+# and V: nowhere by default (it spills only at d256, 8-48 B; the sweep times its "-tma" candidates).
 TMA_FAMILIES = {"bwd_fused": frozenset({"sm90", "interpret"}), "fwd": frozenset()}
 
 
