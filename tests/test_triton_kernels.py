@@ -540,12 +540,10 @@ def _compile(name, capability, headdim, flags, dtype="fp16"):
     from flash_attn.aot import specializations as S
 
     kernel = KERNEL_NAMES[name]
-    config = configs.pick_config(declarations.get(kernel).config_kind, headdim, capability)
-    block_d = configs.padded_headdim(headdim)
-    constexprs = dict(flags, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-                      BLOCK_DOUT=configs.fused_columns(block_d),
-                      TMA=configs.uses_tma(declarations.get(kernel).config_kind, configs.arch_family(capability), config))
-    constexprs = {n: value for n, value in constexprs.items() if n in registry.arg_names(kernel)}
+    decl = declarations.get(kernel)
+    config = configs.pick_config(decl.config_kind, headdim, capability)
+    tiles = decl.tile_constexprs(configs.padded_headdim(headdim), config, configs.arch_family(capability))
+    constexprs = {n: value for n, value in {**flags, **tiles}.items() if n in registry.arg_names(kernel)}
     signature, attrs = S.signature(S.Spec.of(kernel, dtype, constexprs, config))
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     compiled = triton.compile(ASTSource(registry.jit_function(kernel), signature, constexprs=constexprs, attrs=attrs),

@@ -108,15 +108,8 @@ def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config
     """The ahead-of-time specialisation of one attention kernel for devices of ``family``: its
     folded flags (or, ``exact``, those of its exact-call image), blocks and config."""
     decl = declarations.get(kernel)
-    blocks = dict(BLOCK_M=config.block_m, BLOCK_D=block_d)
-    if "BLOCK_N" in registry.constexpr_names(kernel):
-        blocks["BLOCK_N"] = config.block_n
-    if "BLOCK_DOUT" in registry.constexpr_names(kernel):
-        blocks["BLOCK_DOUT"] = configs.fused_columns(block_d)
-    if "TMA" in registry.constexpr_names(kernel):
-        blocks["TMA"] = configs.uses_tma(decl.config_kind, family, config)
     flags = decl.exact_constexprs() if exact else decl.aot_constexprs(features)
-    return Spec.of(kernel, dtype, {**flags, **blocks}, config)
+    return Spec.of(kernel, dtype, {**flags, **decl.tile_constexprs(block_d, config, family)}, config)
 
 
 def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,

@@ -342,8 +342,9 @@ def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[
 def _parse_config(text: str) -> Optional[configs.Config]:
     if text == "split":
         return None
-    m, n, w, s, tma = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(-tma|-ptr)?", text).groups()
-    return configs.Config(int(m), int(n), int(w), int(s), {"-tma": True, "-ptr": False, None: None}[tma])
+    m, n, w, s, suffix = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(-tma|-ptr)?", text).groups()
+    tma = {text: tma for tma, text in _TMA_TEXT.items()}[suffix or ""]
+    return configs.Config(int(m), int(n), int(w), int(s), tma)
 
 
 def _entry_text(config: Optional[configs.Config]) -> str:

@@ -223,13 +223,14 @@ def _dkdv_program(
     offs_r = r_start + tl.arange(0, BLOCK_DOUT)
     r_mask = offs_r < head_dim
     n_mask = (offs_n < seqlen_k)[:, None]
+    own_mask = n_mask & o_mask[None, :]  # this program's columns of the key block
     b64 = b.to(tl.int64)
     k0 = k_start.to(tl.int64)
     q0 = q_start.to(tl.int64)
     k_rows = row_ptrs(K + b64 * stride_kb + k0 * stride_ks + kv_h * stride_kh, start_n, stride_ks, BLOCK_N)
     v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vs + kv_h * stride_vh, start_n, stride_vs, BLOCK_N)
-    k = tl.load(k_rows[:, None] + offs_o[None, :], mask=n_mask & o_mask[None, :], other=0.0)
-    v = tl.load(v_rows[:, None] + offs_o[None, :], mask=n_mask & o_mask[None, :], other=0.0)
+    k = tl.load(k_rows[:, None] + offs_o[None, :], mask=own_mask, other=0.0)
+    v = tl.load(v_rows[:, None] + offs_o[None, :], mask=own_mask, other=0.0)
     if D_PARTS > 1:
         k_rest = tl.load(k_rows[:, None] + offs_r[None, :], mask=n_mask & r_mask[None, :], other=0.0)
         v_rest = tl.load(v_rows[:, None] + offs_r[None, :], mask=n_mask & r_mask[None, :], other=0.0)
@@ -277,8 +278,8 @@ def _dkdv_program(
     dk = dk * softmax_scale
     dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)
     dv_rows = row_ptrs(dV + b64 * stride_dvb + k0 * stride_dvs + kv_h * stride_dvh, start_n, stride_dvs, BLOCK_N)
-    tl.store(dk_rows[:, None] + offs_o[None, :], dk.to(dK.dtype.element_ty), mask=n_mask & o_mask[None, :])
-    tl.store(dv_rows[:, None] + offs_o[None, :], dv.to(dV.dtype.element_ty), mask=n_mask & o_mask[None, :])
+    tl.store(dk_rows[:, None] + offs_o[None, :], dk.to(dK.dtype.element_ty), mask=own_mask)
+    tl.store(dv_rows[:, None] + offs_o[None, :], dv.to(dV.dtype.element_ty), mask=own_mask)
 
 
 @triton.jit

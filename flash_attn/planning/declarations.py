@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
 
+from flash_attn.planning import configs
+
 __all__ = ["EXACT_IMAGE_BLOCK_DS", "EXACT_IMAGE_DTYPES", "EXACT_IMAGE_FAMILIES", "Kernel", "KERNELS", "get"]
 
 
@@ -79,6 +81,20 @@ class Kernel:
         if not self.exact:
             raise ValueError(f"{self.name} has no exact-call image")
         return {**self.folded, **self.exact}
+
+    def tile_constexprs(self, block_d: int, config: "configs.Config", family: str) -> dict:
+        """The constexprs a launch config fixes on ``family`` (the planner's launch and the
+        build's image agree through this): the blocks it declares, the fused backward's gradient
+        columns (:func:`configs.fused_columns`) and its tensor-descriptor switch
+        (:func:`configs.uses_tma`)."""
+        out = {"BLOCK_M": config.block_m, "BLOCK_D": block_d}
+        if "BLOCK_N" in self.constexprs:
+            out["BLOCK_N"] = config.block_n
+        if "BLOCK_DOUT" in self.constexprs:
+            out["BLOCK_DOUT"] = configs.fused_columns(block_d)
+        if "TMA" in self.constexprs:
+            out["TMA"] = configs.uses_tma(self.config_kind, family, config)
+        return out
 
     def pointer_type(self, name: str, dtype: str) -> str:
         """Triton type of pointer ``name`` for q/k/v of ``dtype`` ("fp16"/"bf16")."""

@@ -476,13 +476,10 @@ def _runs_exact_image(kernel: str, target: Target, features: bool, flags: dict, 
 
 
 def _attention_constexprs(kernel: str, target: Target, features: bool, flags: dict, blocks: dict,
-                          exact_image: bool, config: configs.Config) -> dict:
+                          exact_image: bool) -> dict:
     """The constexprs of an attention launch: the call's own flags (JIT), or the shipped image's:
-    the exact-call image (``exact_image``: :func:`_runs_exact_image`), else the folded superset;
-    and, where the kernel has one, its ``TMA`` (configs.uses_tma)."""
+    the exact-call image (``exact_image``: :func:`_runs_exact_image`), else the folded superset."""
     decl = declarations.get(kernel)
-    if "TMA" in registry.constexpr_names(kernel):
-        blocks = dict(blocks, TMA=configs.uses_tma(decl.config_kind, target.family, config))
     if not target.aot:
         return {**flags, **blocks}
     if exact_image:
@@ -554,13 +551,13 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
         page_size=s.k.shape[1] if paged else 0, packed=int(packed), use_alibi=int(s.alibi is not None),
         **_score_scalars(s.scalars),
     )
-    blocks = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d)
+    blocks = declarations.get("attn_fwd_kernel").tile_constexprs(block_d, config, target.family)
     grid = (cdiv(seqlen_q, config.block_m) * batch, nheads)
     launches = [_launch("attn_fwd_kernel", grid, dict(
         common, Q=q, K=k, V=v, Out=out, LSE=lse,
         **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
         **_named("stride_v", "bsh", lay.rows("v")), **_named("stride_o", "bsh", lay.rows("out"))),
-        _attention_constexprs("attn_fwd_kernel", target, features, flags, blocks, exact_image, config), config)]
+        _attention_constexprs("attn_fwd_kernel", target, features, flags, blocks, exact_image), config)]
     results = ("out", "lse")
     if s.return_softmax:
         s_dmask = lay.buffer("s_dmask", (batch, nheads, seqlen_q, seqlen_k), torch.float32, zeroed=True)
@@ -568,7 +565,8 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
             common, Q=q, K=k, LSE=lse, S=s_dmask,
             **_named("stride_q", "bsh", lay.rows("q")), **_named("stride_k", "bsh", lay.rows("k")),
             **_named("stride_p", "bhs", lay.strides["s_dmask"][:3])),
-            dict(flags, **blocks), config))
+            dict(flags, **declarations.get("attn_probs_kernel").tile_constexprs(block_d, config, target.family)),
+            config))
         results = ("out", "lse", "s_dmask")
     return _finish(s.q.dtype, lay, launches, results)
 
@@ -664,16 +662,13 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     dkdv = dict(common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"]))
 
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
-                         columns: Optional[int] = None, exact_image: bool = False) -> Launch:
-        """``columns``: the fused backward's BLOCK_DOUT (the head dim split over programs)."""
-        blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d)
-        parts = 1
-        if columns is not None:
-            blocks["BLOCK_DOUT"], parts = columns, block_d // columns
+                         exact_image: bool = False) -> Launch:
+        blocks = declarations.get(kernel).tile_constexprs(block_d, cfg, target.family)
+        parts = block_d // blocks.get("BLOCK_DOUT", block_d)  # the fused backward's head-dim split
         grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k * parts) if per_key_block else \
             (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
-        return _launch(kernel, grid, values,
-                       _attention_constexprs(kernel, target, features, flags, blocks, exact_image, cfg), cfg)
+        return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
+                       cfg)
 
     fused_exact = _runs_exact_image("attn_bwd_kernel", target, features, flags, block_d, s.q.dtype)
     fused = None if s.deterministic else configs.fused_backward(head_dim, target.family, features, fused_exact)
@@ -687,8 +682,7 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
         dq_accum = lay.buffer("dq_accum", s.q.shape, torch.float32, padded=True, zeroed=True)
         accum_rows = lay.rows("dq_accum")
         launches.append(attention_launch("attn_bwd_kernel", fused, True, dict(
-            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), configs.fused_columns(block_d),
-            fused_exact))
+            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), fused_exact))
         launches.append(_launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
             dQAccum=dq_accum, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", accum_rows),
             **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
