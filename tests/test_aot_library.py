@@ -184,7 +184,9 @@ def test_register_is_idempotent(ops, toy_ptx, toy):
         ("toy", "*fp32:3, i32, fp32, global_scratch, profile_scratch", 4, {}, "must be a power of two"),
         ("toy", "*fp32, i32, global_scratch, fp32, profile_scratch", 4, {}, "must be the last entries"),
         ("toy", "*fp32, , i32", 4, {}, "has an empty entry"),
-        ("toy", TOY_SIG, 3, {}, "num_warps must be a power of two between 1 and 32"),
+        ("toy", TOY_SIG, 33, {}, "num_warps must be between 1 and 32"),
+        # a warp-specialised image's 12 warps pass the config check; this toy was compiled for 4
+        ("toy", TOY_SIG, 12, {}, "compiled for 128 threads per block but num_warps=12 gives 384"),
         ("toy", TOY_SIG, 4, {"num_ctas": 0}, "num_ctas must be between 1 and 16"),
         ("toy", TOY_SIG, 4, {"shared_bytes": -1}, "shared_bytes must be between 0 and 1 MiB"),
         ("toy", "*fp32, i32, fp32", 4, {"global_scratch_bytes": 64}, "no global_scratch entry"),

@@ -154,6 +154,26 @@ def test_sm100a_training_images_meet_the_static_targets(kernel, block_d, config)
     assert R.target_misses(row) == [], row
 
 
+def _warp_specialised_candidates():
+    from flash_attn.benchmarks import tune
+
+    return [(d, c) for d, listed in tune.CANDIDATES[("fwd", "sm90")].items() for c in listed if c.ws]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_d,config", _warp_specialised_candidates(), ids=lambda x: str(x))
+def test_sm90a_warp_specialised_forward_candidates_are_split_into_producer_and_consumers(block_d, config):
+    """The sweep's "-ws" forward candidates as built: Triton really split them (a kernel it could
+    not split compiles anyway, as a plain 4-warp one), 4 + 8 warps launched, K/V by TMA, no
+    spill, within Hopper's shared memory, and the static targets of every training image. The
+    folded image (window and head-dim padding compiled in), whose key-range selects were once
+    branches that kept Triton from splitting it."""
+    row = _compile_row("attn_fwd_kernel", block_d, config, 90)
+    assert row["warp_specialized"] and row["threads"] == 12 * 32 and row["tma"], row
+    assert row["spill_bytes"] == 0 and row["dynamic_shared"] <= configs.SHARED_MEMORY_LIMIT["sm90"], row
+    assert R.target_misses(row) == [], row
+
+
 def test_fused_backward_ships_on_hopper_only():
     assert all(configs.fused_backward(d, "sm90") is not None for d in (32, 64, 128, 256))
     assert all(configs.fused_backward(d, family) is None for d in (32, 64, 128, 256)

@@ -224,6 +224,20 @@ def test_the_fused_backward_streams_through_tensor_descriptors_where_its_config_
         assert _main_launch("backward", 128, False, "sm100", 0.0, torch.bfloat16, aot).constexprs["TMA"] is False
 
 
+@pytest.mark.parametrize("aot", [False, True], ids=["jit", "aot"])
+def test_the_forward_is_warp_specialised_where_its_config_says(aot):
+    """``WS`` of the forward: off with the table's configs, on (with ``TMA``) where a config asks
+    for it on Hopper; the launch keeps the config's num_warps (Triton adds the partitions' warps,
+    which the image's manifest records)."""
+    assert _main_launch("forward", 128, False, "sm90", 0.0, torch.bfloat16, aot).constexprs["WS"] is False
+    bucket = configs.HEADDIM_BUCKETS[2]
+    ws = configs.Config(128, 128, 4, 2, ws=True)
+    with configs.overridden({("fwd", "sm90", bucket, v): ws for v in configs.VARIANTS}):
+        launch = _main_launch("forward", 128, True, "sm90", 0.0, torch.bfloat16, aot)
+    assert launch.kernel == "attn_fwd_kernel"
+    assert (launch.constexprs["WS"], launch.constexprs["TMA"], launch.config.num_warps) == (True, True, 4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Packed (varlen) calls: one plan for the batches of packed training
 

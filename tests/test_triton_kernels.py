@@ -294,6 +294,16 @@ def test_forward_through_tensor_descriptors_matches_oracle(backend, case, recwar
     check_case_with(backend, case, "fwd", configs.INTERPRETER_CONFIGS["fwd"]._replace(tma=True))
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], CASES[12], CASES[16], CASES[17], CASES[19]], ids=str)
+def test_forward_warp_specialised_matches_oracle(backend, case, recwarn):
+    """The forward with ``ws=True`` (the sweep's "-ws" candidates): one loop over every key tile,
+    each masked, Q, K and V through tensor descriptors, and no early return for blocks past the
+    sequence (varlen with empty and short sequences); paged K/V keeps the three-stage pointer
+    path. The interpreter runs this code, not the warp specialisation itself (producer and
+    consumer warpgroups): that only a GPU runs (the sweep checks each candidate's output)."""
+    check_case_with(backend, case, "fwd", configs.INTERPRETER_CONFIGS["fwd"]._replace(ws=True))
+
+
 def test_jit_backend_sets_a_scratch_allocator_only_where_none_is_set():
     """Kernels that make tensor descriptors (the fused backward's TMA loads on Hopper) ask Triton's
     allocator for scratch memory at launch: the JIT backend provides one (PyTorch's caching

@@ -196,6 +196,30 @@ def test_fold_writes_pointer_loads_where_they_win(tmp_path):
     assert tune._parse_config("64x128w8s2") == C(64, 128, 8, 2) != picked
 
 
+def test_fold_writes_warp_specialisation_where_it_wins(tmp_path):
+    """A "-ws" candidate (Triton's producer/consumer warp specialisation) that wins the d128
+    forward folds to ``ws=True``; the folded entry then switches ``WS`` and, with it, ``TMA`` on
+    for the build and the planner on Hopper, and on neither elsewhere."""
+    results = tmp_path / tune.RESULTS
+    rows = _sweep_rows({"128x64w8s2": (2.0, 1.2), "128x128w4s2-ws": (1.5, 1.0)}, kind="fwd", d=128)
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    copy = tmp_path / "configs.py"
+    copy.write_text(Path(configs.__file__).read_text())
+    lean = tune.fold(results, copy)[0]
+    assert (lean["winner"], lean["changed"]) == ("128x128w4s2-ws", True)
+    module = _module(copy)
+    picked = module["pick"]("fwd", 128, "sm90")
+    assert picked == C(128, 128, 4, 2, ws=True) and tune._parse_config(tune._config_text(picked)) == picked
+    assert module["uses_ws"]("fwd", "sm90", picked) and module["uses_tma"]("fwd", "sm90", picked)
+    assert not module["uses_ws"]("fwd", "sm100", picked) and not module["uses_ws"]("bwd_fused", "sm90", picked)
+    from flash_attn.aot import specializations as S
+
+    flags = dict(S.attention_spec("attn_fwd_kernel", "bf16", 128, picked, "sm90").flags)
+    assert (flags["WS"], flags["TMA"]) == (True, True)
+    flags = dict(S.attention_spec("attn_fwd_kernel", "bf16", 128, picked, "sm100").flags)
+    assert (flags["WS"], flags["TMA"]) == (False, False)
+
+
 def test_the_planned_and_built_tma_follow_the_config():
     """``Config.tma`` reaches the fused backward's ``TMA`` constexpr on both sides that must agree:
     the build's specialisation and the planner's launch."""

@@ -197,7 +197,7 @@ def static_report(spec, compiled, usage: dict, cap: int, products: list) -> dict
     family = configs.arch_family((cap // 10, cap % 10))
     return kernel_report.analyse(
         compiled.asm.get("ttgir", ""), compiled.asm.get("ptx", ""), usage.get("_sass", ""), kind=decl.config_kind,
-        block_n=spec.block_n, num_warps=spec.num_warps, shared=int(compiled.metadata.shared),
+        block_n=spec.block_n, num_warps=int(compiled.metadata.num_warps), shared=int(compiled.metadata.shared),
         regs=usage.get("reg"), stack=usage.get("stack"), shared_limit=configs.SHARED_MEMORY_LIMIT[family],
         found=products)
 

@@ -12,9 +12,12 @@ reports per image:
   two programs; the split dK/dV + dQ kernels 4 + 3);
 * ``spill_ops_in_loops``: register spill loads/stores (``LDL``/``STL``) inside SASS loops, where
   they cost on every step (a spill outside loops is paid once);
-* ``ctas_per_sm`` from registers x threads and shared memory; TMA (``cp.async.bulk.tensor``);
+* ``ctas_per_sm`` from registers x threads (every warp the image runs: a warp-specialised one's
+  partitions too) and shared memory; TMA (``cp.async.bulk.tensor``);
   ``wgmma_wait_max``: the most wgmma groups left in flight at a wait (0: every wgmma is waited on
-  at once, no overlap of the tensor cores with the softmax).
+  at once, no overlap of the tensor cores with the softmax);
+* ``warp_specialized``: Triton split the kernel into producer and consumer warp groups
+  (``ttg.warp_specialize``; ``requested_registers``: the registers each partition asks for).
 
 These are necessary conditions for speed, not proof of it: only a GPU says how fast. Pure text
 parsing (no triton, no torch; the launch-config table for what the design computes).
@@ -223,7 +226,14 @@ def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: in
         "ctas_per_sm": ctas_per_sm(regs, threads, shared, shared_limit),
         "tma": "cp.async.bulk.tensor" in ptx,
         "wgmma_wait_max": max(waits) if waits else None,
+        "warp_specialized": "ttg.warp_specialize(" in ttgir,
+        "requested_registers": _requested_registers(ttgir),
     }
+
+
+def _requested_registers(ttgir: str) -> Optional[list]:
+    match = re.search(r"requestedRegisters = array<i32: ([\d, ]+)>", ttgir)
+    return [int(x) for x in match.group(1).split(",")] if match else None
 
 
 # --- the static targets of the training kernels -----------------------------------------------------

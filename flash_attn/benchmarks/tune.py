@@ -45,11 +45,15 @@ CANDIDATES: dict = {
     ("fwd", "sm90"): {
         # d64 causal at 4k (0.93-0.97x FA2 on the H100): deeper pipelines, and one warpgroup on
         # 64-row tiles (half the diagonal tile's masked work, two programs per SM). "-tma"
-        # (tma=True): K and V through tensor descriptors (d128 exact: 154 registers instead of 221)
+        # (tma=True): K and V through tensor descriptors (d128 exact: 154 registers instead of 221).
+        # "-ws" (ws=True): Triton's warp specialisation, FlashAttention-3's layout: one producer
+        # warpgroup (TMA) and two consumer warpgroups of 64 rows each (4 + 8 warps, no spill)
         64: [C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 128, 8, 4), C(128, 64, 8, 4),
-             C(64, 128, 4, 3), C(128, 64, 8, 3, tma=True)],
-        128: [C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 2), C(128, 64, 8, 3, tma=True)],
-        256: [C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2), C(128, 64, 8, 2, tma=True)],
+             C(64, 128, 4, 3), C(128, 64, 8, 3, tma=True), C(128, 128, 4, 2, ws=True), C(128, 128, 4, 3, ws=True)],
+        128: [C(128, 64, 8, 2), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 32, 8, 2), C(128, 64, 8, 3, tma=True),
+              C(128, 128, 4, 2, ws=True), C(128, 64, 4, 3, ws=True)],
+        256: [C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2), C(128, 64, 8, 2, tma=True),
+              C(128, 64, 4, 2, ws=True), C(128, 32, 4, 2, ws=True)],
     },
     # Blackwell (not shipped yet: configs). Tensor memory holds 512 fp32 columns: dK, dV (128 x d
     # each), S and dP (64 each) and dQ (d) overflow it at head dim 128 with two stages (Triton 3.9
@@ -103,13 +107,16 @@ def _kernel_of(kind: str) -> str:
     return next(k.name for k in declarations.KERNELS.values() if k.config_kind == kind and k.exact)
 
 
-_TMA_TEXT = {True: "-tma", False: "-ptr", None: ""}  # Config.tma: descriptors, pointer loads, the default
+# a config's loads and warps as its text's suffix: Config.tma (descriptors, pointer loads, the
+# default) and Config.ws (warp specialised, which streams through descriptors whatever tma says)
+_SUFFIXES = {(True, False): "-tma", (False, False): "-ptr", (None, False): "", (None, True): "-ws"}
 
 
 def _config_text(config: Optional[configs.Config]) -> str:
     if config is None:
         return "split"
-    return f"{config.block_m}x{config.block_n}w{config.num_warps}s{config.num_stages}{_TMA_TEXT[config.tma]}"
+    suffix = _SUFFIXES[(None if config.ws else config.tma, config.ws)]
+    return f"{config.block_m}x{config.block_n}w{config.num_warps}s{config.num_stages}{suffix}"
 
 
 # --- 1. prepare (CPU) --------------------------------------------------------------------------------
@@ -342,16 +349,17 @@ def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[
 def _parse_config(text: str) -> Optional[configs.Config]:
     if text == "split":
         return None
-    m, n, w, s, suffix = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(-tma|-ptr)?", text).groups()
-    tma = {text: tma for tma, text in _TMA_TEXT.items()}[suffix or ""]
-    return configs.Config(int(m), int(n), int(w), int(s), tma)
+    m, n, w, s, suffix = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(-\w+)?", text).groups()
+    tma, ws = {text: flags for flags, text in _SUFFIXES.items()}[suffix or ""]
+    return configs.Config(int(m), int(n), int(w), int(s), tma, ws)
 
 
 def _entry_text(config: Optional[configs.Config]) -> str:
     if config is None:
         return "None"
     tma = "" if config.tma is None else f", tma={config.tma}"
-    return f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma})"
+    ws = ", ws=True" if config.ws else ""
+    return f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma}{ws})"
 
 
 def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True) -> list[dict]:

@@ -51,15 +51,16 @@ def _attend_key_tiles(
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """Online-softmax update of one query block over the key tiles ``[lo, hi)``.
 
     ``MASKED`` applies bounds and window (edge tiles); interior tiles lie inside ``seqlen_k`` and
     are fully visible, so they load without a row mask and compute no mask at all. With ``TMA``
-    K and V come through the tensor descriptors ``K_desc``/``V_desc`` (whose bounds mask).
+    K and V come through the tensor descriptors ``K_desc``/``V_desc`` (whose bounds mask). ``WS``:
+    Triton warp-specialises the loop (a producer warpgroup loads, consumer warpgroups compute).
     """
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kpage, stride_ks, BLOCK_N, IS_PAGED)
         v_rows = kv_row_ptrs(V_head, start_n, seqlen_k, bt_row, page_size, stride_vpage, stride_vs, BLOCK_N, IS_PAGED)
@@ -106,7 +107,7 @@ def attn_fwd_kernel(
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)`` (:func:`block_and_batch`).
 
@@ -115,6 +116,10 @@ def attn_fwd_kernel(
     ``(pages, page_size, hk, d)`` with ``stride_kb`` the page stride; lse ``(h, total_q)``.
     ``stride_lb``/``stride_lh`` address lse (its row stride is 1). ``AlibiSlopes`` is fp32
     ``(h,)`` (``stride_ab`` = 0) or ``(b, h)``.
+
+    ``WS`` (with ``TMA``, not paged): one warp-specialised loop over every key tile, each masked,
+    and Q through a descriptor too: Triton 3.9's Hopper warp specialisation takes one loop and
+    tensor-descriptor loads only, and no early return.
     """
     stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
     stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
@@ -127,8 +132,12 @@ def attn_fwd_kernel(
     q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
     k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
     start_m = pid_m * BLOCK_M
-    if start_m >= seqlen_q:
-        return
+    # TMA: K/V tiles through tensor descriptors (paged K/V is gathered row by row: pointers)
+    USE_TMA: tl.constexpr = TMA and not IS_PAGED
+    USE_WS: tl.constexpr = WS and USE_TMA
+    if not USE_WS:  # a block without rows would visit no key tile anyway (key_block_range)
+        if start_m >= seqlen_q:
+            return
     kv_h = h // group
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -141,7 +150,11 @@ def attn_fwd_kernel(
 
     b64 = b.to(tl.int64)
     Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-    q = tl.load(row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)[:, None] + offs_d[None, :], mask=q_mask, other=0.0)
+    if USE_WS:
+        q = head_rows(Q_head, seqlen_q, head_dim, stride_qs, True, BLOCK_M, BLOCK_D).load([start_m, 0])
+    else:
+        q = tl.load(row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)[:, None] + offs_d[None, :], mask=q_mask,
+                    other=0.0)
     if IS_PAGED:
         K_head = K + kv_h * stride_kh
         V_head = V + kv_h * stride_vh
@@ -151,8 +164,6 @@ def attn_fwd_kernel(
         V_head = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kv_h * stride_vh
         bt_row = BlockTable
 
-    # TMA: K/V tiles through tensor descriptors (paged K/V is gathered row by row: pointers)
-    USE_TMA: tl.constexpr = TMA and not IS_PAGED
     K_desc = head_rows(K_head, seqlen_k, head_dim, stride_ks, USE_TMA, BLOCK_N, BLOCK_D)
     V_desc = head_rows(V_head, seqlen_k, head_dim, stride_vs, USE_TMA, BLOCK_N, BLOCK_D)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
@@ -164,24 +175,31 @@ def attn_fwd_kernel(
 
     lo, mid_lo, mid_hi, hi = masking.key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                      BLOCK_M, BLOCK_N, IS_LOCAL)
-    # stage 1: masked tiles left of the interior (sliding window's left edge)
-    acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, lo, mid_lo,
-        seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-        qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA)
-    # stage 2: the interior, no mask
-    acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_lo, mid_hi,
-        seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-        qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-        False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA)
-    # stage 3: masked tiles right of the interior (diagonal, last partial tile)
-    acc, m_i, l_i = _attend_key_tiles(
-        acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_hi, hi,
-        seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-        qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-        True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA)
+    if USE_WS:  # every tile masked, in one loop
+        acc, m_i, l_i = _attend_key_tiles(
+            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, lo, hi,
+            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed,
+            b, h, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, True, True)
+    else:
+        # stage 1: masked tiles left of the interior (sliding window's left edge)
+        acc, m_i, l_i = _attend_key_tiles(
+            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, lo, mid_lo,
+            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA, False)
+        # stage 2: the interior, no mask
+        acc, m_i, l_i = _attend_key_tiles(
+            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_lo, mid_hi,
+            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA, False)
+        # stage 3: masked tiles right of the interior (diagonal, last partial tile)
+        acc, m_i, l_i = _attend_key_tiles(
+            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_hi, hi,
+            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
+            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA, False)
 
     seen = l_i > 0.0
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)

@@ -129,12 +129,12 @@ def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
     mid_hi = _floor_to(seqlen_k, BLOCK_N)
     if IS_LOCAL:
         # every row of the block together: keys [start_m + diag - left, last_m + diag + right]
-        if window_left >= 0:
-            lo = _floor_to(start_m + diag - window_left, BLOCK_N)
-            mid_lo = _ceil_to(last_m + diag - window_left, BLOCK_N)
-        if window_right >= 0:
-            hi = tl.minimum(tl.maximum(last_m + diag + window_right + 1, 0), seqlen_k)
-            mid_hi = _floor_to(tl.minimum(start_m + diag + window_right + 1, seqlen_k), BLOCK_N)
+        # (selects rather than branches: Triton's warp specialisation takes no branch into its loop's bounds)
+        left, right = window_left >= 0, window_right >= 0
+        lo = tl.where(left, _floor_to(start_m + diag - window_left, BLOCK_N), lo)
+        mid_lo = tl.where(left, _ceil_to(last_m + diag - window_left, BLOCK_N), mid_lo)
+        hi = tl.where(right, tl.minimum(tl.maximum(last_m + diag + window_right + 1, 0), seqlen_k), hi)
+        mid_hi = tl.where(right, _floor_to(tl.minimum(start_m + diag + window_right + 1, seqlen_k), BLOCK_N), mid_hi)
     # a block without valid rows visits nothing
     return _ordered_range(lo, mid_lo, mid_hi, hi, last_m < start_m)
 

@@ -44,6 +44,7 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     tma: Optional[bool] = None  # tensor-descriptor loads (forward, fused backward); None: uses_tma's default
+    ws: bool = False  # warp specialisation (the forward on Hopper: uses_ws); implies tma
 
 
 HEADDIM_BUCKETS = (32, 64, 128, 256)
@@ -257,9 +258,23 @@ TMA_FAMILIES = {"bwd_fused": frozenset({"sm90", "interpret"}), "fwd": frozenset(
 
 def uses_tma(kind: str, family: str, config: Optional[Config] = None) -> bool:
     """``TMA`` of the kernel sized by ``kind`` on ``family`` with ``config``."""
+    if uses_ws(kind, family, config):
+        return True
     if config is not None and config.tma is not None:
         return config.tma
     return family in TMA_FAMILIES.get(kind, ())
+
+
+# Where a config may ask Triton to warp-specialise the kernel's key loop (Config.ws): a producer
+# warpgroup streams K/V by TMA while consumer warpgroups (BLOCK_M / 64 of them, num_warps each
+# besides the producer's) compute, as FlashAttention-3 does. Triton 3.9 does it on Hopper for the
+# forward (one loop, descriptor loads only); the interpreter runs the same single-loop code.
+WS_FAMILIES = {"fwd": frozenset({"sm90", "interpret"})}
+
+
+def uses_ws(kind: str, family: str, config: Optional[Config] = None) -> bool:
+    """``WS`` of the kernel sized by ``kind`` on ``family`` with ``config``."""
+    return bool(config is not None and config.ws and family in WS_FAMILIES.get(kind, ()))
 
 
 def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False,

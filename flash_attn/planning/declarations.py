@@ -85,8 +85,8 @@ class Kernel:
     def tile_constexprs(self, block_d: int, config: "configs.Config", family: str) -> dict:
         """The constexprs a launch config fixes on ``family`` (the planner's launch and the
         build's image agree through this): the blocks it declares, the fused backward's gradient
-        columns (:func:`configs.fused_columns`) and its tensor-descriptor switch
-        (:func:`configs.uses_tma`)."""
+        columns (:func:`configs.fused_columns`), its tensor-descriptor switch
+        (:func:`configs.uses_tma`) and warp specialisation (:func:`configs.uses_ws`)."""
         out = {"BLOCK_M": config.block_m, "BLOCK_D": block_d}
         if "BLOCK_N" in self.constexprs:
             out["BLOCK_N"] = config.block_n
@@ -94,6 +94,8 @@ class Kernel:
             out["BLOCK_DOUT"] = configs.fused_columns(block_d)
         if "TMA" in self.constexprs:
             out["TMA"] = configs.uses_tma(self.config_kind, family, config)
+        if "WS" in self.constexprs:
+            out["WS"] = configs.uses_ws(self.config_kind, family, config)
         return out
 
     def pointer_type(self, name: str, dtype: str) -> str:
@@ -160,7 +162,7 @@ _DECLARED = (
            args=_args("Q K V Out LSE CuSeqlensQ CuSeqlensK BlockTable AlibiSlopes DropoutSeed", _strides("q k v o"),
                       _strides("l", "bh"), "stride_btb stride_ab seqlen_q seqlen_k group head_dim page_size packed",
                       "use_alibi", _SCORES),
-           constexprs=_args(_FLAGS, "IS_PAGED PAD_HEADDIM", _TILES, "TMA")),
+           constexprs=_args(_FLAGS, "IS_PAGED PAD_HEADDIM", _TILES, "TMA WS")),
     Kernel("attn_probs_kernel", "flash_attn.kernels.forward", "fwd",
            _pointers(dt="Q K", fp32="LSE S AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
            _ATTENTION_FLOATS, _names("head_dim"), ships=False,
