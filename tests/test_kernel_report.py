@@ -170,7 +170,8 @@ def test_sm90a_warp_specialised_forward_candidates_are_split_into_producer_and_c
     branches that kept Triton from splitting it."""
     row = _compile_row("attn_fwd_kernel", block_d, config, 90)
     assert row["warp_specialized"] and row["threads"] == 12 * 32 and row["tma"], row
-    assert row["spill_bytes"] == 0 and row["dynamic_shared"] <= configs.SHARED_MEMORY_LIMIT["sm90"], row
+    estimate = configs.estimate_shared_memory("fwd", config, block_d, "sm90")
+    assert row["spill_bytes"] == 0 and row["dynamic_shared"] <= estimate <= configs.SHARED_MEMORY_LIMIT["sm90"], row
     assert R.target_misses(row) == [], row
 
 

@@ -287,6 +287,7 @@ def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], 
 # register-operand MMAs of sm80/sm90. Measured with the compiler: ~0.5 KB more for the forward,
 # up to ~22% more for the backward kernels (whose probability tiles feed two MMAs each).
 _SM100_BARRIER_BYTES = 1024
+_WS_BARRIER_BYTES = 1024
 _SM100_BACKWARD_FACTOR = 1.25
 
 
@@ -313,6 +314,10 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
     staged = bm * bn * (2 if kind == "bwd_fused" else 1)  # the fused backward also stages dS^T for dQ
+    if uses_ws(kind, family, config):
+        # warp-specialised: P stays in registers; Triton adds half a Q tile of at least 128
+        # columns and its barriers (measured with the compiler for every "-ws" sweep candidate)
+        staged = bm // 2 * max(d, 128) + _WS_BARRIER_BYTES // elem_bytes
     estimate = elem_bytes * (resident + stages * streamed + staged) + stages * row_stats
     if family == "sm100":
         estimate = estimate + _SM100_BARRIER_BYTES if kind == "fwd" else int(estimate * _SM100_BACKWARD_FACTOR)
