@@ -154,14 +154,14 @@ def test_sm100a_training_images_meet_the_static_targets(kernel, block_d, config)
     assert R.target_misses(row) == [], row
 
 
-def _warp_specialised_candidates():
+def _warp_specialised_candidates(family: str):
     from flash_attn.benchmarks import tune
 
-    return [(d, c) for d, listed in tune.CANDIDATES[("fwd", "sm90")].items() for c in listed if c.ws]
+    return [(d, c) for d, listed in tune.CANDIDATES[("fwd", family)].items() for c in listed if c.ws]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block_d,config", _warp_specialised_candidates(), ids=lambda x: str(x))
+@pytest.mark.parametrize("block_d,config", _warp_specialised_candidates("sm90"), ids=lambda x: str(x))
 def test_sm90a_warp_specialised_forward_candidates_are_split_into_producer_and_consumers(block_d, config):
     """The sweep's "-ws" forward candidates as built: Triton really split them (a kernel it could
     not split compiles anyway, as a plain 4-warp one), 4 + 8 warps launched, K/V by TMA, no
@@ -172,6 +172,20 @@ def test_sm90a_warp_specialised_forward_candidates_are_split_into_producer_and_c
     assert row["warp_specialized"] and row["threads"] == 12 * 32 and row["tma"], row
     estimate = configs.estimate_shared_memory("fwd", config, block_d, "sm90")
     assert row["spill_bytes"] == 0 and row["dynamic_shared"] <= estimate <= configs.SHARED_MEMORY_LIMIT["sm90"], row
+    assert R.target_misses(row) == [], row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_d,config", _warp_specialised_candidates("sm100"), ids=lambda x: str(x))
+def test_sm100a_warp_specialised_forward_candidates(block_d, config):
+    """Blackwell's "-ws" forward candidates as built: split into partitions (20 warps with the
+    8-warp softmax), K/V by TMA, products on tcgen05, no spill up to head dim 128, within the
+    estimated shared memory, the static targets met."""
+    row = _compile_row("attn_fwd_kernel", block_d, config, 100)
+    assert row["warp_specialized"] and row["tma"] and row["threads"] > config.num_warps * 32, row
+    assert row["dynamic_shared"] <= configs.estimate_shared_memory("fwd", config, block_d, "sm100") \
+        <= configs.SHARED_MEMORY_LIMIT["sm100"], row
+    assert block_d > 128 or row["spill_bytes"] == 0, row
     assert R.target_misses(row) == [], row
 
 

@@ -55,6 +55,15 @@ CANDIDATES: dict = {
         256: [C(128, 64, 8, 2), C(128, 32, 8, 2), C(64, 64, 4, 2), C(128, 64, 8, 2, tma=True),
               C(128, 64, 4, 2, ws=True), C(128, 32, 4, 2, ws=True)],
     },
+    # Blackwell's forward warp-specialised (no Blackwell GPU has run any of this yet): Triton splits
+    # it into the softmax (num_warps), the output correction (8 warps), one warp issuing the
+    # tcgen05 MMAs and two the TMA loads; with 8 warps d128 does not spill, with 4 it does (336 B);
+    # d256 keeps ~0.4 KB of stack
+    ("fwd", "sm100"): {
+        64: [C(128, 128, 4, 2, ws=True)],
+        128: [C(128, 128, 8, 2, ws=True), C(128, 64, 8, 2, ws=True)],
+        256: [C(128, 64, 8, 2, ws=True)],
+    },
     # Blackwell (not shipped yet: configs). Tensor memory holds 512 fp32 columns: dK, dV (128 x d
     # each), S and dP (64 each) and dQ (d) overflow it at head dim 128 with two stages (Triton 3.9
     # then emits an empty kernel, which the build refuses); at 256 dK/dV alone fill it.

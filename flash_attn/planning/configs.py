@@ -267,9 +267,10 @@ def uses_tma(kind: str, family: str, config: Optional[Config] = None) -> bool:
 
 # Where a config may ask Triton to warp-specialise the kernel's key loop (Config.ws): a producer
 # warpgroup streams K/V by TMA while consumer warpgroups (BLOCK_M / 64 of them, num_warps each
-# besides the producer's) compute, as FlashAttention-3 does. Triton 3.9 does it on Hopper for the
-# forward (one loop, descriptor loads only); the interpreter runs the same single-loop code.
-WS_FAMILIES = {"fwd": frozenset({"sm90", "interpret"})}
+# besides the producer's) compute, as FlashAttention-3 does. Triton 3.9 does it for the forward
+# (one loop, descriptor loads only) on Hopper and, with its own partitions around tcgen05 and
+# tensor memory, on Blackwell; the interpreter runs the same single-loop code.
+WS_FAMILIES = {"fwd": frozenset({"sm90", "sm100", "interpret"})}
 
 
 def uses_ws(kind: str, family: str, config: Optional[Config] = None) -> bool:
