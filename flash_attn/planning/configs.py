@@ -1,6 +1,8 @@
 """Launch configurations of the attention kernels per GPU architecture family.
 
-A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. The tables are keyed by kernel
+A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, with two switches where the
+kernels have them: ``tma`` (tensor-descriptor loads, :func:`uses_tma`) and ``ws`` (Triton's warp
+specialisation of the forward, :func:`uses_ws`). The tables are keyed by kernel
 kind, architecture family and head-dimension bucket; :func:`pick_config` looks one up. Nothing
 here is tuned at run time (the kernels are compiled ahead of time), so the table *is* the tuning.
 
