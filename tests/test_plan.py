@@ -209,18 +209,20 @@ def test_the_exact_call_image_runs_in_its_own_config():
     assert full.grid[0] == -(-300 // full.config.block_m) * 2
 
 
+def _d128_everywhere(kind: str, family: str, config: configs.Config) -> dict:
+    """:func:`configs.overridden` entries: ``config`` for ``kind``'s head-dim-128 bucket in every variant."""
+    return {(kind, family, 128, variant): config for variant in configs.VARIANTS}
+
+
 @pytest.mark.parametrize("aot", [False, True], ids=["jit", "aot"])
 def test_the_fused_backward_streams_through_tensor_descriptors_where_its_config_says(aot):
     """``TMA`` of the fused backward: on by default on sm90 (configs.TMA_FAMILIES), off on
     Blackwell's candidates, and a config's own ``tma`` (a measured exception) wins over both."""
     assert _main_launch("backward", 128, False, "sm90", 0.0, torch.bfloat16, aot).constexprs["TMA"] is True
-    bucket = configs.HEADDIM_BUCKETS[2]
-    pointer = {("bwd_fused", "sm90", bucket, v): configs.Config(64, 128, 8, 2, tma=False) for v in configs.VARIANTS}
-    with configs.overridden(pointer):
+    with configs.overridden(_d128_everywhere("bwd_fused", "sm90", configs.Config(64, 128, 8, 2, tma=False))):
         launch = _main_launch("backward", 128, True, "sm90", 0.0, torch.bfloat16, aot)
     assert launch.kernel == "attn_bwd_kernel" and launch.constexprs["TMA"] is False
-    blackwell = {("bwd_fused", "sm100", bucket, v): configs.Config(64, 128, 8, 1) for v in configs.VARIANTS}
-    with configs.overridden(blackwell):
+    with configs.overridden(_d128_everywhere("bwd_fused", "sm100", configs.Config(64, 128, 8, 1))):
         assert _main_launch("backward", 128, False, "sm100", 0.0, torch.bfloat16, aot).constexprs["TMA"] is False
 
 
@@ -230,9 +232,7 @@ def test_the_forward_is_warp_specialised_where_its_config_says(aot):
     for it on Hopper; the launch keeps the config's num_warps (Triton adds the partitions' warps,
     which the image's manifest records)."""
     assert _main_launch("forward", 128, False, "sm90", 0.0, torch.bfloat16, aot).constexprs["WS"] is False
-    bucket = configs.HEADDIM_BUCKETS[2]
-    ws = configs.Config(128, 128, 4, 2, ws=True)
-    with configs.overridden({("fwd", "sm90", bucket, v): ws for v in configs.VARIANTS}):
+    with configs.overridden(_d128_everywhere("fwd", "sm90", configs.Config(128, 128, 4, 2, ws=True))):
         launch = _main_launch("forward", 128, True, "sm90", 0.0, torch.bfloat16, aot)
     assert launch.kernel == "attn_fwd_kernel"
     assert (launch.constexprs["WS"], launch.constexprs["TMA"], launch.config.num_warps) == (True, True, 4)

@@ -232,8 +232,9 @@ def _dkdv_program(
     k = tl.load(k_rows[:, None] + offs_o[None, :], mask=own_mask, other=0.0)
     v = tl.load(v_rows[:, None] + offs_o[None, :], mask=own_mask, other=0.0)
     if D_PARTS > 1:
-        k_rest = tl.load(k_rows[:, None] + offs_r[None, :], mask=n_mask & r_mask[None, :], other=0.0)
-        v_rest = tl.load(v_rows[:, None] + offs_r[None, :], mask=n_mask & r_mask[None, :], other=0.0)
+        rest_mask = n_mask & r_mask[None, :]  # the other program's columns
+        k_rest = tl.load(k_rows[:, None] + offs_r[None, :], mask=rest_mask, other=0.0)
+        v_rest = tl.load(v_rows[:, None] + offs_r[None, :], mask=rest_mask, other=0.0)
     else:
         k_rest = k
         v_rest = v

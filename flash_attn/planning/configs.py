@@ -290,8 +290,9 @@ def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], 
 # register-operand MMAs of sm80/sm90. Measured with the compiler: ~0.5 KB more for the forward,
 # up to ~22% more for the backward kernels (whose probability tiles feed two MMAs each).
 _SM100_BARRIER_BYTES = 1024
-_WS_BARRIER_BYTES = 1024
 _SM100_BACKWARD_FACTOR = 1.25
+# the barriers of a warp-specialised forward's buffer ring (measured: 384-576 B on sm90)
+_WS_BARRIER_BYTES = 1024
 
 
 def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str = "sm80",

@@ -479,9 +479,9 @@ def _attention_constexprs(kernel: str, target: Target, features: bool, flags: di
                           exact_image: bool) -> dict:
     """The constexprs of an attention launch: the call's own flags (JIT), or the shipped image's:
     the exact-call image (``exact_image``: :func:`_runs_exact_image`), else the folded superset."""
-    decl = declarations.get(kernel)
     if not target.aot:
         return {**flags, **blocks}
+    decl = declarations.get(kernel)
     if exact_image:
         return {**decl.exact_constexprs(), **blocks}
     return {**decl.aot_constexprs(features), **blocks}
