@@ -57,6 +57,56 @@ def test_run_measures_and_checks_every_candidate(tmp_path, interpreter_candidate
     assert len(measured) == 2 * len(configs_seen)
     assert all(r["ok"] and r["backend_ran"] == "interpret" and r["max_rel_error"] < 2e-2 for r in measured), measured
     assert rows[0]["event"] == "start" and rows[-1]["event"] == "done"
+    # each measurement announced before it ran, the announcement right before its row
+    begun = [i for i, r in enumerate(rows) if r.get("event") == "begin"]
+    assert len(begun) == len(measured)
+    assert all({**rows[i], "event": None}.items() <= {**rows[i + 1], "event": None}.items() for i in begun)
+    assert not [r for r in tune._with_unfinished(rows) if "error" in r]
+
+
+def test_the_warp_specialised_candidates_run_on_their_own(tmp_path, monkeypatch):
+    """``ws="only"`` times the warp-specialised candidates beside the table's entries of their kind
+    (on the interpreter: the single-loop descriptor path), ``"exclude"`` everything else, so that
+    the GPU window can run the never-measured ones in processes of their own."""
+    ws = C(16, 16, 1, 1, ws=True)
+    monkeypatch.setattr(tune, "CANDIDATES", {("fwd", "interpret"): {32: [FAST, ws]},
+                                            ("bwd_fused", "interpret"): {32: [FAST]}})
+    only = [r for r in _run(tmp_path / "only", {}, ws="only") if r.get("impl") == "flash_attn"]
+    assert {(r["kind"], r["config"]) for r in only} == {("fwd", "32x16w1s1"), ("fwd", "16x16w1s1-ws")}
+    assert all(r["ok"] for r in only), only
+    rest = [r for r in _run(tmp_path / "rest", {}, ws="exclude") if r.get("impl") == "flash_attn"]
+    assert {(r["kind"], r["config"]) for r in rest} == {("fwd", "32x16w1s1"), ("fwd", "16x16w1s1"),
+                                                      ("bwd_fused", "16x32w1s1"), ("bwd_fused", "16x16w1s1")}
+
+
+def test_candidates_split_by_warp_specialisation():
+    for d in (64, 128, 256):
+        listed = {ws: tune.candidates("sm90", [d], ws) for ws in tune.WS_SELECTIONS}
+        entries = {(k, d, configs.pick(k, d, "sm90", exact=e)) for k in ("fwd", "bwd_fused") for e in (False, True)}
+        split = {c for c in listed["include"] if c[2] is not None and c[2].ws}
+        assert split and all(c[0] == "fwd" for c in split)
+        assert set(listed["exclude"]) == set(listed["include"]) - split
+        assert set(listed["only"]) == split | {e for e in entries if e[0] == "fwd"}
+    with pytest.raises(ValueError, match="ws must be one of"):
+        tune.candidates("sm90", [64], "some")
+
+
+def test_a_candidate_that_never_finished_is_ruled_out(tmp_path):
+    """A candidate announced but never measured (its process hung in the kernel and the window's
+    timeout killed it) is a failure on that shape: it cannot win on the shapes it did finish."""
+    rows = _sweep_rows({"128x64w8s2": (2.0, 1.2), "128x128w4s2-ws": (1.0, 0.6)}, kind="fwd", d=128)
+    hung = next(r for r in rows if r.get("config") == "128x128w4s2-ws" and r["seqlen"] == 16384 and r["causal"])
+    rows = [r for r in rows if r is not hung] + [{**{k: v for k, v in hung.items() if k not in ("ok", "ms", "impl")},
+                                                   "event": "begin"}]
+    results = tmp_path / tune.RESULTS
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    lean = tune.winners(tune.read_rows(results))[0]
+    assert lean["winner"] == "128x64w8s2"
+    assert {c["config"]: c["ok"] for c in lean["candidates"]} == {"128x64w8s2": True, "128x128w4s2-ws": False}
+    assert "128x128w4s2-ws x" in tune.summary([lean])
+    # the same candidate measured after its announcement: it wins
+    results.write_text("\n".join(json.dumps(r) for r in rows + [hung]))
+    assert tune.winners(tune.read_rows(results))[0]["winner"] == "128x128w4s2-ws"
 
 
 def test_a_wrong_candidate_is_caught(tmp_path, interpreter_candidates, monkeypatch):

@@ -96,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="prepare: compile the candidates (CPU); run: time them (GPU); fold: update the config table")
     tune.add_argument("--budget-s", type=float, default=420.0, help="tune run: stop timing after this many seconds")
     tune.add_argument("--dry-run", action="store_true", help="tune fold: print the changes, leave configs.py alone")
+    tune.add_argument("--tune-ws", choices=("include", "exclude", "only"), default="include",
+                      help="tune run: time the warp-specialised candidates too (include), not (exclude), or only "
+                           "them beside the table's entries (only: no SDPA baselines)")
     build = parser.add_argument_group("build mode")
     build.add_argument("--build-command", help="command to time; {python}, {out} and {archs} are filled in "
                        "(default: '{python} -m flash_attn build-kernels --out {out}')")

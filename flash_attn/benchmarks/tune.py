@@ -10,7 +10,9 @@ GPU time comes in windows of about 15 minutes, so the sweep is three steps, two 
    through the real planner and the ``aot`` backend (strict: no silent fallback) next to
    ``sdpa[flash]`` and ``sdpa[cudnn]`` in the same process; check each candidate's output and
    gradients against SDPA's; append one JSON row per measurement to ``tune-results.jsonl`` as it
-   goes (a cut-off run keeps its rows) and stop before ``--budget-s``.
+   goes (a cut-off run keeps its rows; a candidate announced but never measured, its process hung
+   or killed, counts as failed) and stop before ``--budget-s``. ``--tune-ws`` picks the
+   warp-specialised candidates in or out, so that a window can time them in processes of their own.
 3. ``--tune-step fold`` (CPU): per kernel kind and head dim, the candidate with the lowest
    geometric-mean time over the measured shapes (correct everywhere, >= 3 % faster than the
    current entry) replaces the entry of the launch-config table in
@@ -85,16 +87,32 @@ CANDIDATES: dict = {
 }
 
 
-def candidates(family: str, headdims: Iterable[int] = (64, 128, 256)) -> list[tuple[str, int, Optional[configs.Config]]]:
+# which candidates a run times, by warp specialisation (never run on a GPU before the first sweep
+# that has it: a deadlocking image hangs its process, so the GPU window times them in runs of their
+# own, after the rest). The table's entries are timed in every selection that times their kind.
+WS_SELECTIONS = ("include", "exclude", "only")
+
+
+def candidates(family: str, headdims: Iterable[int] = (64, 128, 256),
+               ws: str = "include") -> list[tuple[str, int, Optional[configs.Config]]]:
     """``(kind, head dim, config)`` to time on ``family``: the table's entries first (the lean one,
-    then the exact-call image's where it differs), then the others."""
+    then the exact-call image's where it differs), then the others. ``ws``: ``"exclude"`` leaves
+    out the warp-specialised candidates, ``"only"`` times just those (beside the table's entries
+    of their kind and head dim)."""
+    if ws not in WS_SELECTIONS:
+        raise ValueError(f"ws must be one of {WS_SELECTIONS}, not {ws!r}")
     out = []
     for (kind, fam), by_headdim in CANDIDATES.items():
         if fam != family:
             continue
         for d in headdims:
-            listed = [configs.pick(kind, d, family), configs.pick(kind, d, family, exact=True), *by_headdim.get(d, [])]
-            out.extend((kind, d, c) for c in dict.fromkeys(listed))
+            entries = [configs.pick(kind, d, family), configs.pick(kind, d, family, exact=True)]
+            others = [c for c in by_headdim.get(d, []) if c not in entries]
+            split = [c for c in others if c is not None and c.ws]
+            others = {"include": others, "exclude": [c for c in others if c not in split], "only": split}[ws]
+            if ws == "only" and not split:
+                continue
+            out.extend((kind, d, c) for c in dict.fromkeys([*entries, *others]))
     return out
 
 
@@ -199,8 +217,10 @@ def _sdpa(q, k, v, causal: bool, backend_name: str):
 def run(out: Path, *, device: str = "cuda", backend: str = "aot", family: Optional[str] = None,
         headdims: Iterable[int] = (64, 128, 256), seqlens: Iterable[int] = (4096, 16384), total_tokens: int = 16384,
         hidden: int = 2048, budget_s: float = 420.0, timer: Callable = cuda_timer, reference: str = "flash",
-        baselines: Iterable[str] = ("flash", "cudnn"), tolerance: float = 3e-2) -> Path:
-    """Time every candidate; rows go to ``out/tune-results.jsonl`` as they are measured."""
+        baselines: Iterable[str] = ("flash", "cudnn"), tolerance: float = 3e-2, ws: str = "include") -> Path:
+    """Time every candidate (``ws``: which, see :func:`candidates`); rows go to
+    ``out/tune-results.jsonl`` as they are measured, each candidate's announced before it runs
+    (so that one which never finishes, hung or crashed with its process, is known: :func:`winners`)."""
     import torch  # noqa: PLC0415
 
     from flash_attn import dispatch, flash_attn_func  # noqa: PLC0415
@@ -221,7 +241,7 @@ def run(out: Path, *, device: str = "cuda", backend: str = "aot", family: Option
                 sink.write(json.dumps(row) + "\n")
                 sink.flush()
 
-            write({"event": "start", "family": family, "backend": backend, "machine": common.machine()})
+            write({"event": "start", "family": family, "backend": backend, "machine": common.machine(), "ws": ws})
             for d in headdims:
                 for seqlen in seqlens:
                     for causal in (False, True):
@@ -229,7 +249,7 @@ def run(out: Path, *, device: str = "cuda", backend: str = "aot", family: Option
                             write({"event": "stopped", "reason": f"budget of {budget_s:.0f} s spent"})
                             return path
                         _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, timer,
-                                   reference, baselines, tolerance, device, flash_attn_func, dispatch)
+                                   reference, baselines, tolerance, device, flash_attn_func, dispatch, ws)
             write({"event": "done"})
     finally:
         for name, value in saved_env.items():
@@ -242,7 +262,7 @@ def run(out: Path, *, device: str = "cuda", backend: str = "aot", family: Option
 
 
 def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, timer, reference, baselines,
-               tolerance, device, flash_attn_func, dispatch) -> None:
+               tolerance, device, flash_attn_func, dispatch, ws) -> None:
     import torch  # noqa: PLC0415
 
     from flash_attn.benchmarks import common  # noqa: PLC0415
@@ -272,8 +292,9 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
         except Exception as exc:  # noqa: BLE001  (a baseline this PyTorch cannot run: say so, go on)
             write({**shape, "impl": f"sdpa[{name}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
 
-    for kind, cand_d, config in candidates(family, [d]):
+    for kind, cand_d, config in candidates(family, [d], ws):
         row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
+        write({**shape, "event": "begin", "kind": kind, "config": row["config"]})
         try:
             with configs.overridden(_overrides(kind, family, d, config)):
                 _forget_plans(backend)
@@ -321,7 +342,7 @@ def winners(rows: list[dict]) -> list[dict]:
     start = next((r for r in rows if r.get("event") == "start"), {})
     family = start.get("family")
     groups: dict = {}
-    for r in rows:
+    for r in _with_unfinished(rows):
         if r.get("impl") == "flash_attn" and "kind" in r:
             groups.setdefault((r["kind"], r["head_dim"]), []).append(r)
     out = []
@@ -333,6 +354,23 @@ def winners(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _with_unfinished(rows: list[dict]) -> list[dict]:
+    """The measurement rows, and a failed row for each candidate announced (``"begin"``) whose
+    measurement never came: its process hung or died there (the window's timeout killed it)."""
+    key = lambda r: tuple(r.get(k) for k in ("kind", "head_dim", "config", "seqlen", "causal", "dtype"))  # noqa: E731
+    measured, begun = [], {}
+    for r in rows:
+        if r.get("event") == "begin":
+            begun[key(r)] = r
+        elif r.get("impl") == "flash_attn" and "kind" in r:
+            begun.pop(key(r), None)
+            measured.append(r)
+    unfinished = [{k: v for k, v in r.items() if k != "event"} | {
+        "impl": "flash_attn", "ok": False, "error": "no result: the run ended while this candidate ran (a hang or a crash)"}
+        for r in begun.values()]
+    return measured + unfinished
+
+
 def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[dict]) -> dict:
     shapes_by_config: dict = {}
     for r in group:
@@ -341,7 +379,9 @@ def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[
     scored = []
     for config, by_shape in shapes_by_config.items():
         measured = [by_shape[s] for s in common_shapes]
-        ok = bool(measured) and all(r.get("ok") and r.get("ms") for r in measured)
+        # wrong, crashed or hung on any shape (not only the common ones) rules a config out
+        ok = bool(measured) and all(r.get("ok") and r.get("ms") for r in measured) and all(
+            r.get("ok") for r in by_shape.values())
         mean = math.exp(sum(math.log(r["ms"]) for r in measured) / len(measured)) if ok else None
         scored.append({"config": config, "ok": ok, "geomean_ms": mean, "shapes": len(measured)})
     current = _config_text(configs.pick(kind, d, family, exact=variant == "exact")) if family else None
@@ -444,9 +484,10 @@ def main(args) -> int:
         return 0
     if step == "run":
         os.environ.setdefault("FLASH_ATTN_AOT_DIR", str(out.resolve()))
-        path = run(out, headdims=headdims, seqlens=args.seqlens or (4096, 16384), budget_s=args.budget_s)
+        path = run(out, headdims=headdims, seqlens=args.seqlens or (4096, 16384), budget_s=args.budget_s,
+                   ws=args.tune_ws, baselines=() if args.tune_ws == "only" else ("flash", "cudnn"))
         rows = read_rows(path)
-        crashed = [r for r in rows if r.get("impl") == "flash_attn" and not r.get("ok")]
+        crashed = [r for r in _with_unfinished(rows) if r.get("impl") == "flash_attn" and not r.get("ok")]
         print(summary(winners(rows)))
         return 1 if crashed else 0
     rows = fold(out / RESULTS if out.is_dir() else out, write=not args.dry_run)

@@ -1,0 +1,55 @@
+"""``.ci/gpu-window tune``, the GPU window's timing step, checked on the CPU with stand-ins for
+``python`` and ``nvidia-smi`` (what they stand in for: the sweep, the benchmark and the GPU query on
+a device machine; what they cannot show: any timing). It shows the order of the steps, that the
+warp-specialised candidates run last, one process per head dim under its own limit, so that one
+which hangs (as a deadlocking image would) costs only its head dim, and that the step says so."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _stand_ins(tmp_path: Path, hang_when: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho 'name, driver_version, memory.total'\n")
+    (bin_dir / "python").write_text(textwrap.dedent(f"""\
+        #!/usr/bin/env bash
+        echo "$*" >> {tmp_path}/calls.log
+        if [[ "$*" == *"--tune-step run"* ]]; then
+          mkdir -p {tmp_path}/carry/tune && echo '{{"event": "start"}}' >> {tmp_path}/carry/tune/tune-results.jsonl
+        fi
+        [[ "$*" == *"{hang_when}"* ]] && exec sleep 60
+        exit 0
+        """))
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return bin_dir
+
+
+def test_a_hanging_warp_specialised_head_dim_costs_only_itself(tmp_path):
+    bin_dir = _stand_ins(tmp_path, "--tune-ws only --headdims 64")
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "WS_LIMIT_S": "3",
+           "TUNE_BUDGET_S": "5", "BENCH_LIMIT_S": "5"}
+    began = time.monotonic()
+    result = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-window"), "tune", str(out), str(tmp_path / "carry")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - began < 30
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert len(calls) == 5, calls
+    settled, bench, *ws = calls
+    assert "--tune-step run" in settled and "--tune-ws exclude" in settled
+    assert bench.startswith("-m flash_attn bench gpu")
+    assert [c.split("--headdims ")[1] for c in ws] == ["128", "64", "256"]
+    assert all("--tune-ws only" in c and "--budget-s 2" in c for c in ws)
+    assert result.returncode == 1
+    assert "warp-specialised d64: rc=124" in (out / "tune-ws.log").read_text()
+    assert "warp-specialised rc=124" in result.stdout
+    assert (out / "tune-results.jsonl").read_text().count("start") == 4  # copied after the last run
