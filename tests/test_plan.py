@@ -155,6 +155,21 @@ def test_backward_fused_by_default_split_when_deterministic(target):
     assert "dq_accum" not in {b.slot for b in split.buffers}
 
 
+@pytest.mark.parametrize("family, columns, tma", [("sm90", 128, True), ("sm80", 256, False), ("sm100", 256, False)])
+def test_the_deterministic_dkdv_kernel_splits_and_streams_on_hopper(family, columns, tma):
+    """``deterministic=True`` at head dim 256: on Hopper the dK/dV kernel splits its gradient
+    columns over two programs per key block (the grid's second axis doubles) and streams Q and dO
+    by TMA, as the fused backward does; elsewhere it keeps whole rows and pointer loads."""
+    q, k = meta(2, 300, 8, 256, dtype=torch.bfloat16), meta(2, 300, 2, 256, dtype=torch.bfloat16)
+    lse = meta(2, 8, 300, dtype=torch.float32)
+    for aot in (False, True):
+        backward = P.describe_backward(q, q, k, k, q, lse, AttentionParams(0.1, -1, 0), deterministic=True)
+        dkdv = P.plan_backward(backward, P.Target(family, 132, aot=aot)).launches[1]
+        assert dkdv.kernel == "attn_bwd_dkdv_kernel"
+        assert (dkdv.constexprs["BLOCK_DOUT"], dkdv.constexprs["TMA"]) == (columns, tma)
+        assert dkdv.grid == (-(-300 // dkdv.config.block_n) * 2, 2 * 256 // columns, 1)
+
+
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
     """Full attention with an unpadded head dim (64, 128 or 256, bf16) runs the exact-call image on sm90

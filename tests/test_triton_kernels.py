@@ -285,6 +285,26 @@ def test_fused_backward_with_pointer_loads_matches_oracle(backend, case, recwarn
     check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False))
 
 
+@pytest.mark.parametrize("case", [CASES[4], CASES[5], CASES[6], CASES[16]], ids=str)
+def test_deterministic_dkdv_kernel_the_hopper_way_matches_oracle(backend, case, recwarn, monkeypatch):
+    """``deterministic=True`` on Hopper: the dK/dV kernel streams Q and dO through tensor
+    descriptors and, at head dims over 128, splits the gradient columns over two programs (as the
+    fused backward does); the interpreter's own family runs the Ampere way (pointers, whole rows).
+    Windowed d128, causal d256 + softcap, split d200 + dropout, varlen + window + dropout."""
+    if backend.name != "interpret":
+        pytest.skip("the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
+    monkeypatch.setitem(configs.TMA_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
+    monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
+    backend.module._backend.forget_plans()
+    try:
+        decl = declarations.get("attn_bwd_dkdv_kernel")
+        blocks = decl.tile_constexprs(256, configs.pick("bwd_dkdv", 256, "interpret"), "interpret")
+        assert (blocks["TMA"], blocks["BLOCK_DOUT"]) == (True, 128)
+        check_case(backend, case, deterministic=True)
+    finally:
+        backend.module._backend.forget_plans()
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[16], CASES[19]], ids=str)
 def test_forward_through_tensor_descriptors_matches_oracle(backend, case, recwarn):
     """The forward with ``tma=True`` (the sweep's "-tma" candidates): K and V through tensor

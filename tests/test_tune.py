@@ -270,6 +270,34 @@ def test_fold_writes_warp_specialisation_where_it_wins(tmp_path):
     assert (flags["WS"], flags["TMA"]) == (False, False)
 
 
+def test_the_deterministic_kernels_are_timed_deterministic(tmp_path, monkeypatch):
+    """A dK/dV or dQ candidate only runs when ``deterministic=True``: the sweep calls it so (the
+    interpreter's backend records which kernels the backward launched), and its rows say so."""
+    import flash_attn
+
+    monkeypatch.setattr(tune, "CANDIDATES", {("bwd_dkdv", "interpret"): {32: [FAST]},
+                                            ("bwd_dq", "interpret"): {32: [FAST]}})
+    calls = []
+    real = flash_attn.flash_attn_func
+    monkeypatch.setattr(flash_attn, "flash_attn_func", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    rows = [r for r in _run(tmp_path, {}) if r.get("impl") == "flash_attn"]
+    assert {r["kind"] for r in rows} == {"bwd_dkdv", "bwd_dq"} and all(r["deterministic"] and r["ok"] for r in rows)
+    assert calls and all(kw["deterministic"] for kw in calls)
+
+
+def test_fold_writes_the_deterministic_dkdv_entry(tmp_path):
+    """The dK/dV kernel has no exact-call image: its winner goes to the lean table only."""
+    results = tmp_path / tune.RESULTS
+    rows = _sweep_rows({"64x128w8s2": (3.0, 2.0), "32x128w8s2": (2.5, 1.6)}, kind="bwd_dkdv", d=128)
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    copy = tmp_path / "configs.py"
+    copy.write_text(Path(configs.__file__).read_text())
+    (lean,) = tune.fold(results, copy)
+    assert (lean["variant"], lean["winner"], lean["changed"]) == ("lean", "32x128w8s2", True)
+    assert _module(copy)["pick"]("bwd_dkdv", 128, "sm90") == C(32, 128, 8, 2)
+    assert _module(copy)["pick"]("bwd_dkdv", 64, "sm90") == configs.pick("bwd_dkdv", 64, "sm90")
+
+
 def test_the_planned_and_built_tma_follow_the_config():
     """``Config.tma`` reaches the fused backward's ``TMA`` constexpr on both sides that must agree:
     the build's specialisation and the planner's launch."""
@@ -296,10 +324,11 @@ def test_prepare_compiles_every_candidate_for_sm90a(tmp_path):
     report = tune.prepare(tmp_path, "90", [64], jobs=2, quiet=True)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     keys = {e["key"] for e in manifest["kernels"]}
+    kernels = {"fwd": "attn_fwd_kernel", "bwd_fused": "attn_bwd_kernel", "bwd_dkdv": "attn_bwd_dkdv_kernel",
+               "bwd_dq": "attn_bwd_dq_kernel"}
     for kind, d, config in tune.candidates("sm90", [64]):
         if config is not None:
-            kernel = "attn_fwd_kernel" if kind == "fwd" else "attn_bwd_kernel"
-            assert S.attention_spec(kernel, "bf16", d, config, "sm90").key in keys, (kind, config)
+            assert S.attention_spec(kernels[kind], "bf16", d, config, "sm90").key in keys, (kind, config)
     listed = json.loads((tmp_path / tune.CANDIDATES_FILE).read_text())
     assert listed["family"] == "sm90" and len(listed["candidates"]) == len(tune.candidates("sm90", [64]))
     # small enough to carry to a GPU beside the op library

@@ -240,7 +240,7 @@ def _requested_registers(ttgir: str) -> Optional[list]:
 
 TRAINING_KERNELS = ("attn_fwd_kernel", "attn_bwd_kernel")
 _PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5}
-# the fused backward with its head dim split over two programs (configs.fused_columns) also
+# the fused backward with its head dim split over two programs (configs.gradient_columns) also
 # computes the scores and dP over the other half: two more products, each half as wide
 _SPLIT_EXTRA_PRODUCTS = 2
 MIN_KEYS_PER_CTA = 128  # per dK/dV program, head dims <= 128 (FA2 and FA3 walk 128 keys)
@@ -283,7 +283,7 @@ def target_misses(row: dict) -> list[str]:
         if narrow:
             misses.append(f"wgmma N < {MIN_WGMMA_N}: {', '.join(_dot_text(d) for d in narrow)}")
     expected = _PRODUCTS_PER_STEP.get(kernel)
-    if kernel == "attn_bwd_kernel" and configs.fused_columns(row["block_d"]) < row["block_d"]:
+    if kernel == "attn_bwd_kernel" and configs.GRADIENT_COLUMNS < row["block_d"]:  # split on every family
         expected += _SPLIT_EXTRA_PRODUCTS
     if expected is not None and row.get("products_per_step") != expected:
         misses.append(f"{row.get('products_per_step')} products per step, the design does {expected}")

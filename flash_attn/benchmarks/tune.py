@@ -84,7 +84,21 @@ CANDIDATES: dict = {
         256: [C(32, 128, 8, 2), C(32, 128, 8, 1), C(16, 128, 8, 3), C(64, 128, 8, 1), C(32, 128, 8, 2, tma=False),
               SPLIT],
     },
+    # deterministic=True (timed as such: the dK/dV kernel and the dQ kernel, the other at its entry).
+    # The dK/dV kernel walks the fused backward's tiles now (64x128 at d64/d128: 24 / 176 B of
+    # stack); 32x128 keeps none at d128 but has wgmma N 32; the old 16x64 tiles replicated S
+    ("bwd_dkdv", "sm90"): {
+        64: [C(32, 128, 8, 2), C(128, 128, 8, 2), C(64, 128, 8, 2, tma=False)],
+        128: [C(32, 128, 8, 2), C(64, 128, 8, 1), C(64, 128, 8, 2, tma=False)],
+        256: [C(32, 128, 8, 1), C(16, 128, 8, 2)],
+    },
+    ("bwd_dq", "sm90"): {
+        128: [C(128, 32, 8, 2)],
+        256: [C(64, 32, 4, 2), C(64, 16, 8, 2)],
+    },
 }
+# the kinds whose kernels run for deterministic=True only: their candidates are timed so
+DETERMINISTIC_KINDS = frozenset({"bwd_dkdv", "bwd_dq"})
 
 
 # which candidates a run times, by warp specialisation (never run on a GPU before the first sweep
@@ -127,11 +141,12 @@ def _overrides(kind: str, family: str, d: int, config: Optional[configs.Config])
     return {(kind, family, bucket, variant): config for variant in _TABLE_NAMES}
 
 
-def _kernel_of(kind: str) -> str:
-    """The kernel with an exact-call image that the config kind sizes (forward, fused backward)."""
+def _kernel_of(kind: str) -> Optional[str]:
+    """The kernel with an exact-call image that the config kind sizes (forward, fused backward),
+    or ``None`` (the deterministic kernels have none)."""
     from flash_attn.planning import declarations  # noqa: PLC0415
 
-    return next(k.name for k in declarations.KERNELS.values() if k.config_kind == kind and k.exact)
+    return next((k.name for k in declarations.KERNELS.values() if k.config_kind == kind and k.exact), None)
 
 
 # a config's loads and warps as its text's suffix: Config.tma (descriptors, pointer loads, the
@@ -295,11 +310,14 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
     for kind, cand_d, config in candidates(family, [d], ws):
         row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
         write({**shape, "event": "begin", "kind": kind, "config": row["config"]})
+        deterministic = kind in DETERMINISTIC_KINDS
+        if deterministic:
+            row["deterministic"] = True
         try:
             with configs.overridden(_overrides(kind, family, d, config)):
                 _forget_plans(backend)
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                o = flash_attn_func(*leaves, causal=causal)
+                o = flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
                 g = torch.autograd.grad(o, leaves, dout, retain_graph=True)
                 errors = [_rel_error(o, ref_out)] + [_rel_error(a, b) for a, b in zip(g, ref_grads)]
                 row.update(backend_ran=dispatch.last_backend(), max_rel_error=max(errors),
@@ -348,8 +366,8 @@ def winners(rows: list[dict]) -> list[dict]:
     out = []
     for (kind, d), group in sorted(groups.items()):
         out.append(_winner(kind, family, d, "lean", group))
-        decl = declarations.get(_kernel_of(kind))
-        if family and decl.ships_exact_image(family, configs.padded_headdim(d), "bf16"):
+        kernel = _kernel_of(kind)
+        if family and kernel and declarations.get(kernel).ships_exact_image(family, configs.padded_headdim(d), "bf16"):
             out.append(_winner(kind, family, d, "exact", [r for r in group if not r["causal"]]))
     return out
 

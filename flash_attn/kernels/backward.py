@@ -333,9 +333,13 @@ def attn_bwd_dkdv_kernel(
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch, nheads_k)``; ``LSE``/``Delta`` share strides.
+    """dK/dV of ``deterministic=True`` (no atomics; :func:`attn_bwd_dq_kernel` computes dQ): grid
+    ``(cdiv(max_seqlen_k, BLOCK_N) * batch, nheads_k * BLOCK_D // BLOCK_DOUT)``, the fused
+    backward's program without dQ (its head-dim split and tensor descriptors where the planner
+    sets them); ``LSE``/``Delta`` share strides.
 
     dK/dV have K/V's shape (``(b, sk, hk, d)`` or ``(total_k, hk, d)``) and dtype.
     """
@@ -346,7 +350,7 @@ def attn_bwd_dkdv_kernel(
         0, 0, 0, stride_lb, stride_lh, stride_ab,
         seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
         dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, False, BLOCK_M, BLOCK_N, BLOCK_D,
-        BLOCK_D, False)
+        BLOCK_DOUT, TMA)
 
 
 @triton.jit

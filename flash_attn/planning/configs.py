@@ -80,14 +80,16 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims.
     ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2)),
-    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 8, 2), _C(16, 64, 8, 2)),
-    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 16, 8, 2)),
+    # deterministic=True: dK/dV as the fused backward walks it (128 keys on two warpgroups, Q and
+    # dO by TMA, d256's head dim split over two programs), dQ on 128-row tiles (64 replicated S)
+    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2)),
+    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 32, 8, 2)),
     # The fused backward (deterministic=False). None: the split dK/dV + dQ kernels run instead
     # (benchmarks/README.md, "The fused backward"). On mma.sync (sm80, sm86, sm120) the fused
     # kernel replicates or spills KBs where the split ones do not, and neither is measured there.
     # Hopper: 128 keys per program on two warpgroups (no replicated product), 64 queries per
     # step, wgmma N >= 64 on the main products; it spills (d128: ~0.8 KB), which the sweep weighs.
-    # d256 splits the head dim over two programs (FUSED_BACKWARD_COLUMNS): 32 queries a step in
+    # d256 splits the head dim over two programs (GRADIENT_COLUMNS): 32 queries a step in
     # two stages is the tile whose operands still fit the 227 KB of shared memory.
     ("bwd_fused", "sm80"): (None, None, None, None),
     ("bwd_fused", "sm86"): (None, None, None, None),
@@ -112,8 +114,8 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
     ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None),
     ("fwd", "sm90"): (None, _F, _F, None),
-    ("bwd_dkdv", "sm90"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
-    ("bwd_dq", "sm90"): (None, None, _C(64, 32, 8, 2), None),
+    ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None),
+    ("bwd_dq", "sm90"): (None, None, _C(128, 32, 8, 2), None),
     # d128: the lean 64x128 keeps ~1.1 KB of stack and ~1,250 spill instructions in its loop with
     # the features' live tiles; 32 queries a step in two stages: 0.4 KB and 85
     # d64: the lean 128x128 (the sweep's) keeps 1.6 KB of stack and ~1,600 spill instructions in
@@ -238,16 +240,21 @@ def fused_backward(headdim: int, family: str, features: bool = False, exact: boo
     return pick("bwd_fused", headdim, family, features, exact)
 
 
-# The fused backward's gradient columns per program: at head dim 256 two programs share a key
-# block, each recomputing the scores and dP over all 256 columns (seven half-width products per
-# tile pair instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md).
-# At least half of BLOCK_D: the kernel splits the head dim over at most two programs.
-FUSED_BACKWARD_COLUMNS = 128
+# The gradient columns per dK/dV program: at head dim 256 two programs share a key block, each
+# recomputing the scores and dP over all 256 columns (seven half-width products per tile pair
+# instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md). At least
+# half of BLOCK_D: the kernels split the head dim over at most two programs. Where: the fused
+# backward everywhere, the deterministic dK/dV kernel on the families listed (Hopper; elsewhere
+# it keeps whole rows on its small tiles, as measured before the split existed).
+GRADIENT_COLUMNS = 128
+SPLIT_COLUMN_FAMILIES = {"bwd_dkdv": frozenset({"sm90"})}
 
 
-def fused_columns(block_d: int) -> int:
-    """``BLOCK_DOUT`` of the fused backward for ``BLOCK_D``."""
-    return min(block_d, FUSED_BACKWARD_COLUMNS)
+def gradient_columns(kind: str, family: str, block_d: int) -> int:
+    """``BLOCK_DOUT`` of the dK/dV program sized by ``kind`` on ``family`` for ``BLOCK_D``."""
+    if kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ()):
+        return min(block_d, GRADIENT_COLUMNS)
+    return block_d
 
 
 # Where a kernel streams its tiles through tensor descriptors (the tensor memory accelerator, TMA)
@@ -255,7 +262,7 @@ def fused_columns(block_d: int) -> int:
 # fused backward's Q and dO on Hopper: dropping the address arithmetic halves its loop's register
 # spills (benchmarks/README.md); the interpreter runs the Hopper kernels' path. The forward's K
 # and V: nowhere by default (it spills only at d256, 8-48 B; the sweep times its "-tma" candidates).
-TMA_FAMILIES = {"bwd_fused": frozenset({"sm90", "interpret"}), "fwd": frozenset()}
+TMA_FAMILIES = {"bwd_fused": frozenset({"sm90", "interpret"}), "bwd_dkdv": frozenset({"sm90"}), "fwd": frozenset()}
 
 
 def uses_tma(kind: str, family: str, config: Optional[Config] = None) -> bool:

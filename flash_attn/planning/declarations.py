@@ -85,13 +85,13 @@ class Kernel:
     def tile_constexprs(self, block_d: int, config: "configs.Config", family: str) -> dict:
         """The constexprs a launch config fixes on ``family`` (the planner's launch and the
         build's image agree through this): the blocks it declares, the fused backward's gradient
-        columns (:func:`configs.fused_columns`), its tensor-descriptor switch
+        columns (:func:`configs.gradient_columns`), its tensor-descriptor switch
         (:func:`configs.uses_tma`) and warp specialisation (:func:`configs.uses_ws`)."""
         out = {"BLOCK_M": config.block_m, "BLOCK_D": block_d}
         if "BLOCK_N" in self.constexprs:
             out["BLOCK_N"] = config.block_n
         if "BLOCK_DOUT" in self.constexprs:
-            out["BLOCK_DOUT"] = configs.fused_columns(block_d)
+            out["BLOCK_DOUT"] = configs.gradient_columns(self.config_kind, family, block_d)
         if "TMA" in self.constexprs:
             out["TMA"] = configs.uses_tma(self.config_kind, family, config)
         if "WS" in self.constexprs:
@@ -190,7 +190,7 @@ _DECLARED = (
            _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True,
            args=_args(_BWD_POINTERS, "dK dV CuSeqlensQ CuSeqlensK AlibiSlopes DropoutSeed", _strides("q k v do dk dv"),
                       _strides("l", "bh"), "stride_ab", _BWD_SIZES, _SCORES),
-           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES)),
+           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES, "BLOCK_DOUT TMA")),
     Kernel("attn_bwd_dq_kernel", "flash_attn.kernels.backward", "bwd_dq",
            _pointers(dt="Q K V dOut dQ", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
            _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True,
