@@ -580,6 +580,33 @@ def test_overhead_packed_training_finds_its_plans():
     assert all(by_case[case]["plans_per_call"] == 0 for case in ("forward", "forward+backward", "decode step"))
 
 
+def test_overhead_repeats_one_captured_aot_launch():
+    """Device mode's "one aot launch" row repeats a forward's launch alone: here, with the launch
+    stubbed (no GPU), the captured arguments are the forward's (its kernel id, grid, tensors
+    out/lse among them) and repeating them reaches the op library's launch each time."""
+    from flash_attn import flash_attn_func  # noqa: PLC0415
+    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+
+    try:
+        stub = overhead.stubbed_aot()
+        launches = stub.__enter__()
+    except RuntimeError as exc:  # no aot installation (manifest, op library) to stub
+        pytest.skip(str(exc))
+    try:
+        q = torch.randn(1, 128, 16, 128).to(torch.bfloat16)
+        launch, (kernel, grid, tensors, ints, floats) = overhead._captured_launch(
+            lambda: flash_attn_func(q, q, q, causal=True))
+        assert isinstance(kernel, int) and len(grid) == 3 and len(tensors) >= 5 and ints and floats
+        before = launches[0]
+        for _ in range(3):
+            launch(kernel, grid, tensors, ints, floats)
+        assert launches[0] == before + 3
+        with pytest.raises(RuntimeError, match="launched nothing"):
+            overhead._captured_launch(lambda: None)
+    finally:
+        stub.__exit__(None, None, None)
+
+
 def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
     """``--profile`` writes, per case, where host time goes: the public entry point and the
     dispatcher appear with their cumulative time, at least the whole call's own time in sum."""

@@ -136,6 +136,22 @@ def test_sm90a_training_images_meet_the_static_targets(report):
         assert r["spill_ops_in_loops"] is not None and r["wgmma_wait_max"] is not None
 
 
+def test_sm90a_deterministic_images_meet_the_static_targets(report):
+    """``deterministic=True``'s dK/dV and dQ images of sm_90a (lean and score-features, fp16 and
+    bf16, every head dim): no replicated product, wgmma with the widest N their tiles allow, 4
+    (dK/dV; 6 with d256's column split) and 3 (dQ) products per step, >= 128 keys per dK/dV program
+    at head dims <= 128, Q and dO of the dK/dV kernel through tensor descriptors."""
+    rows = [r for r in report["kernels"] if r["arch"] == "sm_90a" and r["image"] == "cubin"
+            and r["kernel"] in R.DETERMINISTIC_KERNELS]
+    assert {(r["kernel"], r["block_d"]) for r in rows} == {(k, d) for k in R.DETERMINISTIC_KERNELS
+                                                           for d in (32, 64, 128, 256)}
+    misses = {r["key"]: R.target_misses(r) for r in rows}
+    assert not {k: v for k, v in misses.items() if v}, json.dumps(misses, indent=1)
+    assert all(r["tma"] is (r["kernel"] == "attn_bwd_dkdv_kernel") for r in rows)
+    split = [r for r in rows if r["kernel"] == "attn_bwd_dkdv_kernel" and r["block_d"] == 256]
+    assert split and all(r["products_per_step"] == 6 for r in split)
+
+
 # sm_100a: the shipped forward, and the fused backward as the sweep's Blackwell candidate (not
 # shipped yet: configs.fused_backward; head dim 256 has none: dK and dV alone fill the 512
 # tensor-memory columns)
@@ -204,6 +220,22 @@ def test_a_planted_16_row_tile_fails_the_targets():
     assert any("replicated work" in m for m in misses), misses
     assert any("keys per dK/dV program" in m for m in misses), misses
     assert any("wgmma N <" in m for m in misses), misses
+
+
+def test_the_dkdv_kernels_products_follow_its_column_split():
+    """dK/dV at head dim 256 splits its columns on Hopper (6 products a step), not on Blackwell
+    (4): the same row meets the target on one and misses it on the other; a replicated 64-key
+    tile (the old sm_90a entry) misses it."""
+    dots = [{"family": "wgmma", "shape": [128, 32, 128], "instr_n": 32, "replication": 1, "in_loop": True},
+            {"family": "wgmma", "shape": [128, 128, 32], "instr_n": 128, "replication": 1, "in_loop": True}]
+    row = {"key": "k", "kernel": "attn_bwd_dkdv_kernel", "arch": "sm_90a", "block_d": 256, "ptx_mma": ["wgmma"],
+           "products_per_step": 6, "keys_per_cta": 128, "dots": dots}
+    assert R.target_misses(row) == []
+    assert any("6 products per step, the design does 4" in m for m in R.target_misses({**row, "arch": "sm_100a"}))
+    old = {**row, "block_d": 128, "products_per_step": 4, "keys_per_cta": 64,
+           "dots": [{"family": "wgmma", "shape": [64, 16, 128], "instr_n": 8, "replication": 2, "in_loop": True}]}
+    misses = R.target_misses(old)
+    assert any("replicated work" in m for m in misses) and any("keys per dK/dV program" in m for m in misses)
 
 
 def test_an_empty_kernel_fails_the_targets():

@@ -29,7 +29,7 @@ import math
 import re
 from typing import Optional
 
-from flash_attn.planning import configs
+from flash_attn.planning import configs, declarations
 
 __all__ = ["analyse", "dots", "layouts", "replication", "sass_loop_spills", "STEP_KERNEL_KINDS"]
 
@@ -239,7 +239,10 @@ def _requested_registers(ttgir: str) -> Optional[list]:
 # --- the static targets of the training kernels -----------------------------------------------------
 
 TRAINING_KERNELS = ("attn_fwd_kernel", "attn_bwd_kernel")
-_PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5}
+# deterministic=True's kernels: held to the same targets on sm_90a, where they walk the fused
+# backward's tiles (their Blackwell and Ampere tables are older and unmeasured)
+DETERMINISTIC_KERNELS = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+_PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}
 # the fused backward with its head dim split over two programs (configs.gradient_columns) also
 # computes the scores and dP over the other half: two more products, each half as wide
 _SPLIT_EXTRA_PRODUCTS = 2
@@ -248,15 +251,16 @@ MIN_WGMMA_N = 64
 
 
 def target_misses(row: dict) -> list[str]:
-    """Why one build-report row of a training kernel (forward, fused backward) on sm_90a or
-    sm_100a misses the static targets; empty when it meets them:
+    """Why one build-report row of a training kernel (forward, fused backward; on sm_90a also the
+    deterministic dK/dV and dQ kernels) on sm_90a or sm_100a misses the static targets; empty when
+    it meets them:
 
     * no product computed by more than one warp (replication 1);
     * the main products (those over the program's own rows: the backward's keys, the forward's
       queries; the backward's per-step dQ product is not one) on the architecture's tensor cores: wgmma with
       N >= 64 (or the product's whole N, at head dim 32) on sm_90a, tcgen05 on sm_100a;
-    * the products per step of the design (forward 2, fused backward 5: nothing recomputed; 7
-      half-width ones where the head dim is split over two programs);
+    * the products per step of the design (forward 2, fused backward 5, dK/dV 4, dQ 3: nothing
+      recomputed; two more, half-width, where the head dim is split over two programs);
     * at head dims <= 128, at least 128 keys per dK/dV program.
     """
     misses = []
@@ -283,7 +287,8 @@ def target_misses(row: dict) -> list[str]:
         if narrow:
             misses.append(f"wgmma N < {MIN_WGMMA_N}: {', '.join(_dot_text(d) for d in narrow)}")
     expected = _PRODUCTS_PER_STEP.get(kernel)
-    if kernel == "attn_bwd_kernel" and configs.GRADIENT_COLUMNS < row["block_d"]:  # split on every family
+    kind = declarations.get(kernel).config_kind
+    if expected is not None and configs.gradient_columns(kind, _family(arch), row["block_d"]) < row["block_d"]:
         expected += _SPLIT_EXTRA_PRODUCTS
     if expected is not None and row.get("products_per_step") != expected:
         misses.append(f"{row.get('products_per_step')} products per step, the design does {expected}")
@@ -291,6 +296,12 @@ def target_misses(row: dict) -> list[str]:
     if keys is not None and row.get("block_d", 0) <= 128 and keys < MIN_KEYS_PER_CTA:
         misses.append(f"{keys} keys per dK/dV program (< {MIN_KEYS_PER_CTA})")
     return misses
+
+
+def _family(arch: str) -> str:
+    """The config family of a cubin architecture name (``sm_90a`` -> ``sm90``)."""
+    digits = re.match(r"sm_(\d+)", arch).group(1)
+    return configs.arch_family((int(digits[:-1]), int(digits[-1])))
 
 
 def _dot_text(d: dict) -> str:

@@ -10,7 +10,10 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   argument checks and ``cuLaunchKernel`` (a few microseconds per launch), and the CUDA caching
   allocator (CPU allocations stand in for it).
 * ``device`` (a CUDA GPU): the same calls for real; small shapes, so the time per call is what a
-  host-bound loop (decoding) pays: wall clock over many calls, the device synchronised once.
+  host-bound loop (decoding) pays: wall clock over many calls, the device synchronised once. Two
+  more rows split a call's cost: one launch through the op library alone (a forward's kernel with
+  the arguments its call packed: the library's checks, the stable-ABI call, ``cudaLaunchKernelExC``)
+  and, for scale, one PyTorch kernel launch.
 
 Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
 time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
@@ -37,6 +40,7 @@ from flash_attn.planning import configs
 from flash_attn.planning.plan import Target
 
 CASES = ("forward", "forward+backward", "packed training", "decode step")
+LAUNCH_CASES = ("one aot launch", "one PyTorch launch")  # device mode only
 
 # packed batches: distinct totals, so that no two calls of a timing run have the same lengths
 # (more than the warm-up and timed calls of the defaults: 20 + 5 x 200)
@@ -96,6 +100,37 @@ def _calls(device) -> dict[str, Callable[[], object]]:
         "decode step": lambda: flash_attn_with_kvcache(step_q, k_cache, v_cache, step_k, step_v,
                                                        cache_seqlens=seqlens, causal=True),
     }
+
+
+def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
+    """``(launch, args)``: the op library's launch and the arguments of the last launch ``call``
+    made through it (on the ``aot`` backend), to repeat that launch alone."""
+    launch = aot._launch_op()
+    captured = []
+
+    def recording(*args):
+        captured.append(args)
+        return launch(*args)
+
+    saved = aot._launch_op
+    aot._launch_op = lambda: recording
+    try:
+        call()
+    finally:
+        aot._launch_op = saved
+    if not captured:
+        raise RuntimeError("the call launched nothing through the aot backend's op library (FLASH_ATTN_BACKEND=aot?)")
+    return launch, captured[-1]
+
+
+def _launch_calls(device) -> dict[str, Callable[[], object]]:
+    """One forward kernel launched again through the op library, and one PyTorch kernel launch
+    (an in-place add on 16 numbers)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 128, 16, 128, generator=g).to(torch.bfloat16).to(device)
+    launch, args = _captured_launch(lambda: flash_attn_func(q, q, q, causal=True))
+    x = torch.zeros(16, device=device)
+    return {"one aot launch": lambda: launch(*args), "one PyTorch launch": lambda: x.add_(1.0)}
 
 
 @contextlib.contextmanager
@@ -168,10 +203,12 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
     if mode == "device":
         if not torch.cuda.is_available():
             raise RuntimeError("device mode needs a CUDA GPU")
-        for name, fn in _calls(torch.device("cuda")).items():
+        device = torch.device("cuda")
+        for name, fn in {**_calls(device), **_launch_calls(device)}.items():
             times = _time(fn, calls, repeats, torch.cuda.synchronize)
             rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),
-                         "us_min": min(times), "us_max": max(times), "launches_per_call": None})
+                         "us_min": min(times), "us_max": max(times),
+                         "launches_per_call": 1 if name in LAUNCH_CASES else None})
             if profiles is not None:
                 profiles[name] = profile_text(fn, calls, torch.cuda.synchronize)
         return rows
