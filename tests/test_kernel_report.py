@@ -212,6 +212,24 @@ def test_fused_backward_ships_on_hopper_only():
 
 
 @pytest.mark.slow
+def test_sm90a_fused_backward_with_dq_by_tma_reductions():
+    """The sweep's "-red" candidates compile to TMA bulk reductions for dQ
+    (``cp.reduce.async.bulk.tensor``), meet the static targets and fit shared memory within the
+    estimate."""
+    from flash_attn.benchmarks import tune
+
+    red = [(d, c) for (kind, family), by_d in tune.CANDIDATES.items() if (kind, family) == ("bwd_fused", "sm90")
+           for d, cands in by_d.items() for c in cands if c is not None and c.dq_tma]
+    assert {d for d, _ in red} == {64, 128, 256}
+    for d, config in red:
+        row = _compile_row("attn_bwd_kernel", d, config, 90)
+        assert row["tma_reduce"] and row["tma"], (d, config)
+        assert R.target_misses(row) == [], (d, config, R.target_misses(row))
+        assert row["dynamic_shared"] <= configs.estimate_shared_memory("bwd_fused", config, d, "sm90") \
+            <= configs.SHARED_MEMORY_LIMIT["sm90"]
+
+
+@pytest.mark.slow
 def test_a_planted_16_row_tile_fails_the_targets():
     """The old dK/dV tile (16 queries x 64 keys, 8 warps) in the fused kernel: both warpgroups
     compute the same 64-key products, and 64 keys per program is below the target."""

@@ -242,6 +242,19 @@ def test_the_fused_backward_streams_through_tensor_descriptors_where_its_config_
 
 
 @pytest.mark.parametrize("aot", [False, True], ids=["jit", "aot"])
+def test_the_fused_backward_adds_dq_by_tma_reductions_where_its_config_says(aot):
+    """``TMA_DQ``: off with the table's configs; on where a config asks for it on Hopper (the
+    sweep's "-red" candidates), never on families without it (Blackwell's fused candidates)."""
+    assert _main_launch("backward", 128, False, "sm90", 0.0, torch.bfloat16, aot).constexprs["TMA_DQ"] is False
+    red = configs.Config(64, 128, 8, 2, dq_tma=True)
+    with configs.overridden(_d128_everywhere("bwd_fused", "sm90", red)):
+        launch = _main_launch("backward", 128, True, "sm90", 0.0, torch.bfloat16, aot)
+    assert launch.kernel == "attn_bwd_kernel" and launch.constexprs["TMA_DQ"] is True and launch.config == red
+    with configs.overridden(_d128_everywhere("bwd_fused", "sm100", red)):
+        assert _main_launch("backward", 128, False, "sm100", 0.0, torch.bfloat16, aot).constexprs["TMA_DQ"] is False
+
+
+@pytest.mark.parametrize("aot", [False, True], ids=["jit", "aot"])
 def test_the_forward_is_warp_specialised_where_its_config_says(aot):
     """``WS`` of the forward: off with the table's configs, on (with ``TMA``) where a config asks
     for it on Hopper; the launch keeps the config's num_warps (Triton adds the partitions' warps,

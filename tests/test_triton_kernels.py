@@ -285,6 +285,20 @@ def test_fused_backward_with_pointer_loads_matches_oracle(backend, case, recwarn
     check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False))
 
 
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6], CASES[16]], ids=str)
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_fused_backward_with_dq_by_tma_reductions_matches_oracle(backend, case, block_m, recwarn):
+    """``dq_tma=True`` (the sweep's "-red" candidates): the fused backward adds dQ by tensor-
+    descriptor reductions, whose bounds drop the rows past the sequence and the columns past the
+    head dim (MQA + causal at d59, windowed d128, split d200 + dropout, varlen + window +
+    dropout), after a dQ^T product (16 queries a step) or a plain one (64). The interpreter runs
+    the reduction through the stand-in of flash_attn/backends/_interpreter.py (its meaning, not
+    the hardware's ordering: a GPU run checks that)."""
+    config = configs.Config(block_m, 32, 1, 1, dq_tma=True)
+    assert declarations.get("attn_bwd_kernel").tile_constexprs(128, config, "interpret")["TMA_DQ"] is True
+    check_case_with(backend, case, "bwd_fused", config)
+
+
 @pytest.mark.parametrize("case", [CASES[4], CASES[5], CASES[6], CASES[16]], ids=str)
 def test_deterministic_dkdv_kernel_the_hopper_way_matches_oracle(backend, case, recwarn, monkeypatch):
     """``deterministic=True`` on Hopper: the dK/dV kernel streams Q and dO through tensor

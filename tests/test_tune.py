@@ -298,6 +298,25 @@ def test_fold_writes_the_deterministic_dkdv_entry(tmp_path):
     assert _module(copy)["pick"]("bwd_dkdv", 64, "sm90") == configs.pick("bwd_dkdv", 64, "sm90")
 
 
+def test_fold_writes_dq_by_tma_reductions_where_they_win(tmp_path):
+    """A "-red" candidate (dQ by TMA reductions) that wins the d128 fused backward folds to
+    ``dq_tma=True``, which the build and the planner then compile and launch on Hopper."""
+    results = tmp_path / tune.RESULTS
+    rows = _sweep_rows({"64x128w8s2": (2.0, 1.2), "64x128w8s2-red": (1.6, 1.0)}, kind="bwd_fused", d=128)
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    copy = tmp_path / "configs.py"
+    copy.write_text(Path(configs.__file__).read_text())
+    lean, exact = tune.fold(results, copy)
+    assert (lean["winner"], lean["changed"]) == ("64x128w8s2-red", True)
+    module = _module(copy)
+    picked = module["pick"]("bwd_fused", 128, "sm90")
+    assert picked == C(64, 128, 8, 2, dq_tma=True) and tune._parse_config(tune._config_text(picked)) == picked
+    assert module["uses_dq_tma"]("bwd_fused", "sm90", picked) and not module["uses_dq_tma"]("bwd_fused", "sm80", picked)
+    from flash_attn.aot import specializations as S
+
+    assert dict(S.attention_spec("attn_bwd_kernel", "bf16", 128, picked, "sm90").flags)["TMA_DQ"] is True
+
+
 def test_the_planned_and_built_tma_follow_the_config():
     """``Config.tma`` reaches the fused backward's ``TMA`` constexpr on both sides that must agree:
     the build's specialisation and the planner's launch."""

@@ -13,14 +13,16 @@ reports per image:
 * ``spill_ops_in_loops``: register spill loads/stores (``LDL``/``STL``) inside SASS loops, where
   they cost on every step (a spill outside loops is paid once);
 * ``ctas_per_sm`` from registers x threads (every warp the image runs: a warp-specialised one's
-  partitions too) and shared memory; TMA (``cp.async.bulk.tensor``);
+  partitions too) and shared memory; TMA (``cp.async.bulk.tensor``) and TMA reductions
+  (``cp.reduce.async.bulk.tensor``: the fused backward's dQ with ``dq_tma``);
   ``wgmma_wait_max``: the most wgmma groups left in flight at a wait (0: every wgmma is waited on
   at once, no overlap of the tensor cores with the softmax);
 * ``warp_specialized``: Triton split the kernel into producer and consumer warp groups
   (``ttg.warp_specialize``; ``requested_registers``: the registers each partition asks for).
 
 These are necessary conditions for speed, not proof of it: only a GPU says how fast. Pure text
-parsing (no triton, no torch; the launch-config table for what the design computes).
+parsing (no triton, no torch; the launch-config table and the kernel declarations for what
+the design computes).
 """
 
 from __future__ import annotations
@@ -225,6 +227,7 @@ def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: in
         "dynamic_shared": shared,
         "ctas_per_sm": ctas_per_sm(regs, threads, shared, shared_limit),
         "tma": "cp.async.bulk.tensor" in ptx,
+        "tma_reduce": "cp.reduce.async.bulk.tensor" in ptx,
         "wgmma_wait_max": max(waits) if waits else None,
         "warp_specialized": "ttg.warp_specialize(" in ttgir,
         "requested_registers": _requested_registers(ttgir),

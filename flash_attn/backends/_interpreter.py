@@ -28,6 +28,13 @@ ahead-of-time compiler see (no interpreter-only flag in the variant matrix or in
 the patch only changes behaviour for bf16 operands, which the unpatched interpreter gets wrong
 anyway. Kernels must still do all elementwise arithmetic in fp32 (they convert after loading),
 because bf16 elementwise math is equally wrong in the interpreter; loads, stores and casts are fine.
+
+Tensor-descriptor reductions (``desc.atomic_add``: TMA's ``cp.reduce.async.bulk.tensor``, which
+the fused backward may use for dQ) are missing from Triton 3.9's interpreter. Where the interpreter
+has none, our launches get a stand-in with the instruction's meaning: the block added element by
+element at the descriptor's offsets, what lies outside its shape dropped (the descriptor's own
+bounds, as its loads use them). What it cannot show: the hardware's ordering and the staging
+through shared memory (a GPU run checks those; ``bench tune`` compares every candidate's output).
 """
 
 from __future__ import annotations
@@ -162,6 +169,20 @@ def _bf16_as_fp32(handle):
     return interp.TensorHandle((data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
 
+def _descriptor_reduce_stand_in(builder):
+    """``create_descriptor_reduce`` (add only) for an interpreter builder that lacks it."""
+    ir = _interpreter()._ir
+
+    def create_descriptor_reduce(kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"descriptor reduction {kind} in the interpreter")
+        ptrs, mask = desc.materialize_pointers(indices)
+        op = ir.ATOMIC_OP.FADD if value.dtype.scalar.is_floating() else ir.ATOMIC_OP.ADD
+        return builder.create_atomic_rmw(op, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU)
+
+    return create_descriptor_reduce
+
+
 @contextlib.contextmanager
 def interpreter_scope():
     """While open: ``triton.language``'s jit helpers are interpreted and bf16 ``dot`` is exact.
@@ -195,11 +216,14 @@ def interpreter_scope():
             # what InterpretedFunction.__call__ would redo on every helper call, done once
             lang_scope = interp._patch_lang(types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core}))
             builder.create_dot = create_dot
+            if not hasattr(builder, "create_descriptor_reduce"):
+                builder.create_descriptor_reduce = _descriptor_reduce_stand_in(builder)
             yield
         finally:
             _depth -= 1
-            if "create_dot" in vars(builder):
-                del builder.create_dot  # the instance attribute; the class method shows again
+            for name in ("create_dot", "create_descriptor_reduce"):
+                if name in vars(builder):
+                    delattr(builder, name)  # the instance attribute; the class's shows again (or none)
             if lang_scope is not None:
                 lang_scope.restore()
             for module, name, value in reversed(saved):

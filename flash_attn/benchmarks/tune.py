@@ -74,15 +74,18 @@ CANDIDATES: dict = {
         128: [C(64, 128, 8, 1), SPLIT],
     },
     # "-ptr" (tma=False): the table's tile with pointer loads instead of tensor descriptors (the
-    # static report says TMA halves the loop's spills; this measures what that is worth)
+    # static report says TMA halves the loop's spills; this measures what that is worth). "-red"
+    # (dq_tma=True): dQ by TMA bulk reductions instead of per-element atomics (FA3's way; d128 exact
+    # 62 -> 12 spill instructions in the loop, d64 38 -> 3)
     ("bwd_fused", "sm90"): {
-        64: [C(64, 128, 8, 2), C(64, 128, 8, 1), C(128, 128, 8, 2), C(128, 128, 8, 2, tma=False), SPLIT],
+        64: [C(64, 128, 8, 2), C(64, 128, 8, 1), C(128, 128, 8, 2), C(128, 128, 8, 2, tma=False), SPLIT,
+             C(128, 128, 8, 2, dq_tma=True), C(64, 128, 8, 2, dq_tma=True)],
         128: [C(64, 128, 8, 2), C(64, 128, 8, 3), C(64, 128, 8, 1), C(32, 128, 8, 2), C(32, 128, 8, 1),
-              C(64, 128, 8, 2, tma=False), SPLIT],
+              C(64, 128, 8, 2, tma=False), SPLIT, C(64, 128, 8, 2, dq_tma=True)],
         # d256 (the head dim split): 64x64 tiles measured 4x slower than 32x128 (replicated,
         # spilled); 16x128 s3 is the tile without a spill in its loop, 64x128 s1 the widest
         256: [C(32, 128, 8, 2), C(32, 128, 8, 1), C(16, 128, 8, 3), C(64, 128, 8, 1), C(32, 128, 8, 2, tma=False),
-              SPLIT],
+              SPLIT, C(32, 128, 8, 2, dq_tma=True)],
     },
     # deterministic=True (timed as such: the dK/dV kernel and the dQ kernel, the other at its entry).
     # The dK/dV kernel walks the fused backward's tiles now (64x128 at d64/d128: 24 / 176 B of
@@ -150,14 +153,16 @@ def _kernel_of(kind: str) -> Optional[str]:
 
 
 # a config's loads and warps as its text's suffix: Config.tma (descriptors, pointer loads, the
-# default) and Config.ws (warp specialised, which streams through descriptors whatever tma says)
+# default) and Config.ws (warp specialised, which streams through descriptors whatever tma says);
+# then "-red" for Config.dq_tma (dQ by TMA reductions)
 _SUFFIXES = {(True, False): "-tma", (False, False): "-ptr", (None, False): "", (None, True): "-ws"}
+_DQ_TMA_SUFFIX = "-red"
 
 
 def _config_text(config: Optional[configs.Config]) -> str:
     if config is None:
         return "split"
-    suffix = _SUFFIXES[(None if config.ws else config.tma, config.ws)]
+    suffix = _SUFFIXES[(None if config.ws else config.tma, config.ws)] + (_DQ_TMA_SUFFIX if config.dq_tma else "")
     return f"{config.block_m}x{config.block_n}w{config.num_warps}s{config.num_stages}{suffix}"
 
 
@@ -416,9 +421,10 @@ def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[
 def _parse_config(text: str) -> Optional[configs.Config]:
     if text == "split":
         return None
-    m, n, w, s, suffix = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(-\w+)?", text).groups()
+    m, n, w, s, suffix, red = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(-tma|-ptr|-ws)?(%s)?" % _DQ_TMA_SUFFIX,
+                                           text).groups()
     tma, ws = {text: flags for flags, text in _SUFFIXES.items()}[suffix or ""]
-    return configs.Config(int(m), int(n), int(w), int(s), tma, ws)
+    return configs.Config(int(m), int(n), int(w), int(s), tma, ws, bool(red))
 
 
 def _entry_text(config: Optional[configs.Config]) -> str:
@@ -426,7 +432,8 @@ def _entry_text(config: Optional[configs.Config]) -> str:
         return "None"
     tma = "" if config.tma is None else f", tma={config.tma}"
     ws = ", ws=True" if config.ws else ""
-    return f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma}{ws})"
+    dq_tma = ", dq_tma=True" if config.dq_tma else ""
+    return f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma}{ws}{dq_tma})"
 
 
 def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True) -> list[dict]:

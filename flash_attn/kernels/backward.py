@@ -92,16 +92,18 @@ def _query_rows(src, start_m, stride_s, col0, c_mask, seqlen_q, MASKED: tl.const
 @triton.jit
 def _dkdv_query_tiles(
     dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
-    Q_src, dO_src, dQ_head, L_head, D_head, lo, hi,
+    Q_src, dO_src, dQ_dst, L_head, D_head, lo, hi,
     stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_DOUT: tl.constexpr, SPLIT_D: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_DOUT: tl.constexpr, SPLIT_D: tl.constexpr, TMA: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
     """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head;
-    with ``ATOMIC_DQ`` also add this key block's share of dQ (unscaled, fp32) into ``dQ_head``.
+    with ``ATOMIC_DQ`` also add this key block's share of dQ (unscaled, fp32) into ``dQ_dst``:
+    the head's first row (per-element atomics) or, with ``TMA_DQ``, its tensor descriptor (one
+    bulk reduction per tile, its bounds dropping what lies past the rows and the head dim).
     The gradients cover the ``BLOCK_DOUT`` head-dim columns from ``o_start`` (``k``/``v`` hold
     them). With ``SPLIT_D`` these are half of the columns and those from ``r_start``
     (``k_rest``/``v_rest``) the other half: the scores and dP are summed over both halves, the
@@ -159,13 +161,16 @@ def _dkdv_query_tiles(
                 dq = tl.trans(tl.dot(tl.trans(k), ds_t))
             else:
                 dq = tl.dot(tl.trans(ds_t), k)
-            dq_ptrs = row_ptrs(dQ_head, start_m, stride_dqs, BLOCK_M)[:, None] + offs_o[None, :]
-            if MASKED:
-                tl.atomic_add(dq_ptrs, dq, mask=(offs_m < seqlen_q)[:, None] & o_mask[None, :], sem="relaxed")
-            elif PAD_HEADDIM:
-                tl.atomic_add(dq_ptrs, dq, mask=o_mask[None, :], sem="relaxed")
+            if TMA_DQ:
+                dQ_dst.atomic_add([start_m, o_start], dq)
             else:
-                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
+                dq_ptrs = row_ptrs(dQ_dst, start_m, stride_dqs, BLOCK_M)[:, None] + offs_o[None, :]
+                if MASKED:
+                    tl.atomic_add(dq_ptrs, dq, mask=(offs_m < seqlen_q)[:, None] & o_mask[None, :], sem="relaxed")
+                elif PAD_HEADDIM:
+                    tl.atomic_add(dq_ptrs, dq, mask=o_mask[None, :], sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -186,10 +191,11 @@ def _dkdv_program(
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
     """One key block of one kv head: dK/dV over every query tile of the group's heads that sees
-    it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``). With
+    it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``; with ``TMA_DQ``
+    by TMA bulk reductions). With
     ``BLOCK_DOUT < BLOCK_D`` the gradients' head-dim columns are split over ``BLOCK_D //
     BLOCK_DOUT`` (at most two) programs (grid axis 1 is kv head x part): each recomputes the
     scores and dP over both halves and keeps only its columns of dK/dV in registers. With ``TMA``
@@ -254,27 +260,28 @@ def _dkdv_program(
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
         Q_src = head_rows(Q_head, seqlen_q, head_dim, stride_qs, TMA, BLOCK_M, BLOCK_DOUT)
         dO_src = head_rows(dO_head, seqlen_q, head_dim, stride_dos, TMA, BLOCK_M, BLOCK_DOUT)
+        dQ_dst = head_rows(dQ_head, seqlen_q, head_dim, stride_dqs, TMA_DQ, BLOCK_M, BLOCK_DOUT)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
-            Q_src, dO_src, dQ_head, L_head, D_head, lo, mid_lo,
+            Q_src, dO_src, dQ_dst, L_head, D_head, lo, mid_lo,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
-            D_PARTS > 1, TMA)
+            D_PARTS > 1, TMA, TMA_DQ)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
-            Q_src, dO_src, dQ_head, L_head, D_head, mid_lo, mid_hi,
+            Q_src, dO_src, dQ_dst, L_head, D_head, mid_lo, mid_hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
-            D_PARTS > 1, TMA)
+            D_PARTS > 1, TMA, TMA_DQ)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask,
-            Q_src, dO_src, dQ_head, L_head, D_head, mid_hi, hi,
+            Q_src, dO_src, dQ_dst, L_head, D_head, mid_hi, hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
-            D_PARTS > 1, TMA)
+            D_PARTS > 1, TMA, TMA_DQ)
 
     dk = dk * softmax_scale
     dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)
@@ -300,7 +307,7 @@ def attn_bwd_kernel(
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
     """The fused backward (``deterministic=False``): grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch,
     nheads_k * BLOCK_D // BLOCK_DOUT)``, as :func:`attn_bwd_dkdv_kernel`, plus dQ added
@@ -315,7 +322,7 @@ def attn_bwd_kernel(
         stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
         seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
         dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, True, BLOCK_M, BLOCK_N, BLOCK_D,
-        BLOCK_DOUT, TMA)
+        BLOCK_DOUT, TMA, TMA_DQ)
 
 
 @triton.jit
@@ -350,7 +357,7 @@ def attn_bwd_dkdv_kernel(
         0, 0, 0, stride_lb, stride_lh, stride_ab,
         seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, softmax_scale, softcap, window_left, window_right,
         dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, False, BLOCK_M, BLOCK_N, BLOCK_D,
-        BLOCK_DOUT, TMA)
+        BLOCK_DOUT, TMA, False)
 
 
 @triton.jit

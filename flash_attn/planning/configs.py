@@ -1,8 +1,9 @@
 """Launch configurations of the attention kernels per GPU architecture family.
 
-A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, with two switches where the
-kernels have them: ``tma`` (tensor-descriptor loads, :func:`uses_tma`) and ``ws`` (Triton's warp
-specialisation of the forward, :func:`uses_ws`). The tables are keyed by kernel
+A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, with three switches where the
+kernels have them: ``tma`` (tensor-descriptor loads, :func:`uses_tma`), ``ws`` (Triton's warp
+specialisation of the forward, :func:`uses_ws`) and ``dq_tma`` (the fused backward's dQ by TMA
+reductions, :func:`uses_dq_tma`). The tables are keyed by kernel
 kind, architecture family and head-dimension bucket; :func:`pick_config` looks one up. Nothing
 here is tuned at run time (the kernels are compiled ahead of time), so the table *is* the tuning.
 
@@ -47,6 +48,7 @@ class Config(NamedTuple):
     num_stages: int
     tma: Optional[bool] = None  # tensor-descriptor loads (forward, fused backward); None: uses_tma's default
     ws: bool = False  # warp specialisation (the forward on Hopper: uses_ws); implies tma
+    dq_tma: bool = False  # the fused backward's dQ added by TMA bulk reductions (uses_dq_tma)
 
 
 HEADDIM_BUCKETS = (32, 64, 128, 256)
@@ -287,6 +289,19 @@ def uses_ws(kind: str, family: str, config: Optional[Config] = None) -> bool:
     return bool(config is not None and config.ws and family in WS_FAMILIES.get(kind, ()))
 
 
+# Where a config may have the fused backward add its dQ share by TMA bulk reductions
+# (``cp.reduce.async.bulk.tensor``: the tile staged in shared memory, one instruction per tile)
+# instead of per-element atomics from registers, as FlashAttention-3 does: Hopper (sm_90a: d128
+# exact loop spills 62 -> 12, d64 38 -> 3; benchmarks/README.md), and the interpreter, which runs
+# it through a stand-in reduction (flash_attn/backends/_interpreter.py). A sweep candidate.
+DQ_TMA_FAMILIES = {"bwd_fused": frozenset({"sm90", "interpret"})}
+
+
+def uses_dq_tma(kind: str, family: str, config: Optional[Config] = None) -> bool:
+    """``TMA_DQ`` of the kernel sized by ``kind`` on ``family`` with ``config``."""
+    return bool(config is not None and config.dq_tma and family in DQ_TMA_FAMILIES.get(kind, ()))
+
+
 def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], features: bool = False,
                 exact: bool = False) -> Config:
     """:func:`pick` for a compute capability (``None``: Triton's interpreter)."""
@@ -325,6 +340,8 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
     staged = bm * bn * (2 if kind == "bwd_fused" else 1)  # the fused backward also stages dS^T for dQ
+    if uses_dq_tma(kind, family, config):
+        staged += bm * gradient_columns(kind, family, d) * 4 // elem_bytes  # the fp32 dQ tile for TMA
     if uses_ws(kind, family, config):
         # warp-specialised: P stays in registers; Triton adds half a Q tile of at least 128
         # columns and its barriers (measured with the compiler for every "-ws" sweep candidate)

@@ -85,8 +85,9 @@ class Kernel:
     def tile_constexprs(self, block_d: int, config: "configs.Config", family: str) -> dict:
         """The constexprs a launch config fixes on ``family`` (the planner's launch and the
         build's image agree through this): the blocks it declares, the fused backward's gradient
-        columns (:func:`configs.gradient_columns`), its tensor-descriptor switch
-        (:func:`configs.uses_tma`) and warp specialisation (:func:`configs.uses_ws`)."""
+        columns (:func:`configs.gradient_columns`), its tensor-descriptor switches
+        (:func:`configs.uses_tma`, :func:`configs.uses_dq_tma`) and warp specialisation
+        (:func:`configs.uses_ws`)."""
         out = {"BLOCK_M": config.block_m, "BLOCK_D": block_d}
         if "BLOCK_N" in self.constexprs:
             out["BLOCK_N"] = config.block_n
@@ -96,6 +97,8 @@ class Kernel:
             out["TMA"] = configs.uses_tma(self.config_kind, family, config)
         if "WS" in self.constexprs:
             out["WS"] = configs.uses_ws(self.config_kind, family, config)
+        if "TMA_DQ" in self.constexprs:
+            out["TMA_DQ"] = configs.uses_dq_tma(self.config_kind, family, config)
         return out
 
     def pointer_type(self, name: str, dtype: str) -> str:
@@ -180,7 +183,7 @@ _DECLARED = (
            _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True, exact=_EXACT,
            args=_args(_BWD_POINTERS, "dK dV dQAccum CuSeqlensQ CuSeqlensK AlibiSlopes DropoutSeed",
                       _strides("q k v do dk dv dq"), _strides("l", "bh"), "stride_ab", _BWD_SIZES, _SCORES),
-           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES, "BLOCK_DOUT TMA")),
+           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES, "BLOCK_DOUT TMA TMA_DQ")),
     Kernel("attn_bwd_dq_convert_kernel", "flash_attn.kernels.backward", "fwd",
            _pointers(dt="dQ", fp32="dQAccum", i32="CuSeqlensQ"), _names("softmax_scale"), _names("head_dim"),
            args=_args("dQAccum dQ CuSeqlensQ", _strides("a dq"), "seqlen_q head_dim packed softmax_scale"),
