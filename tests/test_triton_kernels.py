@@ -488,6 +488,32 @@ def test_interpreter_leaves_triton_untouched():
     assert isinstance(tl.philox, JITFunction) and isinstance(tl.sum, JITFunction)
     assert {name: value for name, value in vars(tl).items()} == before
     assert "create_dot" not in vars(triton_interpreter.interpreter_builder)
+    assert "create_descriptor_reduce" not in vars(triton_interpreter.interpreter_builder)
+
+
+def test_interpreter_stand_in_for_descriptor_reductions():
+    """Triton 3.9's interpreter has no ``desc.atomic_add`` (TMA's bulk reduction); our launches get
+    a stand-in with its meaning: the block added at the descriptor's offsets, what lies past the
+    descriptor's shape dropped. Checked against sums written out here: four 16 x 32 blocks reduced
+    into rows 2.. of a 10 x 24 view of a 20 x 32 buffer (rows past 10 and columns past 24 stay 0)."""
+    import triton
+    import triton.language as tl
+
+    from flash_attn.backends import _interpreter
+
+    @triton.jit
+    def reduce_blocks(X, Y, rows, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)
+        y = tl.make_tensor_descriptor(Y, shape=[rows, 24], strides=[BLOCK_D, 1], block_shape=[BLOCK_M, BLOCK_D])
+        offs = (pid * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
+        y.atomic_add([2, 0], tl.load(X + offs))
+
+    x = torch.randn(4 * 16, 32, generator=torch.Generator().manual_seed(3))
+    y = torch.zeros(20, 32)
+    _interpreter.launch(reduce_blocks, (4,), x, y, 10, BLOCK_M=16, BLOCK_D=32)
+    expected = torch.zeros(20, 32)
+    expected[2:10, :24] = sum(x[16 * i: 16 * i + 8, :24] for i in range(4))
+    torch.testing.assert_close(y, expected)
 
 
 # ---------------------------------------------------------------------------------------------

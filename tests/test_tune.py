@@ -184,6 +184,15 @@ def _module(path: Path) -> dict:
     return namespace
 
 
+def _fold_copy(tmp_path: Path, rows: list[dict]) -> tuple[list[dict], dict]:
+    """``rows`` folded into a copy of the package's configs module: the fold's rows, the copy."""
+    results = tmp_path / tune.RESULTS
+    results.write_text("\n".join(json.dumps(r) for r in rows))
+    copy = tmp_path / "configs.py"
+    copy.write_text(Path(configs.__file__).read_text())
+    return tune.fold(results, copy), _module(copy)
+
+
 def _sweep_rows(times: dict, kind: str = "fwd", d: int = 64) -> list[dict]:
     """Rows of an sm90 sweep: ``times[config] = (full ms, causal ms)`` at 4k and 16k tokens."""
     rows = [{"event": "start", "family": "sm90"}]
@@ -229,15 +238,10 @@ def test_fold_writes_pointer_loads_where_they_win(tmp_path):
     tile through tensor descriptors (the sm90 default): where the pointer loads win, the folded
     entry says ``tma=False``, and the planner and the build then compile and launch the image
     with ``TMA`` off."""
-    results = tmp_path / tune.RESULTS
-    rows = _sweep_rows({"64x128w8s2": (2.0, 1.2), "64x128w8s2-ptr": (1.7, 1.0)}, kind="bwd_fused", d=128)
-    results.write_text("\n".join(json.dumps(r) for r in rows))
-    copy = tmp_path / "configs.py"
-    copy.write_text(Path(configs.__file__).read_text())
-    lean, exact = tune.fold(results, copy)
+    (lean, exact), module = _fold_copy(tmp_path, _sweep_rows({"64x128w8s2": (2.0, 1.2), "64x128w8s2-ptr": (1.7, 1.0)},
+                                                            kind="bwd_fused", d=128))
     assert (lean["winner"], lean["changed"]) == ("64x128w8s2-ptr", True)
     assert (exact["winner"], exact["changed"]) == ("64x128w8s2-ptr", False)  # inherits the lean entry
-    module = _module(copy)
     picked = module["pick"]("bwd_fused", 128, "sm90")
     assert picked == C(64, 128, 8, 2, tma=False) and tune._config_text(picked) == "64x128w8s2-ptr"
     assert not module["uses_tma"]("bwd_fused", "sm90", picked)
@@ -250,14 +254,9 @@ def test_fold_writes_warp_specialisation_where_it_wins(tmp_path):
     """A "-ws" candidate (Triton's producer/consumer warp specialisation) that wins the d128
     forward folds to ``ws=True``; the folded entry then switches ``WS`` and, with it, ``TMA`` on
     for the build and the planner on Hopper (and Blackwell), and on neither on Ampere."""
-    results = tmp_path / tune.RESULTS
-    rows = _sweep_rows({"128x64w8s2": (2.0, 1.2), "128x128w4s2-ws": (1.5, 1.0)}, kind="fwd", d=128)
-    results.write_text("\n".join(json.dumps(r) for r in rows))
-    copy = tmp_path / "configs.py"
-    copy.write_text(Path(configs.__file__).read_text())
-    lean = tune.fold(results, copy)[0]
+    (lean, *_), module = _fold_copy(tmp_path, _sweep_rows({"128x64w8s2": (2.0, 1.2), "128x128w4s2-ws": (1.5, 1.0)},
+                                                         kind="fwd", d=128))
     assert (lean["winner"], lean["changed"]) == ("128x128w4s2-ws", True)
-    module = _module(copy)
     picked = module["pick"]("fwd", 128, "sm90")
     assert picked == C(128, 128, 4, 2, ws=True) and tune._parse_config(tune._config_text(picked)) == picked
     assert module["uses_ws"]("fwd", "sm90", picked) and module["uses_tma"]("fwd", "sm90", picked)
@@ -287,28 +286,19 @@ def test_the_deterministic_kernels_are_timed_deterministic(tmp_path, monkeypatch
 
 def test_fold_writes_the_deterministic_dkdv_entry(tmp_path):
     """The dK/dV kernel has no exact-call image: its winner goes to the lean table only."""
-    results = tmp_path / tune.RESULTS
-    rows = _sweep_rows({"64x128w8s2": (3.0, 2.0), "32x128w8s2": (2.5, 1.6)}, kind="bwd_dkdv", d=128)
-    results.write_text("\n".join(json.dumps(r) for r in rows))
-    copy = tmp_path / "configs.py"
-    copy.write_text(Path(configs.__file__).read_text())
-    (lean,) = tune.fold(results, copy)
+    (lean,), module = _fold_copy(tmp_path, _sweep_rows({"64x128w8s2": (3.0, 2.0), "32x128w8s2": (2.5, 1.6)},
+                                                       kind="bwd_dkdv", d=128))
     assert (lean["variant"], lean["winner"], lean["changed"]) == ("lean", "32x128w8s2", True)
-    assert _module(copy)["pick"]("bwd_dkdv", 128, "sm90") == C(32, 128, 8, 2)
-    assert _module(copy)["pick"]("bwd_dkdv", 64, "sm90") == configs.pick("bwd_dkdv", 64, "sm90")
+    assert module["pick"]("bwd_dkdv", 128, "sm90") == C(32, 128, 8, 2)
+    assert module["pick"]("bwd_dkdv", 64, "sm90") == configs.pick("bwd_dkdv", 64, "sm90")
 
 
 def test_fold_writes_dq_by_tma_reductions_where_they_win(tmp_path):
     """A "-red" candidate (dQ by TMA reductions) that wins the d128 fused backward folds to
     ``dq_tma=True``, which the build and the planner then compile and launch on Hopper."""
-    results = tmp_path / tune.RESULTS
-    rows = _sweep_rows({"64x128w8s2": (2.0, 1.2), "64x128w8s2-red": (1.6, 1.0)}, kind="bwd_fused", d=128)
-    results.write_text("\n".join(json.dumps(r) for r in rows))
-    copy = tmp_path / "configs.py"
-    copy.write_text(Path(configs.__file__).read_text())
-    lean, exact = tune.fold(results, copy)
+    (lean, _), module = _fold_copy(tmp_path, _sweep_rows({"64x128w8s2": (2.0, 1.2), "64x128w8s2-red": (1.6, 1.0)},
+                                                        kind="bwd_fused", d=128))
     assert (lean["winner"], lean["changed"]) == ("64x128w8s2-red", True)
-    module = _module(copy)
     picked = module["pick"]("bwd_fused", 128, "sm90")
     assert picked == C(64, 128, 8, 2, dq_tma=True) and tune._parse_config(tune._config_text(picked)) == picked
     assert module["uses_dq_tma"]("bwd_fused", "sm90", picked) and not module["uses_dq_tma"]("bwd_fused", "sm80", picked)
