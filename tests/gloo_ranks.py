@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -32,10 +33,22 @@ def skip_unless_cpu_ranks_can_run(monkeypatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
 
 
+def _run_then_exit(rank: int, worker, world: int, init_file: str, result_dir: str) -> None:
+    """``worker``'s rank, then an immediate exit once it returned (its results written, its group
+    destroyed): the interpreter's own teardown, where gloo's worker threads may still hold
+    tensors, can abort the process (``terminate called without an active exception``, seen once
+    in CI on 2026-11-27; pytorch/pytorch#179291 describes it) after everything the test reads is
+    done. An exception in ``worker`` still fails its rank as before."""
+    worker(rank, world, init_file, result_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(worker, world: int, tmp_path) -> dict:
     """Run ``worker(rank, world, init_file, result_dir)`` on ``world`` processes; each rank's
     results, by rank. Fails the test if the group does not finish within ``TIMEOUT_S``."""
-    ctx = mp.start_processes(worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)),
+    ctx = mp.start_processes(_run_then_exit, args=(worker, world, str(tmp_path / "rendezvous"), str(tmp_path)),
                              nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + TIMEOUT_S
     try:
