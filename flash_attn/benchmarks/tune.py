@@ -19,7 +19,8 @@ GPU time comes in windows of about 15 minutes, so the sweep is three steps, two 
    :mod:`flash_attn.planning.configs` (the one place configs live); a Markdown summary is written.
 
 Candidates are timed in bf16 (the configs do not depend on the dtype), lean variant (no softcap,
-ALiBi, dropout), at ``batch x seqlen = 16k`` tokens and ``heads x head dim = 2048``.
+ALiBi, dropout), at ``batch x seqlen = 16k`` tokens and ``heads x head dim = 2048``; those of the
+kernels that only ``deterministic=True`` runs (:data:`DETERMINISTIC_KINDS`) in calls that ask for it.
 """
 
 from __future__ import annotations
