@@ -492,10 +492,11 @@ def test_interpreter_leaves_triton_untouched():
 
 
 def test_interpreter_stand_in_for_descriptor_reductions():
-    """Triton 3.9's interpreter has no ``desc.atomic_add`` (TMA's bulk reduction); our launches get
-    a stand-in with its meaning: the block added at the descriptor's offsets, what lies past the
-    descriptor's shape dropped. Checked against sums written out here: four 16 x 32 blocks reduced
-    into rows 2.. of a 10 x 24 view of a 20 x 32 buffer (rows past 10 and columns past 24 stay 0)."""
+    """Triton 3.9's interpreter has no descriptor reductions (``desc.atomic_add``: TMA's bulk
+    reduction, and min/max/and/or/xor); our launches get a stand-in with their meaning: the block
+    combined at the descriptor's offsets, what lies past the descriptor's shape dropped. Checked
+    against results written out here: four 16 x 32 blocks reduced into rows 2.. of a 10 x 24 view
+    of a 20 x 32 buffer (rows past 10 and columns past 24 stay as they were)."""
     import triton
     import triton.language as tl
 
@@ -514,6 +515,30 @@ def test_interpreter_stand_in_for_descriptor_reductions():
     expected = torch.zeros(20, 32)
     expected[2:10, :24] = sum(x[16 * i: 16 * i + 8, :24] for i in range(4))
     torch.testing.assert_close(y, expected)
+
+    # the integer reductions the language has, the same way (signed min and max, and xor)
+    @triton.jit
+    def reduce_ints(X, Y, rows, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, KIND: tl.constexpr):
+        pid = tl.program_id(0)
+        y = tl.make_tensor_descriptor(Y, shape=[rows, 24], strides=[BLOCK_D, 1], block_shape=[BLOCK_M, BLOCK_D])
+        x = tl.load(X + (pid * BLOCK_M + tl.arange(0, BLOCK_M))[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :])
+        if KIND == 0:
+            y.atomic_max([2, 0], x)
+        elif KIND == 1:
+            y.atomic_min([2, 0], x)
+        else:
+            y.atomic_xor([2, 0], x)
+
+    xi = torch.randint(-1000, 1000, (4 * 16, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(4))
+    blocks = [xi[16 * i: 16 * i + 8, :24] for i in range(4)]
+    start = torch.full((20, 32), 7, dtype=torch.int32)
+    for kind, combine in enumerate((torch.maximum, torch.minimum, torch.bitwise_xor)):
+        y = start.clone()
+        _interpreter.launch(reduce_ints, (4,), xi, y, 10, BLOCK_M=16, BLOCK_D=32, KIND=kind)
+        expected = start.clone()
+        for block in blocks:
+            expected[2:10, :24] = combine(expected[2:10, :24], block)
+        assert torch.equal(y, expected), kind
 
 
 # ---------------------------------------------------------------------------------------------

@@ -170,14 +170,19 @@ def _bf16_as_fp32(handle):
 
 
 def _descriptor_reduce_stand_in(builder):
-    """``create_descriptor_reduce`` (add only) for an interpreter builder that lacks it."""
+    """``create_descriptor_reduce`` for an interpreter builder that lacks it: each of the reductions
+    Triton's language has (``desc.atomic_add/min/max/and/or/xor``) as the interpreter's own
+    element-wise atomic at the descriptor's in-bounds pointers."""
     ir = _interpreter()._ir
+    kinds, ops = ir.DESCRIPTOR_REDUCE_KIND, ir.ATOMIC_OP
+    # (signed or float, unsigned) atomic of each reduction; the float add has its own
+    by_kind = {kinds.ADD: (ops.ADD, ops.ADD), kinds.MIN: (ops.MIN, ops.UMIN), kinds.MAX: (ops.MAX, ops.UMAX),
+               kinds.AND: (ops.AND, ops.AND), kinds.OR: (ops.OR, ops.OR), kinds.XOR: (ops.XOR, ops.XOR)}
 
     def create_descriptor_reduce(kind, desc, value, indices):
-        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
-            raise NotImplementedError(f"descriptor reduction {kind} in the interpreter")
         ptrs, mask = desc.materialize_pointers(indices)
-        op = ir.ATOMIC_OP.FADD if value.dtype.scalar.is_floating() else ir.ATOMIC_OP.ADD
+        scalar = value.dtype.scalar
+        op = ops.FADD if kind == kinds.ADD and scalar.is_floating() else by_kind[kind][scalar.is_int_unsigned()]
         return builder.create_atomic_rmw(op, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED, ir.MEM_SYNC_SCOPE.GPU)
 
     return create_descriptor_reduce
