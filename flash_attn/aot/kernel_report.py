@@ -31,6 +31,7 @@ import math
 import re
 from typing import Optional
 
+from flash_attn.aot import archs
 from flash_attn.planning import configs, declarations
 
 __all__ = ["analyse", "dots", "layouts", "replication", "sass_loop_spills", "STEP_KERNEL_KINDS"]
@@ -242,9 +243,10 @@ def _requested_registers(ttgir: str) -> Optional[list]:
 # --- the static targets of the training kernels -----------------------------------------------------
 
 TRAINING_KERNELS = ("attn_fwd_kernel", "attn_bwd_kernel")
-# deterministic=True's kernels: held to the same targets on sm_90a, where they walk the fused
-# backward's tiles (their Blackwell and Ampere tables are older and unmeasured)
-DETERMINISTIC_KERNELS = ("attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+# deterministic=True's kernels (the split backward): held to the same targets on sm_90a, where
+# they walk the fused backward's tiles (their Blackwell and Ampere tables are older and unmeasured)
+DETERMINISTIC_KERNELS = tuple(k.name for k in declarations.KERNELS.values()
+                              if k.config_kind in configs.SPLIT_BACKWARD_KINDS)
 _PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}
 # the fused backward with its head dim split over two programs (configs.gradient_columns) also
 # computes the scores and dP over the other half: two more products, each half as wide
@@ -291,7 +293,8 @@ def target_misses(row: dict) -> list[str]:
             misses.append(f"wgmma N < {MIN_WGMMA_N}: {', '.join(_dot_text(d) for d in narrow)}")
     expected = _PRODUCTS_PER_STEP.get(kernel)
     kind = declarations.get(kernel).config_kind
-    if expected is not None and configs.gradient_columns(kind, _family(arch), row["block_d"]) < row["block_d"]:
+    family = configs.arch_family(archs.parse_arch(arch).capability)
+    if expected is not None and configs.gradient_columns(kind, family, row["block_d"]) < row["block_d"]:
         expected += _SPLIT_EXTRA_PRODUCTS
     if expected is not None and row.get("products_per_step") != expected:
         misses.append(f"{row.get('products_per_step')} products per step, the design does {expected}")
@@ -299,12 +302,6 @@ def target_misses(row: dict) -> list[str]:
     if keys is not None and row.get("block_d", 0) <= 128 and keys < MIN_KEYS_PER_CTA:
         misses.append(f"{keys} keys per dK/dV program (< {MIN_KEYS_PER_CTA})")
     return misses
-
-
-def _family(arch: str) -> str:
-    """The config family of a cubin architecture name (``sm_90a`` -> ``sm90``)."""
-    digits = re.match(r"sm_(\d+)", arch).group(1)
-    return configs.arch_family((int(digits[:-1]), int(digits[-1])))
 
 
 def _dot_text(d: dict) -> str:

@@ -20,7 +20,8 @@ GPU time comes in windows of about 15 minutes, so the sweep is three steps, two 
 
 Candidates are timed in bf16 (the configs do not depend on the dtype), lean variant (no softcap,
 ALiBi, dropout), at ``batch x seqlen = 16k`` tokens and ``heads x head dim = 2048``; those of the
-kernels that only ``deterministic=True`` runs (:data:`DETERMINISTIC_KINDS`) in calls that ask for it.
+split backward (:data:`~flash_attn.planning.configs.SPLIT_BACKWARD_KINDS`, which Hopper runs for
+``deterministic=True`` only) in calls that ask for it.
 """
 
 from __future__ import annotations
@@ -101,8 +102,6 @@ CANDIDATES: dict = {
         256: [C(64, 32, 4, 2), C(64, 16, 8, 2)],
     },
 }
-# the kinds whose kernels run for deterministic=True only: their candidates are timed so
-DETERMINISTIC_KINDS = frozenset({"bwd_dkdv", "bwd_dq"})
 
 
 # which candidates a run times, by warp specialisation (never run on a GPU before the first sweep
@@ -126,9 +125,10 @@ def candidates(family: str, headdims: Iterable[int] = (64, 128, 256),
         for d in headdims:
             entries = [configs.pick(kind, d, family), configs.pick(kind, d, family, exact=True)]
             others = [c for c in by_headdim.get(d, []) if c not in entries]
-            split = [c for c in others if c is not None and c.ws]
-            others = {"include": others, "exclude": [c for c in others if c not in split], "only": split}[ws]
-            if ws == "only" and not split:
+            specialised = [c for c in others if c is not None and c.ws]
+            others = {"include": others, "exclude": [c for c in others if c not in specialised],
+                      "only": specialised}[ws]
+            if ws == "only" and not specialised:
                 continue
             out.extend((kind, d, c) for c in dict.fromkeys([*entries, *others]))
     return out
@@ -316,7 +316,7 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
     for kind, cand_d, config in candidates(family, [d], ws):
         row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
         write({**shape, "event": "begin", "kind": kind, "config": row["config"]})
-        deterministic = kind in DETERMINISTIC_KINDS
+        deterministic = kind in configs.SPLIT_BACKWARD_KINDS
         if deterministic:
             row["deterministic"] = True
         try:

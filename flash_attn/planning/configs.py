@@ -53,6 +53,9 @@ class Config(NamedTuple):
 
 HEADDIM_BUCKETS = (32, 64, 128, 256)
 KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused")
+# the split backward's kinds: every call with deterministic=True, and the rest where the fused
+# backward has no config (fused_backward)
+SPLIT_BACKWARD_KINDS = ("bwd_dkdv", "bwd_dq")
 
 # Bytes of shared memory one block may use (opt-in maximum) per architecture family.
 SHARED_MEMORY_LIMIT = {
