@@ -138,7 +138,8 @@ def test_declarations_cover_the_kernel_signatures(name):
 @pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
 def test_backward_fused_by_default_split_when_deterministic(target):
     """``deterministic=False`` plans the fused kernel (one program per key block, dQ by atomic add
-    into a zeroed fp32 buffer, then the convert); ``deterministic=True`` the two split kernels."""
+    into an fp32 buffer that the preprocess zeroes, then the convert); ``deterministic=True`` the
+    two split kernels, and the preprocess zeroes nothing."""
     q, k = meta(2, 300, 8, 128), meta(2, 300, 2, 128)
     lse = meta(2, 8, 300, dtype=torch.float32)
     params = AttentionParams(0.1, -1, 0)
@@ -149,7 +150,12 @@ def test_backward_fused_by_default_split_when_deterministic(target):
     assert [x.kernel for x in split.launches] == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
                                                   "attn_bwd_dq_kernel"]
     accum = {b.slot: b for b in fused.buffers}["dq_accum"]
-    assert accum.zeroed and accum.dtype == torch.float32 and accum.shape == q.shape
+    # no memset of its own: the preprocess writes zeros into it, the same slot the fused kernel adds into
+    assert not accum.zeroed and accum.dtype == torch.float32 and accum.shape == q.shape
+    pre_args, main_args = dict(fused.launches[0].args), dict(fused.launches[1].args)
+    assert pre_args["zero_accum"] == 1 and pre_args["dQAccum"] == main_args["dQAccum"] == "dq_accum"
+    assert [pre_args[f"stride_a{d}"] for d in "bsh"] == [main_args[f"stride_dq{d}"] for d in "bsh"]
+    assert dict(split.launches[0].args)["zero_accum"] == 0
     main = fused.launches[1]
     assert main.grid == (-(-300 // main.config.block_n) * 2, 2, 1)  # key blocks x batch, kv heads
     assert "dq_accum" not in {b.slot for b in split.buffers}

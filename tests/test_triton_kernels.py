@@ -285,6 +285,37 @@ def test_fused_backward_with_pointer_loads_matches_oracle(backend, case, recwarn
     check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False))
 
 
+@pytest.fixture
+def uninitialized_memory_is_nan():
+    """Every ``torch.empty`` filled with NaN (integers: their largest value), PyTorch's own switch
+    for finding reads of memory nothing wrote (it needs deterministic algorithms on), on the CPU
+    and on CUDA alike. The planner allocates the backward's buffers empty, the dQ sums included."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0])
+        torch.utils.deterministic.fill_uninitialized_memory = was[1]
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[6], CASES[15], CASES[16]], ids=str)
+@pytest.mark.parametrize("dq_tma", [False, True], ids=["atomics", "tma-reductions"])
+def test_fused_backward_starts_from_the_sums_its_preprocess_zeroed(backend, case, dq_tma, uninitialized_memory_is_nan,
+                                                                    recwarn):
+    """The fused backward's fp32 dQ sums get no memset: the preprocess zeroes the rows it reads
+    (FlashAttention-2's order). With every allocation NaN, a row or column it missed poisons dQ:
+    MQA + causal at d59 (rows without keys), the split d200 + dropout, varlen with empty
+    sequences, varlen + window + dropout; dQ by atomics and by descriptor reductions."""
+    if backend.name != "interpret":
+        if dq_tma:
+            pytest.skip("a GPU runs its table's config, once (the atomics case)")
+        check_case(backend, case)
+        return
+    check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(dq_tma=dq_tma))
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[6], CASES[16]], ids=str)
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_fused_backward_with_dq_by_tma_reductions_matches_oracle(backend, case, block_m, recwarn):

@@ -1,6 +1,7 @@
 """Triton backward kernels of FlashAttention-2: preprocess, then fused (atomic dQ) or split.
 
-* :func:`attn_bwd_preprocess_kernel`: ``delta = rowsum(dO * O)`` (fp32, laid out like lse).
+* :func:`attn_bwd_preprocess_kernel`: ``delta = rowsum(dO * O)`` (fp32, laid out like lse), and
+  for the fused backward the zeroed dQ sums.
 * :func:`attn_bwd_kernel` (``deterministic=False``, flash-attn's default): one program owns
   ``BLOCK_N`` key rows of one *kv* head and walks the query tiles that see them
   (:func:`~flash_attn.kernels.masking.query_block_range`), for every query head of its GQA group
@@ -39,16 +40,23 @@ from flash_attn.kernels.tiles import (
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    Out, dOut, Delta, CuSeqlensQ,
+    Out, dOut, Delta, dQAccum, CuSeqlensQ,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,
-    seqlen_q, head_dim, packed,
+    stride_ab, stride_as, stride_ah,
+    seqlen_q, head_dim, packed, zero_accum,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``; ``Delta`` laid out like lse."""
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``; ``Delta`` laid out like lse.
+
+    With ``zero_accum != 0`` it also zeroes the same rows of ``dQAccum`` (the fused backward's fp32
+    dQ sums, Q's layout): the buffer needs no memset of its own, one launch fewer per backward
+    (FlashAttention-2 clears it here too). Only the columns inside the head dim, which are all the
+    fused backward adds into and the convert reads. ``zero_accum == 0``: ``dQAccum`` is not written."""
     stride_ob, stride_os, stride_oh = stride_16b(stride_ob), stride_16b(stride_os), stride_16b(stride_oh)
     stride_dob, stride_dos, stride_doh = stride_16b(stride_dob), stride_16b(stride_dos), stride_16b(stride_doh)
+    stride_ab, stride_as, stride_ah = stride_16b(stride_ab), stride_16b(stride_as), stride_16b(stride_ah)
     pid_m, b = block_and_batch(seqlen_q, BLOCK_M, False)
     h = tl.program_id(1)
     q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
@@ -67,6 +75,9 @@ def attn_bwd_preprocess_kernel(
     do = tl.load(do_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     tl.store(Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start + offs_m, delta, mask=m_mask)
+    if zero_accum != 0:
+        a_rows = row_ptrs(dQAccum + b64 * stride_ab + q0 * stride_as + h * stride_ah, start_m, stride_as, BLOCK_M)
+        tl.store(a_rows[:, None] + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
 
 
 @triton.jit
@@ -311,7 +322,7 @@ def attn_bwd_kernel(
 ):
     """The fused backward (``deterministic=False``): grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch,
     nheads_k * BLOCK_D // BLOCK_DOUT)``, as :func:`attn_bwd_dkdv_kernel`, plus dQ added
-    atomically (fp32, unscaled) into ``dQAccum`` (zeroed, Q's shape;
+    atomically (fp32, unscaled) into ``dQAccum`` (Q's shape, zeroed by the preprocess;
     :func:`attn_bwd_dq_convert_kernel` finishes it): five products per tile pair instead of the
     split kernels' seven (seven with the head dim split in two), in an order that varies between
     runs."""

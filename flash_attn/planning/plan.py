@@ -643,11 +643,16 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     rows = {name: lay.rows(name) for name in ("q", "k", "v", "dout", "out", "dq", "dk", "dv")}
 
     pre = configs.pick("fwd", head_dim, target.family)
-    launches = [_launch("attn_bwd_preprocess_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
-        Out=out, dOut=dout, Delta=delta, CuSeqlensQ=cu_q,
-        **_named("stride_o", "bsh", rows["out"]), **_named("stride_do", "bsh", rows["dout"]), **lse_args,
-        seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed)),
-        dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre)]
+
+    def preprocess(accum: Slot, accum_rows) -> Launch:
+        """Delta, and the fused backward's dQ sums zeroed (``accum``). None: nothing to zero, and
+        ``delta`` stands in for the pointer the kernel then does not write (no allocation)."""
+        return _launch("attn_bwd_preprocess_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
+            Out=out, dOut=dout, Delta=delta, dQAccum=accum if accum is not None else delta, CuSeqlensQ=cu_q,
+            **_named("stride_o", "bsh", rows["out"]), **_named("stride_do", "bsh", rows["dout"]), **lse_args,
+            **_named("stride_a", "bsh", accum_rows), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
+            zero_accum=int(accum is not None)),
+            dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre)
 
     common = dict(
         Q=q, K=k, V=v, dOut=dout, LSE=lse, Delta=delta, CuSeqlensQ=cu_q, CuSeqlensK=cu_k, AlibiSlopes=alibi,
@@ -673,20 +678,26 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     fused_exact = _runs_exact_image("attn_bwd_kernel", target, features, flags, block_d, s.q.dtype)
     fused = None if s.deterministic else configs.fused_backward(head_dim, target.family, features, fused_exact)
     if fused is None:
-        launches.append(attention_launch("attn_bwd_dkdv_kernel", configs.pick("bwd_dkdv", head_dim, target.family,
-                                                                              features), True, dkdv))
-        launches.append(attention_launch("attn_bwd_dq_kernel", configs.pick("bwd_dq", head_dim, target.family, features),
-                                         False, dict(common, dQ=dq, **_named("stride_dq", "bsh", rows["dq"]))))
+        launches = [
+            preprocess(None, (0, 0, 0)),
+            attention_launch("attn_bwd_dkdv_kernel", configs.pick("bwd_dkdv", head_dim, target.family, features), True,
+                             dkdv),
+            attention_launch("attn_bwd_dq_kernel", configs.pick("bwd_dq", head_dim, target.family, features), False,
+                             dict(common, dQ=dq, **_named("stride_dq", "bsh", rows["dq"]))),
+        ]
     else:
-        # dQ summed in fp32 by atomic adds (zeroed first), then scaled and rounded into dq
-        dq_accum = lay.buffer("dq_accum", s.q.shape, torch.float32, padded=True, zeroed=True)
+        # dQ summed in fp32 by atomic adds (into rows the preprocess zeroed), then scaled and rounded into dq
+        dq_accum = lay.buffer("dq_accum", s.q.shape, torch.float32, padded=True)
         accum_rows = lay.rows("dq_accum")
-        launches.append(attention_launch("attn_bwd_kernel", fused, True, dict(
-            dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), fused_exact))
-        launches.append(_launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
-            dQAccum=dq_accum, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", accum_rows),
-            **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
-            softmax_scale=s.scalars.softmax_scale), dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre))
+        launches = [
+            preprocess(dq_accum, accum_rows),
+            attention_launch("attn_bwd_kernel", fused, True, dict(
+                dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), fused_exact),
+            _launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
+                dQAccum=dq_accum, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", accum_rows),
+                **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
+                softmax_scale=s.scalars.softmax_scale), dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre),
+        ]
     return _finish(s.q.dtype, lay, launches, ("dq", "dk", "dv", "delta") if s.delta else ("dq", "dk", "dv"))
 
 
