@@ -268,6 +268,24 @@ def test_deterministic_kernels_match_oracle(backend, case, recwarn):
     check_case(backend, case, deterministic=True)
 
 
+# Window sides wider than any sequence, up to the largest the kernels' int32 parameters take: the
+# same masks as no bound on that side. The kernels once added such a side to a row position in
+# int32 and the sum wrapped around, masking every key of the rows it reached (2**31 - 1 with
+# more queries than keys).
+WIDE_WINDOW_CASES = [
+    Case(F16, 64, 2, 1, seqlen_q=40, seqlen_k=20, window=(2**31 - 1, 5)),
+    Case(B16, 64, 2, 2, seqlen_q=20, seqlen_k=45, window=(3, 2**31 - 1)),
+    Case(F16, 32, 2, 2, lens=((17, 0, 30), (9, 25, 40)), window=(2**31 - 2, 2**31 - 1)),
+    Case(F16, 128, 2, 2, seqlen_q=50, seqlen_k=30, window=(2**31 - 1, 0)),  # causal, rows without keys
+]
+
+
+@pytest.mark.parametrize("case", WIDE_WINDOW_CASES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
+def test_windows_wider_than_the_sequences_match_oracle(backend, case, deterministic, recwarn):
+    check_case(backend, case, deterministic=deterministic)
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[6], CASES[7], CASES[16]], ids=str)
 def test_fused_backward_with_64_query_steps_matches_oracle(backend, case, recwarn):
     """Hopper's fused backward walks 64 or more queries a step at head dims <= 128 and then

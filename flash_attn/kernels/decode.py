@@ -63,11 +63,9 @@ def _key_block_range(t_first, t_last, seqlen_q, seqlen_k, window_left, window_ri
     first = seqlen_k * 0
     last = seqlen_k  # one past
     if IS_LOCAL:
-        diag = seqlen_k - seqlen_q
-        if window_left >= 0:
-            first = tl.maximum(t_first + diag - window_left, 0)
-        if window_right >= 0:
-            last = tl.minimum(tl.maximum(t_last + diag + window_right + 1, 0), seqlen_k)
+        lowest, highest = masking.window_bounds(seqlen_q, seqlen_k, window_left, window_right)
+        first = tl.maximum(t_first + lowest, 0)
+        last = tl.minimum(tl.maximum(t_last + highest + 1, 0), seqlen_k)
     lo = first // BLOCK_N
     return lo, tl.maximum((last + BLOCK_N - 1) // BLOCK_N, lo)
 

@@ -40,13 +40,27 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def window_bounds(seqlen_q, seqlen_k, window_left, window_right):
+    """``(lowest, highest)``: query ``i`` sees key ``j`` (both in bounds) iff
+    ``lowest <= j - i <= highest``, the window as two scalars per sequence.
+
+    An unbounded side (``-1``) gets a bound that no in-bounds ``j - i`` crosses (``-seqlen_q``,
+    ``seqlen_k``), and a side wider than that is clamped to it: the same window, with every sum
+    inside int32 (a window near ``2**31`` wrapped around and masked every key)."""
+    diag = seqlen_k - seqlen_q
+    lowest = tl.where(window_left >= 0, diag - tl.minimum(window_left, seqlen_k), -seqlen_q)
+    highest = tl.where(window_right >= 0, diag + tl.minimum(window_right, seqlen_q), seqlen_k)
+    return lowest, highest
+
+
+@triton.jit
 def visible_at(q_pos, k_pos, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL: tl.constexpr):
     """Bool: query ``q_pos`` sees key ``k_pos`` (broadcasting; bounds and window, see module doc)."""
     ok = (q_pos < seqlen_q) & (k_pos < seqlen_k)
     if IS_LOCAL:
-        diag = q_pos + (seqlen_k - seqlen_q)  # the key aligned with this query
-        ok = ok & ((window_left < 0) | (k_pos >= diag - window_left))
-        ok = ok & ((window_right < 0) | (k_pos <= diag + window_right))
+        # per query the first and last key it sees, then two compares per element
+        lowest, highest = window_bounds(seqlen_q, seqlen_k, window_left, window_right)
+        ok = ok & (k_pos >= q_pos + lowest) & (k_pos <= q_pos + highest)
     return ok
 
 
@@ -122,19 +136,19 @@ def key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
     count (their results are never stored).
     """
     last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    diag = seqlen_k - seqlen_q
     lo = start_m * 0
     hi = seqlen_k + lo
     mid_lo = lo
     mid_hi = _floor_to(seqlen_k, BLOCK_N)
     if IS_LOCAL:
-        # every row of the block together: keys [start_m + diag - left, last_m + diag + right]
-        # (selects rather than branches: Triton's warp specialisation takes no branch into its loop's bounds)
-        left, right = window_left >= 0, window_right >= 0
-        lo = tl.where(left, _floor_to(start_m + diag - window_left, BLOCK_N), lo)
-        mid_lo = tl.where(left, _ceil_to(last_m + diag - window_left, BLOCK_N), mid_lo)
-        hi = tl.where(right, tl.minimum(tl.maximum(last_m + diag + window_right + 1, 0), seqlen_k), hi)
-        mid_hi = tl.where(right, _floor_to(tl.minimum(start_m + diag + window_right + 1, seqlen_k), BLOCK_N), mid_hi)
+        # every row of the block together: keys [start_m + lowest, last_m + highest] (an
+        # unbounded side reaches past the sequence and clamps to it; no branch: Triton's warp
+        # specialisation takes none into its loop's bounds)
+        lowest, highest = window_bounds(seqlen_q, seqlen_k, window_left, window_right)
+        lo = _floor_to(start_m + lowest, BLOCK_N)
+        mid_lo = _ceil_to(last_m + lowest, BLOCK_N)
+        hi = tl.minimum(tl.maximum(last_m + highest + 1, 0), seqlen_k)
+        mid_hi = _floor_to(tl.minimum(start_m + highest + 1, seqlen_k), BLOCK_N)
     # a block without valid rows visits nothing
     return _ordered_range(lo, mid_lo, mid_hi, hi, last_m < start_m)
 
@@ -148,19 +162,17 @@ def query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
     key of the block. Keys at or beyond ``seqlen_k`` do not count (never stored).
     """
     last_n = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
-    diag = seqlen_k - seqlen_q
     lo = start_n * 0
     hi = seqlen_q + lo
     mid_lo = lo
     mid_hi = _floor_to(seqlen_q, BLOCK_M)
     if IS_LOCAL:
-        # query i sees key j iff j - diag - right <= i <= j - diag + left
-        if window_right >= 0:
-            lo = _floor_to(start_n - diag - window_right, BLOCK_M)
-            mid_lo = _ceil_to(last_n - diag - window_right, BLOCK_M)
-        if window_left >= 0:
-            hi = tl.minimum(tl.maximum(last_n - diag + window_left + 1, 0), seqlen_q)
-            mid_hi = _floor_to(tl.minimum(start_n - diag + window_left + 1, seqlen_q), BLOCK_M)
+        # query i sees key j iff j - highest <= i <= j - lowest
+        lowest, highest = window_bounds(seqlen_q, seqlen_k, window_left, window_right)
+        lo = _floor_to(start_n - highest, BLOCK_M)
+        mid_lo = _ceil_to(last_n - highest, BLOCK_M)
+        hi = tl.minimum(tl.maximum(last_n - lowest + 1, 0), seqlen_q)
+        mid_hi = _floor_to(tl.minimum(start_n - lowest + 1, seqlen_q), BLOCK_M)
     return _ordered_range(lo, mid_lo, mid_hi, hi, last_n < start_n)
 
 
