@@ -135,42 +135,96 @@ def test_declarations_cover_the_kernel_signatures(name):
             assert arg not in decl.floats or arg not in decl.divisible_by_8
 
 
+NO_FUSED_DETERMINISTIC = {("deterministic_splits", family): 0 for family in configs.FAMILY_CAPABILITY}
+BACKWARD_KERNELS = ["attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dq_convert_kernel"]
+SPLIT_KERNELS = ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+
+
+def _backward_plan(target, batch, seqlen, nheads, nheads_k, head_dim=128, deterministic=False, varlen=False):
+    if varlen:  # packed rows: `batch` sequences of `seqlen`
+        q, k = meta(batch * seqlen, nheads, head_dim), meta(batch * seqlen, nheads_k, head_dim)
+        lse = meta(nheads, batch * seqlen, dtype=torch.float32)
+        cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="meta")
+        layout = VarlenLayout(cu, cu, seqlen, seqlen)
+    else:
+        q, k = meta(batch, seqlen, nheads, head_dim), meta(batch, seqlen, nheads_k, head_dim)
+        lse, layout = meta(batch, nheads, seqlen, dtype=torch.float32), None
+    shape = P.describe_backward(q, q, k, k, q, lse, AttentionParams(0.1, -1, 0), varlen=layout,
+                                deterministic=deterministic)
+    return P.plan_backward(shape, target)
+
+
 @pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
-def test_backward_fused_by_default_split_when_deterministic(target):
-    """``deterministic=False`` plans the fused kernel (one program per key block, dQ by atomic add
-    into an fp32 buffer that the preprocess zeroes, then the convert); ``deterministic=True`` the
-    two split kernels, and the preprocess zeroes nothing."""
-    q, k = meta(2, 300, 8, 128), meta(2, 300, 2, 128)
-    lse = meta(2, 8, 300, dtype=torch.float32)
-    params = AttentionParams(0.1, -1, 0)
-    fused = P.plan_backward(P.describe_backward(q, q, k, k, q, lse, params), target)
-    split = P.plan_backward(P.describe_backward(q, q, k, k, q, lse, params, deterministic=True), target)
-    assert [x.kernel for x in fused.launches] == ["attn_bwd_preprocess_kernel", "attn_bwd_kernel",
-                                                  "attn_bwd_dq_convert_kernel"]
-    assert [x.kernel for x in split.launches] == ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
-                                                  "attn_bwd_dq_kernel"]
-    accum = {b.slot: b for b in fused.buffers}["dq_accum"]
-    # no memset of its own: the preprocess writes zeros into it, the same slot the fused kernel adds into
-    assert not accum.zeroed and accum.dtype == torch.float32 and accum.shape == q.shape
-    pre_args, main_args = dict(fused.launches[0].args), dict(fused.launches[1].args)
-    assert pre_args["zero_accum"] == 1 and pre_args["dQAccum"] == main_args["dQAccum"] == "dq_accum"
-    assert [pre_args[f"stride_a{d}"] for d in "bsh"] == [main_args[f"stride_dq{d}"] for d in "bsh"]
-    assert dict(split.launches[0].args)["zero_accum"] == 0
-    main = fused.launches[1]
-    assert main.grid == (-(-300 // main.config.block_n) * 2, 2, 1)  # key blocks x batch, kv heads
-    assert "dq_accum" not in {b.slot for b in split.buffers}
+def test_backward_runs_the_fused_kernel_one_program_per_key_block_by_default(target):
+    """``deterministic=False`` plans the fused kernel: one program per key block (the grid's
+    first axis: key blocks x batch; second: kv heads), dQ by atomic add into one fp32 buffer laid
+    out like Q that the preprocess zeroes (no memset of its own), then the convert."""
+    plan = _backward_plan(target, 2, 300, 8, 2)
+    assert [x.kernel for x in plan.launches] == BACKWARD_KERNELS
+    accum = {b.slot: b for b in plan.buffers}["dq_accum"]
+    assert not accum.zeroed and accum.dtype == torch.float32 and accum.shape == (2, 300, 1, 8, 128)
+    pre, main, convert = (dict(x.args) for x in plan.launches)
+    assert pre["dQAccum"] == main["dQAccum"] == convert["dQAccum"] == "dq_accum"
+    assert [pre[f"stride_a{d}"] for d in "bsh"] == [main[f"stride_dq{d}"] for d in "bsh"] == \
+        [convert[f"stride_a{d}"] for d in "bsh"] == [300 * 8 * 128, 8 * 128, 128]
+    key_blocks = -(-300 // plan.launches[1].config.block_n)
+    assert (main["splits"], main["split_stride"], pre["slices"], convert["slices"]) == (key_blocks, 0, 1, 1)
+    assert plan.launches[1].grid == (key_blocks * 2, 2, 1)
+
+
+@pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_deterministic_backward_runs_the_fused_kernel_in_splits_of_its_own(target, varlen):
+    """``deterministic=True`` on Hopper (FlashAttention-2's way): the fused kernel with fewer
+    programs along the keys, enough for every SM (at most ``DETERMINISTIC_SPLITS``); each split
+    adds dQ into Q-shaped sums of its own (interleaved per row: ``(rows, splits, heads, d)``),
+    the preprocess zeroes all of them and the convert adds them up."""
+    batch, seqlen, nheads, nheads_k = 4, 2048, 16, 4  # 16 programs a split, 16 key blocks
+    plan = _backward_plan(target, batch, seqlen, nheads, nheads_k, deterministic=True, varlen=varlen)
+    assert [x.kernel for x in plan.launches] == BACKWARD_KERNELS
+    splits = min(configs.DETERMINISTIC_SPLITS["sm90"], -(-132 // (batch * nheads_k)))
+    assert splits == 8
+    pre, main, convert = (dict(x.args) for x in plan.launches)
+    assert (main["splits"], pre["slices"], convert["slices"]) == (splits, splits, splits)
+    assert main["split_stride"] == pre["split_stride"] == convert["split_stride"] == nheads * 128
+    assert main["stride_dqs"] == splits * nheads * 128 and main["stride_dqh"] == 128
+    assert plan.launches[1].grid == (splits * batch, nheads_k, 1)
+    accum = {b.slot: b for b in plan.buffers}["dq_accum"]
+    assert accum.shape[-3:] == (splits, nheads, 128) and not accum.zeroed
+
+
+@pytest.mark.parametrize("why, target, sizes, overrides", [
+    # batch 1 x 1 kv head: 8 splits keep 8 of 132 SMs busy, the split kernels all of them
+    ("too few programs", H100, (1, 16384, 8, 1), {}),
+    ("switched off", H100, (4, 2048, 16, 4), NO_FUSED_DETERMINISTIC),
+    ("no fused kernel", P.Target("sm80", 108), (4, 2048, 16, 4), {}),
+    ("dQ by TMA reductions", H100, (4, 2048, 16, 4),
+     {("bwd_fused", "sm90", 128, v): configs.Config(64, 128, 8, 2, dq_tma=True) for v in configs.VARIANTS}),
+])
+def test_deterministic_backward_keeps_the_split_kernels_where_splits_cannot_serve(why, target, sizes, overrides):
+    with configs.overridden(overrides):
+        plan = _backward_plan(target, *sizes, deterministic=True)
+        assert [x.kernel for x in plan.launches] == SPLIT_KERNELS, why
+        assert dict(plan.launches[0].args)["slices"] == 0 and "dq_accum" not in {b.slot for b in plan.buffers}
+        # deterministic=False is unchanged by it
+        assert plan.launches[1].kernel != "attn_bwd_kernel"
+    if why != "no fused kernel":
+        with configs.overridden(overrides):
+            assert _backward_plan(target, *sizes).launches[1].kernel == "attn_bwd_kernel"
 
 
 @pytest.mark.parametrize("family, columns, tma", [("sm90", 128, True), ("sm80", 256, False), ("sm100", 256, False)])
 def test_the_deterministic_dkdv_kernel_splits_and_streams_on_hopper(family, columns, tma):
-    """``deterministic=True`` at head dim 256: on Hopper the dK/dV kernel splits its gradient
-    columns over two programs per key block (the grid's second axis doubles) and streams Q and dO
-    by TMA, as the fused backward does; elsewhere it keeps whole rows and pointer loads."""
+    """``deterministic=True`` at head dim 256 through the split kernels: on Hopper the dK/dV
+    kernel splits its gradient columns over two programs per key block (the grid's second axis
+    doubles) and streams Q and dO by TMA, as the fused backward does; elsewhere it keeps whole
+    rows and pointer loads."""
     q, k = meta(2, 300, 8, 256, dtype=torch.bfloat16), meta(2, 300, 2, 256, dtype=torch.bfloat16)
     lse = meta(2, 8, 300, dtype=torch.float32)
     for aot in (False, True):
         backward = P.describe_backward(q, q, k, k, q, lse, AttentionParams(0.1, -1, 0), deterministic=True)
-        dkdv = P.plan_backward(backward, P.Target(family, 132, aot=aot)).launches[1]
+        with configs.overridden(NO_FUSED_DETERMINISTIC):
+            dkdv = P.plan_backward(backward, P.Target(family, 132, aot=aot)).launches[1]
         assert dkdv.kernel == "attn_bwd_dkdv_kernel"
         assert (dkdv.constexprs["BLOCK_DOUT"], dkdv.constexprs["TMA"]) == (columns, tma)
         assert dkdv.grid == (-(-300 // dkdv.config.block_n) * 2, 2 * 256 // columns, 1)

@@ -261,11 +261,108 @@ def test_kernels_match_oracle(backend, case, recwarn):
     check_case(backend, case)
 
 
+@pytest.fixture
+def uninitialized_memory_is_nan():
+    """Every ``torch.empty`` filled with NaN (integers: their largest value), PyTorch's own switch
+    for finding reads of memory nothing wrote (it needs deterministic algorithms on), on the CPU
+    and on CUDA alike. The planner allocates the backward's buffers empty, the dQ sums included."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0])
+        torch.utils.deterministic.fill_uninitialized_memory = was[1]
+
+
+ALL_FAMILIES = (*configs.FAMILY_CAPABILITY, "interpret")
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c.grads and c.page_size is None][::3], ids=str)
-def test_deterministic_kernels_match_oracle(backend, case, recwarn):
-    """``deterministic=True`` runs the split dK/dV and dQ kernels (the default, the fused kernel
-    with atomic dQ, is what test_kernels_match_oracle checks)."""
+def test_deterministic_split_kernels_match_oracle(backend, case, recwarn):
+    """``deterministic=True`` through the split dK/dV and dQ kernels (every family without a
+    fused backward, and calls whose splits of the fused kernel could not keep the SMs busy); the
+    default, the fused kernel with atomic dQ, is what test_kernels_match_oracle checks."""
+    backend.module._backend.forget_plans()
+    try:
+        with configs.overridden({("deterministic_splits", family): 0 for family in ALL_FAMILIES}):
+            check_case(backend, case, deterministic=True)
+    finally:
+        backend.module._backend.forget_plans()
+
+
+# Longer key sequences than the matrix's, so that each split walks several key blocks of the
+# interpreter's 32 keys: GQA + causal, the head dim split in two (d200) + dropout (two splits
+# each), varlen with an empty query sequence + window (one split: six programs fill the four
+# SMs), softcap + ALiBi (one split).
+FUSED_DETERMINISTIC_CASES = [
+    Case(F16, 64, 4, 2, seqlen_q=70, seqlen_k=150, window=(-1, 0)),
+    Case(B16, 200, 2, 1, seqlen_q=40, seqlen_k=130, dropout_p=0.2),
+    Case(F16, 32, 2, 2, lens=((17, 0, 60), (90, 25, 140)), window=(6, 2)),
+    Case(B16, 128, 2, 2, seqlen_q=33, seqlen_k=100, softcap=3.0, alibi="h"),
+]
+
+
+@pytest.fixture
+def two_splits(backend, monkeypatch):
+    """The fused backward's ``deterministic=True`` path with few splits: an interpreter target of
+    4 SMs (the planner gives every SM a program: splits x batch x kv heads x column parts)."""
+    if backend.name != "interpret":
+        pytest.skip("a GPU plans its own splits (test_deterministic.py checks them bit for bit)")
+    from flash_attn.planning.plan import Target
+
+    monkeypatch.setattr(backend.module, "TARGET", Target("interpret", 4))
+    backend.module._backend.forget_plans()
+    yield
+    backend.module._backend.forget_plans()
+
+
+@pytest.mark.parametrize("case", FUSED_DETERMINISTIC_CASES, ids=str)
+def test_deterministic_fused_backward_matches_oracle(backend, two_splits, case, uninitialized_memory_is_nan,
+                                                     recwarn):
+    """``deterministic=True`` through the fused kernel (FlashAttention-2's way): each program walks
+    the key blocks of its split in turn, adding dQ into sums of its own that the convert adds up
+    (every split's sums zeroed by the preprocess: allocations come NaN-filled)."""
     check_case(backend, case, deterministic=True)
+
+
+def test_deterministic_fused_backward_keeps_each_splits_dq_apart(backend, two_splits, monkeypatch):
+    """What makes it deterministic: split ``s`` of ``n`` adds only its own key blocks (``s, s + n,
+    ...``) into its own dQ sums, which no other program touches. The sums (caught as the planner
+    allocates them; four splits here, 5 key blocks) against float64 dS K over each split's keys;
+    one shared buffer would put every key in split 0 and none in the others."""
+    case = Case(F16, 64, 2, 1, seqlen_q=40, seqlen_k=150)
+    inp = make_inputs(case)
+    made = []
+    empty = torch.empty
+
+    def recording_empty(*shape, **kwargs):
+        t = empty(*shape, **kwargs)
+        if kwargs.get("dtype") == torch.float32 and t.dim() == 5:
+            made.append(t)
+        return t
+
+    out, lse, _ = run_forward(backend, inp)
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    run_backward(backend, inp, out, lse, deterministic=True)
+    monkeypatch.setattr(torch, "empty", empty)
+    (sums,) = made
+    splits = sums.shape[2]
+    assert sums.shape[:4] == (1, 40, 4, 2)  # (batch, rows, splits, heads)
+
+    q, k, v, dout = (t[0].double().transpose(0, 1) for t in (inp.q, inp.k, inp.v, inp.dout))  # (h, s, d)
+    k, v = k.expand(2, -1, -1), v.expand(2, -1, -1)  # one kv head for both query heads
+    p = torch.softmax(q @ k.transpose(1, 2) * inp.params.softmax_scale, -1)
+    dp = dout @ v.transpose(1, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # delta = rowsum(dO * O) = rowsum(P * dP)
+    block = configs.pick("bwd_fused", 64, "interpret").block_n
+    keys = torch.arange(150)
+    for split in range(splits):
+        own = (keys // block) % splits == split
+        expected = (ds[:, :, own] @ k[:, own]).transpose(0, 1)  # (s, h, d)
+        got = sums[0, :, split, :, :64].double()
+        assert (got - expected).abs().max() <= 1e-2 * expected.abs().max(), f"split {split}"
 
 
 # Window sides wider than any sequence, up to the largest the kernels' int32 parameters take: the
@@ -301,21 +398,6 @@ def test_fused_backward_with_pointer_loads_matches_oracle(backend, case, recwarn
     descriptors; a config with ``tma=False`` (a sweep candidate, or a measured exception) takes
     the pointer loads: split d200 + dropout, windowed + ALiBi + softcap, varlen + dropout."""
     check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False))
-
-
-@pytest.fixture
-def uninitialized_memory_is_nan():
-    """Every ``torch.empty`` filled with NaN (integers: their largest value), PyTorch's own switch
-    for finding reads of memory nothing wrote (it needs deterministic algorithms on), on the CPU
-    and on CUDA alike. The planner allocates the backward's buffers empty, the dQ sums included."""
-    was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was[0])
-        torch.utils.deterministic.fill_uninitialized_memory = was[1]
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[6], CASES[15], CASES[16]], ids=str)

@@ -21,7 +21,9 @@ GPU time comes in windows of about 15 minutes, so the sweep is three steps, two 
 Candidates are timed in bf16 (the configs do not depend on the dtype), lean variant (no softcap,
 ALiBi, dropout), at ``batch x seqlen = 16k`` tokens and ``heads x head dim = 2048``; those of the
 split backward (:data:`~flash_attn.planning.configs.SPLIT_BACKWARD_KINDS`, which Hopper runs for
-``deterministic=True`` only) in calls that ask for it.
+``deterministic=True`` only, where the fused kernel's splits cannot keep its SMs busy) in calls
+that ask for it, with the fused kernel's deterministic path switched off. After each shape's
+candidates one row (``flash_attn[deterministic]``) times ``deterministic=True`` as planned.
 """
 
 from __future__ import annotations
@@ -140,9 +142,13 @@ _TABLE_NAMES = {"lean": "_TABLE", "exact": "_EXACT_TABLE"}
 
 def _overrides(kind: str, family: str, d: int, config: Optional[configs.Config]) -> dict:
     """A candidate in the place of the lean entry and of the exact-call image's (the variants a
-    lean call of either mask runs; the full-attention rows time the exact-call image)."""
+    lean call of either mask runs; the full-attention rows time the exact-call image). The split
+    kernels' candidates run with the fused kernel's deterministic path switched off."""
     bucket = configs.HEADDIM_BUCKETS[configs._bucket(d)]
-    return {(kind, family, bucket, variant): config for variant in _TABLE_NAMES}
+    out = {(kind, family, bucket, variant): config for variant in _TABLE_NAMES}
+    if kind in configs.SPLIT_BACKWARD_KINDS:
+        out[("deterministic_splits", family)] = 0
+    return out
 
 
 def _kernel_of(kind: str) -> Optional[str]:
@@ -335,6 +341,22 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
                     ms = timer(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
                     row.update(ms=ms, tflops=bwd_flops / ms / 1e9)
         except Exception as exc:  # noqa: BLE001  (a crashed candidate is a row, not the end of the sweep)
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            _forget_plans(backend)
+        write(row)
+
+    if ws != "only":  # once per shape, after its candidates: deterministic=True as planned
+        row = {**shape, "impl": "flash_attn[deterministic]"}
+        try:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            o = flash_attn_func(*leaves, causal=causal, deterministic=True)
+            g = torch.autograd.grad(o, leaves, dout, retain_graph=True)
+            errors = [_rel_error(a, b) for a, b in zip(g, ref_grads)]
+            ms = timer(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+            row.update(backend_ran=dispatch.last_backend(), max_rel_error=max(errors),
+                       ok=all(e < tolerance for e in errors), bwd_ms=ms, bwd_tflops=bwd_flops / ms / 1e9)
+        except Exception as exc:  # noqa: BLE001
             row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
             _forget_plans(backend)

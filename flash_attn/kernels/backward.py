@@ -45,15 +45,17 @@ def attn_bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,
     stride_ab, stride_as, stride_ah,
-    seqlen_q, head_dim, packed, zero_accum,
+    seqlen_q, head_dim, packed, slices, split_stride,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``; ``Delta`` laid out like lse.
 
-    With ``zero_accum != 0`` it also zeroes the same rows of ``dQAccum`` (the fused backward's fp32
-    dQ sums, Q's layout): the buffer needs no memset of its own, one launch fewer per backward
-    (FlashAttention-2 clears it here too). Only the columns inside the head dim, which are all the
-    fused backward adds into and the convert reads. ``zero_accum == 0``: ``dQAccum`` is not written."""
+    It also zeroes the same rows of the ``slices`` dQ sums in ``dQAccum`` (the fused backward's,
+    fp32, laid out like Q with the strides given, each ``split_stride`` elements after the one
+    before): the buffer needs no
+    memset of its own, one launch fewer per backward (FlashAttention-2 clears it here too). Only
+    the columns inside the head dim, which are all the fused backward adds into and the convert
+    reads. ``slices == 0``: ``dQAccum`` is not written."""
     stride_ob, stride_os, stride_oh = stride_16b(stride_ob), stride_16b(stride_os), stride_16b(stride_oh)
     stride_dob, stride_dos, stride_doh = stride_16b(stride_dob), stride_16b(stride_dos), stride_16b(stride_doh)
     stride_ab, stride_as, stride_ah = stride_16b(stride_ab), stride_16b(stride_as), stride_16b(stride_ah)
@@ -75,9 +77,10 @@ def attn_bwd_preprocess_kernel(
     do = tl.load(do_rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     tl.store(Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start + offs_m, delta, mask=m_mask)
-    if zero_accum != 0:
-        a_rows = row_ptrs(dQAccum + b64 * stride_ab + q0 * stride_as + h * stride_ah, start_m, stride_as, BLOCK_M)
-        tl.store(a_rows[:, None] + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
+    a_rows = row_ptrs(dQAccum + b64 * stride_ab + q0 * stride_as + h * stride_ah, start_m, stride_as, BLOCK_M)
+    for split in range(slices):
+        a_split = a_rows + tl.cast(split, tl.int64) * stride_16b(split_stride)
+        tl.store(a_split[:, None] + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=mask)
 
 
 @triton.jit
@@ -187,6 +190,7 @@ def _dkdv_query_tiles(
 
 @triton.jit
 def _dkdv_program(
+    split, splits, b, split_stride,
     Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum,
     CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
     stride_qb, stride_qs, stride_qh,
@@ -204,9 +208,10 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
     TMA: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
-    """One key block of one kv head: dK/dV over every query tile of the group's heads that sees
-    it (and, with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``; with ``TMA_DQ``
-    by TMA bulk reductions). With
+    """The key blocks ``split, split + splits, ...`` of batch entry ``b`` and one kv head, one
+    after the other: dK/dV over every query tile of the group's heads that sees the block (and,
+    with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``, whose sums of this split
+    start ``split * split_stride`` elements in; with ``TMA_DQ`` by TMA bulk reductions). With
     ``BLOCK_DOUT < BLOCK_D`` the gradients' head-dim columns are split over ``BLOCK_D //
     BLOCK_DOUT`` (at most two) programs (grid axis 1 is kv head x part): each recomputes the
     scores and dP over both halves and keeps only its columns of dK/dV in registers. With ``TMA``
@@ -220,17 +225,11 @@ def _dkdv_program(
     stride_dkb, stride_dks, stride_dkh = stride_16b(stride_dkb), stride_16b(stride_dks), stride_16b(stride_dkh)
     stride_dvb, stride_dvs, stride_dvh = stride_16b(stride_dvb), stride_16b(stride_dvs), stride_16b(stride_dvh)
     stride_dqb, stride_dqs, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqs), stride_16b(stride_dqh)
-    # the first key blocks are seen by the most queries under a causal mask: they go first
-    pid_n, b = block_and_batch(seqlen_k, BLOCK_N, False)
     D_PARTS: tl.constexpr = BLOCK_D // BLOCK_DOUT
     kv_h = tl.program_id(1) // D_PARTS
     dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
     q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
     k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
-    start_n = pid_n * BLOCK_N
-    if start_n >= seqlen_k:
-        return
-    offs_n = start_n + tl.arange(0, BLOCK_N)
     tl.static_assert(D_PARTS <= 2, "the head dim splits over at most two programs")
     part = tl.program_id(1) % D_PARTS
     o_start = part * BLOCK_DOUT
@@ -239,11 +238,57 @@ def _dkdv_program(
     r_start = (1 - part) * BLOCK_DOUT  # the other half (D_PARTS 2)
     offs_r = r_start + tl.arange(0, BLOCK_DOUT)
     r_mask = offs_r < head_dim
-    n_mask = (offs_n < seqlen_k)[:, None]
-    own_mask = n_mask & o_mask[None, :]  # this program's columns of the key block
     b64 = b.to(tl.int64)
     k0 = k_start.to(tl.int64)
     q0 = q_start.to(tl.int64)
+    dq_split = tl.cast(split, tl.int64) * stride_16b(split_stride)  # this split's dQ sums (0: all share one)
+    qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
+    # the fused kernel walks its split's key blocks; the dK/dV kernel has one key block a program
+    # and no loop (wrapped in one, its sm_80 images kept a stack frame: there it is the default)
+    if ATOMIC_DQ:
+        for pid_n in range(split, tl.cdiv(seqlen_k, BLOCK_N), splits):
+            _dkdv_key_block(
+                pid_n, b, b64, q0, k0, kv_h, o_start, offs_o, o_mask, r_start, offs_r, r_mask, dq_split, dropout_seed,
+                qk_scale_log2, cap_on, cap_in, cap_out_log2,
+                Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum, AlibiSlopes,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+                stride_dvh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
+                seqlen_q, seqlen_k, group, head_dim, use_alibi, softmax_scale, window_left, window_right, dropout_p,
+                IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_N, BLOCK_DOUT,
+                D_PARTS, TMA, TMA_DQ)
+    elif split * BLOCK_N < seqlen_k:
+        _dkdv_key_block(
+            split, b, b64, q0, k0, kv_h, o_start, offs_o, o_mask, r_start, offs_r, r_mask, dq_split, dropout_seed,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2,
+            Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum, AlibiSlopes,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+            stride_dvh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
+            seqlen_q, seqlen_k, group, head_dim, use_alibi, softmax_scale, window_left, window_right, dropout_p,
+            IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_N, BLOCK_DOUT,
+            D_PARTS, TMA, TMA_DQ)
+
+
+@triton.jit
+def _dkdv_key_block(
+    pid_n, b, b64, q0, k0, kv_h, o_start, offs_o, o_mask, r_start, offs_r, r_mask, dq_split, dropout_seed,
+    qk_scale_log2, cap_on, cap_in, cap_out_log2,
+    Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum, AlibiSlopes,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+    stride_dvh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, group, head_dim, use_alibi, softmax_scale, window_left, window_right, dropout_p,
+    IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DOUT: tl.constexpr, D_PARTS: tl.constexpr, TMA: tl.constexpr, TMA_DQ: tl.constexpr,
+):
+    """Key block ``pid_n`` of :func:`_dkdv_program` (sequence-relative bounds, this program's
+    columns): its dK/dV, stored, and its dQ shares."""
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = (offs_n < seqlen_k)[:, None]
+    own_mask = n_mask & o_mask[None, :]  # this program's columns of the key block
     k_rows = row_ptrs(K + b64 * stride_kb + k0 * stride_ks + kv_h * stride_kh, start_n, stride_ks, BLOCK_N)
     v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vs + kv_h * stride_vh, start_n, stride_vs, BLOCK_N)
     k = tl.load(k_rows[:, None] + offs_o[None, :], mask=own_mask, other=0.0)
@@ -258,7 +303,6 @@ def _dkdv_program(
     dk = tl.zeros([BLOCK_N, BLOCK_DOUT], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DOUT], dtype=tl.float32)
 
-    qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     lo, mid_lo, mid_hi, hi = masking.query_block_range(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                        BLOCK_M, BLOCK_N, IS_LOCAL)
     # the query heads of this kv head's group, one after the other: dK/dV summed in registers
@@ -266,9 +310,9 @@ def _dkdv_program(
         slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
         Q_head = Q + b64 * stride_qb + q0 * stride_qs + h * stride_qh
         dO_head = dOut + b64 * stride_dob + q0 * stride_dos + h * stride_doh
-        dQ_head = dQAccum + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh
-        L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
-        D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
+        dQ_head = dQAccum + dq_split + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh
+        L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q0
+        D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q0
         Q_src = head_rows(Q_head, seqlen_q, head_dim, stride_qs, TMA, BLOCK_M, BLOCK_DOUT)
         dO_src = head_rows(dO_head, seqlen_q, head_dim, stride_dos, TMA, BLOCK_M, BLOCK_DOUT)
         dQ_dst = head_rows(dQ_head, seqlen_q, head_dim, stride_dqs, TMA_DQ, BLOCK_M, BLOCK_DOUT)
@@ -313,20 +357,27 @@ def attn_bwd_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, group, head_dim, packed, use_alibi,
+    seqlen_q, seqlen_k, group, head_dim, packed, use_alibi, splits, split_stride,
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DOUT: tl.constexpr,
     TMA: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
-    """The fused backward (``deterministic=False``): grid ``(cdiv(max_seqlen_k, BLOCK_N) * batch,
-    nheads_k * BLOCK_D // BLOCK_DOUT)``, as :func:`attn_bwd_dkdv_kernel`, plus dQ added
-    atomically (fp32, unscaled) into ``dQAccum`` (Q's shape, zeroed by the preprocess;
-    :func:`attn_bwd_dq_convert_kernel` finishes it): five products per tile pair instead of the
-    split kernels' seven (seven with the head dim split in two), in an order that varies between
-    runs."""
+    """The fused backward: grid ``(splits * batch, nheads_k * BLOCK_D // BLOCK_DOUT)``, as
+    :func:`attn_bwd_dkdv_kernel`, plus dQ added atomically (fp32, unscaled) into ``dQAccum``
+    (zeroed by the preprocess; :func:`attn_bwd_dq_convert_kernel` finishes it): five products per
+    tile pair instead of the split kernels' seven (seven with the head dim split in two).
+
+    ``deterministic=False``: ``splits = cdiv(max_seqlen_k, BLOCK_N)``, one key block per program,
+    ``split_stride = 0``: every program adds into one Q-shaped buffer, in an order that varies
+    between runs. ``deterministic=True`` (FlashAttention-2's way): fewer splits, each program
+    walks the key blocks ``split, split + splits, ...`` in turn and adds into its split's own
+    Q-shaped sums (``split * split_stride`` elements in), which only its own threads touch, in program
+    order; the convert kernel adds the splits up in a fixed order."""
+    batch = tl.num_programs(0) // splits
     _dkdv_program(
+        tl.program_id(0) // batch, splits, tl.program_id(0) % batch, split_stride,
         Q, K, V, dOut, LSE, Delta, dK, dV, dQAccum, CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -361,7 +412,10 @@ def attn_bwd_dkdv_kernel(
 
     dK/dV have K/V's shape (``(b, sk, hk, d)`` or ``(total_k, hk, d)``) and dtype.
     """
+    # the first key blocks are seen by the most queries under a causal mask: they go first
+    pid_n, b = block_and_batch(seqlen_k, BLOCK_N, False)
     _dkdv_program(
+        pid_n, tl.cdiv(seqlen_k, BLOCK_N), b, 0,
         Q, K, V, dOut, LSE, Delta, dK, dV, dK, CuSeqlensQ, CuSeqlensK, AlibiSlopes, DropoutSeed,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -376,10 +430,12 @@ def attn_bwd_dq_convert_kernel(
     dQAccum, dQ, CuSeqlensQ,
     stride_ab, stride_as, stride_ah,
     stride_dqb, stride_dqs, stride_dqh,
-    seqlen_q, head_dim, packed, softmax_scale,
+    seqlen_q, head_dim, packed, slices, split_stride, softmax_scale,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """``dQ = softmax_scale * dQAccum`` in dQ's dtype; grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)``."""
+    """``dQ = softmax_scale *`` the sum of the ``slices`` dQ sums in ``dQAccum`` (``split_stride``
+    elements apart), added in their order, in dQ's dtype; grid ``(cdiv(max_seqlen_q, BLOCK_M) *
+    batch, nheads)``."""
     stride_ab, stride_as, stride_ah = stride_16b(stride_ab), stride_16b(stride_as), stride_16b(stride_ah)
     stride_dqb, stride_dqs, stride_dqh = stride_16b(stride_dqb), stride_16b(stride_dqs), stride_16b(stride_dqh)
     pid_m, b = block_and_batch(seqlen_q, BLOCK_M, False)
@@ -395,8 +451,11 @@ def attn_bwd_dq_convert_kernel(
     q0 = q_start.to(tl.int64)
     a_rows = row_ptrs(dQAccum + b64 * stride_ab + q0 * stride_as + h * stride_ah, start_m, stride_as, BLOCK_M)
     dq_rows = row_ptrs(dQ + b64 * stride_dqb + q0 * stride_dqs + h * stride_dqh, start_m, stride_dqs, BLOCK_M)
-    dq = tl.load(a_rows[:, None] + offs_d[None, :], mask=mask, other=0.0) * softmax_scale
-    tl.store(dq_rows[:, None] + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=mask)
+    dq = tl.load(a_rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    for split in range(1, slices):
+        a_split = a_rows + tl.cast(split, tl.int64) * stride_16b(split_stride)
+        dq += tl.load(a_split[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(dq_rows[:, None] + offs_d[None, :], (dq * softmax_scale).to(dQ.dtype.element_ty), mask=mask)
 
 
 @triton.jit

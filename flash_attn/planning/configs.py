@@ -245,6 +245,21 @@ def fused_backward(headdim: int, family: str, features: bool = False, exact: boo
     return pick("bwd_fused", headdim, family, features, exact)
 
 
+# deterministic=True through the fused backward, FlashAttention-2's way: each program walks several
+# key blocks in turn and adds dQ into sums of its own (one Q-shaped fp32 buffer per split), which
+# the convert kernel adds up in a fixed order: five products per tile pair, against the split
+# kernels' seven. At most this many splits per family (memory: splits x dQ in fp32); where the
+# splits cannot keep every SM busy (few batch x kv heads) or the family is absent, the split
+# kernels run (they spread over key blocks and query blocks alike).
+DETERMINISTIC_SPLITS = {"sm90": 8, "interpret": 8}
+
+
+def deterministic_splits(family: str) -> int:
+    """The most splits of the fused backward for ``deterministic=True`` on ``family`` (0: the split
+    kernels serve it); :func:`overridden` with the key ``("deterministic_splits", family)``."""
+    return _overrides.get(("deterministic_splits", family), DETERMINISTIC_SPLITS.get(family, 0))
+
+
 # The gradient columns per dK/dV program: at head dim 256 two programs share a key block, each
 # recomputing the scores and dP over all 256 columns (seven half-width products per tile pair
 # instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md). At least

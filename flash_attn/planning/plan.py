@@ -69,7 +69,7 @@ Q_ROWS, K_ROWS = Rows("q"), Rows("k")
 class Target(NamedTuple):
     """What a plan is made for: the launch configs of ``family`` (an architecture family of
     :mod:`flash_attn.planning.configs`, or ``"interpret"``), the SM count the KV-cache split
-    heuristic fills, and ``aot``: launch only the specialisations an ahead-of-time build ships
+    heuristic and the deterministic backward fill, and ``aot``: launch only the specialisations an ahead-of-time build ships
     (flags folded into their exact supersets, :mod:`flash_attn.planning.declarations`)."""
 
     family: str
@@ -644,14 +644,15 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
 
     pre = configs.pick("fwd", head_dim, target.family)
 
-    def preprocess(accum: Slot, accum_rows) -> Launch:
+    def preprocess(accum: Optional[_Accumulator]) -> Launch:
         """Delta, and the fused backward's dQ sums zeroed (``accum``). None: nothing to zero, and
         ``delta`` stands in for the pointer the kernel then does not write (no allocation)."""
+        acc = accum or _Accumulator(delta, (0, 0, 0), 0, 0)
         return _launch("attn_bwd_preprocess_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
-            Out=out, dOut=dout, Delta=delta, dQAccum=accum if accum is not None else delta, CuSeqlensQ=cu_q,
+            Out=out, dOut=dout, Delta=delta, dQAccum=acc.slot, CuSeqlensQ=cu_q,
             **_named("stride_o", "bsh", rows["out"]), **_named("stride_do", "bsh", rows["dout"]), **lse_args,
-            **_named("stride_a", "bsh", accum_rows), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
-            zero_accum=int(accum is not None)),
+            **_named("stride_a", "bsh", acc.rows), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
+            slices=acc.splits, split_stride=acc.split_stride),
             dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre)
 
     common = dict(
@@ -666,39 +667,83 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
                  PAD_HEADDIM=head_dim != block_d)
     dkdv = dict(common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"]))
 
+    def parts(kernel: str, cfg: configs.Config) -> int:
+        """Programs per key block: the head-dim split of the dK/dV programs."""
+        return block_d // declarations.get(kernel).tile_constexprs(block_d, cfg, target.family).get("BLOCK_DOUT", block_d)
+
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
-                         exact_image: bool = False) -> Launch:
+                         exact_image: bool = False, splits: int = 0) -> Launch:
+        """``splits``: programs per batch entry and kv head along the keys (0: one per key block)."""
         blocks = declarations.get(kernel).tile_constexprs(block_d, cfg, target.family)
-        parts = block_d // blocks.get("BLOCK_DOUT", block_d)  # the fused backward's head-dim split
-        grid = (cdiv(seqlen_k, cfg.block_n) * batch, nheads_k * parts) if per_key_block else \
-            (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
+        grid = ((splits or cdiv(seqlen_k, cfg.block_n)) * batch, nheads_k * parts(kernel, cfg)) if per_key_block \
+            else (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
         return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
                        cfg)
 
     fused_exact = _runs_exact_image("attn_bwd_kernel", target, features, flags, block_d, s.q.dtype)
-    fused = None if s.deterministic else configs.fused_backward(head_dim, target.family, features, fused_exact)
+    fused = configs.fused_backward(head_dim, target.family, features, fused_exact)
+    splits = 0  # deterministic=False: one program per key block
+    if fused is not None and s.deterministic:
+        splits = _deterministic_splits(fused, target, cdiv(seqlen_k, fused.block_n),
+                                       batch * nheads_k * parts("attn_bwd_kernel", fused))
+        fused = fused if splits else None
     if fused is None:
         launches = [
-            preprocess(None, (0, 0, 0)),
+            preprocess(None),
             attention_launch("attn_bwd_dkdv_kernel", configs.pick("bwd_dkdv", head_dim, target.family, features), True,
                              dkdv),
             attention_launch("attn_bwd_dq_kernel", configs.pick("bwd_dq", head_dim, target.family, features), False,
                              dict(common, dQ=dq, **_named("stride_dq", "bsh", rows["dq"]))),
         ]
     else:
-        # dQ summed in fp32 by atomic adds (into rows the preprocess zeroed), then scaled and rounded into dq
-        dq_accum = lay.buffer("dq_accum", s.q.shape, torch.float32, padded=True)
-        accum_rows = lay.rows("dq_accum")
+        # dQ summed in fp32 by atomic adds (into rows the preprocess zeroed; per split where
+        # deterministic), then added up, scaled and rounded into dq
+        acc = _accumulator(lay, s.q.shape, max(splits, 1))
         launches = [
-            preprocess(dq_accum, accum_rows),
+            preprocess(acc),
             attention_launch("attn_bwd_kernel", fused, True, dict(
-                dkdv, dQAccum=dq_accum, **_named("stride_dq", "bsh", accum_rows)), fused_exact),
+                dkdv, dQAccum=acc.slot, **_named("stride_dq", "bsh", acc.rows), splits=splits or cdiv(
+                    seqlen_k, fused.block_n), split_stride=acc.split_stride), fused_exact, splits),
             _launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
-                dQAccum=dq_accum, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", accum_rows),
+                dQAccum=acc.slot, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", acc.rows),
                 **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
-                softmax_scale=s.scalars.softmax_scale), dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre),
+                slices=acc.splits, split_stride=acc.split_stride, softmax_scale=s.scalars.softmax_scale),
+                dict(BLOCK_M=pre.block_m, BLOCK_D=lean_block_d), pre),
         ]
     return _finish(s.q.dtype, lay, launches, ("dq", "dk", "dv", "delta") if s.delta else ("dq", "dk", "dv"))
+
+
+class _Accumulator(NamedTuple):
+    """The fused backward's fp32 dQ sums: ``splits`` Q-shaped buffers, interleaved per row
+    (``(b, s, splits, h, d)`` or ``(total, splits, h, d)``): their (batch, row, head) strides and
+    the elements from one split's sums to the next."""
+
+    slot: Slot
+    rows: tuple
+    splits: int
+    split_stride: int
+
+
+def _accumulator(lay: _Layouts, q_shape: tuple, splits: int) -> _Accumulator:
+    shape = (*q_shape[:-2], splits, *q_shape[-2:])
+    slot = lay.buffer("dq_accum", shape, torch.float32, padded=True)
+    strides = lay.strides["dq_accum"]
+    rows = (strides[0], strides[1], strides[3]) if len(shape) == 5 else (0, strides[0], strides[2])
+    return _Accumulator(slot, rows, splits, strides[-3])
+
+
+def _deterministic_splits(fused: configs.Config, target: Target, key_blocks: int, programs_per_split: int) -> int:
+    """How many splits run ``deterministic=True`` through the fused backward, or 0 for the split
+    kernels: enough to give every SM a program (:data:`configs.DETERMINISTIC_SPLITS` at most, no
+    more than the key blocks). The fused kernel does 5/7 of the split kernels' products, so it
+    runs where its programs keep at least 3/4 of the SMs busy (or all the key blocks); not
+    where dQ goes by TMA bulk reductions (asynchronous: no fixed order)."""
+    most = configs.deterministic_splits(target.family)
+    if most <= 0 or fused.dq_tma:
+        return 0
+    splits = min(key_blocks, most, cdiv(target.sm_count, programs_per_split))
+    busy = min(target.sm_count, key_blocks * programs_per_split)
+    return splits if 4 * splits * programs_per_split >= 3 * busy else 0
 
 
 # ---------------------------------------------------------------------------------------------
