@@ -69,8 +69,9 @@ Q_ROWS, K_ROWS = Rows("q"), Rows("k")
 class Target(NamedTuple):
     """What a plan is made for: the launch configs of ``family`` (an architecture family of
     :mod:`flash_attn.planning.configs`, or ``"interpret"``), the SM count the KV-cache split
-    heuristic and the deterministic backward fill, and ``aot``: launch only the specialisations an ahead-of-time build ships
-    (flags folded into their exact supersets, :mod:`flash_attn.planning.declarations`)."""
+    heuristic and the deterministic backward's splits fill, and ``aot``: launch only the
+    specialisations an ahead-of-time build ships (flags folded into their exact supersets,
+    :mod:`flash_attn.planning.declarations`)."""
 
     family: str
     sm_count: int
@@ -669,7 +670,8 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
 
     def parts(kernel: str, cfg: configs.Config) -> int:
         """Programs per key block: the head-dim split of the dK/dV programs."""
-        return block_d // declarations.get(kernel).tile_constexprs(block_d, cfg, target.family).get("BLOCK_DOUT", block_d)
+        blocks = declarations.get(kernel).tile_constexprs(block_d, cfg, target.family)
+        return block_d // blocks.get("BLOCK_DOUT", block_d)
 
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
                          exact_image: bool = False, splits: int = 0) -> Launch:
