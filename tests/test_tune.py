@@ -62,6 +62,9 @@ def test_run_measures_and_checks_every_candidate(tmp_path, interpreter_candidate
     assert len(begun) == len(measured)
     assert all({**rows[i], "event": None}.items() <= {**rows[i + 1], "event": None}.items() for i in begun)
     assert not [r for r in tune._with_unfinished(rows) if "error" in r]
+    # after each shape's candidates, deterministic=True as planned: checked and timed
+    planned = [r for r in rows if r.get("impl") == "flash_attn[deterministic]"]
+    assert len(planned) == 2 and all(r["ok"] and r["ms"] for r in planned), planned
 
 
 def test_the_warp_specialised_candidates_run_on_their_own(tmp_path, monkeypatch):

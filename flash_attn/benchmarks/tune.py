@@ -319,14 +319,11 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
         except Exception as exc:  # noqa: BLE001  (a baseline this PyTorch cannot run: say so, go on)
             write({**shape, "impl": f"sdpa[{name}]", "error": f"{type(exc).__name__}: {exc}"[:300]})
 
-    for kind, cand_d, config in candidates(family, [d], ws):
-        row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
-        write({**shape, "event": "begin", "kind": kind, "config": row["config"]})
-        deterministic = kind in configs.SPLIT_BACKWARD_KINDS
-        if deterministic:
-            row["deterministic"] = True
+    def measure(row: dict, overrides: dict, deterministic: bool, forward: bool) -> None:
+        """Check one call of ours against the reference and time it (its forward, or its
+        backward), within ``overrides``; the row, with the answer or the error, is written."""
         try:
-            with configs.overridden(_overrides(kind, family, d, config)):
+            with configs.overridden(overrides):
                 _forget_plans(backend)
                 leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                 o = flash_attn_func(*leaves, causal=causal, deterministic=deterministic)
@@ -334,7 +331,7 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
                 errors = [_rel_error(o, ref_out)] + [_rel_error(a, b) for a, b in zip(g, ref_grads)]
                 row.update(backend_ran=dispatch.last_backend(), max_rel_error=max(errors),
                            ok=all(e < tolerance for e in errors))
-                if kind == "fwd":
+                if forward:
                     ms = timer(lambda: flash_attn_func(q, k, v, causal=causal))
                     row.update(ms=ms, tflops=fwd_flops / ms / 1e9)
                 else:
@@ -346,21 +343,16 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
             _forget_plans(backend)
         write(row)
 
-    if ws != "only":  # once per shape, after its candidates: deterministic=True as planned
-        row = {**shape, "impl": "flash_attn[deterministic]"}
-        try:
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            o = flash_attn_func(*leaves, causal=causal, deterministic=True)
-            g = torch.autograd.grad(o, leaves, dout, retain_graph=True)
-            errors = [_rel_error(a, b) for a, b in zip(g, ref_grads)]
-            ms = timer(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
-            row.update(backend_ran=dispatch.last_backend(), max_rel_error=max(errors),
-                       ok=all(e < tolerance for e in errors), bwd_ms=ms, bwd_tflops=bwd_flops / ms / 1e9)
-        except Exception as exc:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
-        finally:
-            _forget_plans(backend)
-        write(row)
+    for kind, cand_d, config in candidates(family, [d], ws):
+        row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
+        write({**shape, "event": "begin", "kind": kind, "config": row["config"]})
+        deterministic = kind in configs.SPLIT_BACKWARD_KINDS
+        if deterministic:
+            row["deterministic"] = True
+        measure(row, _overrides(kind, family, d, config), deterministic, kind == "fwd")
+
+    if ws != "only":  # once per shape, after its candidates: deterministic=True as planned (its backward)
+        measure({**shape, "impl": "flash_attn[deterministic]"}, {}, True, False)
 
 
 # --- 3. fold (CPU) ------------------------------------------------------------------------------------

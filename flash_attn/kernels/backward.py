@@ -52,10 +52,10 @@ def attn_bwd_preprocess_kernel(
 
     It also zeroes the same rows of the ``slices`` dQ sums in ``dQAccum`` (the fused backward's,
     fp32, laid out like Q with the strides given, each ``split_stride`` elements after the one
-    before): the buffer needs no
-    memset of its own, one launch fewer per backward (FlashAttention-2 clears it here too). Only
-    the columns inside the head dim, which are all the fused backward adds into and the convert
-    reads. ``slices == 0``: ``dQAccum`` is not written."""
+    before): the buffer needs no memset of its own, one launch fewer per backward
+    (FlashAttention-2 clears it here too). Only the columns inside the head dim, which are all
+    the fused backward adds into and the convert reads. ``slices == 0``: ``dQAccum`` is not
+    written."""
     stride_ob, stride_os, stride_oh = stride_16b(stride_ob), stride_16b(stride_os), stride_16b(stride_oh)
     stride_dob, stride_dos, stride_doh = stride_16b(stride_dob), stride_16b(stride_dos), stride_16b(stride_doh)
     stride_ab, stride_as, stride_ah = stride_16b(stride_ab), stride_16b(stride_as), stride_16b(stride_ah)
@@ -373,8 +373,8 @@ def attn_bwd_kernel(
     ``split_stride = 0``: every program adds into one Q-shaped buffer, in an order that varies
     between runs. ``deterministic=True`` (FlashAttention-2's way): fewer splits, each program
     walks the key blocks ``split, split + splits, ...`` in turn and adds into its split's own
-    Q-shaped sums (``split * split_stride`` elements in), which only its own threads touch, in program
-    order; the convert kernel adds the splits up in a fixed order."""
+    Q-shaped sums (``split * split_stride`` elements in), which only its own threads touch, in
+    program order; the convert kernel adds the splits up in a fixed order."""
     batch = tl.num_programs(0) // splits
     _dkdv_program(
         tl.program_id(0) // batch, splits, tl.program_id(0) % batch, split_stride,

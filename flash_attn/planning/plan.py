@@ -668,16 +668,18 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
                  PAD_HEADDIM=head_dim != block_d)
     dkdv = dict(common, dK=dk, dV=dv, **_named("stride_dk", "bsh", rows["dk"]), **_named("stride_dv", "bsh", rows["dv"]))
 
-    def parts(kernel: str, cfg: configs.Config) -> int:
+    def tiles(kernel: str, cfg: configs.Config) -> dict:
+        return declarations.get(kernel).tile_constexprs(block_d, cfg, target.family)
+
+    def parts(blocks: dict) -> int:
         """Programs per key block: the head-dim split of the dK/dV programs."""
-        blocks = declarations.get(kernel).tile_constexprs(block_d, cfg, target.family)
         return block_d // blocks.get("BLOCK_DOUT", block_d)
 
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
                          exact_image: bool = False, splits: int = 0) -> Launch:
         """``splits``: programs per batch entry and kv head along the keys (0: one per key block)."""
-        blocks = declarations.get(kernel).tile_constexprs(block_d, cfg, target.family)
-        grid = ((splits or cdiv(seqlen_k, cfg.block_n)) * batch, nheads_k * parts(kernel, cfg)) if per_key_block \
+        blocks = tiles(kernel, cfg)
+        grid = ((splits or cdiv(seqlen_k, cfg.block_n)) * batch, nheads_k * parts(blocks)) if per_key_block \
             else (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
         return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
                        cfg)
@@ -687,7 +689,7 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     splits = 0  # deterministic=False: one program per key block
     if fused is not None and s.deterministic:
         splits = _deterministic_splits(fused, target, cdiv(seqlen_k, fused.block_n),
-                                       batch * nheads_k * parts("attn_bwd_kernel", fused))
+                                       batch * nheads_k * parts(tiles("attn_bwd_kernel", fused)))
         fused = fused if splits else None
     if fused is None:
         launches = [
