@@ -414,6 +414,41 @@ def test_resolve_archs():
         [100, 100, 120, 90]
 
 
+def test_a_family_target_is_assembled_once_per_image(monkeypatch, tmp_path):
+    """The sm_100 compile feeds sm_100f and sm_110f: ptxas runs once for each of them and never
+    for Triton's own sm_100a (whose cubin the build would throw away), and each image holds
+    SASS for the target it is filed under (cuobjdump reads the cubin's ELF header)."""
+    from dataclasses import asdict
+
+    from flash_attn.aot import build as aot_build
+
+    if not {"sm_100f", "sm_110f"} <= aot_build.ptxas_targets(100):
+        pytest.skip("this ptxas does not assemble the sm_100f / sm_110f family targets (CUDA < 12.9)")
+    spec = next(s for s in S.specs_for_capability((10, 0)) if s.kernel == "attn_bwd_preprocess_kernel")
+    job_spec = asdict(spec)
+    job_spec["flags"] = [list(x) for x in spec.flags]
+    gpu_names = []
+    real_run = subprocess.run
+
+    def recording_run(cmd, *args, **kwargs):
+        gpu_names.extend(a.split("=", 1)[1] for a in cmd if isinstance(a, str) and a.startswith("--gpu-name="))
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", recording_run)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    result = aot_build.compile_job({"spec": job_spec, "cap": 100, "out": str(tmp_path), "cubins": ["sm_100f", "sm_110f"],
+                                    "ptx": [], "cuobjdump": aot_build.cuobjdump_path()})
+    monkeypatch.undo()
+    assert sorted(gpu_names) == ["sm_100f", "sm_110f"], gpu_names
+    cuobjdump = aot_build.cuobjdump_path()
+    for entry, _ in result["rows"]:
+        cubin = tmp_path / "check.cubin"
+        cubin.write_bytes(op_library.read_image(tmp_path / entry["image"]))
+        listing = subprocess.run([cuobjdump, "--list-elf", str(cubin)], capture_output=True, text=True, check=True)
+        # cuobjdump names a family cubin by its base (sm_100f -> sm_100), an arch-specific one in full
+        assert f".{entry['arch'].removesuffix('f')}.cubin" in listing.stdout, (entry["arch"], listing.stdout)
+
+
 # --- on a GPU -----------------------------------------------------------------------------------
 
 
