@@ -152,15 +152,11 @@ def test_sm90a_deterministic_images_meet_the_static_targets(report):
     assert split and all(r["products_per_step"] == 6 for r in split)
 
 
-# sm_100a: the shipped forward, and the fused backward as the sweep's Blackwell candidate (not
-# shipped yet: configs.fused_backward; head dim 256 has none: dK and dV alone fill the 512
-# tensor-memory columns)
+# sm_100a: the shipped forward and fused backward (head dim 256 has no fused backward: dK and dV
+# alone fill the 512 tensor-memory columns)
 def _sm100_cases():
-    from flash_attn.benchmarks import tune
-
-    fused = tune.CANDIDATES[("bwd_fused", "sm100")]
     return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in (64, 128, 256)] + \
-        [("attn_bwd_kernel", d, fused[d][0]) for d in (64, 128)]
+        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128)]
 
 
 @pytest.mark.slow
@@ -205,10 +201,14 @@ def test_sm100a_warp_specialised_forward_candidates(block_d, config):
     assert R.target_misses(row) == [], row
 
 
-def test_fused_backward_ships_on_hopper_only():
+def test_fused_backward_ships_on_hopper_and_datacenter_blackwell():
+    """Where a GPU with tensor memory or wgmma runs it: Hopper at every head dim, Blackwell up to
+    128 (at 256 dK and dV alone fill tensor memory); Ampere, Ada and consumer Blackwell (mma.sync,
+    the sm_80 code) run the split kernels."""
     assert all(configs.fused_backward(d, "sm90") is not None for d in (32, 64, 128, 256))
+    assert [configs.fused_backward(d, "sm100") is not None for d in (32, 64, 128, 256)] == [True, True, True, False]
     assert all(configs.fused_backward(d, family) is None for d in (32, 64, 128, 256)
-               for family in ("sm80", "sm86", "sm100", "sm120"))
+               for family in ("sm80", "sm86", "sm120"))
 
 
 @pytest.mark.slow

@@ -172,6 +172,25 @@ def test_backward_runs_the_fused_kernel_one_program_per_key_block_by_default(tar
     assert plan.launches[1].grid == (key_blocks * 2, 2, 1)
 
 
+@pytest.mark.parametrize("aot", [False, True], ids=["jit", "aot"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_blackwell_runs_the_fused_backward_up_to_head_dim_128(aot, head_dim):
+    """B200 (sm100, 148 SMs): the fused kernel (tcgen05) for both ``deterministic`` settings up to
+    head dim 128, in splits of its own when deterministic; at 256, where dK and dV alone would
+    fill tensor memory, the split kernels."""
+    b200 = P.Target("sm100", 148, aot=aot)
+    for deterministic in (False, True):
+        plan = _backward_plan(b200, 4, 2048, 16, 4, head_dim=head_dim, deterministic=deterministic)
+        kernels = [x.kernel for x in plan.launches]
+        if head_dim == 256:
+            assert kernels == SPLIT_KERNELS
+            continue
+        assert kernels == BACKWARD_KERNELS
+        main = plan.launches[1]
+        assert main.config == configs.fused_backward(head_dim, "sm100") and main.constexprs["TMA"] is False
+        assert dict(main.args)["splits"] == (min(8, -(-148 // 16)) if deterministic else 2048 // main.config.block_n)
+
+
 @pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_deterministic_backward_runs_the_fused_kernel_in_splits_of_its_own(target, varlen):
@@ -241,7 +260,7 @@ def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
         main = _main_launch(direction, head_dim, causal, family, softcap, dtype, aot)
         # the image's own launch config: the exact-call image's entry, or the lean / features one
         exact = main.constexprs["IS_LOCAL"] is False and main.constexprs["PAD_HEADDIM"] is False
-        if main.kernel != "attn_bwd_dkdv_kernel":  # sm100 runs the split backward kernels
+        if main.kernel != "attn_bwd_dkdv_kernel":  # sm100 runs the split backward kernels at d256
             assert main.config == configs.pick(kind, head_dim, family, softcap > 0, exact=exact and softcap == 0)
         return main.constexprs["IS_LOCAL"], main.constexprs["PAD_HEADDIM"]
 

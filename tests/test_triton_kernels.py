@@ -197,7 +197,7 @@ def check_case(backend, case: Case, seed: int = 0, deterministic: bool = False):
     return inp, out, lse
 
 
-def check_case_with(backend, case, kind: str, config: configs.Config):
+def check_case_with(backend, case, kind: str, config: configs.Config, deterministic: bool = False):
     """:func:`check_case` with ``config`` in the place of the interpreter's ``kind`` entry (every
     head dim and variant); plans made before and within are forgotten."""
     if backend.name != "interpret":
@@ -207,7 +207,7 @@ def check_case_with(backend, case, kind: str, config: configs.Config):
     backend.module._backend.forget_plans()
     try:
         with configs.overridden(entries):
-            check_case(backend, case)
+            check_case(backend, case, deterministic=deterministic)
     finally:
         backend.module._backend.forget_plans()
 
@@ -325,6 +325,15 @@ def test_deterministic_fused_backward_matches_oracle(backend, two_splits, case, 
     the key blocks of its split in turn, adding dQ into sums of its own that the convert adds up
     (every split's sums zeroed by the preprocess: allocations come NaN-filled)."""
     check_case(backend, case, deterministic=True)
+
+
+@pytest.mark.parametrize("case", FUSED_DETERMINISTIC_CASES[:3:2], ids=str)
+def test_deterministic_fused_backward_with_pointer_loads_matches_oracle(backend, two_splits, case,
+                                                                        uninitialized_memory_is_nan, recwarn):
+    """Blackwell's way of the above: the same splits with Q and dO by pointer loads (``tma=False``,
+    sm100 has no descriptor path in the fused backward): causal GQA, varlen + window."""
+    check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(tma=False),
+                    deterministic=True)
 
 
 def test_deterministic_fused_backward_keeps_each_splits_dq_apart(backend, two_splits, monkeypatch):

@@ -119,13 +119,13 @@ def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
     the launch config the planner picks for that family, head dim and variant. ``block_ds`` and
     ``with_features`` narrow it (``bench tune`` builds one head dim's lean kernels)."""
     out = []
-    fused = any(configs.fused_backward(d, family, f) for d in block_ds for f in (False, True))
+    fused_block_ds = [d for d in block_ds if any(configs.fused_backward(d, family, f) for f in (False, True))]
     for kernel in ATTENTION_KERNELS:
-        if kernel == "attn_bwd_dq_convert_kernel" and not fused:
-            continue  # only the fused backward needs it
         decl = declarations.get(kernel)
         for features in (False, True) if decl.has_features and with_features else (False,):
             for block_d in [d for d in FEATURE_BLOCK_DS if d in block_ds] if features else block_ds:
+                if kernel == "attn_bwd_dq_convert_kernel" and block_d not in fused_block_ds:
+                    continue  # only the fused backward needs it
                 config = configs.pick(decl.config_kind, block_d, family, features)
                 if config is None:  # the split kernels serve this head dim (configs.fused_backward)
                     continue

@@ -104,10 +104,11 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 _TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
 _TABLE[("bwd_dkdv", "sm100")] = (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2))
 _TABLE[("bwd_dq", "sm100")] = (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2))
-# Blackwell runs the split backward kernels: the fused one compiles there to tcgen05 and meets the
-# static targets (flash_attn.benchmarks.tune.CANDIDATES, sm100; tests/test_kernel_report.py), but
-# it is unmeasured, and its images would take the default build past its 10-minute budget.
-_TABLE[("bwd_fused", "sm100")] = (None, None, None, None)
+# Blackwell's fused backward (tcgen05, unmeasured: no Blackwell GPU has run it): tensor memory
+# (512 fp32 columns) holds dK, dV, S, dP and dQ, so d128 takes 32 queries a step to keep two
+# stages (64 x 128 fits one stage and spills 163 instructions in its loop; 32 x 128 s2: 3); d256
+# has none (dK and dV alone fill it): the split kernels.
+_TABLE[("bwd_fused", "sm100")] = (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), None)
 _TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
 
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
@@ -130,6 +131,8 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), _C(128, 32, 8, 2)),
     ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None),  # d64: 64x32 keeps 8 B, 128x64 none
+    # d64: the lean 64x128 keeps 80 spill instructions in its loop with the features' tiles, 32x128: 6
+    ("bwd_fused", "sm100"): (None, _C(32, 128, 8, 2), None, None),
     # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
     ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
@@ -251,7 +254,7 @@ def fused_backward(headdim: int, family: str, features: bool = False, exact: boo
 # kernels' seven. At most this many splits per family (memory: splits x dQ in fp32); where the
 # splits cannot keep every SM busy (few batch x kv heads) or the family is absent, the split
 # kernels run (they spread over key blocks and query blocks alike).
-DETERMINISTIC_SPLITS = {"sm90": 8, "interpret": 8}
+DETERMINISTIC_SPLITS = {"sm90": 8, "sm100": 8, "interpret": 8}
 
 
 def deterministic_splits(family: str) -> int:
