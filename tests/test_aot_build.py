@@ -415,10 +415,12 @@ def test_resolve_archs():
         [100, 100, 120, 90]
 
 
-def test_a_family_target_is_assembled_once_per_image(monkeypatch, tmp_path):
+@pytest.mark.parametrize("fp_fusion", ["1", "0"])
+def test_a_family_target_is_assembled_once_per_image(monkeypatch, tmp_path, fp_fusion):
     """The sm_100 compile feeds sm_100f and sm_110f: ptxas runs once for each of them and never
-    for Triton's own sm_100a (whose cubin the build would throw away), and each image holds
-    SASS for the target it is filed under (cuobjdump reads the cubin's ELF header)."""
+    for Triton's own sm_100a (whose cubin the build would throw away), with Triton's options
+    (``--fmad=false`` where the build turns FP fusion off), and each image is a cubin for the
+    target it is filed under (as cuobjdump reads its ELF header)."""
     from dataclasses import asdict
 
     from flash_attn.aot import build as aot_build
@@ -428,19 +430,23 @@ def test_a_family_target_is_assembled_once_per_image(monkeypatch, tmp_path):
     spec = next(s for s in S.specs_for_capability((10, 0)) if s.kernel == "attn_bwd_preprocess_kernel")
     job_spec = asdict(spec)
     job_spec["flags"] = [list(x) for x in spec.flags]
-    gpu_names = []
+    ptxas_runs = {}
     real_run = subprocess.run
 
     def recording_run(cmd, *args, **kwargs):
-        gpu_names.extend(a.split("=", 1)[1] for a in cmd if isinstance(a, str) and a.startswith("--gpu-name="))
+        for a in cmd:
+            if isinstance(a, str) and a.startswith("--gpu-name="):
+                ptxas_runs.setdefault(a.split("=", 1)[1], []).append(cmd)
         return real_run(cmd, *args, **kwargs)
 
     monkeypatch.setattr(subprocess, "run", recording_run)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", fp_fusion)
     result = aot_build.compile_job({"spec": job_spec, "cap": 100, "out": str(tmp_path), "cubins": ["sm_100f", "sm_110f"],
                                     "ptx": [], "cuobjdump": aot_build.cuobjdump_path()})
     monkeypatch.undo()
-    assert sorted(gpu_names) == ["sm_100f", "sm_110f"], gpu_names
+    assert {arch: len(runs) for arch, runs in ptxas_runs.items()} == {"sm_100f": 1, "sm_110f": 1}, ptxas_runs
+    assert all(("--fmad=false" in runs[0]) == (fp_fusion == "0") for runs in ptxas_runs.values()), ptxas_runs
     cuobjdump = aot_build.cuobjdump_path()
     for entry, _ in result["rows"]:
         cubin = tmp_path / "check.cubin"

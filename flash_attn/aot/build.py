@@ -212,18 +212,20 @@ def _write_image(path: Path, data: bytes) -> Path:
     return out
 
 
-def assemble(ptx: str, arch: str, cap: int) -> bytes:
+def assemble(ptx: str, arch: str, cap: int, fp_fusion: bool = True) -> bytes:
     """``ptx`` (Triton's, for ``sm_<cap>``) assembled as a cubin for ``arch`` by the same ptxas
-    with Triton's options: how one compile serves a whole family (``sm_100f`` runs on 10.0 and
+    with Triton's options (``fp_fusion``: the compile's ``enable_fp_fusion``, else
+    ``--fmad=false``): how one compile serves a whole family (``sm_100f`` runs on 10.0 and
     10.3, ``sm_120f`` on 12.0 and 12.1). ptxas refuses PTX that uses an instruction the target
     lacks, so an image that assembles is one the target runs."""
     tool = ptxas_for(cap)["path"]
     retargeted = re.sub(r"^\.target\s+\w+", f".target {arch}", ptx, count=1, flags=re.M)
     line_info = ["-lineinfo", "-suppress-debug-info"] if os.environ.get("TRITON_DISABLE_LINE_INFO") == "1" else ["-lineinfo"]
+    fmad = [] if fp_fusion else ["--fmad=false"]
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
         src.write_text(retargeted)
-        result = subprocess.run([tool, *line_info, "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src), "-o",
+        result = subprocess.run([tool, *line_info, *fmad, "--regAllocOptLevel=2", f"--gpu-name={arch}", str(src), "-o",
                                  str(out)], capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise RuntimeError(f"ptxas could not assemble the sm_{cap} PTX for {arch}: {result.stderr.strip()[:400]}")
@@ -245,15 +247,17 @@ def _triton_assembles_for(arch: Optional[str], cap: int):
         yield assembled_for
         return
 
-    def family_cubin(ptx, metadata):
-        cubin = assemble(ptx, arch, cap)
-        assembled_for.add(arch)
-        return cubin
-
     def hook(*args):
         if not args:  # Triton 3.9 asks for a cache key: the target makes the cubin differ
             return f"flash_attn-cubin-{arch}", arch
-        args[1]["cubin"] = family_cubin
+        _backend, stages, options = args[:3]
+
+        def family_cubin(ptx, metadata):
+            cubin = assemble(ptx, arch, cap, options.enable_fp_fusion)
+            assembled_for.add(arch)
+            return cubin
+
+        stages["cubin"] = family_cubin
         return None
 
     previous = runtime.add_stages_inspection_hook
@@ -315,7 +319,7 @@ def compile_job(job: dict) -> dict:
             cubin = compiled.asm["cubin"]
         else:  # another target of the same compile (sm_110f from sm_100's): Triton's PTX, assembled
             begin = time.perf_counter()
-            cubin = assemble(ptx, arch, cap)
+            cubin = assemble(ptx, arch, cap, compiled.metadata.enable_fp_fusion)
             assembled = time.perf_counter() - begin
         with tempfile.TemporaryDirectory() as tmp:  # cuobjdump reads a file
             raw = Path(tmp) / f"{spec.key}.cubin"
