@@ -83,10 +83,10 @@ def test_spec_set_size_is_deliberate():
 
     # sm_90a: + the fused backward, its dQ convert, and the bf16 exact-call forward and fused
     # backward at head dims 64, 128 and 256, + the plain decoding step's exact split-KV image (2
-    # dtypes x 3 buckets); Blackwell: + the fused backward and its dQ convert up to head dim 128
-    # (lean x 3 buckets, features x 2); sm_120: the split kernels only
+    # dtypes x 3 buckets); Blackwell: + the fused backward and its dQ convert (no exact-call
+    # images); sm_120: the split kernels only
     assert counts((9, 0)) == (32 + 8 + 8 + 6, 18 + 6, 60 + 6)
-    assert counts((10, 0)) == (32 + 6 + 6, 18 + 4, 60)
+    assert counts((10, 0)) == (32 + 8 + 8, 18 + 6, 60)
     assert counts((12, 0)) == (32, 18, 60)
     lean, features, decode = counts((8, 0))
     assert 32 < lean <= 48 and 18 <= features <= 36 and 60 < decode <= 72

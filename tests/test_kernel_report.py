@@ -152,11 +152,10 @@ def test_sm90a_deterministic_images_meet_the_static_targets(report):
     assert split and all(r["products_per_step"] == 6 for r in split)
 
 
-# sm_100a: the shipped forward and fused backward (head dim 256 has no fused backward: dK and dV
-# alone fill the 512 tensor-memory columns)
+# sm_100a: the shipped forward and fused backward (head dim 256 with its gradient columns split)
 def _sm100_cases():
     return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in (64, 128, 256)] + \
-        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128)]
+        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128, 256)]
 
 
 @pytest.mark.slow
@@ -202,11 +201,9 @@ def test_sm100a_warp_specialised_forward_candidates(block_d, config):
 
 
 def test_fused_backward_ships_on_hopper_and_datacenter_blackwell():
-    """Where a GPU with tensor memory or wgmma runs it: Hopper at every head dim, Blackwell up to
-    128 (at 256 dK and dV alone fill tensor memory); Ampere, Ada and consumer Blackwell (mma.sync,
-    the sm_80 code) run the split kernels."""
-    assert all(configs.fused_backward(d, "sm90") is not None for d in (32, 64, 128, 256))
-    assert [configs.fused_backward(d, "sm100") is not None for d in (32, 64, 128, 256)] == [True, True, True, False]
+    """Where a GPU with wgmma or tensor memory runs it: Hopper and Blackwell at every head dim;
+    Ampere, Ada and consumer Blackwell (mma.sync, the sm_80 code) run the split kernels."""
+    assert all(configs.fused_backward(d, family) is not None for d in (32, 64, 128, 256) for family in ("sm90", "sm100"))
     assert all(configs.fused_backward(d, family) is None for d in (32, 64, 128, 256)
                for family in ("sm80", "sm86", "sm120"))
 

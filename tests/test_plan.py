@@ -174,21 +174,20 @@ def test_backward_runs_the_fused_kernel_one_program_per_key_block_by_default(tar
 
 @pytest.mark.parametrize("aot", [False, True], ids=["jit", "aot"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_blackwell_runs_the_fused_backward_up_to_head_dim_128(aot, head_dim):
-    """B200 (sm100, 148 SMs): the fused kernel (tcgen05) for both ``deterministic`` settings up to
-    head dim 128, in splits of its own when deterministic; at 256, where dK and dV alone would
-    fill tensor memory, the split kernels."""
+def test_blackwell_runs_the_fused_backward(aot, head_dim):
+    """B200 (sm100, 148 SMs): the fused kernel (tcgen05, pointer loads) for both ``deterministic``
+    settings, in splits of its own when deterministic; head dim 256 with its gradient columns
+    over two programs (the grid's second axis: kv heads x 2), which tensor memory needs."""
     b200 = P.Target("sm100", 148, aot=aot)
+    parts = 2 if head_dim == 256 else 1
     for deterministic in (False, True):
         plan = _backward_plan(b200, 4, 2048, 16, 4, head_dim=head_dim, deterministic=deterministic)
-        kernels = [x.kernel for x in plan.launches]
-        if head_dim == 256:
-            assert kernels == SPLIT_KERNELS
-            continue
-        assert kernels == BACKWARD_KERNELS
+        assert [x.kernel for x in plan.launches] == BACKWARD_KERNELS
         main = plan.launches[1]
         assert main.config == configs.fused_backward(head_dim, "sm100") and main.constexprs["TMA"] is False
-        assert dict(main.args)["splits"] == (min(8, -(-148 // 16)) if deterministic else 2048 // main.config.block_n)
+        assert main.constexprs["BLOCK_DOUT"] == head_dim // parts and main.grid[1] == 4 * parts
+        splits = min(8, -(-148 // (16 * parts))) if deterministic else 2048 // main.config.block_n
+        assert dict(main.args)["splits"] == splits and main.grid[0] == splits * 4
 
 
 @pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])

@@ -72,11 +72,12 @@ CANDIDATES: dict = {
     },
     # Blackwell (the table's entry first). Tensor memory holds 512 fp32 columns: dK, dV (128 x d
     # each), S and dP (64 each) and dQ (d) overflow it at head dim 128 with 64 queries a step and
-    # two stages (Triton 3.9 then emits an empty kernel, which the build refuses); at 256 dK/dV
-    # alone fill it.
+    # two stages (Triton 3.9 then emits an empty kernel, which the build refuses); d256 splits its
+    # gradient columns over two programs (128 each), as on Hopper.
     ("bwd_fused", "sm100"): {
         64: [C(64, 128, 8, 2), C(32, 128, 8, 2), SPLIT],
         128: [C(32, 128, 8, 2), C(64, 128, 8, 1), SPLIT],
+        256: [C(32, 128, 8, 2), C(16, 128, 8, 3), C(32, 128, 8, 1), SPLIT],
     },
     # "-ptr" (tma=False): the table's tile with pointer loads instead of tensor descriptors (the
     # static report says TMA halves the loop's spills; this measures what that is worth). "-red"
