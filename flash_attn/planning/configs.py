@@ -106,7 +106,7 @@ _TABLE[("bwd_dkdv", "sm100")] = (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64
 _TABLE[("bwd_dq", "sm100")] = (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2))
 # Blackwell's fused backward (tcgen05, unmeasured: no Blackwell GPU has run it): tensor memory
 # (512 fp32 columns) holds dK, dV, S, dP and dQ, so d128 takes 32 queries a step to keep two
-# stages (64 x 128 fits one stage and spills 163 instructions in its loop; 32 x 128 s2: 0); d256
+# stages (64 x 128 fits one stage and spills 163 instructions in its loop; 32 x 128 s2: 3); d256
 # fits with its gradient columns split over two programs (dK and dV 128 columns each), Hopper's tile.
 _TABLE[("bwd_fused", "sm100")] = (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2))
 _TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
@@ -335,6 +335,10 @@ def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], 
 # up to ~22% more for the backward kernels (whose probability tiles feed two MMAs each).
 _SM100_BARRIER_BYTES = 1024
 _SM100_BACKWARD_FACTOR = 1.25
+# The fused backward, whose probability tiles tcgen05 can read from tensor memory: at most 7 % over
+# the count above in its shipped sm100 images (d128 32x128 s2: 123,216 B against 115,200; d256
+# 32x128 s2: 188,776 against 214,016)
+_SM100_FUSED_BACKWARD_FACTOR = 1.08
 # the barriers of a warp-specialised forward's buffer ring (measured: 384-576 B on sm90)
 _WS_BARRIER_BYTES = 1024
 
@@ -370,5 +374,7 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
         staged = bm // 2 * max(d, 128) + _WS_BARRIER_BYTES // elem_bytes
     estimate = elem_bytes * (resident + stages * streamed + staged) + stages * row_stats
     if family == "sm100":
-        estimate = estimate + _SM100_BARRIER_BYTES if kind == "fwd" else int(estimate * _SM100_BACKWARD_FACTOR)
+        if kind == "fwd":
+            return estimate + _SM100_BARRIER_BYTES
+        return int(estimate * (_SM100_FUSED_BACKWARD_FACTOR if kind == "bwd_fused" else _SM100_BACKWARD_FACTOR))
     return estimate
