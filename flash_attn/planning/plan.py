@@ -676,10 +676,10 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
         return block_d // blocks.get("BLOCK_DOUT", block_d)
 
     def attention_launch(kernel: str, cfg: configs.Config, per_key_block: bool, values: dict,
-                         exact_image: bool = False, splits: int = 0) -> Launch:
-        """``splits``: programs per batch entry and kv head along the keys (0: one per key block)."""
+                         exact_image: bool = False, key_programs: int = 0) -> Launch:
+        """``key_programs``: programs per batch entry and kv head along the keys (0: one per key block)."""
         blocks = tiles(kernel, cfg)
-        grid = ((splits or cdiv(seqlen_k, cfg.block_n)) * batch, nheads_k * parts(blocks)) if per_key_block \
+        grid = ((key_programs or cdiv(seqlen_k, cfg.block_n)) * batch, nheads_k * parts(blocks)) if per_key_block \
             else (cdiv(seqlen_q, cfg.block_m) * batch, nheads)
         return _launch(kernel, grid, values, _attention_constexprs(kernel, target, features, flags, blocks, exact_image),
                        cfg)
@@ -703,11 +703,12 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
         # dQ summed in fp32 by atomic adds (into rows the preprocess zeroed; per split where
         # deterministic), then added up, scaled and rounded into dq
         acc = _accumulator(lay, s.q.shape, max(splits, 1))
+        key_programs = splits or cdiv(seqlen_k, fused.block_n)
         launches = [
             preprocess(acc),
             attention_launch("attn_bwd_kernel", fused, True, dict(
-                dkdv, dQAccum=acc.slot, **_named("stride_dq", "bsh", acc.rows), splits=splits or cdiv(
-                    seqlen_k, fused.block_n), split_stride=acc.split_stride), fused_exact, splits),
+                dkdv, dQAccum=acc.slot, **_named("stride_dq", "bsh", acc.rows), splits=key_programs,
+                split_stride=acc.split_stride), fused_exact, key_programs),
             _launch("attn_bwd_dq_convert_kernel", (cdiv(seqlen_q, pre.block_m) * batch, nheads), dict(
                 dQAccum=acc.slot, dQ=dq, CuSeqlensQ=cu_q, **_named("stride_a", "bsh", acc.rows),
                 **_named("stride_dq", "bsh", rows["dq"]), seqlen_q=seqlen_q, head_dim=head_dim, packed=int(packed),
