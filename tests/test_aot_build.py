@@ -421,15 +421,11 @@ def test_a_family_target_is_assembled_once_per_image(monkeypatch, tmp_path, fp_f
     for Triton's own sm_100a (whose cubin the build would throw away), with Triton's options
     (``--fmad=false`` where the build turns FP fusion off), and each image is a cubin for the
     target it is filed under (as cuobjdump reads its ELF header)."""
-    from dataclasses import asdict
-
     from flash_attn.aot import build as aot_build
 
     if not {"sm_100f", "sm_110f"} <= aot_build.ptxas_targets(100):
         pytest.skip("this ptxas does not assemble the sm_100f / sm_110f family targets (CUDA < 12.9)")
     spec = next(s for s in S.specs_for_capability((10, 0)) if s.kernel == "attn_bwd_preprocess_kernel")
-    job_spec = asdict(spec)
-    job_spec["flags"] = [list(x) for x in spec.flags]
     ptxas_runs = {}
     real_run = subprocess.run
 
@@ -442,7 +438,7 @@ def test_a_family_target_is_assembled_once_per_image(monkeypatch, tmp_path, fp_f
     monkeypatch.setattr(subprocess, "run", recording_run)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", fp_fusion)
-    result = aot_build.compile_job({"spec": job_spec, "cap": 100, "out": str(tmp_path), "cubins": ["sm_100f", "sm_110f"],
+    result = aot_build.compile_job({"spec": aot_build.job_spec(spec), "cap": 100, "out": str(tmp_path), "cubins": ["sm_100f", "sm_110f"],
                                     "ptx": [], "cuobjdump": aot_build.cuobjdump_path()})
     monkeypatch.undo()
     assert {arch: len(runs) for arch, runs in ptxas_runs.items()} == {"sm_100f": 1, "sm_110f": 1}, ptxas_runs

@@ -41,9 +41,9 @@ def test_dense_backward_is_bit_reproducible(dtype, h, hk, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_backward_is_bit_reproducible(causal):
-    """GPU sizes (4 x 4096 tokens, 8 / 4 heads): on Hopper the fused kernel runs it in 8 splits,
-    each program walking 4 key blocks of 128 and adding dQ into sums of its own (the shorter
-    calls above give each split one key block); elsewhere the split kernels."""
+    """GPU sizes (4 x 4096 tokens, 8 / 4 heads): on Hopper and Blackwell the fused kernel runs
+    it in 8 splits, each program walking 4 key blocks of 128 and adding dQ into sums of its own
+    (the shorter calls above give each split one key block); elsewhere the split kernels."""
     if test_device().type != "cuda":
         pytest.skip("GPU sizes: the fused kernel's splits walk several key blocks on a GPU")
     g = gen(6)

@@ -99,17 +99,13 @@ def test_ctas_per_sm():
 def _compile_row(kernel: str, block_d: int, config: configs.Config, cap: int, features: bool = False) -> dict:
     """One image through the real build step (``compile_job``): its build-report row."""
     pytest.importorskip("triton")
-    from dataclasses import asdict
-
     from flash_attn.aot import build as aot_build, specializations as S
 
     family = configs.arch_family((cap // 10, cap % 10))
     spec = S.attention_spec(kernel, "bf16", block_d, config, family, features)
-    job_spec = asdict(spec)
-    job_spec["flags"] = [list(x) for x in spec.flags]
     arch = {90: "sm_90a", 100: "sm_100a"}[cap]
     with tempfile.TemporaryDirectory() as tmp:
-        result = aot_build.compile_job({"spec": job_spec, "cap": cap, "out": tmp, "cubins": [arch], "ptx": [],
+        result = aot_build.compile_job({"spec": aot_build.job_spec(spec), "cap": cap, "out": tmp, "cubins": [arch], "ptx": [],
                                         "cuobjdump": aot_build.cuobjdump_path()})
     return result["rows"][0][1]
 

@@ -268,6 +268,14 @@ def _triton_assembles_for(arch: Optional[str], cap: int):
         runtime.add_stages_inspection_hook = previous
 
 
+def job_spec(spec: S.Spec) -> dict:
+    """``spec`` as a compile job carries it to a worker process (plain lists and dicts);
+    :func:`compile_job` makes the spec again."""
+    from dataclasses import asdict  # noqa: PLC0415
+
+    return {**asdict(spec), "flags": [list(x) for x in spec.flags]}
+
+
 def compile_job(job: dict) -> dict:
     """Compile one spec for one target; write its images; return manifest and report rows."""
     _pin_ptxas()
@@ -355,9 +363,6 @@ def plan(cubins: list, ptxs: list, specs=None) -> list[dict]:
     """One job per specialisation and Triton target: every image built from that compile (the
     cubins of the archs it feeds, the PTX). ``specs``: capability -> specialisations (default:
     what the package ships, :func:`~flash_attn.aot.specializations.specs_for_capability`)."""
-    from dataclasses import asdict  # noqa: PLC0415
-
-
     groups: dict[int, dict] = {}
     for arch in cubins:
         groups.setdefault(triton_capability(arch), {"cubins": [], "ptx": []})["cubins"].append(arch.name)
@@ -366,9 +371,7 @@ def plan(cubins: list, ptxs: list, specs=None) -> list[dict]:
     jobs = []
     for cap, images in sorted(groups.items()):
         for spec in (specs or S.specs_for_capability)((cap // 10, cap % 10)):
-            d = asdict(spec)
-            d["flags"] = [list(x) for x in spec.flags]
-            jobs.append({"spec": d, "cap": cap, **images})
+            jobs.append({"spec": job_spec(spec), "cap": cap, **images})
     return jobs
 
 
