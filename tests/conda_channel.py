@@ -48,7 +48,7 @@ SYSROOTS = ["2.17", "2.28"]
 
 # Packages the pixi environments name that play no part in the CUDA/CPU choice: one noarch record
 # each, depending on Python only.
-TOOLS = {"pytest": "9.0.1", "hypothesis": "6.140.0", "transformers": "5.1.0", "tqdm": "4.67.1",
+TOOLS = {"pytest": "9.0.1", "pytest-xdist": "3.8.0", "hypothesis": "6.140.0", "transformers": "5.1.0", "tqdm": "4.67.1",
          "matplotlib-base": "3.10.7", "rattler-build": "0.55.0"}
 
 

@@ -130,10 +130,11 @@ def _fake_python(tmp_path, fail_when: str = "") -> Path:
     return bin_dir
 
 
-def _real_run(tmp_path, *steps, fail_when=""):
+def _real_run(tmp_path, *steps, fail_when="", env=None):
     bin_dir = _fake_python(tmp_path, fail_when)
     out = tmp_path / "out"
-    result = _gpu_check(str(out), *steps, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, timeout=120)
+    result = _gpu_check(str(out), *steps, env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **(env or {})},
+                        timeout=120)
     calls = (tmp_path / "calls.log").read_text().splitlines()
     return result, calls, out
 
@@ -141,15 +142,26 @@ def _real_run(tmp_path, *steps, fail_when=""):
 def test_every_step_runs_in_strict_mode(tmp_path):
     result, calls, out = _real_run(tmp_path, "doctor", "graphs", "overhead", "bench")
     assert result.returncode == 0, result.stdout
-    assert len(calls) == 5 and all(c.startswith("strict=1 ") for c in calls)
-    graphs, stubbed, overhead, bench = calls[1:]
+    assert len(calls) == 6 and all(c.startswith("strict=1 ") for c in calls)
+    probe, graphs, stubbed, overhead, bench = calls[0], *calls[2:]
+    assert probe.endswith("-c import xdist")  # the fake python has every module: xdist is there
     assert "--flash-no-skip" in graphs and "-m gpu and not full_matrix" in graphs
+    assert " -n 8 " in graphs and "pytest: -n 8" in result.stdout  # the JIT's compiles spread over 8 processes
     # the same Python stubbed on this host's CPU, then for real: strict binds only a named backend
     assert "backend=aot" in stubbed and "--device" not in stubbed and "--profile" in stubbed
     assert "backend=aot" in overhead and "--device cuda" in overhead and "--profile" in overhead
     assert "bench gpu" in bench and f"--out {out}/bench" in bench
     assert {p.name for p in out.iterdir()} >= {"doctor.log", "graphs.log", "summary.txt"}
     assert "bench: ok in " in (out / "summary.txt").read_text()
+
+
+@pytest.mark.parametrize("workers, fail_when", [("0", ""), ("8", "import xdist")], ids=["workers-0", "no-xdist"])
+def test_test_steps_run_in_one_process_without_xdist_or_when_told(tmp_path, workers, fail_when):
+    result, calls, _ = _real_run(tmp_path, "graphs", fail_when=fail_when, env={"GPU_CHECK_WORKERS": workers})
+    assert result.returncode == 0, result.stdout
+    graphs = next(c for c in calls if "-m pytest" in c)
+    assert " -n " not in graphs and "pytest: one process" in result.stdout
+    assert any("import xdist" in c for c in calls) == (workers != "0")
 
 
 def test_a_crashed_benchmark_row_fails_the_run(tmp_path):

@@ -7,7 +7,9 @@ which hangs (as a deadlocking image would) costs only its head dim, and that the
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import tarfile
 import textwrap
 import time
 from pathlib import Path
@@ -53,3 +55,24 @@ def test_a_hanging_warp_specialised_head_dim_costs_only_itself(tmp_path):
     assert "warp-specialised d64: rc=124" in (out / "tune-ws.log").read_text()
     assert "warp-specialised rc=124" in result.stdout
     assert (out / "tune-results.jsonl").read_text().count("start") == 4  # copied after the last run
+
+
+def test_the_window_step_tunes_then_checks_in_what_is_left_and_packs_both(tmp_path):
+    """``window``: the sweep and benchmark first, then gpu-check with the budget that is left,
+    everything packed into one tarball (a device call returns few files)."""
+    bin_dir = _stand_ins(tmp_path, "no hang")
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "WS_LIMIT_S": "3",
+           "TUNE_BUDGET_S": "5", "BENCH_LIMIT_S": "5", "WINDOW_BUDGET_S": "200"}
+    result = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-window"), "window", str(out), str(tmp_path / "carry"),
+                             "doctor", "overhead"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert "--tune-step run" in calls[0] and any("flash_attn doctor" in c for c in calls[5:])
+    budget = int(re.search(r"=== budget: (\d+)s", result.stdout).group(1))
+    assert 190 <= budget <= 200  # what the tune step left of the window's 200 s
+    assert result.stdout.count("=== packed") == 2 and "window: tune rc=0 check rc=0" in result.stdout
+    with tarfile.open(out / "window.tgz") as packed:
+        names = set(packed.getnames())
+    assert {"./tune/gpu.txt", "./tune/tune-results.jsonl", "./check/summary.txt", "./check/doctor.log"} <= names
+    assert list(out.iterdir()) == [out / "window.tgz"]

@@ -83,8 +83,9 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1)),
     ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
     ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
-    # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims.
-    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(128, 128, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2)),
+    # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims; the H200 sweep of
+    # 2026-11-27 chose d64's 64 rows on one warpgroup and d256's K/V by TMA.
+    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(64, 128, 4, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2, tma=True)),
     # deterministic=True: dK/dV as the fused backward walks it (128 keys on two warpgroups, Q and
     # dO by TMA, d256's head dim split over two programs), dQ on 128-row tiles (64 replicated S)
     ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2)),
@@ -94,13 +95,15 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # kernel replicates or spills KBs where the split ones do not, and neither is measured there.
     # Hopper: 128 keys per program on two warpgroups (no replicated product), 64 queries per
     # step, wgmma N >= 64 on the main products; it spills (d128: ~0.8 KB), which the sweep weighs.
-    # d256 splits the head dim over two programs (GRADIENT_COLUMNS): 32 queries a step in
-    # two stages is the tile whose operands still fit the 227 KB of shared memory.
+    # d128 in three stages (the H200 sweep). d256 splits the head dim over two programs
+    # (GRADIENT_COLUMNS): 32 queries a step in two stages is the tile whose operands still fit the
+    # 227 KB of shared memory; its dQ shares added by TMA reductions (the H200 sweep).
     ("bwd_fused", "sm80"): (None, None, None, None),
     ("bwd_fused", "sm86"): (None, None, None, None),
-    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2)),
+    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True)),
 }
 # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
+# Hopper's measured entries until a Blackwell GPU measures its own.
 _TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
 _TABLE[("bwd_dkdv", "sm100")] = (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2))
 _TABLE[("bwd_dq", "sm100")] = (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2))
@@ -145,7 +148,7 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs").
 _EXACT_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None),
-    ("bwd_fused", "sm90"): (None, None, None, None),
+    ("bwd_fused", "sm90"): (None, None, None, _C(32, 128, 8, 2)),
 }
 
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
