@@ -81,11 +81,11 @@ def test_spec_set_size_is_deliberate():
         return (len([s for s in attention if not _is_features(s)]), len([s for s in attention if _is_features(s)]),
                 len(specs) - len(attention))
 
-    # sm_90a: + the fused backward, its dQ convert, and the bf16 exact-call forward and fused
-    # backward at head dims 64, 128 and 256, + the plain decoding step's exact split-KV image (2
-    # dtypes x 3 buckets); Blackwell: + the fused backward and its dQ convert (no exact-call
+    # sm_90a: + the fused backward, its dQ convert, and the exact-call forward and fused backward
+    # at head dims 64, 128 and 256 in both dtypes, + the plain decoding step's exact split-KV image
+    # (2 dtypes x 3 buckets); Blackwell: + the fused backward and its dQ convert (no exact-call
     # images); sm_120: the split kernels only
-    assert counts((9, 0)) == (32 + 8 + 8 + 6, 18 + 6, 60 + 6)
+    assert counts((9, 0)) == (32 + 8 + 8 + 12, 18 + 6, 60 + 6)
     assert counts((10, 0)) == (32 + 8 + 8, 18 + 6, 60)
     assert counts((12, 0)) == (32, 18, 60)
     lean, features, decode = counts((8, 0))

@@ -250,9 +250,9 @@ def test_the_deterministic_dkdv_kernel_splits_and_streams_on_hopper(family, colu
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
-    """Full attention with an unpadded head dim (64, 128 or 256, bf16) runs the exact-call image on sm90
-    (no mask code); causal, windowed, padded, fp16 and score-feature calls, and other families,
-    the folded superset."""
+    """Full attention with an unpadded head dim (64, 128 or 256, bf16 or fp16) runs the exact-call
+    image on sm90 (no mask code); causal, windowed, padded and score-feature calls, and other
+    families, the folded superset."""
     kind = "fwd" if direction == "forward" else "bwd_fused"
 
     def flags(head_dim, causal=False, family="sm90", softcap=0.0, dtype=torch.bfloat16, aot=True):
@@ -271,7 +271,8 @@ def test_aot_plans_pick_the_exact_call_image_where_one_ships(direction):
     assert flags(128, family="sm100") == (True, True)
     assert flags(256) == (False, False)
     assert flags(160) == (True, True)  # padded to 256
-    assert flags(128, dtype=torch.float16) == (True, True)  # nor for fp16
+    assert flags(128, dtype=torch.float16) == (False, False)  # fp16 too
+    assert flags(128, causal=True, dtype=torch.float16) == (True, True)
     assert flags(64, dtype=torch.float16, aot=False) == (False, False)  # the JIT specialises every call
     assert flags(64, causal=True, aot=False) == (True, False)
 
@@ -291,13 +292,13 @@ def _main_launch(direction, head_dim, causal, family, softcap, dtype, aot):
 
 def test_the_exact_call_image_runs_in_its_own_config():
     """On sm90 the d64 forward's exact-call image has its own tile (the sweeps measured 128x64 s3
-    faster on full attention, 128x128 s3 on causal): full calls launch with the one, causal and
-    fp16 calls (the folded image) with the other; the grid follows the config."""
+    faster on full attention, 64x128 w4 s3 on causal): full calls, bf16 or fp16, launch with the
+    one, causal calls (the folded image) with the other; the grid follows the config."""
     full = _main_launch("forward", 64, False, "sm90", 0.0, torch.bfloat16, True)
     causal = _main_launch("forward", 64, True, "sm90", 0.0, torch.bfloat16, True)
     fp16 = _main_launch("forward", 64, False, "sm90", 0.0, torch.float16, True)
     assert full.config == configs.pick("fwd", 64, "sm90", exact=True) != causal.config
-    assert causal.config == fp16.config == configs.pick("fwd", 64, "sm90")
+    assert causal.config == configs.pick("fwd", 64, "sm90") and fp16.config == full.config
     assert full.constexprs["BLOCK_M"] == full.config.block_m and full.constexprs["BLOCK_N"] == full.config.block_n
     assert full.grid[0] == -(-300 // full.config.block_m) * 2
 

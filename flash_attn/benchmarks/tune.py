@@ -375,8 +375,8 @@ def read_rows(path: Path) -> list[dict]:
 def winners(rows: list[dict]) -> list[dict]:
     """Per ``(kind, head dim)``: every candidate's geometric-mean time over the shapes all of them
     were measured on, whether it was correct everywhere, and the winner: for the lean entry over
-    every shape; for the exact-call image's entry (where one ships: bf16, the sweep's dtype) over
-    the full-attention shapes, which are the calls that image runs."""
+    every shape; for the exact-call image's entry (bf16, the sweep's dtype; fp16's image takes the
+    same tile) over the full-attention shapes, which are the calls that image runs."""
     from flash_attn.planning import declarations  # noqa: PLC0415
 
     start = next((r for r in rows if r.get("event") == "start"), {})
