@@ -372,11 +372,13 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def winners(rows: list[dict]) -> list[dict]:
+def winners(rows: list[dict], pick: Callable = configs.pick) -> list[dict]:
     """Per ``(kind, head dim)``: every candidate's geometric-mean time over the shapes all of them
     were measured on, whether it was correct everywhere, and the winner: for the lean entry over
     every shape; for the exact-call image's entry (bf16, the sweep's dtype; fp16's image takes the
-    same tile) over the full-attention shapes, which are the calls that image runs."""
+    same tile) over the full-attention shapes, which are the calls that image runs. ``pick``: the
+    table's current entries (:func:`configs.pick` of the table folded), which a winner within
+    noise does not displace."""
     from flash_attn.planning import declarations  # noqa: PLC0415
 
     start = next((r for r in rows if r.get("event") == "start"), {})
@@ -387,10 +389,10 @@ def winners(rows: list[dict]) -> list[dict]:
             groups.setdefault((r["kind"], r["head_dim"]), []).append(r)
     out = []
     for (kind, d), group in sorted(groups.items()):
-        out.append(_winner(kind, family, d, "lean", group))
+        out.append(_winner(kind, family, d, "lean", group, pick))
         kernel = _kernel_of(kind)
         if family and kernel and declarations.get(kernel).ships_exact_image(family, configs.padded_headdim(d), "bf16"):
-            out.append(_winner(kind, family, d, "exact", [r for r in group if not r["causal"]]))
+            out.append(_winner(kind, family, d, "exact", [r for r in group if not r["causal"]], pick))
     return out
 
 
@@ -411,7 +413,7 @@ def _with_unfinished(rows: list[dict]) -> list[dict]:
     return measured + unfinished
 
 
-def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[dict]) -> dict:
+def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[dict], pick: Callable) -> dict:
     shapes_by_config: dict = {}
     for r in group:
         shapes_by_config.setdefault(r["config"], {})[(r["seqlen"], r["causal"])] = r
@@ -424,7 +426,7 @@ def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[
             r.get("ok") for r in by_shape.values())
         mean = math.exp(sum(math.log(r["ms"]) for r in measured) / len(measured)) if ok else None
         scored.append({"config": config, "ok": ok, "geomean_ms": mean, "shapes": len(measured)})
-    current = _config_text(configs.pick(kind, d, family, exact=variant == "exact")) if family else None
+    current = _config_text(pick(kind, d, family, exact=variant == "exact")) if family else None
     good = [s for s in scored if s["ok"]]
     best = min(good, key=lambda s: s["geomean_ms"]) if good else None
     base = next((s for s in scored if s["config"] == current and s["ok"]), None)
@@ -453,13 +455,15 @@ def _entry_text(config: Optional[configs.Config]) -> str:
     return f"_C({config.block_m}, {config.block_n}, {config.num_warps}, {config.num_stages}{tma}{ws}{dq_tma})"
 
 
-def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True) -> list[dict]:
+def fold(results: Path, configs_path: Optional[Path] = None, write: bool = True,
+         pick: Callable = configs.pick) -> list[dict]:
     """Rewrite the table entries of ``configs_path`` (default: the package's configs module) whose
-    winner differs from the current entry; returns :func:`winners`' rows with ``changed`` set. An
-    exact-call entry that equals its lean entry (after the fold) is written ``None``."""
-    rows = winners(read_rows(results))
+    winner differs from the current entry (``pick``'s: that table's entries); returns
+    :func:`winners`' rows with ``changed`` set. An exact-call entry that equals its lean entry
+    (after the fold) is written ``None``."""
     path = Path(configs_path or configs.__file__)
     source = path.read_text()
+    rows = winners(read_rows(results), pick)
     lean = {(r["kind"], r["head_dim"]): r["winner"] or r["current"] for r in rows if r["variant"] == "lean"}
     for row in rows:
         row["changed"] = False
