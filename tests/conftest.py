@@ -67,7 +67,9 @@ def pytest_addoption(parser):
 # GPU its reason differs and fails), tools of a CUDA toolkit the runner lacks, an interpreter
 # older than the kernels need (a GPU runner's Triton is PyTorch's, e.g. 3.6 with torch 2.11; its
 # GPU compiler runs them, which the triton steps check), a comparison with upstream's source where no
-# copy of it is (the recorded table is tested everywhere), and refusals by design (below).
+# copy of it is (the recorded table is tested everywhere), tests that override the config table
+# or the target for the interpreter (the GPU runs its own table's entries in other tests), and
+# refusals by design (below).
 EXPECTED_SKIPS = (
     "checks the behaviour without a usable GPU",
     "GPU backends may be available on this device",
@@ -76,6 +78,7 @@ EXPECTED_SKIPS = (
     "cuobjdump not found",
     "interpreter cannot run these kernels",
     "upstream's git mirror is not on this machine",
+    "interpreter only: ",
     "refused by design: ",
 )
 # The planner's refusals by design (flash_attn/planning/plan.py; not shipped ahead of time:

@@ -241,6 +241,27 @@ def test_model_cache_allocation_and_helper():
     torch.testing.assert_close(logits[:, -1], model(prompt).logits[:, -1], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_flash_attn", [False, True], ids=["torch", "flash"])
+def test_caches_sized_for_a_larger_batch_serve_a_smaller_one(use_flash_attn):
+    """CUDA graphs captured for batch 2 are reused for batch 1 (``update_graph_cache``): the
+    state then holds caches and per-sequence lengths for 2; a batch-1 prompt and the steps after
+    it use the first row. (The GPU test replays the graphs; this one runs the same state eagerly,
+    on any device.)"""
+    model = _model(use_flash_attn)
+    caches = model.allocate_inference_cache(2, 8)
+    params = InferenceParams(max_seqlen=8, max_batch_size=2, key_value_memory_dict=caches,
+                             lengths_per_sample=torch.zeros(2, dtype=torch.int32, device=test_device()))
+    seq = torch.tensor([[1, 5, 9]], device=test_device())
+    with torch.no_grad():
+        logits = model(seq, inference_params=params, num_last_tokens=1).logits[:, -1]
+        torch.testing.assert_close(logits, model(seq).logits[:, -1], rtol=1e-4, atol=1e-5)
+        params.seqlen_offset = params.lengths_per_sample[:] = seq.shape[1]
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+        position_ids = torch.full((1, 1), params.seqlen_offset, dtype=torch.long, device=test_device())
+        step = model(seq[:, -1:], position_ids=position_ids, inference_params=params, num_last_tokens=1).logits
+        torch.testing.assert_close(step[:, -1], model(seq).logits[:, -1], rtol=1e-4, atol=1e-5)
+
+
 def test_cuda_graph_decoding_needs_a_cuda_model():
     model = _model(True).cpu()  # on a GPU runner too: a model on the host has nothing to capture
     with pytest.raises(ValueError, match="cg=False"):

@@ -146,7 +146,7 @@ def test_every_step_runs_in_strict_mode(tmp_path):
     probe, graphs, stubbed, overhead, bench = calls[0], *calls[2:]
     assert probe.endswith("-c import xdist")  # the fake python has every module: xdist is there
     assert "--flash-no-skip" in graphs and "-m gpu and not full_matrix" in graphs
-    assert " -n 8 " in graphs and "pytest: -n 8" in result.stdout  # the JIT's compiles spread over 8 processes
+    assert " -n 12 " in graphs and "pytest: -n 12" in result.stdout  # the JIT's compiles spread over 12 processes
     # the same Python stubbed on this host's CPU, then for real: strict binds only a named backend
     assert "backend=aot" in stubbed and "--device" not in stubbed and "--profile" in stubbed
     assert "backend=aot" in overhead and "--device cuda" in overhead and "--profile" in overhead

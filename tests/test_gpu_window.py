@@ -76,3 +76,17 @@ def test_the_window_step_tunes_then_checks_in_what_is_left_and_packs_both(tmp_pa
         names = set(packed.getnames())
     assert {"./tune/gpu.txt", "./tune/tune-results.jsonl", "./check/summary.txt", "./check/doctor.log"} <= names
     assert list(out.iterdir()) == [out / "window.tgz"]
+
+
+def test_tune_sweep_0_measures_the_shipped_images_only(tmp_path):
+    """``TUNE_SWEEP=0``: a window that has nothing new to sweep spends its time on ``bench gpu``
+    alone (no candidate run, warp-specialised or not)."""
+    bin_dir = _stand_ins(tmp_path, "no hang")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "TUNE_SWEEP": "0",
+           "BENCH_LIMIT_S": "5"}
+    result = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-window"), "tune", str(tmp_path / "out"),
+                             str(tmp_path / "carry")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert len(calls) == 1 and calls[0].startswith("-m flash_attn bench gpu"), calls
+    assert "tune rc=0 bench rc=0 warp-specialised rc=0" in result.stdout

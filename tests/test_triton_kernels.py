@@ -201,7 +201,7 @@ def check_case_with(backend, case, kind: str, config: configs.Config, determinis
     """:func:`check_case` with ``config`` in the place of the interpreter's ``kind`` entry (every
     head dim and variant); plans made before and within are forgotten."""
     if backend.name != "interpret":
-        pytest.skip("the GPU runs the table's configs (test_kernels_match_oracle)")
+        pytest.skip("interpreter only: the GPU runs the table's configs (test_kernels_match_oracle)")
     entries = {(kind, "interpret", bucket, variant): config
                for bucket in configs.HEADDIM_BUCKETS for variant in configs.VARIANTS}
     backend.module._backend.forget_plans()
@@ -309,7 +309,7 @@ def two_splits(backend, monkeypatch):
     """The fused backward's ``deterministic=True`` path with few splits: an interpreter target of
     4 SMs (the planner gives every SM a program: splits x batch x kv heads x column parts)."""
     if backend.name != "interpret":
-        pytest.skip("a GPU plans its own splits (test_deterministic.py checks them bit for bit)")
+        pytest.skip("interpreter only: a GPU plans its own splits (test_deterministic.py checks them bit for bit)")
     from flash_attn.planning.plan import Target
 
     monkeypatch.setattr(backend.module, "TARGET", Target("interpret", 4))
@@ -420,7 +420,7 @@ def test_fused_backward_starts_from_the_sums_its_preprocess_zeroed(backend, case
     sequences, varlen + window + dropout; dQ by atomics and by descriptor reductions."""
     if backend.name != "interpret":
         if dq_tma:
-            pytest.skip("a GPU runs its table's config, once (the atomics case)")
+            pytest.skip("interpreter only: a GPU runs its table's config, once (the atomics case)")
         check_case(backend, case)
         return
     check_case_with(backend, case, "bwd_fused", configs.INTERPRETER_CONFIGS["bwd_fused"]._replace(dq_tma=dq_tma))
@@ -447,7 +447,7 @@ def test_deterministic_dkdv_kernel_the_hopper_way_matches_oracle(backend, case, 
     fused backward does); the interpreter's own family runs the Ampere way (pointers, whole rows).
     Windowed d128, causal d256 + softcap, split d200 + dropout, varlen + window + dropout."""
     if backend.name != "interpret":
-        pytest.skip("the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
+        pytest.skip("interpreter only: the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
     monkeypatch.setitem(configs.TMA_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
     monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
     backend.module._backend.forget_plans()

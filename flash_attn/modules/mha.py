@@ -357,8 +357,9 @@ class _KVCacheAttention(nn.Module):
         packed = kv is None
         seqlen_offset = 0
         if inference_params is not None:
+            # the cache's lengths may be sized for a larger batch (CUDA graphs reused for a smaller one)
             seqlen_offset = (
-                inference_params.lengths_per_sample
+                inference_params.lengths_per_sample[:q.shape[0]]
                 if inference_params.lengths_per_sample is not None
                 else inference_params.seqlen_offset
             )
