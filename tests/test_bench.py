@@ -449,6 +449,36 @@ def test_decode_gbps_and_bandwidth_fraction(monkeypatch):
         torch.testing.assert_close(ours, sdpa, atol=2e-2, rtol=2e-2)  # bf16
 
 
+def test_decode_in_a_cuda_graph_is_timed_per_replay():
+    """``graphs``: after each eager decode row, the same call captured once (inside the
+    implementation's context: the backend it names is set while capturing) and timed over
+    GRAPH_REPLAYS replays per timed call, so the row's time is one replay's. The stand-in for
+    CUDA's graph records what was captured; what it cannot show is a real graph's timing."""
+    import os
+
+    captured, replays = [], []
+
+    def capture(call):
+        captured.append(os.environ.get("FLASH_ATTN_BACKEND"))
+        out = call()
+        return lambda: replays.append(out.shape)
+
+    def timer(fn, warmup, repeats):
+        fn()
+        return [2.0 * gpu.GRAPH_REPLAYS]  # a graph row: 2 ms per replay; an eager row: 40 ms
+
+    config = _decode_config(batches=[1], cachelens=[64], graphs=True)
+    rows = gpu.run(config, device="cpu", timer=timer, free_memory=lambda: 64 << 30, capture=capture)
+    decode = [(r["impl"], r["pass"], r["time_ms"]) for r in rows[1:]]
+    assert decode == [("flash_attn[reference]", "decode", 40.0), ("flash_attn[reference]", "decode_graph", 2.0),
+                      ("sdpa[math]", "decode", 40.0), ("sdpa[math]", "decode_graph", 2.0)]
+    # once per implementation, under its own backend (SDPA's rows leave the run's setting alone)
+    assert captured == ["reference", os.environ.get("FLASH_ATTN_BACKEND")]
+    assert len(replays) == 2 * 2 * gpu.GRAPH_REPLAYS  # the untimed first call and the timed one, each
+    graph_row = rows[2]
+    assert graph_row["gbps"] == pytest.approx(gpu.decode_bytes(graph_row) / 2e-3 / 1e9)
+
+
 def test_decode_cases_that_do_not_fit_are_skipped_not_failed():
     """Free memory holds the 64-token cases (and the 1 GiB headroom) but not the 256-token ones:
     those are skipped rows for every implementation, saying how much they need."""
@@ -482,17 +512,20 @@ def test_gpu_main_writes_decode_rows_as_it_goes(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(gpu, "COPY_BYTES", 1 << 20)  # not 2 GiB on a test machine
     free = gpu.DECODE_HEADROOM + (3 << 20)  # the copy (2 MiB) and the 128-token cache (0.5 MiB), not the 100k one
     assert gpu.main(args, device="cpu", timer=timer, free_memory=lambda: free) == 0
-    assert seen == [(n, n) for n in range(len(seen))] and len(seen) == 8 + 1 + 2  # training, copy, decode
+    # training, copy, decode: each timed row finds every row before it written to both files
+    assert seen == [(n, n) for n in (*range(9), 9, 11)]
     rows = [json.loads(line) for line in (tmp_path / "bench-gpu.jsonl").read_text().splitlines()[1:]]
-    assert [r["pass"] for r in rows[8:]] == ["copy", "decode", "decode", "decode", "decode"]
-    assert [r["status"] for r in rows[9:]] == ["ok", "ok", "skipped", "skipped"]
+    # each implementation's eager call, then the same call in a CUDA graph (none on a CPU: said so)
+    assert [r["pass"] for r in rows[8:]] == ["copy"] + ["decode", "decode_graph"] * 4
+    assert [r["status"] for r in rows[9:]] == ["ok", "unsupported"] * 2 + ["skipped"] * 4
+    assert rows[10]["note"] == "CUDA graphs need a CUDA device"
     with (tmp_path / "bench-gpu.csv").open() as fh:
         csv_rows = list(csv.DictReader(fh))
     assert float(csv_rows[9]["gbps"]) == pytest.approx(rows[9]["gbps"]) and csv_rows[9]["cachelen"] == "128"
     out = capsys.readouterr().out
     assert "### Decode: flash_attn_with_kvcache" in out
     assert "Memory bandwidth measured by a device-to-device copy in this run:" in out
-    assert "| batch | cache | implementation | GB moved | ms | GB/s | % of measured | % of nominal | note |" in out
+    assert "| batch | cache | implementation | call | GB moved | ms | GB/s | % of measured | % of nominal | note |" in out
     assert "skipped: would need" in out
 
 
@@ -513,7 +546,7 @@ def test_gpu_main_exits_1_when_a_decode_row_of_ours_crashed(tmp_path, monkeypatc
     ours = decode["flash_attn[reference]"]
     assert ours["status"] == "error" and "illegal memory" in ours["note"]
     assert decode["sdpa[math]"]["status"] == "unsupported"  # another implementation's failure is not ours
-    assert [r["status"] for r in rows if r["pass"] != "decode"] == ["ok"] * 9
+    assert [r["status"] for r in rows if not r["pass"].startswith("decode")] == ["ok"] * 9
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                      help="gpu: also time decode (flash_attn_with_kvcache, one token over a KV cache) in GB/s "
                      "against the measured memory bandwidth (default: on)")
+    gpu.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=True,
+                     help="gpu: also time each decode call captured in a CUDA graph (as servers run decode: "
+                     "no host time per step), the 'decode_graph' rows (default: on)")
     gpu.add_argument("--decode-batches", type=_ints, help="gpu: decode batch sizes (default 1,4,16,64)")
     gpu.add_argument("--decode-cachelens", type=_ints, help="gpu: decode KV cache lengths (default 4096,16384,65536,131072)")
     overhead = parser.add_argument_group("overhead mode")

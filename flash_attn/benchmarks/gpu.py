@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import json
 import os
 import sys
@@ -47,6 +48,9 @@ DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_CACHELENS = (4096, 16384, 65536, 131072)
 # a Llama-3-8B-like layer: 32 query heads sharing 8 KV heads
 DECODE_SHAPE = {"heads": 32, "kv_heads": 8, "headdim": 128, "dtype": "bf16"}
+# a decode call captured in a CUDA graph is timed over this many back-to-back replays: one replay's
+# host cost (a few us) then overlaps the GPU's work, as in a server's decode loop
+GRAPH_REPLAYS = 20
 COPY_BYTES = 2 << 30  # the bandwidth probe copies 2 GiB (4 GiB moved): long enough to hide launch cost
 # left free beside a decode case's tensors: split-KV partial results, SDPA's workspace, allocator rounding
 DECODE_HEADROOM = 1 << 30
@@ -282,10 +286,13 @@ def nominal_bandwidth(device_name: Optional[str]) -> Optional[tuple[str, float]]
 
 def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambda s: None,
         on_row: Callable[[dict], None] = lambda row: None,
-        free_memory: Optional[Callable[[], Optional[int]]] = None) -> list[dict]:
+        free_memory: Optional[Callable[[], Optional[int]]] = None,
+        capture: Optional[Callable[[Callable[[], None]], Callable[[], None]]] = None) -> list[dict]:
     """Measure every case with every implementation, then (``config["decode"]``) the memory
     bandwidth and the decode cases; ``on_row(row)`` as each row is done. ``free_memory()``: free
-    bytes on the device (default: CUDA's count, or the host's available memory on a CPU)."""
+    bytes on the device (default: CUDA's count, or the host's available memory on a CPU).
+    ``capture(call)``: ``call`` captured, as a callable that replays it (default: a CUDA graph;
+    for the ``decode_graph`` rows of ``config["decode"]["graphs"]``)."""
     import torch  # noqa: PLC0415
 
     device = torch.device(device or "cuda")
@@ -306,7 +313,8 @@ def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambd
 
     _run_training(config, device, timer, impls, reasons, emit)
     if config.get("decode"):
-        _run_decode(config, device, timer, impls, reasons, emit, free_memory or _free_memory_probe(device))
+        _run_decode(config, device, timer, impls, reasons, emit, free_memory or _free_memory_probe(device),
+                    capture or (cuda_graph if device.type == "cuda" else None))
     return rows
 
 
@@ -331,13 +339,14 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
             emit(row)
 
 
-def _run_decode(config, device, timer, impls, reasons, emit, free_memory) -> None:
+def _run_decode(config, device, timer, impls, reasons, emit, free_memory, capture) -> None:
     import torch  # noqa: PLC0415
 
     bandwidth = measure_bandwidth(config, device, timer, free_memory)
     emit(bandwidth)
     measured = bandwidth.get("gbps") if bandwidth["status"] == "ok" else None
     nominal = bandwidth.get("nominal_gbps")
+    d = config["decode"]
     for case in decode_cases(config):
         needed = decode_bytes(case)
         skipped = skip_reason(needed, free_memory())
@@ -348,12 +357,17 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory) -> Non
             cache_shape = (case["batch"], case["cachelen"], case["kv_heads"], case["headdim"])
             q = torch.randn((case["batch"], 1, case["heads"], case["headdim"]), device=device, dtype=dtype, generator=g)
             tensors = (q, *(torch.randn(cache_shape, device=device, dtype=dtype, generator=g) for _ in range(2)))
-        for impl in impls:
-            row = dict(case, impl=impl.name, gbytes=needed / 1e9)
+        for impl, graphed in itertools.product(impls, (False, True) if d.get("graphs") else (False,)):
+            row = dict(case, impl=impl.name, gbytes=needed / 1e9, **({"pass": "decode_graph"} if graphed else {}))
             if skipped is not None:
                 row.update(status="skipped", note=skipped)
             elif impl.decode is None:
                 row.update(status="unsupported", note=f"{impl.name} has no decode call here")
+            elif graphed and capture is None:
+                row.update(status="unsupported", note="CUDA graphs need a CUDA device")
+            elif graphed:
+                call = _Replayed(lambda: impl.decode(*tensors), capture)
+                _measure(row, impl, reasons[impl.name], call, config, call.per_replay(timer), device)
             else:
                 _measure(row, impl, reasons[impl.name], lambda: impl.decode(*tensors), config, timer, device)
             if "time_ms" in row:
@@ -363,6 +377,43 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory) -> Non
             emit(row)
         del tensors  # before the next case allocates its cache (and counts free memory)
         _empty_cache(device)
+
+
+def cuda_graph(call: Callable[[], None]) -> Callable[[], None]:
+    """``call`` captured in a CUDA graph (after a warm-up call on a side stream, which compiles
+    and allocates); returns the graph's ``replay``."""
+    import torch  # noqa: PLC0415
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+class _Replayed:
+    """A decode call as a server runs it: captured once (on the first call, inside the
+    implementation's context), then :data:`GRAPH_REPLAYS` replays back to back per call;
+    :meth:`per_replay` turns a timer's per-call times into per-replay ones."""
+
+    def __init__(self, call: Callable[[], None], capture):
+        self.call, self.capture, self.replay = call, capture, None
+
+    def __call__(self) -> None:
+        if self.replay is None:
+            self.replay = self.capture(self.call)
+        for _ in range(GRAPH_REPLAYS):
+            self.replay()
+
+    def per_replay(self, timer: Timer) -> Timer:
+        def timed(fn, warmup, repeats):
+            self()  # the capture, untimed whatever the warm-up count
+            return [t / GRAPH_REPLAYS for t in timer(fn, warmup, repeats)]
+        return timed
 
 
 def measure_bandwidth(config: dict, device, timer: Timer, free_memory) -> dict:
@@ -466,8 +517,9 @@ def _progress_line(row: dict) -> str:
         if row.get("status") != "ok":
             return f"  memory bandwidth (device copy): {row['status']}: {row.get('note', '')}"
         return f"  memory bandwidth (device copy of {row['gbytes'] / 2:.1f} GB): {row['gbps']:.0f} GB/s{nominal}"
-    if row["pass"] == "decode":
-        head = f"  {row['dtype']} decode b={row['batch']:<3} cache={row['cachelen']:<7} {row['impl']:<20}"
+    if row["pass"] in ("decode", "decode_graph"):
+        call = "graph " if row["pass"] == "decode_graph" else "decode"
+        head = f"  {row['dtype']} {call} b={row['batch']:<3} cache={row['cachelen']:<7} {row['impl']:<20}"
         if row.get("status") != "ok":
             return f"{head} {row['status']}: {row.get('note', '')}"
         pct = f" ({row['bw_pct']:.0f} % of measured)" if row.get("bw_pct") is not None else ""
@@ -562,7 +614,8 @@ def config_from_args(args, default_seqlens=()) -> dict:
     if args.decode:
         config["decode"] = dict(DECODE_SHAPE, copy_bytes=COPY_BYTES,
                                 batches=args.decode_batches or ([1, 4] if args.quick else list(DECODE_BATCHES)),
-                                cachelens=args.decode_cachelens or ([4096] if args.quick else list(DECODE_CACHELENS)))
+                                cachelens=args.decode_cachelens or ([4096] if args.quick else list(DECODE_CACHELENS)),
+                                graphs=args.decode_graphs)
     return config
 
 
@@ -613,8 +666,9 @@ def decode_markdown(rows: list[dict], decode: dict) -> str:
         bandwidth = f"Memory bandwidth: not measured ({copy.get('status')}: {copy.get('note', '')})"
     if copy.get("nominal_gbps"):
         bandwidth += f"; nominal {copy['nominal_gbps']:.0f} GB/s ({copy['nominal_label']}, {copy['device']})"
-    shown = [r for r in rows if r["pass"] == "decode" and r.get("status") in ("ok", "skipped")]
+    shown = [r for r in rows if r["pass"] in ("decode", "decode_graph") and r.get("status") in ("ok", "skipped")]
     table = common.markdown_table(shown, [("batch", "batch"), ("cachelen", "cache"), ("impl", "implementation"),
+                                          ("pass", "call"),
                                           ("gbytes", "GB moved"), ("time_ms", "ms"), ("gbps", "GB/s"),
                                           ("bw_pct", "% of measured"), ("nominal_pct", "% of nominal"),
                                           ("note", "note")])
