@@ -51,6 +51,7 @@ DECODE_SHAPE = {"heads": 32, "kv_heads": 8, "headdim": 128, "dtype": "bf16"}
 # a decode call captured in a CUDA graph is timed over this many back-to-back replays: one replay's
 # host cost (a few us) then overlaps the GPU's work, as in a server's decode loop
 GRAPH_REPLAYS = 20
+DECODE_PASSES = ("decode", "decode_graph")  # the rows of an eager decode call, and of one in a CUDA graph
 COPY_BYTES = 2 << 30  # the bandwidth probe copies 2 GiB (4 GiB moved): long enough to hide launch cost
 # left free beside a decode case's tensors: split-KV partial results, SDPA's workspace, allocator rounding
 DECODE_HEADROOM = 1 << 30
@@ -517,7 +518,7 @@ def _progress_line(row: dict) -> str:
         if row.get("status") != "ok":
             return f"  memory bandwidth (device copy): {row['status']}: {row.get('note', '')}"
         return f"  memory bandwidth (device copy of {row['gbytes'] / 2:.1f} GB): {row['gbps']:.0f} GB/s{nominal}"
-    if row["pass"] in ("decode", "decode_graph"):
+    if row["pass"] in DECODE_PASSES:
         call = "graph " if row["pass"] == "decode_graph" else "decode"
         head = f"  {row['dtype']} {call} b={row['batch']:<3} cache={row['cachelen']:<7} {row['impl']:<20}"
         if row.get("status") != "ok":
@@ -666,7 +667,7 @@ def decode_markdown(rows: list[dict], decode: dict) -> str:
         bandwidth = f"Memory bandwidth: not measured ({copy.get('status')}: {copy.get('note', '')})"
     if copy.get("nominal_gbps"):
         bandwidth += f"; nominal {copy['nominal_gbps']:.0f} GB/s ({copy['nominal_label']}, {copy['device']})"
-    shown = [r for r in rows if r["pass"] in ("decode", "decode_graph") and r.get("status") in ("ok", "skipped")]
+    shown = [r for r in rows if r["pass"] in DECODE_PASSES and r.get("status") in ("ok", "skipped")]
     table = common.markdown_table(shown, [("batch", "batch"), ("cachelen", "cache"), ("impl", "implementation"),
                                           ("pass", "call"),
                                           ("gbytes", "GB moved"), ("time_ms", "ms"), ("gbps", "GB/s"),

@@ -258,6 +258,15 @@ def _update_kv_cache(kv, inference_params, layer_idx):
     return cache[batch_start:batch_end, :seq_end]
 
 
+def _cache_lengths(inference_params, batch):
+    """Where each of the ``batch`` sequences' new tokens go: the first ``batch`` per-sequence
+    lengths (the state may be sized for a larger batch: CUDA graphs captured for it are reused for
+    a smaller one), else the shared ``seqlen_offset``."""
+    if inference_params.lengths_per_sample is None:
+        return inference_params.seqlen_offset
+    return inference_params.lengths_per_sample[:batch]
+
+
 class _KVCacheAttention(nn.Module):
     """What ``MHA`` and ``ParallelMHA`` share: the head settings, and the attention step
     (rotary, then attention over the new tokens alone (no ``inference_params``) or through the
@@ -305,11 +314,7 @@ class _KVCacheAttention(nn.Module):
             raise ValueError("MHA: generation (inference_params) requires layer_idx in the constructor")
         batch = q.shape[0]
         cache = inference_params.key_value_memory_dict[self.layer_idx][:batch]
-        cache_seqlens = (
-            inference_params.lengths_per_sample[:batch]
-            if inference_params.lengths_per_sample is not None
-            else inference_params.seqlen_offset
-        )
+        cache_seqlens = _cache_lengths(inference_params, batch)
         attn = self.inner_cross_attn
         return flash_attn_with_kvcache(
             q,
@@ -357,12 +362,7 @@ class _KVCacheAttention(nn.Module):
         packed = kv is None
         seqlen_offset = 0
         if inference_params is not None:
-            # the cache's lengths may be sized for a larger batch (CUDA graphs reused for a smaller one)
-            seqlen_offset = (
-                inference_params.lengths_per_sample[:q.shape[0]]
-                if inference_params.lengths_per_sample is not None
-                else inference_params.seqlen_offset
-            )
+            seqlen_offset = _cache_lengths(inference_params, q.shape[0])
         # After the prompt, rotary + cache append + attention run fused in flash_attn_with_kvcache
         # (upstream's condition: its kernel takes rotary dims that are multiples of 16).
         fused_decode = (
