@@ -5,7 +5,8 @@ suite itself (``pip install -e ".[test,triton]"``), the oldest allowed is instal
 its own by the slow test below, which runs tests/test_aot_build.py there.
 
 ``MEASURED`` is the evidence (tests/test_aot_build.py, a fresh sm_80 + sm_90 build, on this
-2-core machine; docs/install-and-build.md, "Triton versions"); the range must admit exactly the releases that passed.
+2-core machine; docs/install-and-build.md, "Triton versions"); the range must admit exactly the
+releases that passed.
 """
 
 from __future__ import annotations
