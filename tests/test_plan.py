@@ -14,7 +14,7 @@ import torch
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
-from flash_attn.planning import configs, declarations, plan as P, registry
+from flash_attn.planning import configs, declarations, plan as P, registry, shapes
 
 H100 = P.Target("sm90", 132)
 H100_AOT = P.Target("sm90", 132, aot=True)
@@ -36,7 +36,7 @@ def test_decode_grid_fits_any_batch_times_heads(target):
     cache = KVCacheInputs(meta(b, 256, hk, d), meta(b, 256, hk, d), meta(b, dtype=torch.int32), meta(b, 1, hk, d),
                           meta(b, 1, hk, d))
     plan = P.plan_kvcache(P.describe_kvcache(meta(b, 1, h, d), AttentionParams(0.1, -1, 0), cache), target)
-    assert not isinstance(plan, str), plan
+    assert isinstance(plan, P.Plan), plan
     _within_limits(plan)
     grids = {launch.kernel: launch.grid for launch in plan.launches}
     assert grids["split_kv_kernel"][0] >= b * hk > 65535 and grids["append_kv_kernel"][0] >= b * hk
@@ -71,7 +71,7 @@ def test_attention_grid_fits_a_huge_varlen_batch():
 def test_a_grid_beyond_the_limits_is_refused():
     q = meta(1, 128, 70_000, 64)  # 70000 query heads on axis 1
     why = P.plan_forward(P.describe_forward(q, q, q, AttentionParams(0.125)), H100)
-    assert isinstance(why, str) and "grid axis 1" in why
+    assert isinstance(why, P.Refusal) and why.by == P.PLANNER and "grid axis 1" in why.reason
 
 
 def test_inputs_are_copied_only_when_their_layout_differs():
@@ -92,16 +92,16 @@ def test_inputs_are_copied_only_when_their_layout_differs():
 def test_refusals_say_why():
     params = AttentionParams(0.125)
     fp32 = meta(1, 8, 2, 64, dtype=torch.float32)
-    assert "float32" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), H100)
+    assert "float32" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), H100).reason
     big = meta(1, 8, 2, 512)
-    assert "head dimension 512" in P.plan_forward(P.describe_forward(big, big, big, params), H100)
+    assert "head dimension 512" in P.plan_forward(P.describe_forward(big, big, big, params), H100).reason
     cu = meta(3, dtype=torch.int32)
     pages = meta(4, 16, 2, 64)
     paged = VarlenLayout(cu, cu, 8, 8, meta(2, 2, dtype=torch.int32))
     q = meta(16, 2, 64)
     why = P.plan_backward(P.describe_backward(q, q, pages, pages, q, meta(2, 16, dtype=torch.float32), params, paged),
                           H100)
-    assert "paged" in why
+    assert "paged" in why.reason
 
 
 def test_plans_are_pure_and_made_once_per_shape():
@@ -360,7 +360,7 @@ def test_bucket_seqlen_rounds_up_to_tiles_and_few_buckets():
     assert [P.bucket_seqlen(n) for n in (0, 1, 128, 129, 1000, 1025, 1281, 4097)] == \
         [0, 128, 128, 256, 1024, 1280, 1536, 5120]
     buckets = {P.bucket_seqlen(n) for n in range(1, 65537)}
-    assert all(b % P.SEQLEN_TILE == 0 for b in buckets)
+    assert all(b % shapes.SEQLEN_TILE == 0 for b in buckets)
     assert all(P.bucket_seqlen(n) >= n and P.bucket_seqlen(n) <= max(1.25 * n, 128 + n) for n in range(1, 65537))
     assert len([b for b in buckets if 2048 < b <= 4096]) == 4 and len(buckets) <= 40
 
