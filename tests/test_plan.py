@@ -437,3 +437,44 @@ def test_a_packed_backend_call_allocates_by_the_calls_rows():
         strides = [launch["stride_lh"] for launch in seen if "stride_lh" in launch]
         assert len(strides) >= 3 and set(strides) == {total}
     assert len(backend.plans) == 2  # one forward, one backward plan
+
+
+def test_a_launch_names_exactly_the_kernels_parameters():
+    """Launch values are keyed by the names of the kernel's ``def`` (read from its source): one
+    missing or one the kernel does not take fails loudly, never a silently shifted argument."""
+    from flash_attn.planning import launches
+
+    config = configs.Config(0, 0, 4, 3)
+    names = [n for n in registry.arg_names("combine_splits_kernel") if n not in ("BLOCK_R", "BLOCK_D")]
+    values = dict.fromkeys(names, 1)
+    constexprs = dict(BLOCK_R=16, BLOCK_D=64)
+    made = launches.launch("combine_splits_kernel", (2,), values, constexprs, config)
+    assert [n for n, _ in made.args] == names and made.grid == (2, 1, 1)
+    with pytest.raises(KeyError, match="no value for \\['head_dim'\\]"):
+        launches.launch("combine_splits_kernel", (2,), {n: 1 for n in names if n != "head_dim"}, constexprs, config)
+    with pytest.raises(KeyError, match="no parameter for \\['headdim'\\]"):
+        launches.launch("combine_splits_kernel", (2,), dict(values, headdim=1), constexprs, config)
+
+
+def test_kernel_parameters_come_from_the_source():
+    """The parameter list is the ``def``'s, as written (an oracle typed here for the smallest kernel)."""
+    assert registry.arg_names("combine_splits_kernel")[:4] == ("OutPart", "LsePart", "Out", "Lse")
+    assert registry.arg_names("combine_splits_kernel")[-2:] == ("BLOCK_R", "BLOCK_D")
+    assert registry.constexpr_names("combine_splits_kernel") == {"BLOCK_R", "BLOCK_D"}
+    from flash_attn.planning import signatures
+
+    with pytest.raises(LookupError, match="defines no function 'no_such_kernel'"):
+        signatures.parameters("flash_attn.kernels.decode", "no_such_kernel")
+
+
+def test_the_cache_capacity_is_one_formula():
+    """Rows one sequence can address: pages x page size when paged, else the cache's length; the
+    planner, validation and the API read it from params.cache_capacity (shapes or tensors)."""
+    from flash_attn.params import cache_capacity
+
+    assert cache_capacity(meta(3, 100, 2, 64)) == 100
+    assert cache_capacity(meta(40, 16, 2, 64), meta(3, 7, dtype=torch.int32)) == 7 * 16
+    info = P.describe_kvcache(meta(3, 1, 4, 64), AttentionParams(0.1),
+                              KVCacheInputs(meta(40, 16, 2, 64), meta(40, 16, 2, 64), meta(3, dtype=torch.int32),
+                                            block_table=meta(3, 7, dtype=torch.int32)))
+    assert cache_capacity(info.k_cache, info.block_table) == 112

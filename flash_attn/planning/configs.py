@@ -123,7 +123,7 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
 # where the lean entry spills with the extra live tiles, the largest tile that does not (same rule;
 # benchmarks/README.md). ``None``: the lean entry; the entry of head dims <= 32 is unused (they run
-# on the 64 kernels: FEATURE_BUCKETS). No inheritance: a family without a row runs the lean entries.
+# on the 64 kernels: FEATURE_BUCKETS). A family without a row takes its config parent's.
 _F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
@@ -152,10 +152,15 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry
 # their own tile where the sweep measured one faster for them than the lean entry, which serves
 # causal and windowed calls too; ``None``: the lean entry. Chosen by the sweep's full-attention rows
-# (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs"). No inheritance either.
+# (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs"). A family without a
+# row takes its config parent's.
 _EXACT_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None),
     ("bwd_fused", "sm90"): (None, None, None, _C(32, 128, 8, 2)),
+    # Blackwell ships no exact-call images (declarations.EXACT_IMAGE_FAMILIES) and no GPU has
+    # measured them: its JIT runs exact calls on its lean tiles, not Hopper's exact ones
+    ("fwd", "sm100"): (None, None, None, None),
+    ("bwd_fused", "sm100"): (None, None, None, None),
 }
 
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
@@ -214,23 +219,28 @@ def pick(kind: str, headdim: int, family: str, features: bool = False, exact: bo
         return INTERPRETER_CONFIGS[kind]
     if features:
         bucket = max(bucket, _bucket(FEATURE_BUCKETS[0]))
-    special = _FEATURES_TABLE if features else _EXACT_TABLE if exact else {}
-    entry = special.get((kind, family), _NO_ROW)[bucket]
-    if entry is not None:
-        return entry
-    return _lean_row(kind, family)[bucket]
+    special = _FEATURES_TABLE if features else _EXACT_TABLE if exact else None
+    if special is not None:
+        entry = _row(special, kind, family)[bucket]
+        if entry is not None:
+            return entry
+    row = _row(_TABLE, kind, family)
+    if row is _NO_ROW:
+        raise KeyError(f"no {kind} launch configs for family {family!r} (nor for its config parents)")
+    return row[bucket]
 
 
 _NO_ROW = (None,) * len(HEADDIM_BUCKETS)
 
 
-def _lean_row(kind: str, family: str) -> tuple:
-    """The :data:`_TABLE` row of ``kind`` on ``family``: its own, else its config parent's."""
+def _row(table: dict, kind: str, family: str) -> tuple:
+    """The row of ``kind`` on ``family`` in ``table``: its own, else its nearest config parent's
+    (:func:`flash_attn.planning.families.lineage`), else :data:`_NO_ROW`."""
     for name in families.lineage(family):
-        row = _TABLE.get((kind, name))
+        row = table.get((kind, name))
         if row is not None:
             return row
-    raise KeyError(f"no {kind} launch configs for family {family!r} (nor for its config parents)")
+    return _NO_ROW
 
 
 VARIANTS = ("lean", "features", "exact")

@@ -1,5 +1,5 @@
-"""What a plan is: the :class:`Target` it is made for, its :class:`Launch` es, the :class:`Plan`
-itself, or a :class:`Refusal`; and how the stage planners put launches and plans together.
+"""What a plan is: the :class:`Target` it is made for, its launches (:class:`Launch`), the
+:class:`Plan` itself, or a :class:`Refusal`; and how the stage planners put them together.
 
 A launch names its kernel and gives every runtime argument by the name the kernel's ``def``
 declares (:func:`launch` puts them in the kernel's order and fails loudly on a name missing or
