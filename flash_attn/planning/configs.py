@@ -39,6 +39,8 @@ from flash_attn.planning.families import arch_family
 __all__ = [
     "Config",
     "HEADDIM_BUCKETS",
+    "FEATURE_BUCKETS",
+    "FAMILY_CAPABILITY",
     "SHARED_MEMORY_LIMIT",
     "INTERPRETER_CONFIGS",
     "arch_family",

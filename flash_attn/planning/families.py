@@ -9,7 +9,9 @@ depends on the family reads it here: the config tables' inheritance (:func:`line
 family (:func:`arch_family`), what an image carries (:func:`families_for`), whose configs a GPU
 runs from another family's PTX (:func:`configs_from_image`), and the per-family columns
 (:func:`column`). Adding a family is adding its record (and its table rows, unless it inherits
-them).
+them); a vendor whose devices are not told apart by a CUDA compute capability (AMD's
+``gcnArchName``) adds a device matcher beside :class:`Capabilities` (``matches``, ``low``: which
+of several matching families wins) and its MMA kinds to :data:`MMA_KINDS`.
 
 The Triton interpreter's target, ``"interpret"``, is no family: its tables are its own
 (:mod:`flash_attn.planning.configs`, :mod:`flash_attn.planning.decode_configs`).
@@ -67,9 +69,9 @@ KB = 1024
 # The registry, oldest first. A device belongs to the family whose capabilities hold it; where
 # several do, to the one whose range starts last (a family carved out of a broader one).
 FAMILIES: dict[str, Family] = {f.name: f for f in (
+    # the sm_80 image runs on sm86's devices too, so it carries their configs (smaller shared memory)
     Family("sm80", "nvidia", Capabilities(limits.MIN_CAPABILITY, (8, 1)), 163 * KB, "mma.sync", (8, 0),
            image_carries=("sm86",), gpus="A100"),
-    # the sm_80 image runs on these too (their smaller shared memory: sm86's configs)
     Family("sm86", "nvidia", Capabilities((8, 1), (9, 0)), 99 * KB, "mma.sync", (8, 6),
            gpus="RTX 30xx / A10 / A40 (8.6), Jetson Orin (8.7), L4 / RTX 40xx (8.9)"),
     Family("sm90", "nvidia", Capabilities((9, 0), (10, 0)), 227 * KB, "wgmma", (9, 0), gpus="H100 / H200"),
