@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flash_attn import dispatch, validation
-from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout, cache_capacity
 from flash_attn.placeholders import placeholder
 
 DEBUG_ENV = "FLASH_ATTN_DEBUG"
@@ -293,10 +293,7 @@ def _kvcache_fake(q, k_cache, v_cache, *args):
 def _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos) -> None:
     """Cache rows, batch indices and pages named by the call all exist."""
     seqlen_new = 0 if k is None else k.shape[1]
-    if block_table is not None:
-        capacity = block_table.shape[1] * k_cache.shape[1]
-    else:
-        capacity = k_cache.shape[1]
+    capacity = cache_capacity(k_cache, block_table)
     seqlens = cache_seqlens.tolist()
     if any(n < 0 for n in seqlens):
         raise ValueError(f"cache_seqlens must be >= 0, got {seqlens}")

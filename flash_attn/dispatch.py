@@ -47,6 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from flash_attn.backends.contract import Backend
+from flash_attn.planning.plan import Refusal
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
 STRICT_ENV = "FLASH_ATTN_STRICT_BACKEND"
@@ -330,8 +331,8 @@ def run(op: str, device: torch.device, *args, **kwargs):
         skip = _failed.get(name)
         if skip is None:
             runner = _load(name)[0].prepare[op](*args, **kwargs)
-            if isinstance(runner, str):
-                skip = _Skip(name, runner)
+            if isinstance(runner, Refusal):
+                skip = _Skip(name, runner.reason)
             else:
                 _thread.backend = name
                 try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from flash_attn import custom_ops, validation
+from flash_attn.params import cache_capacity
 
 
 def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -17,18 +18,12 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     window_size = validation.check_options(0.0, softcap, window_size, alibi_slopes, batch, nheads, q.device)
     # like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
     # rotated as a local/causal block or at one position)
-    left, right = validation.bounded_window(causal, window_size, _cache_capacity(k_cache, block_table))
+    left, right = validation.bounded_window(causal, window_size, cache_capacity(k_cache, block_table))
     return custom_ops.forward_kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, rotary_cos, rotary_sin, alibi_slopes, validation.softmax_scale(softmax_scale, headdim), left,
         right, float(softcap), bool(rotary_interleaved), int(num_splits),
     )
-
-
-def _cache_capacity(k_cache, block_table) -> int:
-    if block_table is None:
-        return k_cache.shape[1]
-    return block_table.shape[1] * k_cache.shape[1]
 
 
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
@@ -55,7 +50,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     if block_table is not None:
         validation.check_block_table(block_table, batch, q.device)
     if cache_seqlens is None:
-        cache_seqlens = _cache_capacity(k_cache, block_table)
+        cache_seqlens = cache_capacity(k_cache, block_table)
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape (batch,), got {type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):

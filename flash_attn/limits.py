@@ -8,11 +8,14 @@ Pure Python (the doctor and the build read it without importing torch).
 
 from __future__ import annotations
 
-# Element types the Triton kernels compute in, as torch names them (fp32 inputs run on the
-# reference backend).
-KERNEL_DTYPES = ("torch.float16", "torch.bfloat16")
-# Largest head dimension of any backend (validation) and of the kernels.
-MAX_HEADDIM = 256
+# Element types the Triton kernels compute in: torch's name -> the name in the kernels' signatures
+# and image keys (fp32 inputs run on the reference backend).
+KERNEL_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
+# The kernels' head-dimension buckets: the BLOCK_D of their specialisations, a head dim running on
+# the smallest bucket that holds it (the launch-config tables have one entry per bucket).
+HEADDIM_BUCKETS = (32, 64, 128, 256)
+# Largest head dimension of any backend (validation) and of the kernels: the largest bucket.
+MAX_HEADDIM = HEADDIM_BUCKETS[-1]
 # The ahead-of-time kernels declare head_dim a multiple of this (vectorised masked loads).
 AOT_HEADDIM_MULTIPLE = 8
 # Oldest GPU the kernels run on (mma.sync, cp.async, bf16): Ampere.

@@ -80,3 +80,12 @@ class KVCacheInputs:
     rotary_sin: Optional[torch.Tensor] = None
     rotary_interleaved: bool = True
     num_splits: int = 0
+
+
+def cache_capacity(cache, block_table=None) -> int:
+    """The cache rows one sequence can address: its row of pages when paged (``block_table``
+    ``(batch, pages)`` over a page pool ``(num_blocks, page_size, ...)``), else the cache's sequence
+    length (``(batch_cache, seqlen_cache, ...)``). Tensors or anything with their ``shape``."""
+    if block_table is None:
+        return cache.shape[1]
+    return block_table.shape[1] * cache.shape[1]

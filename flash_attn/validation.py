@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from flash_attn.limits import MAX_HEADDIM, cdiv
+from flash_attn.params import cache_capacity
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -123,7 +124,7 @@ def _packed_bounds(q, k, block_table) -> tuple[Optional[int], Optional[int]]:
         if block_table is None and k.dim() == 3:
             bound_k = k.shape[0]
         elif isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and k.dim() == 4:
-            bound_k = block_table.shape[1] * k.shape[1]
+            bound_k = cache_capacity(k, block_table)
     return bound_q, bound_k
 
 

@@ -81,7 +81,7 @@ EXPECTED_SKIPS = (
     "interpreter only: ",
     "refused by design: ",
 )
-# The planner's refusals by design (flash_attn/planning/plan.py; not shipped ahead of time:
+# The planner's refusals by design (Refusal(by="planner") of flash_attn/planning/; not shipped ahead of time:
 # flash_attn/aot/specializations.py), as BackendRefusedError words them under
 # FLASH_ATTN_STRICT_BACKEND=1: "... refused this <op>: <why>". Any other refusal (an image missing
 # from the build, one the driver cannot load) fails.

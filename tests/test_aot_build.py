@@ -105,7 +105,7 @@ def _planned_specs(op, args, kwargs, target):
                          "backward": (P.describe_backward, P.plan_backward),
                          "forward_kvcache": (P.describe_kvcache, P.plan_kvcache)}[op]
     planned = planner(describe(*args, **kwargs), target)
-    if isinstance(planned, str):
+    if isinstance(planned, P.Refusal):
         return planned
     dtype = S.dtype_name(planned.dtype)
     return [S.Spec.of(launch.kernel, dtype, launch.constexprs, launch.config) for launch in planned.launches]
@@ -127,7 +127,7 @@ def test_every_planned_launch_is_shipped(family, dtype):
     for head_dim in (8, 32, 40, 64, 96, 128, 160, 256):
         for name, op, args, kwargs in _all_calls(dtype, head_dim):
             specs = _planned_specs(op, args, kwargs, target)
-            assert not isinstance(specs, str), f"{name} {op} d{head_dim}: refused ({specs})"
+            assert not isinstance(specs, P.Refusal), f"{name} {op} d{head_dim}: refused ({specs})"
             missing = [spec.key for spec in specs if spec not in shipped]
             assert not missing, f"{name} {op} d{head_dim} on {family}: {missing}"
 
@@ -154,19 +154,19 @@ def test_unshipped_calls_are_refused_with_the_reason():
     q = torch.empty(2, 64, 4, 128, dtype=torch.float16, device="meta")
     params = _params()
     why = lambda **kw: P.plan_forward(P.describe_forward(q, q, q, params, **kw), target)  # noqa: E731
-    assert "testing" in why(return_softmax=True)
+    assert "testing" in why(return_softmax=True).reason
     pages = torch.empty(8, 16, 4, 128, dtype=torch.float16, device="meta")
     cu = torch.empty(3, dtype=torch.int32, device="meta")
     paged = P.plan_forward(P.describe_forward(q[0], pages, pages, params, VarlenLayout(
         cu, cu, 64, 64, torch.empty(2, 4, dtype=torch.int32, device="meta"))), target)
-    assert "paged" in paged and "ahead of time" in paged
+    assert "paged" in paged.reason and "ahead of time" in paged.reason
     odd = torch.empty(2, 64, 4, 20, dtype=torch.float16, device="meta")
-    assert "multiple of 8" in P.plan_forward(P.describe_forward(odd, odd, odd, params), target)
+    assert "multiple of 8" in P.plan_forward(P.describe_forward(odd, odd, odd, params), target).reason
     fp32 = q.float()
-    assert "fp16/bf16" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), target)
+    assert "fp16/bf16" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), target).reason
     # the JIT backends run what the images do not
     jit = P.Target("sm90", 132)
-    assert not isinstance(P.plan_forward(P.describe_forward(odd, odd, odd, params), jit), str)
+    assert isinstance(P.plan_forward(P.describe_forward(odd, odd, odd, params), jit), P.Plan)
 
 
 def test_pack_checks_int32_and_the_image_signature():
@@ -175,9 +175,11 @@ def test_pack_checks_int32_and_the_image_signature():
     packed = aot.pack(launch, entry)
     assert packed.slots == ["x"] and packed.ints == [5] and packed.floats == [0.5]
     too_big = P.Launch("k", (1, 1, 1), (("X", P.Slot("x")), ("n", 2**31), ("s", 0.5)), {}, launch.config)
-    assert "int32" in aot.pack(too_big, entry)
+    refused = aot.pack(too_big, entry)
+    assert "int32" in refused.reason and refused.by == P.IMAGES
     stale = P.Launch("k", (1, 1, 1), (("X", P.Slot("x")), ("n", 5)), {}, launch.config)
-    assert "rebuild" in aot.pack(stale, entry)
+    refused = aot.pack(stale, entry)
+    assert "rebuild" in refused.reason and refused.by == P.IMAGES
 
 
 def test_unavailable_reason_on_cpu():
@@ -203,7 +205,7 @@ def _missing_from_manifest(manifest, capability, dtype, head_dims=(8, 40, 64, 96
     for head_dim in head_dims:
         for name, op, args, kwargs in _all_calls(dtype, head_dim):
             specs = _planned_specs(op, args, kwargs, target)
-            assert not isinstance(specs, str), (name, op, head_dim, specs)
+            assert not isinstance(specs, P.Refusal), (name, op, head_dim, specs)
             missing += [(name, op, head_dim, s.key) for s in specs if manifest.lookup(choice.arch.name, s.key) is None]
     return missing
 
@@ -323,7 +325,7 @@ def test_every_call_passes_the_launch_checks(manifest, monkeypatch, launched, ca
     for head_dim in (40, 128):
         for name, op, args, kwargs in _all_calls(dtype, head_dim):
             runner = aot.BACKEND.prepare[op](*args, **kwargs)
-            assert not isinstance(runner, str), (name, op, runner)
+            assert not isinstance(runner, P.Refusal), (name, op, runner)
             before = len(launched)
             runner()
             assert len(launched) > before, (name, op)

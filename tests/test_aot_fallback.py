@@ -152,6 +152,7 @@ def test_a_refused_load_fails_over_once(fake_gpu, monkeypatch, answer):
         _call_d128()
         _call_d128()
     assert len(loads) == 2 and len(images.failed) == 2 and launched == []
+    assert all(r.by == P.DRIVER and not r.retry for r in images.failed.values())
 
 
 def test_a_refused_image_leaves_the_shapes_that_ran_on_aot(fake_gpu, monkeypatch):
@@ -195,7 +196,7 @@ def test_a_transient_refusal_is_tried_again(fake_gpu, monkeypatch, answer):
     monkeypatch.setattr(aot, "_load", load)
     with pytest.warns(UserWarning, match="tried again"):
         _call()
-    assert launched == [] and not images.failed
+    assert launched == [] and not images.failed and len(images.plans) == 0  # the refusal is not kept
     _call()
     assert len(launched) == 1
 

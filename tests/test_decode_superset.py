@@ -272,11 +272,11 @@ def test_aot_variants_are_complete_and_distinct(family):
         assert set(constexprs) == _constexpr_params(kernel), kernel
         assert constexprs["BLOCK_D"] in dc.HEADDIM_BUCKETS
         if kernel == "split_kv_kernel":
-            assert config in dc.DECODE_CONFIGS[(family, constexprs["BLOCK_D"])]
+            assert config in dc.bucket_configs(family, constexprs["BLOCK_D"])
             assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == (config.block_m, config.block_n)
             flags = {k: constexprs[k] for k in dc.SPLIT_KV_SUPERSET}
             assert flags == dc.SPLIT_KV_SUPERSET or (flags == dc.SPLIT_KV_EXACT and dc.ships_exact(family)
-                                                     and config == dc.DECODE_CONFIGS[(family, constexprs["BLOCK_D"])][0])
+                                                     and config == dc.bucket_configs(family, constexprs["BLOCK_D"])[0])
         else:
             assert config in (dc.AUX_CONFIG, dc.ROTARY_CONFIG, dc.COMBINE_CONFIG)
 

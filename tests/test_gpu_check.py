@@ -215,11 +215,11 @@ def test_the_designed_refusals_are_the_planners_words():
     import torch
 
     from conftest import DESIGNED_REFUSALS
-    from flash_attn.planning import plan
+    from flash_attn.planning import launches
 
-    aot = plan.Target("sm90", 132, aot=True)
-    reasons = [plan._kernel_refusal(torch.float32, 64, aot), plan._kernel_refusal(torch.float16, 59, aot),
-               plan._kernel_refusal(torch.float16, 512, aot)]
+    aot = launches.Target("sm90", 132, aot=True)
+    reasons = [launches.kernel_refusal(torch.float32, 64, aot), launches.kernel_refusal(torch.float16, 59, aot),
+               launches.kernel_refusal(torch.float16, 512, aot)]
     for why in reasons:
         assert why and DESIGNED_REFUSALS.search(f"the aot backend (FLASH_ATTN_BACKEND=aot) refused this forward: {why}")
     missing = "attn_fwd_kernel.bf16.d128.m128n64w8s2.1 is not in the sm_90a image set of this installation"

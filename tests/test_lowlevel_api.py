@@ -624,7 +624,7 @@ def test_packed_batches_of_other_lengths_run_one_plan_exactly(monkeypatch):
     forward and one backward plan (bucketed bounds, row counts read per call), and give bit for
     bit what plans made for their exact sizes give."""
     from flash_attn.backends import _execute, interpret  # noqa: PLC0415
-    from flash_attn.planning import plan as P  # noqa: PLC0415
+    from flash_attn.planning import shapes  # noqa: PLC0415
 
     _interpret(monkeypatch)
     h, hk, d = 2, 1, 32
@@ -648,9 +648,9 @@ def test_packed_batches_of_other_lengths_run_one_plan_exactly(monkeypatch):
     assert len(interpret._backend.plans) == 2  # one forward and one backward plan for both batches
     # the same calls planned for their exact sizes (as before bucketing)
     monkeypatch.setattr(interpret._backend, "plans", _execute.PlanCache())
-    monkeypatch.setattr(P, "_rows_per_call", lambda q, varlen, exact: False)
-    exact_info = P._varlen_info
-    monkeypatch.setattr(P, "_varlen_info", lambda varlen, exact=False: exact_info(varlen, True))
+    monkeypatch.setattr(shapes, "_rows_per_call", lambda q, varlen, exact: False)
+    exact_info = shapes._varlen_info
+    monkeypatch.setattr(shapes, "_varlen_info", lambda varlen, exact=False: exact_info(varlen, True))
     exact = [step(lens, i) for i, lens in enumerate(batches)]
     assert len(interpret._backend.plans) == 4
     for got, want in zip(shared, exact):

@@ -14,7 +14,7 @@ import torch
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
-from flash_attn.planning import configs, declarations, plan as P, registry
+from flash_attn.planning import configs, declarations, plan as P, registry, shapes
 
 H100 = P.Target("sm90", 132)
 H100_AOT = P.Target("sm90", 132, aot=True)
@@ -36,7 +36,7 @@ def test_decode_grid_fits_any_batch_times_heads(target):
     cache = KVCacheInputs(meta(b, 256, hk, d), meta(b, 256, hk, d), meta(b, dtype=torch.int32), meta(b, 1, hk, d),
                           meta(b, 1, hk, d))
     plan = P.plan_kvcache(P.describe_kvcache(meta(b, 1, h, d), AttentionParams(0.1, -1, 0), cache), target)
-    assert not isinstance(plan, str), plan
+    assert isinstance(plan, P.Plan), plan
     _within_limits(plan)
     grids = {launch.kernel: launch.grid for launch in plan.launches}
     assert grids["split_kv_kernel"][0] >= b * hk > 65535 and grids["append_kv_kernel"][0] >= b * hk
@@ -71,7 +71,7 @@ def test_attention_grid_fits_a_huge_varlen_batch():
 def test_a_grid_beyond_the_limits_is_refused():
     q = meta(1, 128, 70_000, 64)  # 70000 query heads on axis 1
     why = P.plan_forward(P.describe_forward(q, q, q, AttentionParams(0.125)), H100)
-    assert isinstance(why, str) and "grid axis 1" in why
+    assert isinstance(why, P.Refusal) and why.by == P.PLANNER and "grid axis 1" in why.reason
 
 
 def test_inputs_are_copied_only_when_their_layout_differs():
@@ -92,16 +92,16 @@ def test_inputs_are_copied_only_when_their_layout_differs():
 def test_refusals_say_why():
     params = AttentionParams(0.125)
     fp32 = meta(1, 8, 2, 64, dtype=torch.float32)
-    assert "float32" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), H100)
+    assert "float32" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), H100).reason
     big = meta(1, 8, 2, 512)
-    assert "head dimension 512" in P.plan_forward(P.describe_forward(big, big, big, params), H100)
+    assert "head dimension 512" in P.plan_forward(P.describe_forward(big, big, big, params), H100).reason
     cu = meta(3, dtype=torch.int32)
     pages = meta(4, 16, 2, 64)
     paged = VarlenLayout(cu, cu, 8, 8, meta(2, 2, dtype=torch.int32))
     q = meta(16, 2, 64)
     why = P.plan_backward(P.describe_backward(q, q, pages, pages, q, meta(2, 16, dtype=torch.float32), params, paged),
                           H100)
-    assert "paged" in why
+    assert "paged" in why.reason
 
 
 def test_plans_are_pure_and_made_once_per_shape():
@@ -360,7 +360,7 @@ def test_bucket_seqlen_rounds_up_to_tiles_and_few_buckets():
     assert [P.bucket_seqlen(n) for n in (0, 1, 128, 129, 1000, 1025, 1281, 4097)] == \
         [0, 128, 128, 256, 1024, 1280, 1536, 5120]
     buckets = {P.bucket_seqlen(n) for n in range(1, 65537)}
-    assert all(b % P.SEQLEN_TILE == 0 for b in buckets)
+    assert all(b % shapes.SEQLEN_TILE == 0 for b in buckets)
     assert all(P.bucket_seqlen(n) >= n and P.bucket_seqlen(n) <= max(1.25 * n, 128 + n) for n in range(1, 65537))
     assert len([b for b in buckets if 2048 < b <= 4096]) == 4 and len(buckets) <= 40
 
@@ -437,3 +437,44 @@ def test_a_packed_backend_call_allocates_by_the_calls_rows():
         strides = [launch["stride_lh"] for launch in seen if "stride_lh" in launch]
         assert len(strides) >= 3 and set(strides) == {total}
     assert len(backend.plans) == 2  # one forward, one backward plan
+
+
+def test_a_launch_names_exactly_the_kernels_parameters():
+    """Launch values are keyed by the names of the kernel's ``def`` (read from its source): one
+    missing or one the kernel does not take fails loudly, never a silently shifted argument."""
+    from flash_attn.planning import launches
+
+    config = configs.Config(0, 0, 4, 3)
+    names = [n for n in registry.arg_names("combine_splits_kernel") if n not in ("BLOCK_R", "BLOCK_D")]
+    values = dict.fromkeys(names, 1)
+    constexprs = dict(BLOCK_R=16, BLOCK_D=64)
+    made = launches.launch("combine_splits_kernel", (2,), values, constexprs, config)
+    assert [n for n, _ in made.args] == names and made.grid == (2, 1, 1)
+    with pytest.raises(KeyError, match="no value for \\['head_dim'\\]"):
+        launches.launch("combine_splits_kernel", (2,), {n: 1 for n in names if n != "head_dim"}, constexprs, config)
+    with pytest.raises(KeyError, match="no parameter for \\['headdim'\\]"):
+        launches.launch("combine_splits_kernel", (2,), dict(values, headdim=1), constexprs, config)
+
+
+def test_kernel_parameters_come_from_the_source():
+    """The parameter list is the ``def``'s, as written (an oracle typed here for the smallest kernel)."""
+    assert registry.arg_names("combine_splits_kernel")[:4] == ("OutPart", "LsePart", "Out", "Lse")
+    assert registry.arg_names("combine_splits_kernel")[-2:] == ("BLOCK_R", "BLOCK_D")
+    assert registry.constexpr_names("combine_splits_kernel") == {"BLOCK_R", "BLOCK_D"}
+    from flash_attn.planning import signatures
+
+    with pytest.raises(LookupError, match="defines no function 'no_such_kernel'"):
+        signatures.parameters("flash_attn.kernels.decode", "no_such_kernel")
+
+
+def test_the_cache_capacity_is_one_formula():
+    """Rows one sequence can address: pages x page size when paged, else the cache's length; the
+    planner, validation and the API read it from params.cache_capacity (shapes or tensors)."""
+    from flash_attn.params import cache_capacity
+
+    assert cache_capacity(meta(3, 100, 2, 64)) == 100
+    assert cache_capacity(meta(40, 16, 2, 64), meta(3, 7, dtype=torch.int32)) == 7 * 16
+    info = P.describe_kvcache(meta(3, 1, 4, 64), AttentionParams(0.1),
+                              KVCacheInputs(meta(40, 16, 2, 64), meta(40, 16, 2, 64), meta(3, dtype=torch.int32),
+                                            block_table=meta(3, 7, dtype=torch.int32)))
+    assert cache_capacity(info.k_cache, info.block_table) == 112

@@ -264,14 +264,16 @@ SPLIT_CASES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
 def test_num_splits_agree(name, dtype, mode, monkeypatch):
+    from flash_attn.planning import kvcache as kv_planner
+
     chosen = []
-    original = plan.choose_num_splits
+    original = kv_planner.choose_num_splits
 
     def record(*args, **kwargs):
         chosen.append(original(*args, **kwargs))
         return chosen[-1]
 
-    monkeypatch.setattr(plan, "choose_num_splits", record)
+    monkeypatch.setattr(kv_planner, "choose_num_splits", record)  # where the KV-cache planner calls it
     results = {n: check_case(SPLIT_CASES[name], dtype, mode, num_splits=n) for n in (1, 3, 0, 1000)}
     # 3 requested splits may become fewer where the key blocks are fewer (wide GPU key blocks);
     # 0 (the heuristic) splits only caches of at least 2 * MIN_BLOCKS_PER_SPLIT blocks

@@ -1,4 +1,5 @@
-"""Where the GPU architecture is chosen: which ahead-of-time image runs on a given device.
+"""Which ahead-of-time image runs on a given device (the GPU families whose configs the images
+carry: :mod:`flash_attn.planning.families`).
 
 The package ships, per kernel, one cubin per architecture it was compiled for plus PTX for the
 oldest one (see ``FLASH_ATTN_CUDA_ARCHS``). For a device of compute capability ``major.minor``:
@@ -11,7 +12,7 @@ oldest one (see ``FLASH_ATTN_CUDA_ARCHS``). For a device of compute capability `
    than every cubin, e.g. a future 13.0, or a 12.1 when only ``sm_120a`` is shipped);
 3. else nothing: the dispatcher falls back to Triton or the reference backend (e.g. 7.5).
 
-Pure Python and no torch (its one import, the launch configs, neither), so it is unit-tested on any machine.
+Pure Python and no torch (its one import, the GPU families, neither), so it is unit-tested on any machine.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from flash_attn.planning import configs
+from flash_attn.planning import families
 
 # Default for FLASH_ATTN_CUDA_ARCHS: Ampere/Ada cubins (sm_80 runs on every 8.x), Hopper's
 # arch-specific cubin (wgmma), family cubins for datacenter Blackwell (sm_100f: B200/GB200 10.0 and
@@ -137,9 +138,10 @@ def select_image(capability: tuple[int, int], available: Iterable[Arch | str]) -
 
 def config_capability(capability: tuple[int, int], choice: ImageChoice) -> tuple[int, int]:
     """Whose launch configs a device runs: its own on a cubin (compiled for its family), and on
-    the sm_80 PTX (a GPU newer than every cubin) the configs that PTX was built with: the sm80
-    ones where the device has A100-sized shared memory, else sm86's."""
+    PTX (the sm_80 PTX on a GPU newer than every cubin) those of a family that PTX was built with
+    whose tiles fit the device's shared memory (:func:`~flash_attn.planning.families.configs_from_image`:
+    sm80's where the device has A100-sized shared memory, else sm86's)."""
     if choice.kind != "ptx":
         return capability
-    shared = configs.SHARED_MEMORY_LIMIT[configs.arch_family(capability)]
-    return (8, 0) if shared >= configs.SHARED_MEMORY_LIMIT["sm80"] else (8, 6)
+    family = families.configs_from_image(families.arch_family(capability), choice.arch.capability)
+    return families.get(family).image_capability

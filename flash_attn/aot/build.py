@@ -42,6 +42,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from flash_attn import limits
 from flash_attn.aot import kernel_report, library as op_library, specializations as S
 from flash_attn.aot.archs import DEFAULT_CUDA_ARCHS, Arch, parse_arch_list
 from flash_attn.planning import configs, declarations
@@ -79,8 +80,9 @@ def resolve_archs(text: Optional[str]) -> tuple[list, list]:
     wanted = [a if a.suffix or a.ptx or a.major < 9 else Arch(a.major, a.minor, "a")
               for a in parse_arch_list(text or DEFAULT_CUDA_ARCHS)]
     for arch in wanted:
-        if arch.capability < (8, 0):
-            raise SystemExit(f"architecture sm_{arch.major}{arch.minor} is below the kernels' minimum sm_80")
+        if arch.capability < limits.MIN_CAPABILITY:
+            raise SystemExit(f"architecture sm_{arch.major}{arch.minor} is below the kernels' minimum "
+                             f"sm_{limits.MIN_CAPABILITY[0]}{limits.MIN_CAPABILITY[1]}")
     families = [a for a in wanted if a.suffix == "f" and not a.ptx]
     if families:
         missing = [a for a in families if a.name not in ptxas_targets(triton_capability(a))]

@@ -10,8 +10,8 @@ minutes and 50 MB). Per kernel, the flags every image fixes are in its declarati
 Attention kernels (forward, backward preprocess, dK/dV, dQ):
     ``dtype`` fp16/bf16; ``BLOCK_D`` 32, 64, 128, 256 (the head dim's bucket: the feature mask uses
     the run-time ``head_dim``, declared a multiple of 8); the launch config of each family the image
-    runs on (the portable ``sm_80`` image also carries the ``sm86`` configs of consumer
-    Ampere/Ada). Dense and varlen calls share one kernel (``packed`` is a run-time switch); causal,
+    runs on (:func:`~flash_attn.planning.families.families_for`: the portable ``sm_80`` image also
+    carries the ``sm86`` configs of consumer Ampere/Ada). Dense and varlen calls share one kernel (``packed`` is a run-time switch); causal,
     sliding-window and unmasked calls too (``IS_LOCAL`` with ``-1`` bounds is exact).
     Plus one *score-features* variant per kernel from ``BLOCK_D`` 64 up: softcap, ALiBi and
     dropout compiled in together, each switched at run time. And, on the families of
@@ -35,28 +35,24 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from flash_attn.planning import configs, declarations, decode_configs, registry
+from flash_attn import limits
+from flash_attn.planning import configs, declarations, decode_configs, families, registry
+from flash_attn.planning.families import families_for
 
-DTYPES = ("fp16", "bf16")
-BLOCK_DS = (32, 64, 128, 256)
-# The score-features variant starts at 64: head dims <= 32 run on it exactly (run-time head-dim mask).
-FEATURE_BLOCK_DS = (64, 128, 256)
+DTYPES = tuple(limits.KERNEL_DTYPES.values())
+BLOCK_DS = configs.HEADDIM_BUCKETS
+FEATURE_BLOCK_DS = configs.FEATURE_BUCKETS
 # The kernels compiled ahead of time, from their declarations: attention kernels are sized by the
 # launch-config tables, the KV-cache kernels by decode_configs.
 ATTENTION_KERNELS = tuple(k.name for k in declarations.KERNELS.values() if k.ships and k.config_kind is not None)
 DECODE_KERNELS = tuple(k.name for k in declarations.KERNELS.values() if k.ships and k.config_kind is None)
 _BLOCK_FIELDS = ("BLOCK_D", "BLOCK_M", "BLOCK_N")
 
-def families_for(capability: tuple[int, int]) -> tuple[str, ...]:
-    """Config families whose devices run an image compiled for ``capability``: its own, and for
-    sm_80 also sm86's (an sm_86/sm_89 GPU runs sm_80 cubins, with its smaller shared memory)."""
-    family = configs.arch_family(capability)
-    return (family, "sm86") if capability == (8, 0) else (family,)
-
 
 def family_capability(family: str) -> tuple[int, int]:
-    """A compute capability whose image carries ``family``'s configs."""
-    return configs.FAMILY_CAPABILITY[family]
+    """A compute capability whose image carries ``family``'s configs: the one its images are
+    compiled for."""
+    return families.get(family).image_capability
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 A kernel backend is a :class:`KernelBackend`: a way to find the :class:`~flash_attn.planning.plan.
 Target` of a device (or why it cannot run there) and a way to run one planned launch. For each
 call it looks the plan up in a cache keyed by the call's shape and target (planning happens once
-per shape), and returns either a closure that executes it or the planner's reason for refusing
-the call; the dispatcher (:mod:`flash_attn.dispatch`) decides what runs.
+per shape), and returns either a closure that executes it or a
+:class:`~flash_attn.planning.launches.Refusal` saying who refused the call and why; the dispatcher
+(:mod:`flash_attn.dispatch`) decides what runs.
 
 Executing a plan: the call's tensors are put into slots by name, the plan's preparations applied
 (copies into the kernels' layout, only where the plan asks), its buffers allocated, its launches
@@ -21,10 +22,9 @@ import torch
 from flash_attn.backends.contract import Backend
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
+from flash_attn.planning.plan import Refusal
 
 __all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
-
-Refusal = str
 
 
 class PlanCache:
@@ -197,7 +197,7 @@ class KernelBackend:
         self.plans = PlanCache()
 
     # what a plan becomes for this backend, once per call shape (the AOT backend packs arguments)
-    def executable(self, plan: P.Plan, target: P.Target, device) -> Ready | str:
+    def executable(self, plan: P.Plan, target: P.Target, device) -> Ready | Refusal:
         return ready(plan)
 
     def plan_cache(self, device) -> PlanCache:
@@ -212,24 +212,24 @@ class KernelBackend:
 
     def _prepare(self, planner: Callable, shape, inputs: dict, device):
         target = self.target(device)
-        if isinstance(target, str):
+        if isinstance(target, Refusal):
             return target
         key = (planner, shape, target)  # plans do not depend on the device (its target aside)
         executable = self.plan_cache(device).get(key, lambda: self._make(planner, shape, target, device))
-        if isinstance(executable, str):
+        if isinstance(executable, Refusal):
             return executable
         return lambda: self.run(executable, inputs, device)
 
     def _make(self, planner, shape, target, device):
         plan = planner(shape, target)
-        return plan if isinstance(plan, str) else self.executable(plan, target, device)
+        return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
 
     # --- the contract ---------------------------------------------------------------------------
 
     def prepare_forward(self, q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False):
         shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax)
         runner = self._prepare(P.plan_forward, shape, forward_inputs(q, k, v, params, varlen, alibi_slopes), q.device)
-        if isinstance(runner, str) or return_softmax:
+        if isinstance(runner, Refusal) or return_softmax:
             return runner
         return lambda: (*runner(), None)
 
@@ -270,6 +270,6 @@ class KernelsCannotRun(RuntimeError):
 
 
 def _run_or_raise(name: str, op: str, runner):
-    if isinstance(runner, str):
+    if isinstance(runner, Refusal):
         raise KernelsCannotRun(f"the {name} backend cannot run this {op}: {runner}")
     return runner()

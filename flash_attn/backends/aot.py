@@ -33,7 +33,8 @@ from flash_attn.aot import library as op_library, specializations as S
 from flash_attn.aot.archs import config_capability
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
 from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, ready, slots
-from flash_attn.planning import configs, plan as P
+from flash_attn.planning import families, plan as P
+from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
 
 __all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache"]
 
@@ -61,16 +62,12 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 # --- the device's images --------------------------------------------------------------------------
 
 
-class _Retry(str):
-    """A refusal for this call only: the plan is not kept, the next call of its shape tries again."""
-
-
 class _Plans(PlanCache):
-    """The plan cache of one device, which forgets a refusal that may pass (:class:`_Retry`)."""
+    """The plan cache of one device, which forgets a refusal that may pass (``Refusal.retry``)."""
 
     def get(self, key, make):
         value = super().get(key, make)
-        if isinstance(value, _Retry):
+        if isinstance(value, Refusal) and value.retry:
             with self._lock:
                 self._values.pop(key, None)
         return value
@@ -79,7 +76,7 @@ class _Plans(PlanCache):
 @dataclass
 class _DeviceImages:
     """What one device runs: the manifest, the image architecture, the planner's target, and the
-    images the driver refused on it (spec key -> its answer; those images are never tried again)."""
+    images the driver refused on it (spec key -> its refusal; those images are never tried again)."""
 
     manifest: Manifest
     arch: str
@@ -88,10 +85,10 @@ class _DeviceImages:
     plans: PlanCache = field(default_factory=_Plans)  # call shape -> packed launches or refusal
 
 
-_devices: dict[torch.device, _DeviceImages | str] = {}
+_devices: dict[torch.device, _DeviceImages | Refusal] = {}
 
 
-def _device_images(device: torch.device) -> _DeviceImages | str:
+def _device_images(device: torch.device) -> _DeviceImages | Refusal:
     """The images of ``device`` (worked out on its first call; ``FLASH_ATTN_AOT_DIR`` is read then)."""
     found = _devices.get(device)
     if found is None:
@@ -100,22 +97,22 @@ def _device_images(device: torch.device) -> _DeviceImages | str:
     return found
 
 
-def _make_device_images(index: int) -> _DeviceImages | str:
+def _make_device_images(index: int) -> _DeviceImages | Refusal:
     m, why = manifest()
     if m is None:
-        return why
+        return Refusal(why, IMAGES)
     capability = torch.cuda.get_device_capability(index)
     choice = m.image_for(capability, driver_release())
     if not choice.supported:
-        return choice.reason
-    family = configs.arch_family(config_capability(capability, choice))
+        return Refusal(choice.reason, IMAGES)
+    family = families.arch_family(config_capability(capability, choice))
     sms = torch.cuda.get_device_properties(index).multi_processor_count
     return _DeviceImages(m, choice.arch.name, P.Target(family, sms, aot=True))
 
 
-def _target(device: torch.device) -> P.Target | str:
+def _target(device: torch.device) -> P.Target | Refusal:
     images = _device_images(device)
-    return images if isinstance(images, str) else images.target
+    return images if isinstance(images, Refusal) else images.target
 
 
 # --- plans as packed launches ---------------------------------------------------------------------
@@ -141,12 +138,12 @@ def _register(m: Manifest, entry: dict) -> int:
     return kid
 
 
-def pack(launch: P.Launch, entry: dict) -> _Packed | str:
+def pack(launch: P.Launch, entry: dict) -> _Packed | Refusal:
     """``launch``'s arguments in the order and types of the image's signature, or why they do not
     fit it (an integer outside int32)."""
     tokens = [t for t in entry["signature"] if t not in op_library.HIDDEN_ARGS]
-    mismatch = (f"the installed image {entry['key']} does not fit this flash_attn's kernels (built from other "
-                f"sources? rebuild with `python -m flash_attn build-kernels`)")
+    mismatch = Refusal(f"the installed image {entry['key']} does not fit this flash_attn's kernels (built from "
+                       f"other sources? rebuild with `python -m flash_attn build-kernels`)", IMAGES)
     if len(tokens) != len(launch.args):
         return mismatch
     names, ints, floats = [], [], []
@@ -163,7 +160,7 @@ def pack(launch: P.Launch, entry: dict) -> _Packed | str:
         else:
             value = int(value)
             if kind == "i32" and not -limits.INT32_MAX - 1 <= value <= limits.INT32_MAX:
-                return f"argument {name} = {value} does not fit the kernels' int32"
+                return Refusal(f"argument {name} = {value} does not fit the kernels' int32", IMAGES)
             ints.append(value)
     return _Packed(0, list(launch.grid), names, ints, floats, any(isinstance(i, P.Rows) for i in ints))
 
@@ -174,7 +171,7 @@ class _AotBackend(KernelBackend):
 
     def forget_plans(self) -> None:
         for images in list(_devices.values()):
-            if not isinstance(images, str):
+            if not isinstance(images, Refusal):
                 images.plans.clear()
 
     def executable(self, plan: P.Plan, target: P.Target, device):
@@ -185,12 +182,12 @@ class _AotBackend(KernelBackend):
             spec = S.Spec.of(launch.kernel, dtype, launch.constexprs, launch.config)
             entry = images.manifest.lookup(images.arch, spec.key)
             if entry is None:
-                return images.manifest.why_missing(images.arch, spec.key)
+                return Refusal(images.manifest.why_missing(images.arch, spec.key), IMAGES)
             p = pack(launch, entry)
-            if isinstance(p, str):
+            if isinstance(p, Refusal):
                 return p
             kid = _image(images, entry, device)
-            if isinstance(kid, str):
+            if isinstance(kid, Refusal):
                 return kid
             packed.append(p._replace(kernel=kid))
         return ready(plan, tuple(packed))
@@ -204,7 +201,7 @@ class _AotBackend(KernelBackend):
         return tuple(tensors[slot] for slot in run.plan.results)
 
 
-def _image(images: _DeviceImages, entry: dict, device) -> int | str:
+def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:
     """The kernel id of ``entry``'s image, registered and loaded on ``device``, or why it cannot
     be used: an image that failed for good is refused at once; one that failed for a reason that
     may pass (:func:`_transient`) is refused for this call only."""
@@ -218,9 +215,9 @@ def _image(images: _DeviceImages, entry: dict, device) -> int | str:
     except Exception as exc:  # noqa: BLE001  (whatever the answer, this image cannot run now)
         why = _refused_image(images.arch, entry["key"], exc)
         if _transient(exc, device):
-            return _Retry(f"{why}; tried again on a later call")
-        images.failed[entry["key"]] = why
-        return why
+            return Refusal(f"{why}; tried again on a later call", DRIVER, retry=True)
+        refusal = images.failed[entry["key"]] = Refusal(why, DRIVER)
+        return refusal
 
 
 # CUDA's answers that do not say anything about the image: memory, or a load during graph capture.

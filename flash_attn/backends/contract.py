@@ -38,12 +38,14 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
+from flash_attn.planning.plan import Refusal
+
 OPS = ("forward", "backward", "forward_kvcache")
 
 Runner = Callable[[], tuple]
-# prepare(*op_args, **op_kwargs) -> a runner that computes the call, or why the backend refuses it
-# (answered before anything runs, so the dispatcher can run the call elsewhere).
-Prepare = Callable[..., Union[Runner, str]]
+# prepare(*op_args, **op_kwargs) -> a runner that computes the call, or a Refusal saying who refused
+# it and why (answered before anything runs, so the dispatcher can run the call elsewhere).
+Prepare = Callable[..., Union[Runner, Refusal]]
 # direct(*args of the flash_attn::<op> custom op) -> the op's outputs, or None: the call is not taken.
 Direct = Callable[..., Optional[tuple]]
 

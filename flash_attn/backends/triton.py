@@ -26,7 +26,7 @@ import torch
 
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend, capturing, execute, launch_kwargs, ready
-from flash_attn.planning import configs, registry
+from flash_attn.planning import families, registry
 from flash_attn.planning.plan import Target
 
 __all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "BackendFailed", "diagnose"]
@@ -55,7 +55,7 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _device_target(index: int) -> Target:
-    family = configs.arch_family(torch.cuda.get_device_capability(index))
+    family = families.arch_family(torch.cuda.get_device_capability(index))
     return Target(family, torch.cuda.get_device_properties(index).multi_processor_count)
 
 

@@ -7,7 +7,11 @@ reductions, :func:`uses_dq_tma`). The tables are keyed by kernel
 kind, architecture family and head-dimension bucket; :func:`pick_config` looks one up. Nothing
 here is tuned at run time (the kernels are compiled ahead of time), so the table *is* the tuning.
 
-Shared memory is what limits the blocks: every entry must fit its architecture's per-block limit
+The families, their shared memory and whose rows a family without its own takes are declared in
+:mod:`flash_attn.planning.families`; the head-dimension buckets (one entry per bucket in every row)
+in :mod:`flash_attn.limits`.
+
+Shared memory is what limits the blocks: every entry must fit its family's per-block limit
 (:data:`SHARED_MEMORY_LIMIT`), which ``tests/test_triton_kernels.py`` checks with
 :func:`estimate_shared_memory` (and, for a few entries, with the compiler's own count).
 
@@ -28,9 +32,15 @@ from __future__ import annotations
 import contextlib
 from typing import NamedTuple, Optional
 
+from flash_attn import limits
+from flash_attn.planning import families
+from flash_attn.planning.families import arch_family
+
 __all__ = [
     "Config",
     "HEADDIM_BUCKETS",
+    "FEATURE_BUCKETS",
+    "FAMILY_CAPABILITY",
     "SHARED_MEMORY_LIMIT",
     "INTERPRETER_CONFIGS",
     "arch_family",
@@ -51,23 +61,23 @@ class Config(NamedTuple):
     dq_tma: bool = False  # the fused backward's dQ added by TMA bulk reductions (uses_dq_tma)
 
 
-HEADDIM_BUCKETS = (32, 64, 128, 256)
+HEADDIM_BUCKETS = limits.HEADDIM_BUCKETS
+# The score-features variant is built from head-dim bucket 64 up: smaller head dims run on the 64
+# kernels exactly (run-time head-dim mask).
+FEATURE_BUCKETS = tuple(b for b in HEADDIM_BUCKETS if b >= 64)
 KINDS = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_fused")
 # the split backward's kinds: every call with deterministic=True, and the rest where the fused
 # backward has no config (fused_backward)
 SPLIT_BACKWARD_KINDS = ("bwd_dkdv", "bwd_dq")
 
 # Bytes of shared memory one block may use (opt-in maximum) per architecture family.
-SHARED_MEMORY_LIMIT = {
-    "sm80": 163 * 1024,  # A100
-    "sm86": 99 * 1024,  # RTX 30xx / A10 / A40 (sm86), L4 / RTX 40xx (sm89), sm87
-    "sm90": 227 * 1024,  # H100 / H200
-    "sm100": 227 * 1024,  # B200 / GB200
-    "sm120": 99 * 1024,  # RTX 50xx
-}
+SHARED_MEMORY_LIMIT = families.column("shared_memory")
+# Each family's own compute capability: the target its images are compiled for.
+FAMILY_CAPABILITY = families.column("image_capability")
 
 _C = Config
-# (kind, family) -> configs for headdim <= 32, <= 64, <= 128, <= 256.
+# (kind, family) -> one config per head-dimension bucket (HEADDIM_BUCKETS: headdim <= 32, <= 64,
+# <= 128, <= 256). A family without a row of its own takes its config parent's (families.lineage).
 #
 # The rule (measurements and the choice of each entry: benchmarks/README.md, "Launch configs"):
 # fit shared memory; the architecture's tensor-core instructions; on Hopper and Blackwell no
@@ -79,7 +89,7 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2)),
     ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
     ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2)),
-    # Consumer Ampere / Ada (sm86, sm87, sm89) and, below, consumer Blackwell (sm120): 99 KB.
+    # Consumer Ampere / Ada (sm86, sm87, sm89) and consumer Blackwell (sm120, its parent): 99 KB.
     ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1)),
     ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
     ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
@@ -101,22 +111,21 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_fused", "sm80"): (None, None, None, None),
     ("bwd_fused", "sm86"): (None, None, None, None),
     ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True)),
+    # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05
+    # MMAs. Its forward is Hopper's (its parent's) until a Blackwell GPU measures its own.
+    ("bwd_dkdv", "sm100"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2)),
+    ("bwd_dq", "sm100"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2)),
+    # Blackwell's fused backward (tcgen05, unmeasured: no Blackwell GPU has run it): tensor memory
+    # (512 fp32 columns) holds dK, dV, S, dP and dQ, so d128 takes 32 queries a step to keep two
+    # stages (64 x 128 fits one stage and spills 163 instructions in its loop; 32 x 128 s2: 3); d256
+    # fits with its gradient columns split over two programs (dK and dV 128 columns each), Hopper's tile.
+    ("bwd_fused", "sm100"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2)),
 }
-# Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05 MMAs.
-# Hopper's measured entries until a Blackwell GPU measures its own.
-_TABLE.update({(kind, "sm100"): _TABLE[(kind, "sm90")] for kind in KINDS})
-_TABLE[("bwd_dkdv", "sm100")] = (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2))
-_TABLE[("bwd_dq", "sm100")] = (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2))
-# Blackwell's fused backward (tcgen05, unmeasured: no Blackwell GPU has run it): tensor memory
-# (512 fp32 columns) holds dK, dV, S, dP and dQ, so d128 takes 32 queries a step to keep two
-# stages (64 x 128 fits one stage and spills 163 instructions in its loop; 32 x 128 s2: 3); d256
-# fits with its gradient columns split over two programs (dK and dV 128 columns each), Hopper's tile.
-_TABLE[("bwd_fused", "sm100")] = (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2))
-_TABLE.update({(kind, "sm120"): _TABLE[(kind, "sm86")] for kind in KINDS})
 
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
 # where the lean entry spills with the extra live tiles, the largest tile that does not (same rule;
-# benchmarks/README.md). ``None``: the lean entry. Head dim <= 32 runs on the 64 kernels.
+# benchmarks/README.md). ``None``: the lean entry; the entry of head dims <= 32 is unused (they run
+# on the 64 kernels: FEATURE_BUCKETS). A family without a row takes its config parent's.
 _F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
@@ -145,10 +154,15 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry
 # their own tile where the sweep measured one faster for them than the lean entry, which serves
 # causal and windowed calls too; ``None``: the lean entry. Chosen by the sweep's full-attention rows
-# (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs").
+# (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs"). A family without a
+# row takes its config parent's.
 _EXACT_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None),
     ("bwd_fused", "sm90"): (None, None, None, _C(32, 128, 8, 2)),
+    # Blackwell ships no exact-call images (declarations.EXACT_IMAGE_FAMILIES) and no GPU has
+    # measured them: its JIT runs exact calls on its lean tiles, not Hopper's exact ones
+    ("fwd", "sm100"): (None, None, None, None),
+    ("bwd_fused", "sm100"): (None, None, None, None),
 }
 
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
@@ -162,22 +176,17 @@ INTERPRETER_CONFIGS = {
 }
 
 
-# Each family's own compute capability: the target its images are compiled for.
-FAMILY_CAPABILITY = {"sm80": (8, 0), "sm86": (8, 6), "sm90": (9, 0), "sm100": (10, 0), "sm120": (12, 0)}
+def _check_rows(*tables: dict) -> None:
+    """Every row has one entry per head-dimension bucket (a bucket added or removed cannot shift
+    the entries of a row silently)."""
+    for table in tables:
+        for key, row in table.items():
+            if len(row) != len(HEADDIM_BUCKETS):
+                raise ValueError(f"launch-config row {key} has {len(row)} entries; one per head-dim bucket "
+                                 f"{HEADDIM_BUCKETS} expected")
 
 
-def arch_family(capability: tuple[int, int]) -> str:
-    """The table family of a CUDA compute capability ``(major, minor)``."""
-    major, minor = capability
-    if major == 8:
-        return "sm80" if minor == 0 else "sm86"
-    if major == 9:
-        return "sm90"
-    if major in (10, 11):
-        return "sm100"
-    if major >= 12:
-        return "sm120"
-    return "sm80"  # sm75 and older are not supported by the kernels; keep a sane default
+_check_rows(_TABLE, _FEATURES_TABLE, _EXACT_TABLE)
 
 
 def padded_headdim(headdim: int) -> int:
@@ -210,14 +219,30 @@ def pick(kind: str, headdim: int, family: str, features: bool = False, exact: bo
             return _overrides[key]
     if family == "interpret":
         return INTERPRETER_CONFIGS[kind]
-    key = (kind, family)
     if features:
-        # the score-features kernels are built from head-dim bucket 64 up (see specializations)
-        bucket = max(bucket, 1)
-    special = _FEATURES_TABLE if features else _EXACT_TABLE if exact else {}
-    if key in special and special[key][bucket] is not None:
-        return special[key][bucket]
-    return _TABLE[key][bucket]
+        bucket = max(bucket, _bucket(FEATURE_BUCKETS[0]))
+    special = _FEATURES_TABLE if features else _EXACT_TABLE if exact else None
+    if special is not None:
+        entry = _row(special, kind, family)[bucket]
+        if entry is not None:
+            return entry
+    row = _row(_TABLE, kind, family)
+    if row is _NO_ROW:
+        raise KeyError(f"no {kind} launch configs for family {family!r} (nor for its config parents)")
+    return row[bucket]
+
+
+_NO_ROW = (None,) * len(HEADDIM_BUCKETS)
+
+
+def _row(table: dict, kind: str, family: str) -> tuple:
+    """The row of ``kind`` on ``family`` in ``table``: its own, else its nearest config parent's
+    (:func:`flash_attn.planning.families.lineage`), else :data:`_NO_ROW`."""
+    for name in families.lineage(family):
+        row = table.get((kind, name))
+        if row is not None:
+            return row
+    return _NO_ROW
 
 
 VARIANTS = ("lean", "features", "exact")
@@ -333,15 +358,15 @@ def pick_config(kind: str, headdim: int, capability: Optional[tuple[int, int]], 
     return pick(kind, headdim, "interpret" if capability is None else arch_family(capability), features, exact)
 
 
-# Blackwell's tcgen05 MMAs stage more operands (and their mbarriers) in shared memory than the
+# Blackwell's tcgen05 MMAs (families.MMA_KINDS) stage more operands (and their mbarriers) in shared memory than the
 # register-operand MMAs of sm80/sm90. Measured with the compiler: ~0.5 KB more for the forward,
 # up to ~22% more for the backward kernels (whose probability tiles feed two MMAs each).
-_SM100_BARRIER_BYTES = 1024
-_SM100_BACKWARD_FACTOR = 1.25
+_TCGEN05_BARRIER_BYTES = 1024
+_TCGEN05_BACKWARD_FACTOR = 1.25
 # The fused backward, whose probability tiles tcgen05 can read from tensor memory: at most 7 % over
 # the count above in its shipped sm100 images (d128 32x128 s2: 123,216 B against 115,200; d256
 # 32x128 s2: 188,776 against 214,016)
-_SM100_FUSED_BACKWARD_FACTOR = 1.08
+_TCGEN05_FUSED_BACKWARD_FACTOR = 1.08
 # the barriers of a warp-specialised forward's buffer ring (measured: 384-576 B on sm90)
 _WS_BARRIER_BYTES = 1024
 
@@ -353,7 +378,7 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     Operand tiles that stay resident are counted once, tiles streamed through the software
     pipeline ``num_stages`` times (one buffer per stage), plus one fp16/bf16 probability tile
     (``BLOCK_M x BLOCK_N``) staged for the second matmul (two in the fused backward: dS^T too, for
-    dQ); on sm100 a margin for tcgen05 operand staging. Compiled kernels use at most this (checked against the compiler's ``metadata.shared``
+    dQ); on tcgen05 families (sm100) a margin for its operand staging. Compiled kernels use at most this (checked against the compiler's ``metadata.shared``
     for every entry when the table was made, and for a few entries in the tests); usually less.
     """
     d = padded_headdim(headdim)
@@ -376,8 +401,8 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
         # columns and its barriers (measured with the compiler for every "-ws" sweep candidate)
         staged = bm // 2 * max(d, 128) + _WS_BARRIER_BYTES // elem_bytes
     estimate = elem_bytes * (resident + stages * streamed + staged) + stages * row_stats
-    if family == "sm100":
+    if families.mma(family) == "tcgen05":
         if kind == "fwd":
-            return estimate + _SM100_BARRIER_BYTES
-        return int(estimate * (_SM100_FUSED_BACKWARD_FACTOR if kind == "bwd_fused" else _SM100_BACKWARD_FACTOR))
+            return estimate + _TCGEN05_BARRIER_BYTES
+        return int(estimate * (_TCGEN05_FUSED_BACKWARD_FACTOR if kind == "bwd_fused" else _TCGEN05_BACKWARD_FACTOR))
     return estimate

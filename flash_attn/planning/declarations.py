@@ -1,10 +1,10 @@
 """One declaration per kernel: what every other part of the package needs to know about it.
 
-The registry (kernel name -> module), the launch planner (argument names and kinds), the
-specialisation set and the ahead-of-time build (signature types, divisibility, the flags folded
-into every shipped image) all read these. A declaration lists the kernel's parameters in order,
-runtime arguments then ``tl.constexpr`` ones (:attr:`Kernel.arg_names`); a test checks that they
-are the ``@triton.jit`` function's, so the planner never reads the kernel source nor imports Triton.
+The registry (kernel name -> module), the launch planner (argument kinds), the specialisation
+set and the ahead-of-time build (signature types, divisibility, the flags folded into every
+shipped image) all read these. The kernel's parameters themselves are stated once, by its
+``@triton.jit`` ``def``, and read from there without Triton (:attr:`Kernel.parameters`,
+:mod:`flash_attn.planning.signatures`).
 
 Types: pointers name their element type, ``"dt"`` standing for the q/k/v dtype (fp16 or bf16);
 runtime integers are ``i32`` (sizes, strides, window bounds, switches), floats ``fp32``. Every
@@ -21,15 +21,21 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional
 
-from flash_attn.planning import configs
+from flash_attn import limits
+from flash_attn.planning import configs, signatures
 
 __all__ = ["EXACT_IMAGE_BLOCK_DS", "EXACT_IMAGE_DTYPES", "EXACT_IMAGE_FAMILIES", "Kernel", "KERNELS", "get"]
 
 
+# q/k/v dtype names (torch's without "torch.", and the kernels' own) -> the kernels' name
+_DTYPE_NAMES = {**{name.replace("torch.", ""): short for name, short in limits.KERNEL_DTYPES.items()},
+                **{short: short for short in limits.KERNEL_DTYPES.values()}}
+
+
 def dtype_name(dtype) -> Optional[str]:
-    """``"fp16"``/``"bf16"`` for a q/k/v dtype (a ``torch.dtype`` or its name), else ``None``."""
-    text = str(dtype).replace("torch.", "")
-    return {"float16": "fp16", "bfloat16": "bf16", "fp16": "fp16", "bf16": "bf16"}.get(text)
+    """``"fp16"``/``"bf16"`` (:data:`flash_attn.limits.KERNEL_DTYPES`) for a q/k/v dtype (a
+    ``torch.dtype`` or its name), else ``None``."""
+    return _DTYPE_NAMES.get(str(dtype).replace("torch.", ""))
 
 
 def _names(text: str) -> frozenset:
@@ -57,14 +63,21 @@ class Kernel:
     exact: Mapping[str, object] = field(default_factory=dict)
     # compiled ahead of time; False: Triton's JIT and interpreter only (a testing feature)
     ships: bool = True
-    # the kernel's parameters in order: the runtime arguments, then the tl.constexpr ones
-    args: tuple = ()
-    constexprs: tuple = ()
+
+    @property
+    def parameters(self) -> signatures.Parameters:
+        """Its parameters as its source declares them (read once, without Triton)."""
+        return signatures.parameters(self.module, self.name)
 
     @property
     def arg_names(self) -> tuple:
         """Every parameter in the kernel's order (``JITFunction.arg_names``)."""
-        return self.args + self.constexprs
+        return self.parameters.names
+
+    @property
+    def constexprs(self) -> frozenset:
+        """The parameters annotated ``tl.constexpr``."""
+        return self.parameters.constexprs
 
     def ships_exact_image(self, family: str, block_d: int, dtype) -> bool:
         """Whether an exact-call image of this kernel ships for ``family``, ``block_d`` and
@@ -88,16 +101,17 @@ class Kernel:
         columns (:func:`configs.gradient_columns`), its tensor-descriptor switches
         (:func:`configs.uses_tma`, :func:`configs.uses_dq_tma`) and warp specialisation
         (:func:`configs.uses_ws`)."""
+        declared = self.constexprs
         out = {"BLOCK_M": config.block_m, "BLOCK_D": block_d}
-        if "BLOCK_N" in self.constexprs:
+        if "BLOCK_N" in declared:
             out["BLOCK_N"] = config.block_n
-        if "BLOCK_DOUT" in self.constexprs:
+        if "BLOCK_DOUT" in declared:
             out["BLOCK_DOUT"] = configs.gradient_columns(self.config_kind, family, block_d)
-        if "TMA" in self.constexprs:
+        if "TMA" in declared:
             out["TMA"] = configs.uses_tma(self.config_kind, family, config)
-        if "WS" in self.constexprs:
+        if "WS" in declared:
             out["WS"] = configs.uses_ws(self.config_kind, family, config)
-        if "TMA_DQ" in self.constexprs:
+        if "TMA_DQ" in declared:
             out["TMA_DQ"] = configs.uses_dq_tma(self.config_kind, family, config)
         return out
 
@@ -121,16 +135,6 @@ class Kernel:
         return out
 
 
-def _args(*parts: str) -> tuple:
-    """Parameter names in order, from whitespace-separated ``parts``."""
-    return tuple(" ".join(parts).split())
-
-
-def _strides(tensors: str, dims: str = "bsh") -> str:
-    """``stride_<t><d>`` for each tensor ``t`` and dimension letter ``d``, in that order."""
-    return " ".join(f"stride_{t}{d}" for t in tensors.split() for d in dims)
-
-
 def _pointers(**groups: str) -> Mapping[str, str]:
     return MappingProxyType({name: element for element, names in groups.items() for name in names.split()})
 
@@ -149,62 +153,33 @@ EXACT_IMAGE_FAMILIES = frozenset({"sm90"})
 # d256 too: the fused backward's exact image has a quarter less code and 74 spill instructions in
 # its loop against the folded one's 89 (benchmarks/README.md), for ~3 s of compile per image
 EXACT_IMAGE_BLOCK_DS = frozenset({64, 128, 256})
-# fp16 too: on the H200 (2026-11-27) full attention in fp16, on the folded images, ran 5-14 % behind
-# bf16 on its exact-call images at d64 and d256, where causal calls (folded in both) ran alike
-EXACT_IMAGE_DTYPES = frozenset({"bf16", "fp16"})
-# the attention kernels' shared parameters
-_SCORES = "softmax_scale softcap window_left window_right dropout_p"
-_FLAGS = "IS_LOCAL HAS_SOFTCAP HAS_ALIBI HAS_DROPOUT"
-_TILES = "BLOCK_M BLOCK_N BLOCK_D"
-_BWD_POINTERS = "Q K V dOut LSE Delta"
-_BWD_SIZES = "seqlen_q seqlen_k group head_dim packed use_alibi"
+# every kernel dtype, fp16 too: on the H200 (2026-11-27) full attention in fp16, on the folded
+# images, ran 5-14 % behind bf16 on its exact-call images at d64 and d256, where causal calls
+# (folded in both) ran alike
+EXACT_IMAGE_DTYPES = frozenset(limits.KERNEL_DTYPES.values())
 
 _DECLARED = (
     Kernel("attn_fwd_kernel", "flash_attn.kernels.forward", "fwd",
            _pointers(dt="Q K V Out", fp32="LSE AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
            _ATTENTION_FLOATS, _names("head_dim"),
-           folded=MappingProxyType(dict(_LEAN, IS_PAGED=False, BlockTable=None)), has_features=True, exact=_EXACT,
-           args=_args("Q K V Out LSE CuSeqlensQ CuSeqlensK BlockTable AlibiSlopes DropoutSeed", _strides("q k v o"),
-                      _strides("l", "bh"), "stride_btb stride_ab seqlen_q seqlen_k group head_dim page_size packed",
-                      "use_alibi", _SCORES),
-           constexprs=_args(_FLAGS, "IS_PAGED PAD_HEADDIM", _TILES, "TMA WS")),
+           folded=MappingProxyType(dict(_LEAN, IS_PAGED=False, BlockTable=None)), has_features=True, exact=_EXACT),
     Kernel("attn_probs_kernel", "flash_attn.kernels.forward", "fwd",
            _pointers(dt="Q K", fp32="LSE S AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"), ships=False,
-           args=_args("Q K LSE S CuSeqlensQ CuSeqlensK BlockTable AlibiSlopes DropoutSeed", _strides("q k"),
-                      _strides("l", "bh"), _strides("p", "bhs"), "stride_btb stride_ab seqlen_q seqlen_k group",
-                      "head_dim page_size packed use_alibi", _SCORES),
-           constexprs=_args(_FLAGS, "IS_PAGED PAD_HEADDIM", _TILES)),
+           _ATTENTION_FLOATS, _names("head_dim"), ships=False),
     Kernel("attn_bwd_preprocess_kernel", "flash_attn.kernels.backward", "fwd",
-           _pointers(dt="Out dOut", fp32="Delta dQAccum", i32="CuSeqlensQ"), divisible_by_8=_names("head_dim"),
-           args=_args("Out dOut Delta dQAccum CuSeqlensQ", _strides("o do"), _strides("l", "bh"), _strides("a"),
-                      "seqlen_q head_dim packed slices split_stride"),
-           constexprs=_args("BLOCK_M BLOCK_D")),
+           _pointers(dt="Out dOut", fp32="Delta dQAccum", i32="CuSeqlensQ"), divisible_by_8=_names("head_dim")),
     Kernel("attn_bwd_kernel", "flash_attn.kernels.backward", "bwd_fused",
            _pointers(dt="Q K V dOut dK dV", fp32="LSE Delta dQAccum AlibiSlopes", i32="CuSeqlensQ CuSeqlensK",
                      i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True, exact=_EXACT,
-           args=_args(_BWD_POINTERS, "dK dV dQAccum CuSeqlensQ CuSeqlensK AlibiSlopes DropoutSeed",
-                      _strides("q k v do dk dv dq"), _strides("l", "bh"), "stride_ab", _BWD_SIZES,
-                      "splits split_stride", _SCORES),
-           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES, "BLOCK_DOUT TMA TMA_DQ")),
+           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True, exact=_EXACT),
     Kernel("attn_bwd_dq_convert_kernel", "flash_attn.kernels.backward", "fwd",
-           _pointers(dt="dQ", fp32="dQAccum", i32="CuSeqlensQ"), _names("softmax_scale"), _names("head_dim"),
-           args=_args("dQAccum dQ CuSeqlensQ", _strides("a dq"), "seqlen_q head_dim packed slices split_stride",
-                      "softmax_scale"),
-           constexprs=_args("BLOCK_M BLOCK_D")),
+           _pointers(dt="dQ", fp32="dQAccum", i32="CuSeqlensQ"), _names("softmax_scale"), _names("head_dim")),
     Kernel("attn_bwd_dkdv_kernel", "flash_attn.kernels.backward", "bwd_dkdv",
            _pointers(dt="Q K V dOut dK dV", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True,
-           args=_args(_BWD_POINTERS, "dK dV CuSeqlensQ CuSeqlensK AlibiSlopes DropoutSeed", _strides("q k v do dk dv"),
-                      _strides("l", "bh"), "stride_ab", _BWD_SIZES, _SCORES),
-           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES, "BLOCK_DOUT TMA")),
+           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True),
     Kernel("attn_bwd_dq_kernel", "flash_attn.kernels.backward", "bwd_dq",
            _pointers(dt="Q K V dOut dQ", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True,
-           args=_args(_BWD_POINTERS, "dQ CuSeqlensQ CuSeqlensK AlibiSlopes DropoutSeed", _strides("q k v do dq"),
-                      _strides("l", "bh"), "stride_ab", _BWD_SIZES, _SCORES),
-           constexprs=_args(_FLAGS, "PAD_HEADDIM", _TILES)),
+           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True),
     # The KV-cache kernels ship one "superset" variant (every feature compiled in, switched at run
     # time; plain caches addressed as one page per sequence): flash_attn.planning.decode_configs.
     Kernel("split_kv_kernel", "flash_attn.kernels.decode", None,
@@ -213,31 +188,18 @@ _DECLARED = (
            _names("stride_qb stride_qs stride_qh stride_kb stride_ks stride_kh stride_vb stride_vs stride_vh "
                   "stride_ob stride_os stride_oh stride_px stride_pb stride_ps stride_ph head_dim"),
            folded=MappingProxyType(dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True,
-                                        HAS_BATCH_IDX=False, HAS_LEFTPAD=True)),
-           args=_args("Q K V Out OutPart Lse Seqlens Leftpad BatchIdx BlockTable Alibi", _strides("q k v o"),
-                      _strides("p l", "xbsh"), "stride_btb stride_ab nheads_k seqlen_q seqlen_new group head_dim",
-                      "page_size use_leftpad use_alibi identity_table softmax_scale softcap window_left window_right",
-                      "empty_lse"),
-           constexprs=_args(_TILES, "IS_LOCAL HAS_SOFTCAP HAS_ALIBI PAGED HAS_BATCH_IDX HAS_LEFTPAD")),
+                                        HAS_BATCH_IDX=False, HAS_LEFTPAD=True))),
     Kernel("combine_splits_kernel", "flash_attn.kernels.decode", None,
            _pointers(dt="Out", fp32="OutPart LsePart Lse"),
-           divisible_by_8=_names("stride_px stride_pb stride_ps stride_ph stride_ob stride_os stride_oh head_dim"),
-           args=_args("OutPart LsePart Out Lse", _strides("p m", "xbsh"), _strides("o l"),
-                      "num_splits seqlen_q nheads head_dim"),
-           constexprs=_args("BLOCK_R BLOCK_D")),
+           divisible_by_8=_names("stride_px stride_pb stride_ps stride_ph stride_ob stride_os stride_oh head_dim")),
     Kernel("append_kv_kernel", "flash_attn.kernels.kvcache_append", None,
            _pointers(dt="K_new V_new K_cache V_cache", fp32="Cos Sin", i32="Seqlens BatchIdx BlockTable"),
            divisible_by_8=_names("stride_knb stride_kns stride_knh stride_vnb stride_vns stride_vnh "
                                  "stride_kcb stride_kcs stride_kch stride_vcb stride_vcs stride_vch head_dim"),
-           folded=MappingProxyType(dict(PAGED=True, HAS_BATCH_IDX=False)),
-           args=_args("K_new V_new K_cache V_cache Cos Sin Seqlens BatchIdx BlockTable", _strides("kn vn kc vc"),
-                      "stride_btb stride_ro nheads_k seqlen_new head_dim rotary_half page_size identity_table"),
-           constexprs=_args("BLOCK_T BLOCK_D PAGED HAS_BATCH_IDX HAS_ROTARY INTERLEAVED")),
+           folded=MappingProxyType(dict(PAGED=True, HAS_BATCH_IDX=False))),
     Kernel("rotary_q_kernel", "flash_attn.kernels.kvcache_append", None,
            _pointers(dt="Q Q_out", fp32="Cos Sin", i32="Seqlens"),
-           divisible_by_8=_names("stride_qb stride_qs stride_qh stride_ob stride_os stride_oh head_dim"),
-           args=_args("Q Q_out Cos Sin Seqlens", _strides("q o"), "stride_ro nheads seqlen_q head_dim rotary_half"),
-           constexprs=_args("BLOCK_T BLOCK_D PER_ROW_POSITION INTERLEAVED")),
+           divisible_by_8=_names("stride_qb stride_qs stride_qh stride_ob stride_os stride_oh head_dim")),
 )
 
 KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in _DECLARED})

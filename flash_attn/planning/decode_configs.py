@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import itertools
 
-from flash_attn.planning import configs, declarations
+from flash_attn import limits
+from flash_attn.planning import configs, declarations, families
 
 __all__ = [
     "DECODE_CONFIGS",
@@ -46,6 +47,7 @@ __all__ = [
     "COMBINE_CONFIG",
     "FAMILIES",
     "HEADDIM_BUCKETS",
+    "bucket_configs",
     "SPLIT_KV_SUPERSET",
     "SPLIT_KV_EXACT",
     "ships_exact",
@@ -67,7 +69,8 @@ Config = configs.Config  # (block_m, block_n, num_warps, num_stages)
 # ----------------------------------------------------------------------------------------------
 
 _C = Config
-# (arch family, largest head dim of the bucket) -> (decode config, many-rows config). The first
+# (arch family, largest head dim of the bucket) -> (decode config, many-rows config); a family
+# without rows of its own takes its config parent's (flash_attn.planning.families). The first
 # is used when the packed query rows ``seqlen_q * nheads / nheads_k`` fit its BLOCK_M of 16 (one
 # MMA tile: decoding, also with GQA groups up to 16), the second otherwise (speculative decoding,
 # prefill against a cache). Decoding is bound by reading K/V: wide key blocks keep many loads in
@@ -81,11 +84,11 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     ("sm80", 64): (_C(16, 128, 4, 3), _C(64, 128, 8, 3)),
     ("sm80", 128): (_C(16, 64, 4, 3), _C(32, 64, 4, 3)),
     ("sm80", 256): (_C(16, 64, 8, 2), _C(32, 64, 8, 2)),
-    # consumer Ampere / Ada (sm86/87/89) and consumer Blackwell (sm120): 99 KB
+    # consumer Ampere / Ada (sm86/87/89) and consumer Blackwell (sm120, its parent): 99 KB
     ("sm86", 64): (_C(16, 128, 4, 2), _C(64, 64, 8, 2)),
     ("sm86", 128): (_C(16, 64, 4, 2), _C(32, 64, 4, 2)),
     ("sm86", 256): (_C(16, 32, 4, 2), _C(32, 32, 4, 2)),
-    # H100/H200 and B200: 227 KB; BLOCK_M = 16 rows use mma.sync, 64-row tiles wgmma on sm90
+    # H100/H200 and B200 (sm100, its parent): 227 KB; BLOCK_M = 16 rows use mma.sync, 64-row tiles wgmma on sm90
     ("sm90", 64): (_C(16, 128, 4, 4), _C(64, 128, 8, 4)),
     ("sm90", 128): (_C(16, 128, 4, 3), _C(64, 64, 8, 3)),
     ("sm90", 256): (_C(16, 64, 8, 2), _C(32, 64, 8, 2)),
@@ -94,9 +97,6 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     ("interpret", 128): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
     ("interpret", 256): (_C(16, 16, 1, 1), _C(32, 16, 1, 1)),
 }
-for _bucket in (64, 128, 256):
-    DECODE_CONFIGS[("sm100", _bucket)] = DECODE_CONFIGS[("sm90", _bucket)]
-    DECODE_CONFIGS[("sm120", _bucket)] = DECODE_CONFIGS[("sm86", _bucket)]
 
 # Rows per program of the append / rotary kernels and of the combine kernel.
 APPEND_BLOCK_T = 16
@@ -119,8 +119,11 @@ MIN_BLOCKS_PER_SPLIT = 8
 # SM count assumed in Triton's interpreter (an A100's), so that the heuristic is exercised.
 INTERPRET_NUM_SMS = 108
 
-FAMILIES = ("sm80", "sm86", "sm90", "sm100", "sm120")
-HEADDIM_BUCKETS = (64, 128, 256)
+# Every GPU family runs the decode kernels (a mapping: iterating it gives the family names).
+FAMILIES = families.FAMILIES
+# The decode kernels are built from head-dim bucket 64 up: their BLOCK_M of 16 packed query rows
+# is one MMA tile, and smaller head dims run on the 64 kernels exactly (run-time head-dim mask).
+HEADDIM_BUCKETS = tuple(b for b in limits.HEADDIM_BUCKETS if b >= 64)
 
 
 def headdim_bucket(head_dim: int) -> int:
@@ -129,6 +132,16 @@ def headdim_bucket(head_dim: int) -> int:
         if head_dim <= bucket:
             return bucket
     raise ValueError(f"head dim {head_dim} > {HEADDIM_BUCKETS[-1]} is not supported by the decode kernels")
+
+
+def bucket_configs(family: str, bucket: int) -> tuple[Config, Config]:
+    """``(decode config, many-rows config)`` of head-dim ``bucket`` on ``family`` (:data:`FAMILIES`
+    or ``"interpret"``): its own row, else its config parent's."""
+    for name in families.lineage(family):
+        row = DECODE_CONFIGS.get((name, bucket))
+        if row is not None:
+            return row
+    raise KeyError(f"no decode configs for family {family!r} (nor for its config parents) at head dim {bucket}")
 
 
 def decode_config(family: str, head_dim: int, packed_rows: int, fp32: bool = False) -> Config:
@@ -140,7 +153,7 @@ def decode_config(family: str, head_dim: int, packed_rows: int, fp32: bool = Fal
     but may spill registers).
     """
     bucket = headdim_bucket(head_dim)
-    small, large = DECODE_CONFIGS[(family, bucket)]
+    small, large = bucket_configs(family, bucket)
     config = small if packed_rows <= small.block_m else large
     if fp32 and family != "interpret":
         block_m = min(config.block_m, 32)
@@ -205,13 +218,13 @@ def aot_variants(family: str) -> list[tuple[str, dict, Config]]:
     architecture family ``family`` (:data:`FAMILIES`) for an fp16 or bf16 call (the list is the
     same for both dtypes, which are a separate axis). No duplicates."""
     if family not in FAMILIES:
-        raise ValueError(f"unknown architecture family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"unknown architecture family {family!r}; expected one of {tuple(FAMILIES)}")
     out: list[tuple[str, dict, Config]] = []
     for bucket in HEADDIM_BUCKETS:
-        for config in dict.fromkeys(DECODE_CONFIGS[(family, bucket)]):  # decode, many-rows (deduplicated)
+        for config in dict.fromkeys(bucket_configs(family, bucket)):  # decode, many-rows (deduplicated)
             out.append(("split_kv_kernel", split_kv_constexprs(config, bucket, SPLIT_KV_SUPERSET), config))
         if ships_exact(family):
-            config = DECODE_CONFIGS[(family, bucket)][0]
+            config = bucket_configs(family, bucket)[0]
             out.append(("split_kv_kernel", split_kv_constexprs(config, bucket, SPLIT_KV_EXACT), config))
         for rotary, interleaved in APPEND_ROTARY:
             out.append(("append_kv_kernel", append_constexprs(bucket, True, False, rotary, interleaved), AUX_CONFIG))

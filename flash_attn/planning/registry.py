@@ -3,8 +3,8 @@
 The launch planner (:mod:`flash_attn.planning.plan`) describes a launch by the kernel's *name*;
 only the executors that run Triton (compiled or interpreted) resolve it to the ``@triton.jit``
 function with :func:`jit_function`, which imports the kernel module (and so Triton) on first use.
-The ``aot`` backend never does: it needs the argument names only, which the kernel's declaration
-lists (:mod:`flash_attn.planning.declarations`; a test keeps them equal to the ``JITFunction``'s).
+The ``aot`` backend never does: it needs the argument names only, which are read from the kernel's
+source (:mod:`flash_attn.planning.signatures`; a test keeps them equal to the ``JITFunction``'s).
 So the planner, the specialisation set and the ``aot`` backend import and run without Triton.
 
 Pure Python (no torch, no triton import).
@@ -35,10 +35,10 @@ def jit_function(kernel: str):
 
 
 def arg_names(kernel: str) -> tuple[str, ...]:
-    """The parameter names of ``kernel`` in order (``JITFunction.arg_names``), as declared."""
+    """The parameter names of ``kernel`` in order (``JITFunction.arg_names``), from its source."""
     return declarations.get(kernel).arg_names
 
 
 def constexpr_names(kernel: str) -> frozenset:
-    """The parameters of ``kernel`` annotated ``tl.constexpr``, as declared."""
-    return frozenset(declarations.get(kernel).constexprs)
+    """The parameters of ``kernel`` annotated ``tl.constexpr``, from its source."""
+    return declarations.get(kernel).constexprs

@@ -1,0 +1,167 @@
+"""Where the GPU architecture is chosen: the GPU families the kernels are tuned and compiled for,
+one record each (:data:`FAMILIES`).
+
+A family is what one set of launch configs serves: which devices belong to it, the shared memory
+one block may use there, its tensor-core instructions, whose config tables it takes where it has
+none of its own (:attr:`Family.config_parent`), the compute capability its ahead-of-time images
+are compiled for, and which other families' devices run those images. Everything else that
+depends on the family reads it here: the config tables' inheritance (:func:`lineage`), the device's
+family (:func:`arch_family`), what an image carries (:func:`families_for`), whose configs a GPU
+runs from another family's PTX (:func:`configs_from_image`), and the per-family columns
+(:func:`column`). Adding a family is adding its record (and its table rows, unless it inherits
+them); a vendor whose devices are not told apart by a CUDA compute capability (AMD's
+``gcnArchName``) adds a device matcher beside :class:`Capabilities` (``matches``, ``low``: which
+of several matching families wins) and its MMA kinds to :data:`MMA_KINDS`.
+
+The Triton interpreter's target, ``"interpret"``, is no family: its tables are its own
+(:mod:`flash_attn.planning.configs`, :mod:`flash_attn.planning.decode_configs`).
+
+Pure Python (no torch, no triton).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from flash_attn import limits
+
+__all__ = ["Capabilities", "Family", "FAMILIES", "MMA_KINDS", "arch_family", "column", "configs_from_image",
+           "families_for", "get", "lineage", "mma"]
+
+# The tensor-core instructions a family's kernels compile to (Triton picks them per target).
+MMA_KINDS = ("mma.sync", "wgmma", "tcgen05")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """CUDA compute capabilities from ``low`` up to, not including, ``high`` (``None``: no end)."""
+
+    low: tuple[int, int]
+    high: Optional[tuple[int, int]] = None
+
+    def matches(self, capability: tuple[int, int]) -> bool:
+        return self.low <= tuple(capability) and (self.high is None or tuple(capability) < self.high)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    vendor: str
+    devices: Capabilities  # the devices of this family
+    shared_memory: int  # bytes of shared memory one block may use (the opt-in maximum)
+    mma: str  # one of MMA_KINDS
+    image_capability: tuple[int, int]  # what its ahead-of-time images are compiled for
+    # whose launch configs (attention and decode tables) it takes where it has no row of its own
+    config_parent: Optional[str] = None
+    # other families whose devices run its images, so the images carry their configs too
+    image_carries: tuple[str, ...] = ()
+    gpus: str = ""  # for the reader
+
+    def __post_init__(self):
+        if self.mma not in MMA_KINDS:
+            raise ValueError(f"family {self.name}: unknown MMA kind {self.mma!r}; expected one of {MMA_KINDS}")
+
+
+KB = 1024
+
+# The registry, oldest first. A device belongs to the family whose capabilities hold it; where
+# several do, to the one whose range starts last (a family carved out of a broader one).
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    # the sm_80 image runs on sm86's devices too, so it carries their configs (smaller shared memory)
+    Family("sm80", "nvidia", Capabilities(limits.MIN_CAPABILITY, (8, 1)), 163 * KB, "mma.sync", (8, 0),
+           image_carries=("sm86",), gpus="A100"),
+    Family("sm86", "nvidia", Capabilities((8, 1), (9, 0)), 99 * KB, "mma.sync", (8, 6),
+           gpus="RTX 30xx / A10 / A40 (8.6), Jetson Orin (8.7), L4 / RTX 40xx (8.9)"),
+    Family("sm90", "nvidia", Capabilities((9, 0), (10, 0)), 227 * KB, "wgmma", (9, 0), gpus="H100 / H200"),
+    # Hopper's measured tables until a Blackwell GPU measures its own
+    Family("sm100", "nvidia", Capabilities((10, 0), (12, 0)), 227 * KB, "tcgen05", (10, 0), config_parent="sm90",
+           gpus="B200 / GB200 (10.0), B300 / GB300 (10.3), Thor (11.0)"),
+    # the same shared memory and instructions as consumer Ampere: a GPU running the sm_80 PTX finds
+    # the same configs
+    Family("sm120", "nvidia", Capabilities((12, 0)), 99 * KB, "mma.sync", (12, 0), config_parent="sm86",
+           gpus="RTX 50xx (12.0), DGX Spark (12.1)"),
+)}
+
+
+def get(name: str) -> Family:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise KeyError(f"unknown GPU family {name!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def arch_family(capability: tuple[int, int]) -> str:
+    """The family of a device of CUDA compute capability ``(major, minor)``."""
+    matching = [f for f in FAMILIES.values() if f.devices.matches(capability)]
+    if not matching:
+        major, minor = capability
+        raise ValueError(f"compute capability {major}.{minor} is in no GPU family of the kernels "
+                         f"(the oldest they run on: {limits.MIN_CAPABILITY[0]}.{limits.MIN_CAPABILITY[1]})")
+    return max(matching, key=lambda f: f.devices.low).name
+
+
+def lineage(name: str) -> tuple[str, ...]:
+    """``name`` and its config parents, nearest first: where its config rows are looked up (a
+    name that is no family, such as ``"interpret"``, has only its own)."""
+    out = [name]
+    family = FAMILIES.get(name)
+    while family is not None and family.config_parent is not None:
+        if family.config_parent in out:
+            raise ValueError(f"GPU family {name}: its config parents form a cycle ({' -> '.join(out)})")
+        out.append(family.config_parent)
+        family = FAMILIES.get(family.config_parent)
+    return tuple(out)
+
+
+def families_for(capability: tuple[int, int]) -> tuple[str, ...]:
+    """The families whose configs an image compiled for ``capability`` carries: its own family,
+    and those whose devices run it too (:attr:`Family.image_carries`)."""
+    family = get(arch_family(capability))
+    return (family.name, *family.image_carries)
+
+
+def configs_from_image(device_family: str, image_capability: tuple[int, int]) -> str:
+    """Whose configs a device of ``device_family`` runs from an image compiled for another family
+    (the PTX the driver compiles for a GPU newer than every cubin): among the families that image
+    carries, the one with the most shared memory the device has (its tiles fit there); the least
+    demanding one where none fits."""
+    carried = [get(name) for name in families_for(image_capability)]
+    own = get(device_family).shared_memory
+    fitting = [f for f in carried if f.shared_memory <= own]
+    if fitting:
+        return max(fitting, key=lambda f: f.shared_memory).name
+    return min(carried, key=lambda f: f.shared_memory).name
+
+
+def mma(name: str) -> Optional[str]:
+    """The tensor-core instructions of family ``name`` (``None`` for a target that is no family)."""
+    family = FAMILIES.get(name)
+    return None if family is None else family.mma
+
+
+class _Column(Mapping):
+    """family name -> one field of its record, read from :data:`FAMILIES` when asked."""
+
+    def __init__(self, field: str):
+        self._field = field
+
+    def __getitem__(self, name: str):
+        return getattr(FAMILIES[name], self._field)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(FAMILIES)
+
+    def __len__(self) -> int:
+        return len(FAMILIES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+def column(field: str) -> Mapping:
+    """A read-only mapping family name -> the record's ``field`` (e.g. ``"shared_memory"``)."""
+    if field not in Family.__dataclass_fields__:
+        raise ValueError(f"a GPU family has no field {field!r}")
+    return _Column(field)
