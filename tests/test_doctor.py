@@ -574,8 +574,8 @@ def test_fallback_warning_once_per_cause(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            assert dispatch.select_backend(torch.device("cuda", 0)).name == "reference"
-        dispatch.select_backend(torch.device("cuda", 1))
+            assert dispatch.chain(torch.device("cuda", 0))[0] == "reference"
+        dispatch.chain(torch.device("cuda", 1))
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert len(messages) == 2, messages
     assert "cuda:0" in messages[0] and "cuda:1" in messages[1]

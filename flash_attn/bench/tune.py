@@ -345,7 +345,7 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
             _forget_plans(backend)
         write(row)
 
-    for kind, cand_d, config in candidates(family, [d], ws):
+    for kind, _, config in candidates(family, [d], ws):
         row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
         write({**shape, "event": "begin", "kind": kind, "config": row["config"]})
         deterministic = kind in configs.SPLIT_BACKWARD_KINDS
