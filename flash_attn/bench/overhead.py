@@ -39,6 +39,7 @@ from flash_attn.backends import aot
 from flash_attn.planning import configs
 from flash_attn.planning.plan import Target
 
+CASES = ("forward", "forward+backward", "packed training", "decode step")
 LAUNCH_CASES = ("one aot launch", "one PyTorch launch")  # device mode only
 
 # packed batches: distinct totals, so that no two calls of a timing run have the same lengths
