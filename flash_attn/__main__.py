@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("flash_attn.doctor", "check this installation and explain what to fix"),
-    "bench": ("flash_attn.benchmarks", "benchmark attention: CPU, GPU or the kernel build"),
-    "build-kernels": ("flash_attn.aot.build", "compile the ahead-of-time GPU kernels (no GPU needed)"),
-    "info": ("flash_attn.aot.info", "what this installation ships: AOT kernels, archs, bytes, op library"),
+    "bench": ("flash_attn.bench", "benchmark attention: CPU, GPU or the kernel build"),
+    "build-kernels": ("flash_attn.kernel_build.build", "compile the ahead-of-time GPU kernels (no GPU needed)"),
+    "info": ("flash_attn.kernel_build.info", "what this installation ships: AOT kernels, archs, bytes, op library"),
 }
 
 

@@ -238,11 +238,6 @@ def reset() -> None:
     _failed.clear()
 
 
-def select_backend(device: torch.device) -> Backend:
-    """The first backend of the chain for ``device`` (what the doctor reports)."""
-    return _load(chain(torch.device(device))[0])[0]
-
-
 _routes: dict[tuple[str, str], Optional[Callable]] = {}
 
 

@@ -39,7 +39,7 @@ def aot_dir(tmp_path_factory) -> Path:
         if {"sm_80", "sm_90a", "compute_80"} <= archs and (installed / "build-report.json").is_file():
             return installed
     out = tmp_path_factory.mktemp("aot")
-    from flash_attn.aot import build as aot_build
+    from flash_attn.kernel_build import build as aot_build
 
     aot_build.build(out, "80;90", quiet=True)
     return out
@@ -397,7 +397,7 @@ def test_build_kernels_command_reports_a_failing_arch(tmp_path):
 
 
 def test_resolve_archs():
-    from flash_attn.aot import build as aot_build
+    from flash_attn.kernel_build import build as aot_build
 
     names = lambda archs: [a.name for a in archs]  # noqa: E731
     cubins, ptxs = aot_build.resolve_archs("")
@@ -423,7 +423,7 @@ def test_a_family_target_is_assembled_once_per_image(monkeypatch, tmp_path, fp_f
     for Triton's own sm_100a (whose cubin the build would throw away), with Triton's options
     (``--fmad=false`` where the build turns FP fusion off), and each image is a cubin for the
     target it is filed under (as cuobjdump reads its ELF header)."""
-    from flash_attn.aot import build as aot_build
+    from flash_attn.kernel_build import build as aot_build
 
     if not {"sm_100f", "sm_110f"} <= aot_build.ptxas_targets(100):
         pytest.skip("this ptxas does not assemble the sm_100f / sm_110f family targets (CUDA < 12.9)")

@@ -19,7 +19,7 @@ import torch
 
 from flash_attn import __main__ as cli
 from flash_attn import dispatch
-from flash_attn.benchmarks import build, common, cpu, gpu
+from flash_attn.bench import build, common, cpu, gpu
 
 
 def test_flop_count():
@@ -178,7 +178,7 @@ def test_cpu_backends_memory_is_bounded(backend):
     varies by a few MiB)."""
     script = textwrap.dedent(f"""
         import json
-        from flash_attn.benchmarks import cpu
+        from flash_attn.bench import cpu
         spec = dict(impls=["flash_attn"], seqlen=4096, batch=1, heads=2, headdim=32, dtype="fp32", repeats=1,
                     warmup=1, backend={backend!r})
         print(json.dumps(cpu.measure(spec)))
@@ -344,7 +344,7 @@ def test_gpu_rows_that_another_backend_ran_are_errors(monkeypatch):
 # upstream's fwd_kvcache take these calls on a GPU, and which backend the dispatcher picked there.
 # ---------------------------------------------------------------------------------------------
 
-from flash_attn.benchmarks import GPU_SEQLENS  # noqa: E402
+from flash_attn.bench import GPU_SEQLENS  # noqa: E402
 
 
 def test_gpu_default_config_is_the_issue_table_plus_decode(tmp_path):
@@ -587,7 +587,7 @@ def test_build_mode_reports_a_failing_build(tmp_path):
 
 
 def test_overhead_packed_batches_differ_from_call_to_call():
-    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+    from flash_attn.bench import overhead  # noqa: PLC0415
 
     batches = overhead._packed_batches(50, 4, torch.device("cpu"))
     assert len({total for _, _, total in batches}) == 50 and len({longest for _, longest, _ in batches}) > 10
@@ -600,7 +600,7 @@ def test_overhead_packed_training_finds_its_plans():
     """Packed training whose lengths change every call plans (almost) nothing per call: varlen
     plans are keyed by bucketed bounds, not by the exact totals (before: a forward and a backward
     plan per call, ~550 us each)."""
-    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+    from flash_attn.bench import overhead  # noqa: PLC0415
 
     try:
         rows = overhead.run("stubbed", calls=20, repeats=1)
@@ -618,7 +618,7 @@ def test_overhead_repeats_one_captured_aot_launch():
     stubbed (no GPU), the captured arguments are the forward's (its kernel id, grid, tensors
     out/lse among them) and repeating them reaches the op library's launch each time."""
     from flash_attn import flash_attn_func  # noqa: PLC0415
-    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+    from flash_attn.bench import overhead  # noqa: PLC0415
 
     try:
         stub = overhead.stubbed_aot()
@@ -659,7 +659,7 @@ def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
 
 
 def test_ops_quick_in_process(tmp_path, capsys):
-    from flash_attn.benchmarks import ops
+    from flash_attn.bench import ops
 
     status = cli.main(["bench", "ops", "--quick", "--impls", "flash_attn,torch", "--dtypes", "fp32", "--repeats",
                        "1", "--ops-devices", "cpu", "--out", str(tmp_path)])

@@ -266,7 +266,7 @@ def test_torch_compile_fullgraph(device):
 
 
 def _peak_growth_mib(fn) -> float:
-    from flash_attn.benchmarks import cpu as bench_cpu
+    from flash_attn.bench import cpu as bench_cpu
 
     bench_cpu._release_freed_memory()
     base = bench_cpu._status_kib("VmRSS")

@@ -301,7 +301,7 @@ def test_compiles_ahead_of_time_without_spills(tmp_path, monkeypatch):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from flash_attn.aot.build import cuobjdump_path, resource_usage
+    from flash_attn.kernel_build.build import cuobjdump_path, resource_usage
 
     if cuobjdump_path() is None:
         pytest.skip("cuobjdump not found")

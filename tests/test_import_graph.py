@@ -21,8 +21,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "flash_attn"
 
 LAYERS = (
     # command-line tools and integrations: use everything, used by nothing in the package
-    ("tools", ("flash_attn.__main__", "flash_attn.doctor", "flash_attn.benchmarks", "flash_attn.integrations",
-               "flash_attn.aot.build", "flash_attn.aot.info")),
+    ("tools", ("flash_attn.__main__", "flash_attn.doctor", "flash_attn.bench", "flash_attn.integrations",
+               "flash_attn.kernel_build")),
     # upstream's model-building packages: layers, blocks, whole models, losses, generation helpers
     ("modules", ("flash_attn.modules", "flash_attn.models", "flash_attn.losses", "flash_attn.utils")),
     # the public API

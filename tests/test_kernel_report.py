@@ -1,4 +1,4 @@
-"""The static kernel report (:mod:`flash_attn.aot.kernel_report`) and the targets it holds the
+"""The static kernel report (:mod:`flash_attn.kernel_build.kernel_report`) and the targets it holds the
 training kernels to on sm_90a and sm_100a.
 
 The parser is checked on small hand-written TTGIR/SASS excerpts (in Triton 3.9's syntax); the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_attn.aot import kernel_report as R
+from flash_attn.kernel_build import kernel_report as R
 from flash_attn.planning import configs
 
 WGMMA_8x1 = "#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [8, 1], instrShape = [16, 64, 16]}>"
@@ -99,7 +99,8 @@ def test_ctas_per_sm():
 def _compile_row(kernel: str, block_d: int, config: configs.Config, cap: int, features: bool = False) -> dict:
     """One image through the real build step (``compile_job``): its build-report row."""
     pytest.importorskip("triton")
-    from flash_attn.aot import build as aot_build, specializations as S
+    from flash_attn.aot import specializations as S
+    from flash_attn.kernel_build import build as aot_build
 
     family = configs.arch_family((cap // 10, cap % 10))
     spec = S.attention_spec(kernel, "bf16", block_d, config, family, features)
@@ -164,7 +165,7 @@ def test_sm100a_training_images_meet_the_static_targets(kernel, block_d, config)
 
 
 def _warp_specialised_candidates(family: str):
-    from flash_attn.benchmarks import tune
+    from flash_attn.bench import tune
 
     return [(d, c) for d, listed in tune.CANDIDATES[("fwd", family)].items() for c in listed if c.ws]
 
@@ -211,7 +212,7 @@ def test_sm90a_fused_backward_with_dq_by_tma_reductions():
     """The sweep's "-red" candidates compile to TMA bulk reductions for dQ
     (``cp.reduce.async.bulk.tensor``), meet the static targets and fit shared memory within the
     estimate."""
-    from flash_attn.benchmarks import tune
+    from flash_attn.bench import tune
 
     red = [(d, c) for (kind, family), by_d in tune.CANDIDATES.items() if (kind, family) == ("bwd_fused", "sm90")
            for d, cands in by_d.items() for c in cands if c is not None and c.dq_tma]
@@ -269,7 +270,8 @@ def test_the_build_refuses_an_empty_kernel():
 @pytest.fixture(scope="module")
 def report() -> dict:
     """The build report of the installed images, or of a fresh sm_80/sm_90a build."""
-    from flash_attn.aot import build as aot_build, manifest as aot_manifest
+    from flash_attn.aot import manifest as aot_manifest
+    from flash_attn.kernel_build import build as aot_build
 
     installed = aot_manifest.find_manifest_dir()
     if installed is not None and (installed / "build-report.json").is_file():

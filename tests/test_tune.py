@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attn.benchmarks import tune
+from flash_attn.bench import tune
 from flash_attn.planning import configs
 
 C = configs.Config

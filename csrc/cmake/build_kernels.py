@@ -1,4 +1,4 @@
-"""Runs ``flash_attn.aot.build`` from the source tree during the CMake build (CMakeLists.txt).
+"""Runs ``flash_attn.kernel_build.build`` from the source tree during the CMake build (CMakeLists.txt).
 
 The build environment has triton (build requirement) but usually not torch, and importing
 ``flash_attn`` runs its ``__init__`` (the torch-based interface). The kernel build needs neither:
@@ -21,7 +21,7 @@ if "flash_attn" not in sys.modules:
 if __name__ == "__main__":
     import argparse
 
-    from flash_attn.aot import build as aot_build
+    from flash_attn.kernel_build import build as aot_build
 
     parser = argparse.ArgumentParser(prog="build_kernels.py")
     aot_build.add_arguments(parser)

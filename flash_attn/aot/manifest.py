@@ -1,6 +1,6 @@
 """The manifest of the shipped kernel images (``_aot/manifest.json``, written by
-:mod:`flash_attn.aot.build`): where it is, what it holds, and which image a device with a given
-driver can run.
+:mod:`flash_attn.kernel_build.build`): where it is, what it holds, and which image a device with a
+given driver can run.
 
 The manifest is checked once, when it is read (:func:`check_entry`, the one place that knows its
 schema): a file that is not a manifest at all (not an object, no ``kernels`` list, a newer format,
@@ -21,7 +21,7 @@ from typing import Optional
 from flash_attn.aot import archs, library as op_library
 
 DIR_ENV = "FLASH_ATTN_AOT_DIR"
-# The manifest format this flash_attn reads (flash_attn.aot.build writes it).
+# The manifest format this flash_attn reads (flash_attn.kernel_build.build writes it).
 FORMAT = 1
 
 

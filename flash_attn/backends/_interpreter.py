@@ -8,7 +8,7 @@ environment variable, so the ``interpret`` and ``triton`` backends coexist:
 
 * the kernel's function is re-created with a private copy of its module globals in which every
   ``@triton.jit`` helper (also those reached through module attributes such as
-  ``masking.visible``) is itself an interpreted clone; the real modules are never modified;
+  ``masking.logits_log2``) is itself an interpreted clone; the real modules are never modified;
 * the ``triton.language`` helpers that are themselves ``@triton.jit`` functions
   (``tl.philox``, ``tl.zeros``, ``tl.sum``, ...) are swapped for interpreted clones on the
   ``triton.language`` modules only for the duration of a launch (:func:`interpreter_scope`),
@@ -46,7 +46,6 @@ import types
 from typing import Any
 
 import numpy as np
-import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
@@ -243,8 +242,3 @@ def launch(kernel: JITFunction, grid, *args, **kwargs) -> None:
     """
     with interpreter_scope():
         interpreted(kernel)[grid](*args, **kwargs)
-
-
-def is_interpreter_active() -> bool:
-    """True when Triton itself runs in interpreter mode (``TRITON_INTERPRET=1`` at import)."""
-    return bool(triton.knobs.runtime.interpret)

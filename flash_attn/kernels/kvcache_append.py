@@ -74,6 +74,20 @@ def rotated_rows(
 
 
 @triton.jit
+def _head_row_block(seqlen, nheads, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's ``(b, h, offs_t, offs_d, offs_t < seqlen)`` in a grid of
+    ``batch * nheads * cdiv(seqlen, BLOCK_T)`` blocks of ``BLOCK_T`` rows of one head."""
+    num_t_blocks = tl.cdiv(seqlen, BLOCK_T)
+    pid_bh = tl.program_id(0) // num_t_blocks
+    pid_t = tl.program_id(0) % num_t_blocks
+    b = pid_bh // nheads
+    h = pid_bh % nheads
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    return b, h, offs_t, offs_d, offs_t < seqlen
+
+
+@triton.jit
 def append_kv_kernel(
     K_new,
     V_new,
@@ -116,14 +130,7 @@ def append_kv_kernel(
     ``K_cache``/``V_cache`` are ``(batch_cache, seqlen_cache, nheads_k, d)`` or, when ``PAGED``,
     a page pool ``(num_pages, page_size, nheads_k, d)`` (then ``stride_*cb`` is the page stride).
     """
-    num_t_blocks = tl.cdiv(seqlen_new, BLOCK_T)
-    pid_bh = tl.program_id(0) // num_t_blocks
-    pid_t = tl.program_id(0) % num_t_blocks
-    b = pid_bh // nheads_k
-    h = pid_bh % nheads_k
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    t_mask = offs_t < seqlen_new
+    b, h, offs_t, offs_d, t_mask = _head_row_block(seqlen_new, nheads_k, BLOCK_T, BLOCK_D)
     positions = tl.load(Seqlens + b) + offs_t  # absolute cache rows, also the rotary positions
 
     if PAGED:
@@ -181,14 +188,7 @@ def rotary_q_kernel(
     Row ``t`` of batch entry ``b`` sits at position ``cache_seqlens[b] + t`` when
     ``PER_ROW_POSITION``, otherwise at ``cache_seqlens[b]``.
     """
-    num_t_blocks = tl.cdiv(seqlen_q, BLOCK_T)
-    pid_bh = tl.program_id(0) // num_t_blocks
-    pid_t = tl.program_id(0) % num_t_blocks
-    b = pid_bh // nheads
-    h = pid_bh % nheads
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    t_mask = offs_t < seqlen_q
+    b, h, offs_t, offs_d, t_mask = _head_row_block(seqlen_q, nheads, BLOCK_T, BLOCK_D)
     start = tl.load(Seqlens + b)
     if PER_ROW_POSITION:
         positions = start + offs_t

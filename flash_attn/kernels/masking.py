@@ -16,8 +16,7 @@ Two kinds of helper:
 
 * element-wise rules (``*_at``): ``q_pos`` and ``k_pos`` are integer tensors that broadcast
   against each other, so a kernel may lay its tile out as (queries x keys) or, like the dK/dV
-  kernel, as (keys x queries); ``visible``/``alibi_bias`` are the (queries x keys) conveniences
-  taking 1-D row and column positions.
+  kernel, as (keys x queries).
 * tile ranges (``key_block_range``/``query_block_range``): which key (or query) tiles a block can
   see at all, split into the tiles that need the element-wise mask and the interior tiles that
   are fully visible (and fully in bounds), so kernels skip every fully masked tile and only pay
@@ -65,12 +64,6 @@ def visible_at(q_pos, k_pos, seqlen_q, seqlen_k, window_left, window_right, IS_L
 
 
 @triton.jit
-def visible(rows, cols, seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL: tl.constexpr):
-    """(len(rows), len(cols)) bool tile of :func:`visible_at` for 1-D query/key positions."""
-    return visible_at(rows[:, None], cols[None, :], seqlen_q, seqlen_k, window_left, window_right, IS_LOCAL)
-
-
-@triton.jit
 def alibi_bias_at(slope, q_pos, k_pos, seqlen_q, seqlen_k):
     """fp32 ALiBi bias ``-slope * |q_pos + sk - sq - k_pos|`` (broadcasting).
 
@@ -81,21 +74,9 @@ def alibi_bias_at(slope, q_pos, k_pos, seqlen_q, seqlen_k):
 
 
 @triton.jit
-def alibi_bias(slope, rows, cols, seqlen_q, seqlen_k):
-    """(len(rows), len(cols)) tile of :func:`alibi_bias_at` for 1-D query/key positions."""
-    return alibi_bias_at(slope, rows[:, None], cols[None, :], seqlen_q, seqlen_k)
-
-
-@triton.jit
 def tanh(x):
     """fp32 ``tanh`` from one ``exp2``: ``1 - 2 / (2**(2x log2 e) + 1)``; exact limits +-1."""
     return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
-
-
-@triton.jit
-def apply_softcap(x, softcap):
-    """``softcap * tanh(x / softcap)`` for scaled scores ``x`` (fp32)."""
-    return softcap * tanh(x * (1.0 / softcap))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -260,7 +260,7 @@ def overridden(entries: dict):
     """Within the block, :func:`pick` answers ``entries[(kind, family, head-dim bucket, variant)]``
     (a config, or ``None`` for ``"bwd_fused"``: the split kernels) for those keys (``variant``: one
     of :data:`VARIANTS`): how the tuning
-    sweep (:mod:`flash_attn.benchmarks.tune`) runs a candidate through the real planner. Backends
+    sweep (:mod:`flash_attn.bench.tune`) runs a candidate through the real planner. Backends
     cache plans: forget them on entry and exit (``KernelBackend.forget_plans``). Not thread-safe."""
     saved = dict(_overrides)
     _overrides.update(entries)

@@ -21,7 +21,7 @@ after ``/proc/self/clear_refs`` and ``malloc_trim``), then timed calls *alternat
 implementations, so that a busy spell of a shared machine slows them alike. The **ratio** is
 SDPA's median time over ours: above 1 we are faster.
 
-Run as ``python -m flash_attn bench cpu``; a child runs ``python -m flash_attn.benchmarks.cpu SPEC``.
+Run as ``python -m flash_attn bench cpu``; a child runs ``python -m flash_attn.bench.cpu SPEC``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from flash_attn.benchmarks.common import available_memory_bytes, summarize
+from flash_attn.bench.common import available_memory_bytes, summarize
 from flash_attn.limits import cdiv
 
 IMPLEMENTATIONS = {
@@ -429,7 +429,7 @@ def measure(spec: dict) -> dict:
 def _run_child(spec: dict, timeout: float) -> dict:
     env = dict(os.environ, FLASH_ATTN_BACKEND="cpu")
     try:
-        proc = subprocess.run([sys.executable, "-m", "flash_attn.benchmarks.cpu", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "flash_attn.bench.cpu", json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {impl: {"status": "timeout", "note": f"over {timeout:.0f} s"} for impl in spec["impls"]}
@@ -535,7 +535,7 @@ def summary_rows(rows: list[dict]) -> list[dict]:
 
 def plot(rows: list[dict], path: Path, title: str) -> Optional[Path]:
     """The ratio to SDPA over sequence length, one line per case (dtype, case, pass)."""
-    from flash_attn.benchmarks.common import pyplot  # noqa: PLC0415
+    from flash_attn.bench.common import pyplot  # noqa: PLC0415
 
     plt = pyplot()
     if plt is None:

@@ -93,7 +93,7 @@ def _peak_mib(call: Callable, device: str) -> tuple[Optional[float], object]:
         result = call()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20, result
-    from flash_attn.benchmarks import cpu  # noqa: PLC0415  (its resident-set helpers)
+    from flash_attn.bench import cpu  # noqa: PLC0415  (its resident-set helpers)
 
     cpu._release_freed_memory()
     base = cpu._status_kib("VmRSS")
@@ -106,7 +106,7 @@ def _peak_mib(call: Callable, device: str) -> tuple[Optional[float], object]:
 
 def measure(op: str, spec: dict) -> list[dict]:
     """One row per implementation: median time of forward + backward, peak memory, max |diff|."""
-    from flash_attn.benchmarks import common  # noqa: PLC0415
+    from flash_attn.bench import common  # noqa: PLC0415
 
     calls = _problem(op, spec)
     base = {"op": op, "device": spec["device"], "dtype": spec["dtype"], "tokens": spec["tokens"],

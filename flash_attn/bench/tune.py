@@ -179,7 +179,7 @@ def _config_text(config: Optional[configs.Config]) -> str:
 
 
 def prepare_specs(family: str, headdims: Iterable[int], dtype: str = "bf16") -> Callable:
-    """``capability -> specs`` for :func:`flash_attn.aot.build.build`: for the table and for each
+    """``capability -> specs`` for :func:`flash_attn.kernel_build.build.build`: for the table and for each
     candidate put in its place, every lean image a call of that head dim needs (the planner's own
     choice: exact-call and folded images, the preprocess and convert kernels that follow the
     forward's config, the split kernels)."""
@@ -200,7 +200,7 @@ def prepare_specs(family: str, headdims: Iterable[int], dtype: str = "bf16") -> 
 def prepare(out: Path, arch: str = "90", headdims: Iterable[int] = (64, 128, 256), jobs: Optional[int] = None,
             quiet: bool = False) -> dict:
     """Compile the candidates for ``arch`` (``FLASH_ATTN_CUDA_ARCHS`` syntax) into ``out``."""
-    from flash_attn.aot import build as aot_build  # noqa: PLC0415
+    from flash_attn.kernel_build import build as aot_build  # noqa: PLC0415
 
     cubins, _ = aot_build.resolve_archs(arch)
     family = configs.arch_family(cubins[0].capability)
@@ -226,7 +226,7 @@ def _rel_error(ours, ref) -> float:
 
 def cuda_timer(fn: Callable, warmup: int = 3, repeats: int = 10) -> float:
     """Median milliseconds of ``fn`` on the current CUDA stream (``bench gpu``'s event timer)."""
-    from flash_attn.benchmarks import gpu  # noqa: PLC0415
+    from flash_attn.bench import gpu  # noqa: PLC0415
 
     return statistics.median(gpu.cuda_event_timer(fn, warmup, repeats))
 
@@ -235,7 +235,7 @@ def _sdpa(q, k, v, causal: bool, backend_name: str):
     """SDPA with one backend: ``"flash"`` (FA2), ``"cudnn"`` or ``"math"`` (the reference on a CPU)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
-    from flash_attn.benchmarks import gpu  # noqa: PLC0415
+    from flash_attn.bench import gpu  # noqa: PLC0415
 
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                "math": SDPBackend.MATH}[backend_name]
@@ -253,7 +253,7 @@ def run(out: Path, *, device: str = "cuda", backend: str = "aot", family: Option
     import torch  # noqa: PLC0415
 
     from flash_attn import dispatch, flash_attn_func  # noqa: PLC0415
-    from flash_attn.benchmarks import common  # noqa: PLC0415
+    from flash_attn.bench import common  # noqa: PLC0415
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -294,7 +294,7 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
                tolerance, device, flash_attn_func, dispatch, ws) -> None:
     import torch  # noqa: PLC0415
 
-    from flash_attn.benchmarks import common  # noqa: PLC0415
+    from flash_attn.bench import common  # noqa: PLC0415
 
     batch, heads = max(1, total_tokens // seqlen), max(1, hidden // d)
     shape = {"head_dim": d, "seqlen": seqlen, "batch": batch, "heads": heads, "causal": causal, "dtype": "bf16"}
@@ -345,7 +345,7 @@ def _one_shape(write, family, backend, d, seqlen, total_tokens, hidden, causal, 
             _forget_plans(backend)
         write(row)
 
-    for kind, cand_d, config in candidates(family, [d], ws):
+    for kind, _, config in candidates(family, [d], ws):
         row = {**shape, "impl": "flash_attn", "kind": kind, "config": _config_text(config)}
         write({**shape, "event": "begin", "kind": kind, "config": row["config"]})
         deterministic = kind in configs.SPLIT_BACKWARD_KINDS

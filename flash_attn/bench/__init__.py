@@ -2,7 +2,7 @@
 
 * ``cpu``: this package's cpu backend side by side with PyTorch SDPA on the CPU (and
   optionally naive eager attention): time, the speed ratio and peak memory over sequence length,
-  plain and with the features SDPA needs a materialised mask for (:mod:`flash_attn.benchmarks.cpu`);
+  plain and with the features SDPA needs a materialised mask for (:mod:`flash_attn.bench.cpu`);
 * ``gpu``: forward / forward+backward TFLOPs of the ``aot`` and ``triton`` backends vs SDPA's
   flash / efficient / cudnn backends and upstream ``flash_attn_2_cuda``, then decode
   (``flash_attn_with_kvcache``) in GB/s against the measured memory bandwidth (:mod:`.gpu`);
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from flash_attn.benchmarks import common
+from flash_attn.bench import common
 
 CPU_SEQLENS = (1024, 2048, 4096, 8192, 16384)
 CPU_FEATURE_SEQLENS = (1024, 4096, 16384)
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 def run_ops(args: argparse.Namespace) -> int:
     import torch  # noqa: PLC0415
 
-    from flash_attn.benchmarks import ops  # noqa: PLC0415
+    from flash_attn.bench import ops  # noqa: PLC0415
 
     config = {
         "ops": args.ops or list(ops.OPS), "impls": args.impls or list(ops.IMPLEMENTATIONS),
@@ -156,13 +156,13 @@ def run_ops(args: argparse.Namespace) -> int:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from flash_attn.benchmarks import tune  # noqa: PLC0415
+    from flash_attn.bench import tune  # noqa: PLC0415
 
     return tune.main(args)
 
 
 def run_overhead(args: argparse.Namespace) -> int:
-    from flash_attn.benchmarks import overhead  # noqa: PLC0415
+    from flash_attn.bench import overhead  # noqa: PLC0415
 
     mode = "device" if args.device == "cuda" else "stubbed"
     profiles: Optional[dict] = {} if args.profile else None
@@ -185,7 +185,7 @@ def run_overhead(args: argparse.Namespace) -> int:
 
 
 def run_cpu(args: argparse.Namespace) -> int:
-    from flash_attn.benchmarks import cpu  # noqa: PLC0415
+    from flash_attn.bench import cpu  # noqa: PLC0415
 
     features = args.features if args.features is not None else list(cpu.FEATURES)
     features = [] if features == ["none"] else features
@@ -232,13 +232,13 @@ def run_cpu(args: argparse.Namespace) -> int:
 
 
 def run_gpu(args: argparse.Namespace) -> int:
-    from flash_attn.benchmarks import gpu  # noqa: PLC0415
+    from flash_attn.bench import gpu  # noqa: PLC0415
 
     return gpu.main(args, QUICK_SEQLENS if args.quick else GPU_SEQLENS)
 
 
 def run_build(args: argparse.Namespace) -> int:
-    from flash_attn.benchmarks import build  # noqa: PLC0415
+    from flash_attn.bench import build  # noqa: PLC0415
 
     result = build.run(command=args.build_command, archs=args.archs)
     result["machine"] = common.machine()

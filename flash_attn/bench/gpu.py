@@ -5,7 +5,7 @@ flash-attn's ``flash_attn_2_cuda`` when it imports.
 Shapes follow the usual FlashAttention benchmark: ``batch * seqlen = total_tokens`` (16k) and
 ``heads * headdim = hidden`` (2048), so every sequence length does the same number of tokens.
 Timing: CUDA events around each call after warm-up, the median of the repeats. TFLOPs use
-:func:`flash_attn.benchmarks.common.attention_flops` (``4*b*h*sq*sk*d``, halved for causal;
+:func:`flash_attn.bench.common.attention_flops` (``4*b*h*sq*sk*d``, halved for causal;
 x3.5 for forward+backward).
 
 Rows are written as they are measured (``bench-gpu.jsonl`` and ``bench-gpu.csv``), so a run cut
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Optional
 
-from flash_attn.benchmarks import common
-from flash_attn.benchmarks.common import attention_flops, summarize
+from flash_attn.bench import common
+from flash_attn.bench.common import attention_flops, summarize
 
 DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "upstream")
 Timer = Callable[[Callable[[], None], int, int], list]
@@ -534,7 +534,7 @@ def _progress_line(row: dict) -> str:
 
 def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     """One PNG per dtype: rows of panels per head dim, columns per (pass, causal)."""
-    from flash_attn.benchmarks.common import pyplot  # noqa: PLC0415
+    from flash_attn.bench.common import pyplot  # noqa: PLC0415
 
     plt = pyplot()
     if plt is None:

@@ -16,7 +16,7 @@ processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, 
 * ``build-report.json``: per image, registers / spills (``STACK``/``LOCAL``) / shared bytes from
   ``cuobjdump --dump-resource-usage``, the MMA families of its PTX and of its SASS (``mma``: read
   from the SASS of kernels with a stack frame, else what the PTX's assemble to), compile seconds,
-  and the static quality report of :mod:`flash_attn.aot.kernel_report` (per product: MMA family,
+  and the static quality report of :mod:`flash_attn.kernel_build.kernel_report` (per product: MMA family,
   instruction N, replication; products per step, keys per dK/dV program, spills inside loops,
   CTAs per SM, TMA, wgmma waits); totals (kernel count, wall seconds, peak RSS of the build's
   process tree, bytes).
@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from flash_attn import limits
-from flash_attn.aot import kernel_report, library as op_library, specializations as S
+from flash_attn.aot import library as op_library, specializations as S
 from flash_attn.aot.archs import DEFAULT_CUDA_ARCHS, Arch, parse_arch_list
+from flash_attn.kernel_build import kernel_report
 from flash_attn.planning import configs, declarations
 
 ARCHS_ENV = "FLASH_ATTN_CUDA_ARCHS"
@@ -54,7 +55,8 @@ FORMAT = 1
 
 
 def default_output_dir() -> Path:
-    return Path(__file__).resolve().parent / "_aot"
+    """The package's ``flash_attn/_aot/``, where :func:`flash_attn.aot.manifest.find_manifest_dir` looks."""
+    return Path(__file__).resolve().parents[1] / "_aot"
 
 
 # --- architectures --------------------------------------------------------------------------------
@@ -193,8 +195,8 @@ def disassembly(cubin: Path, cuobjdump: str) -> dict:
 
 
 def static_report(spec, compiled, usage: dict, cap: int, products: list) -> dict:
-    """:func:`flash_attn.aot.kernel_report.analyse` of one image (its cubin's SASS and resources;
-    ``products``: the compile's :func:`~flash_attn.aot.kernel_report.dots`)."""
+    """:func:`flash_attn.kernel_build.kernel_report.analyse` of one image (its cubin's SASS and resources;
+    ``products``: the compile's :func:`~flash_attn.kernel_build.kernel_report.dots`)."""
     decl = declarations.get(spec.kernel)
     family = configs.arch_family((cap // 10, cap % 10))
     return kernel_report.analyse(
@@ -622,6 +624,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m flash_attn.aot.build")
+    parser = argparse.ArgumentParser(prog="python -m flash_attn.kernel_build.build")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))
