@@ -360,7 +360,7 @@ Scratch allocate_scratch(const KernelSpec& spec, const Tensor& like, int64_t pro
   return scratch;
 }
 
-// Checks everything in this order (tests/test_aot_library.py): kernel id, grid, counts, tensors,
+// Checks everything in this order (tests/aot/test_aot_library.py): kernel id, grid, counts, tensors,
 // ints and pointers (while packing), then that the tensors are CUDA tensors. With `meta_only`
 // (fake/meta tensors, used when tracing), stops before anything that needs real memory or a GPU.
 void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const std::vector<Tensor>& tensors,

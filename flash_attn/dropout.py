@@ -21,7 +21,7 @@ The equivalent Triton code for a tile is::
     r, _, _, _ = tl.philox(seed, cols, rows, head, batch)   # int32/uint32 counters
     keep = tl.uint_to_uniform_float(r) >= p
 
-``tests/test_dropout_rng.py`` checks bit-equality against Triton's interpreter.
+``tests/kernels/test_dropout_rng.py`` checks bit-equality against Triton's interpreter.
 
 Why int64 arithmetic: PyTorch has no full uint32 arithmetic, so every 32-bit word lives in an
 int64 tensor masked to 32 bits. The readable :func:`philox4x32` splits the 32x32->64-bit

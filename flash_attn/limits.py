@@ -2,7 +2,7 @@
 
 Validation, the planner, the backends and the doctor all read these; nothing else states them:
 the op library's C++ checks (csrc/) take INT32_MAX and GRID_LIMITS from a header generated from this
-file at build time (csrc/cmake/limits_header.py; tests/test_aot_library.py keeps them equal).
+file at build time (csrc/cmake/limits_header.py; tests/aot/test_aot_library.py keeps them equal).
 Pure Python (the doctor and the build read it without importing torch).
 """
 

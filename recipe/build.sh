@@ -2,7 +2,7 @@
 # Builds flash-attn into $PREFIX on Linux and macOS (build.bat is the Windows twin, CPU only): for
 # CUDA variants the op library (CMake through scikit-build-core) and the ahead-of-time kernels; the
 # CPU variant compiles nothing (CMakeLists.txt). Used by rattler-build and, with PREFIX/SP_DIR/PYTHON
-# set by hand, by tests/test_packaging.py.
+# set by hand, by tests/packaging/test_packaging.py.
 #
 # Portable on purpose: macOS runs this with its /bin/bash 3.2 and BSD tools, so no `sed -i` (BSD sed
 # wants a suffix argument) and no bare "$@" under `set -u` (bash < 4.4 calls an empty "$@" unbound).

@@ -1,5 +1,5 @@
 """Writes the op library's limits header from ``flash_attn/limits.py`` (CMakeLists.txt runs it at
-build time), so the C++ checks state no limit of their own. tests/test_aot_library.py keeps the
+build time), so the C++ checks state no limit of their own. tests/aot/test_aot_library.py keeps the
 library's answers equal to limits.py.
 
     python csrc/cmake/limits_header.py <output.h>

@@ -12,7 +12,7 @@ The families, their shared memory and whose rows a family without its own takes 
 in :mod:`flash_attn.limits`.
 
 Shared memory is what limits the blocks: every entry must fit its family's per-block limit
-(:data:`SHARED_MEMORY_LIMIT`), which ``tests/test_triton_kernels.py`` checks with
+(:data:`SHARED_MEMORY_LIMIT`), which ``tests/kernels/test_triton_kernels.py`` checks with
 :func:`estimate_shared_memory` (and, for a few entries, with the compiler's own count).
 
 Kinds:

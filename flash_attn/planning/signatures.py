@@ -4,7 +4,7 @@ The kernel's ``def`` is the one statement of its argument list: the planner name
 argument by it, the ahead-of-time build types it, and nothing restates it. The source files ship
 with the package (they are what Triton compiles), so the list is read from them on first use,
 once per kernel, whether or not Triton is installed.
-``tests/test_aot_without_triton.py`` keeps the answer equal to ``JITFunction.arg_names``.
+``tests/aot/test_aot_without_triton.py`` keeps the answer equal to ``JITFunction.arg_names``.
 
 Pure Python (no torch, no triton).
 """

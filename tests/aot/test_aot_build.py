@@ -25,7 +25,7 @@ from flash_attn.backends import aot  # noqa: E402
 from flash_attn.planning import configs, plan as P  # noqa: E402
 from flash_attn.params import AttentionParams, VarlenLayout  # noqa: E402
 
-from calls import attention_calls, kvcache_calls  # noqa: E402
+from support.calls import attention_calls, kvcache_calls  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 BUILT_ARCHS = {"sm_80": [(8, 0), (8, 6), (8, 9)], "sm_90a": [(9, 0)]}

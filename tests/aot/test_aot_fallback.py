@@ -97,7 +97,7 @@ def fake_gpu(monkeypatch):
     """An H100 as the ``aot`` backend sees it, for CPU tensors: a synthesised sm_90a manifest
     (every shipped specialisation, signatures per the declarations), image registration recorded,
     the chain ``aot`` -> ``reference``."""
-    from synthetic_images import synthetic_manifest
+    from support.synthetic_images import synthetic_manifest
 
     images = aot._DeviceImages(synthetic_manifest(), "sm_90a", P.Target("sm90", 132, aot=True))
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
@@ -302,7 +302,7 @@ def test_a_malformed_entry_is_left_out(h100, tmp_path, monkeypatch, case):
 @pytest.mark.parametrize("case", ["no signature", "no name", "no num_warps", "ptxas a number"])
 def test_a_call_that_needs_a_malformed_entry_runs_elsewhere(fake_gpu, monkeypatch, case):
     """(These raised KeyError from the backend, outside its ``except RuntimeError``.)"""
-    from synthetic_images import synthetic_manifest
+    from support.synthetic_images import synthetic_manifest
 
     images, launched = fake_gpu
     good = synthetic_manifest()

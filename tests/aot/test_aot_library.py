@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import check_close
 from flash_attn import limits
 from flash_attn.aot import library as aot
 from flash_attn.aot.archs import Arch, DEFAULT_CUDA_ARCHS, parse_arch, parse_arch_list, select_image
-from packaging_helpers import compiled_files, run_from_site
+
+from support import REPO, TESTS
+from support.packaging_helpers import compiled_files, run_from_site
+from support.tolerance import check_close
 
 HAS_GPU = torch.cuda.is_available()
 
@@ -320,7 +322,7 @@ def test_csrc_takes_its_limits_from_limits_py():
     """csrc states no limit of its own: the build generates them from limits.py."""
     import importlib.util
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     spec = importlib.util.spec_from_file_location("limits_header", repo / "csrc" / "cmake" / "limits_header.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
@@ -528,7 +530,7 @@ def test_cpu_only_build(tmp_path):
     against the oracle)."""
     cmake = _tool("cmake")
     _tool("ninja")
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     env = dict(os.environ, CC="/nonexistent/cc", CXX="/nonexistent/c++", CUDA_HOME="/nonexistent",
                FLASH_ATTN_TORCH_DIR="/nonexistent",
                PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if "cuda" not in p.lower()))
@@ -551,7 +553,7 @@ def test_cpu_only_build(tmp_path):
         "import flash_attn\n"
         "from flash_attn import flash_attn_func\n"
         "from flash_attn.aot import library as op_library\n"
-        "from oracle import attention_ref\n"
+        "from support.oracle import attention_ref\n"
         "g = torch.Generator().manual_seed(0)\n"
         "q = torch.randn(2, 37, 4, 40, generator=g)\n"
         "k, v = torch.randn(2, 53, 2, 40, generator=g), torch.randn(2, 53, 2, 40, generator=g)\n"
@@ -562,9 +564,8 @@ def test_cpu_only_build(tmp_path):
         "s = op_library.status()\n"
         "print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))\n"
     )
-    tests = Path(__file__).resolve().parent
     backend = {"FLASH_ATTN_BACKEND": "auto"}  # what a user gets: CPU tensors go to the cpu backend
-    result = run_from_site(site, "-c", script, str(tmp_path / "out.pt"), cwd=tmp_path, extra_paths=[tests], env=backend)
+    result = run_from_site(site, "-c", script, str(tmp_path / "out.pt"), cwd=tmp_path, extra_paths=[TESTS], env=backend)
     assert result.returncode == 0, result.stderr
     location, loaded, reason = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(location).is_relative_to(site) and not loaded and reason == aot.CPU_ONLY_REASON

@@ -19,9 +19,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+
+from support import TESTS
 
 PREAMBLE = textwrap.dedent("""
     import sys
@@ -92,7 +93,7 @@ def test_import_and_reference_backend_without_triton():
     assert got["interpret"] and "triton" in got["interpret"].lower()  # the interpreter does need Triton
 
 
-AOT_SETUP = f"    TESTS = {str(Path(__file__).parent)!r}\n" + """
+AOT_SETUP = f"    TESTS = {str(TESTS)!r}\n" + """
     import json, os, sys, warnings
     import torch
     from flash_attn.aot import library as op_library
@@ -105,7 +106,7 @@ AOT_SETUP = f"    TESTS = {str(Path(__file__).parent)!r}\n" + """
 
     # A manifest for one sm_90a image, synthesised from the specialisation set (no compile).
     sys.path.insert(0, TESTS)
-    from synthetic_images import synthetic_manifest
+    from support.synthetic_images import synthetic_manifest
 
     m = synthetic_manifest()
     # an H100, as far as the backend asks (CPU tensors stand in for its memory)

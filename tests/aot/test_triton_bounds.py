@@ -2,9 +2,9 @@
 (the recipe's build requirement, pyproject.toml's build requirement and `triton` extra), and the
 ahead-of-time build test runs at both ends of it: the newest allowed is what pip installs for the
 suite itself (``pip install -e ".[test,triton]"``), the oldest allowed is installed into a venv of
-its own by the slow test below, which runs tests/test_aot_build.py there.
+its own by the slow test below, which runs tests/aot/test_aot_build.py there.
 
-``MEASURED`` is the evidence (tests/test_aot_build.py, a fresh sm_80 + sm_90 build, on this
+``MEASURED`` is the evidence (tests/aot/test_aot_build.py, a fresh sm_80 + sm_90 build, on this
 2-core machine; docs/install-and-build.md, "Triton versions"); the range must admit exactly the
 releases that passed.
 """
@@ -20,10 +20,10 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from packaging_helpers import REPO, RECIPE, copy_source, cuda_toolkit, make_venv, triton_requirement  # noqa: I001
+from support.packaging_helpers import RECIPE, REPO, copy_source, cuda_toolkit, make_venv, triton_requirement  # noqa: I001
 
 
-# Triton release -> what tests/test_aot_build.py said with it.
+# Triton release -> what tests/aot/test_aot_build.py said with it.
 MEASURED = {
     "3.4.0": "fails: its kernel metadata has no profile_scratch_size, which the manifest records",
     "3.5.1": "fails: the sm_80 head-dim-128 dK/dV kernels spill (8 bytes of stack)",
@@ -71,14 +71,14 @@ def test_range_admits_exactly_the_releases_that_passed():
 
 def test_suite_runs_with_an_allowed_triton():
     """The suite's own Triton (CI: the newest pip finds within the range) is inside the range, so
-    tests/test_aot_build.py in this run checks a release the package allows."""
+    tests/aot/test_aot_build.py in this run checks a release the package allows."""
     triton = pytest.importorskip("triton")
     assert Version(triton.__version__) in _specifier()
 
 
 @pytest.mark.slow
 def test_aot_build_with_the_oldest_allowed_triton(tmp_path):
-    """tests/test_aot_build.py (a fresh ahead-of-time build for sm_80 and sm_90 and every check on
+    """tests/aot/test_aot_build.py (a fresh ahead-of-time build for sm_80 and sm_90 and every check on
     it) in a venv with the oldest Triton the range allows, flash_attn installed there from this
     checkout (op library only: FLASH_ATTN_CUDA_ARCHS=none, the test builds the kernels itself)."""
     if cuda_toolkit() is None:
@@ -96,7 +96,7 @@ def test_aot_build_with_the_oldest_allowed_triton(tmp_path):
                              capture_output=True, text=True, check=True).stdout.strip()
     assert Version(version) == Version(oldest)
     # From outside the source tree, so flash_attn is the venv's installed copy.
-    result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "tests" / "test_aot_build.py")],
+    result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "tests" / "aot" / "test_aot_build.py")],
                             cwd=tmp_path, env={**os.environ, "MAX_JOBS": "2", "FLASH_ATTN_TEST_REBUILD": "1"},
                             capture_output=True, text=True)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""

@@ -1,7 +1,7 @@
-"""Every public function against the independent float64 oracle (``tests/oracle.py``).
+"""Every public function against the independent float64 oracle (``tests/support/oracle.py``).
 
 Forward outputs, logsumexp, attention probabilities and gradients are checked with the tolerance
-rule of ``conftest.check_close``. The dense matrix is *pairwise* (every pair of values of any two
+rule of ``support.tolerance.check_close``. The dense matrix is *pairwise* (every pair of values of any two
 factors appears in at least one case), generated deterministically, instead of the full cross
 product, so the file stays fast on a CPU. Long sequences only appear with small head dims,
 batch 1.
@@ -27,18 +27,10 @@ from flash_attn import (
     flash_attn_with_kvcache,
 )
 
-from conftest import (
-    backward_floor,
-    DTYPE_IDS,
-    check_close,
-    cu_from_lens,
-    gen,
-    make_slopes,
-    oracle_pair,
-    randn,
-    test_device,
-)
-from oracle import attention_ref, attention_varlen_ref, kvcache_ref
+from support.inputs import cu_from_lens, gen, make_slopes, randn
+from support.options import test_device
+from support.oracle import attention_ref, attention_varlen_ref, kvcache_ref, oracle_pair
+from support.tolerance import DTYPE_IDS, backward_floor, check_close
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -142,7 +134,7 @@ def _slopes(kind, batch, h, seed=11):
 
 def _check_grads(tensors, ref_grads, naive_grads, dtype, names, dout, ref, softmax_scale=None):
     """Compare ``t.grad`` of q, k, v with the oracle's gradients (tolerance rule with the fp32
-    backward floor of :func:`conftest.backward_floor`)."""
+    backward floor of :func:`support.tolerance.backward_floor`)."""
     floor = backward_floor(*tensors[:3], dout, softmax_scale, ref.probs)
     for t, rg, ng, name in zip(tensors, ref_grads, naive_grads, names):
         assert t.grad is not None, f"no gradient for {name}"

@@ -18,7 +18,8 @@ from flash_attn import (
     flash_attn_with_kvcache,
 )
 
-from conftest import cu_from_lens, gen, randn, test_device
+from support.inputs import cu_from_lens, gen, randn
+from support.options import test_device
 
 FP16, FP32 = torch.float16, torch.float32
 
@@ -40,7 +41,7 @@ def varlen(lens_q=(3, 4), lens_k=(5, 2), h=4, hk=2, d=32, dtype=FP16):
 def host_value_checks(monkeypatch):
     """Checks that read tensor contents (cu_seqlens, cache lengths, page tables) run on the host
     for CPU tensors always and for GPU tensors only with FLASH_ATTN_DEBUG=1: reading a GPU tensor
-    waits for the device and breaks CUDA-graph capture (tests/test_no_host_sync.py)."""
+    waits for the device and breaks CUDA-graph capture (tests/integration/test_no_host_sync.py)."""
     monkeypatch.setenv("FLASH_ATTN_DEBUG", "1")
 
 

@@ -8,7 +8,9 @@ import torch
 
 from flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_varlen_func
 
-from conftest import DTYPE_IDS, cu_from_lens, gen, randn, test_device
+from support.inputs import cu_from_lens, gen, randn
+from support.options import test_device
+from support.tolerance import DTYPE_IDS
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 

@@ -15,8 +15,9 @@ import torch
 
 from flash_attn import flash_attn_func, flash_attn_qkvpacked_func, flash_attn_varlen_func
 
-from conftest import DTYPE_IDS, backward_floor, check_close, cu_from_lens, gen, make_slopes, oracle_pair, randn
-from oracle import attention_ref, attention_varlen_ref
+from support.inputs import cu_from_lens, gen, make_slopes, randn
+from support.oracle import attention_ref, attention_varlen_ref, oracle_pair
+from support.tolerance import DTYPE_IDS, backward_floor, check_close
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -180,7 +181,7 @@ class _PassThrough(torch.overrides.TorchFunctionMode):
 
 def test_the_custom_op_path_draws_the_mask_of_the_direct_path():
     """Through the op, the seed is drawn by an aten random op before the op (so compilers keep two
-    calls apart, tests/test_compile.py): the same draw from the same generator as the direct eager
+    calls apart, tests/integration/test_compile.py): the same draw from the same generator as the direct eager
     path, so ``torch.manual_seed`` gives the same mask either way, and the backward uses it."""
     q, k, v, dout = _inputs(FP32, 1, 33, 40, 2, 1, 32, seed=8)
     results = []

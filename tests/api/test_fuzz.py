@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-from conftest import backward_floor, check_close, cu_from_lens, gen, make_slopes, oracle_pair, randn
-from oracle import attention_ref, attention_varlen_ref
+from support.inputs import cu_from_lens, gen, make_slopes, randn
+from support.oracle import attention_ref, attention_varlen_ref, oracle_pair
+from support.tolerance import backward_floor, check_close
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 LARGE_HEADDIMS = [24, 32, 40, 59, 64, 72, 96, 100, 128, 160, 192, 224, 255, 256]

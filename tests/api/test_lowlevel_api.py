@@ -5,7 +5,7 @@ registration, values against the float64 oracle, and the property context parall
 The tensors follow ``--flash-device`` (``.ci/gpu-check`` runs this file on ``aot`` and ``triton``
 on a GPU, where fp32 cases run in fp16/bf16: the kernels refuse fp32 by design); the tests of the
 Triton interpreter at the end stay on the CPU. The multi-process ring run is in
-``tests/test_context_parallel.py``.
+``tests/integration/test_context_parallel.py``.
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ from flash_attn.flash_attn_interface import (
     flash_attn_gpu,
 )
 
-from conftest import backward_floor, check_close, cu_from_lens, gen, make_slopes, oracle_pair, randn, test_device
-from oracle import attention_ref, attention_varlen_ref, kvcache_ref
+from support.inputs import cu_from_lens, gen, make_slopes, randn
+from support.options import test_device
+from support.oracle import attention_ref, attention_varlen_ref, kvcache_ref, oracle_pair
+from support.tolerance import backward_floor, check_close
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 REQUIRED = object()
 
 
 def on_device(dtype, half=FP16):
-    """The tests' tensors follow ``--flash-device`` (conftest's ``randn``). On the CPU ``dtype``;
+    """The tests' tensors follow ``--flash-device`` (``support.inputs.randn``). On the CPU ``dtype``;
     on a GPU, where a kernel backend takes the call and refuses fp32 by design, fp32 becomes
     ``half`` (fp16 / bf16), so the call is checked instead of skipped."""
     return half if dtype == FP32 and test_device().type != "cpu" else dtype

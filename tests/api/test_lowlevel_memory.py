@@ -9,7 +9,7 @@ its inputs. The kernels compute Delta themselves (their preprocessing) and write
 dq/dk/dv in place: what is left is the fused kernel's fp32 dQ accumulator and lse-sized vectors
 (Delta, ``softmax_d``). Before, the call also made fp32 copies of ``dout`` and ``out`` for
 ``softmax_d`` and fresh gradients that it then copied: at 16k tokens x 32 heads x 128 per rank
-(bf16) the peak was 1156 MiB, now 258 MiB (``python tests/test_lowlevel_memory.py 16384 32``).
+(bf16) the peak was 1156 MiB, now 258 MiB (``python tests/api/test_lowlevel_memory.py 16384 32``).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def test_gradients_the_kernels_cannot_write_in_place_are_copied(h100_plans_no_la
     assert written["dq"] is not args[6] and written["dk"] is args[7]
 
 
-if __name__ == "__main__":  # python tests/test_lowlevel_memory.py [seqlen heads]: the numbers of the docstring
+if __name__ == "__main__":  # python tests/api/test_lowlevel_memory.py [seqlen heads]: the numbers of the docstring
     seqlen, heads = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (16384, 32)
     patch = pytest.MonkeyPatch()
     stub_h100(patch)

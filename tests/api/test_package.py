@@ -5,7 +5,7 @@ The signatures below are the specification, written down from flash-attn 2.8's
 kinds and defaults must be identical so existing callers (positional or keyword) keep working.
 They are unchanged in upstream's current source (version 2.8.4, commit
 0251105a2fb19d2957484b7f023cd8c115286ced); the low-level functions' and entry points' changes
-since 2.8.3 are checked in tests/test_lowlevel_api.py.
+since 2.8.3 are checked in tests/api/test_lowlevel_api.py.
 """
 
 from __future__ import annotations

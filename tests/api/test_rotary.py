@@ -488,7 +488,7 @@ from hypothesis import strategies as st  # noqa: E402
 from flash_attn.backends import _interpreter  # noqa: E402
 from flash_attn.ops.triton import rotary as rotary_ops  # noqa: E402
 from flash_attn.ops.triton.rotary import apply_rotary  # noqa: E402
-from conftest import skip_unless_the_interpreter_runs, test_device  # noqa: E402
+from support.options import skip_unless_the_interpreter_runs, test_device  # noqa: E402
 
 
 def on_device(*tensors):

@@ -28,8 +28,10 @@ from flash_attn.backends import _layouts, cpu
 from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
 
-from conftest import backward_floor, check_close, cu_from_lens, gen, make_slopes, oracle_pair, randn, test_device
-from oracle import attention_ref, attention_varlen_ref, kvcache_ref, visible_mask
+from support.inputs import cu_from_lens, gen, make_slopes, randn
+from support.options import test_device
+from support.oracle import attention_ref, attention_varlen_ref, kvcache_ref, oracle_pair, visible_mask
+from support.tolerance import backward_floor, check_close
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 

@@ -26,8 +26,10 @@ from flash_attn.backends import _onednn as onednn
 from flash_attn.backends._reference_core import Tuning
 from flash_attn.params import AttentionParams
 
-from conftest import backward_floor, check_close, gen, oracle_pair, randn, test_device
-from oracle import attention_ref
+from support.inputs import gen, randn
+from support.options import test_device
+from support.oracle import attention_ref, oracle_pair
+from support.tolerance import backward_floor, check_close
 
 FP32, BF16 = torch.float32, torch.bfloat16
 

@@ -9,7 +9,7 @@ each failure through Triton's own code where it runs on a CPU: its C-launcher bu
 that does not compile). What they cannot show: that these are the first things a real first launch
 on a GPU does (Triton's launcher builds ``driver.c`` and compiles before it launches), and a failure
 in Triton's GPU-side steps (ptxas, loading the module), which arrive as the same kinds of error.
-The ``aot`` cases are in ``tests/test_aot_fallback.py``; capture in ``tests/test_no_host_sync.py``.
+The ``aot`` cases are in ``tests/aot/test_aot_fallback.py``; capture in ``tests/integration/test_no_host_sync.py``.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def test_strict_mode_turns_a_first_use_failure_into_an_error(triton_on_cpu, monk
 
 def test_strict_mode_holds_aot_to_its_calls(monkeypatch):
     """``FLASH_ATTN_BACKEND=aot``: a call the images do not serve (``return_attn_probs``) raises."""
-    from synthetic_images import synthetic_manifest
+    from support.synthetic_images import synthetic_manifest
 
     images = aot._DeviceImages(synthetic_manifest(), "sm_90a", P.Target("sm90", 132, aot=True))
     monkeypatch.setattr(aot, "_device_images", lambda device: images)

@@ -17,8 +17,10 @@ import torch
 
 from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-from conftest import check_close, cu_from_lens, gen, oracle_pair, randn, test_device
-from oracle import attention_ref
+from support.inputs import cu_from_lens, gen, randn
+from support.options import test_device
+from support.oracle import attention_ref, oracle_pair
+from support.tolerance import check_close
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

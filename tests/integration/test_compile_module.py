@@ -1,7 +1,7 @@
 """``torch.compile(fullgraph=True)`` of a small attention *module* (projections, GQA, rotary-free
 causal self-attention) built on ``flash_attn_func`` and ``flash_attn_varlen_func``: it compiles
 without graph breaks, matches eager, and its backward gives the same parameter and input
-gradients. (tests/test_compile.py covers the bare functions.)
+gradients. (tests/integration/test_compile.py covers the bare functions.)
 
 Inductor (the default backend) needs a C compiler on CPU.
 """
@@ -17,7 +17,7 @@ from torch import nn
 
 from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-from conftest import test_device
+from support.options import test_device
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

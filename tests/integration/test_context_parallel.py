@@ -1,6 +1,6 @@
 """A real context-parallel run: 2 and 4 CPU processes over torch.distributed's ``gloo`` backend on
 loopback, each holding a slice of the sequence, passing K/V around a ring and combining blocks
-with the low-level API's log-sum-exp (``tests/context_parallel.py``). Output and gradients of
+with the low-level API's log-sum-exp (``tests/support/context_parallel.py``). Output and gradients of
 every rank must equal single-process ``flash_attn_func`` on the whole sequence: plain ring
 (causal and not) and zigzag load balancing (causal), fp32 and bf16, GQA.
 """
@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import context_parallel
-import gloo_ranks
+from support import context_parallel, gloo_ranks
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,4 +1,4 @@
-"""Real context-parallel libraries on this package (``tests/context_parallel_libraries.py``): 2 and
+"""Real context-parallel libraries on this package (``tests/support/context_parallel_libraries.py``): 2 and
 4 CPU processes over ``gloo``, each calling ring-flash-attention's ring, zigzag, stripe and llama3
 (varlen) functions, or yunchang's Ulysses + ring attention (USP), on its slice of the sequence.
 The libraries call our low-level API exactly as they call upstream's; every rank's output and
@@ -12,8 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-import context_parallel_libraries as libraries
-import gloo_ranks
+from support import context_parallel_libraries as libraries, gloo_ranks
 
 
 def _installed(module: str):

@@ -34,7 +34,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import flash_attn  # noqa: E402
 from flash_attn.integrations import transformers as integration  # noqa: E402
 
-from conftest import check_close, test_device  # noqa: E402
+from support.options import test_device  # noqa: E402
+from support.tolerance import check_close  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 
@@ -197,7 +198,7 @@ def test_generate_matches_eager(dtype):
 def test_gradients_match_eager():
     """Training on a right-padded batch (with left padding, the first real token's label would be
     predicted from a padding position, whose output is undefined). fp16/bf16: each parameter's
-    gradient by the tolerance rule (conftest.check_close) against eager in fp32, eager in that
+    gradient by the tolerance rule (support.tolerance.check_close) against eager in fp32, eager in that
     dtype as the naive computation."""
     dtype = SINGLE
     eager, ours = model_pair(dtype)

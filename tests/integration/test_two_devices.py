@@ -2,7 +2,7 @@
 
 Forward + backward (``flash_attn_func``) and a KV-cache append + decode (``flash_attn_with_kvcache``)
 with every tensor on ``cuda:1``, once with ``cuda:1`` the current device and once with the current
-device left at ``cuda:0``; checked against the float64 oracle (conftest's tolerance rule), for the
+device left at ``cuda:0``; checked against the float64 oracle (the tolerance rule of support/tolerance.py), for the
 device of each result, for nothing left on ``cuda:0``, and for ``dispatch.last_backend()`` being the
 backend ``--flash-backend`` names (under ``.ci/gpu-check``'s ``FLASH_ATTN_STRICT_BACKEND=1`` a
 fallback would raise anyway).
@@ -18,22 +18,16 @@ import torch
 
 from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache
 
-from conftest import backend_name, backward_floor, check_close, gen, oracle_pair, randn
-from oracle import attention_ref, kvcache_ref
+from support.gpus import two_devices_skip_reason
+from support.inputs import gen, randn
+from support.options import backend_name
+from support.oracle import attention_ref, kvcache_ref, oracle_pair
+from support.tolerance import backward_floor, check_close
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
-
-def _skip_reason() -> str:
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count >= 2:
-        return ""
-    if count == 1:
-        return "needs 2 CUDA devices: a second GPU is absent (1 CUDA device)"
-    return "needs 2 CUDA devices: no CUDA device is available"
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_skip_reason()), reason=_skip_reason() or "-")]
+_SKIP = two_devices_skip_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_SKIP), reason=_SKIP or "-")]
 
 CURRENT = pytest.mark.parametrize("current", [1, 0], ids=["current-cuda1", "current-cuda0"])
 DEVICE = "cuda:1"

@@ -3,7 +3,7 @@
 Backends under test: ``interpret`` (the kernels in Triton's interpreter, CPU tensors; always runs)
 and ``triton`` (the same kernels compiled for the GPU; ``@pytest.mark.gpu``, only with CUDA). Each
 case calls the backend's contract functions (:mod:`flash_attn.backends`) and compares out, lse and
-dq/dk/dv with ``tests/oracle.py`` under the tolerance rule of ``tests/conftest.py``.
+dq/dk/dv with ``tests/support/oracle.py`` under the tolerance rule of ``tests/support/tolerance.py``.
 
 ``CASES`` is the representative matrix that CI runs; ``test_full_matrix`` is the whole cross
 product (``-m full_matrix``; hours in the interpreter, not run in CI).
@@ -21,8 +21,10 @@ from typing import Optional
 import pytest
 import torch
 
-import oracle
-from conftest import check_close, gen, oracle_pair
+from support import oracle
+from support.inputs import gen
+from support.oracle import oracle_pair
+from support.tolerance import check_close
 
 from flash_attn import dispatch
 from flash_attn.dropout import keep_mask

@@ -1,5 +1,5 @@
 """The recipe composes with conda-forge's global pinning: a feedstock's matrix, computed as
-conda-smithy computes it (tests/conda_forge_pinning.py: the pinning with ``CF_CUDA_ENABLED=True``,
+conda-smithy computes it (tests/support/conda_forge_pinning.py: the pinning with ``CF_CUDA_ENABLED=True``,
 the feedstock's recipe/conda_build_config.yaml merged by conda-build's rule or rattler-build's, the
 CUDA 13 migration), renders to 3 builds per Linux platform and 1 on osx-arm64, osx-64 and win-64,
 with the pinning's compilers. The top-level conda_build_config.yaml is the local matrix only.
@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (pip install py-rattler-build)")
 pytest.importorskip("yaml")
 
-import conda_forge_pinning as cf  # noqa: E402
-from packaging_helpers import RECIPE, VARIANTS, render  # noqa: E402
+from support import conda_forge_pinning as cf  # noqa: E402
+from support.packaging_helpers import RECIPE, VARIANTS, render  # noqa: E402
 
 # conda-forge.yml of the feedstock: `build_platform: {linux_aarch64: linux_64}` (cross-compiled).
 BUILD_PLATFORM = {"linux-aarch64": "linux-64"}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from packaging_helpers import (  # noqa: I001
+from support.packaging_helpers import (  # noqa: I001
     REPO, TORCH_FLOOR, cuda_toolkit, lay_out_conda_forge_libtorch, pip_torch_dir, render, torch_floor_dir)
 
 FIND_TORCH = REPO / "csrc" / "cmake" / "find_torch.py"

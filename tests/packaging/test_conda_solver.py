@@ -1,8 +1,8 @@
 """Which flash-attn build a user gets, decided by a real solver.
 
-py-rattler (the solver pixi is built on) solves over a local channel (tests/conda_channel.py):
+py-rattler (the solver pixi is built on) solves over a local channel (tests/support/conda_channel.py):
 the builds conda-forge's feedstock would publish (this recipe rendered with the pinning and the CUDA
-13 migration, tests/conda_forge_pinning.py), each as rattler-build itself solves its build and host
+13 migration, tests/support/conda_forge_pinning.py), each as rattler-build itself solves its build and host
 environments and attaches their run_exports (``--render-only --with-solve`` over a channel of real,
 empty packages carrying their feedstocks' run_exports.json), beside
 conda-forge-shaped Python, PyTorch, Triton and CUDA records. Each scenario is a machine (its
@@ -26,9 +26,8 @@ import pytest
 rattler = pytest.importorskip("rattler", reason="py-rattler is not installed (pip install py-rattler)")
 pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (pip install py-rattler-build)")
 
-import conda_channel  # noqa: E402
-import conda_forge_pinning as cf  # noqa: E402
-from packaging_helpers import RECIPE, render  # noqa: E402
+from support import conda_channel, conda_forge_pinning as cf  # noqa: E402
+from support.packaging_helpers import RECIPE, render  # noqa: E402
 
 PLATFORMS = ["linux-64", "osx-arm64", "win-64"]
 

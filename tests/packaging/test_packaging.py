@@ -20,7 +20,7 @@
   build environment), a ``.conda`` assembled from it with the depends rattler-build attaches,
   inspected, then installed into a fresh venv with torch 2.13.0 where the op library loads and the
   import and a CPU test subset run.
-pixi.toml is checked in tests/test_pixi_workspace.py, the solver's choice in test_conda_solver.py.
+pixi.toml is checked in tests/packaging/test_pixi_workspace.py, the solver's choice in test_conda_solver.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from packaging_helpers import (  # noqa: I001  (tests/ is on sys.path: pytest's rootdir-relative import)
+from support.packaging_helpers import (  # noqa: I001  (tests/ is on sys.path: pyproject.toml's pytest pythonpath)
     BUILD_BAT, BUILD_SCRIPT, PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, assemble, compiled_files, copy_recipe_sources,
     extract_into_venv, lay_out_conda_forge_libtorch, make_venv, open_conda, render, run_build_script,
     run_from_site, staged_site_packages, torch_floor_dir, triton_requirement,
@@ -168,7 +168,7 @@ def test_render_is_python_and_torch_version_independent(rendered):
     for v in variants:
         assert v.recipe["build"]["python"]["version_independent"] is True
         ignored = v.recipe["requirements"]["ignore_run_exports"]
-        # python: pixi-build's lock applies only what is written (tests/test_pixi_workspace.py)
+        # python: pixi-build's lock applies only what is written (tests/packaging/test_pixi_workspace.py)
         assert {"python", "libtorch", "cuda-cudart-dev"} == set(ignored["from_package"])
         assert ignored["by_name"] == ["python_abi"]
         for spec in _specs(v, "run") + _specs(v, "run_constraints"):
@@ -224,7 +224,7 @@ def test_recipe_source_follows_where_it_is_built():
     files; pixi-build (pixi.toml: pixi): the build's inputs only; a feedstock (conda-forge's
     pinning, which has no such key): the release tarball, url + sha256, and nothing else."""
     pytest.importorskip("rattler_build", reason=NO_RATTLER)
-    import conda_forge_pinning as cf
+    from support import conda_forge_pinning as cf
 
     for v in render("linux-64"):
         assert v.recipe["source"] == [*CHECKOUT_SOURCES, {"path": "../tests", "target_directory": "tests"},
@@ -301,7 +301,7 @@ def test_check_no_python_c_api_flags_what_abi3audit_lets_through(tmp_path):
     """The recipe's Python C API check on two small libraries: one that imports a limited-API and a
     private CPython symbol is refused, one without is accepted. (abi3audit 0.0.x, run on such a
     library, reports no violation at all: it audits extension modules, which the op library is
-    not; tests/test_conda_prefix_build.py runs the check on the real op library.)"""
+    not; tests/packaging/test_conda_prefix_build.py runs the check on the real op library.)"""
     uses = _shared_library(tmp_path, "uses", "int Py_IsInitialized(void); int _PyObject_GC_New(void);\n"
                                            "int f(void) { return Py_IsInitialized() + _PyObject_GC_New(); }\n")
     clean = _shared_library(tmp_path, "clean", "int g(void) { return 1; }\n")
@@ -571,7 +571,7 @@ def test_release_tarball_builds_the_cpu_variant(tmp_path):
     """The feedstock's source: a release tarball, i.e. `git archive` of the tagged commit (what
     GitHub serves under /archive/refs/tags/). Here the archive of HEAD: it holds every file the
     build reads, and build.sh builds the CPU variant from it (the CUDA variants read the same
-    files, tests/test_packaging.py's local package build)."""
+    files, tests/packaging/test_packaging.py's local package build)."""
     import tarfile
 
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode != 0:
@@ -639,8 +639,8 @@ def local_package(tmp_path_factory):
         "TRITON_PTXAS_PATH": str(cuda_home / "bin" / "ptxas"), "FLASH_ATTN_CUDA_ARCHS": BUILD_ARCHS, "MAX_JOBS": "2",
     })
     # index.json's depends: what rattler-build itself attaches for this variant (its solve of build
-    # and host over conda-forge-shaped packages with their run_exports, tests/conda_channel.py).
-    import conda_channel
+    # and host over conda-forge-shaped packages with their run_exports, tests/support/conda_channel.py).
+    from support import conda_channel
 
     channel = conda_channel.write_package_channel(work / "channel", conda_channel.conda_forge_records("linux-64"))
     [attached] = [r for r in conda_channel.rattler_build_records(RECIPE, "linux-64", channel, [VARIANTS],
@@ -742,7 +742,7 @@ def test_package_installs_and_runs_in_a_fresh_venv(local_package, tmp_path):
     doctor = subprocess.run([str(python), "-m", "flash_attn", "doctor"], cwd=tmp_path, capture_output=True, text=True)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     # The CPU subset, from a folder outside the source tree so flash_attn comes from the venv.
-    tests = [str(REPO / "tests" / name) for name in ("test_reference_backend.py", "test_bad_input.py")]
+    tests = [str(REPO / "tests" / name) for name in ("backends/test_reference_backend.py", "api/test_bad_input.py")]
     result = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                             cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -26,7 +26,7 @@ source (prefix-dev/pixi 2b25fc76, August 2026; pixi-build-rattler-build 0.4.6 is
   failed solve fails the lock, and with it every ``pixi run``. Then each environment is solved.
 
 The solves run on py-rattler (pixi's solver) over conda-forge-shaped records with the
-run_exports their feedstocks declare (tests/conda_channel.py says what they stand in for);
+run_exports their feedstocks declare (tests/support/conda_channel.py says what they stand in for);
 ``test_replay_attaches_what_rattler_build_attaches`` checks the replay's run requirements against
 what rattler-build itself attaches over the same packages. What this cannot show: pixi itself
 running (its lock file, the backend's download, a real conda-forge solve).
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from packaging_helpers import PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, render  # noqa: I001
+from support.packaging_helpers import PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, render  # noqa: I001
 
 MANIFEST_PATH = Path(os.environ.get("FLASH_ATTN_PIXI_MANIFEST") or PIXI)
 if not MANIFEST_PATH.is_file():  # e.g. the recipe's test steps copy tests/ without the workspace
@@ -331,7 +331,7 @@ def _run_exports(records, declared: set[str], ignore: dict, exports_table: dict)
 def lock_build(channel, platform_name: str, rendered) -> dict:
     """One offered build as pixi locks it (resolve_source_record.rs): its build environment, its host
     environment with the build's strong run_exports, its record. LockError if a solve fails."""
-    import conda_channel
+    from support import conda_channel
 
     _, _, exports_table = channel
     requirements = rendered.recipe["requirements"]
@@ -367,11 +367,11 @@ def lock_source_package(channel, platform_name: str, manifest: dict | None = Non
 
 @pytest.fixture(scope="module")
 def base_channel(tmp_path_factory):
-    """conda-forge-shaped records (tests/conda_channel.py) of every subdir of the workspace, as
+    """conda-forge-shaped records (tests/support/conda_channel.py) of every subdir of the workspace, as
     repodata for py-rattler, and the run_exports of each package."""
     pytest.importorskip("rattler", reason="py-rattler is not installed (pip install py-rattler)")
     pytest.importorskip("rattler_build", reason="py-rattler-build is not installed")
-    import conda_channel
+    from support import conda_channel
 
     records = [r for subdir in sorted({s for _, s, _ in platforms()}) for r in conda_channel.conda_forge_records(subdir)]
     folder = tmp_path_factory.mktemp("pixi")
@@ -426,7 +426,7 @@ def test_replay_attaches_what_rattler_build_attaches(base_channel):
     (``--render-only --with-solve`` over the same packages, as real packages with their
     run_exports.json; CONDA_OVERRIDE_CUDA=13 so that no build is refused for want of a driver).
     Same set, not the same order."""
-    import conda_channel
+    from support import conda_channel
 
     url, cache, exports, records, folder = base_channel
     packages = conda_channel.write_package_channel(folder / "packages", [r for r in records if r["subdir"] in ("linux-64", "noarch")])
@@ -463,7 +463,7 @@ def requirements(env: str, platform_name: str) -> list[str]:
 
 
 def solve_environment(base_channel, locked, env: str, platform_name: str, folder: Path) -> dict:
-    import conda_channel
+    from support import conda_channel
 
     _, _, exports, records, _ = base_channel
     ours = locked[platform_name]
@@ -481,7 +481,7 @@ EXPECTED_FLASH_ATTN = {name: builds[0] for name, builds in EXPECTED_BUILDS.items
 @pytest.mark.parametrize("env", list(environments()))
 @pytest.mark.parametrize("platform_name", [n for n, _, _ in platforms()])
 def test_environment_solves_on_platform(env, platform_name, base_channel, locked, tmp_path):
-    import conda_channel
+    from support import conda_channel
 
     names = solve_environment(base_channel, locked, env, platform_name, tmp_path)
     if env == "test":
@@ -540,7 +540,7 @@ def test_build_task_builds_then_tests_without_output_broken():
     """`pixi run build`: rattler-build builds the matrix without testing (`--test native` moved a
     CUDA build to output/broken on a machine without a driver for it), then
     recipe/test_built_packages.sh tests each package as far as the machine can
-    (tests/test_packaging.py runs that script); the task declares its outputs, so that pixi runs it
+    (tests/packaging/test_packaging.py runs that script); the task declares its outputs, so that pixi runs it
     again once ./output is gone."""
     build = MANIFEST["tasks"]["build"]
     first, _, second = build["cmd"].partition(" && ")
@@ -596,14 +596,14 @@ def watched_globs(rendered) -> list[str]:
 def test_pixi_build_watches_only_what_the_build_reads():
     """Editing tests or docs does not rebuild the kernels under pixi-build: the pixi variant's
     sources are the build's inputs, each the path of a file or folder the build reads, and no
-    test or doc file matches. (tests/test_packaging.py builds from exactly these files.)"""
+    test or doc file matches. (tests/packaging/test_packaging.py builds from exactly these files.)"""
     for name, _, _ in platforms():
         for build in offered_builds(name):
             assert build.variant["flash_attn_source"] == "pixi"
             globs = watched_globs(build)
             assert sorted(globs) == sorted(["recipe/**", "flash_attn/**", "csrc/**", "CMakeLists.txt", "pyproject.toml",
                                             "LICENSE"]), globs
-            for path in ("tests/test_pixi_workspace.py", "README.md", "benchmarks/x.py", ".ci/run"):
+            for path in ("tests/packaging/test_pixi_workspace.py", "README.md", "benchmarks/x.py", ".ci/run"):
                 assert not any(fnmatch.fnmatch(path, g) for g in globs), path
 
 

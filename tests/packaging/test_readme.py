@@ -7,7 +7,8 @@ import re
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import REPO as ROOT
+
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 BENCHMARKS = ROOT / "benchmarks"

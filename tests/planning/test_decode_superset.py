@@ -5,7 +5,8 @@ launches only the ``(kernel, constexprs, config)`` combinations of
 :func:`flash_attn.planning.decode_configs.aot_variants`, with every tensor argument laid out as the
 kernels' declarations say. Checked here, in Triton's interpreter:
 
-* exactness: the feature matrix of ``tests/test_triton_decode.py`` against the float64 oracle
+* exactness: the feature matrix of ``kernels/test_triton_decode.py`` (``support/kvcache_cases.py``)
+  against the float64 oracle
   (and bit-for-bit against the specialised launches on a few cases);
 * the set: a recording executor runs the launches a GPU family (sm80, sm90) would get and checks
   each one against the shipped specialisations and each runtime argument against the kernel's
@@ -22,12 +23,12 @@ import inspect
 import pytest
 import torch
 
-from test_triton_decode import CASES, DTYPES, MODES, SPLIT_CASES, Case, check_case, make_inputs, run_kernels
-
 from flash_attn.aot import specializations as S
 from flash_attn.backends import interpret
 from flash_attn.backends._execute import KernelsCannotRun
 from flash_attn.planning import declarations, decode_configs as dc, plan, registry
+
+from support.kvcache_cases import CASES, DTYPES, MODES, SPLIT_CASES, Case, check_case, make_inputs, run_kernels
 
 KERNELS = ("split_kv_kernel", "append_kv_kernel", "rotary_q_kernel", "combine_splits_kernel")
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}

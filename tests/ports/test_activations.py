@@ -12,7 +12,7 @@ import torch
 
 from flash_attn.ops import activations as act
 
-from conftest import check_close
+from support.tolerance import check_close
 
 FP32, BF16, FP64 = torch.float32, torch.bfloat16, torch.float64
 

@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gloo_ranks
-from conftest import skip_unless_the_interpreter_runs
+from support import gloo_ranks
+from support.options import skip_unless_the_interpreter_runs
 from flash_attn.backends import _interpreter
 from flash_attn.losses.cross_entropy import CrossEntropyLoss
 from flash_attn.ops.triton import cross_entropy as ce

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import test_device
+from support.options import test_device
 from flash_attn.modules.block import Block
 from flash_attn.modules.embedding import GPT2Embeddings
 from flash_attn.modules.mha import MHA

@@ -5,7 +5,7 @@ dropout checked through the mask the kernel draws; bad input; ``torch.compile(fu
 hypothesis fuzz over shapes and options.
 
 The oracle is the textbook formula (mean, variance, ``(h - mean) / sqrt(var + eps)``) in float64,
-differentiated by autograd; the tolerance is conftest's rule (twice the error of the same formula
+differentiated by autograd; the tolerance is support/tolerance.py's rule (twice the error of the same formula
 evaluated in the input dtype, plus a floor).
 """
 
@@ -30,7 +30,8 @@ from flash_attn.ops.triton.layer_norm import (
     rms_norm_ref,
 )
 
-from conftest import check_close, skip_unless_the_interpreter_runs, test_device
+from support.options import skip_unless_the_interpreter_runs, test_device
+from support.tolerance import check_close
 
 FP16, BF16, FP32, FP64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 EMPTY = inspect.Parameter.empty

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import gloo_ranks
+from support import gloo_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import gloo_ranks
+from support import gloo_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from conftest import test_device
+from support.options import test_device
 from flash_attn.modules.block import Block, ParallelBlock, StochasticDepth
 from flash_attn.modules.embedding import (
     BertEmbeddings,
@@ -832,7 +832,7 @@ def test_missing_extensions_raise_a_clear_import_error(module, needles):
 @pytest.mark.parametrize("name", ["baichuan", "bert", "bigcode", "btlm", "falcon", "gpt", "gpt_neox", "gptj",
                                   "llama", "opt", "vit"])
 def test_every_upstream_model_module_imports(name):
-    """Upstream's model modules all exist (their behaviour: tests/test_models_*.py)."""
+    """Upstream's model modules all exist (their behaviour: tests/ports/test_models_*.py)."""
     source = subprocess.run(["git", "-C", str(UPSTREAM_MIRROR), "show", f"{UPSTREAM_COMMIT}:flash_attn/models/{name}.py"],
                             capture_output=True, text=True) if UPSTREAM_MIRROR.exists() else None
     module = importlib.import_module(f"flash_attn.models.{name}")

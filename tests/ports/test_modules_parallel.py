@@ -7,7 +7,7 @@ Each rank builds the full module (same seed everywhere), copies its shard of eve
 the parallel module (the layout upstream's parallel modules use: per rank, its query heads, then
 its key heads, then its value heads), runs forward and backward on its part of the input, and
 reports the largest difference from the full module's output and gradients. The single-process
-modules themselves are checked against float64 oracles in tests/test_modules.py.
+modules themselves are checked against float64 oracles in tests/ports/test_modules.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import gloo_ranks
+from support import gloo_ranks
 
 WORLD = 2
 E, H, D, B, S = 32, 4, 8, 2, 6

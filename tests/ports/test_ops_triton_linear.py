@@ -9,7 +9,7 @@
   ``fc2(relu(fc1(x)) ** 2)`` with autograd.
 
 The interpreter computes bf16 arithmetic wrongly, so kernels are checked in fp32 and fp16 there;
-bf16 goes through the PyTorch paths. Tolerances follow conftest's rule: at most twice the error of
+bf16 goes through the PyTorch paths. Tolerances follow support/tolerance.py's rule: at most twice the error of
 the same computation done naively in the input dtype, plus one rounding.
 """
 
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import check_close, skip_unless_the_interpreter_runs, test_device
+from support.options import skip_unless_the_interpreter_runs, test_device
+from support.tolerance import check_close
 from flash_attn.ops.triton import k_activations as ka
 from flash_attn.ops.triton import linear as linear_ops
 from flash_attn.ops.triton.linear import triton_dgrad_act, triton_linear_act

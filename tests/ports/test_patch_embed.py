@@ -1,6 +1,6 @@
 """``flash_attn.layers.patch_embed.PatchEmbed`` against timm's definition, a ``Conv2d`` with
 kernel = stride = patch size, in float64 (same weights: the conv weight flattened channel, row,
-column is the linear layer's); layouts, norm, gradients, bad input. Signatures: tests/test_modules.py."""
+column is the linear layer's); layouts, norm, gradients, bad input. Signatures: tests/ports/test_modules.py."""
 
 import pytest
 import torch

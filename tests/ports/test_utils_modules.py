@@ -6,7 +6,7 @@
 * torch: the custom_fwd / custom_bwd adapters (the keyword they add, autograd through them, and
   CUDA autocast's input casting with ``--flash-device cuda``);
 * testing: attention_ref (with generate_qkv's packing and the local masks) against the independent
-  naive oracle of tests/oracle.py, plus the mask helpers against loops written here;
+  naive oracle of tests/support/oracle.py, plus the mask helpers against loops written here;
 * library: triton_op's schema, fake tensors, and whether torch.compile decomposes the operator.
 """
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import oracle
-from conftest import test_device
+from support import oracle
+from support.options import test_device
 from flash_attn.utils import testing as ut
 from flash_attn.utils.pretrained import state_dict_from_pretrained
 
@@ -251,7 +251,7 @@ def test_construct_chunk_mask_matches_loops(sq, sk, chunk):
     assert torch.equal(ut.construct_chunk_mask(sq, sk, chunk), want)
 
 
-# --- testing: attention_ref against tests/oracle.py ----------------------------------------------------
+# --- testing: attention_ref against tests/support/oracle.py ----------------------------------------------------
 
 
 def qkv(b=2, sq=5, sk=7, h=4, hk=2, d=8, dtype=torch.float64, seed=0):

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import yaml
 
-DATA = Path(__file__).resolve().parent / "data" / "conda-forge-pinning"
+from support import TESTS
+
+DATA = TESTS / "data" / "conda-forge-pinning"
 PINNING = DATA / "conda_build_config.yaml"
 CUDA130_MIGRATION = DATA / "cuda130.yaml"
 

@@ -1,6 +1,6 @@
 """Ring attention over torch.distributed, written the way context-parallel libraries use the
 low-level API (``_flash_attn_forward`` / ``_flash_attn_backward``); run by
-``tests/test_context_parallel.py`` in separate processes over the ``gloo`` backend.
+``tests/integration/test_context_parallel.py`` in separate processes over the ``gloo`` backend.
 
 Each rank holds one slice of the sequence (its queries, keys and values). Key/value blocks travel
 around the ring; every rank attends its queries to each block it receives, merges the partial
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import gloo_ranks
+from support import gloo_ranks
 from flash_attn import flash_attn_func
 from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
 

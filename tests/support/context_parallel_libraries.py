@@ -7,7 +7,7 @@ calling the library's own functions, which call our low-level API exactly as the
 * yunchang (long-context-attention, feifeibear): ``LongContextAttention``, Ulysses all-to-all
   combined with a ring (USP), calling the same functions positionally.
 
-Run by ``tests/test_context_parallel_libraries.py`` in separate processes. Each case gives every
+Run by ``tests/integration/test_context_parallel_libraries.py`` in separate processes. Each case gives every
 rank the same full inputs, lets the library compute its rank's slice, and compares output and
 gradients with the float64 oracle on the whole sequence (independent of both the library and
 this package).
@@ -22,8 +22,7 @@ import types
 
 import torch
 
-import gloo_ranks
-import oracle
+from support import gloo_ranks, oracle
 
 BATCH, NHEADS, NHEADS_K, HEADDIM = 2, 4, 2, 32
 SCALE = HEADDIM ** -0.5

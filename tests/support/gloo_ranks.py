@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from support.options import backend_name
+
 TIMEOUT_S = 120
 
 
 def skip_unless_cpu_ranks_can_run(monkeypatch) -> None:
     """Skip where the ranks cannot run here; keep them on loopback."""
-    from conftest import backend_name  # not at the top: spawned ranks need no pytest plugins
-
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this PyTorch build")
     if backend_name() not in ("auto", "cpu", "reference", "interpret"):

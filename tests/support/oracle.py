@@ -17,7 +17,7 @@ masks, one formula per line:
 low-precision* variant: the same math with every matmul, the softmax and the weighted sum done in
 the input dtype (fp16 / bf16 / fp32). The gap between that variant and the float64 oracle measures
 how much error plain arithmetic in that dtype makes, and calibrates the tolerance of the tests
-(see ``conftest.check_close``).
+(see ``support/tolerance.py``).
 
 Every function is differentiable with autograd (no in-place tricks), so gradients of the
 float64 oracle are the reference for dq / dk / dv.
@@ -280,3 +280,27 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_
                                    compute_dtype=cd)
         outs.append(o), lses.append(l)
     return KVCacheRef(torch.stack(outs), torch.stack(lses), new_k, new_v, written)
+
+
+def oracle_pair(fn, tensors, dout=None, **kwargs):
+    """Run oracle ``fn(*tensors, compute_dtype=..., **kwargs)`` twice: in float64 (the reference)
+    and naively in the inputs' dtype. With ``dout``, also backpropagate ``dout`` through both.
+
+    Returns ``(ref, ref_grads, naive, naive_grads)``; grads are lists aligned with ``tensors``
+    (``None`` without ``dout``).
+    """
+    results = []
+    for cd in (F64, None):
+        ins = [t.detach().to(F64 if cd is F64 else t.dtype).requires_grad_(dout is not None) for t in tensors]
+        res = fn(*ins, compute_dtype=cd, **kwargs)
+        grads = None
+        if dout is not None:
+            g = dout.detach().to(F64 if cd is F64 else dout.dtype)
+            if res.out.requires_grad:
+                grads = torch.autograd.grad(res.out, ins, g, allow_unused=True)
+            else:
+                grads = [None] * len(ins)
+            grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(ins, grads)]
+        results.append((res, grads))
+    (ref, ref_grads), (naive, naive_grads) = results
+    return ref, ref_grads, naive, naive_grads

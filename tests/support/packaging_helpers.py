@@ -1,4 +1,4 @@
-"""Helpers of tests/test_packaging.py: render the recipe, run its build script, assemble and open
+"""Helpers of the packaging tests (tests/packaging/): render the recipe, run its build script, assemble and open
 a ``.conda`` file. Nothing here needs a conda channel or the network."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from support import REPO
+
 RECIPE = REPO / "recipe" / "recipe.yaml"
 BUILD_SCRIPT = REPO / "recipe" / "build.sh"
 BUILD_BAT = REPO / "recipe" / "build.bat"
@@ -72,7 +73,7 @@ def _skipped(rendered: Rendered, platform: str, build_platform: str, recipe_path
 
 def triton_requirement() -> str:
     """The Triton range the package allows (pyproject.toml's `triton` extra; the recipe and the
-    build requirement say the same, tests/test_triton_bounds.py)."""
+    build requirement say the same, tests/aot/test_triton_bounds.py)."""
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["triton"]
     return next(r for r in extra if r.startswith("triton"))
 

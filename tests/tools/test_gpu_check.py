@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import REPO as ROOT, TESTS
+
 SCRIPT = ROOT / ".ci" / "gpu-check"
-TESTS = ROOT / "tests"
 
 
 def _gpu_check(*args, env=None, timeout=600):
@@ -60,26 +60,26 @@ def test_the_oracle_steps_run_every_device_test_file(dry_run):
     runs a subset of them (-k): the JIT compiles each specialisation first, ~8 s a test on an H200."""
     commands = dict(re.findall(r"^=== (\S+) \(limit \d+s, \d+s of the budget left\): (.*)$", dry_run, re.M))
     for step in ("aot", "triton"):
-        for name in ("test_attention_oracle.py", "test_decode_superset.py", "test_lowlevel_api.py",
-                     "test_transformers_integration.py", "test_two_devices.py"):
+        for name in ("api/test_attention_oracle.py", "planning/test_decode_superset.py", "api/test_lowlevel_api.py",
+                     "integration/test_transformers_integration.py", "integration/test_two_devices.py"):
             assert f" tests/{name}" in commands[step], (step, name)
-    assert "--ignore tests/test_two_devices.py" in commands["gpu"]
+    assert "--ignore tests/integration/test_two_devices.py" in commands["gpu"]
 
 
 def test_the_two_device_skip_is_expected_only_with_one_gpu(monkeypatch):
     """With one GPU the two-device test's skip passes --flash-no-skip; without any GPU it fails."""
     import torch
 
-    import test_two_devices
     from conftest import EXPECTED_SKIPS
+    from support.gpus import two_devices_skip_reason
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for count, expected in ((1, True), (0, False)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-        reason = test_two_devices._skip_reason()
+        reason = two_devices_skip_reason()
         assert reason and any(e in reason for e in EXPECTED_SKIPS) == expected, reason
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert test_two_devices._skip_reason() == ""
+    assert two_devices_skip_reason() == ""
 
 
 def test_dry_run_limits_fit_the_budget(dry_run):

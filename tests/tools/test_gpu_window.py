@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support import REPO as ROOT
 
 
 def _stand_ins(tmp_path: Path, hang_when: str) -> Path:

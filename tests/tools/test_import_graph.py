@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE_DIR = Path(__file__).resolve().parents[1] / "flash_attn"
+from support import REPO
+
+PACKAGE_DIR = REPO / "flash_attn"
 
 LAYERS = (
     # command-line tools and integrations: use everything, used by nothing in the package
