@@ -33,18 +33,20 @@ from flash_attn.aot import library as op_library, specializations as S
 from flash_attn.aot.archs import config_capability
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
 from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, ready, slots
+from flash_attn.backends.contract import nvidia_cuda_reason
 from flash_attn.planning import families, plan as P
 from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
 
 __all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache"]
 
 _NAME = "aot"
+
+
 def unavailable_reason(device: torch.device) -> Optional[str]:
     device = torch.device(device)
-    if device.type != "cuda":
-        return f"it launches precompiled GPU kernels and needs CUDA tensors, not {device.type}"
-    if getattr(torch.version, "hip", None):
-        return "its kernels are NVIDIA cubins/PTX, not ROCm"
+    reason = nvidia_cuda_reason(device, "launches precompiled GPU kernels", "its kernels are NVIDIA cubins/PTX")
+    if reason is not None:
+        return reason
     status = op_library.status()
     if not status.loaded:
         return status.reason

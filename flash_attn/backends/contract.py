@@ -89,3 +89,14 @@ def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kv
                    {"forward": preparing(forward), "backward": preparing(backward),
                     "forward_kvcache": preparing(forward_kvcache)},
                    direct or {})
+
+
+def nvidia_cuda_reason(device: torch.device, what_it_does: str, not_rocm: str) -> Optional[str]:
+    """Why a backend of NVIDIA GPU kernels cannot take tensors on ``device`` at all: they are not
+    CUDA tensors ("it <what_it_does> and needs CUDA tensors, not cpu"), or PyTorch is a ROCm build
+    ("<not_rocm>, not ROCm"); ``None`` when neither holds."""
+    if device.type != "cuda":
+        return f"it {what_it_does} and needs CUDA tensors, not {device.type}"
+    if getattr(torch.version, "hip", None):
+        return f"{not_rocm}, not ROCm"
+    return None

@@ -26,6 +26,7 @@ import torch
 
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend, capturing, execute, launch_kwargs, ready
+from flash_attn.backends.contract import nvidia_cuda_reason
 from flash_attn.planning import families, registry
 from flash_attn.planning.plan import Target
 
@@ -36,10 +37,9 @@ _NAME = "triton"
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
     device = torch.device(device)
-    if device.type != "cuda":
-        return f"it compiles GPU kernels and needs CUDA tensors, not {device.type}"
-    if getattr(torch.version, "hip", None):
-        return "its launch tables are for NVIDIA GPUs, not ROCm"
+    reason = nvidia_cuda_reason(device, "compiles GPU kernels", "its launch tables are for NVIDIA GPUs")
+    if reason is not None:
+        return reason
     try:
         import triton  # noqa: F401, PLC0415
     except ImportError as exc:
