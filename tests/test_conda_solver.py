@@ -32,7 +32,7 @@ import conda_channel  # noqa: E402
 import conda_forge_pinning as cf  # noqa: E402
 from packaging_helpers import RECIPE, render  # noqa: E402
 
-PLATFORMS = ["linux-64", "osx-arm64", "win-64"]
+PLATFORMS = ["linux-64", "linux-aarch64", "osx-arm64", "win-64"]
 
 
 def virtual(name: str, version: str, build: str = "0"):
@@ -40,12 +40,15 @@ def virtual(name: str, version: str, build: str = "0"):
 
 
 LINUX = [virtual("__unix", "0"), virtual("__linux", "6.8"), virtual("__glibc", "2.35"), virtual("__archspec", "1", "x86_64_v3")]
+ARM = [virtual("__unix", "0"), virtual("__linux", "6.8"), virtual("__glibc", "2.35"), virtual("__archspec", "1", "aarch64")]
 MACHINES = {
     "linux, no GPU": ("linux-64", LINUX),
     "linux, CUDA 12 driver": ("linux-64", [*LINUX, virtual("__cuda", "12.8")]),  # e.g. driver 570
     "linux, CUDA 13 driver": ("linux-64", [*LINUX, virtual("__cuda", "13.0")]),  # e.g. driver 580
     "macOS": ("osx-arm64", [virtual("__unix", "0"), virtual("__osx", "15.5"), virtual("__archspec", "1", "m1")]),
     "windows, CUDA 13 driver": ("win-64", [virtual("__win", "0"), virtual("__cuda", "13.0")]),
+    "linux-aarch64, no GPU": ("linux-aarch64", ARM),  # e.g. a Graviton server
+    "linux-aarch64, CUDA 13 driver": ("linux-aarch64", [*ARM, virtual("__cuda", "13.0")]),  # e.g. GH200, Thor
 }
 
 
@@ -77,6 +80,8 @@ SCENARIOS = {
         "linux, CUDA 13 driver", ["python", "pytorch", "flash-attn"], "cuda129", pytorch="cuda129",
         torch_version="2.13.0", python="3.12", installed=["python 3.12.*", "pytorch * cuda129*"]),
     "CPU build asked for on a GPU machine": Scenario("linux, CUDA 13 driver", ["flash-attn * cpu*"], "cpu"),
+    "linux-aarch64 without a GPU": Scenario("linux-aarch64, no GPU", ["flash-attn"], "cpu", pytorch="cpu"),
+    "linux-aarch64 with a CUDA 13 driver": Scenario("linux-aarch64, CUDA 13 driver", ["flash-attn"], "cuda130", pytorch="cuda130"),
 }
 
 
@@ -194,5 +199,5 @@ def test_records_carry_the_run_exports(ours):
     assert ours["linux-64"]["cpu"]["build_number"] == 0
     # the CUDA builds: CEP-20 (their platform's subdir, noarch python in index.json); the CPU build: noarch
     assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())
-    assert {r["subdir"] for builds in ours.values() for k, r in builds.items() if k != "cpu"} == {"linux-64"}
+    assert {r["subdir"] for builds in ours.values() for k, r in builds.items() if k != "cpu"} == {"linux-64", "linux-aarch64"}
     assert ours["osx-arm64"]["cpu"]["subdir"] == "noarch"
