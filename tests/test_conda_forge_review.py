@@ -215,9 +215,9 @@ def test_declared_targets_drop_what_an_older_ptxas_cannot_assemble(monkeypatch):
 
 
 def test_default_targets_away_from_a_source_tree(monkeypatch, tmp_path):
-    """An installed package has no recipe beside it: its default is the list it was built for
-    (_C/build_config.json, which the recipe's builds record), else there is none and asking for it
-    says what to do."""
+    """An installed package has no recipe beside it: its default is what its build recorded in
+    _C/build_config.json (CMakeLists.txt: the recipe's list when the source had the recipe, and the
+    list it was built for), else there is none and asking for it says what to do."""
     from flash_attn.aot import archs
 
     package = tmp_path / "site-packages" / "flash_attn"
@@ -230,9 +230,11 @@ def test_default_targets_away_from_a_source_tree(monkeypatch, tmp_path):
         assert archs.default_cuda_archs() == ""
         with pytest.raises(ValueError, match="name them"):
             archs.parse_arch_list(None)
-        archs.default_cuda_archs.cache_clear()
-        (package / "_C" / "build_config.json").write_text(json.dumps({"cuda_archs": "80;90a"}))
-        assert archs.default_cuda_archs() == "80;90a"
+        for recorded, default in (({"cuda_archs": "none"}, ""), ({"cuda_archs": "80;90a"}, "80;90a"),
+                                  ({"cuda_archs": "none", "declared_cuda_archs": "80;120f"}, "80;120f")):
+            archs.default_cuda_archs.cache_clear()
+            (package / "_C" / "build_config.json").write_text(json.dumps(recorded))
+            assert archs.default_cuda_archs() == default, recorded
     finally:
         monkeypatch.undo()
         archs.default_cuda_archs.cache_clear()

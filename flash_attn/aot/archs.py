@@ -38,8 +38,8 @@ _RECIPE_ARCHS = re.compile(r'^  cuda_archs: "([^"]+)"$', re.M)
 @functools.cache
 def default_cuda_archs() -> str:
     """The declared build targets: the recipe's beside a source tree (a checkout, an sdist, a release
-    tarball), else the list an installed package was built for (its ``_C/build_config.json``), else
-    "" (none known: callers ask for a list)."""
+    tarball); for an installed package, what its build recorded in ``_C/build_config.json`` (the
+    recipe's list, else the list it was built for); else "" (none known: callers ask for a list)."""
     recipe = _SOURCE_ROOT / "recipe" / "recipe.yaml"
     if (_SOURCE_ROOT / "pyproject.toml").is_file() and recipe.is_file():
         match = _RECIPE_ARCHS.search(recipe.read_text())
@@ -49,7 +49,11 @@ def default_cuda_archs() -> str:
         config = json.loads((Path(__file__).resolve().parents[1] / "_C" / "build_config.json").read_text())
     except (OSError, ValueError):
         return ""
-    return str(config.get("cuda_archs") or "")
+    for key in ("declared_cuda_archs", "cuda_archs"):
+        value = str(config.get(key) or "").strip()
+        if value and value.lower() not in ("none", "native"):
+            return value
+    return ""
 
 
 def __getattr__(name: str):
