@@ -23,17 +23,17 @@ def is_rocm() -> bool:
     return bool(getattr(torch.version, "hip", None))
 
 
-def device_name(index: int) -> families.Device:
-    """How :func:`flash_attn.planning.families.arch_family` names CUDA device ``index``: its
+def device_name(device: torch.device) -> families.Device:
+    """How :func:`flash_attn.planning.families.arch_family` names CUDA ``device``: its
     ``gcnArchName`` under ROCm, else its compute capability."""
     if is_rocm():
-        return torch.cuda.get_device_properties(index).gcnArchName
-    return tuple(torch.cuda.get_device_capability(index))
+        return torch.cuda.get_device_properties(device).gcnArchName
+    return tuple(torch.cuda.get_device_capability(device))
 
 
-def family_reason(index: int) -> Optional[str]:
-    """Why the kernels have no family for CUDA device ``index`` (``None``: they have one)."""
-    name = device_name(index)
+def family_reason(device: torch.device) -> Optional[str]:
+    """Why the kernels have no family for CUDA ``device`` (``None``: they have one)."""
+    name = device_name(device)
     if not isinstance(name, str) and name < limits.MIN_CAPABILITY:
         return (f"compute capability {name[0]}.{name[1]} is below the kernels' minimum "
                 f"{limits.MIN_CAPABILITY[0]}.{limits.MIN_CAPABILITY[1]}")
@@ -44,6 +44,6 @@ def family_reason(index: int) -> Optional[str]:
     return None
 
 
-def family(index: int) -> str:
-    """The family of CUDA device ``index`` (``ValueError``: none, :func:`family_reason` says why)."""
-    return families.arch_family(device_name(index))
+def family(device: torch.device) -> str:
+    """The family of CUDA ``device`` (``ValueError``: none, :func:`family_reason` says why)."""
+    return families.arch_family(device_name(device))

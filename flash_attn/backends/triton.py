@@ -50,12 +50,13 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
         return f"triton is not installed ({exc})"
     if not torch.cuda.is_available():
         return "no CUDA device is available"
-    return devices.family_reason(device.index if device.index is not None else torch.cuda.current_device())
+    return devices.family_reason(device)
 
 
 @functools.lru_cache(maxsize=None)
 def _device_target(index: int) -> Target:
-    return Target(devices.family(index), torch.cuda.get_device_properties(index).multi_processor_count)
+    device = torch.device("cuda", index)
+    return Target(devices.family(device), torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _target(device) -> Target:

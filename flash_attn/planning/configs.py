@@ -152,11 +152,15 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # where the registers allow it; then the largest tiles.
 _A = Config
 _AMD: dict[str, dict[int, object]] = {
+    # MI300 (gfx942; MI350, gfx950, its child): 4 waves of 64 = 256 threads per program; fused
+    # backward (native fp32 atomics), 128 keys per dK/dV program up to d128. Each entry the
+    # largest tile without scratch (and at two waves per SIMD where one exists):
+    # d128's forward 128x64 keeps 80 B of scratch at two waves, so 128x32.
     "cdna3": {
-        32: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 64, 4, 1), None),
-        64: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 64, 4, 1), None),
-        128: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 64, 4, 1), None),
-        256: (_A(64, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), None),
+        32: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 32, 4, 1), _A(16, 128, 4, 1)),
+        64: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 32, 4, 1), _A(16, 128, 4, 1)),
+        128: (_A(128, 32, 4, 2, waves_per_eu=2), _A(16, 128, 4, 1), _A(128, 64, 4, 1), _A(16, 128, 4, 1)),
+        256: (_A(128, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), _A(16, 128, 4, 1)),
     },
     "rdna3": {
         32: (_A(64, 64, 4, 2), _A(32, 64, 4, 1), _A(64, 32, 4, 1), None),
@@ -222,6 +226,10 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
     ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
+    # MI300: the lean d64 forward keeps 792 B of scratch with the features' tiles, d128 1.2 KB
+    # (128x32 at two waves: 124 B); at one wave none. d128's dQ 128x64: 480 B
+    ("fwd", "cdna3"): (None, _C(128, 32, 4, 2, waves_per_eu=2), _C(128, 32, 4, 2), None),
+    ("bwd_dq", "cdna3"): (None, None, _C(128, 32, 4, 1), None),
 }
 
 # The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry

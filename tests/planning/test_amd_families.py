@@ -12,7 +12,6 @@ compiles them for the target; no GPU runs them).
 from __future__ import annotations
 
 import runpy
-import types
 from pathlib import Path
 
 import pytest
@@ -22,18 +21,10 @@ from flash_attn import limits
 from flash_attn.aot import specializations as S
 from flash_attn.params import AttentionParams, KVCacheInputs
 from flash_attn.planning import configs, decode_configs as dc, families, plan as P
+from support import rocm
 
 KB = 1024
-# gcnArchName as ROCm PyTorch reports it, and the family each belongs to (what the oracle states)
-DEVICES = {
-    "gfx942:sramecc+:xnack-": "cdna3",   # MI300X
-    "gfx950:sramecc+:xnack-": "cdna4",   # MI355X
-    "gfx1100": "rdna3",                   # RX 7900 XTX
-    "gfx1101": "rdna3",                   # RX 7800 XT
-    "gfx1201": "rdna4",                   # RX 9070 XT
-    "gfx1200": "rdna4",                   # RX 9060 XT
-}
-CUS = {"cdna3": 304, "cdna4": 256, "rdna3": 96, "rdna4": 64}
+DEVICES = {name: family for name, (family, _) in rocm.DEVICES.items()}
 AMD = families.of_vendor("amd")
 
 
@@ -151,41 +142,26 @@ def test_a_refused_bucket_is_refused_with_its_reason_by_the_planner(refused_256)
 
 
 @pytest.fixture
-def rocm(monkeypatch):
-    """PyTorch answering as ROCm with one AMD GPU; ``rocm(gcn_arch)`` picks which."""
+def rocm_device(monkeypatch):
+    """``rocm_device(gcn_arch)``: PyTorch answering as ROCm with that AMD GPU (support/rocm.py)."""
     from flash_attn.backends import triton as triton_backend
 
-    def use(gcn_arch: str):
-        family = families.arch_family(gcn_arch) if gcn_arch in DEVICES else None
-        props = types.SimpleNamespace(gcnArchName=gcn_arch, multi_processor_count=CUS.get(family, 104),
-                                      name=f"AMD {gcn_arch}", warp_size=64 if (family or "").startswith("cdna") else 32)
-        monkeypatch.setattr(torch.version, "hip", "7.1.25424", raising=False)
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
-        # ROCm's stand-in capability (9.4 on gfx942): never read for the family
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
-        triton_backend._device_target.cache_clear()
-        return triton_backend
-
-    yield use
-    from flash_attn.backends import triton as triton_backend
+    yield lambda gcn_arch: rocm.simulate(monkeypatch, gcn_arch)
     triton_backend._device_target.cache_clear()
 
 
 @pytest.mark.parametrize("gcn_arch,family", list(DEVICES.items()))
-def test_triton_backend_takes_a_rocm_device_with_its_family_tables(rocm, monkeypatch, gcn_arch, family):
+def test_triton_backend_takes_a_rocm_device_with_its_family_tables(rocm_device, monkeypatch, gcn_arch, family):
     """On ROCm PyTorch the triton backend runs (the aot backend refuses: its images are NVIDIA's),
     plans with the family's tables and CU count, and hands Triton the family's AMD knobs."""
     from flash_attn.backends import aot
 
-    triton_backend = rocm(gcn_arch)
+    triton_backend = rocm_device(gcn_arch)
     cuda = torch.device("cuda", 0)
     assert triton_backend.unavailable_reason(cuda) is None
     assert "not ROCm" in aot.unavailable_reason(cuda)
     target = triton_backend._target(cuda)
-    assert target == P.Target(family, CUS[family])
+    assert target == P.Target(family, rocm.DEVICES[gcn_arch][1])
 
     launched = []
     monkeypatch.setattr(triton_backend, "_ensure_scratch_allocator", lambda: None)
@@ -229,11 +205,11 @@ def _slots(launch):
 
 
 @pytest.mark.parametrize("gcn_arch,family", list(DEVICES.items()))
-def test_planner_choices_on_each_simulated_family(rocm, monkeypatch, gcn_arch, family):
+def test_planner_choices_on_each_simulated_family(rocm_device, monkeypatch, gcn_arch, family):
     """Forward, backward (fused where the family's table has it, split otherwise and for
     deterministic=True) and the KV cache, planned for the device the backend finds: every launch
     in the family's configs, its split count from the device's CUs."""
-    target = rocm(gcn_arch)._target(torch.device("cuda", 0))
+    target = rocm_device(gcn_arch)._target(torch.device("cuda", 0))
     params = AttentionParams(64 ** -0.5, -1, 0)
     q = torch.empty(4, 1024, 16, 64, dtype=torch.float16, device="meta")
     kv = torch.empty(4, 1024, 4, 64, dtype=torch.float16, device="meta")
@@ -260,13 +236,13 @@ def test_planner_choices_on_each_simulated_family(rocm, monkeypatch, gcn_arch, f
     monkeypatch.setattr(kvcache, "choose_num_splits", lambda *args: sms.append(args[3]) or 4)
     dec = P.plan_kvcache(P.describe_kvcache(step, params, cache), target)
     split = next(launch for launch in dec.launches if launch.kernel == "split_kv_kernel")
-    assert split.config == dc.bucket_configs(family, 64)[0] and sms == [CUS[family]]
+    assert split.config == dc.bucket_configs(family, 64)[0] and sms == [rocm.DEVICES[gcn_arch][1]]
 
 
-def test_an_unsupported_amd_gpu_runs_the_reference_with_the_reason(rocm):
+def test_an_unsupported_amd_gpu_runs_the_reference_with_the_reason(rocm_device):
     from flash_attn import dispatch
 
-    triton_backend = rocm("gfx90a:sramecc+:xnack-")
+    triton_backend = rocm_device("gfx90a:sramecc+:xnack-")
     reason = triton_backend.unavailable_reason(torch.device("cuda", 0))
     assert "AMD GPU gfx90a is in no GPU family" in reason
     dispatch.reset()
