@@ -162,11 +162,23 @@ _AMD: dict[str, dict[int, object]] = {
         128: (_A(128, 32, 4, 2, waves_per_eu=2), _A(16, 128, 4, 1), _A(128, 64, 4, 1), _A(16, 128, 4, 1)),
         256: (_A(128, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), _A(16, 128, 4, 1)),
     },
+    # RX 7000 (gfx1100/1101): 32-thread waves, WMMA on 16-row tiles per wave, whose operands take
+    # twice the registers of RDNA4's: the backward spills with every tile (the least the sweep
+    # found: d64 dK/dV 88 B, dQ 304 B; d128 forward 204 B, dK/dV 912 B, dQ 780 B). Its float
+    # atomics are compare-and-swap loops: the split backward, no fused one.
     "rdna3": {
-        32: (_A(64, 64, 4, 2), _A(32, 64, 4, 1), _A(64, 32, 4, 1), None),
-        64: (_A(64, 64, 4, 2), _A(32, 64, 4, 1), _A(64, 32, 4, 1), None),
-        128: (_A(64, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), None),
-        256: (_A(32, 32, 4, 2), _A(16, 32, 4, 1), _A(32, 32, 4, 1), None),
+        32: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        128: (_A(64, 16, 4, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
+        256: (_A(64, 16, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
+    },
+    # RX 9000 (gfx1201/1200): none of its lean images spills up to d64; d128's dK/dV keeps 276 B.
+    # Native float atomics, but the fused backward spills where the split kernels do not.
+    "rdna4": {
+        32: (_A(128, 64, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_A(128, 64, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        128: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
+        256: (_A(64, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
     },
 }
 

@@ -131,6 +131,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Radeon (RDNA) runs 32-thread waves and WMMA
     Family("rdna3", "amd", GcnArchs(("gfx1100", "gfx1101")), 64 * KB, "wmma", None, wave_size=32,
            gpus="RX 7900 XTX / XT / GRE, PRO W7900 / W7800 (gfx1100), RX 7800 XT / 7700 XT, PRO W7700 (gfx1101)"),
+    # WMMA whose operands take half RDNA3's registers: its own tiles; RDNA3's decode rows
     Family("rdna4", "amd", GcnArchs(("gfx1201", "gfx1200")), 64 * KB, "wmma", None, wave_size=32,
            config_parent="rdna3", gpus="RX 9070 XT / 9070, AI PRO R9700 (gfx1201), RX 9060 XT (gfx1200)"),
 )}
