@@ -15,7 +15,7 @@ import torch
 from flash_attn import limits
 from flash_attn.planning import families
 
-__all__ = ["is_rocm", "device_name", "family", "family_reason"]
+__all__ = ["is_rocm", "device_name", "family", "family_reason", "takes_tf32"]
 
 
 def is_rocm() -> bool:
@@ -47,3 +47,14 @@ def family_reason(device: torch.device) -> Optional[str]:
 def family(device: torch.device) -> str:
     """The family of CUDA ``device`` (``ValueError``: none, :func:`family_reason` says why)."""
     return families.arch_family(device_name(device))
+
+
+def takes_tf32(device: torch.device) -> bool:
+    """Whether Triton compiles fp32 products in TF32 for CUDA ``device``: every NVIDIA GPU the
+    kernels run on; on AMD only the families that have it (CDNA3's XF32), none of no family."""
+    if not is_rocm():
+        return True
+    try:
+        return families.get(family(device)).tf32
+    except ValueError:
+        return False

@@ -93,6 +93,9 @@ class Family:
     gpus: str = ""  # for the reader
     # threads of one warp (AMD: one wavefront): a program runs num_warps * wave_size threads
     wave_size: int = 32
+    # fp32 products on the matrix instructions in TF32 (AMD: CDNA3's XF32, the only AMD target
+    # for which Triton takes input_precision="tf32")
+    tf32: bool = True
 
     def __post_init__(self):
         if self.mma not in MMA_KINDS:
@@ -127,12 +130,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            gpus="Instinct MI300X / MI300A / MI325X"),
     # 160 KB of LDS and MFMA with twice the K of CDNA3's: its own rows where that changes the choice
     Family("cdna4", "amd", GcnArchs(("gfx950",)), 160 * KB, "mfma", None, wave_size=64, config_parent="cdna3",
-           gpus="Instinct MI350X / MI355X"),
+           gpus="Instinct MI350X / MI355X", tf32=False),
     # Radeon (RDNA) runs 32-thread waves and WMMA
-    Family("rdna3", "amd", GcnArchs(("gfx1100", "gfx1101")), 64 * KB, "wmma", None, wave_size=32,
+    Family("rdna3", "amd", GcnArchs(("gfx1100", "gfx1101")), 64 * KB, "wmma", None, wave_size=32, tf32=False,
            gpus="RX 7900 XTX / XT / GRE, PRO W7900 / W7800 (gfx1100), RX 7800 XT / 7700 XT, PRO W7700 (gfx1101)"),
     # WMMA whose operands take half RDNA3's registers: its own tiles; RDNA3's decode rows
-    Family("rdna4", "amd", GcnArchs(("gfx1201", "gfx1200")), 64 * KB, "wmma", None, wave_size=32,
+    Family("rdna4", "amd", GcnArchs(("gfx1201", "gfx1200")), 64 * KB, "wmma", None, wave_size=32, tf32=False,
            config_parent="rdna3", gpus="RX 9070 XT / 9070, AI PRO R9700 (gfx1201), RX 9060 XT (gfx1200)"),
 )}
 

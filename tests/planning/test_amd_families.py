@@ -12,6 +12,7 @@ compiles them for the target; no GPU runs them).
 from __future__ import annotations
 
 import runpy
+import types
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,33 @@ def test_an_unsupported_amd_gpu_runs_the_reference_with_the_reason(rocm_device):
     finally:
         dispatch.reset()
     assert first == "reference" and any("gfx90a" in r for r in reasons)
+
+
+@pytest.mark.parametrize("gcn_arch,family", [(rocm.BY_FAMILY[f], f) for f in AMD] + [("gfx90a:sramecc+:xnack-", None)])
+def test_the_fused_linear_asks_for_tf32_only_where_triton_has_it(rocm_device, gcn_arch, family):
+    """``flash_attn.ops.triton.linear`` on fp32 with TF32 allowed: Triton's AMD backend takes
+    ``input_precision="tf32"`` on CDNA3 only (XF32) and refuses to compile it elsewhere, so the
+    other AMD GPUs get exact fp32 products. Compiled here for each family's GPU."""
+    pytest.importorskip("triton")
+    from flash_attn.kernel_build import amd
+    from flash_attn.ops.triton import linear
+
+    rocm_device(gcn_arch)
+    x = types.SimpleNamespace(dtype=torch.float32, is_cuda=True, device=torch.device("cuda", 0))
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        precision = linear._input_precision(x)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    assert precision == ("tf32" if family == "cdna3" else "ieee")
+    if family is None:
+        return
+    kernel, kwargs = amd._recorded(linear, lambda: linear._linear_act_triton(
+        torch.randn(64, 64), torch.randn(64, 64), None, "id", False))[0]
+    compiled = amd.compile_launch(kernel, {**kwargs, "INPUT_PRECISION": precision}, family)
+    assert "v_" + families.get(family).mma in compiled.asm["amdgcn"] or precision == "ieee"
+    if precision == "ieee":  # what TF32 would have done there
+        with pytest.raises(Exception) as refused:
+            amd.compile_launch(kernel, {**kwargs, "INPUT_PRECISION": "tf32"}, family)
+        assert "tf32" in str(refused.value.__cause__ or refused.value)
