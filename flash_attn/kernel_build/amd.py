@@ -25,6 +25,7 @@ shown without one.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ from flash_attn.aot import specializations as S
 from flash_attn.kernel_build import amd_report
 from flash_attn.planning import configs, declarations, decode_configs, families
 
-__all__ = ["AMD_FAMILIES", "OPS_KERNELS", "jobs_for", "compile_spec", "compile_launch", "ops_launches", "run_job",
+__all__ = ["AMD_FAMILIES", "jobs_for", "compile_spec", "compile_launch", "ops_launches", "run_job",
            "build", "summary", "REPORT"]
 
 AMD_FAMILIES = families.of_vendor("amd")
@@ -82,7 +83,8 @@ def jobs_for(family: str, dtypes=S.DTYPES, subset: bool = False) -> list[dict]:
                      if configs.refusal(constexprs["BLOCK_D"], family) is None]
         jobs += [_spec_job(family, spec, config) for spec, config in launches]
         jobs += [{"family": family, "source": "ops", "kernel": name, "dtype": dtype, "block_d": None,
-                  "features": False, "key": f"{name}.{dtype}"} for name in OPS_KERNELS]
+                  "features": False, "key": f"{name}.{dtype}.{_launch_digest(kwargs)}"}
+                 for name, (_, kwargs) in ops_launches(dtype).items()]
     if subset:
         jobs = _subset(jobs)
     return jobs
@@ -172,8 +174,17 @@ def _linear_launches(dtype):
 
 
 _OPS_GROUPS = (_norm_launches, _loss_launches, _rotary_launches, _linear_launches)
-OPS_KERNELS = ("norm_forward_kernel", "norm_backward_kernel", "_row_stats_kernel", "_grad_kernel", "_rotary_kernel",
-               "_linear_act_kernel", "_dgrad_act_kernel")
+
+
+def _launch_digest(kwargs: dict) -> str:
+    """A short digest of what a recorded launch compiles from: its tensors' dtypes and every other
+    argument's value (the sizes and strides among them: Triton specialises on their divisibility),
+    so that a changed launch is a new job."""
+    import torch  # noqa: PLC0415
+
+    described = sorted((name, str(value.dtype) if isinstance(value, torch.Tensor) else repr(value))
+                       for name, value in kwargs.items())
+    return hashlib.sha1(json.dumps(described).encode()).hexdigest()[:6]
 
 
 def ops_launches(dtype: str) -> dict:
@@ -266,15 +277,22 @@ def run_job(job: dict) -> dict:
 
 
 def build(family_names=AMD_FAMILIES, dtypes=S.DTYPES, subset: bool = False, jobs: Optional[int] = None,
-          quiet: bool = False, fresh_cache: bool = True) -> dict:
-    """Compile every job of ``family_names`` in ``jobs`` processes; the report (rows and summary)."""
+          quiet: bool = False, fresh_cache: bool = True, reuse: Optional[dict] = None) -> dict:
+    """Compile every job of ``family_names`` in ``jobs`` processes; the report (rows and summary).
+    ``reuse``: an earlier report of the same Triton, whose rows of the same jobs (family and key)
+    are kept instead of compiled again (after a change of a few launch configs)."""
     import triton  # noqa: PLC0415
 
     from flash_attn.kernel_build.build import _Progress, _fresh_triton_cache  # noqa: PLC0415
 
     work = [job for family in family_names for job in jobs_for(family, dtypes, subset)]
+    kept = {}
+    if reuse is not None and reuse.get("triton") == triton.__version__:
+        earlier = {(r["family"], r["key"]): r for r in reuse["kernels"] if "error" not in r}
+        kept = {(j["family"], j["key"]): earlier[(j["family"], j["key"])] for j in work
+                if (j["family"], j["key"]) in earlier}
+        work = [j for j in work if (j["family"], j["key"]) not in kept]
     workers = int(jobs or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
-    rows = []
     start = time.time()
     with _fresh_triton_cache(fresh_cache):
         progress = _Progress(len(work), quiet)
@@ -282,8 +300,9 @@ def build(family_names=AMD_FAMILIES, dtypes=S.DTYPES, subset: bool = False, jobs
             rows = _run(work, workers, progress)
         finally:
             progress.close()
+    rows += list(kept.values())
     rows.sort(key=lambda r: (r["family"], r["kernel"], r["dtype"], r["block_d"] or 0, r["features"], r["key"]))
-    return {"format": FORMAT, "triton": triton.__version__, "subset": subset, "jobs": workers,
+    return {"format": FORMAT, "triton": triton.__version__, "subset": subset, "jobs": workers, "reused": len(kept),
             "wall_seconds": round(time.time() - start, 1), "families": summary(rows), "kernels": rows}
 
 
@@ -369,6 +388,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile processes (default: CPUs)")
     parser.add_argument("--output", "-o", default=REPORT, help=f"the report (default: ./{REPORT})")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    parser.add_argument("--reuse", default=None,
+                        help="an earlier report: its rows of unchanged jobs are kept, the rest compiled")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -378,7 +399,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown AMD families {unknown}; known: {', '.join(AMD_FAMILIES)}", file=sys.stderr)
         return 2
     dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
-    report = build(names, dtypes, args.subset, args.jobs, args.quiet)
+    reuse = json.loads(Path(args.reuse).read_text()) if args.reuse else None
+    report = build(names, dtypes, args.subset, args.jobs, args.quiet, reuse=reuse)
     Path(args.output).write_text(json.dumps(report, indent=1, sort_keys=True))
     print(render(report))
     print(f"{sum(s['images'] for s in report['families'].values())} images in {report['wall_seconds']:.0f} s "

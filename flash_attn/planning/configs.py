@@ -79,6 +79,14 @@ class Refused(NamedTuple):
     reason: str
 
 
+class WithFeatures(NamedTuple):
+    """An entry of an AMD row whose score-features variant takes its own config (the features'
+    extra live tiles spill in the lean one)."""
+
+    lean: Optional[Config]
+    features: Config
+
+
 HEADDIM_BUCKETS = limits.HEADDIM_BUCKETS
 # The score-features variant is built from head-dim bucket 64 up: smaller head dims run on the 64
 # kernels exactly (run-time head-dim mask).
@@ -150,16 +158,19 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # instructions and the LDS within the workgroup's limit; on CDNA no scratch at head dims <= 128,
 # on RDNA the least scratch any tile reaches; then at least two waves per SIMD (waves_per_eu=2)
 # where the registers allow it; then the largest tiles.
-_A = Config
+_A, _WF = Config, WithFeatures
 _AMD: dict[str, dict[int, object]] = {
     # MI300 (gfx942; MI350, gfx950, its child): 4 waves of 64 = 256 threads per program; fused
     # backward (native fp32 atomics), 128 keys per dK/dV program up to d128. Each entry the
-    # largest tile without scratch (and at two waves per SIMD where one exists):
-    # d128's forward 128x64 keeps 80 B of scratch at two waves, so 128x32.
+    # largest tile without scratch (and at two waves per SIMD where one exists): d128's forward
+    # 128x64 keeps 80 B of scratch at two waves, so 128x32. With the score features, the d64
+    # forward keeps 792 B (at two waves; 28 B on gfx950 with 128x32), d128 1.2 KB; d128's dQ 480 B.
     "cdna3": {
         32: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 32, 4, 1), _A(16, 128, 4, 1)),
-        64: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 32, 4, 1), _A(16, 128, 4, 1)),
-        128: (_A(128, 32, 4, 2, waves_per_eu=2), _A(16, 128, 4, 1), _A(128, 64, 4, 1), _A(16, 128, 4, 1)),
+        64: (_WF(_A(128, 64, 4, 2, waves_per_eu=2), _A(128, 32, 4, 2)), _A(32, 128, 4, 1), _A(128, 32, 4, 1),
+             _A(16, 128, 4, 1)),
+        128: (_WF(_A(128, 32, 4, 2, waves_per_eu=2), _A(128, 32, 4, 2)), _A(16, 128, 4, 1),
+              _WF(_A(128, 64, 4, 1), _A(128, 32, 4, 1)), _A(16, 128, 4, 1)),
         256: (_A(128, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), _A(16, 128, 4, 1)),
     },
     # RX 7000 (gfx1100/1101): 32-thread waves, WMMA on 16-row tiles per wave, whose operands take
@@ -168,7 +179,7 @@ _AMD: dict[str, dict[int, object]] = {
     # atomics are compare-and-swap loops: the split backward, no fused one.
     "rdna3": {
         32: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
-        64: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_WF(_A(128, 32, 8, 2), _A(128, 16, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
         128: (_A(64, 16, 4, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
         256: (_A(64, 16, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
     },
@@ -176,39 +187,39 @@ _AMD: dict[str, dict[int, object]] = {
     # Native float atomics, but the fused backward spills where the split kernels do not.
     "rdna4": {
         32: (_A(128, 64, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
-        64: (_A(128, 64, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_WF(_A(128, 64, 8, 2), _A(128, 32, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
         128: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
         256: (_A(64, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
     },
 }
 
 
-def _amd_rows(rows_by_family: dict) -> tuple[dict, dict]:
-    """``(table rows, refused buckets)`` of the bucket-major AMD rows: ``(kind, family) -> one
-    entry per bucket`` for :data:`_TABLE`, ``(family, bucket) -> reason`` for :func:`refusal`."""
+def _amd_rows(rows_by_family: dict) -> tuple[dict, dict, dict]:
+    """``(table rows, features rows, refused buckets)`` of the bucket-major AMD rows: ``(kind,
+    family) -> one entry per bucket`` for :data:`_TABLE` and :data:`_FEATURES_TABLE` (``None``: the
+    lean entry), ``(family, bucket) -> reason`` for :func:`refusal`."""
     table: dict = {}
+    features: dict = {}
     refused: dict = {}
     for family, rows in rows_by_family.items():
         if set(rows) != set(HEADDIM_BUCKETS):
             raise ValueError(f"AMD launch configs of {family}: rows for head-dim buckets {sorted(rows)}; one per "
                              f"head-dim bucket {HEADDIM_BUCKETS} expected (a config tuple or Refused(why))")
+        for bucket, row in rows.items():
+            if isinstance(row, Refused):
+                refused[(family, bucket)] = row.reason
+            elif len(row) != len(KINDS):
+                raise ValueError(f"AMD launch configs of {family}, head dim {bucket}: {len(row)} entries; one per "
+                                 f"kind {KINDS} expected")
         for i, kind in enumerate(KINDS):
-            entries = []
-            for bucket in HEADDIM_BUCKETS:
-                row = rows[bucket]
-                if isinstance(row, Refused):
-                    refused[(family, bucket)] = row.reason
-                    entries.append(None)
-                elif len(row) != len(KINDS):
-                    raise ValueError(f"AMD launch configs of {family}, head dim {bucket}: {len(row)} entries; one "
-                                     f"per kind {KINDS} expected")
-                else:
-                    entries.append(row[i])
-            table[(kind, family)] = tuple(entries)
-    return table, refused
+            entries = [None if isinstance(rows[b], Refused) else rows[b][i] for b in HEADDIM_BUCKETS]
+            table[(kind, family)] = tuple(e.lean if isinstance(e, WithFeatures) else e for e in entries)
+            if any(isinstance(e, WithFeatures) for e in entries):
+                features[(kind, family)] = tuple(e.features if isinstance(e, WithFeatures) else None for e in entries)
+    return table, features, refused
 
 
-_AMD_TABLE, _REFUSED = _amd_rows(_AMD)
+_AMD_TABLE, _AMD_FEATURES, _REFUSED = _amd_rows(_AMD)
 _TABLE.update(_AMD_TABLE)
 
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
@@ -238,11 +249,8 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
     ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
-    # MI300: the lean d64 forward keeps 792 B of scratch with the features' tiles, d128 1.2 KB
-    # (128x32 at two waves: 124 B); at one wave none. d128's dQ 128x64: 480 B
-    ("fwd", "cdna3"): (None, _C(128, 32, 4, 2, waves_per_eu=2), _C(128, 32, 4, 2), None),
-    ("bwd_dq", "cdna3"): (None, None, _C(128, 32, 4, 1), None),
 }
+_FEATURES_TABLE.update(_AMD_FEATURES)  # AMD: in its rows above (WithFeatures)
 
 # The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry
 # their own tile where the sweep measured one faster for them than the lean entry, which serves

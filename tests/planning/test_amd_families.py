@@ -118,7 +118,7 @@ def test_amd_rows_are_one_per_bucket_and_a_missing_one_fails_loudly(monkeypatch)
 def refused_256(monkeypatch):
     """cdna3's head-dim-256 row made a refusal (what a bucket a family cannot run looks like)."""
     why = "made up for the test"
-    table, refused = configs._amd_rows({**configs._AMD, "cdna3": {**configs._AMD["cdna3"], 256: configs.Refused(why)}})
+    table, _, refused = configs._amd_rows({**configs._AMD, "cdna3": {**configs._AMD["cdna3"], 256: configs.Refused(why)}})
     monkeypatch.setattr(configs, "_REFUSED", refused)
     monkeypatch.setattr(configs, "_TABLE", {**configs._TABLE, **table})
     return why

@@ -207,13 +207,15 @@ def _kernel_applies(x: Tensor) -> bool:
 
 
 def _input_precision(x: Tensor) -> str:
-    """``"tf32"`` where PyTorch allows it and Triton has it for the device (ROCm: CDNA3 only,
-    :func:`flash_attn.backends.devices.takes_tf32`), else exact fp32 products."""
-    if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    """fp32 products: ``"tf32"`` where PyTorch allows it and Triton has it for the device (ROCm:
+    CDNA3 only, :func:`flash_attn.backends.devices.takes_tf32`), else exact. fp16/bf16 operands
+    have no choice: ``"ieee"``, which every backend accepts (Triton's AMD one refuses ``"tf32"``
+    for them too, but on CDNA3)."""
+    if x.dtype != torch.float32 or not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
-    if x.dtype == torch.float32 and x.is_cuda and not devices.takes_tf32(x.device):
+    if x.is_cuda and not devices.takes_tf32(x.device):
         return "ieee"
-    return "tf32"  # ignored by tl.dot for fp16/bf16 operands
+    return "tf32"
 
 
 def _grid(M: int, N: int, tiles: _Tiles):
