@@ -52,12 +52,18 @@ PROBS_KERNEL = "attn_probs_kernel"
 # --- what is compiled ---------------------------------------------------------------------------
 
 
+# the AMD knobs of a config as they appear in a job's key, where they differ from Triton's defaults
+_KNOB_KEYS = (("waves_per_eu", "wpe", 0), ("matrix_instr_nonkdim", "nonk", 0), ("kpack", "kp", 1))
+
+
 def _spec_job(family: str, spec: S.Spec, config: configs.Config) -> dict:
     from dataclasses import asdict  # noqa: PLC0415
 
+    knobs = "".join(f".{short}{getattr(config, name)}" for name, short, default in _KNOB_KEYS
+                    if getattr(config, name) != default)
     return {"family": family, "source": "spec", "kernel": spec.kernel, "dtype": spec.dtype, "block_d": spec.block_d,
             "features": declarations.get(spec.kernel).has_features and bool(dict(spec.flags).get("HAS_SOFTCAP")),
-            "key": spec.key,
+            "key": spec.key + knobs,
             "spec": {**asdict(spec), "flags": [list(x) for x in spec.flags]}, "config": list(config)}
 
 
@@ -243,16 +249,22 @@ def _row(job: dict, compiled, seconds: float) -> dict:
     row = {k: job[k] for k in ("family", "kernel", "dtype", "block_d", "features", "key", "source")}
     row.update(arch=families.triton_target(job["family"])[1], compile_seconds=round(seconds, 2),
                num_warps=int(compiled.metadata.num_warps), num_stages=int(compiled.metadata.num_stages))
-    if job["source"] == "spec":
-        config = configs.Config(*job["config"])
-        row["config"] = {name: getattr(config, name) for name in
-                         ("block_m", "block_n", "waves_per_eu", "matrix_instr_nonkdim", "kpack")}
+    row["config"] = _config(job)
     row.update(amd_report.analyse(compiled.asm.get("ttgir", ""), compiled.asm.get("amdgcn", ""), kind=kind,
                                   block_n=block_n, num_warps=int(compiled.metadata.num_warps),
                                   wave_size=family.wave_size, lds=int(compiled.metadata.shared),
                                   lds_limit=family.shared_memory))
     row["misses"] = amd_report.target_misses(row)
     return row
+
+
+def _config(job: dict) -> Optional[dict]:
+    """The launch config of a spec job as its report row records it (``None`` for the ops)."""
+    if job["source"] != "spec":
+        return None
+    config = configs.Config(*job["config"])
+    return {name: getattr(config, name) for name in ("block_m", "block_n", "waves_per_eu", "matrix_instr_nonkdim",
+                                                     "kpack")}
 
 
 def run_job(job: dict) -> dict:
@@ -290,7 +302,7 @@ def build(family_names=AMD_FAMILIES, dtypes=S.DTYPES, subset: bool = False, jobs
     if reuse is not None and reuse.get("triton") == triton.__version__:
         earlier = {(r["family"], r["key"]): r for r in reuse["kernels"] if "error" not in r}
         kept = {(j["family"], j["key"]): earlier[(j["family"], j["key"])] for j in work
-                if (j["family"], j["key"]) in earlier}
+                if (j["family"], j["key"]) in earlier and earlier[(j["family"], j["key"])].get("config") == _config(j)}
         work = [j for j in work if (j["family"], j["key"]) not in kept]
     workers = int(jobs or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
     start = time.time()

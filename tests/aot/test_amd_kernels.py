@@ -101,13 +101,17 @@ def test_every_image_of_the_checked_in_report_meets_the_targets(full_report):
 
 def test_rdna_scratch_is_recorded_and_bounded(full_report):
     """RDNA's registers cannot hold every tile (WMMA keeps 16 rows per wave): its scratch is
-    recorded per image, and no image spills more than the largest the sweep left (README)."""
+    recorded per image, and no image keeps more than the most the tables were chosen with
+    (benchmarks/README.md, "AMD and Intel GPUs"; a table change that spills more fails here)."""
     for row in full_report["kernels"]:
         if families.get(row["family"]).mma == "wmma":
             assert isinstance(row["spill_bytes"], int)
-            assert row["spill_bytes"] <= RDNA_MOST_SCRATCH.get(row["block_d"] or 0, 0), (row["key"], row["spill_bytes"])
+            bound = RDNA_MOST_SCRATCH[row["family"]][row["block_d"] or 0]
+            assert row["spill_bytes"] <= bound, (row["key"], row["spill_bytes"], bound)
 
 
-# The most scratch (bytes) any RDNA image of a head-dim bucket keeps, as benchmarks/README.md
-# ("AMD") records them; 0: none may spill (the ops kernels: no head dim).
-RDNA_MOST_SCRATCH = {0: 0, 32: 1024, 64: 1024, 128: 2048, 256: 4096}
+# The most scratch (bytes) of any RDNA image per head-dim bucket (0: the ops kernels, which have
+# none), as the report of 2026-11-29 found them with the tables' tiles: the least the sweep reached
+# for the images that spill most (benchmarks/README.md).
+RDNA_MOST_SCRATCH = {"rdna3": {0: 20, 32: 0, 64: 720, 128: 924, 256: 2632},
+                     "rdna4": {0: 0, 32: 0, 64: 112, 128: 360, 256: 1464}}
