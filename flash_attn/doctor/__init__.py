@@ -18,7 +18,8 @@ check                      problem
                            is demangled and explained (C++ ABI / PyTorch version mismatch)
 ``torch-missing``          PyTorch cannot be imported
 ``torch-cpu-build``        a CPU build of PyTorch on a machine with an NVIDIA GPU
-``torch-rocm``             a ROCm build of PyTorch (the kernels target NVIDIA GPUs)
+``torch-rocm``             a ROCm build of PyTorch: which AMD GPUs run the Triton kernels (and
+                           that Triton is missing, where it is)
 ``driver-too-old``         the driver's CUDA version is older than the major CUDA version that
                            PyTorch (or the op library) was built with
 ``torch-cuda-unusable``    a CUDA PyTorch that cannot use the GPUs the driver sees
@@ -33,6 +34,7 @@ check                      problem
 ``backend-env``            ``FLASH_ATTN_BACKEND`` is invalid or cannot run on a GPU
 ``fused-ops``              what ``flash_attn.ops.triton`` (norms, loss, rotary) runs on the GPUs:
                            Triton's JIT (information), or without Triton the PyTorch path
+``other-gpus``             Intel (xpu) or Apple (mps) GPUs: the reference backend, and why
 ``no-gpu``                 no NVIDIA GPU is visible (information)
 =========================  ======================================================================
 

@@ -85,12 +85,13 @@ def layouts(ttgir: str) -> dict:
 def replication(layout: dict, shape: list) -> int:
     """How many warps hold each element of a ``shape`` tensor in ``layout`` (1: none replicated)."""
     kind = layout.get("kind")
-    if kind == "nvidia_mma":
+    if kind in ("nvidia_mma", "amd_mfma"):
         wm, wn = layout["warpsPerCTA"][-2:]
+        instr_m = 16 if kind == "nvidia_mma" else layout["instrShape"][0]
         instr_n = layout["instrShape"][1]
         m, n = shape[-2:]
-        return max(1, wm * 16 // m) * max(1, wn * instr_n // n)
-    if kind == "linear" and "warp" in layout:
+        return max(1, wm * instr_m // m) * max(1, wn * instr_n // n)
+    if kind in ("linear", "amd_wmma") and "warp" in layout:  # WMMA's warps as linear bases
         return 2 ** sum(1 for basis in layout["warp"] if not any(basis))
     if kind == "blocked":
         factor = 1
@@ -130,8 +131,8 @@ def dots(ttgir: str) -> list[dict]:
         result = defs.get(c[2] or "", {})
         entry = {"family": op, "shape": [m, n, k]}
         if op == "dot":
-            entry["family"] = {2: "mma.sync", 3: "wgmma"}.get(result.get("version"), "fma")
-        if result.get("kind") == "nvidia_mma":
+            entry["family"] = _dot_family(result)
+        if result.get("kind") in ("nvidia_mma", "amd_mfma"):
             entry["warps"] = result["warpsPerCTA"][-2:]
             entry["instr_n"] = result["instrShape"][1]
             entry["replication"] = replication(result, [m, n])
@@ -147,6 +148,16 @@ def dots(ttgir: str) -> list[dict]:
         entry["in_loop"] = bool(inside)
         out.append(entry)
     return out
+
+
+def _dot_family(result: dict) -> str:
+    """The matrix instructions of a ``tt.dot`` whose result has layout ``result``: NVIDIA's by
+    the MMA version, AMD's by the layout (``amd_mfma``: CDNA's MFMA, ``amd_wmma``: RDNA's WMMA);
+    ``fma`` for a product Triton computes with plain multiply-adds."""
+    kind = result.get("kind")
+    if kind == "nvidia_mma":
+        return {2: "mma.sync", 3: "wgmma"}.get(result.get("version"), "fma")
+    return {"amd_mfma": "mfma", "amd_wmma": "wmma"}.get(kind, "fma")
 
 
 def _loops(ttgir: str) -> list[tuple[int, int]]:

@@ -3,9 +3,14 @@
 A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, with three switches where the
 kernels have them: ``tma`` (tensor-descriptor loads, :func:`uses_tma`), ``ws`` (Triton's warp
 specialisation of the forward, :func:`uses_ws`) and ``dq_tma`` (the fused backward's dQ by TMA
-reductions, :func:`uses_dq_tma`). The tables are keyed by kernel
+reductions, :func:`uses_dq_tma`); and the knobs Triton's AMD backend takes (``waves_per_eu``,
+``matrix_instr_nonkdim``, ``kpack``: :func:`compiler_options`). The tables are keyed by kernel
 kind, architecture family and head-dimension bucket; :func:`pick_config` looks one up. Nothing
 here is tuned at run time (the kernels are compiled ahead of time), so the table *is* the tuning.
+
+``num_warps`` counts warps of the family's wave size (:attr:`flash_attn.planning.families.Family.
+wave_size`): 32 threads on NVIDIA and RDNA, 64 on CDNA, where ``num_warps=4`` is 256 threads
+(:func:`threads`).
 
 The families, their shared memory and whose rows a family without its own takes are declared in
 :mod:`flash_attn.planning.families`; the head-dimension buckets (one entry per bucket in every row)
@@ -45,9 +50,12 @@ __all__ = [
     "INTERPRETER_CONFIGS",
     "arch_family",
     "estimate_shared_memory",
+    "compiler_options",
     "padded_headdim",
     "pick",
     "pick_config",
+    "refusal",
+    "threads",
 ]
 
 
@@ -59,6 +67,24 @@ class Config(NamedTuple):
     tma: Optional[bool] = None  # tensor-descriptor loads (forward, fused backward); None: uses_tma's default
     ws: bool = False  # warp specialisation (the forward on Hopper: uses_ws); implies tma
     dq_tma: bool = False  # the fused backward's dQ added by TMA bulk reductions (uses_dq_tma)
+    # Triton's AMD knobs (compiler_options; the defaults are Triton's own, and NVIDIA's configs keep them):
+    waves_per_eu: int = 0  # waves per SIMD the register allocation aims at (0: as many as fit)
+    matrix_instr_nonkdim: int = 0  # MFMA/WMMA instruction M = N: 16 or 32 (0: Triton's choice)
+    kpack: int = 1  # operand elements per LDS read of an MFMA (CDNA3: 1 or 2; later ones take 1)
+
+
+class Refused(NamedTuple):
+    """A head-dim bucket a family's kernels do not run, and why (the planner refuses those calls)."""
+
+    reason: str
+
+
+class WithFeatures(NamedTuple):
+    """An entry of an AMD row whose score-features variant takes its own config (the features'
+    extra live tiles spill in the lean one)."""
+
+    lean: Optional[Config]
+    features: Config
 
 
 HEADDIM_BUCKETS = limits.HEADDIM_BUCKETS
@@ -122,6 +148,80 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_fused", "sm100"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2)),
 }
 
+# AMD (ROCm PyTorch, Triton's JIT; families.py: CDNA's MFMA on 64-thread waves, RDNA's WMMA on 32).
+# One row per head-dim bucket: (fwd, bwd_dkdv, bwd_dq, bwd_fused) as in _TABLE, or Refused(why)
+# for a bucket the family's kernels cannot run; a family without rows takes its config parent's.
+# A bucket added to limits.HEADDIM_BUCKETS is one row per family here (checked at import).
+#
+# The rule (no AMD GPU has measured them: chosen from the compiled kernels, the static report of
+# `python -m flash_attn amd-kernels`, benchmarks/README.md "AMD"): every product on the matrix
+# instructions and the LDS within the workgroup's limit; on CDNA no scratch at head dims <= 128,
+# on RDNA the least scratch any tile reaches; then at least two waves per SIMD (waves_per_eu=2)
+# where the registers allow it; then the largest tiles.
+_A, _WF = Config, WithFeatures
+_AMD: dict[str, dict[int, object]] = {
+    # MI300 (gfx942; MI350, gfx950, its child): 4 waves of 64 = 256 threads per program; fused
+    # backward (native fp32 atomics), 128 keys per dK/dV program up to d128. Each entry the
+    # largest tile without scratch (and at two waves per SIMD where one exists): d128's forward
+    # 128x64 keeps 80 B of scratch at two waves, so 128x32. With the score features, the d64
+    # forward keeps 792 B (at two waves; 28 B on gfx950 with 128x32), d128 1.2 KB; d128's dQ 480 B.
+    "cdna3": {
+        32: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 32, 4, 1), _A(16, 128, 4, 1)),
+        64: (_WF(_A(128, 64, 4, 2, waves_per_eu=2), _A(128, 32, 4, 2)), _A(32, 128, 4, 1), _A(128, 32, 4, 1),
+             _A(16, 128, 4, 1)),
+        128: (_WF(_A(128, 32, 4, 2, waves_per_eu=2), _A(128, 32, 4, 2)), _A(16, 128, 4, 1),
+              _WF(_A(128, 64, 4, 1), _A(128, 32, 4, 1)), _A(16, 128, 4, 1)),
+        256: (_A(128, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), _A(16, 128, 4, 1)),
+    },
+    # RX 7000 (gfx1100/1101): 32-thread waves, WMMA on 16-row tiles per wave, whose operands take
+    # twice the registers of RDNA4's: the backward spills with every tile (the least the sweep
+    # found: d64 dK/dV 88 B, dQ 304 B; d128 forward 204 B, dK/dV 912 B, dQ 780 B). Its float
+    # atomics are compare-and-swap loops: the split backward, no fused one.
+    "rdna3": {
+        32: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_WF(_A(128, 32, 8, 2), _A(128, 16, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        128: (_A(64, 16, 4, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
+        256: (_A(64, 16, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
+    },
+    # RX 9000 (gfx1201/1200): none of its lean images spills up to d64; d128's dK/dV keeps 276 B.
+    # Native float atomics, but the fused backward spills where the split kernels do not.
+    "rdna4": {
+        32: (_A(128, 64, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_WF(_A(128, 64, 8, 2), _A(128, 32, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        128: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
+        256: (_A(64, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
+    },
+}
+
+
+def _amd_rows(rows_by_family: dict) -> tuple[dict, dict, dict]:
+    """``(table rows, features rows, refused buckets)`` of the bucket-major AMD rows: ``(kind,
+    family) -> one entry per bucket`` for :data:`_TABLE` and :data:`_FEATURES_TABLE` (``None``: the
+    lean entry), ``(family, bucket) -> reason`` for :func:`refusal`."""
+    table: dict = {}
+    features: dict = {}
+    refused: dict = {}
+    for family, rows in rows_by_family.items():
+        if set(rows) != set(HEADDIM_BUCKETS):
+            raise ValueError(f"AMD launch configs of {family}: rows for head-dim buckets {sorted(rows)}; one per "
+                             f"head-dim bucket {HEADDIM_BUCKETS} expected (a config tuple or Refused(why))")
+        for bucket, row in rows.items():
+            if isinstance(row, Refused):
+                refused[(family, bucket)] = row.reason
+            elif len(row) != len(KINDS):
+                raise ValueError(f"AMD launch configs of {family}, head dim {bucket}: {len(row)} entries; one per "
+                                 f"kind {KINDS} expected")
+        for i, kind in enumerate(KINDS):
+            entries = [None if isinstance(rows[b], Refused) else rows[b][i] for b in HEADDIM_BUCKETS]
+            table[(kind, family)] = tuple(e.lean if isinstance(e, WithFeatures) else e for e in entries)
+            if any(isinstance(e, WithFeatures) for e in entries):
+                features[(kind, family)] = tuple(e.features if isinstance(e, WithFeatures) else None for e in entries)
+    return table, features, refused
+
+
+_AMD_TABLE, _AMD_FEATURES, _REFUSED = _amd_rows(_AMD)
+_TABLE.update(_AMD_TABLE)
+
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
 # where the lean entry spills with the extra live tiles, the largest tile that does not (same rule;
 # benchmarks/README.md). ``None``: the lean entry; the entry of head dims <= 32 is unused (they run
@@ -150,6 +250,7 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
     ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
 }
+_FEATURES_TABLE.update(_AMD_FEATURES)  # AMD: in its rows above (WithFeatures)
 
 # The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry
 # their own tile where the sweep measured one faster for them than the lean entry, which serves
@@ -189,6 +290,39 @@ def _check_rows(*tables: dict) -> None:
 _check_rows(_TABLE, _FEATURES_TABLE, _EXACT_TABLE)
 
 
+def refusal(headdim: int, family: str) -> Optional[str]:
+    """Why ``family``'s kernels do not run ``headdim`` (its bucket's row is :class:`Refused`), else
+    ``None``; looked up along the config parents like the rows."""
+    bucket = HEADDIM_BUCKETS[_bucket(headdim)]
+    for name in families.lineage(family):
+        if (name, bucket) in _REFUSED:
+            return _REFUSED[(name, bucket)]
+        if name in _AMD:
+            return None  # the family's own rows decide
+    return None
+
+
+def threads(config: Config, family: str) -> int:
+    """Threads of one program of ``config`` on ``family``: ``num_warps`` times its wave size (32,
+    or 64 on CDNA); the interpreter's: 32 per warp."""
+    family_record = families.FAMILIES.get(family)
+    return config.num_warps * (family_record.wave_size if family_record is not None else 32)
+
+
+_AMD_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+
+def compiler_options(config: Config, family: str) -> dict:
+    """The options Triton compiles a launch of ``config`` with on ``family``: ``num_warps`` and
+    ``num_stages`` everywhere, and on AMD families the knobs of its backend (``waves_per_eu``,
+    ``matrix_instr_nonkdim``, ``kpack``), which the NVIDIA backend does not accept."""
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    family_record = families.FAMILIES.get(family)
+    if family_record is not None and family_record.vendor == "amd":
+        options.update((name, getattr(config, name)) for name in _AMD_OPTIONS)
+    return options
+
+
 def padded_headdim(headdim: int) -> int:
     """``BLOCK_D``: the next power of two >= max(headdim, 16)."""
     return max(16, 1 << (max(headdim, 1) - 1).bit_length())
@@ -221,6 +355,9 @@ def pick(kind: str, headdim: int, family: str, features: bool = False, exact: bo
         return INTERPRETER_CONFIGS[kind]
     if features:
         bucket = max(bucket, _bucket(FEATURE_BUCKETS[0]))
+    why = refusal(HEADDIM_BUCKETS[bucket], family)
+    if why is not None:
+        raise ValueError(f"head dim {headdim} on {family}: {why}")
     special = _FEATURES_TABLE if features else _EXACT_TABLE if exact else None
     if special is not None:
         entry = _row(special, kind, family)[bucket]

@@ -92,6 +92,14 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     ("sm90", 64): (_C(16, 128, 4, 4), _C(64, 128, 8, 4)),
     ("sm90", 128): (_C(16, 128, 4, 3), _C(64, 64, 8, 3)),
     ("sm90", 256): (_C(16, 64, 8, 2), _C(32, 64, 8, 2)),
+    # AMD (Triton's JIT; configs.py's AMD rule): CDNA (MI300, and MI350 its child) on 64-thread
+    # waves, where 4 warps are 256 threads; RDNA (RX 7000, and RX 9000 its child) on 32-thread waves
+    ("cdna3", 64): (_C(16, 128, 4, 2), _C(64, 64, 4, 2)),
+    ("cdna3", 128): (_C(16, 64, 4, 2), _C(64, 64, 4, 2)),
+    ("cdna3", 256): (_C(16, 64, 4, 1), _C(32, 32, 4, 1)),
+    ("rdna3", 64): (_C(16, 64, 4, 2), _C(64, 32, 4, 2)),
+    ("rdna3", 128): (_C(16, 64, 4, 2), _C(32, 32, 4, 2)),
+    ("rdna3", 256): (_C(16, 32, 4, 1), _C(32, 32, 4, 1)),
     # Triton's interpreter: small key blocks so that the tests cross several blocks and pages
     ("interpret", 64): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
     ("interpret", 128): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),

@@ -82,6 +82,9 @@ def _kvcache_refusal(s: KVCacheShape, target: Target) -> Optional[Refusal]:
         return kernel_refusal(s.q.dtype, head_dim, target) or _cache_refusal(s)
     if head_dim > limits.MAX_HEADDIM:
         return Refusal(f"head dimension {head_dim} > {limits.MAX_HEADDIM}")
+    why = configs.refusal(head_dim, target.family)
+    if why is not None:
+        return Refusal(f"head dimension {head_dim} on {target.family}: {why}")
     return None
 
 

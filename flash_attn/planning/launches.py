@@ -108,6 +108,9 @@ def kernel_refusal(dtype, head_dim: int, target: Target) -> Optional[Refusal]:
         return Refusal(f"{dtype} inputs (the kernels take fp16/bf16)")
     if head_dim > limits.MAX_HEADDIM:
         return Refusal(f"head dimension {head_dim} > {limits.MAX_HEADDIM}")
+    why = configs.refusal(head_dim, target.family)
+    if why is not None:
+        return Refusal(f"head dimension {head_dim} on {target.family}: {why}")
     if target.aot and head_dim % limits.AOT_HEADDIM_MULTIPLE:
         return Refusal(f"head dimension {head_dim} (the ahead-of-time kernels need a multiple of "
                        f"{limits.AOT_HEADDIM_MULTIPLE})")
