@@ -223,9 +223,10 @@ def _make_chain(name: str, device: torch.device) -> tuple[str, ...]:
 def chain(device: torch.device) -> tuple[str, ...]:
     """The backends a call on ``device`` may run on, in order (what each can run on the device
     is worked out once per process)."""
-    key = (os.environ.get(BACKEND_ENV), device)  # the raw setting: normalised only on a miss
+    key = (os.environ.get(BACKEND_ENV), os.environ.get(STRICT_ENV), device)  # the raw settings: read on a miss
     found = _chains.get(key)
     if found is None:
+        strict()  # an invalid FLASH_ATTN_STRICT_BACKEND raises on the first call, not on a first refusal
         found = _chains[key] = _make_chain(requested_backend(), device)
     return found
 

@@ -56,7 +56,9 @@ def engine(tuning: Tuning = DEFAULT_TUNING, features: Features = THIS_CPU) -> _l
 
     def forward(problem: core.Problem, params: AttentionParams, return_softmax: bool):
         if not return_softmax and fused.supports(problem, params):
-            return fused.attention_forward(problem, params, tuning, features)
+            result = fused.attention_forward(problem, params, tuning, features)
+            if result is not None:  # None: special values, which only the tiled engine computes as upstream does
+                return result
         return core.attention_forward(problem, params, None, tuning)
 
     def backward(problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor):
@@ -134,6 +136,8 @@ def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slope
         return None
     kernel = fused.OPS[0]
     out, lse = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale)
+    if not fused.plain_scores(lse):
+        return None  # NaN or infinite scores: the general route computes them as upstream does
     return out.transpose(1, 2), lse, *_UNUSED
 
 
