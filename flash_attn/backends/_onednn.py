@@ -96,17 +96,34 @@ def applies(rows: int, cols: int, tuning: Tuning = DEFAULT_TUNING, linear=LINEAR
     is much faster than the BLAS (:func:`faster_here` when not given)."""
     if linear is None or rows < tuning.onednn_min_rows or cols < tuning.onednn_min_cols:
         return False
-    mode = os.environ.get(MODE_ENV, "auto").strip().lower()
-    if mode in ("0", "off", "false", "no"):
-        return False
-    if mode in ("1", "on", "true", "yes"):
-        return True
-    if mode != "auto":
-        raise ValueError(f"{MODE_ENV}={mode!r}: expected auto, 1 or 0")
+    chosen = mode()
+    if chosen != "auto":
+        return chosen == "1"
     threads = torch.get_num_threads()
     if threads > MAX_AUTO_THREADS or (threads > 1 and min(rows, cols) < MULTI_THREAD_MIN):
         return False
     return (faster or faster_here)(threads)
+
+
+_MODES = {"auto": "auto", "": "auto", "1": "1", "on": "1", "true": "1", "yes": "1", "0": "0", "off": "0",
+          "false": "0", "no": "0"}
+
+
+def mode() -> str:
+    """``FLASH_ATTN_CPU_ONEDNN`` as ``"auto"``, ``"1"`` or ``"0"``; ValueError for anything else."""
+    value = os.environ.get(MODE_ENV, "auto").strip().lower()
+    if value not in _MODES:
+        raise ValueError(f"{MODE_ENV}={value!r} is not a setting; expected auto, 1 or 0")
+    return _MODES[value]
+
+
+def settings_error():
+    """Why ``FLASH_ATTN_CPU_ONEDNN`` is invalid, or None (the cpu backend's settings check)."""
+    try:
+        mode()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @functools.cache

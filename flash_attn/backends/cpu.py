@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash_attn.backends import _causal_tree, _layouts
+from flash_attn.backends import _causal_tree, _layouts, _onednn
 from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import _reference_core as core
 from flash_attn.backends._cpu_fused import THIS_CPU, Features
@@ -142,4 +142,4 @@ def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slope
 
 
 BACKEND = runs_every_call("cpu", unavailable_reason, forward, backward, forward_kvcache,
-                          direct={"forward": direct_forward})
+                          direct={"forward": direct_forward}, settings_error=_onednn.settings_error)
