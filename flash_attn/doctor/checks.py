@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from flash_attn import dispatch, limits
-from flash_attn.aot.library import is_cpu_only_build
+from flash_attn.aot.library import LIBRARY_ENV, LIBRARY_NAME, is_cpu_only_build
 from flash_attn.aot.manifest import DIR_ENV
 from flash_attn.doctor.facts import collect
 from flash_attn.doctor.report import Finding, Report
@@ -257,13 +257,17 @@ def op_library(facts: dict) -> list[Finding]:
                             "The ahead-of-time kernels cannot launch on this GPU machine.",
                             "install the CUDA build of flash-attn")]
         return []
+    env_fix = f"unset {LIBRARY_ENV}, or point it at a library file built for this PyTorch (flash_attn/_C/{LIBRARY_NAME})"
     if op.get("installed"):
-        return [Finding("op-library", "error", "the op library fails to load", op.get("reason", ""),
-                        "reinstall flash-attn for this PyTorch (`conda install --force-reinstall flash-attn` or "
-                        "`pip install --force-reinstall flash-attn`); the library needs torch >= 2.10")]
+        fix = env_fix if op.get("from_env") else (
+            "reinstall flash-attn for this PyTorch (`conda install --force-reinstall flash-attn` or "
+            "`pip install --force-reinstall flash-attn`); the library needs torch >= 2.10")
+        where = f" set by {LIBRARY_ENV}" if op.get("from_env") else ""
+        return [Finding("op-library", "error", f"the op library{where} fails to load", op.get("reason", ""), fix)]
     if op.get("path"):
-        return [Finding("op-library", "error", "the op library set by FLASH_ATTN_AOT_LIBRARY does not exist",
-                        op.get("reason", ""), "unset FLASH_ATTN_AOT_LIBRARY or point it at a built library")]
+        what = "is a folder" if Path(op["path"]).is_dir() else "does not exist"
+        return [Finding("op-library", "error", f"the op library set by {LIBRARY_ENV} {what}",
+                        op.get("reason", ""), env_fix)]
     summary = ("this is the CPU-only build of flash-attn: no op library (ahead-of-time kernel launcher)"
                if is_cpu_only_build(config) else "the op library (ahead-of-time kernel launcher) is not installed")
     return [Finding("op-library", "warning" if gpu_machine else "info", summary, op.get("reason", ""),
@@ -283,6 +287,14 @@ def aot_kernels(facts: dict) -> list[Finding]:
                         "this installation ships no ahead-of-time kernels (no manifest.json)",
                         "GPUs use the Triton backend (compiled on first use) or the reference backend.",
                         "install a CUDA build of flash-attn that ships kernels" if gpu_machine else "")]
+    unusable = kernels.get("unusable_images")
+    if unusable:
+        shown = unusable[:20] + ([f"... and {len(unusable) - 20} more"] if len(unusable) > 20 else [])
+        return [Finding("aot-kernels", "error" if gpu_machine else "warning",
+                        f"{len(unusable)} of the {kernels.get('kernel_count')} kernel images listed in "
+                        f"{kernels['manifest']} are missing or damaged",
+                        "; ".join(shown) + ". Calls that need them run on the next backend.",
+                        "reinstall flash-attn (or rebuild the kernels: `python -m flash_attn build-kernels`)")]
     invalid = kernels.get("invalid_entries")
     if invalid:
         return [Finding("aot-kernels", "warning",

@@ -155,6 +155,7 @@ def probe_op_library() -> dict:
         "reason": status.reason,
         "build_config": dict(status.build_config),
         "installed": status.path is not None and Path(status.path).is_file(),
+        "from_env": status.from_env,
     }
     if status.loaded and status.build_config.get("cuda", True):
         try:
@@ -207,6 +208,9 @@ def probe_kernels() -> dict:
         info["error"] = f"cannot read {info['manifest']}: {error_text(exc)}"
         return info
     info["kernel_count"] = len(loaded.entries)
+    unusable = loaded.unusable_images()
+    if unusable:  # image files that are gone or damaged: all of them, the warning at a call names one
+        info["unusable_images"] = unusable
     if loaded.problems:  # entries left out (never used): how many, and the first few reasons
         info["invalid_entries"] = {"count": len(loaded.problems), "first": loaded.problems[:3]}
     return info
