@@ -157,6 +157,8 @@ def _load(name: str) -> tuple[Backend | None, str | None]:
             found = _IMPORTERS[name](), None
         except ImportError as exc:
             found = None, f"the {name!r} backend is not installed ({exc})"
+        except Exception as exc:  # noqa: BLE001  (a broken dependency, e.g. a Triton whose import fails otherwise)
+            found = None, f"the {name!r} backend cannot be imported ({type(exc).__name__}: {exc})"
         _loaded[name] = found
     return found
 

@@ -33,13 +33,9 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from flash_attn.ops.triton import cuda_launch
+from flash_attn.ops.triton import cuda_launch, triton_modules
 
-try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
 
 __all__ = ["cross_entropy_loss"]
 

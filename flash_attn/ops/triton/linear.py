@@ -35,15 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flash_attn.ops.triton import cuda_launch
+from flash_attn.ops.triton import cuda_launch, triton_modules
 
-try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
-    import triton
-    import triton.language as tl
-
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
+if triton is not None:
     from flash_attn.ops.triton import k_activations as ka
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
 
 __all__ = ["triton_linear_act", "triton_dgrad_act"]
 
