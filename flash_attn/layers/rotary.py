@@ -238,6 +238,17 @@ def _rotate_packed(packed, tables, interleaved, seqlen_offsets, num_heads_q) -> 
     """Rotate the parts of ``packed`` in place with ``tables`` ((cos, sin) per part)."""
     parts = _rotated_parts(packed, num_heads_q)
     recorded = torch.is_grad_enabled() and packed.requires_grad
+    if recorded and packed.is_leaf and torch.compiler.is_compiling():
+        # A leaf that requires grad: eagerly the result is a view of it carrying the rotation
+        # (_RotatePackedInPlace), which torch.compile cannot trace, and an in-place write into it
+        # with autograd recording is refused. So: the rotation of a copy, whose values are
+        # written into the leaf without autograd, and the copy returned (same values, same
+        # gradient to the leaf).
+        rotated = packed.clone()
+        _rotate_packed(rotated, tables, interleaved, seqlen_offsets, num_heads_q)
+        with torch.no_grad():
+            packed.copy_(rotated)
+        return rotated
     if any(_tables_need_grad(cos, sin) for cos, sin in tables) or (recorded and torch.compiler.is_compiling()):
         # differentiable tables: op by op (a packed leaf that requires grad is refused there);
         # under torch.compile, part by part as apply_rotary_emb traces it
