@@ -28,7 +28,8 @@ share with flash-attn is spelled out here and worked around exactly:
   (checked on every call: one pass over lse), and then :func:`attention_forward` answers None
   and the tiled engine, which follows upstream's semantics, computes the problem;
 * softcap and dropout (our Philox mask) have no counterpart: :func:`supports` says no and the
-  tiled engine of :mod:`._reference_core` runs them;
+  tiled engine of :mod:`._reference_core` runs them, except softcap where :mod:`._onednn`
+  computes every call of the plan (it softcaps its scores itself);
 * where PyTorch's BLAS is the kernel's slow part (MKL on AMD CPUs), calls without an explicit
   mask or ALiBi run on :mod:`._onednn` instead: the same contract on oneDNN's fp32 products.
 
@@ -73,17 +74,37 @@ def _ops():
 OPS = _ops()
 
 
-def supports(problem: core.Problem, params: AttentionParams) -> bool:
-    """True when the fused kernels compute exactly this problem."""
+def supports(problem: core.Problem, params: AttentionParams, tuning: Tuning = DEFAULT_TUNING,
+             features: Optional["Features"] = None) -> bool:
+    """True when this module's plan computes exactly this problem (for a CPU with ``features``,
+    :data:`THIS_CPU` if not given): the fused kernels, or with softcap, which they have no
+    counterpart for, :mod:`._onednn` for every call (:func:`_softcap_on_onednn`)."""
     q = problem.q
     return (
         OPS is not None
         and q.device.type == "cpu"
         and q.dtype in DTYPES
-        and params.softcap == 0
         and params.dropout_p == 0
         and problem.head_dim_v == q.shape[-1]
+        and (params.softcap == 0 or _softcap_on_onednn(problem, params, tuning, features or THIS_CPU))
     )
+
+
+def _softcap_on_onednn(problem: core.Problem, params: AttentionParams, tuning: Tuning, features: "Features") -> bool:
+    """Whether :mod:`._onednn` computes every call of the plan, forward and backward (the backward
+    of half precision converted to fp32): then the plan runs softcap, faster than the tiled
+    engine (oneDNN's fp32 products are the quicker ones where it applies)."""
+    dtype = problem.q.dtype
+    if dtype == torch.float16 and features.native_fp16():
+        return False  # computed in fp16 by PyTorch's kernels, which cannot softcap
+    forward_dtype = torch.float32 if dtype == torch.float16 else dtype
+    for backward, compute in ((False, forward_dtype), (True, torch.float32)):
+        for group in plan(problem, params, backward, tuning):
+            for call in group:
+                if call.masked or problem.alibi_slopes is not None or not onednn_takes(
+                        compute, call.i1 - call.i0, call.c1 - call.c0, tuning, features, backward):
+                    return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -341,7 +362,10 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call, tu
     forward, _ = OPS
     k, v = problem.load_kv(call.c0, call.c1)
     if onednn and _onednn_applies(problem, call, tuning, features):
-        forward = functools.partial(_onednn.forward, tuning=tuning, linear=features.onednn_linear)
+        forward = functools.partial(_onednn.forward, softcap=params.softcap, tuning=tuning,
+                                    linear=features.onednn_linear)
+    elif params.softcap:
+        raise AssertionError(f"{call} of a softcap problem is not a oneDNN call")  # supports() said it is
     elif _tree_applies(problem, call, tuning):
         out, lse = _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale,
                                         tuning.tree_base_rows)
@@ -484,7 +508,8 @@ def attention_backward(
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params, True, tuning)
-    if _runs_in_fp32(problem, groups, True, tuning, features):
+    # softcap runs on oneDNN's fp32 backward (_softcap_on_onednn)
+    if _runs_in_fp32(problem, groups, True, tuning, features) or (params.softcap and q.dtype != torch.float32):
         return attention_backward(_in_fp32(problem), params, dout.float(), out.float(), lse, tuning, features)
     calls = [call for group in groups for call in group]
     if len(calls) == 1 and (calls[0].i0, calls[0].i1, calls[0].c0, calls[0].c1) == (0, sq, 0, problem.n_cols):
@@ -507,7 +532,10 @@ def _run_backward(problem, params, call, dout, out, lse, tuning, features):
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]
     if _onednn_applies(problem, call, tuning, features, backward=True):
-        backward = functools.partial(_onednn.backward, tuning=tuning, linear=features.onednn_linear)
+        backward = functools.partial(_onednn.backward, softcap=params.softcap, tuning=tuning,
+                                     linear=features.onednn_linear)
+    elif params.softcap:
+        raise AssertionError(f"{call} of a softcap problem is not a oneDNN call")  # supports() said it is
     elif _tree_applies(problem, call, tuning):
         return _causal_tree.backward(backward, dout[:, rows], problem.q[:, rows], k, v, out[:, rows], lse_c,
                                      params.softmax_scale, tuning.tree_base_rows)

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning
+from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning, softcap_scores_
 
 # "auto" (default): where :func:`faster_here` says so; "1": wherever it applies; "0": never.
 MODE_ENV = "FLASH_ATTN_CPU_ONEDNN"
@@ -193,18 +193,57 @@ def _key_blocks(i0: int, i1: int, sk: int, causal: bool, block: int):
         yield c0, c1, causal and c1 - 1 > i0
 
 
+class _Softcap:
+    """Softcap ``c * tanh(x / c)`` on one call's base-2 scores (q is multiplied by ``q_scale``, so
+    that its products are ``u = 2x / c``), in one of two forms, chosen by the call's bound of the
+    raw scores, ``scale * max |q_i| * max |k_j|``:
+
+    * ``c`` at most 4 times that bound: ``2c * sigmoid(u)``, one fast pass. It is the softcapped
+      score plus ``c`` (every score shifted alike: the softmax ignores it, ``shift`` takes it out of
+      lse), within ``c * eps`` of it: 4 ulp of the largest score the call can have;
+    * a larger ``c``, where ``c * eps`` would dwarf the scores (as ``x / c`` tends to 0 the softcap
+      tends to ``x``): the exact ``expm1`` form of
+      :func:`~flash_attn.backends._reference_core.softcap_scores_`.
+    """
+
+    def __init__(self, softcap: float, scale: float, q: Tensor, k: Tensor):
+        self.q_scale = 2.0 * scale / softcap
+        self.out = softcap * _LOG2E
+        bound = abs(scale) * float(_row_norms_max(q)) * float(_row_norms_max(k))
+        self.sigmoid = softcap <= 4.0 * bound  # False for a NaN bound: the exact form
+        self.shift = self.out if self.sigmoid else 0.0
+        # the sigmoid form's derivative is sigmoid (1 - sigmoid) = (1 - tanh^2) / 4
+        self.derivative_scale = 4.0 if self.sigmoid else 1.0
+
+    def scores_(self, s: Tensor, keep_derivative: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+        """The products ``s`` made softcapped base-2 scores in place, plus ``shift``; and the
+        derivative, over ``derivative_scale``, if asked for."""
+        if not self.sigmoid:
+            return softcap_scores_(s, self.out, torch.empty_like(s), keep_derivative)
+        sigmoid = s.sigmoid_()
+        derivative = torch.addcmul(sigmoid, sigmoid, sigmoid, value=-1.0) if keep_derivative else None
+        return sigmoid.mul_(2.0 * self.out), derivative
+
+
+def _row_norms_max(x: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).amax()
+
+
 @torch.no_grad()
 def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
-            attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+            attn_mask: Optional[Tensor] = None, scale: Optional[float] = None, softcap: float = 0.0,
             tuning: Tuning = DEFAULT_TUNING, linear=LINEAR) -> tuple[Tensor, Tensor]:
     """``(out (B, h, sq, d), lse fp32 (B, h, sq))`` as the fused kernel's forward, computed in
     fp32; bf16 inputs are converted block by block, and only ``out`` is rounded back to bf16.
-    ``tuning``: the tile sizes; ``linear``: oneDNN's product (:data:`LINEAR`)."""
+    ``softcap``: scores ``c * tanh(x / c)`` (0: none), which the fused kernel has no counterpart
+    for. ``tuning``: the tile sizes; ``linear``: oneDNN's product (:data:`LINEAR`)."""
     _check(q, k, v, dropout_p, attn_mask, (torch.float32, torch.bfloat16))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = h // hk
-    c = (d ** -0.5 if scale is None else scale) * _LOG2E  # scores in base 2
+    scale = d ** -0.5 if scale is None else scale
+    capped = _Softcap(softcap, scale, q, k) if softcap > 0 else None
+    c = capped.q_scale if capped else scale * _LOG2E  # scores in base 2
     out = torch.empty(B, sq, h, v.shape[-1], dtype=q.dtype).transpose(1, 2)
     lse = torch.empty(B, h, sq, dtype=torch.float32)
     rows = tuning.onednn_rows if is_causal else tuning.onednn_full_forward_rows
@@ -220,6 +259,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
                     m = total = acc = None
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
                         s = _mm(linear, q_head[i0:i1], k_head[c0:c1])
+                        if capped:
+                            s, _ = capped.scores_(s)
                         if masked:
                             s[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), float("-inf"))
                         block_max = s.amax(-1, keepdim=True)
@@ -237,29 +278,31 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
                             acc.mul_(alpha).add_(part)
                             total = total.mul_(alpha).add_(p.sum(-1, keepdim=True))
                     out[b, j, i0:i1] = acc.div_(total)
-                    lse[b, j, i0:i1] = (m + total.log2()).squeeze(-1) / _LOG2E
+                    lse[b, j, i0:i1] = (m + total.log2() - (capped.shift if capped else 0.0)).squeeze(-1) / _LOG2E
     return out, lse
 
 
 @torch.no_grad()
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
              dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Optional[Tensor] = None,
-             scale: Optional[float] = None, tuning: Tuning = DEFAULT_TUNING,
+             scale: Optional[float] = None, softcap: float = 0.0, tuning: Tuning = DEFAULT_TUNING,
              linear=LINEAR) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` as the fused kernel's backward: the probabilities come from the given
     ``logsumexp`` and the correction term from the given ``out``. fp32 only (PyTorch's bf16
-    backward kernel is the quicker one for bf16). ``tuning`` and ``linear`` as :func:`forward`'s."""
+    backward kernel is the quicker one for bf16). ``softcap``, ``tuning`` and ``linear`` as
+    :func:`forward`'s."""
     _check(q, k, v, dropout_p, attn_mask, (torch.float32,))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = h // hk
     scale = d ** -0.5 if scale is None else scale
-    c = scale * _LOG2E
+    capped = _Softcap(softcap, scale, q, k) if softcap > 0 else None
+    c = capped.q_scale if capped else scale * _LOG2E
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32).transpose(1, 2)
     dk = torch.zeros(B, sk, hk, d, dtype=torch.float32).transpose(1, 2)
     dv = torch.zeros(B, sk, hk, v.shape[-1], dtype=torch.float32).transpose(1, 2)
     delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): (B, h, sq, 1)
-    lse2 = (logsumexp * _LOG2E).unsqueeze(-1)
+    lse2 = (logsumexp * _LOG2E + (capped.shift if capped else 0.0)).unsqueeze(-1)  # in the scores' units
     rows, block = tuning.onednn_rows, tuning.onednn_cols
     for b in range(B):
         for jk in range(hk):
@@ -274,11 +317,18 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, log
                     do_rows = grad_out[b, j, i0:i1]
                     do_cols = do_rows.t().contiguous()
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
-                        p = _mm(linear, q_scaled[i0:i1], k_head[c0:c1]).sub_(lse2[b, j, i0:i1]).exp2_()
+                        s = _mm(linear, q_scaled[i0:i1], k_head[c0:c1])
+                        derivative = None
+                        if capped:
+                            s, derivative = capped.scores_(s, keep_derivative=True)
+                        p = s.sub_(lse2[b, j, i0:i1]).exp2_()
                         if masked:
                             p[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), 0.0)
                         dv[b, jk, c0:c1] += _mm(linear, p.t(), do_cols)
                         ds = _mm(linear, do_rows, v_head[c0:c1]).sub_(delta[b, j, i0:i1]).mul_(p)
+                        if derivative is not None:
+                            ds.mul_(derivative)  # d(c tanh(x / c)) / dx
                         dq[b, j, i0:i1] += _mm(linear, ds, k_cols[c0, c1])
                         dk[b, jk, c0:c1] += _mm(linear, ds.t(), q_cols)
+    scale *= capped.derivative_scale if capped else 1.0
     return dq.mul_(scale), dk.mul_(scale), dv

@@ -356,12 +356,7 @@ def _tile_scores(
     s = _grouped_matmul_nt(scratch.take("scores", *qs.shape[:-1], kc.shape[2]), qs, kc)
     derivative = None
     if base2.softcap_out:
-        e = s.clamp_(max=SOFTCAP_CLAMP).expm1_()  # e^u - 1, u = 2x / c
-        t = e.div_(torch.add(e, 2.0, out=scratch.take("softcap_den", *s.shape)))  # tanh(x / c)
-        if keep_derivative:
-            one = torch.ones((), device=t.device)
-            derivative = torch.addcmul(one, t, t, value=-1.0, out=scratch.take("softcap_den", *s.shape))
-        s = t.mul_(base2.softcap_out)
+        s, derivative = softcap_scores_(s, base2.softcap_out, scratch.take("softcap", *s.shape), keep_derivative)
     if base2.slopes is not None:
         s.addcmul_(base2.slopes, geometry.alibi_distance(), value=-1.0)
     if mask is not None:
@@ -370,6 +365,20 @@ def _tile_scores(
         else:
             s.masked_fill_(mask != 0, float("-inf"))  # ... but NaN + -inf is NaN: a hidden key would reach the row
     return s, derivative
+
+
+def softcap_scores_(s: Tensor, softcap_out: float, buffer: Tensor,
+                    keep_derivative: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Scores ``s`` holding ``u = 2x / c`` become ``softcap_out * tanh(x / c)`` in place (with
+    ``softcap_out = c * log2(e)``: softcapped scores in base 2), computed as ``e / (e + 2)`` with
+    ``e = expm1(u)`` (the module docstring); with ``keep_derivative`` also ``1 - tanh(x / c)^2``,
+    the softcap's derivative, in ``buffer`` (a tensor like ``s``, else scratch)."""
+    e = s.clamp_(max=SOFTCAP_CLAMP).expm1_()
+    t = e.div_(torch.add(e, 2.0, out=buffer))
+    derivative = None
+    if keep_derivative:
+        derivative = torch.addcmul(torch.ones((), device=t.device), t, t, value=-1.0, out=buffer)
+    return t.mul_(softcap_out), derivative
 
 
 def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry, scratch: _Scratch) -> Tensor:

@@ -55,14 +55,14 @@ def engine(tuning: Tuning = DEFAULT_TUNING, features: Features = THIS_CPU) -> _l
     for the rest."""
 
     def forward(problem: core.Problem, params: AttentionParams, return_softmax: bool):
-        if not return_softmax and fused.supports(problem, params):
+        if not return_softmax and fused.supports(problem, params, tuning, features):
             result = fused.attention_forward(problem, params, tuning, features)
             if result is not None:  # None: special values, which only the tiled engine computes as upstream does
                 return result
         return core.attention_forward(problem, params, None, tuning)
 
     def backward(problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor):
-        if fused.supports(problem, params):
+        if fused.supports(problem, params, tuning, features):
             return fused.attention_backward(problem, params, dout, out, lse, tuning, features)
         return core.attention_backward(problem, params, dout, out, lse, None, tuning)
 
