@@ -158,6 +158,7 @@ def flash_attn_kvpacked_func(
 ):
     """:func:`flash_attn_func` with k, v stacked: kv ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
     _check_packed(kv, "kv", 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    _check_packed_with_q(q, kv)
     k, v = kv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs)
@@ -247,10 +248,17 @@ def flash_attn_varlen_kvpacked_func(
 ):
     """:func:`flash_attn_varlen_func` with kv ``(total_k, 2, nheads_k, headdim)``."""
     _check_packed(kv, "kv", 4, 2, "(total_k, 2, nheads_k, headdim)")
+    _check_packed_with_q(q, kv)
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs)
+
+
+def _check_packed_with_q(q, kv) -> None:
+    """kv shares q's dtype and device (named as kv, not as the k and v it holds)."""
+    if isinstance(q, torch.Tensor):
+        validation.check_same(("q", q), ("kv", kv))
 
 
 def _check_packed(t, name: str, ndim: int, count: int, layout: str) -> None:

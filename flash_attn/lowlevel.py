@@ -130,9 +130,18 @@ def _flash_attn_forward(
     ), dropout_p)
 
 
+def _same_device(q, **tensors) -> None:
+    """Every tensor given is on q's device. Checked by the fake implementations too: a call that
+    mixes a meta tensor with real ones dispatches to them, not to the op's body."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on the same device")
+
+
 @_flash_attn_forward.register_fake
 def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
       return_softmax):
+    _same_device(q, k=k, v=v, alibi_slopes=alibi_slopes)
     batch, seqlen_q, nheads, _ = q.shape
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     return q.new_empty(q.shape), lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng(q)
@@ -248,6 +257,8 @@ def _flash_attn_varlen_forward(
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
       window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
       block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False, num_splits=0):
+    _same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                 block_table=block_table, leftpad_k=leftpad_k, seqused_k=seqused_k)
     batch = cu_seqlens_q.shape[0] - 1
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     s_dmask = _fake_s_dmask(q, return_softmax, batch, max_seqlen_q, max_seqlen_k)
@@ -349,6 +360,8 @@ def _flash_attn_backward(
 @_flash_attn_backward.register_fake
 def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
       window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    _same_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
+                 alibi_slopes=alibi_slopes, rng_state=rng_state)
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
 
@@ -412,5 +425,7 @@ def _flash_attn_varlen_backward(
 def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
       rng_state=None, zero_tensors=False):
+    _same_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, rng_state=rng_state)
     batch = cu_seqlens_q.shape[0] - 1
     return q.new_empty((q.shape[1], q.shape[0] + 128 * batch), dtype=torch.float32)

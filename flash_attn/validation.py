@@ -142,6 +142,9 @@ def varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k, exact: boo
 
 def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) -> None:
     """q ``(total_q, h, d)``; k/v ``(total_k, hk, d)`` or pages ``(blocks, page, hk, d)``."""
+    if block_table is not None and not _is_block_table(block_table):  # it decides k and v's layout
+        _fail(TypeError, f"block_table must be an int32 tensor of shape (batch_size, max_num_blocks_per_seq), got "
+                         f"{_describe(block_table)}")
     check_tensor(q, "q", 3, "(total_q, nheads, headdim)")
     kv_rank, kv_layout = (4, "(num_blocks, page_block_size, nheads_k, headdim)") if block_table is not None else (3, "(total_k, nheads_k, headdim)")
     check_tensor(k, "k", kv_rank, kv_layout)
@@ -158,8 +161,12 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         check_block_table(block_table, cu_seqlens_q.shape[0] - 1, q.device)
 
 
+def _is_block_table(block_table) -> bool:
+    return isinstance(block_table, torch.Tensor) and block_table.dtype == torch.int32 and block_table.dim() == 2
+
+
 def check_block_table(block_table, batch: int, device: torch.device) -> None:
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+    if not _is_block_table(block_table):
         _fail(TypeError, f"block_table must be an int32 tensor of shape (batch_size, max_num_blocks_per_seq), got {_describe(block_table)}")
     if block_table.shape[0] != batch:
         _fail(ValueError, f"block_table must have batch_size ({batch}) rows, got {block_table.shape[0]}")

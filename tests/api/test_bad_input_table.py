@@ -1,0 +1,532 @@
+"""The bad-input suite, generated from one table: for every parameter of every public function
+(``flash_attn_*``, the low-level API and ``flash_attn_gpu``, ``bert_padding``, ``layers.rotary``,
+``ops.triton.*``, ``losses``, ``modules.mha``) a bad type, a bad value where a value can be bad,
+and a bad shape or device where the parameter is a tensor, each with the exception type it must
+raise and the words its message must contain (the argument's name, what is accepted).
+
+Each function has a control: a valid call (:data:`CONTROLS`), which must run; every row of
+:data:`TABLE` is that call with one argument replaced. :func:`test_every_public_parameter_has_rows`
+enumerates the public functions from their modules (``__all__``, or the public names of
+``modules.mha``) and their parameters from their signatures: a function or a parameter without
+rows fails it, so a new one gets its rows (and its checks) before it ships.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import flash_attn
+from flash_attn import bert_padding, entry_points, flash_attn_interface, lowlevel
+from flash_attn.layers import rotary as layers_rotary
+from flash_attn.losses import cross_entropy as losses_cross_entropy
+from flash_attn.modules import mha
+from flash_attn.ops.triton import cross_entropy as ops_cross_entropy
+from flash_attn.ops.triton import k_activations, layer_norm, linear, mlp
+from flash_attn.ops.triton import rotary as ops_rotary
+
+from support.options import test_device
+
+NAN, INF = float("nan"), float("inf")
+F16, F32 = torch.float16, torch.float32
+
+
+def dev():
+    return test_device()
+
+
+def t(*shape, dtype=F16, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype).to(dev())
+
+
+def i32(*values):
+    return torch.tensor(values, dtype=torch.int32, device=dev())
+
+
+# ---------------------------------------------------------------------------------------------
+# Controls: one valid call per public function, as keyword arguments (positional for autograd
+# Functions' .apply, in their forward's order).
+
+
+@dataclass
+class Control:
+    fn: Callable  # called with the arguments; for a module's forward, the module is made first
+    args: Callable[[], dict]
+    make: Callable[[], Any] = None  # a module's forward: makes the module (its control's instance)
+    positional: bool = False  # autograd Function .apply: arguments by position
+
+
+def _attn():
+    return dict(q=t(2, 5, 4, 32), k=t(2, 7, 2, 32, seed=1), v=t(2, 7, 2, 32, seed=2))
+
+
+def _varlen():
+    return dict(q=t(7, 4, 32), k=t(7, 2, 32, seed=1), v=t(7, 2, 32, seed=2), cu_seqlens_q=i32(0, 3, 7),
+                cu_seqlens_k=i32(0, 5, 7), max_seqlen_q=4, max_seqlen_k=5)
+
+
+def _kvcache():
+    return dict(q=t(2, 1, 4, 32), k_cache=t(2, 16, 2, 32, seed=1), v_cache=t(2, 16, 2, 32, seed=2),
+                k=t(2, 1, 2, 32, seed=3), v=t(2, 1, 2, 32, seed=4), rotary_cos=t(16, 8, seed=5),
+                rotary_sin=t(16, 8, seed=6), cache_seqlens=i32(3, 5), cache_batch_idx=i32(1, 0),
+                cache_leftpad=i32(0, 1))
+
+
+def _lowlevel_forward():
+    a = _attn()
+    return dict(a, dropout_p=0.0, softmax_scale=0.2, causal=False, window_size_left=-1, window_size_right=-1,
+                softcap=0.0, alibi_slopes=None, return_softmax=False)
+
+
+def _lowlevel_varlen_forward():
+    return dict(_varlen(), dropout_p=0.0, softmax_scale=0.2, causal=False, window_size_left=-1, window_size_right=-1,
+                softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                seqused_k=None, zero_tensors=False, num_splits=0)
+
+
+def _lowlevel_backward():
+    a = _attn()
+    out, lse, _, rng = lowlevel._flash_attn_forward(a["q"], a["k"], a["v"], 0.0, 0.2, False, -1, -1, 0.0, None, False)
+    return dict(dout=t(2, 5, 4, 32, seed=9), **a, out=out, softmax_lse=lse, dq=torch.empty_like(a["q"]),
+                dk=torch.empty_like(a["k"]), dv=torch.empty_like(a["v"]), dropout_p=0.0, softmax_scale=0.2,
+                causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                deterministic=False, rng_state=rng)
+
+
+def _lowlevel_varlen_backward():
+    a = _varlen()
+    out, lse, _, rng = lowlevel._flash_attn_varlen_forward(a["q"], a["k"], a["v"], a["cu_seqlens_q"], a["cu_seqlens_k"],
+                                                          4, 5, 0.0, 0.2, False)
+    return dict(dout=t(7, 4, 32, seed=9), q=a["q"], k=a["k"], v=a["v"], out=out, softmax_lse=lse,
+                dq=torch.empty_like(a["q"]), dk=torch.empty_like(a["k"]), dv=torch.empty_like(a["v"]),
+                cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_k=a["cu_seqlens_k"], max_seqlen_q=4, max_seqlen_k=5,
+                dropout_p=0.0, softmax_scale=0.2, causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                alibi_slopes=None, deterministic=False, rng_state=rng, zero_tensors=False)
+
+
+def _gpu(args: dict, renames: dict, **extra) -> dict:
+    """Upstream's ``flash_attn_gpu`` names for the low-level arguments."""
+    return {renames.get(k, k): v for k, v in args.items()} | extra
+
+
+_GPU_NAMES = {"dropout_p": "p_dropout", "causal": "is_causal"}
+
+
+def _gpu_fwd():
+    return _gpu(_lowlevel_forward(), _GPU_NAMES, out=None, unused_generator_compat=None)
+
+
+def _gpu_varlen_fwd():
+    return _gpu(_lowlevel_varlen_forward(), _GPU_NAMES, out=None, unused_generator_compat=None)
+
+
+def _gpu_bwd():
+    return _gpu(_lowlevel_backward(), _GPU_NAMES, unused_generator_compat=None)
+
+
+def _gpu_varlen_bwd():
+    return _gpu(_lowlevel_varlen_backward(), _GPU_NAMES, unused_generator_compat=None)
+
+
+def _gpu_fwd_kvcache():
+    a = _kvcache()
+    return dict(q=a["q"], kcache=a["k_cache"], vcache=a["v_cache"], k=a["k"], v=a["v"], seqlens_k=a["cache_seqlens"],
+                rotary_cos=a["rotary_cos"], rotary_sin=a["rotary_sin"], cache_batch_idx=a["cache_batch_idx"],
+                leftpad_k=a["cache_leftpad"], block_table=None, alibi_slopes=None, out=None, softmax_scale=0.2,
+                is_causal=True, window_size_left=-1, window_size_right=-1, softcap=0.0, is_rotary_interleaved=True,
+                num_splits=0)
+
+
+def _packed_dense():
+    a = _attn()
+    return dict(qkv=torch.stack([a["q"]] * 3, dim=2))
+
+
+def _kv_dense():
+    a = _attn()
+    return dict(q=a["q"], kv=torch.stack([a["k"], a["v"]], dim=2))
+
+
+def _packed_varlen():
+    a = _varlen()
+    return dict(qkv=torch.stack([a["q"]] * 3, dim=1), cu_seqlens=a["cu_seqlens_q"], max_seqlen=4)
+
+
+def _kv_varlen():
+    a = _varlen()
+    return dict(q=a["q"], kv=torch.stack([a["k"], a["v"]], dim=1), cu_seqlens_q=a["cu_seqlens_q"],
+                cu_seqlens_k=a["cu_seqlens_k"], max_seqlen_q=4, max_seqlen_k=5)
+
+
+def _attention_options(**args):
+    return dict(args, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, deterministic=False, return_attn_probs=False)
+
+
+CONTROLS: dict[str, Control] = {
+    "flash_attn_func": Control(flash_attn.flash_attn_func, lambda: _attention_options(**_attn())),
+    "flash_attn_qkvpacked_func": Control(flash_attn.flash_attn_qkvpacked_func,
+                                         lambda: _attention_options(**_packed_dense())),
+    "flash_attn_kvpacked_func": Control(flash_attn.flash_attn_kvpacked_func, lambda: _attention_options(**_kv_dense())),
+    "flash_attn_varlen_func": Control(flash_attn.flash_attn_varlen_func,
+                                      lambda: _attention_options(**_varlen(), block_table=None)),
+    "flash_attn_varlen_qkvpacked_func": Control(flash_attn.flash_attn_varlen_qkvpacked_func,
+                                                lambda: _attention_options(**_packed_varlen())),
+    "flash_attn_varlen_kvpacked_func": Control(flash_attn.flash_attn_varlen_kvpacked_func,
+                                               lambda: _attention_options(**_kv_varlen())),
+    "flash_attn_with_kvcache": Control(flash_attn.flash_attn_with_kvcache, lambda: dict(
+        _kvcache(), block_table=None, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+        rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)),
+    "_flash_attn_forward": Control(lowlevel._flash_attn_forward, _lowlevel_forward),
+    "_flash_attn_varlen_forward": Control(lowlevel._flash_attn_varlen_forward, _lowlevel_varlen_forward),
+    "_flash_attn_backward": Control(lowlevel._flash_attn_backward, _lowlevel_backward),
+    "_flash_attn_varlen_backward": Control(lowlevel._flash_attn_varlen_backward, _lowlevel_varlen_backward),
+    "flash_attn_gpu.fwd": Control(entry_points.fwd, _gpu_fwd),
+    "flash_attn_gpu.varlen_fwd": Control(entry_points.varlen_fwd, _gpu_varlen_fwd),
+    "flash_attn_gpu.bwd": Control(entry_points.bwd, _gpu_bwd),
+    "flash_attn_gpu.varlen_bwd": Control(entry_points.varlen_bwd, _gpu_varlen_bwd),
+    "flash_attn_gpu.fwd_kvcache": Control(entry_points.fwd_kvcache, _gpu_fwd_kvcache),
+}
+
+# ---------------------------------------------------------------------------------------------
+# The table.
+
+
+@dataclass
+class Row:
+    function: str
+    parameter: str
+    kind: str  # "type", "value", "shape" or "device"
+    bad: Any  # the value, or a function of the control's arguments returning it
+    error: type
+    words: tuple[str, ...]
+
+    @property
+    def id(self) -> str:
+        return f"{self.function}.{self.parameter}:{self.kind}:{_describe(self.bad)}"
+
+
+def _describe(bad) -> str:
+    if callable(bad) and getattr(bad, "__name__", "") == "<lambda>":
+        return getattr(bad, "label", "fn")
+    return repr(bad)[:24]
+
+
+def bad(label: str, fn: Callable) -> Callable:
+    fn.label = label
+    return fn
+
+
+TABLE: list[Row] = []
+
+
+def rows(function: str, parameter: str, *specs) -> None:
+    """Rows of one parameter: each spec ``(kind, bad, error, *words)``; the parameter's name is
+    always among the words."""
+    for kind, value, error, *words in specs:
+        TABLE.append(Row(function, parameter, kind, value, error, (parameter, *words)))
+
+
+def not_a(accepted: str, error=TypeError, value="not this"):
+    return ("type", value, error, accepted)
+
+
+def as_dtype(parameter: str, dtype, error=TypeError, *words):
+    return ("value", bad(f"{dtype}", lambda a: a[parameter].to(dtype)), error, *words)
+
+
+def with_rank(parameter: str, change: Callable, error=ValueError, *words):
+    return ("shape", bad("another shape", lambda a: change(a[parameter])), error, *words)
+
+
+def on_meta(parameter: str, error=ValueError):
+    return ("device", bad("on meta", lambda a: a[parameter].to("meta")), error, "meta")
+
+
+def value(v, error=ValueError, *words):
+    return ("value", v, error, *words)
+
+
+# The attention functions' shared options.
+def attention_options(function: str, dropout=True, deterministic=True, probs=True) -> None:
+    if dropout:
+        rows(function, "dropout_p", not_a("float"), value(1.5, ValueError, "[0, 1)"), value(True, TypeError))
+    rows(function, "softmax_scale", not_a("float"), value(NAN, ValueError, "finite"), value(True, TypeError))
+    rows(function, "causal", not_a("bool", value="yes"))
+    rows(function, "window_size", not_a("pair", value=4), value((NAN, 0), TypeError, "int"),
+         value(("a", 0), TypeError, "int"), value((2.7, 0), TypeError, "int"), value((1, 2, 3), ValueError, "pair"),
+         value((-2, 0), ValueError, "-1"))
+    rows(function, "softcap", not_a("float"), value(NAN, ValueError, ">= 0"), value(True, TypeError, "float"),
+         value(-1.0, ValueError, ">= 0"), value(1e-45, ValueError, "too small"))
+    rows(function, "alibi_slopes", not_a("float32", value="slopes"),
+         ("value", bad("fp16", lambda a: torch.ones(4, dtype=F16, device=dev())), TypeError, "float32"),
+         ("shape", bad("(3,)", lambda a: torch.ones(3, device=dev())), ValueError, "shape"),
+         ("device", bad("meta", lambda a: torch.ones(4, device="meta")), ValueError, "meta"))
+    if deterministic:
+        rows(function, "deterministic", not_a("bool", value="yes"))
+    if probs:
+        rows(function, "return_attn_probs", not_a("bool", value="yes"))
+
+
+def attention_tensor(function: str, parameter: str, rank_words=("dims",), device=True) -> None:
+    specs = [not_a("torch.Tensor", value="x"), as_dtype(parameter, torch.int32, TypeError, "float16"),
+             with_rank(parameter, lambda x: x.unsqueeze(0), ValueError, *rank_words)]
+    if device:
+        specs.append(on_meta(parameter))
+    rows(function, parameter, *specs)
+
+
+def cu_seqlens(function: str, parameter: str, error_type=TypeError) -> None:
+    rows(function, parameter, not_a("int32", value=[0, 3, 7]), as_dtype(parameter, torch.int64, TypeError, "int32"),
+         with_rank(parameter, lambda x: x[None], ValueError, "batch_size + 1"), on_meta(parameter),
+         value(bad("decreasing", lambda a: a[parameter].flip(0)), ValueError))
+
+
+def max_seqlen(function: str, parameter: str) -> None:
+    rows(function, parameter, not_a("int", ValueError, value="four"), value(-1, ValueError, "non-negative"),
+         value(1, ValueError, "smaller than the longest"))
+
+
+for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func"):
+    attention_tensor(name, "q")
+    attention_options(name)
+for name in ("flash_attn_func", "flash_attn_varlen_func"):
+    attention_tensor(name, "k")
+    attention_tensor(name, "v")
+for name in ("flash_attn_qkvpacked_func", "flash_attn_varlen_qkvpacked_func"):
+    attention_tensor(name, "qkv", device=False)
+    attention_options(name)
+for name in ("flash_attn_kvpacked_func", "flash_attn_varlen_kvpacked_func"):
+    attention_tensor(name, "kv")
+for name in ("flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func"):
+    cu_seqlens(name, "cu_seqlens_q")
+    cu_seqlens(name, "cu_seqlens_k")
+    max_seqlen(name, "max_seqlen_q")
+    max_seqlen(name, "max_seqlen_k")
+cu_seqlens("flash_attn_varlen_qkvpacked_func", "cu_seqlens")
+max_seqlen("flash_attn_varlen_qkvpacked_func", "max_seqlen")
+rows("flash_attn_varlen_func", "block_table", not_a("int32", value=[[0]]),
+     ("value", bad("fp32 table", lambda a: torch.zeros(2, 1, device=dev())), TypeError, "int32"))
+
+# flash_attn_with_kvcache
+K = "flash_attn_with_kvcache"
+attention_tensor(K, "q", device=False)
+for p in ("k_cache", "v_cache", "k", "v"):
+    attention_tensor(K, p)
+rows(K, "k", value(None, ValueError, "together"))
+rows(K, "rotary_cos", not_a("shape", ValueError, value="cos"),
+     as_dtype("rotary_cos", torch.int32, TypeError, "floating"),
+     with_rank("rotary_cos", lambda x: x[None], ValueError, "seqlen_ro"), on_meta("rotary_cos"))
+rows(K, "rotary_sin", not_a("shape", ValueError, value="sin"),
+     as_dtype("rotary_sin", torch.int32, TypeError, "floating"),
+     with_rank("rotary_sin", lambda x: x[None], ValueError, "seqlen_ro"), on_meta("rotary_sin"),
+     value(None, ValueError, "together"))
+for p in ("cache_seqlens", "cache_batch_idx", "cache_leftpad"):
+    rows(K, p, not_a("int32", value="lengths"), as_dtype(p, torch.int64, TypeError, "int32"),
+         with_rank(p, lambda x: x[None], TypeError, "shape"), on_meta(p))
+rows(K, "cache_seqlens", value(bad("past the cache", lambda a: i32(3, 16)), ValueError, "cache"),
+     value(bad("negative", lambda a: i32(-1, 3)), ValueError, ">= 0"))
+rows(K, "cache_batch_idx", value(bad("out of range", lambda a: i32(0, 2)), IndexError, "batch"))
+rows(K, "cache_leftpad", value(bad("past the length", lambda a: i32(0, 6)), ValueError, "cache_seqlens"))
+rows(K, "block_table", not_a("int32", value=[[0]]),
+     ("value", bad("with cache_batch_idx", lambda a: torch.zeros(2, 1, dtype=torch.int32, device=dev())), ValueError,
+      "cache_batch_idx"))
+attention_options(K, dropout=False, deterministic=False, probs=False)
+rows(K, "rotary_interleaved", not_a("bool", value="yes"))
+rows(K, "num_splits", not_a("int", ValueError, value="two"), value(-1, ValueError, ">= 0"))
+rows(K, "return_softmax_lse", not_a("bool", value="yes"))
+
+
+# The low-level functions are torch.library custom ops: PyTorch checks each argument's type
+# against the op's schema and names it ("Expected a value of type 'bool' for argument 'causal'").
+def schema(accepted: str, value="x"):
+    return ("type", value, RuntimeError, "Expected a value of type", accepted)
+
+
+def lowlevel_scalars(function: str, gpu: bool = False) -> None:
+    if gpu:  # upstream's names, checked under them before the call
+        rows(function, "p_dropout", not_a("float"), value(1.5, ValueError, "[0, 1)"))
+        rows(function, "is_causal", not_a("bool", value="yes"))
+    else:
+        rows(function, "dropout_p", schema("float"), value(1.5, ValueError, "[0, 1)"))
+        rows(function, "causal", schema("bool", value="yes"))
+    rows(function, "softmax_scale", schema("float"), value(NAN, ValueError, "finite"))
+    for side in ("window_size_left", "window_size_right"):
+        rows(function, side, schema("int", value="wide"))
+    rows(function, "softcap", schema("float"), value(NAN, ValueError, ">= 0"), value(-1.0, ValueError, ">= 0"))
+    rows(function, "alibi_slopes", schema("Tensor", value="slopes"),
+         ("value", bad("fp16", lambda a: torch.ones(4, dtype=F16, device=dev())), TypeError, "float32"),
+         ("shape", bad("(3,)", lambda a: torch.ones(3, device=dev())), ValueError, "shape"))
+
+
+for function, gpu in (("_flash_attn_forward", False), ("_flash_attn_varlen_forward", False),
+                      ("_flash_attn_backward", False), ("_flash_attn_varlen_backward", False),
+                      ("flash_attn_gpu.fwd", True), ("flash_attn_gpu.varlen_fwd", True),
+                      ("flash_attn_gpu.bwd", True), ("flash_attn_gpu.varlen_bwd", True)):
+    varlen, backward = "varlen" in function, "bwd" in function or "backward" in function
+    for p in ("q", "k", "v"):
+        rows(function, p, schema("Tensor"), as_dtype(p, torch.int32, TypeError, "float16"),
+             with_rank(p, lambda x: x.unsqueeze(0), ValueError, "dims"))
+    for p in ("k", "v"):
+        rows(function, p, on_meta(p))
+    lowlevel_scalars(function, gpu)
+    if varlen:
+        for p in ("cu_seqlens_q", "cu_seqlens_k"):
+            rows(function, p, schema("Tensor", value=[0, 3]), as_dtype(p, torch.int64, TypeError, "int32"),
+                 with_rank(p, lambda x: x[None], ValueError, "batch_size + 1"), on_meta(p),
+                 value(bad("decreasing", lambda a, p=p: a[p].flip(0)), ValueError))
+        for p in ("max_seqlen_q", "max_seqlen_k"):
+            rows(function, p, schema("int", value="four"), value(-1, ValueError, "non-negative"))
+        rows(function, "zero_tensors", schema("bool", value="yes"))
+    if backward:
+        for p in ("dout", "out"):
+            rows(function, p, schema("Tensor"), as_dtype(p, F32, TypeError, "dtype"),
+                 with_rank(p, lambda x: x.unsqueeze(0), ValueError, "shape"), on_meta(p))
+        rows(function, "softmax_lse", schema("Tensor"), as_dtype("softmax_lse", F16, TypeError, "float32"),
+             with_rank("softmax_lse", lambda x: x.unsqueeze(0), ValueError, "shape"), on_meta("softmax_lse"))
+        for p in ("dq", "dk", "dv"):
+            rows(function, p, schema("Tensor"), as_dtype(p, F32, TypeError, "dtype"),
+                 with_rank(p, lambda x: x.unsqueeze(0), ValueError, "shape"), on_meta(p))
+        rows(function, "deterministic", schema("bool", value="yes"))
+        rows(function, "rng_state", schema("Tensor", value="seed"), as_dtype("rng_state", torch.int32, TypeError, "int64"),
+             on_meta("rng_state"))
+    else:
+        rows(function, "return_softmax", schema("bool", value="yes"))
+    if varlen and not backward:
+        rows(function, "block_table", schema("Tensor", value=[[0]]))
+        for p in ("leftpad_k", "seqused_k"):
+            rows(function, p, schema("Tensor", value=[0, 0]),
+                 ("value", bad("int64", lambda a: torch.zeros(2, dtype=torch.int64, device=dev())), TypeError, "int32"),
+                 ("shape", bad("(3,)", lambda a: torch.zeros(3, dtype=torch.int32, device=dev())), TypeError, "shape"),
+                 ("device", bad("meta", lambda a: torch.zeros(2, dtype=torch.int32, device="meta")), ValueError,
+                  "meta"))
+        rows(function, "num_splits", schema("int", value="two"))
+    if gpu:
+        rows(function, "unused_generator_compat", ("type", "a generator", RuntimeError, "generator", "None"),
+             value(torch.Generator(), RuntimeError, "generator", "None"))
+    if gpu and not backward:
+        rows(function, "out", not_a("tensor", ValueError, value="out"),
+             ("shape", bad("another shape", lambda a: torch.empty(1, device=dev())), ValueError, "shape"))
+
+G = "flash_attn_gpu.fwd_kvcache"
+attention_tensor(G, "q", device=False)
+for p in ("kcache", "vcache", "k", "v"):
+    attention_tensor(G, p)
+for p in ("seqlens_k", "cache_batch_idx", "leftpad_k"):
+    rows(G, p, not_a("int32", value="lengths"))
+rows(G, "rotary_cos", not_a("shape", ValueError, value="cos"), as_dtype("rotary_cos", torch.int32, TypeError))
+rows(G, "rotary_sin", not_a("shape", ValueError, value="sin"), as_dtype("rotary_sin", torch.int32, TypeError))
+rows(G, "block_table", not_a("int32", value=[[0]]))
+rows(G, "alibi_slopes", not_a("float32", value="slopes"))
+rows(G, "out", not_a("tensor", ValueError, value="out"))
+rows(G, "softmax_scale", not_a("float"), value(NAN, ValueError, "finite"))
+rows(G, "is_causal", not_a("bool", value="yes"))
+for side in ("window_size_left", "window_size_right"):
+    rows(G, side, not_a("int", value="wide"))
+rows(G, "softcap", not_a("float"), value(NAN, ValueError, ">= 0"))
+rows(G, "is_rotary_interleaved", not_a("bool", value="yes"))
+rows(G, "num_splits", not_a("int", ValueError, value="two"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The public functions and their parameters, from their modules.
+
+
+def _apply_signature(fn) -> inspect.Signature:
+    """An autograd Function's (or its ``.apply``'s) parameters: its forward's, after ``ctx``."""
+    forward = fn.forward if inspect.isclass(fn) else fn.__self__.forward
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    return inspect.Signature(parameters)
+
+
+def _parameters(obj) -> dict[str, list[str]]:
+    """``callable id suffix -> parameter names`` of a public object: a function; a class's
+    ``__init__`` and ``forward``; an autograd Function's forward (its ``.apply``)."""
+    def names(sig):
+        return [p.name for p in sig.parameters.values() if p.name not in ("self", "ctx")
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+    if inspect.isclass(obj) and issubclass(obj, torch.autograd.Function):
+        return {"": names(_apply_signature(obj))}
+    if getattr(obj, "__self__", None) is not None and inspect.isclass(obj.__self__) \
+            and issubclass(obj.__self__, torch.autograd.Function):
+        return {"": names(_apply_signature(obj))}
+    if inspect.isclass(obj):
+        found = {".__init__": names(inspect.signature(obj.__init__))}
+        if "forward" in obj.__dict__:
+            found[".forward"] = names(inspect.signature(obj.forward))
+        return found
+    init = getattr(obj, "_init_fn", None)  # a torch.library custom op: its Python function
+    return {"": names(inspect.signature(init or obj))}
+
+
+PUBLIC_MODULES = {
+    "": flash_attn_interface, "flash_attn_gpu.": entry_points, "lowlevel": lowlevel,
+}
+
+
+def public_functions() -> dict[str, list[str]]:
+    """Every public callable id and its parameter names."""
+    found: dict[str, list[str]] = {}
+    for name in flash_attn_interface.__all__:
+        found.update({name + k: v for k, v in _parameters(getattr(flash_attn_interface, name)).items()})
+    for name in lowlevel.__all__:
+        found.update({name + k: v for k, v in _parameters(getattr(lowlevel, name)).items()})
+    for name in entry_points.__all__:
+        found.update({f"flash_attn_gpu.{name}" + k: v for k, v in _parameters(getattr(entry_points, name)).items()})
+    return found
+
+
+@pytest.mark.parametrize("function", sorted(CONTROLS))
+def test_control_runs(function):
+    control = CONTROLS[function]
+    _call(control, control.args())
+
+
+def _call(control: Control, args: dict):
+    if control.make is not None:
+        return control.fn(control.make(), **args)
+    if control.positional:
+        return control.fn(*args.values())
+    return control.fn(**args)
+
+
+@pytest.mark.parametrize("row", TABLE, ids=lambda r: r.id)
+def test_bad_input_raises_a_clear_error(row, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTN_DEBUG", "1")  # value checks of device tensors too
+    control = CONTROLS[row.function]
+    args = control.args()
+    assert row.parameter in args, f"{row.function} has no argument {row.parameter}"
+    args[row.parameter] = row.bad(args) if callable(row.bad) and not isinstance(row.bad, (torch.Generator,)) else row.bad
+    pattern = "".join(f"(?=.*{re.escape(w)})" for w in row.words)
+    with pytest.raises(row.error, match=re.compile(pattern, re.IGNORECASE | re.DOTALL)):
+        _call(control, args)
+
+
+def test_every_public_parameter_has_rows():
+    """Every public function has a control, and every parameter of it rows: a bad type, plus a
+    bad shape or device for a tensor (a function or parameter added later fails here until its
+    rows are)."""
+    covered: dict[str, set[str]] = {}
+    kinds: dict[tuple[str, str], set[str]] = {}
+    for row in TABLE:
+        covered.setdefault(row.function, set()).add(row.parameter)
+        kinds.setdefault((row.function, row.parameter), set()).add(row.kind)
+    missing = []
+    for function, parameters in public_functions().items():
+        if function not in CONTROLS:
+            missing.append(f"{function}: no control")
+            continue
+        for parameter in parameters:
+            if parameter not in covered.get(function, ()):
+                missing.append(f"{function}({parameter}): no row")
+            elif "type" not in kinds[function, parameter]:
+                missing.append(f"{function}({parameter}): no bad-type row")
+    assert not missing, "\n".join(missing)
