@@ -26,7 +26,7 @@ from flash_attn import dispatch, validation
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout, cache_capacity
 from flash_attn.placeholders import placeholder
 
-DEBUG_ENV = "FLASH_ATTN_DEBUG"
+DEBUG_ENV = validation.DEBUG_ENV
 
 
 def _checks_values(t: Tensor) -> bool:

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from typing import Optional, Sequence
 
 import torch
 
 from flash_attn.limits import MAX_HEADDIM, cdiv
 from flash_attn.params import cache_capacity
+
+# With FLASH_ATTN_DEBUG=1 the values of device tensors are checked on the host too (reading them
+# waits for the device); otherwise only CPU tensors are (see check_values).
+DEBUG_ENV = "FLASH_ATTN_DEBUG"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -181,6 +186,42 @@ def check_index_vector(t, name: str, batch: int, device: torch.device, owner: st
         _fail(TypeError, f"{name} must be an int32 tensor of shape ({batch},), got {_describe(t)}")
     if t.device != device:
         _fail(ValueError, f"{name} is on {t.device} but {owner} is on {device}")
+
+
+def host_reads_values(t: torch.Tensor) -> bool:
+    """Whether argument values of ``t`` are read on the host: always for CPU tensors; for others
+    (reading them waits for the device and breaks CUDA-graph capture) only with
+    ``FLASH_ATTN_DEBUG=1``; never for meta or fake tensors, nor while torch.compile traces."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return t.device.type == "cpu" or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def check_values(ok: torch.Tensor, exc_type: type[Exception], message: str) -> None:
+    """A check of tensor values (``ok``: a 0-d bool tensor computed from them): on the host where
+    :func:`host_reads_values` (a clear ``exc_type``); on a device otherwise, through
+    ``torch._assert_async`` (no synchronisation: a device-side assert if it fails); not at all
+    for meta tensors (they have no values)."""
+    if ok.device.type == "meta":
+        return
+    if host_reads_values(ok):
+        if not bool(ok):
+            _fail(exc_type, message)
+    else:
+        torch._assert_async(ok, f"flash_attn: {message}")
+
+
+def check_int(value, name: str, minimum: Optional[int] = None) -> int:
+    """``value`` as an int (not a bool), at least ``minimum`` when given."""
+    if isinstance(value, bool):
+        _fail(TypeError, f"{name} must be an int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and number < minimum:
+        _fail(ValueError, f"{name} must be >= {minimum}, got {number}")
+    return number
 
 
 def check_flag(value, name: str) -> bool:

@@ -436,6 +436,170 @@ rows(G, "num_splits", not_a("int", ValueError, value="two"))
 
 
 # ---------------------------------------------------------------------------------------------
+# bert_padding
+
+
+def _rows_and_indices():
+    return dict(input=t(6, 4), indices=torch.tensor([0, 2, 5], device=dev()))
+
+
+CONTROLS.update({
+    "IndexFirstAxis": Control(bert_padding.IndexFirstAxis.apply, _rows_and_indices, positional=True),
+    "index_first_axis": Control(bert_padding.index_first_axis, _rows_and_indices, positional=True),
+    "IndexFirstAxisResidual": Control(bert_padding.IndexFirstAxisResidual.apply, _rows_and_indices, positional=True),
+    "index_first_axis_residual": Control(bert_padding.index_first_axis_residual, _rows_and_indices,
+                                         positional=True),
+    "IndexPutFirstAxis": Control(bert_padding.IndexPutFirstAxis.apply, lambda: dict(
+        values=t(3, 4), indices=torch.tensor([0, 2, 5], device=dev()), first_axis_dim=6), positional=True),
+    "index_put_first_axis": Control(bert_padding.index_put_first_axis, lambda: dict(
+        values=t(3, 4), indices=torch.tensor([0, 2, 5], device=dev()), first_axis_dim=6), positional=True),
+    "pad_input": Control(bert_padding.pad_input, lambda: dict(
+        hidden_states=t(3, 4), indices=torch.tensor([0, 2, 5], device=dev()), batch=2, seqlen=3)),
+    "unpad_input": Control(bert_padding.unpad_input, lambda: dict(
+        hidden_states=t(2, 3, 4), attention_mask=torch.tensor([[1, 1, 0], [1, 0, 0]], device=dev()),
+        unused_mask=torch.tensor([[0, 0, 1], [0, 0, 0]], device=dev()))),
+    "unpad_input_for_concatenated_sequences": Control(bert_padding.unpad_input_for_concatenated_sequences, lambda: dict(
+        hidden_states=t(2, 3, 4), attention_mask_in_length=torch.tensor([[2, 1, 0], [3, 0, 0]], device=dev()))),
+})
+
+
+def indices_rows(function, size_word="rows"):
+    rows(function, "indices", not_a("integer tensor", ValueError, value=[0, 2]),
+         as_dtype("indices", F32, ValueError, "int"), with_rank("indices", lambda x: x[None], ValueError, "1-D"),
+         on_meta("indices"), value(bad("out of range", lambda a: torch.tensor([0, 6], device=dev())), IndexError,
+                                   size_word))
+
+
+for name in ("IndexFirstAxis", "index_first_axis", "IndexFirstAxisResidual", "index_first_axis_residual"):
+    rows(name, "input", not_a("tensor", TypeError, value="rows"),
+         ("shape", bad("0-d", lambda a: torch.tensor(1.0, device=dev())), ValueError, "dimension"))
+    indices_rows(name)
+for name in ("IndexPutFirstAxis", "index_put_first_axis"):
+    rows(name, "values", not_a("tensor", TypeError, value="rows"),
+         with_rank("values", lambda x: x[:2], ValueError, "one row per index"), on_meta("values"))
+    indices_rows(name, "first_axis_dim")
+    rows(name, "first_axis_dim", not_a("int", TypeError, value="six"), value(-1, ValueError, ">= 0"))
+rows("pad_input", "hidden_states", not_a("tensor", TypeError, value="rows"),
+     with_rank("hidden_states", lambda x: x[:2], ValueError, "one row per index"), on_meta("hidden_states"))
+indices_rows("pad_input", "batch * seqlen")
+for p in ("batch", "seqlen"):
+    rows("pad_input", p, not_a("int", TypeError, value="two"), value(-1, ValueError, ">= 0"))
+rows("unpad_input", "hidden_states", not_a("tensor", TypeError, value="rows"),
+     with_rank("hidden_states", lambda x: x[0], ValueError, "(batch, seqlen"), on_meta("hidden_states"))
+for p in ("attention_mask", "unused_mask"):
+    rows("unpad_input", p, not_a("tensor", TypeError, value="mask"),
+         with_rank(p, lambda x: x[None], ValueError, "shape"), on_meta(p))
+rows("unpad_input_for_concatenated_sequences", "hidden_states", not_a("tensor", TypeError, value="rows"),
+     with_rank("hidden_states", lambda x: x[0], ValueError, "(batch, seqlen"), on_meta("hidden_states"))
+rows("unpad_input_for_concatenated_sequences", "attention_mask_in_length", not_a("tensor", TypeError, value="lengths"),
+     with_rank("attention_mask_in_length", lambda x: x[None], ValueError, "shape"), on_meta("attention_mask_in_length"),
+     as_dtype("attention_mask_in_length", F32, ValueError, "integer"),
+     value(bad("negative", lambda a: torch.tensor([[2, -1, 0], [3, 0, 0]], device=dev())), ValueError, "non-negative"))
+
+# ---------------------------------------------------------------------------------------------
+# Rotary: layers.rotary and ops.triton.rotary
+
+
+def _rotary():
+    return dict(x=t(2, 5, 4, 16), cos=t(8, 4, dtype=F32, seed=1), sin=t(8, 4, dtype=F32, seed=2))
+
+
+def _rotary_varlen():
+    return dict(x=t(7, 4, 16), cos=t(8, 4, dtype=F32, seed=1), sin=t(8, 4, dtype=F32, seed=2),
+                cu_seqlens=i32(0, 3, 7), max_seqlen=4)
+
+
+CONTROLS.update({
+    "apply_rotary_emb": Control(layers_rotary.apply_rotary_emb, lambda: dict(
+        _rotary_varlen(), interleaved=False, inplace=False, seqlen_offsets=i32(0, 1))),
+    "apply_rotary_emb_func": Control(layers_rotary.apply_rotary_emb_func, lambda: dict(
+        _rotary_varlen(), interleaved=False, inplace=False, seqlen_offsets=i32(0, 1))),
+    "apply_rotary": Control(ops_rotary.apply_rotary, lambda: dict(
+        _rotary_varlen(), seqlen_offsets=i32(0, 1), interleaved=False, inplace=False, conjugate=False)),
+    "apply_rotary_emb_qkv_": Control(layers_rotary.apply_rotary_emb_qkv_, lambda: dict(
+        qkv=t(2, 5, 3, 4, 16), cos=t(8, 4, dtype=F32, seed=1), sin=t(8, 4, dtype=F32, seed=2),
+        cos_k=t(8, 4, dtype=F32, seed=3), sin_k=t(8, 4, dtype=F32, seed=4), interleaved=False, seqlen_offsets=0,
+        num_heads_q=None)),
+    "apply_rotary_emb_kv_": Control(layers_rotary.apply_rotary_emb_kv_, lambda: dict(
+        kv=t(2, 5, 2, 4, 16), cos=t(8, 4, dtype=F32, seed=1), sin=t(8, 4, dtype=F32, seed=2), interleaved=False,
+        seqlen_offsets=0)),
+    "apply_rotary_emb_torch": Control(layers_rotary.apply_rotary_emb_torch, lambda: dict(
+        x=t(2, 5, 4, 16), cos=t(5, 4, seed=1), sin=t(5, 4, seed=2), interleaved=False)),
+    "rotate_half": Control(layers_rotary.rotate_half, lambda: dict(x=t(2, 5, 4, 16), interleaved=False)),
+    "RotaryEmbedding.__init__": Control(layers_rotary.RotaryEmbedding, lambda: dict(
+        dim=8, base=10000.0, interleaved=False, scale_base=None, device=None)),
+    "RotaryEmbedding.forward": Control(layers_rotary.RotaryEmbedding.forward, lambda: dict(
+        qkv=t(2, 5, 4, 16), kv=t(2, 5, 2, 4, 16, seed=1), seqlen_offset=0, max_seqlen=None, num_heads_q=None),
+        make=lambda: layers_rotary.RotaryEmbedding(8, device=dev())),
+})
+
+
+def table_rows(function, parameter):
+    rows(function, parameter, not_a("tensor", ValueError, value="table"),
+         as_dtype(parameter, torch.int32, ValueError, "floating"),
+         with_rank(parameter, lambda x: x[None], ValueError, "shape"), on_meta(parameter))
+
+
+def offsets_rows(function, parameter="seqlen_offsets"):
+    rows(function, parameter, not_a("int or a tensor", ValueError, value="one"),
+         value(bad("negative tensor", lambda a: i32(-1, 0)), ValueError, ">= 0"),
+         value(-1, ValueError, ">= 0"), as_dtype(parameter, F32, ValueError, "int32"),
+         with_rank(parameter, lambda x: x[None], ValueError, "shape"), on_meta(parameter))
+
+
+for name in ("apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary"):
+    rows(name, "x", not_a("floating", ValueError, value="x"), as_dtype("x", torch.int32, ValueError, "floating"),
+         with_rank("x", lambda x: x[None], ValueError, "shape"))
+    table_rows(name, "cos")
+    table_rows(name, "sin")
+    offsets_rows(name)
+    rows(name, "cu_seqlens", not_a("int32", ValueError, value=[0, 3]), as_dtype("cu_seqlens", F32, ValueError, "int32"),
+         with_rank("cu_seqlens", lambda x: x[None], ValueError, "1-D"), on_meta("cu_seqlens"),
+         value(bad("decreasing", lambda a: i32(0, 7, 3)), ValueError, "non-decreasing"))
+    rows(name, "max_seqlen", not_a("int", ValueError, value="four"), value(-1, ValueError, ">= 0"),
+         value(2, ValueError, "longest"))
+    rows(name, "interleaved", not_a("bool", TypeError, value="yes"))
+    rows(name, "inplace", not_a("bool", TypeError, value="yes"))
+rows("apply_rotary", "conjugate", not_a("bool", TypeError, value="yes"))
+rows("apply_rotary_emb_qkv_", "qkv", not_a("tensor", ValueError, value="qkv"),
+     as_dtype("qkv", torch.int32, ValueError, "floating"), with_rank("qkv", lambda x: x[0], ValueError, "shape"))
+rows("apply_rotary_emb_kv_", "kv", not_a("tensor", ValueError, value="kv"),
+     as_dtype("kv", torch.int32, ValueError, "floating"), with_rank("kv", lambda x: x[0], ValueError, "shape"))
+for name, tables in (("apply_rotary_emb_qkv_", ("cos", "sin", "cos_k", "sin_k")), ("apply_rotary_emb_kv_", ("cos", "sin"))):
+    for p in tables:
+        table_rows(name, p)
+    rows(name, "interleaved", not_a("bool", TypeError, value="yes"))
+    rows(name, "seqlen_offsets", not_a("int or a tensor", ValueError, value="one"), value(-1, ValueError, ">= 0"),
+         value(bad("negative tensor", lambda a: i32(-1, 0)), ValueError, ">= 0"))
+rows("apply_rotary_emb_qkv_", "cos_k", value(None, ValueError, "together"))
+rows("apply_rotary_emb_qkv_", "num_heads_q", not_a("int", TypeError, value="four"), value(0, ValueError, "heads"))
+rows("apply_rotary_emb_torch", "x", not_a("tensor", ValueError, value="x"),
+     as_dtype("x", torch.int32, ValueError, "floating"), with_rank("x", lambda x: x[0, 0], ValueError, "shape"))
+for p in ("cos", "sin"):
+    rows("apply_rotary_emb_torch", p, not_a("tensor", ValueError, value="table"),
+         as_dtype(p, torch.int32, ValueError, "floating"), with_rank(p, lambda x: x[:2], ValueError, "shape"),
+         on_meta(p))
+rows("apply_rotary_emb_torch", "interleaved", not_a("bool", TypeError, value="yes"))
+rows("rotate_half", "x", not_a("tensor", ValueError, value="x"),
+     ("shape", bad("odd last dim", lambda a: t(2, 5, 4, 15)), ValueError, "even"))
+rows("rotate_half", "interleaved", not_a("bool", TypeError, value="yes"))
+rows("RotaryEmbedding.__init__", "dim", not_a("int", TypeError, value="eight"), value(7, ValueError, "even"))
+rows("RotaryEmbedding.__init__", "base", not_a("float", TypeError, value="ten"), value(NAN, ValueError, "> 0"),
+     value(-1.0, ValueError, "> 0"))
+rows("RotaryEmbedding.__init__", "interleaved", not_a("bool", TypeError, value="yes"))
+rows("RotaryEmbedding.__init__", "scale_base", not_a("float", TypeError, value="big"), value(0.0, ValueError, "> 0"))
+rows("RotaryEmbedding.__init__", "device", not_a("device", RuntimeError, value="nowhere"))
+rows("RotaryEmbedding.forward", "qkv", not_a("tensor", TypeError, value="qkv"),
+     with_rank("qkv", lambda x: x[0], ValueError, "shape"))
+rows("RotaryEmbedding.forward", "kv", not_a("tensor", ValueError, value="kv"),
+     with_rank("kv", lambda x: x[0], ValueError, "shape"), on_meta("kv"))
+rows("RotaryEmbedding.forward", "seqlen_offset", not_a("int or a tensor", ValueError, value="one"),
+     value(-1, ValueError, ">= 0"))
+rows("RotaryEmbedding.forward", "max_seqlen", not_a("int", TypeError, value="long"), value(-1, ValueError, ">= 0"))
+rows("RotaryEmbedding.forward", "num_heads_q", not_a("int", TypeError, value="four"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The public functions and their parameters, from their modules.
 
 
@@ -481,6 +645,9 @@ def public_functions() -> dict[str, list[str]]:
         found.update({name + k: v for k, v in _parameters(getattr(lowlevel, name)).items()})
     for name in entry_points.__all__:
         found.update({f"flash_attn_gpu.{name}" + k: v for k, v in _parameters(getattr(entry_points, name)).items()})
+    for module in (bert_padding, layers_rotary, ops_rotary):
+        for name in module.__all__:
+            found.update({name + k: v for k, v in _parameters(getattr(module, name)).items()})
     return found
 
 
