@@ -13,6 +13,7 @@ rows fails it, so a new one gets its rows (and its checks) before it ships.
 
 from __future__ import annotations
 
+import enum
 import inspect
 import math
 import re
@@ -600,6 +601,214 @@ rows("RotaryEmbedding.forward", "num_heads_q", not_a("int", TypeError, value="fo
 
 
 # ---------------------------------------------------------------------------------------------
+# ops.triton: layer_norm, cross_entropy, linear, mlp, k_activations; losses
+
+
+def _norm_args(ref=False):
+    a = dict(x=t(4, 32, dtype=F32), weight=t(32, dtype=F32, seed=1), bias=t(32, dtype=F32, seed=2),
+             residual=t(4, 32, dtype=F32, seed=3), x1=t(4, 32, dtype=F32, seed=4), weight1=t(32, dtype=F32, seed=5),
+             bias1=t(32, dtype=F32, seed=6), eps=1e-6, dropout_p=0.0, rowscale=None, prenorm=False)
+    if ref:
+        return dict(a, zero_centered_weight=False, dropout_mask=None, dropout_mask1=None, upcast=False)
+    return dict(a, residual_in_fp32=False, zero_centered_weight=False, is_rms_norm=False, return_dropout_mask=False,
+                out_dtype=None, out=None, residual_out=None)
+
+
+def _rms_args():
+    a = _norm_args()
+    del a["is_rms_norm"]
+    return a
+
+
+def _norm_linear_args():
+    return dict(x=t(4, 32, dtype=F32), norm_weight=t(32, dtype=F32, seed=1), norm_bias=t(32, dtype=F32, seed=2),
+                linear_weight=t(8, 32, dtype=F32, seed=3), linear_bias=t(8, dtype=F32, seed=4),
+                residual=t(4, 32, dtype=F32, seed=5), eps=1e-6, prenorm=False, residual_in_fp32=False,
+                is_rms_norm=False)
+
+
+def _loss_args():
+    return dict(logits=t(4, 10, dtype=F32), labels=torch.tensor([1, 2, 3, -100], device=dev()), precomputed_lse=None,
+                label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0, ignore_index=-100, inplace_backward=False,
+                process_group=None)
+
+
+def _mlp_args():
+    return dict(x=t(4, 16, dtype=F32), weight1=t(32, 16, dtype=F32, seed=1), bias1=t(32, dtype=F32, seed=2),
+                weight2=t(16, 32, dtype=F32, seed=3), bias2=t(16, dtype=F32, seed=4), checkpoint_lvl=0)
+
+
+CONTROLS.update({
+    "layer_norm_fn": Control(layer_norm.layer_norm_fn, _norm_args),
+    "rms_norm_fn": Control(layer_norm.rms_norm_fn, _rms_args),
+    "LayerNormFn": Control(layer_norm.LayerNormFn.apply, _norm_args, positional=True),
+    "layer_norm_ref": Control(layer_norm.layer_norm_ref, lambda: _norm_args(ref=True)),
+    "rms_norm_ref": Control(layer_norm.rms_norm_ref, lambda: _norm_args(ref=True)),
+    "RMSNorm.__init__": Control(layer_norm.RMSNorm, lambda: dict(hidden_size=32, eps=1e-5, dropout_p=0.0,
+                                                                 zero_centered_weight=False, device=None, dtype=None)),
+    "RMSNorm.forward": Control(layer_norm.RMSNorm.forward, lambda: dict(
+        x=t(4, 32, dtype=F32), residual=t(4, 32, dtype=F32, seed=1), prenorm=False, residual_in_fp32=False),
+        make=lambda: layer_norm.RMSNorm(32, device=dev())),
+    "LayerNormLinearFn": Control(layer_norm.LayerNormLinearFn.apply, _norm_linear_args, positional=True),
+    "layer_norm_linear_fn": Control(layer_norm.layer_norm_linear_fn, _norm_linear_args),
+    "cross_entropy_loss": Control(ops_cross_entropy.cross_entropy_loss, _loss_args),
+    "CrossEntropyLoss.__init__": Control(losses_cross_entropy.CrossEntropyLoss, lambda: dict(
+        ignore_index=-100, reduction="mean", label_smoothing=0.0, logit_scale=1.0, lse_square_scale=0.0,
+        inplace_backward=False, process_group=None, return_z_loss=False)),
+    "CrossEntropyLoss.forward": Control(losses_cross_entropy.CrossEntropyLoss.forward, lambda: dict(
+        input=t(4, 10, dtype=F32), target=torch.tensor([1, 2, 3, -100], device=dev()), precomputed_lse=None),
+        make=losses_cross_entropy.CrossEntropyLoss),
+    "triton_linear_act": Control(linear.triton_linear_act, lambda: dict(
+        x=t(4, 16, dtype=F32), weight=t(8, 16, dtype=F32, seed=1), bias=t(8, dtype=F32, seed=2), activation="gelu",
+        save_act_input=False)),
+    "triton_dgrad_act": Control(linear.triton_dgrad_act, lambda: dict(
+        grad_output=t(4, 8, dtype=F32), weight=t(8, 16, dtype=F32, seed=1), activation="gelu",
+        act_input=t(4, 16, dtype=F32, seed=2))),
+    "FusedDenseSqreluDenseFunc": Control(mlp.FusedDenseSqreluDenseFunc.apply, _mlp_args, positional=True),
+    "fused_dense_sqrelu_dense_function": Control(mlp.fused_dense_sqrelu_dense_function, _mlp_args, positional=True),
+    "FusedDenseSqreluDense.__init__": Control(mlp.FusedDenseSqreluDense, lambda: dict(
+        in_features=16, hidden_features=32, out_features=None, bias1=True, bias2=True, checkpoint_lvl=0, device=None,
+        dtype=None)),
+    "FusedDenseSqreluDense.forward": Control(mlp.FusedDenseSqreluDense.forward, lambda: dict(x=t(4, 16, dtype=F32)),
+                                             make=lambda: mlp.FusedDenseSqreluDense(16, 32, device=dev())),
+    "Activation": Control(k_activations.Activation, lambda: dict(value="gelu")),
+    "get_triton_activation_kernel": Control(k_activations.get_triton_activation_kernel,
+                                            lambda: dict(activation="gelu")),
+    "get_triton_activation_bwd_kernel": Control(k_activations.get_triton_activation_bwd_kernel,
+                                                lambda: dict(activation="gelu")),
+})
+
+
+def float_tensor_rows(function, parameter, error_type=TypeError, shape_words=("shape",)):
+    rows(function, parameter, not_a("floating-point tensor", error_type, value="t"),
+         as_dtype(parameter, torch.int32, error_type, "floating-point"),
+         with_rank(parameter, lambda x: x[..., :3], ValueError, *shape_words), on_meta(parameter))
+
+
+def flag_rows(function, *parameters):
+    for parameter in parameters:
+        rows(function, parameter, not_a("bool", TypeError, value="yes"))
+
+
+for name, ref in (("layer_norm_fn", False), ("rms_norm_fn", False), ("LayerNormFn", False), ("layer_norm_ref", True),
+                  ("rms_norm_ref", True)):
+    rows(name, "x", not_a("floating-point tensor", TypeError, value="t"),
+         as_dtype("x", torch.int32, TypeError, "floating-point"),
+         with_rank("x", lambda x: x[..., :0], ValueError, "non-empty"))
+    for p in ("weight", "bias", "residual", "x1", "weight1", "bias1"):
+        float_tensor_rows(name, p)
+    rows(name, "eps", not_a("float", ValueError, value="tiny"), value(-1.0, ValueError, "non-negative"))
+    rows(name, "dropout_p", not_a("float", ValueError, value="some"), value(1.5, ValueError, "[0, 1)"))
+    rows(name, "rowscale", not_a("floating-point tensor", TypeError, value="t"),
+         ("shape", bad("(3,)", lambda a: torch.ones(3, device=dev())), ValueError, "shape"),
+         ("device", bad("meta", lambda a: torch.ones(4, device="meta")), ValueError, "meta"))
+    flag_rows(name, "prenorm", "zero_centered_weight")
+    if ref:
+        for p in ("dropout_mask", "dropout_mask1"):
+            rows(name, p, not_a("bool tensor", TypeError, value="mask"),
+                 ("value", bad("float", lambda a: torch.ones(4, 32, device=dev())), TypeError, "bool"),
+                 ("shape", bad("(3,)", lambda a: torch.ones(3, dtype=torch.bool, device=dev())), ValueError, "shape"),
+                 ("device", bad("meta", lambda a: torch.ones(4, 32, dtype=torch.bool, device="meta")), ValueError,
+                  "meta"))
+        flag_rows(name, "upcast")
+    else:
+        flag_rows(name, "residual_in_fp32", "return_dropout_mask")
+        if name != "rms_norm_fn":
+            flag_rows(name, "is_rms_norm")
+        rows(name, "out_dtype", not_a("dtype", TypeError, value="fp16"), value(torch.int32, ValueError, "floating"))
+        for p in ("out", "residual_out"):
+            rows(name, p, not_a("floating-point tensor", TypeError, value="t"),
+                 ("shape", bad("(3,)", lambda a: torch.ones(3, device=dev())), ValueError, "shape"),
+                 ("device", bad("meta", lambda a: torch.ones(4, 32, device="meta")), ValueError, "meta"))
+rows("RMSNorm.__init__", "hidden_size", not_a("int", TypeError, value="wide"), value(0, ValueError, ">= 1"))
+rows("RMSNorm.__init__", "eps", not_a("float", ValueError, value="tiny"), value(-1.0, ValueError, "non-negative"))
+rows("RMSNorm.__init__", "dropout_p", not_a("float", ValueError, value="some"), value(1.5, ValueError, "[0, 1)"))
+flag_rows("RMSNorm.__init__", "zero_centered_weight")
+rows("RMSNorm.__init__", "device", not_a("device", RuntimeError, value="nowhere"))
+rows("RMSNorm.__init__", "dtype", not_a("dtype", TypeError, value="fp32"), value(torch.int32, ValueError, "floating"))
+rows("RMSNorm.forward", "x", not_a("floating-point tensor", TypeError, value="t"),
+     with_rank("x", lambda x: x[..., :3], ValueError, "shape"))
+float_tensor_rows("RMSNorm.forward", "residual")
+flag_rows("RMSNorm.forward", "prenorm", "residual_in_fp32")
+for name in ("LayerNormLinearFn", "layer_norm_linear_fn"):
+    rows(name, "x", not_a("floating-point tensor", TypeError, value="t"),
+         as_dtype("x", torch.int32, TypeError, "floating-point"))
+    for p in ("norm_weight", "norm_bias", "residual"):
+        float_tensor_rows(name, p)
+    rows(name, "linear_weight", not_a("floating-point tensor", TypeError, value="t"),
+         with_rank("linear_weight", lambda x: x[:, :3], ValueError, "shape"), on_meta("linear_weight"))
+    rows(name, "linear_bias", not_a("tensor", TypeError, value="t"),
+         with_rank("linear_bias", lambda x: x[:3], ValueError, "shape"), on_meta("linear_bias"))
+    rows(name, "eps", not_a("float", ValueError, value="tiny"), value(-1.0, ValueError, "non-negative"))
+    flag_rows(name, "prenorm", "residual_in_fp32", "is_rms_norm")
+
+L = "cross_entropy_loss"
+rows(L, "logits", not_a("floating-point tensor", ValueError, value="t"),
+     as_dtype("logits", torch.int32, ValueError, "floating-point"), with_rank("logits", lambda x: x[0], ValueError, "shape"))
+rows(L, "labels", not_a("integer tensor", ValueError, value=[1]), as_dtype("labels", F32, ValueError, "integer"),
+     with_rank("labels", lambda x: x[:2], ValueError, "shape"), on_meta("labels"),
+     value(bad("out of range", lambda a: torch.tensor([1, 2, 3, 10], device=dev())), ValueError, "vocab"))
+rows(L, "precomputed_lse", not_a("tensor", ValueError, value="lse"),
+     ("value", bad("int64", lambda a: torch.zeros(4, dtype=torch.int64, device=dev())), TypeError, "floating"),
+     ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
+     ("device", bad("meta", lambda a: torch.zeros(4, device="meta")), ValueError, "meta"))
+for p, bad_value in (("label_smoothing", 1.5), ("logit_scale", 0.0), ("lse_square_scale", -1.0)):
+    rows(L, p, not_a("float", TypeError, value="some"), value(bad_value, ValueError), value(NAN, ValueError))
+rows(L, "ignore_index", not_a("int", ValueError, value="none"))
+flag_rows(L, "inplace_backward")
+rows(L, "process_group", not_a("ProcessGroup", TypeError, value="world"))
+C = "CrossEntropyLoss.__init__"
+rows(C, "ignore_index", not_a("int", ValueError, value="none"))
+rows(C, "reduction", not_a("reduction", NotImplementedError, value=3), value("max", NotImplementedError))
+for p, bad_value in (("label_smoothing", 1.5), ("logit_scale", 0.0), ("lse_square_scale", -1.0)):
+    rows(C, p, not_a("float", TypeError, value="some"), value(bad_value, ValueError))
+flag_rows(C, "inplace_backward", "return_z_loss")
+rows(C, "process_group", not_a("ProcessGroup", TypeError, value="world"))
+rows("CrossEntropyLoss.forward", "input", not_a("floating-point tensor", ValueError, value="t"),
+     with_rank("input", lambda x: x[0], ValueError, "shape"))
+rows("CrossEntropyLoss.forward", "target", not_a("integer tensor", ValueError, value=[1]),
+     with_rank("target", lambda x: x[:2], ValueError, "shape"), on_meta("target"))
+rows("CrossEntropyLoss.forward", "precomputed_lse", not_a("tensor", ValueError, value="lse"),
+     ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"))
+
+for name, x_name in (("triton_linear_act", "x"), ("triton_dgrad_act", "grad_output")):
+    rows(name, x_name, not_a("tensor", AssertionError, value="t"),
+         as_dtype(x_name, torch.float64, AssertionError, "dtype"),
+         with_rank(x_name, lambda x: x[:, :3], AssertionError, "dimensions"), on_meta(x_name, AssertionError))
+    rows(name, "weight", not_a("tensor", AssertionError, value="w"),
+         with_rank("weight", lambda x: x[0], AssertionError, "2-D"), on_meta("weight", AssertionError))
+    rows(name, "activation", not_a("activation", AssertionError, value=3), value("swish", AssertionError, "one of"))
+rows("triton_linear_act", "bias", not_a("tensor", AssertionError, value="b"),
+     with_rank("bias", lambda x: x[:3], AssertionError, "dimensions"), on_meta("bias", AssertionError))
+rows("triton_linear_act", "save_act_input", not_a("bool", AssertionError, value="yes"))
+rows("triton_dgrad_act", "act_input", not_a("tensor", AssertionError, value="a"), value(None, AssertionError, "required"),
+     with_rank("act_input", lambda x: x[:, :3], AssertionError, "shape"), on_meta("act_input", AssertionError))
+for name in ("FusedDenseSqreluDenseFunc", "fused_dense_sqrelu_dense_function"):
+    rows(name, "x", not_a("tensor", AssertionError, value="t"), with_rank("x", lambda x: x[:, :3], AssertionError,
+                                                                            "dimensions"))
+    for p in ("weight1", "weight2"):
+        rows(name, p, not_a("tensor", AssertionError, value="w"), with_rank(p, lambda x: x[0], AssertionError, "2-D"),
+             on_meta(p, AssertionError))
+    for p in ("bias1", "bias2"):
+        rows(name, p, not_a("tensor", AssertionError, value="b"), with_rank(p, lambda x: x[:3], AssertionError,
+                                                                            "dimensions"), on_meta(p, AssertionError))
+    rows(name, "checkpoint_lvl", not_a("checkpoint_lvl", AssertionError, value="none"), value(3, AssertionError, "one of"))
+F = "FusedDenseSqreluDense.__init__"
+for p in ("in_features", "hidden_features", "out_features"):
+    rows(F, p, not_a("int", TypeError, value="wide"), value(-1, ValueError, ">= 1"))
+for p in ("bias1", "bias2"):
+    rows(F, p, not_a("bool", TypeError, value="yes"), value(False, AssertionError, "bias"))
+rows(F, "checkpoint_lvl", not_a("checkpoint_lvl", AssertionError, value="none"), value(3, AssertionError, "one of"))
+rows(F, "device", not_a("device", RuntimeError, value="nowhere"))
+rows(F, "dtype", not_a("dtype", TypeError, value="fp32"))
+rows("FusedDenseSqreluDense.forward", "x", not_a("tensor", AssertionError, value="t"),
+     with_rank("x", lambda x: x[:, :3], AssertionError, "dimensions"), on_meta("x", AssertionError))
+rows("Activation", "value", not_a("Activation", ValueError, value=3), value("swish", ValueError, "Activation"))
+for name in ("get_triton_activation_kernel", "get_triton_activation_bwd_kernel"):
+    rows(name, "activation", not_a("Activation", ValueError, value=3), value("swish", ValueError, "Activation"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The public functions and their parameters, from their modules.
 
 
@@ -617,6 +826,8 @@ def _parameters(obj) -> dict[str, list[str]]:
         return [p.name for p in sig.parameters.values() if p.name not in ("self", "ctx")
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
+    if inspect.isclass(obj) and issubclass(obj, enum.Enum):
+        return {"": ["value"]}  # Activation("gelu"): an enum takes its value
     if inspect.isclass(obj) and issubclass(obj, torch.autograd.Function):
         return {"": names(_apply_signature(obj))}
     if getattr(obj, "__self__", None) is not None and inspect.isclass(obj.__self__) \
@@ -645,10 +856,23 @@ def public_functions() -> dict[str, list[str]]:
         found.update({name + k: v for k, v in _parameters(getattr(lowlevel, name)).items()})
     for name in entry_points.__all__:
         found.update({f"flash_attn_gpu.{name}" + k: v for k, v in _parameters(getattr(entry_points, name)).items()})
-    for module in (bert_padding, layers_rotary, ops_rotary):
+    for module in (bert_padding, layers_rotary, ops_rotary, layer_norm, ops_cross_entropy, linear, mlp,
+                   k_activations, losses_cross_entropy):
         for name in module.__all__:
-            found.update({name + k: v for k, v in _parameters(getattr(module, name)).items()})
+            obj = getattr(module, name)
+            if _is_kernel_helper(obj):
+                continue  # a @triton.jit helper: called inside kernels only, never from Python
+            found.update({name + k: v for k, v in _parameters(obj).items()})
     return found
+
+
+def _is_kernel_helper(obj) -> bool:
+    triton = pytest.importorskip("triton") if False else __import__("importlib").util.find_spec("triton")
+    if triton is None:
+        return False
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+    return isinstance(obj, JITFunction)
 
 
 @pytest.mark.parametrize("function", sorted(CONTROLS))

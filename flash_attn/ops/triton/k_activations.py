@@ -44,6 +44,10 @@ class Activation(str, Enum):
     LeakyReLU = "leaky_relu"
     ReLU = "relu"
 
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"value {value!r} is not an Activation; expected one of {[a.value for a in cls]}")
+
 
 def _require_triton() -> None:
     if triton is None:
