@@ -809,6 +809,182 @@ for name in ("get_triton_activation_kernel", "get_triton_activation_bwd_kernel")
 
 
 # ---------------------------------------------------------------------------------------------
+# modules.mha
+
+
+def _single_rank_group():
+    """A torch.distributed group of this one process (ParallelMHA needs one), made once."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this PyTorch build")
+    if not dist.is_initialized():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def _mha_init(**extra):
+    return dict(embed_dim=32, num_heads=4, num_heads_kv=None, cross_attn=False, qkv_proj_bias=True,
+                out_proj_bias=True, dropout=0.0, softmax_scale=None, causal=False, layer_idx=None, dwconv=False,
+                rotary_emb_dim=0, rotary_emb_base=10000.0, rotary_emb_scale_base=None, rotary_emb_interleaved=False,
+                use_alibi=False, window_size=(-1, -1), fused_bias_fc=False, use_flash_attn=False, return_residual=False,
+                checkpointing=False, device=None, dtype=None, **extra)
+
+
+def _parallel_mha_init():
+    a = _mha_init(process_group=_single_rank_group(), sequence_parallel=False)
+    for p in ("cross_attn", "dwconv", "fused_bias_fc", "return_residual"):
+        del a[p]
+    return a
+
+
+def _attention_module_init(flash: bool):
+    a = dict(causal=False, softmax_scale=None, attention_dropout=0.0)
+    return dict(a, window_size=(-1, -1), alibi_slopes=None, deterministic=False) if flash else a
+
+
+CONTROLS.update({
+    "get_alibi_slopes": Control(mha.get_alibi_slopes, lambda: dict(nheads=4)),
+    "MHA.__init__": Control(mha.MHA, _mha_init),
+    "MHA.forward": Control(mha.MHA.forward, lambda: dict(
+        x=t(2, 5, 32, dtype=F32), x_kv=None, key_padding_mask=torch.ones(2, 5, dtype=torch.bool, device=dev()),
+        cu_seqlens=None, max_seqlen=None, mixer_subset=None, inference_params=None),
+        make=lambda: mha.MHA(32, 4, device=dev())),
+    "ParallelMHA.__init__": Control(mha.ParallelMHA, _parallel_mha_init),
+    "ParallelMHA.forward": Control(mha.ParallelMHA.forward, lambda: dict(
+        x=t(2, 5, 32, dtype=F32), seqlen=None, inference_params=None),
+        make=lambda: mha.ParallelMHA(32, 4, _single_rank_group(), sequence_parallel=False, device=dev())),
+    "FlashSelfAttention.__init__": Control(mha.FlashSelfAttention, lambda: _attention_module_init(True)),
+    "FlashSelfAttention.forward": Control(mha.FlashSelfAttention.forward, lambda: dict(
+        qkv=t(7, 3, 4, 32), causal=None, cu_seqlens=i32(0, 3, 7), max_seqlen=4), make=mha.FlashSelfAttention),
+    "FlashCrossAttention.__init__": Control(mha.FlashCrossAttention, lambda: _attention_module_init(True)),
+    "FlashCrossAttention.forward": Control(mha.FlashCrossAttention.forward, lambda: dict(
+        q=t(7, 4, 32), kv=t(7, 2, 2, 32, seed=1), causal=None, cu_seqlens=i32(0, 3, 7), max_seqlen=4,
+        cu_seqlens_k=i32(0, 5, 7), max_seqlen_k=5), make=mha.FlashCrossAttention),
+    "SelfAttention.__init__": Control(mha.SelfAttention, lambda: _attention_module_init(False)),
+    "SelfAttention.forward": Control(mha.SelfAttention.forward, lambda: dict(
+        qkv=t(2, 5, 3, 4, 32, dtype=F32), causal=None, key_padding_mask=torch.ones(2, 5, dtype=torch.bool,
+                                                                                 device=dev())),
+        make=mha.SelfAttention),
+    "CrossAttention.__init__": Control(mha.CrossAttention, lambda: _attention_module_init(False)),
+    "CrossAttention.forward": Control(mha.CrossAttention.forward, lambda: dict(
+        q=t(2, 5, 4, 32, dtype=F32), kv=t(2, 7, 2, 2, 32, dtype=F32, seed=1), causal=None,
+        key_padding_mask=torch.ones(2, 7, dtype=torch.bool, device=dev())), make=mha.CrossAttention),
+    "LinearResidual.__init__": Control(mha.LinearResidual, lambda: dict(in_features=8, out_features=4, bias=True,
+                                                                         device=None, dtype=None)),
+    "LinearResidual.forward": Control(mha.LinearResidual.forward, lambda: dict(input=t(3, 8, dtype=F32)),
+                                      make=lambda: mha.LinearResidual(8, 4, device=dev())),
+})
+
+rows("get_alibi_slopes", "nheads", not_a("int", TypeError, value="four"), value(0, ValueError, ">= 1"))
+
+
+def module_options(function, flash: bool):
+    rows(function, "causal", not_a("bool", TypeError, value="yes"))
+    rows(function, "softmax_scale", not_a("float", TypeError, value="x"), value(NAN, ValueError, "finite"))
+    rows(function, "attention_dropout", not_a("float", TypeError, value="some"), value(1.5, ValueError, "[0, 1)"))
+    if flash:
+        rows(function, "window_size", not_a("pair", TypeError, value=4), value((-2, 0), ValueError, "-1"))
+        rows(function, "alibi_slopes", not_a("tensor", TypeError, value="slopes"),
+             ("shape", bad("2-D", lambda a: torch.ones(2, 2, device=dev())), ValueError, "shape"))
+        rows(function, "deterministic", not_a("bool", TypeError, value="yes"))
+
+
+for name, flash in (("FlashSelfAttention", True), ("FlashCrossAttention", True), ("SelfAttention", False),
+                    ("CrossAttention", False)):
+    module_options(f"{name}.__init__", flash)
+    rows(f"{name}.forward", "causal", not_a("bool", TypeError, value="yes"))
+
+
+def varlen_module_rows(function, cu, max_name):
+    rows(function, cu, not_a("int32", TypeError, value=[0, 3]), as_dtype(cu, torch.int64, ValueError, "int32"))
+    rows(function, max_name, not_a("int", ValueError, value="four"))
+
+
+rows("FlashSelfAttention.forward", "qkv", not_a("torch.Tensor", TypeError, value="x"),
+     with_rank("qkv", lambda x: x[None], ValueError, "qkv"))
+varlen_module_rows("FlashSelfAttention.forward", "cu_seqlens", "max_seqlen")
+rows("FlashSelfAttention.forward", "max_seqlen", value(None, ValueError, "int"))
+rows("FlashCrossAttention.forward", "q", not_a("torch.Tensor", TypeError, value="x"),
+     with_rank("q", lambda x: x[None], ValueError, "dims"))
+rows("FlashCrossAttention.forward", "kv", not_a("torch.Tensor", TypeError, value="x"),
+     with_rank("kv", lambda x: x[None], ValueError, "kv"), on_meta("kv"))
+for cu, max_name in (("cu_seqlens", "max_seqlen"), ("cu_seqlens_k", "max_seqlen_k")):
+    varlen_module_rows("FlashCrossAttention.forward", cu, max_name)
+rows("FlashCrossAttention.forward", "cu_seqlens_k", value(None, ValueError, "required"))
+for name, p, layout in (("SelfAttention.forward", "qkv", "(batch, seqlen, 3, nheads, headdim)"),
+                        ("CrossAttention.forward", "q", "(batch, seqlen_q, nheads, headdim)"),
+                        ("CrossAttention.forward", "kv", "(batch, seqlen_k, 2, nheads_k, headdim)")):
+    rows(name, p, not_a("tensor", TypeError, value="x"), as_dtype(p, torch.int32, TypeError, "floating"),
+         with_rank(p, lambda x: x[0], ValueError, layout))
+rows("CrossAttention.forward", "kv", on_meta("kv"))
+for name in ("SelfAttention.forward", "CrossAttention.forward"):
+    rows(name, "key_padding_mask", not_a("bool tensor", TypeError, value="mask"),
+         as_dtype("key_padding_mask", F32, TypeError, "bool"),
+         with_rank("key_padding_mask", lambda x: x[:, :3], ValueError, "(batch, seqlen"), on_meta("key_padding_mask"))
+rows("LinearResidual.__init__", "in_features", not_a("int", TypeError, value="eight"), value(-1, ValueError, ">= 0"))
+rows("LinearResidual.__init__", "out_features", not_a("int", TypeError, value="four"), value(-1, ValueError, ">= 0"))
+rows("LinearResidual.__init__", "bias", not_a("bool", TypeError, value="yes"))
+rows("LinearResidual.__init__", "device", not_a("device", RuntimeError, value="nowhere"))
+rows("LinearResidual.__init__", "dtype", not_a("dtype", TypeError, value="fp32"))
+rows("LinearResidual.forward", "input", not_a("Tensor", TypeError, value="x"),
+     with_rank("input", lambda x: x[:, :3], ValueError, "in_features"))
+
+
+def mha_options(function, parallel=False):
+    int_rows = (("embed_dim", 1), ("num_heads", 1), ("num_heads_kv", 1), ("rotary_emb_dim", 0), ("layer_idx", 0))
+    for p, least in int_rows:
+        rows(function, p, not_a("int", TypeError, value="x"), value(-1, ValueError, f">= {least}"))
+    rows(function, "num_heads", value(0, ValueError, ">= 1"), value(5, ValueError, "divisible"))
+    rows(function, "num_heads_kv", value(3, ValueError, "divisible"))
+    rows(function, "rotary_emb_dim", value(5, ValueError, "even"))
+    flags = ["qkv_proj_bias", "out_proj_bias", "causal", "rotary_emb_interleaved", "use_alibi", "use_flash_attn",
+             "checkpointing"]
+    flags += ["sequence_parallel"] if parallel else ["cross_attn", "dwconv", "fused_bias_fc", "return_residual"]
+    for p in flags:
+        rows(function, p, not_a("bool", TypeError, value="yes"))
+    rows(function, "dropout", not_a("float", TypeError, value="some"), value(1.5, ValueError, "[0, 1)"))
+    rows(function, "softmax_scale", not_a("float", TypeError, value="x"), value(NAN, ValueError, "finite"))
+    rows(function, "rotary_emb_base", not_a("float", TypeError, value="ten"), value(-1.0, ValueError, "> 0"))
+    rows(function, "rotary_emb_scale_base", not_a("float", TypeError, value="big"), value(0.0, ValueError, "> 0"))
+    rows(function, "window_size", not_a("pair", TypeError, value=4), value((-2, 0), ValueError, "-1"),
+         value((4, 0), ValueError, "use_flash_attn"))
+    rows(function, "device", not_a("device", RuntimeError, value="nowhere"))
+    rows(function, "dtype", not_a("dtype", TypeError, value="fp32"), value(torch.int32, ValueError, "floating"))
+    if parallel:
+        rows(function, "process_group", not_a("ProcessGroup", TypeError, value="world"))
+
+
+mha_options("MHA.__init__")
+mha_options("ParallelMHA.__init__", parallel=True)
+M = "MHA.forward"
+rows(M, "x", not_a("floating-point tensor", TypeError, value="x"), as_dtype("x", torch.int32, TypeError, "floating"),
+     with_rank("x", lambda x: x[0], ValueError, "(batch, seqlen, embed_dim)"),
+     ("value", bad("wrong width", lambda a: t(2, 5, 31, dtype=F32)), ValueError, "embed_dim"))
+rows(M, "x_kv", not_a("cross_attn", ValueError, value="x"),
+     ("value", bad("a tensor", lambda a: a["x"]), ValueError, "cross_attn"))
+rows(M, "key_padding_mask", not_a("bool tensor", TypeError, value="mask"),
+     as_dtype("key_padding_mask", F32, TypeError, "bool"),
+     with_rank("key_padding_mask", lambda x: x[:, :3], ValueError, "(batch, seqlen)"), on_meta("key_padding_mask"))
+rows(M, "cu_seqlens", not_a("max_seqlen", ValueError, value=[0, 5]),
+     ("value", bad("without flash", lambda a: i32(0, 5, 10)), ValueError, "max_seqlen"))
+rows(M, "max_seqlen", not_a("cu_seqlens", ValueError, value="five"), value(5, ValueError, "cu_seqlens"))
+rows(M, "mixer_subset", not_a("cross_attn", ValueError, value="first"))
+rows(M, "inference_params", not_a("InferenceParams", TypeError, value="params"))
+P = "ParallelMHA.forward"
+rows(P, "x", not_a("floating-point tensor", TypeError, value="x"), as_dtype("x", torch.int32, TypeError, "floating"),
+     with_rank("x", lambda x: x[0], ValueError, "embed_dim"),
+     ("value", bad("wrong width", lambda a: t(2, 5, 31, dtype=F32)), ValueError, "embed_dim"))
+rows(P, "seqlen", not_a("int", TypeError, value="five"), value(0, ValueError, ">= 1"), value(3, ValueError, "divide"))
+rows(P, "inference_params", not_a("InferenceParams", TypeError, value="params"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The public functions and their parameters, from their modules.
 
 
@@ -834,7 +1010,7 @@ def _parameters(obj) -> dict[str, list[str]]:
             and issubclass(obj.__self__, torch.autograd.Function):
         return {"": names(_apply_signature(obj))}
     if inspect.isclass(obj):
-        found = {".__init__": names(inspect.signature(obj.__init__))}
+        found = {".__init__": names(inspect.signature(obj.__init__))}  # inherited ones too (nn.Linear's)
         if "forward" in obj.__dict__:
             found[".forward"] = names(inspect.signature(obj.forward))
         return found
@@ -862,6 +1038,10 @@ def public_functions() -> dict[str, list[str]]:
             obj = getattr(module, name)
             if _is_kernel_helper(obj):
                 continue  # a @triton.jit helper: called inside kernels only, never from Python
+            found.update({name + k: v for k, v in _parameters(obj).items()})
+    for name in (n for n in vars(mha) if not n.startswith("_")):  # modules.mha has no __all__: its own public names
+        obj = getattr(mha, name)
+        if getattr(obj, "__module__", None) == mha.__name__ and callable(obj):
             found.update({name + k: v for k, v in _parameters(obj).items()})
     return found
 
