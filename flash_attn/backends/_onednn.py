@@ -181,6 +181,17 @@ def _above_diagonal(rows: int, cols: int, tile_rows: int) -> Tensor:
     return _upper_triangle(tile_rows)[:rows, :cols]
 
 
+@functools.lru_cache(maxsize=4)
+def _lower_triangle(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril_(-1)
+
+
+def _below_diagonal(cols: int, rows: int, tile_rows: int) -> Tensor:
+    """:func:`_above_diagonal` transposed: where key ``j > i`` in a transposed causal tile's
+    ``cols x rows`` part."""
+    return _lower_triangle(tile_rows)[:cols, :rows]
+
+
 def _key_blocks(i0: int, i1: int, sk: int, causal: bool, block: int):
     """``(c0, c1, masked)`` of the key blocks of ``block`` keys that rows ``i0:i1`` see; with the
     top-left causal mask row ``i`` sees keys ``<= i``, and the tiles' rows dividing ``block``
@@ -304,34 +315,36 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, log
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32).transpose(1, 2)
     dk = torch.zeros(B, sk, hk, d, dtype=torch.float32).transpose(1, 2)
     dv = torch.zeros(B, sk, hk, v.shape[-1], dtype=torch.float32).transpose(1, 2)
-    delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): (B, h, sq, 1)
-    neg_lse2 = (logsumexp * -_LOG2E - (capped.shift if capped else 0.0)).unsqueeze(-1)  # in the scores' units
+    delta = (grad_out * out).sum(-1)  # rowsum(dO * O): (B, h, sq)
+    neg_lse2 = logsumexp * -_LOG2E - (capped.shift if capped else 0.0)  # in the scores' units
     rows, block = tuning.onednn_rows, tuning.onednn_cols
     for b in range(B):
         for jk in range(hk):
             k_head, v_head = k[b, jk].contiguous(), v[b, jk].contiguous()
             k_cols = _TransposedBlocks(k_head, block)  # dS @ K is linear(dS, K^T)
             for j in range(jk * group, (jk + 1) * group):
-                q_head = q[b, j]
-                q_scaled = q_head * c
+                q_scaled = q[b, j] * c
                 for i0 in range(0, sq, rows):
                     i1 = min(sq, i0 + rows)
-                    q_cols = q_head[i0:i1].t().contiguous()
-                    do_rows = grad_out[b, j, i0:i1]
+                    q_cols = q[b, j, i0:i1].t().contiguous()
+                    do_rows = grad_out[b, j, i0:i1].contiguous()
                     do_cols = do_rows.t().contiguous()
+                    neg_lse2_row, delta_row = neg_lse2[b, j, i0:i1].view(1, -1), delta[b, j, i0:i1].view(1, -1)
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
-                        s = _mm(linear, q_scaled[i0:i1], k_head[c0:c1])
+                        # the tile transposed, (keys, rows): dV and dK take it as it is, only dQ
+                        # takes a transposed copy (oneDNN copies a strided operand anyway)
+                        s = _mm(linear, k_head[c0:c1], q_scaled[i0:i1])
                         derivative, factor = None, 1.0
                         if capped:
                             s, factor, derivative = capped.scores_(s, keep_derivative=True)
-                        p = torch.add(neg_lse2[b, j, i0:i1], s, alpha=factor, out=s).exp2_()
+                        p = torch.add(neg_lse2_row, s, alpha=factor, out=s).exp2_()
                         if masked:
-                            p[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), 0.0)
-                        dv[b, jk, c0:c1] += _mm(linear, p.t(), do_cols)
-                        ds = _mm(linear, do_rows, v_head[c0:c1]).sub_(delta[b, j, i0:i1]).mul_(p)
+                            p[i0 - c0:].masked_fill_(_below_diagonal(c1 - i0, i1 - i0, rows), 0.0)
+                        dv[b, jk, c0:c1] += _mm(linear, p, do_cols)
+                        ds = _mm(linear, v_head[c0:c1], do_rows).sub_(delta_row).mul_(p)
                         if derivative is not None:
                             ds.mul_(derivative)  # d(c tanh(x / c)) / dx
-                        dq[b, j, i0:i1] += _mm(linear, ds, k_cols[c0, c1])
-                        dk[b, jk, c0:c1] += _mm(linear, ds.t(), q_cols)
+                        dk[b, jk, c0:c1] += _mm(linear, ds, q_cols)
+                        dq[b, j, i0:i1] += _mm(linear, ds.t(), k_cols[c0, c1])
     scale *= capped.derivative_scale if capped else 1.0
     return dq.mul_(scale), dk.mul_(scale), dv
