@@ -284,7 +284,7 @@ def check_softcap(softcap) -> float:
     """``softcap`` as a float: ``0`` or ``inf`` (both mean off), or a positive number; NaN and
     ``True`` are refused."""
     value = _real(softcap, "softcap", "a float (0 or inf = off)")
-    if math.isnan(value) or value < 0.0:
+    if not value >= 0.0:  # NaN too; comparisons only, which torch.compile traces (math.isnan it cannot)
         _fail(ValueError, f"softcap must be >= 0 (0 or inf disables it), got {softcap!r}")
     return value
 
@@ -305,7 +305,7 @@ def check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is None:
         return
     value = _real(softmax_scale, "softmax_scale", "a float or None")
-    if not math.isfinite(value):
+    if not abs(value) < math.inf:  # NaN and +-inf; comparisons only, as in check_softcap
         _fail(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
 
 
