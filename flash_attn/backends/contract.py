@@ -60,7 +60,9 @@ class Backend:
     forward calls it takes; see :func:`flash_attn.dispatch.run_direct`). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
-    the next backend.
+    the next backend. ``settings_error()``: why the backend's own environment settings are invalid
+    (``None`` when they are valid); the dispatcher then raises it for every call, which is what the
+    doctor reports (:func:`flash_attn.dispatch.route`).
     """
 
     name: str
@@ -68,6 +70,7 @@ class Backend:
     prepare: Mapping[str, Prepare]
     direct: Mapping[str, Direct] = field(default_factory=lambda: MappingProxyType({}))
     failure: Optional[type[BaseException]] = None
+    settings_error: Callable[[], Optional[str]] = lambda: None
 
     def __post_init__(self):
         if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS):
@@ -78,7 +81,8 @@ class Backend:
 
 
 def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kvcache,
-                    direct: Optional[Mapping[str, Direct]] = None) -> Backend:
+                    direct: Optional[Mapping[str, Direct]] = None,
+                    settings_error: Callable[[], Optional[str]] = lambda: None) -> Backend:
     """A backend that refuses no call it can run (cpu, reference): each op's runner calls the
     given function with the call's arguments."""
 
@@ -88,7 +92,7 @@ def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kv
     return Backend(name, unavailable_reason,
                    {"forward": preparing(forward), "backward": preparing(backward),
                     "forward_kvcache": preparing(forward_kvcache)},
-                   direct or {})
+                   direct or {}, settings_error=settings_error)
 
 
 def cuda_tensor_reason(device: torch.device, what_it_does: str) -> Optional[str]:

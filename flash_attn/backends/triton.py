@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import re
 import subprocess
 from typing import Optional
@@ -135,12 +136,29 @@ def diagnose(exc: BaseException, capturing: bool = False) -> BackendFailed:
                              "install a C compiler and Python's headers (conda: `conda install -c conda-forge "
                              "c-compiler`; or set CC to one), or use the shipped kernels (FLASH_ATTN_BACKEND=aot)",
                              "backend")
-    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+    if _cache_failure(exc):
         return BackendFailed(f"Triton cannot write its cache directory ({text})",
                              "set TRITON_CACHE_DIR to a writable directory", "backend")
     return BackendFailed(f"Triton cannot compile this call's kernels ({type(exc).__name__}: {text})",
                          "report it with the output of `python -m flash_attn doctor`; the shipped kernels "
                          "(FLASH_ATTN_BACKEND=aot) or FLASH_ATTN_BACKEND=reference avoid Triton", "plan")
+
+
+def _cache_failure(exc: BaseException) -> bool:
+    """An OSError of Triton's cache: one that no folder could avoid (no permission, a read-only
+    or full disk), or any about a path inside Triton's cache directories (a path through a file,
+    a dangling link: ENOTDIR, ENOENT, EEXIST)."""
+    if not isinstance(exc, OSError):
+        return False
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+        return True
+    if not exc.filename:
+        return False
+    from triton import knobs  # noqa: PLC0415
+
+    path = os.path.abspath(os.fsdecode(exc.filename))
+    roots = [os.path.abspath(d) for d in (knobs.cache.dir, knobs.cache.dump_dir, knobs.cache.override_dir) if d]
+    return any(path == root or path.startswith(root + os.sep) or root.startswith(path + os.sep) for root in roots)
 
 
 class _Jitted:

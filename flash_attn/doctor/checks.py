@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 from typing import Callable, Optional
 
-from flash_attn import limits
-from flash_attn.aot.library import is_cpu_only_build
+from flash_attn import dispatch, limits
+from flash_attn.aot.library import LIBRARY_ENV, LIBRARY_NAME, is_cpu_only_build
 from flash_attn.aot.manifest import DIR_ENV
 from flash_attn.doctor.facts import collect
 from flash_attn.doctor.report import Finding, Report
@@ -281,13 +281,17 @@ def op_library(facts: dict) -> list[Finding]:
                             "The ahead-of-time kernels cannot launch on this GPU machine.",
                             "install the CUDA build of flash-attn")]
         return []
+    env_fix = f"unset {LIBRARY_ENV}, or point it at a library file built for this PyTorch (flash_attn/_C/{LIBRARY_NAME})"
     if op.get("installed"):
-        return [Finding("op-library", "error", "the op library fails to load", op.get("reason", ""),
-                        "reinstall flash-attn for this PyTorch (`conda install --force-reinstall flash-attn` or "
-                        "`pip install --force-reinstall flash-attn`); the library needs torch >= 2.10")]
+        fix = env_fix if op.get("from_env") else (
+            "reinstall flash-attn for this PyTorch (`conda install --force-reinstall flash-attn` or "
+            "`pip install --force-reinstall flash-attn`); the library needs torch >= 2.10")
+        where = f" set by {LIBRARY_ENV}" if op.get("from_env") else ""
+        return [Finding("op-library", "error", f"the op library{where} fails to load", op.get("reason", ""), fix)]
     if op.get("path"):
-        return [Finding("op-library", "error", "the op library set by FLASH_ATTN_AOT_LIBRARY does not exist",
-                        op.get("reason", ""), "unset FLASH_ATTN_AOT_LIBRARY or point it at a built library")]
+        what = "is a folder" if Path(op["path"]).is_dir() else "does not exist"
+        return [Finding("op-library", "error", f"the op library set by {LIBRARY_ENV} {what}",
+                        op.get("reason", ""), env_fix)]
     summary = ("this is the CPU-only build of flash-attn: no op library (ahead-of-time kernel launcher)"
                if is_cpu_only_build(config) else "the op library (ahead-of-time kernel launcher) is not installed")
     return [Finding("op-library", "warning" if gpu_machine else "info", summary, op.get("reason", ""),
@@ -308,6 +312,14 @@ def aot_kernels(facts: dict) -> list[Finding]:
                         "this installation ships no ahead-of-time kernels (no manifest.json)",
                         "GPUs use the Triton backend (compiled on first use) or the reference backend.",
                         "install a CUDA build of flash-attn that ships kernels" if nvidia_gpus else "")]
+    unusable = kernels.get("unusable_images")
+    if unusable:
+        shown = unusable[:20] + ([f"... and {len(unusable) - 20} more"] if len(unusable) > 20 else [])
+        return [Finding("aot-kernels", "error" if gpu_machine else "warning",
+                        f"{len(unusable)} of the {kernels.get('kernel_count')} kernel images listed in "
+                        f"{kernels['manifest']} are missing or damaged",
+                        "; ".join(shown) + ". Calls that need them run on the next backend.",
+                        "reinstall flash-attn (or rebuild the kernels: `python -m flash_attn build-kernels`)")]
     invalid = kernels.get("invalid_entries")
     if invalid:
         return [Finding("aot-kernels", "warning",
@@ -418,20 +430,31 @@ def gpu_backend(facts: dict) -> list[Finding]:
     return [f for f in found if f is not None]
 
 
+def _settings_fix(error: str) -> str:
+    if "cannot run on" in error:
+        return f"unset {dispatch.BACKEND_ENV} (auto runs what can run on each device), or name a backend that runs there"
+    named = re.search(r"FLASH_ATTN_\w+", error)
+    variable = named.group(0) if named else "the variable"
+    return f"set {variable} to one of the values the message names, or unset it"
+
+
 def backend_env(facts: dict) -> list[Finding]:
-    """``FLASH_ATTN_BACKEND`` is invalid, or names a backend that cannot run on a GPU."""
-    backends = facts["backends"]
+    """Every call on a device raises with the environment as set (an invalid ``FLASH_ATTN_BACKEND``,
+    ``FLASH_ATTN_STRICT_BACKEND`` or ``FLASH_ATTN_CPU_ONEDNN``, or a named backend that cannot run
+    there): the dispatcher's own decision (:func:`flash_attn.dispatch.route`), one finding per cause."""
+    devices_by_error: dict[str, list[str]] = {}
+    for route in facts["backends"].get("routes", []):
+        if route.get("error"):
+            devices_by_error.setdefault(route["error"], []).append(route["device"])
     findings = []
-    if backends.get("requested_error"):
-        findings.append(Finding("backend-env", "error", backends["requested_error"], "",
-                                "unset FLASH_ATTN_BACKEND or set it to auto|aot|triton|interpret|cpu|reference"))
-    requested = backends.get("requested", "auto")
-    if requested.strip().lower() in ("", "auto"):
-        return findings
-    return findings + [Finding(
-        "backend-env", "error", f"FLASH_ATTN_BACKEND={requested} cannot run on {_label(gpu)}: calls on it raise",
-        gpu["requested_reason"], "unset FLASH_ATTN_BACKEND (auto picks what can run)",
-    ) for gpu in _gpus_torch_uses(facts) if gpu.get("requested_reason")]
+    for error, devices in devices_by_error.items():
+        summary, _, reason = error.partition(": ") if "cannot run on" in error else (error, "", "")
+        findings.append(Finding(
+            "backend-env", "error", f"every call on {', '.join(devices)} raises: {summary}",
+            (f"{reason}. " if reason else "") + "This is what the dispatcher decides with the environment as set.",
+            _settings_fix(error),
+        ))
+    return findings
 
 
 def fused_ops(facts: dict) -> list[Finding]:
@@ -477,8 +500,22 @@ def other_gpus(facts: dict) -> list[Finding]:
 def no_gpu(facts: dict) -> list[Finding]:
     if not facts["torch"].get("installed") or facts["driver"].get("devices") or facts["gpus"]:
         return []
+    cpu = next((r for r in facts["backends"].get("routes", []) if r["device"] == "cpu"), None)
+    if cpu is None or not cpu["backends"]:
+        return [Finding("no-gpu", "info", "no NVIDIA GPU is visible", "", "")]
     return [Finding("no-gpu", "info", "no NVIDIA GPU is visible",
-                    "All calls use the cpu backend (PyTorch's fused CPU kernels, exact; O(n) memory, slower than a GPU).", "")]
+                    f"CPU tensors run on the {cpu['backends'][0]} backend ({_BACKEND_WORDS.get(cpu['backends'][0], '')}).",
+                    "")]
+
+
+# What each backend is, in a few words (the doctor's sentences about where calls run).
+_BACKEND_WORDS = {
+    "cpu": "PyTorch's fused CPU kernels where they are exact, else the tiled engine; O(n) memory",
+    "reference": "the exact tiled definition in PyTorch, slower",
+    "aot": "the kernels shipped ahead of time",
+    "triton": "the kernels compiled by Triton on first use",
+    "interpret": "the kernels in Triton's CPU interpreter, for development: very slow",
+}
 
 
 # Every check id and its function, in the order findings are listed.

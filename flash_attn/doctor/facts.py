@@ -22,7 +22,8 @@ def collect() -> dict:
     facts["triton"] = probes.probe_triton()
     facts["copies"] = probes.probe_copies()
     facts["foreign_extensions"] = probes.probe_foreign_extensions()
-    facts["backends"] = probes.probe_backends(facts["torch"]) if facts["torch"].get("installed") else {"devices": []}
+    facts["backends"] = (probes.probe_backends(facts["torch"]) if facts["torch"].get("installed")
+                         else {"devices": [], "routes": []})
     facts["gpus"] = merge_gpus(facts)
     return facts
 

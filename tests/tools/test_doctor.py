@@ -229,8 +229,17 @@ def _write_manifest(tmp_path, monkeypatch, archs) -> Path:
     manifest = folder / "manifest.json"
     kernels = [_manifest_entry(a) for a in archs]
     manifest.write_text(json.dumps({"format": 1, "archs": archs, "kernels": kernels}))
+    _write_images(folder, kernels)
     monkeypatch.setenv(aot_manifest.DIR_ENV, str(folder))
     return manifest
+
+
+def _write_images(folder: Path, kernels) -> None:
+    """A stand-in file for every entry's image (the doctor checks that they are there)."""
+    for entry in kernels:
+        if isinstance(entry, dict) and isinstance(entry.get("image"), str):
+            (folder / entry["image"]).parent.mkdir(parents=True, exist_ok=True)
+            (folder / entry["image"]).write_bytes(b"\x7fELF stand-in")
 
 
 def test_kernel_folder_set_by_the_environment(capsys, tmp_path, monkeypatch):
@@ -257,8 +266,27 @@ def _write_raw_manifest(tmp_path, monkeypatch, data) -> Path:
     folder = tmp_path / "aot"
     folder.mkdir()
     (folder / "manifest.json").write_text(json.dumps(data))
+    _write_images(folder, data.get("kernels", []) if isinstance(data, dict) else [])
     monkeypatch.setenv(aot_manifest.DIR_ENV, str(folder))
     return folder / "manifest.json"
+
+
+def test_missing_and_damaged_image_files_are_listed(capsys, tmp_path, monkeypatch):
+    """The doctor lists every image file that is gone or damaged (a call warns once, naming the
+    first it meets)."""
+    entries = [_manifest_entry("sm_80", key=f"k{i}", image=f"images/sm_80/k{i}.cubin.zlib") for i in range(4)]
+    _write_raw_manifest(tmp_path, monkeypatch, {"format": 1, "kernels": entries})
+    folder = tmp_path / "aot"
+    (folder / "images/sm_80/k0.cubin.zlib").write_bytes(__import__("zlib").compress(b"\x7fELF"))  # fine
+    (folder / "images/sm_80/k1.cubin.zlib").unlink()
+    (folder / "images/sm_80/k2.cubin.zlib").write_bytes(b"")
+    (folder / "images/sm_80/k3.cubin.zlib").write_bytes(b"garbage")
+    _, report = run_json(capsys)
+    finding = checks(report, "warning")["aot-kernels"][0]
+    assert "3 of the 4 kernel images" in finding["summary"]
+    for name, why in (("k1", "No such file"), ("k2", "empty"), ("k3", "not zlib data")):
+        assert f"images/sm_80/{name}.cubin.zlib: {why}" in finding["detail"]
+    assert "k0" not in finding["detail"] and "reinstall" in finding["fix"]
 
 
 def test_a_manifest_that_is_valid_json_but_not_a_manifest(capsys, tmp_path, monkeypatch):
@@ -521,16 +549,33 @@ def test_demangling():
 
 
 def test_op_library_that_fails_to_load(capsys, tmp_path, monkeypatch):
+    """The installed library fails to load: the loader's own words are shown, and the fix is to
+    reinstall."""
     broken = tmp_path / "libflash_attn_aot.so"
     broken.write_bytes(b"this is not an ELF file")
-    monkeypatch.setenv(op_library.LIBRARY_ENV, str(broken))
+    monkeypatch.setattr(op_library, "find_library", lambda: broken)  # the package's own copy
     monkeypatch.setattr(op_library, "_status", None)  # load afresh (restored after the test)
     status, report = run_json(capsys)
     assert status == 1
     assert report["op_library"]["loaded"] is False and report["op_library"]["installed"] is True
     finding = checks(report, "error")["op-library"][0]
     assert "fails to load" in finding["summary"] and str(broken) in finding["detail"]
+    assert "the loader says" in finding["detail"] and "too short" in finding["detail"]  # its __cause__
     assert "--force-reinstall" in finding["fix"]
+
+
+def test_op_library_set_by_the_environment_that_fails_to_load(capsys, tmp_path, monkeypatch):
+    """FLASH_ATTN_AOT_LIBRARY names a file that is not a library: the fix is that variable, not a
+    reinstall."""
+    broken = tmp_path / "libflash_attn_aot.so"
+    broken.write_bytes(b"this is not an ELF file, and longer than an ELF header would be........")
+    monkeypatch.setenv(op_library.LIBRARY_ENV, str(broken))
+    monkeypatch.setattr(op_library, "_status", None)
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["op-library"][0]
+    assert "FLASH_ATTN_AOT_LIBRARY" in finding["summary"] and "invalid ELF header" in finding["detail"]
+    assert "FLASH_ATTN_AOT_LIBRARY" in finding["fix"] and "reinstall" not in finding["fix"]
 
 
 def test_op_library_path_that_does_not_exist(capsys, tmp_path, monkeypatch):
@@ -539,6 +584,16 @@ def test_op_library_path_that_does_not_exist(capsys, tmp_path, monkeypatch):
     status, report = run_json(capsys)
     assert status == 1
     assert "FLASH_ATTN_AOT_LIBRARY" in checks(report, "error")["op-library"][0]["summary"]
+
+
+def test_op_library_path_that_is_a_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(op_library.LIBRARY_ENV, str(tmp_path))
+    monkeypatch.setattr(op_library, "_status", None)
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["op-library"][0]
+    assert "is a folder" in finding["summary"] and "does not exist" not in finding["summary"]
+    assert "points at a folder" in finding["detail"]
 
 
 def test_missing_op_library_matters_only_with_a_gpu(capsys, gpu_machine, monkeypatch):

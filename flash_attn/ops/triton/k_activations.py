@@ -25,11 +25,9 @@ import math
 from enum import Enum
 from typing import Optional
 
-try:  # Triton is optional: without it the ops fall back to their PyTorch paths
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
+from flash_attn.ops.triton import triton_modules
+
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
 
 __all__ = ["Activation", "get_triton_activation_kernel", "get_triton_activation_bwd_kernel"]
 _HELPERS = (
@@ -45,6 +43,10 @@ class Activation(str, Enum):
     GeLUApprox = "gelu_approx"
     LeakyReLU = "leaky_relu"
     ReLU = "relu"
+
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"value {value!r} is not an Activation; expected one of {[a.value for a in cls]}")
 
 
 def _require_triton() -> None:

@@ -37,15 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flash_attn.backends import devices
-from flash_attn.ops.triton import cuda_launch
+from flash_attn.ops.triton import cuda_launch, triton_modules
 
-try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
-    import triton
-    import triton.language as tl
-
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
+if triton is not None:
     from flash_attn.ops.triton import k_activations as ka
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
 
 __all__ = ["triton_linear_act", "triton_dgrad_act"]
 
@@ -289,20 +285,31 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _check_activation(activation: str) -> None:
-    _require(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _require(isinstance(activation, str) and activation in ACTIVATIONS,
+             f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _check_linear_args(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+def _require_tensor(t, name: str) -> None:
+    _require(isinstance(t, Tensor), f"{name} must be a tensor, got {type(t).__name__}")
+
+
+def _check_linear_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], save_act_input=False) -> None:
+    _require_tensor(x, "x")
+    _require_tensor(weight, "weight")
+    if bias is not None:
+        _require_tensor(bias, "bias")
+    _require(isinstance(save_act_input, bool), f"save_act_input must be a bool, got {save_act_input!r}")
     _require(weight.dim() == 2, f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     _require(x.dim() >= 1, "x must have at least one dimension (in_features)")
-    _require(x.dtype == weight.dtype, f"Input and weight must have the same dtype, got {x.dtype} and {weight.dtype}")
+    _require(x.dtype == weight.dtype, f"x and weight must have the same dtype, got {x.dtype} and {weight.dtype}")
     _require(x.shape[-1] == weight.shape[1],
              f"Incompatible dimensions: x {tuple(x.shape)} - weight {tuple(weight.shape)}")
     _require(x.device == weight.device, f"x and weight must be on one device, got {x.device} and {weight.device}")
     if bias is not None:
         _require(x.dtype == bias.dtype, f"Input and bias must have the same dtype, got {x.dtype} and {bias.dtype}")
         _require(tuple(bias.shape) == (weight.shape[0],),
-                 f"Incompatible dimensions in between weight {tuple(weight.shape)} and bias {tuple(bias.shape)}")
+                 f"Incompatible dimensions in between weight {tuple(weight.shape)} and bias {tuple(bias.shape)} "
+                 f"(bias must be (out_features,))")
         _require(bias.device == x.device, f"x and bias must be on one device, got {x.device} and {bias.device}")
 
 
@@ -329,7 +336,7 @@ def triton_linear_act(
     the pair ``(output, act_input)`` where ``act_input`` is the pre-activation of the same shape.
     """
     _check_activation(activation)
-    _check_linear_args(x, weight, bias)
+    _check_linear_args(x, weight, bias, save_act_input)
     batch_shape = x.shape[:-1]
     x2d, weight = _as_rows(x), _as_rows(weight)
     bias = bias.contiguous() if bias is not None else None
@@ -342,6 +349,10 @@ def triton_linear_act(
 
 
 def _check_dgrad_args(grad_output: Tensor, weight: Tensor, activation: str, act_input: Optional[Tensor]) -> None:
+    _require_tensor(grad_output, "grad_output")
+    _require_tensor(weight, "weight")
+    if act_input is not None:
+        _require_tensor(act_input, "act_input")
     _require(weight.dim() == 2, f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     _require(grad_output.dim() >= 1, "grad_output must have at least one dimension (out_features)")
     _require(grad_output.dtype == weight.dtype,
