@@ -78,6 +78,8 @@ def supports(problem: core.Problem, params: AttentionParams) -> bool:
         and params.softcap == 0
         and params.dropout_p == 0
         and problem.head_dim_v == q.shape[-1]
+        and problem.qv is None  # PyTorch's kernels have no scores against V, nor attention sinks
+        and problem.sinks is None
     )
 
 

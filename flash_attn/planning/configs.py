@@ -294,19 +294,41 @@ def deterministic_splits(family: str) -> int:
 
 # The gradient columns per dK/dV program: at head dim 256 two programs share a key block, each
 # recomputing the scores and dP over all 256 columns (seven half-width products per tile pair
-# instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md). At least
-# half of BLOCK_D: the kernels split the head dim over at most two programs. Where: the fused
-# backward everywhere, the deterministic dK/dV kernel on the families listed (Hopper; elsewhere
-# it keeps whole rows on its small tiles, as measured before the split existed).
+# instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md). Split where
+# the wider of q's and v's head dims exceeds GRADIENT_COLUMNS, over two programs (the kernels split
+# at most in two), q's and v's columns alike. Where: the fused backward everywhere, the
+# deterministic dK/dV kernel on the families listed (Hopper; elsewhere it keeps whole rows on its
+# small tiles, as measured before the split existed).
 GRADIENT_COLUMNS = 128
 SPLIT_COLUMN_FAMILIES = {"bwd_dkdv": frozenset({"sm90"})}
 
 
-def gradient_columns(kind: str, family: str, block_d: int) -> int:
-    """``BLOCK_DOUT`` of the dK/dV program sized by ``kind`` on ``family`` for ``BLOCK_D``."""
-    if kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ()):
-        return min(block_d, GRADIENT_COLUMNS)
-    return block_d
+def gradient_parts(kind: str, family: str, block_d: int, block_dv: Optional[int] = None) -> int:
+    """The programs one key block's dK/dV columns are split over (1 or 2) in the dK/dV program
+    sized by ``kind`` on ``family`` for ``BLOCK_D`` (q/k) and ``BLOCK_DV`` (v; default ``BLOCK_D``)."""
+    widest = max(block_d, block_d if block_dv is None else block_dv)
+    if widest > GRADIENT_COLUMNS and (kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ())):
+        return 2
+    return 1
+
+
+def gradient_columns(kind: str, family: str, block_d: int, block_dv: Optional[int] = None) -> int:
+    """``BLOCK_DOUT`` (q/k's gradient columns per program; v's are ``BLOCK_DV`` over as many parts)
+    of the dK/dV program sized by ``kind`` on ``family``."""
+    return block_d // gradient_parts(kind, family, block_d, block_dv)
+
+
+# The forward's output (v) columns per program: beyond this, two programs share a query block, each
+# computing the scores in full and half of the output. An output tile of BLOCK_M x 512 fp32 takes
+# 256 registers a thread wherever no warp repeats another's scores (each warp's 16 rows and up), so
+# head dim 512 would spill its accumulator at every key tile; the split recomputes the scores
+# instead (1.5x the products, none replicated).
+OUTPUT_COLUMNS = 256
+
+
+def output_columns(block_dv: int) -> int:
+    """``BLOCK_DVOUT`` of the forward: the output columns one program computes."""
+    return min(block_dv, OUTPUT_COLUMNS)
 
 
 # Where a kernel streams its tiles through tensor descriptors (the tensor memory accelerator, TMA)
@@ -372,8 +394,9 @@ _WS_BARRIER_BYTES = 1024
 
 
 def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str = "sm80",
-                           elem_bytes: int = 2) -> int:
-    """Upper estimate (bytes) of the shared memory one program of ``kind`` needs on ``family``.
+                           elem_bytes: int = 2, headdim_v: Optional[int] = None) -> int:
+    """Upper estimate (bytes) of the shared memory one program of ``kind`` needs on ``family`` (q/k
+    of ``headdim``, v of ``headdim_v``, default the same).
 
     Operand tiles that stay resident are counted once, tiles streamed through the software
     pipeline ``num_stages`` times (one buffer per stage), plus one fp16/bf16 probability tile
@@ -382,20 +405,24 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     for every entry when the table was made, and for a few entries in the tests); usually less.
     """
     d = padded_headdim(headdim)
+    dv = d if headdim_v is None else padded_headdim(headdim_v)
     bm, bn, stages = config.block_m, config.block_n, max(config.num_stages, 1)
     row_stats = 0
-    if kind in ("fwd", "bwd_dq"):
-        resident = bm * d * (1 if kind == "fwd" else 2)  # Q (and dO)
-        streamed = 2 * bn * d  # K, V
+    if kind == "fwd":
+        resident = bm * d  # Q
+        streamed = bn * (d + output_columns(dv))  # K, this program's columns of V
+    elif kind == "bwd_dq":
+        resident = bm * (d + dv)  # Q, dO
+        streamed = bn * (d + dv)  # K, V
     elif kind in ("bwd_dkdv", "bwd_fused"):
-        resident = 2 * bn * d  # K, V (with the head dim split, as two halves: the same bytes)
-        streamed = 2 * bm * d  # Q, dO
+        resident = bn * (d + dv)  # K, V (with the head dim split, as two halves: the same bytes)
+        streamed = bm * (d + dv)  # Q, dO
         row_stats = 2 * 4 * bm  # bytes: the fp32 lse and delta of the streamed rows
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
     staged = bm * bn * (2 if kind == "bwd_fused" else 1)  # the fused backward also stages dS^T for dQ
     if uses_dq_tma(kind, family, config):
-        staged += bm * gradient_columns(kind, family, d) * 4 // elem_bytes  # the fp32 dQ tile for TMA
+        staged += bm * gradient_columns(kind, family, d, dv) * 4 // elem_bytes  # the fp32 dQ tile for TMA
     if uses_ws(kind, family, config):
         # warp-specialised: P stays in registers; Triton adds half a Q tile of at least 128
         # columns and its barriers (measured with the compiler for every "-ws" sweep candidate)

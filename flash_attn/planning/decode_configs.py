@@ -166,15 +166,21 @@ def decode_config(family: str, head_dim: int, packed_rows: int, fp32: bool = Fal
 # The constexprs of each launch (the launcher builds its flags with these, in both modes)
 # ----------------------------------------------------------------------------------------------
 
-# superset mode: every feature compiled in and switched at run time (see the module doc)
+# superset mode: every feature compiled in and switched at run time (see the module doc); attention
+# sinks are a run-time switch of every variant
 SPLIT_KV_SUPERSET = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True, HAS_BATCH_IDX=False,
-                         HAS_LEFTPAD=True)
+                         HAS_LEFTPAD=True, HAS_QV=False)
 # The exact-call image of the plain decoding step: a contiguous cache (no block table, no
 # cache_batch_idx) read without the paged addressing's divisions, and no window (causal with one
 # query row masks nothing), softcap, ALiBi or left padding. Shipped for the decode config (packed
 # rows <= its BLOCK_M) of each head-dim bucket, where the attention kernels' exact images ship.
 SPLIT_KV_EXACT = dict(IS_LOCAL=False, HAS_SOFTCAP=False, HAS_ALIBI=False, PAGED=False, HAS_BATCH_IDX=False,
-                      HAS_LEFTPAD=False)
+                      HAS_LEFTPAD=False, HAS_QV=False)
+# MLA decoding as FlashAttention-3 spells it: q/k of head dim 64 (the rotary part) and qv/v of 512
+# (the absorbed queries against the latent cache), the superset variant with HAS_QV, shipped for
+# these families (q/k and v head dims; other qv calls run on the JIT).
+QV_HEAD_DIMS = (64, 512)
+QV_FAMILIES = frozenset()
 # (HAS_ROTARY, INTERLEAVED) of append_kv_kernel: no rotary, GPT-NeoX halves, GPT-J pairs
 APPEND_ROTARY = ((False, False), (True, False), (True, True))
 
@@ -184,16 +190,36 @@ def superset_block_d(head_dim: int) -> int:
     return headdim_bucket(head_dim)
 
 
-def split_kv_constexprs(config: Config, block_d: int, features: dict) -> dict:
-    """Every constexpr of ``split_kv_kernel``: the tile sizes and the feature flags ``features``
-    (``IS_LOCAL``, ``HAS_SOFTCAP``, ``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``, ``HAS_LEFTPAD``)."""
-    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, **features)
+def ships_qv(family: str, head_dim: int, head_dim_v: int) -> bool:
+    """Whether ``family``'s images hold the decode kernel with ``qv`` for these head dims."""
+    return family in QV_FAMILIES and (superset_block_d(head_dim), superset_block_d(head_dim_v)) == QV_HEAD_DIMS
 
 
-def append_constexprs(block_d: int, paged: bool, batch_idx: bool, rotary: bool, interleaved: bool) -> dict:
+def block_dims(head_dim: int, head_dim_v: int, superset: bool, qv: bool = False) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_DV)`` of the decode kernels for q/k's and v's head dims: each padded to a
+    power of two >= 16 (JIT); in superset mode the bucket of the wider one for both (the narrower
+    one's columns masked at run time), but for ``qv`` calls the MLA image's own pair."""
+    if not superset:
+        return configs.padded_headdim(head_dim), configs.padded_headdim(head_dim_v)
+    if qv:
+        return superset_block_d(head_dim), superset_block_d(head_dim_v)
+    widest = superset_block_d(max(head_dim, head_dim_v))
+    return widest, widest
+
+
+def split_kv_constexprs(config: Config, block_d: int, features: dict, block_dv: int | None = None) -> dict:
+    """Every constexpr of ``split_kv_kernel``: the tile sizes (``block_dv``: v's head-dim block,
+    default ``block_d``) and the feature flags ``features`` (``IS_LOCAL``, ``HAS_SOFTCAP``,
+    ``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``, ``HAS_LEFTPAD``, ``HAS_QV``)."""
+    return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+                BLOCK_DV=block_d if block_dv is None else block_dv, **features)
+
+
+def append_constexprs(block_d: int, paged: bool, batch_idx: bool, rotary: bool, interleaved: bool,
+                      block_dv: int | None = None) -> dict:
     """Every constexpr of ``append_kv_kernel`` (``INTERLEAVED`` only counts with rotary)."""
-    return dict(BLOCK_T=APPEND_BLOCK_T, BLOCK_D=block_d, PAGED=paged, HAS_BATCH_IDX=batch_idx,
-                HAS_ROTARY=rotary, INTERLEAVED=rotary and interleaved)
+    return dict(BLOCK_T=APPEND_BLOCK_T, BLOCK_D=block_d, BLOCK_DV=block_d if block_dv is None else block_dv,
+                PAGED=paged, HAS_BATCH_IDX=batch_idx, HAS_ROTARY=rotary, INTERLEAVED=rotary and interleaved)
 
 
 def rotary_q_constexprs(block_d: int, per_row_position: bool, interleaved: bool) -> dict:

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
-from flash_attn.planning import configs, registry
+from flash_attn.planning import configs, declarations, registry
 from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import K_ROWS, Q_ROWS, Slot
 
@@ -102,15 +102,25 @@ def named(prefix: str, suffixes: str, values) -> dict:
     return {prefix + suffix: int(value) for suffix, value in zip(suffixes, values)}
 
 
-def kernel_refusal(dtype, head_dim: int, target: Target) -> Optional[Refusal]:
-    """Why the kernels (or, for ``target.aot``, their images) cannot take q/k/v of ``dtype`` and ``head_dim``."""
+def kernel_refusal(dtype, head_dim: int, target: Target, head_dim_v: Optional[int] = None) -> Optional[Refusal]:
+    """Why the kernels (or, for ``target.aot``, their images) cannot take q/k/v of ``dtype``,
+    q/k's ``head_dim`` and v's ``head_dim_v`` (default ``head_dim``)."""
     if str(dtype) not in limits.KERNEL_DTYPES:
         return Refusal(f"{dtype} inputs (the kernels take fp16/bf16)")
-    if head_dim > limits.MAX_HEADDIM:
-        return Refusal(f"head dimension {head_dim} > {limits.MAX_HEADDIM}")
-    if target.aot and head_dim % limits.AOT_HEADDIM_MULTIPLE:
-        return Refusal(f"head dimension {head_dim} (the ahead-of-time kernels need a multiple of "
-                       f"{limits.AOT_HEADDIM_MULTIPLE})")
+    for name, dim in (("head dimension", head_dim), ("head dimension of v", head_dim_v)):
+        if dim is None:
+            continue
+        if dim > limits.MAX_HEADDIM:
+            return Refusal(f"{name} {dim} > {limits.MAX_HEADDIM}")
+        if target.aot and dim % limits.AOT_HEADDIM_MULTIPLE:
+            return Refusal(f"{name} {dim} (the ahead-of-time kernels need a multiple of "
+                           f"{limits.AOT_HEADDIM_MULTIPLE})")
+    if target.aot:
+        widest = configs.padded_headdim(max(head_dim, head_dim if head_dim_v is None else head_dim_v))
+        if not declarations.ships_head_dims(target.family, widest, widest):
+            shipped = declarations.BUCKET_IMAGE_FAMILIES[widest]
+            return Refusal(f"head dimension {widest} is compiled ahead of time for "
+                           f"{', '.join(sorted(shipped))} only, not {target.family}")
     return None
 
 

@@ -762,7 +762,8 @@ def test_padded_headdim():
         [16, 16, 32, 32, 64, 64, 128, 128, 256, 256]
 
 
-ALL_FEATURES = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True, IS_PAGED=True, PAD_HEADDIM=True)
+ALL_FEATURES = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, HAS_DROPOUT=True, IS_PAGED=True, PAD_HEADDIM=True,
+                    HAS_QV=True)
 KERNEL_NAMES = {"fwd": "attn_fwd_kernel", "probs": "attn_probs_kernel", "bwd_preprocess": "attn_bwd_preprocess_kernel",
                 "bwd_dkdv": "attn_bwd_dkdv_kernel", "bwd_dq": "attn_bwd_dq_kernel", "bwd_fused": "attn_bwd_kernel"}
 
@@ -809,7 +810,7 @@ def test_compiled_shared_memory_within_estimate_and_loads_pipelined(name, capabi
     alignment contract of the planner (inputs copied into that layout when they are not) buys.
     """
     flags = dict(IS_LOCAL=True, HAS_SOFTCAP=False, HAS_ALIBI=False, HAS_DROPOUT=False, IS_PAGED=False,
-                 PAD_HEADDIM=False, BlockTable=None, AlibiSlopes=None, DropoutSeed=None)
+                 PAD_HEADDIM=False, HAS_QV=False, BlockTable=None, AlibiSlopes=None, DropoutSeed=None, QV=None)
     compiled, config = _compile(name, capability, headdim, flags)
     family = configs.arch_family(capability)
     kind = declarations.get(KERNEL_NAMES[name]).config_kind
