@@ -84,22 +84,31 @@ _C = Config
 # product computed twice (128-row tiles for 8 warps); then the largest tiles and the deepest
 # pipeline. A register spill is allowed where the bigger tile is expected to be faster; the GPU
 # sweep (`bench tune`) is what settles it.
+#
+# Head dim 512 (the last entry; read from compiles for sm_80, sm_90a, sm_100f and sm_120f, none run on
+# a GPU yet: benchmarks/README.md, "Head dim 512"): no product computed twice anywhere, 16 rows a
+# warp. The forward splits the output's columns over two programs (OUTPUT_COLUMNS) and spills at
+# most 184 B (sm_80), none on sm_90a; the backward splits the gradients' columns over four
+# (GRADIENT_COLUMNS) and still spills 0.8-2 KB a thread (its dK/dV tiles take 128 registers, whole
+# rows of Q and dO or K and V feed the scores): the smallest tiles that fit, fewest spills in the
+# loops of those tried.
 _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining.
-    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2)),
-    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2)),
+    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2), _C(64, 32, 4, 2)),
+    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2), _C(16, 32, 2, 2)),
+    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2), _C(32, 16, 2, 1)),
     # Consumer Ampere / Ada (sm86, sm87, sm89) and consumer Blackwell (sm120, its parent): 99 KB.
-    ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1)),
-    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
+    ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1), _C(32, 16, 2, 2)),
+    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2), _C(16, 32, 2, 1)),
+    ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2), _C(32, 16, 2, 1)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims; the H200 sweep of
     # 2026-11-27 chose d64's 64 rows on one warpgroup and d256's K/V by TMA.
-    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(64, 128, 4, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2, tma=True)),
+    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(64, 128, 4, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2, tma=True),
+                       _C(128, 32, 8, 2)),
     # deterministic=True: dK/dV as the fused backward walks it (128 keys on two warpgroups, Q and
     # dO by TMA, d256's head dim split over two programs), dQ on 128-row tiles (64 replicated S)
-    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2)),
-    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 32, 8, 2)),
+    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 4, 1)),
+    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 16, 4, 1)),
     # The fused backward (deterministic=False). None: the split dK/dV + dQ kernels run instead
     # (benchmarks/README.md, "The fused backward"). On mma.sync (sm80, sm86, sm120) the fused
     # kernel replicates or spills KBs where the split ones do not, and neither is measured there.
@@ -108,18 +117,19 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # d128 in three stages (the H200 sweep). d256 splits the head dim over two programs
     # (GRADIENT_COLUMNS): 32 queries a step in two stages is the tile whose operands still fit the
     # 227 KB of shared memory; its dQ shares added by TMA reductions (the H200 sweep).
-    ("bwd_fused", "sm80"): (None, None, None, None),
-    ("bwd_fused", "sm86"): (None, None, None, None),
-    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True)),
+    ("bwd_fused", "sm80"): (None, None, None, None, None),
+    ("bwd_fused", "sm86"): (None, None, None, None, None),
+    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True),
+                             _C(16, 64, 4, 1)),
     # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05
     # MMAs. Its forward is Hopper's (its parent's) until a Blackwell GPU measures its own.
-    ("bwd_dkdv", "sm100"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm100"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2)),
+    ("bwd_dkdv", "sm100"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2), _C(16, 64, 4, 1)),
+    ("bwd_dq", "sm100"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(64, 16, 4, 1)),
     # Blackwell's fused backward (tcgen05, unmeasured: no Blackwell GPU has run it): tensor memory
     # (512 fp32 columns) holds dK, dV, S, dP and dQ, so d128 takes 32 queries a step to keep two
     # stages (64 x 128 fits one stage and spills 163 instructions in its loop; 32 x 128 s2: 3); d256
     # fits with its gradient columns split over two programs (dK and dV 128 columns each), Hopper's tile.
-    ("bwd_fused", "sm100"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2)),
+    ("bwd_fused", "sm100"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 4, 1)),
 }
 
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
@@ -128,27 +138,27 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # on the 64 kernels: FEATURE_BUCKETS). A family without a row takes its config parent's.
 _F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
-    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
-    ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None),
-    ("fwd", "sm90"): (None, _F, _F, None),
-    ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None),
-    ("bwd_dq", "sm90"): (None, None, _C(128, 32, 8, 2), None),
+    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None, None),
+    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None, None),
+    ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None, None),
+    ("fwd", "sm90"): (None, _F, _F, None, None),
+    ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None, None),
+    ("bwd_dq", "sm90"): (None, None, _C(128, 32, 8, 2), None, None),
     # d128: the lean 64x128 keeps ~1.1 KB of stack and ~1,250 spill instructions in its loop with
     # the features' live tiles; 32 queries a step in two stages: 0.4 KB and 85
     # d64: the lean 128x128 (the sweep's) keeps 1.6 KB of stack and ~1,600 spill instructions in
     # its loop with the features' tiles; 64x128 (the lean entry before the sweep) 344 B and 64
-    ("bwd_fused", "sm90"): (None, _C(64, 128, 8, 2), _C(32, 128, 8, 2), None),
+    ("bwd_fused", "sm90"): (None, _C(64, 128, 8, 2), _C(32, 128, 8, 2), None, None),
     # 128x32: compiles 30-40 % faster than 128x64, and at d256 128x64 keeps 56 B of stack, 128x32 none
-    ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), _C(128, 32, 8, 2)),
-    ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
-    ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None),  # d64: 64x32 keeps 8 B, 128x64 none
+    ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), _C(128, 32, 8, 2), None),
+    ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None, None),
+    ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None, None),  # d64: 64x32 keeps 8 B, 128x64 none
     # with the features' tiles, spill instructions in the loop: d64 the lean 64x128 80, 32x128 6;
     # d256 the lean 32x128 90, 16x128 s3 none
-    ("bwd_fused", "sm100"): (None, _C(32, 128, 8, 2), None, _C(16, 128, 8, 3)),
+    ("bwd_fused", "sm100"): (None, _C(32, 128, 8, 2), None, _C(16, 128, 8, 3), None),
     # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
-    ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
-    ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
+    ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None, None),
+    ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None, None),
 }
 
 # The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry
@@ -157,12 +167,12 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs"). A family without a
 # row takes its config parent's.
 _EXACT_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None),
-    ("bwd_fused", "sm90"): (None, None, None, _C(32, 128, 8, 2)),
+    ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None, None),
+    ("bwd_fused", "sm90"): (None, None, None, _C(32, 128, 8, 2), None),
     # Blackwell ships no exact-call images (declarations.EXACT_IMAGE_FAMILIES) and no GPU has
     # measured them: its JIT runs exact calls on its lean tiles, not Hopper's exact ones
-    ("fwd", "sm100"): (None, None, None, None),
-    ("bwd_fused", "sm100"): (None, None, None, None),
+    ("fwd", "sm100"): (None, None, None, None, None),
+    ("bwd_fused", "sm100"): (None, None, None, None, None),
 }
 
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
@@ -295,21 +305,23 @@ def deterministic_splits(family: str) -> int:
 # The gradient columns per dK/dV program: at head dim 256 two programs share a key block, each
 # recomputing the scores and dP over all 256 columns (seven half-width products per tile pair
 # instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md). Split where
-# the wider of q's and v's head dims exceeds GRADIENT_COLUMNS, over two programs (the kernels split
-# at most in two), q's and v's columns alike. Where: the fused backward everywhere, the
-# deterministic dK/dV kernel on the families listed (Hopper; elsewhere it keeps whole rows on its
-# small tiles, as measured before the split existed).
+# the wider of q's and v's head dims exceeds GRADIENT_COLUMNS, into parts of GRADIENT_COLUMNS, q's
+# and v's columns alike (at 512 four programs, each computing the scores and dP from whole rows:
+# with two, their dK and dV tiles alone take 256 registers a thread and spilled 2-3 KB; the build
+# report). Where: the fused backward everywhere, the deterministic dK/dV kernel on the families
+# listed (Hopper; elsewhere it keeps whole rows on its small tiles, as measured before the split
+# existed) and everywhere beyond WHOLE_ROWS columns.
 GRADIENT_COLUMNS = 128
 SPLIT_COLUMN_FAMILIES = {"bwd_dkdv": frozenset({"sm90"})}
+WHOLE_ROWS = 256
 
 
 def gradient_parts(kind: str, family: str, block_d: int, block_dv: Optional[int] = None) -> int:
-    """The programs one key block's dK/dV columns are split over (1 or 2) in the dK/dV program
+    """The programs one key block's dK/dV columns are split over (1, 2 or 4) in the dK/dV program
     sized by ``kind`` on ``family`` for ``BLOCK_D`` (q/k) and ``BLOCK_DV`` (v; default ``BLOCK_D``)."""
     widest = max(block_d, block_d if block_dv is None else block_dv)
-    if widest > GRADIENT_COLUMNS and (kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ())):
-        return 2
-    return 1
+    splits = kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ()) or widest > WHOLE_ROWS
+    return widest // GRADIENT_COLUMNS if splits and widest > GRADIENT_COLUMNS else 1
 
 
 def gradient_columns(kind: str, family: str, block_d: int, block_dv: Optional[int] = None) -> int:
