@@ -138,8 +138,11 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # on the 64 kernels: FEATURE_BUCKETS). A family without a row takes its config parent's.
 _F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None, None),
-    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None, None),
+    # d64: 16x64 on 4 warps, not 8 (2026-11-29): v's own head-dim mask took the last of 8 warps'
+    # 255 registers and the oldest Triton allowed (3.7) spilled 8 B; on 4 warps no product is
+    # computed twice (8 warps: twice) and no Triton spills (241-244 registers)
+    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 4, 1), _C(16, 32, 8, 2), None, None),
+    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 4, 1), _C(16, 32, 8, 2), None, None),
     ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None, None),
     ("fwd", "sm90"): (None, _F, _F, None, None),
     ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None, None),

@@ -201,10 +201,11 @@ def test_the_widest_targets_are_the_tensor_core_ones():
     assert any("replicated work" in m for m in R.target_misses({**row, "dots": twice}))
 
 
-# sm_100a: the shipped forward and fused backward (head dim 256 with its gradient columns split)
+# sm_100a: the shipped forward and fused backward (head dim 256 with its gradient columns split),
+# and head dim 512's entries, which Blackwell's JIT runs (no image ships: the only check of them)
 def _sm100_cases():
-    return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in (64, 128, 256)] + \
-        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128, 256)]
+    return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in (64, 128, 256, 512)] + \
+        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128, 256, 512)]
 
 
 @pytest.mark.slow

@@ -336,18 +336,6 @@ def test_beyond_fa2_kernels_match_oracle(backend, case, recwarn):
     check_case(backend, case)
 
 
-@pytest.mark.parametrize("case", [BEYOND_FA2_CASES[i] for i in (0, 4, 10)], ids=str)
-def test_beyond_fa2_deterministic_split_kernels_match_oracle(backend, case, recwarn):
-    """``deterministic=True`` through the split dK/dV and dQ kernels: 192/128 (two column parts),
-    sinks with every score feature, head dim 512 (four parts)."""
-    backend.module._backend.forget_plans()
-    try:
-        with configs.overridden({("deterministic_splits", family): 0 for family in ALL_FAMILIES}):
-            check_case(backend, case, deterministic=True)
-    finally:
-        backend.module._backend.forget_plans()
-
-
 def test_qv_backward_runs_on_the_reference_with_one_warning(backend, monkeypatch):
     """The kernels have no backward of qv (FlashAttention-3 has none either): the planner refuses it
     before anything runs and the reference computes it, with one warning naming why."""
@@ -378,7 +366,9 @@ def uninitialized_memory_is_nan():
 ALL_FAMILIES = (*configs.FAMILY_CAPABILITY, "interpret")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.grads and c.page_size is None][::3], ids=str)
+# beyond FlashAttention-2: 192/128 (two column parts), sinks with every score feature, head dim 512 (four parts)
+@pytest.mark.parametrize("case", [c for c in CASES if c.grads and c.page_size is None][::3]
+                         + [BEYOND_FA2_CASES[i] for i in (0, 4, 10)], ids=str)
 def test_deterministic_split_kernels_match_oracle(backend, case, recwarn):
     """``deterministic=True`` through the split dK/dV and dQ kernels (every family without a
     fused backward, and calls whose splits of the fused kernel could not keep the SMs busy); the

@@ -81,16 +81,18 @@ MLA_FAMILIES = ("sm90",)
 
 def beyond_fa2_calls(dtype, device="meta"):
     """``(name, op, args, kwargs, needs)`` beyond flash-attn 2.8: v's own head dim (192/128, and
-    64/160 on a square image), attention sinks (with and without the score features), head dim
-    512, MLA decoding with ``qv``. ``needs``: the families whose images hold the call (``None``:
+    64/160 on a square image), attention sinks (with and without the score features; and at head
+    dims 64 and 128, on the images of flash-attn 2.8's calls), head dim 512, MLA decoding with ``qv``. ``needs``: the families whose images hold the call (``None``:
     every family)."""
     t = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt, device=device)  # noqa: E731
     seed = torch.empty(1, dtype=torch.int64, device=device)
     h, hk = 8, 2
     sinks = t(h, dt=torch.float32)
     for (d, dv, needs), (mask, window), with_sinks, feat in itertools.product(
-            ((192, 128, None), (64, 160, None), (512, 512, WIDE_FAMILIES)), MASKS.items(), (False, True),
-            ("none", "softcap")):
+            ((192, 128, None), (64, 160, None), (512, 512, WIDE_FAMILIES), (64, 64, None), (128, 128, None)),
+            MASKS.items(), (False, True), ("none", "softcap")):
+        if d == dv <= 128 and not with_sinks:
+            continue  # flash-attn 2.8's calls: attention_calls
         if d == 512 and feat != "none":
             continue  # head dim 512's images are lean
         params = _params(window, 20.0 if feat == "softcap" else 0.0, seed=seed)
