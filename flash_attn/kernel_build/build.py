@@ -327,7 +327,8 @@ def compile_job(job: dict) -> dict:
             "num_stages": spec.num_stages, "target": cap, "ptxas": ptxas_for(cap).get("version"),
             "ptx_isa": isa.group(1) if isa else None, **entry}
     common = {"key": spec.key, "kernel": spec.kernel, "ptx_mma": ptx_mma, "dtype": spec.dtype,
-              "block_d": spec.block_d, "features": features}
+              "block_d": spec.block_d, "block_dv": int(dict(spec.flags).get("BLOCK_DV", spec.block_d)),
+              "features": features}
     for arch in job["cubins"]:
         assembled = 0.0
         if arch == cubin_arch:

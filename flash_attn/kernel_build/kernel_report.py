@@ -260,10 +260,15 @@ DETERMINISTIC_KERNELS = tuple(k.name for k in declarations.KERNELS.values()
                               if k.config_kind in configs.SPLIT_BACKWARD_KINDS)
 _PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}
 # the fused backward with its head dim split over two programs (configs.gradient_columns) also
-# computes the scores and dP over the other half: two more products, each half as wide
+# computes the scores and dP over the other half: two more products, each half as wide (split
+# over more, it computes them from whole rows: the design's products, no more)
 _SPLIT_EXTRA_PRODUCTS = 2
 MIN_KEYS_PER_CTA = 128  # per dK/dV program, head dims <= 128 (FA2 and FA3 walk 128 keys)
 MIN_WGMMA_N = 64
+# Beyond this head dim the tiles are 16 rows a warp, the fewest without a replicated product (an
+# accumulator of 512 columns takes 256 registers a thread even so): the targets there are no
+# replicated product and every main product on tensor cores (tensor_core_misses), not the widths.
+WIDEST_TARGET_HEAD_DIM = 256
 
 
 def target_misses(row: dict) -> list[str]:
@@ -278,25 +283,22 @@ def target_misses(row: dict) -> list[str]:
     * the products per step of the design (forward 2, fused backward 5, dK/dV 4, dQ 3: nothing
       recomputed; two more, half-width, where the head dim is split over two programs);
     * at head dims <= 128, at least 128 keys per dK/dV program.
+
+    Beyond head dim :data:`WIDEST_TARGET_HEAD_DIM` (512) only the first two (:func:`tensor_core_misses`
+    and the architecture's MMA).
     """
-    misses = []
+    misses = tensor_core_misses(row)
+    if not row.get("dots") or not any(d.get("in_loop") for d in row["dots"]):
+        return misses
     kernel, arch = row["kernel"], row["arch"]
-    loop = [d for d in row.get("dots", []) if d.get("in_loop")]
-    if not loop:
-        return ["no tensor-core product inside a loop"]
-    if not row.get("ptx_mma"):
-        misses.append("no tensor-core instruction in the PTX (an empty kernel?)")
-    replicated = [d for d in row["dots"] if d["replication"] > 1]
-    if replicated:
-        misses.append(f"replicated work: {', '.join(_dot_text(d) for d in replicated)}")
-    # a dK/dV program's own rows are its keys (its dQ^T product has the head dim as M)
-    rows = row.get("keys_per_cta") or max(d["shape"][0] for d in loop)
-    main = [d for d in loop if d["shape"][0] == rows]
+    main = _main_products(row)
     want = "tcgen05" if arch.startswith("sm_100") else "wgmma" if arch.startswith("sm_90") else None
     if want is not None:
         other = [d for d in main if d["family"] != want]
         if other:
             misses.append(f"main products not on {want}: {', '.join(_dot_text(d) for d in other)}")
+    if max(row.get("block_d", 0), row.get("block_dv", 0)) > WIDEST_TARGET_HEAD_DIM:
+        return misses
     if want == "wgmma":
         # a product narrower than 64 (head dim 32) cannot have a wider instruction
         narrow = [d for d in main if d["family"] == "wgmma" and d.get("instr_n", 0) < min(MIN_WGMMA_N, d["shape"][1])]
@@ -305,13 +307,40 @@ def target_misses(row: dict) -> list[str]:
     expected = _PRODUCTS_PER_STEP.get(kernel)
     kind = declarations.get(kernel).config_kind
     family = configs.arch_family(archs.parse_arch(arch).capability)
-    if expected is not None and configs.gradient_columns(kind, family, row["block_d"]) < row["block_d"]:
+    if expected is not None and configs.gradient_parts(kind, family, row["block_d"], row.get("block_dv")) == 2:
         expected += _SPLIT_EXTRA_PRODUCTS
     if expected is not None and row.get("products_per_step") != expected:
         misses.append(f"{row.get('products_per_step')} products per step, the design does {expected}")
     keys = row.get("keys_per_cta")
     if keys is not None and row.get("block_d", 0) <= 128 and keys < MIN_KEYS_PER_CTA:
         misses.append(f"{keys} keys per dK/dV program (< {MIN_KEYS_PER_CTA})")
+    return misses
+
+
+def _main_products(row: dict) -> list[dict]:
+    """The products in loops over the program's own rows: a dK/dV program's keys, else the widest M
+    (its dQ^T product has the head dim as M)."""
+    loop = [d for d in row["dots"] if d.get("in_loop")]
+    rows = row.get("keys_per_cta") or max(d["shape"][0] for d in loop)
+    return [d for d in loop if d["shape"][0] == rows]
+
+
+def tensor_core_misses(row: dict) -> list[str]:
+    """Why one build-report row misses the targets of every training image on every architecture:
+    a tensor-core product in a loop, tensor-core instructions in the PTX, no product computed by
+    more than one warp, and every main product on tensor cores (not ``fma``)."""
+    loop = [d for d in row.get("dots", []) if d.get("in_loop")]
+    if not loop:
+        return ["no tensor-core product inside a loop"]
+    misses = []
+    if not row.get("ptx_mma"):
+        misses.append("no tensor-core instruction in the PTX (an empty kernel?)")
+    replicated = [d for d in row["dots"] if d["replication"] > 1]
+    if replicated:
+        misses.append(f"replicated work: {', '.join(_dot_text(d) for d in replicated)}")
+    scalar = [d for d in _main_products(row) if d["family"] == "fma"]
+    if scalar:
+        misses.append(f"main products without tensor cores: {', '.join(_dot_text(d) for d in scalar)}")
     return misses
 
 

@@ -111,9 +111,10 @@ def test_a_cycle_of_config_parents_is_an_error(monkeypatch):
 
 
 def test_a_head_dim_bucket_added_without_its_entries_fails_loudly(monkeypatch):
-    """Issue 44's bucket 512 added to the declaration alone: the config tables do not shift their
-    entries onto other buckets, they refuse to load until every row has its fifth entry."""
-    monkeypatch.setattr(limits, "HEADDIM_BUCKETS", (*limits.HEADDIM_BUCKETS, 512))
+    """A bucket (1024) added to the declaration alone: the config tables do not shift their entries
+    onto other buckets, they refuse to load until every row has its sixth entry (as bucket 512
+    did until its entries were read from the compiler)."""
+    monkeypatch.setattr(limits, "HEADDIM_BUCKETS", (*limits.HEADDIM_BUCKETS, 1024))
     with pytest.raises(ValueError, match="one per head-dim bucket"):
         runpy.run_path(str(Path(configs.__file__)), run_name="configs_copy")
 
