@@ -215,17 +215,13 @@ _FORWARD_INPUTS = (
 
 
 def _setup_context(ctx, inputs, output):
-    named = dict(zip(_FORWARD_INPUTS, inputs))
+    # inputs in _FORWARD_INPUTS' order (the op's own inputs end with the seed, not needed here)
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+     window_left, window_right, softcap, dropout_p, _, deterministic) = inputs[:len(_FORWARD_INPUTS)]
     out, lse, _, rng_state = output
-    ctx.save_for_backward(
-        named["q"], named["k"], named["v"], out, lse, named["cu_seqlens_q"], named["cu_seqlens_k"],
-        named["block_table"], named["alibi_slopes"], rng_state,
-    )
-    ctx.scalars = (
-        named["max_seqlen_q"], named["max_seqlen_k"], named["softmax_scale"], named["window_left"],
-        named["window_right"], named["softcap"], named["dropout_p"],
-    )
-    ctx.deterministic = named["deterministic"]
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state)
+    ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p)
+    ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, *unused_grads):
@@ -348,18 +344,25 @@ def direct_call_ok(tensors) -> bool:
 
 
 class _Attention(torch.autograd.Function):
-    """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls."""
+    """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls.
+
+    Its inputs are the op's tensors and one tuple of its scalars, its one output ``out``: the
+    non-differentiable results (lse, S_dmask, rng_state) leave through ``extra``, a list the
+    caller passes, not as outputs autograd would wrap and mark (each input and output costs the
+    autograd machinery about a microsecond per call)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward_run(*inputs[:-1], True)
-        _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(*output[1:])
-        return output
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, scalars, extra):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
+        # not an op's outputs: the unused rng_state/S_dmask may be shared placeholders
+        output = _forward_run(*tensors, *scalars[:-1], False)
+        _setup_context(ctx, (*tensors, *scalars), output)
+        extra.extend(output[1:])
+        return output[0]
 
     @staticmethod
-    def backward(ctx, dout, *unused_grads):
-        return _backward(ctx, dout)
+    def backward(ctx, dout):
+        return _backward(ctx, dout)[:7] + (None, None)
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars):
@@ -382,7 +385,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
         seed = _draw_dropout_seed(dropout_p, q.device) if dropout_p != 0.0 else None
         return attention_forward(*tensors, *scalars, seed)
     if record:
-        return _Attention.apply(*tensors, *scalars)
+        extra: list = []
+        return (_Attention.apply(*tensors, scalars, extra), *extra)
     return _forward_run(*tensors, *scalars[:-1], False)
 
 

@@ -62,21 +62,37 @@ __all__ = [
 ]
 
 
-def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-               dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs):
-    """Shared tail of the dense and varlen functions (inputs already shape-checked)."""
-    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-    window_size = validation.check_options(
-        dropout_p, softcap, window_size, alibi_slopes, batch, q.shape[-2], q.device
-    )
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+             batch, nheads, headdim, device) -> tuple:
+    """The scalar options checked and normalised: ``(softmax_scale, window_left, window_right,
+    softcap, dropout_p, return_attn_probs, deterministic)``."""
+    window_size = validation.check_options(dropout_p, softcap, window_size, alibi_slopes, batch, nheads, device)
     left, right = validation.causal_window(validation.check_flag(causal, "causal"), window_size)
-    scale = validation.softmax_scale(softmax_scale, q.shape[-1])
+    scale = validation.softmax_scale(softmax_scale, headdim)
     return_attn_probs = validation.check_flag(return_attn_probs, "return_attn_probs")
+    return (scale, left, right, validation.softcap_value(softcap, scale), float(dropout_p), return_attn_probs,
+            validation.check_flag(deterministic, "deterministic"))
+
+
+def _dense_checks(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                  return_attn_probs) -> tuple:
+    validation.check_dense_qkv(q, k, v)
+    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                    return_attn_probs, q.shape[0], q.shape[-2], q.shape[-1], q.device)
+
+
+def _varlen_options(alibi_slopes, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                    return_attn_probs, batch, nheads, headdim, device) -> tuple:
+    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                    return_attn_probs, batch, nheads, headdim, device)
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, options):
+    """Shared tail of the dense and varlen functions (inputs checked, ``options`` from :func:`_options`)."""
+    scale, left, right, softcap, dropout_p, return_attn_probs, deterministic = options
     out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, scale, left, right, validation.softcap_value(softcap, scale),
-        float(dropout_p), return_attn_probs, validation.check_flag(deterministic, "deterministic"),
+        max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p, return_attn_probs, deterministic,
     )
     return (out, lse, s_dmask) if return_attn_probs else out
 
@@ -118,9 +134,10 @@ def flash_attn_func(
         of the scaled scores) and S_dmask float32 ``(batch, nheads, seqlen_q, seqlen_k)``: the
         softmax probabilities, negative where dropout dropped the entry.
     """
-    validation.check_dense_qkv(q, k, v)
-    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, dropout_p, softmax_scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    options = validation.checked("flash_attn_func", (q, k, v, alibi_slopes),
+                                 (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                  return_attn_probs), _dense_checks)
+    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options)
 
 
 def flash_attn_qkvpacked_func(
@@ -203,9 +220,13 @@ def flash_attn_varlen_func(
     max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
                                                                exact=bool(return_attn_probs))
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs)
+    # the tensors' shapes change with every packed batch: only the options are checked once per signature
+    options = validation.checked("varlen options", (alibi_slopes,),
+                                 (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                  return_attn_probs, cu_seqlens_q.shape[0] - 1, q.shape[-2], q.shape[-1], q.device),
+                                 _varlen_options)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+                      options)
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -200,6 +200,123 @@ def profile_text(fn: Callable, calls: int, sync: Callable[[], None], rows: int =
     return "\n".join(lines) + "\n"
 
 
+# The stages of a call that the breakdown times on their own: (label, module, function name). Each
+# is replayed with the arguments of the call's first use of it, so each stage's figure is what a
+# steady-state call pays for it (the plan found in the cache, the checks' signature known).
+def _stage_functions() -> list[tuple]:
+    from flash_attn import custom_ops, validation  # noqa: PLC0415
+    from flash_attn.backends import _execute  # noqa: PLC0415
+
+    return [
+        ("metadata checks", validation, "checked"),
+        ("custom op entry", custom_ops, "forward"),
+        ("custom op entry (kv cache)", custom_ops, "forward_kvcache"),
+        ("backward op body", custom_ops, "_backward_body"),
+        ("host value checks (CPU tensors)", custom_ops, "_check_varlen_values"),
+        ("host value checks (CPU tensors)", custom_ops, "_check_kvcache_values"),
+        ("dispatch", dispatch, "run"),
+        ("allocation (inputs prepared, buffers)", aot, "slots"),
+        ("the launch (stubbed: a count)", aot, "_launch_op"),
+    ]
+
+
+class _Stage:
+    __slots__ = ("label", "fn", "args", "kwargs", "parent", "count", "children")
+
+    def __init__(self, label, fn, args, kwargs, parent):
+        self.label, self.fn, self.args, self.kwargs, self.parent = label, fn, args, kwargs, parent
+        self.count, self.children = 0, []
+
+
+def _record_stages(fn: Callable) -> list[_Stage]:
+    """One call of ``fn`` with the stage functions wrapped: each stage's first arguments, how
+    often it runs per call, and the stage it runs inside. ``dispatch.run`` adds two stages of its
+    own per op: the backend's plan lookup (describe the call, find its plan) and the execution."""
+    stages: dict[tuple, _Stage] = {}
+    stack: list[_Stage] = []
+    saved = []
+
+    def wrap(label, module, name, original):
+        is_dispatch = module is dispatch and name == "run"
+        def recording(*args, **kwargs):
+            op = f" ({args[0]})" if is_dispatch else ""
+            key = (label + op, stack[-1].label if stack else None)
+            stage = stages.get(key)
+            if stage is None:
+                stage = stages[key] = _Stage(label + op, original, args, kwargs, stack[-1] if stack else None)
+                if stack:
+                    stack[-1].children.append(stage)
+            stage.count += 1
+            stack.append(stage)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                stack.pop()
+        return recording
+
+    for label, module, name in _stage_functions():
+        original = getattr(module, name)
+        saved.append((module, name, original))
+        setattr(module, name, wrap(label, module, name, original))
+    try:
+        fn()
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+    for stage in list(stages.values()):
+        if stage.fn is dispatch.run:
+            op, device, *args = stage.args
+            prepare = dispatch._load(dispatch.chain(device)[0])[0].prepare[op]
+            plan = _Stage(f"plan lookup ({op}: describe the call, find its plan)", prepare, tuple(args),
+                          stage.kwargs, stage)
+            runner = prepare(*args, **stage.kwargs)
+            run = _Stage(f"execution ({op}: buffers, argument lists, launches)", runner, (), {}, stage)
+            plan.count = run.count = 1
+            # what the execution runs (allocation, launches) moves under it
+            run.children, stage.children = stage.children, [plan, run]
+    return [s for s in stages.values() if s.parent is None]
+
+
+def stage_breakdown(fn: Callable, calls: int, repeats: int = 3) -> list[dict]:
+    """Where one call of ``fn`` spends host time, by stage: each stage of :func:`_stage_functions`
+    that the call runs, replayed alone (CPU time, median of ``repeats`` runs of ``calls``), its
+    own time (what its sub-stages do not account for) and its runs per call. The first row is
+    the whole call; its own time is what no listed stage covers (the public function's glue, and
+    in training the autograd engine and the forward's autograd record)."""
+    roots = _record_stages(fn)
+    whole = statistics.median(_time(fn, calls, repeats, lambda: None, clock=time.process_time))
+    rows = [{"stage": "the whole call", "depth": 0, "us": whole, "count": 1,
+             "own_us": whole - sum(_inclusive(s, calls, repeats) * s.count for s in roots)}]
+
+    def visit(stage, depth):
+        us = _inclusive(stage, calls, repeats)
+        own = us - sum(_inclusive(c, calls, repeats) * c.count / max(stage.count, 1) for c in stage.children)
+        rows.append({"stage": stage.label, "depth": depth, "us": us, "count": stage.count, "own_us": own})
+        for child in stage.children:
+            visit(child, depth + 1)
+
+    for root in roots:
+        visit(root, 1)
+    return rows
+
+
+_timed: dict = {}
+
+
+def _inclusive(stage: _Stage, calls: int, repeats: int) -> float:
+    if id(stage) not in _timed:
+        call = (lambda: stage.fn(*stage.args, **stage.kwargs)) if stage.args or stage.kwargs else stage.fn
+        _timed[id(stage)] = (stage, statistics.median(_time(call, calls, repeats, lambda: None, clock=time.process_time)))
+    return _timed[id(stage)][1]
+
+
+def stages_text(rows: list[dict]) -> str:
+    lines = [f"{'us':>8} {'own us':>8} {'runs':>5}  stage (replayed alone, CPU time per run; nested stages indented)"]
+    for r in rows:
+        lines.append(f"{r['us']:8.2f} {r['own_us']:8.2f} {r['count']:5d}  {'  ' * r['depth']}{r['stage']}")
+    return "\n".join(lines) + "\n"
+
+
 def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Optional[dict] = None) -> list[dict]:
     """One row per case: ``us_per_call`` (median), min and max over ``repeats``, launches per call,
     plans made per timed call (stubbed mode). ``profiles``: a dict that receives each case's
@@ -230,5 +347,6 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
                          "us_min": min(times), "us_max": max(times), "launches_per_call": per_call,
                          "plans_per_call": (len(plans) - planned) / (calls * repeats + max(3, calls // 10))})
             if profiles is not None:
-                profiles[name] = profile_text(fn, calls, lambda: None)
+                stages = stages_text(stage_breakdown(fn, calls))
+                profiles[name] = profile_text(fn, calls, lambda: None) + "\nby stage\n" + stages
     return rows
