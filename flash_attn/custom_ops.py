@@ -112,7 +112,8 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                  softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
     else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls)."""
-    varlen = varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
+    varlen = None if cu_seqlens_q is None else \
+        varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
     if seed is None or dropout_p == 0.0:

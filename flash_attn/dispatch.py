@@ -384,7 +384,8 @@ def run(op: str, device: torch.device, *args, **kwargs):
                     if skip is None:
                         raise
                 else:
-                    _tell(op, skipped, name)
+                    if skipped:
+                        _tell(op, skipped, name)
                     return result
         _check_strict(skip, op)
         skipped.append(skip)

@@ -172,14 +172,21 @@ def run_overhead(args: argparse.Namespace) -> int:
         print(f"bench overhead: {exc}", file=sys.stderr)
         return 2
     meta = {"mode": "overhead", "config": {"device": mode, "calls": args.calls}, "machine": common.machine()}
-    columns = ("mode", "case", "us_per_call", "us_min", "us_max", "launches_per_call")
+    columns = overhead.DEVICE_COLUMNS if mode == "device" else ("mode", "case", "us_per_call", "us_min", "us_max",
+                                                                "launches_per_call")
     paths = common.write_results(args.out, "bench-overhead", meta, rows, columns)
     for case, text in (profiles or {}).items():
         path = Path(args.out) / f"bench-overhead-profile-{case.replace(' ', '-').replace('+', '-')}.txt"
         path.write_text(text)
         paths[f"profile {case}"] = path
-    print(common.markdown_table(rows, [("case", "call"), ("us_per_call", "us per call"), ("us_min", "min"),
-                                       ("us_max", "max"), ("launches_per_call", "launches")]))
+    if mode == "device":
+        print(common.markdown_table(rows, [("case", "call"), ("impl", "impl"), ("host_us", "host CPU us"),
+                                           ("thread_us", "calling thread us"), ("gpu_us", "GPU us"),
+                                           ("us_per_call", "wall us"), ("host_bound", "host > GPU"),
+                                           ("gpu_covered", "GPU span clean"), ("status", "status")]))
+    else:
+        print(common.markdown_table(rows, [("case", "call"), ("us_per_call", "us per call"), ("us_min", "min"),
+                                           ("us_max", "max"), ("launches_per_call", "launches")]))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items() if kind != "png"))
     return 0
 

@@ -8,17 +8,21 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   What remains is this package's own work per call: validation, the custom op, dispatch, the
   plan lookup, buffer allocation, the argument lists. What it cannot show: the op library's
   argument checks and ``cuLaunchKernel`` (a few microseconds per launch), and the CUDA caching
-  allocator (CPU allocations stand in for it).
-* ``device`` (a CUDA GPU): the same calls for real; small shapes, so the time per call is what a
-  host-bound loop (decoding) pays: wall clock over many calls, the device synchronised once. Two
-  more rows split a call's cost: one launch through the op library alone (a forward's kernel with
-  the arguments its call packed: the library's checks, the stable-ABI call, ``cudaLaunchKernelExC``)
-  and, for scale, one PyTorch kernel launch.
+  allocator (CPU allocations stand in for it; CPU placeholders are kept, CUDA ones made per call).
+  ``--profile`` adds, per case, cProfile's view and a per-stage breakdown
+  (:func:`stage_breakdown`: each stage replayed alone).
+* ``device`` (a CUDA GPU): the same calls for real, and PyTorch SDPA's flash and cuDNN backends
+  on the same shapes (:func:`_sdpa_calls`), interleaved, every row with the host's CPU time per
+  call (the process's, and the calling thread's), the GPU's time per call (the calls queued
+  behind a sleep kernel, timed by events: :func:`cuda_gpu_span`), the wall clock, and whether the
+  host is the bound. Two more rows split a call's cost: one launch through the op library alone
+  (a forward's kernel with the arguments its call packed: the library's checks, the stable-ABI
+  call, ``cudaLaunchKernelExC``; the images hold no empty kernel) and one PyTorch kernel launch.
 
 Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
 time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
-nothing waits for a device), wall clock in ``device`` mode. ``plans_per_call`` (stubbed mode, in
-the JSON): launch plans made per timed call, 0 when every call finds its plan in the cache.
+nothing waits for a device). ``plans_per_call`` (stubbed mode, in the JSON): launch plans made
+per timed call, 0 when every call finds its plan in the cache.
 """
 
 from __future__ import annotations
@@ -317,21 +321,161 @@ def stages_text(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- device mode: host and GPU apart, ours beside SDPA's ---------------------------------------
+
+# SDPA's backends timed on the same calls in device mode (label -> torch.nn.attention.SDPBackend)
+SDPA_BACKENDS = {"sdpa[flash]": "FLASH_ATTENTION", "sdpa[cudnn]": "CUDNN_ATTENTION"}
+IMPLS = ("flash_attn", *SDPA_BACKENDS)
+SLEEP_MARGIN = 4  # the GPU's head start (below): this many times the host's time to queue the calls
+DEVICE_COLUMNS = ("mode", "case", "impl", "us_per_call", "us_min", "us_max", "host_us", "host_min", "host_max",
+                  "thread_us", "thread_min", "thread_max", "gpu_us", "gpu_min", "gpu_max", "host_bound", "gpu_covered", "launches_per_call", "status", "note")
+
+
+def _sdpa_calls(device) -> dict[str, Callable[[], object]]:
+    """SDPA on the calls of :func:`_calls` that it has (no packed sequences, no rotary): the same
+    shapes, its own ``(batch, heads, seqlen, headdim)`` layout; the decode step appends the new
+    token's k/v to the cache (two copies) and attends over the filled rows
+    (:func:`flash_attn.bench.gpu.sdpa_decode`: query heads grouped by their KV head)."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from flash_attn.bench.gpu import sdpa_decode  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
+    q, k, v = rnd(1, 16, 128, 128), rnd(1, 16, 128, 128), rnd(1, 16, 128, 128)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = rnd(1, 16, 128, 128)
+    batch, heads, heads_k, filled = 8, 32, 8, 2000
+    k_cache, v_cache = rnd(batch, 4096, heads_k, 128), rnd(batch, 4096, heads_k, 128)
+    step_q, step_k, step_v = rnd(batch, 1, heads, 128), rnd(batch, 1, heads_k, 128), rnd(batch, 1, heads_k, 128)
+
+    def training():
+        for t in (qg, kg, vg):
+            t.grad = None
+        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dout)
+
+    def decode_step():
+        k_cache[:, filled:filled + 1] = step_k
+        v_cache[:, filled:filled + 1] = step_v
+        return sdpa_decode(step_q, k_cache[:, :filled + 1], v_cache[:, :filled + 1])
+
+    return {
+        "forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "forward+backward": training,
+        "decode step": decode_step,
+    }
+
+
+def _sdpa_context(backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+def cuda_gpu_span(fn: Callable, calls: int, host_s: float) -> tuple[float, bool]:
+    """``(milliseconds, covered)``: the GPU time of ``calls`` back-to-back calls of ``fn``, the
+    GPU alone. A sleep kernel first holds the stream while the host queues every call, so the two
+    events around the calls time their kernels back to back, without the host's gaps between
+    them; ``covered``: the sleep outlasted the queuing (else the span includes host time).
+    ``host_s``: about how long the host takes to queue the calls (it sizes the sleep)."""
+    cycles = int(max(host_s, 1e-3) * SLEEP_MARGIN * 2e9)  # ~2 GHz: a few ms too long costs nothing
+    before, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    before.record()
+    torch.cuda._sleep(cycles)
+    start.record()
+    queued = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    end.record()
+    queued = time.perf_counter() - queued
+    end.synchronize()
+    return start.elapsed_time(end), before.elapsed_time(start) >= queued * 1e3
+
+
+def host_and_gpu(fn: Callable, calls: int, sync: Callable[[], None], gpu_span=None) -> dict:
+    """One timed run of ``calls`` calls, per call: ``thread_us`` the calling thread's CPU time
+    (``time.thread_time``: no waiting counted), ``host_us`` the process's CPU time (every thread:
+    a CUDA backward runs in the autograd engine's device thread while the caller waits),
+    ``wall_us`` up to a device synchronisation after the last call, and ``gpu_us`` from
+    ``gpu_span(fn, calls, host_s)`` (:func:`cuda_gpu_span`; ``None`` without one) with its
+    ``gpu_covered``. The synchronisation (a spin) is outside the CPU-time windows."""
+    sync()
+    wall, host, thread = time.perf_counter(), time.process_time(), time.thread_time()
+    for _ in range(calls):
+        fn()
+    thread, host = time.thread_time() - thread, time.process_time() - host
+    sync()
+    wall = time.perf_counter() - wall
+    run = {"host_us": host / calls * 1e6, "thread_us": thread / calls * 1e6, "wall_us": wall / calls * 1e6,
+           "gpu_us": None, "gpu_covered": None}
+    if gpu_span is not None:
+        ms, covered = gpu_span(fn, calls, host)
+        run.update(gpu_us=ms * 1e3 / calls, gpu_covered=covered)
+    return run
+
+
+def device_rows(calls_by_impl: dict, calls: int, repeats: int, sync: Callable[[], None], gpu_span=None,
+                contexts: Optional[dict] = None, launches: Optional[dict] = None) -> list[dict]:
+    """Rows of device mode: for each case and implementation (``calls_by_impl``: impl -> case ->
+    call), the median and spread over ``repeats`` runs of :func:`host_and_gpu`, the runs
+    interleaved (every case and implementation once, then again), each inside its ``contexts[impl]``
+    (SDPA's backend choice). A call that raises is a row with ``status`` error and the message.
+    ``host_bound``: the host's CPU time per call exceeds the GPU's (the GPU waits for the host)."""
+    runs: dict = {}
+    failed: dict = {}
+    cases = list(dict.fromkeys(case for by_case in calls_by_impl.values() for case in by_case))
+    for _ in range(repeats):
+        for case in cases:
+            for impl, by_case in calls_by_impl.items():
+                if case not in by_case or (case, impl) in failed:
+                    continue
+                with (contexts or {}).get(impl, contextlib.nullcontext)():
+                    try:
+                        for _ in range(max(3, calls // 10)):  # warm-up (plans, autotuning, allocator)
+                            by_case[case]()
+                        runs.setdefault((case, impl), []).append(host_and_gpu(by_case[case], calls, sync, gpu_span))
+                    except Exception as exc:  # noqa: BLE001  (SDPA's backends refuse some calls)
+                        failed[case, impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    rows = []
+    for case in cases:
+        for impl in calls_by_impl:
+            if case not in calls_by_impl[impl]:
+                continue
+            row = {**dict.fromkeys(DEVICE_COLUMNS), "mode": "device", "case": case, "impl": impl,
+                   "launches_per_call": (launches or {}).get(case)}
+            if (case, impl) in failed:
+                rows.append({**row, "status": "error", "note": failed[case, impl]})
+                continue
+            got = runs[case, impl]
+            for key, name in (("wall_us", "us"), ("host_us", "host"), ("thread_us", "thread"), ("gpu_us", "gpu")):
+                values = [r[key] for r in got if r[key] is not None]
+                if values:
+                    prefix = "us_per_call" if name == "us" else f"{name}_us"
+                    row.update({prefix: statistics.median(values), f"{name}_min": min(values),
+                                f"{name}_max": max(values)})
+            if row.get("gpu_us") is not None:
+                row["host_bound"] = row["host_us"] > row["gpu_us"]
+                row["gpu_covered"] = all(r["gpu_covered"] for r in got)
+            rows.append({**row, "status": "ok"})
+    return rows
+
+
 def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Optional[dict] = None) -> list[dict]:
     """One row per case: ``us_per_call`` (median), min and max over ``repeats``, launches per call,
     plans made per timed call (stubbed mode). ``profiles``: a dict that receives each case's
-    :func:`profile_text`."""
+    :func:`profile_text`. Device mode: one row per case and implementation (:func:`device_rows`)."""
     rows = []
     if mode == "device":
         if not torch.cuda.is_available():
             raise RuntimeError("device mode needs a CUDA GPU")
         device = torch.device("cuda")
-        for name, fn in {**_calls(device), **_launch_calls(device)}.items():
-            times = _time(fn, calls, repeats, torch.cuda.synchronize)
-            rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),
-                         "us_min": min(times), "us_max": max(times),
-                         "launches_per_call": 1 if name in LAUNCH_CASES else None})
-            if profiles is not None:
+        ours = {**_calls(device), **_launch_calls(device)}
+        calls_by_impl = {"flash_attn": ours, **{impl: _sdpa_calls(device) for impl in SDPA_BACKENDS}}
+        contexts = {impl: (lambda b=b: _sdpa_context(b)) for impl, b in SDPA_BACKENDS.items()}
+        rows = device_rows(calls_by_impl, calls, repeats, torch.cuda.synchronize, cuda_gpu_span, contexts,
+                           launches={name: 1 for name in LAUNCH_CASES})
+        if profiles is not None:
+            for name, fn in ours.items():
                 profiles[name] = profile_text(fn, calls, torch.cuda.synchronize)
         return rows
     with stubbed_aot() as launches:

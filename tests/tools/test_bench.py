@@ -7,7 +7,9 @@ and the build mode on a stand-in build command."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import itertools
 import json
 import subprocess
 import sys
@@ -698,3 +700,93 @@ def test_ops_a_failing_compile_costs_only_its_own_row(tmp_path, monkeypatch):
 def test_ops_unknown_names_are_refused(tmp_path, capsys):
     assert cli.main(["bench", "ops", "--ops", "softmax", "--out", str(tmp_path)]) == 2
     assert "unknown op" in capsys.readouterr().err
+
+
+def test_overhead_device_rows_interleave_and_flag_the_host_bound(monkeypatch):
+    """Device mode's rows on CPU callables, with a stand-in GPU span (the CUDA one needs a GPU:
+    it is not run here): each case and implementation timed ``repeats`` times in interleaved
+    order, medians and spreads of host and GPU time per call, host > GPU flagged, a call that
+    raises kept as its own error row while the others run."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    order = []
+
+    def call(name):
+        return lambda: order.append(name)
+
+    def refuses():
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    # the GPU span says 1 ms per call for "slow" (the host is far quicker), 0 for the rest
+    def gpu_span(fn, calls, host_s):
+        slow = order[-1].startswith("slow")
+        return (calls * 1.0 if slow else 0.0), True
+
+    entered = []
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(len(order))
+        yield
+
+    calls_by_impl = {"ours": {"fast": call("fast ours"), "slow": call("slow ours")},
+                     "theirs": {"fast": refuses, "slow": call("slow theirs")}}
+    rows = overhead.device_rows(calls_by_impl, calls=4, repeats=3, sync=lambda: None, gpu_span=gpu_span,
+                                contexts={"theirs": context}, launches={"fast": 1})
+    assert [(r["case"], r["impl"], r["status"]) for r in rows] == [
+        ("fast", "ours", "ok"), ("fast", "theirs", "error"), ("slow", "ours", "ok"), ("slow", "theirs", "ok")]
+    assert rows[1]["note"] == "RuntimeError: no kernel for this shape"
+    # interleaved: each repeat runs every case and implementation once (warm-up 3 + 4 timed + span 4)
+    runs = [name for name, _ in itertools.groupby(order)]
+    assert runs == ["fast ours", "slow ours", "slow theirs"] * 3
+    assert len(entered) == 2 + 1 + 1  # theirs' context around each of its runs (fast once: it failed)
+    for row in (rows[0], rows[2], rows[3]):
+        assert row["host_min"] <= row["host_us"] <= row["host_max"] and row["us_min"] <= row["us_per_call"]
+        assert row["thread_us"] >= 0 and row["gpu_covered"] is True
+    assert rows[0]["gpu_us"] == 0.0 and rows[0]["host_bound"] is True and rows[0]["launches_per_call"] == 1
+    assert rows[2]["gpu_us"] == 1000.0 and rows[2]["host_bound"] is False and rows[2]["launches_per_call"] is None
+
+
+def test_overhead_device_rows_without_a_gpu_span():
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    rows = overhead.device_rows({"ours": {"forward": lambda: None}}, calls=2, repeats=2, sync=lambda: None)
+    assert rows[0]["gpu_us"] is None and rows[0]["host_bound"] is None and rows[0]["status"] == "ok"
+    assert set(rows[0]) == set(overhead.DEVICE_COLUMNS)
+
+
+def test_overhead_device_mode_needs_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the device mode runs in .ci/gpu-check's overhead step instead")
+    assert cli.main(["bench", "overhead", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_overhead_stage_breakdown_nests_the_stages():
+    """The per-stage breakdown of a forward and a decode step (stubbed aot): the stages a call
+    runs, nested as they run, the dispatcher split into plan lookup and execution, every figure
+    positive and no stage dearer than the whole call it is part of (with slack for timing noise)."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    try:
+        stub = overhead.stubbed_aot()
+        stub.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    try:
+        calls = overhead._calls(torch.device("cpu"))
+        for case, entry in (("forward", "custom op entry"), ("decode step", "custom op entry (kv cache)")):
+            calls[case]()
+            rows = overhead.stage_breakdown(calls[case], calls=20, repeats=1)
+            names = [(r["depth"], r["stage"]) for r in rows]
+            op = "forward" if case == "forward" else "forward_kvcache"
+            assert names[:3] == [(0, "the whole call"), (1, "metadata checks"), (1, entry)]
+            assert (2, f"dispatch ({op})") in names
+            assert (3, f"plan lookup ({op}: describe the call, find its plan)") in names
+            assert (4, "allocation (inputs prepared, buffers)") in names
+            assert all(r["us"] > 0 and r["count"] >= 1 for r in rows)
+            assert all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
+            text = overhead.stages_text(rows)
+            assert "plan lookup" in text and text.count("\n") == len(rows) + 1
+    finally:
+        stub.__exit__(None, None, None)
