@@ -8,6 +8,12 @@ Timing: CUDA events around each call after warm-up, the median of the repeats. T
 :func:`flash_attn.bench.common.attention_flops` (``4*b*h*sq*sk*d``, halved for causal;
 x3.5 for forward+backward).
 
+Before a training case is timed, each implementation's output and gradients on the case's inputs
+are compared with float32 attention by PyTorch's math path (:func:`check`, :func:`reference`): the
+errors (relative to the reference's largest magnitude) go into the row's ``err_out``/``err_grad``
+and ``check``; a result of this package beyond :data:`CHECK_TOLERANCE` is an ``error`` row and is
+not timed.
+
 Rows are written as they are measured (``bench-gpu.jsonl`` and ``bench-gpu.csv``), so a run cut
 short keeps what it measured. A row of this package's backends that crashed, or that another
 backend ran (:func:`flash_attn.dispatch.last_backend`), is an ``error`` and makes the command exit
@@ -77,6 +83,8 @@ class Implementation:
     backend: Optional[str] = None  # this package's backend that must run the calls (None: not ours)
     # decode(q, k_cache, v_cache) -> out: one query token over the whole cache (None: no such call)
     decode: Optional[Callable] = None
+    # forward(q, k, v, causal) -> out, for the check against the reference before timing (None: not checked)
+    forward: Optional[Callable] = None
 
 
 @contextlib.contextmanager
@@ -104,13 +112,17 @@ def _autograd_run(forward: Callable) -> Callable:
 def _ours(backend: str) -> Implementation:
     from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache  # noqa: PLC0415
 
+    def forward(q, k, v, causal):
+        return flash_attn_func(q, k, v, causal=causal)
+
     return Implementation(
         f"flash_attn[{backend}]",
         lambda device: dispatch.unavailable_reason(backend, device),
-        _autograd_run(lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)),
+        _autograd_run(forward),
         lambda: _backend_env(backend),
         backend,
         decode=lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache),
+        forward=forward,
     )
 
 
@@ -138,7 +150,8 @@ def _sdpa(label: str, backend_name: str) -> Implementation:
 
         return sdpa_kernel(getattr(SDPBackend, backend_name))
 
-    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(sdpa_forward), context, decode=sdpa_decode)
+    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(sdpa_forward), context, decode=sdpa_decode,
+                          forward=sdpa_forward)
 
 
 def sdpa_decode(q, k_cache, v_cache):
@@ -331,8 +344,13 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
         dout = torch.randn(shape, device=device, dtype=dtype, generator=g) if backward else None
         flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"], case["headdim"],
                                 case["causal"], backward)
+        expected = _once(lambda: reference(q, k, v, dout, case["causal"]))
         for impl in impls:
             row = dict(case, impl=impl.name)
+            _check_row(row, impl, reasons[impl.name], q, k, v, dout, case, expected)
+            if row.get("status") == "error":  # a wrong result is not timed
+                emit(row)
+                continue
             _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"]), config, timer,
                      device)
             if "time_ms" in row:
@@ -448,6 +466,86 @@ def measure_bandwidth(config: dict, device, timer: Timer, free_memory) -> dict:
     return row
 
 
+# A result's largest error relative to the reference's largest magnitude that a correct kernel in
+# this precision stays within (the inputs' own rounding is ~4e-3 in bf16, ~5e-4 in fp16)
+CHECK_TOLERANCE = {"bf16": 3e-2, "fp16": 5e-3, "fp32": 1e-4}
+REFERENCE_SCORES = 1 << 28  # score elements the reference holds at once (1 GiB of fp32)
+
+
+def reference(q, k, v, dout, causal: bool):
+    """``(out, grads)``: attention in float32 by PyTorch's math path (and, when ``dout`` is given,
+    the gradients of q, k, v), over a few batch x head slices at a time so that the scores never
+    exceed :data:`REFERENCE_SCORES` elements. ``grads`` is ``None`` without ``dout``."""
+    import torch  # noqa: PLC0415
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    batch, seqlen_q, heads, _ = q.shape
+    step = max(1, REFERENCE_SCORES // (seqlen_q * k.shape[1]))
+
+    def slices(t):  # (batch, seqlen, heads, headdim) -> (batch * heads, seqlen, 1, headdim) in float32
+        return t.detach().float().permute(0, 2, 1, 3).reshape(batch * heads, t.shape[1], 1, t.shape[3])
+
+    def back(t):  # the inverse of slices
+        return t.reshape(batch, heads, t.shape[1], t.shape[3]).permute(0, 2, 1, 3)
+
+    qf, kf, vf = slices(q), slices(k), slices(v)
+    df = slices(dout) if dout is not None else None
+    outs, grads = [], []
+    with sdpa_kernel(SDPBackend.MATH):
+        for start in range(0, batch * heads, step):
+            part = slice(start, start + step)
+            qs, ks, vs = (t[part].requires_grad_(dout is not None) for t in (qf, kf, vf))
+            out = sdpa_forward(qs, ks, vs, causal)
+            outs.append(out.detach())
+            if dout is not None:
+                grads.append(torch.autograd.grad(out, (qs, ks, vs), df[part]))
+    out = back(torch.cat(outs))
+    if dout is None:
+        return out, None
+    return out, tuple(back(torch.cat([g[i] for g in grads])) for i in range(3))
+
+
+def relative_error(got, want) -> float:
+    scale = float(want.abs().max()) or 1.0
+    return float((got.float() - want).abs().max()) / scale
+
+
+def check(forward: Callable, q, k, v, dout, causal: bool, dtype: str, expected=None) -> dict:
+    """``forward``'s output (and gradients, when ``dout`` is given) against :func:`reference`
+    (or ``expected``, its result for these inputs): ``err_out`` and ``err_grad`` (the largest of
+    dq, dk, dv), each relative to the reference's largest magnitude, and ``check``: ``ok``, or
+    ``mismatch`` beyond :data:`CHECK_TOLERANCE` (also for a NaN)."""
+    import torch  # noqa: PLC0415
+
+    want_out, want_grads = expected if expected is not None else reference(q, k, v, dout, causal)
+    qs, ks, vs = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
+    out = forward(qs, ks, vs, causal)
+    result = {"err_out": relative_error(out.detach(), want_out), "err_grad": None}
+    if dout is not None:
+        grads = torch.autograd.grad(out, (qs, ks, vs), dout)
+        result["err_grad"] = max(relative_error(g, w) for g, w in zip(grads, want_grads))
+    errors = [e for e in (result["err_out"], result["err_grad"]) if e is not None]
+    result["check"] = "ok" if all(e <= CHECK_TOLERANCE[dtype] for e in errors) else "mismatch"
+    return result
+
+
+def _check_row(row: dict, impl: Implementation, reason: Optional[str], q, k, v, dout, case, expected) -> None:
+    """Check ``impl`` on the case's inputs before it is timed (:func:`check`) into ``row``; a wrong
+    result of this package is an ``error`` row."""
+    if reason is not None or impl.forward is None:
+        row["check"] = "not checked" if reason is None else None
+        return
+    try:
+        with impl.context():
+            row.update(check(impl.forward, q, k, v, dout, case["causal"], case["dtype"], expected()))
+    except Exception as exc:  # noqa: BLE001  (timing reports the implementation's own refusal)
+        row["check"] = f"not checked: {type(exc).__name__}"
+        return
+    if row["check"] == "mismatch" and impl.backend is not None:
+        row.update(status="error", note=f"wrong result: out {row['err_out']:.2g}, grad {row['err_grad']} "
+                                        f"(relative; tolerance {CHECK_TOLERANCE[case['dtype']]})")
+
+
 def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device) -> None:
     """Time ``call`` under ``impl``'s context into ``row`` (status, times or note)."""
     import torch  # noqa: PLC0415
@@ -471,6 +569,17 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
         row.update(status="error" if impl.backend is not None else "unsupported", note=note)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _once(make: Callable) -> Callable:
+    """``make()`` on the first call, the same value after (the reference: only if something is checked)."""
+    value = []
+
+    def get():
+        if not value:
+            value.append(make())
+        return value[0]
+    return get
 
 
 def _torch_dtype(name: str):
@@ -572,7 +681,8 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
 
 
 COLUMNS = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
-           "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "status", "note")
+           "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "check", "err_out", "err_grad",
+           "status", "note")
 
 
 class RowWriter:

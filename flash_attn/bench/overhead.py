@@ -207,12 +207,16 @@ def profile_text(fn: Callable, calls: int, sync: Callable[[], None], rows: int =
 # The stages of a call that the breakdown times on their own: (label, module, function name). Each
 # is replayed with the arguments of the call's first use of it, so each stage's figure is what a
 # steady-state call pays for it (the plan found in the cache, the checks' signature known).
+# Functions a version of the package lacks are left out (the breakdown also runs on older trees,
+# for before/after figures: there the checks ran as check_dense_qkv, check_options, ...).
 def _stage_functions() -> list[tuple]:
-    from flash_attn import custom_ops, validation  # noqa: PLC0415
-    from flash_attn.backends import _execute  # noqa: PLC0415
+    from flash_attn import custom_ops, kvcache, validation  # noqa: PLC0415
 
-    return [
+    stages = [
         ("metadata checks", validation, "checked"),
+        ("metadata checks: q, k, v", validation, "check_dense_qkv"),
+        ("metadata checks: options", validation, "check_options"),
+        ("metadata checks: the kv cache", kvcache, "_check_kvcache"),
         ("custom op entry", custom_ops, "forward"),
         ("custom op entry (kv cache)", custom_ops, "forward_kvcache"),
         ("backward op body", custom_ops, "_backward_body"),
@@ -222,6 +226,7 @@ def _stage_functions() -> list[tuple]:
         ("allocation (inputs prepared, buffers)", aot, "slots"),
         ("the launch (stubbed: a count)", aot, "_launch_op"),
     ]
+    return [(label, module, name) for label, module, name in stages if hasattr(module, name)]
 
 
 class _Stage:

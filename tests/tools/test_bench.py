@@ -245,6 +245,45 @@ def test_gpu_mode_plumbing_with_a_fake_timer():
     assert len(calls) == 2 * len(ours)  # ours and sdpa[math]
 
 
+def test_gpu_mode_checks_each_case_before_timing_it(monkeypatch):
+    """Each case's output and gradients are compared with float32 math attention before the case
+    is timed (:func:`gpu.check`), the errors recorded in the row; a result of ours beyond the
+    tolerance is an error row and is not timed; other implementations' are recorded."""
+    timed = []
+    config = _gpu_config(seqlens=[32], headdims=[32], causal=[True], impls=["flash_attn[reference]", "sdpa[math]"])
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: timed.append(fn) or [1.0])
+    assert len(rows) == 4 and len(timed) == 4
+    for r in rows:
+        assert r["check"] == "ok" and r["err_out"] < 1e-5, r
+        assert (r["err_grad"] is None) == (r["pass"] == "fwd") and (r["err_grad"] or 0) < 1e-5
+
+    wrong = gpu._ours("reference")
+    monkeypatch.setattr(gpu, "_ours", lambda backend: gpu.Implementation(
+        wrong.name, wrong.unavailable, wrong.run, wrong.context, wrong.backend,
+        forward=lambda q, k, v, causal: wrong.forward(q, k, v, causal) * 1.1))
+    timed.clear()
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: timed.append(fn) or [1.0])
+    ours = [r for r in rows if r["impl"] == "flash_attn[reference]"]
+    assert all(r["check"] == "mismatch" and r["status"] == "error" and "wrong result" in r["note"] for r in ours)
+    assert all("time_ms" not in r for r in ours) and len(timed) == 2  # only sdpa[math] was timed
+
+
+def test_gpu_reference_is_chunked_without_changing_the_answer(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 24, 3, 8, generator=g) for _ in range(4))
+    whole_out, whole_grads = gpu.reference(q, k, v, dout, True)
+    monkeypatch.setattr(gpu, "REFERENCE_SCORES", 24 * 24 * 2)  # two heads at a time: three slices
+    out, grads = gpu.reference(q, k, v, dout, True)
+    torch.testing.assert_close(out, whole_out, rtol=0, atol=0)
+    for a, b in zip(grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and the reference itself against a naive float64 attention
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    scores = (qd @ kd.transpose(-1, -2)) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(out.double(), (scores.softmax(-1) @ vd).transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_gpu_mode_reports_a_backend_that_rejects_a_case():
     rows = gpu.run(_gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False], impls=["sdpa[efficient]"]),
                    device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:])
