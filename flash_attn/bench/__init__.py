@@ -82,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="gpu: also time each decode call captured in a CUDA graph (as servers run decode: "
                      "no host time per step), the 'decode_graph' rows (default: on)")
     gpu.add_argument("--decode-batches", type=_ints, help="gpu: decode batch sizes (default 1,4,16,64)")
+    gpu.add_argument("--held-out", action="store_true",
+                     help="gpu: also time shapes the launch configs were not tuned on (2k, 8k, 3001 tokens, GQA 8:1, "
+                     "heads x headdim 4096 and 5120, batch 1 x 32k; gpu.HELD_OUT)")
     gpu.add_argument("--decode-cachelens", type=_ints, help="gpu: decode KV cache lengths (default 4096,16384,65536,131072)")
     overhead = parser.add_argument_group("overhead mode")
     overhead.add_argument("--device", choices=("stubbed", "cuda"), default="stubbed",

@@ -131,7 +131,9 @@ def sdpa_forward(q, k, v, causal: bool):
     caller's ``sdpa_kernel`` context allows)."""
     import torch.nn.functional as F  # noqa: PLC0415
 
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}  # k/v heads shared by groups of q heads
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         **gqa)
     return out.transpose(1, 2)  # back to (batch, seqlen, heads, headdim), like dout
 
 
@@ -202,6 +204,29 @@ def _upstream() -> Implementation:
     return Implementation("upstream", unavailable, run, decode=decode)
 
 
+# What each implementation is, in the rows ("what"): the baselines named for what they run.
+WHAT = {
+    "flash_attn[aot]": "flash_attn: Triton kernels compiled ahead of time, launched by the op library",
+    "flash_attn[triton]": "flash_attn: the same Triton kernels, JIT-compiled",
+    "flash_attn[reference]": "flash_attn: exact PyTorch reference",
+    "sdpa[flash]": "PyTorch SDPA flash (vendored FA2)",
+    "sdpa[efficient]": "PyTorch SDPA memory-efficient",
+    "sdpa[cudnn]": "PyTorch SDPA cuDNN",
+    "sdpa[math]": "PyTorch SDPA math (unfused)",
+    "upstream": "flash-attn 2 CUDA extension (flash_attn_2_cuda)",
+}
+
+# Shapes the launch configs were not tuned on (the table is 1k/4k/16k tokens, hidden 2048, heads of
+# q and k/v equal): (seqlen, batch, heads, kv_heads, headdim) at head dim 128, by `--held-out`
+HELD_OUT = (
+    (2048, 8, 16, 16, 128), (8192, 2, 16, 16, 128),
+    (3001, 4, 16, 16, 128),  # an odd length: partial tiles at every level
+    (4096, 4, 32, 4, 128),  # GQA 8:1
+    (4096, 4, 32, 32, 128), (4096, 4, 40, 40, 128),  # heads x head dim 4096 and 5120
+    (32768, 1, 16, 16, 128),  # batch 1, a long sequence
+)
+
+
 def implementations(names) -> list[Implementation]:
     makers = {
         "flash_attn[aot]": lambda: _ours("aot"),
@@ -261,6 +286,13 @@ def cases(config: dict) -> list[dict]:
                             "batch": max(1, config["total_tokens"] // seqlen), "heads": max(1, config["hidden"] // headdim),
                             "pass": "fwd_bwd" if backward else "fwd",
                         })
+    for seqlen, batch, heads, kv_heads, headdim in HELD_OUT if config.get("held_out") else ():
+        for dtype in config["dtypes"]:
+            for causal in config["causal"]:
+                for backward in config["backward"]:
+                    out.append({"dtype": dtype, "headdim": headdim, "causal": causal, "seqlen": seqlen, "batch": batch,
+                                "heads": heads, "kv_heads": kv_heads, "pass": "fwd_bwd" if backward else "fwd",
+                                "held_out": True})
     return out
 
 
@@ -339,14 +371,16 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
         dtype = _torch_dtype(case["dtype"])
         backward = case["pass"] == "fwd_bwd"
         shape = (case["batch"], case["seqlen"], case["heads"], case["headdim"])
+        kv_shape = shape[:2] + (case.get("kv_heads", case["heads"]), case["headdim"])
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(backward) for _ in range(3))
+        q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=g).requires_grad_(backward)
+                   for s in (shape, kv_shape, kv_shape))
         dout = torch.randn(shape, device=device, dtype=dtype, generator=g) if backward else None
         flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"], case["headdim"],
                                 case["causal"], backward)
         expected = _once(lambda: reference(q, k, v, dout, case["causal"]))
         for impl in impls:
-            row = dict(case, impl=impl.name)
+            row = dict(case, impl=impl.name, what=WHAT.get(impl.name))
             _check_row(row, impl, reasons[impl.name], q, k, v, dout, case, expected)
             if row.get("status") == "error":  # a wrong result is not timed
                 emit(row)
@@ -480,6 +514,13 @@ def reference(q, k, v, dout, causal: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
     batch, seqlen_q, heads, _ = q.shape
+    group = heads // k.shape[2]
+    if group > 1:  # GQA: each k/v head repeated for its group of q heads, its gradient the group's sum
+        out, grads = reference(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout, causal)
+        if grads is None:
+            return out, None
+        fold = lambda g: g.reshape(*g.shape[:2], k.shape[2], group, g.shape[3]).sum(3)  # noqa: E731
+        return out, (grads[0], fold(grads[1]), fold(grads[2]))
     step = max(1, REFERENCE_SCORES // (seqlen_q * k.shape[1]))
 
     def slices(t):  # (batch, seqlen, heads, headdim) -> (batch * heads, seqlen, 1, headdim) in float32
@@ -634,8 +675,9 @@ def _progress_line(row: dict) -> str:
             return f"{head} {row['status']}: {row.get('note', '')}"
         pct = f" ({row['bw_pct']:.0f} % of measured)" if row.get("bw_pct") is not None else ""
         return f"{head} {row['time_ms']:9.3f} ms {row['gbps']:7.0f} GB/s{pct}"
+    heads = f" h={row['heads']}/{row['kv_heads']} b={row['batch']}" if row.get("held_out") else ""
     head = (f"  {row['dtype']} d={row['headdim']:<3} {'causal' if row['causal'] else 'full':<6} {row['pass']:<7} "
-            f"s={row['seqlen']:<6} {row['impl']:<20}")
+            f"s={row['seqlen']:<6}{heads} {row['impl']:<20}")
     if row.get("status") != "ok":
         return f"{head} {row['status']}: {row.get('note', '')}"
     return f"{head} {row['time_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
@@ -648,7 +690,8 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     plt = pyplot()
     if plt is None:
         return []
-    rows = [r for r in rows if r["pass"] in ("fwd", "fwd_bwd")]  # decode and the copy are in GB/s, not plotted
+    # decode and the copy are in GB/s, the held-out shapes each their own: not plotted
+    rows = [r for r in rows if r["pass"] in ("fwd", "fwd_bwd") and not r.get("held_out")]
     written = []
     for dtype in sorted({r["dtype"] for r in rows}):
         subset = [r for r in rows if r["dtype"] == dtype]
@@ -680,7 +723,7 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     return written
 
 
-COLUMNS = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
+COLUMNS = ("impl", "what", "held_out", "dtype", "headdim", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
            "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "check", "err_out", "err_grad",
            "status", "note")
 
@@ -720,7 +763,7 @@ def config_from_args(args, default_seqlens=()) -> dict:
         "causal": [False, True], "backward": [False, True], "impls": args.impls or list(DEFAULT_IMPLS),
         "total_tokens": args.total_tokens, "hidden": args.hidden,
         "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
-        "decode": None,
+        "decode": None, "held_out": bool(getattr(args, "held_out", False)),
     }
     if args.decode:
         config["decode"] = dict(DECODE_SHAPE, copy_bytes=COPY_BYTES,

@@ -268,6 +268,23 @@ def test_gpu_mode_checks_each_case_before_timing_it(monkeypatch):
     assert all("time_ms" not in r for r in ours) and len(timed) == 2  # only sdpa[math] was timed
 
 
+def test_gpu_held_out_shapes_are_checked_and_named(monkeypatch):
+    """``--held-out`` adds shapes the configs were not tuned on (tiny stand-ins here: an odd length
+    and GQA 4:1), each checked against the reference (GQA: k/v heads repeated for it) and timed;
+    every row names what the implementation is."""
+    monkeypatch.setattr(gpu, "HELD_OUT", ((37, 2, 4, 4, 16), (24, 1, 8, 2, 16)))
+    config = _gpu_config(seqlens=[32], headdims=[32], causal=[True], impls=["flash_attn[reference]", "sdpa[math]"],
+                         held_out=True)
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:])
+    held = [r for r in rows if r.get("held_out")]
+    assert [(r["seqlen"], r["heads"], r["kv_heads"], r["pass"]) for r in held[::2]] == [
+        (37, 4, 4, "fwd"), (37, 4, 4, "fwd_bwd"), (24, 8, 2, "fwd"), (24, 8, 2, "fwd_bwd")]
+    for r in rows:
+        assert r["status"] == "ok" and r["check"] == "ok" and r["err_out"] < 1e-5, r
+    assert {r["what"] for r in rows} == {gpu.WHAT["flash_attn[reference]"], "PyTorch SDPA math (unfused)"}
+    assert gpu.WHAT["sdpa[flash]"] == "PyTorch SDPA flash (vendored FA2)"
+
+
 def test_gpu_reference_is_chunked_without_changing_the_answer(monkeypatch):
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 24, 3, 8, generator=g) for _ in range(4))
