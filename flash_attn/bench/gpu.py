@@ -14,6 +14,9 @@ errors (relative to the reference's largest magnitude) go into the row's ``err_o
 and ``check``; a result of this package beyond :data:`CHECK_TOLERANCE` is an ``error`` row and is
 not timed.
 
+Every timed row also has the host's CPU time per call (``host_ms``) and ``host_bound`` where the
+event time is mostly the host's (:data:`HOST_BOUND_SHARE`).
+
 Rows are written as they are measured (``bench-gpu.jsonl`` and ``bench-gpu.csv``), so a run cut
 short keeps what it measured. A row of this package's backends that crashed, or that another
 backend ran (:func:`flash_attn.dispatch.last_backend`), is an ``error`` and makes the command exit
@@ -587,6 +590,25 @@ def _check_row(row: dict, impl: Implementation, reason: Optional[str], q, k, v, 
                                         f"(relative; tolerance {CHECK_TOLERANCE[case['dtype']]})")
 
 
+# Host CPU time per call (`host_ms`): this many calls back to back, without synchronising between
+# them. The event timer's span of one call includes the GPU's idle gaps while the host prepares the
+# next launch, so a host-bound call shows an event time close to its host time, never far below:
+# such a row (host time at least this share of the event time) is flagged `host_bound`: its time is
+# the host's, not the kernels'.
+HOST_CALLS = 10
+HOST_BOUND_SHARE = 0.8
+
+
+def host_ms(call: Callable[[], None], device) -> float:
+    """The process's CPU time per call of ``call`` in milliseconds (:data:`HOST_CALLS` calls)."""
+    import torch  # noqa: PLC0415
+
+    from flash_attn.bench.overhead import host_and_gpu  # noqa: PLC0415
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return host_and_gpu(call, HOST_CALLS, sync)["host_us"] / 1e3
+
+
 def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device) -> None:
     """Time ``call`` under ``impl``'s context into ``row`` (status, times or note)."""
     import torch  # noqa: PLC0415
@@ -601,7 +623,9 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
     try:
         with impl.context():
             times = timer(call, config["warmup"], config["repeats"])
-        row.update(summarize(times), status="ok")
+            host = host_ms(call, device)
+        row.update(summarize(times), status="ok", host_ms=host)
+        row["host_bound"] = host >= HOST_BOUND_SHARE * row["time_ms"]
         elsewhere = _ran_elsewhere(impl, device.type)
         if elsewhere:
             row.update(status="error", note=elsewhere)
@@ -680,7 +704,8 @@ def _progress_line(row: dict) -> str:
             f"s={row['seqlen']:<6}{heads} {row['impl']:<20}")
     if row.get("status") != "ok":
         return f"{head} {row['status']}: {row.get('note', '')}"
-    return f"{head} {row['time_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+    bound = " (host-bound: the time is the host's)" if row.get("host_bound") else ""
+    return f"{head} {row['time_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s{bound}"
 
 
 def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
@@ -724,7 +749,7 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
 
 
 COLUMNS = ("impl", "what", "held_out", "dtype", "headdim", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
-           "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "check", "err_out", "err_grad",
+           "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "host_ms", "host_bound", "check", "err_out", "err_grad",
            "status", "note")
 
 

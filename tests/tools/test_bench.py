@@ -285,6 +285,20 @@ def test_gpu_held_out_shapes_are_checked_and_named(monkeypatch):
     assert gpu.WHAT["sdpa[flash]"] == "PyTorch SDPA flash (vendored FA2)"
 
 
+def test_gpu_rows_flag_a_time_that_is_the_hosts():
+    """Every timed row has the host's CPU time per call (``host_ms``); a row whose event time is
+    not clearly above it is flagged ``host_bound`` (stand-in timers: one far below any host time,
+    one far above)."""
+    config = _gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False],
+                         impls=["flash_attn[reference]", "sdpa[math]"])
+    for event_ms, bound in ((1e-6, True), (1e6, False)):
+        rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [event_ms])
+        assert len(rows) == 2
+        for r in rows:
+            assert r["status"] == "ok" and r["host_ms"] > 0 and r["host_bound"] is bound, r
+    assert "(host-bound" in gpu._progress_line(dict(rows[0], host_bound=True))
+
+
 def test_gpu_reference_is_chunked_without_changing_the_answer(monkeypatch):
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 24, 3, 8, generator=g) for _ in range(4))
