@@ -39,6 +39,7 @@ import torch
 
 from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.aot import archs, manifest as aot_manifest
+from flash_attn.bench.common import host_and_gpu
 from flash_attn.backends import aot
 from flash_attn.layers.rotary import apply_rotary_emb
 from flash_attn.planning import configs
@@ -395,28 +396,6 @@ def cuda_gpu_span(fn: Callable, calls: int, host_s: float) -> tuple[float, bool]
     queued = time.perf_counter() - queued
     end.synchronize()
     return start.elapsed_time(end), before.elapsed_time(start) >= queued * 1e3
-
-
-def host_and_gpu(fn: Callable, calls: int, sync: Callable[[], None], gpu_span=None) -> dict:
-    """One timed run of ``calls`` calls, per call: ``thread_us`` the calling thread's CPU time
-    (``time.thread_time``: no waiting counted), ``host_us`` the process's CPU time (every thread:
-    a CUDA backward runs in the autograd engine's device thread while the caller waits),
-    ``wall_us`` up to a device synchronisation after the last call, and ``gpu_us`` from
-    ``gpu_span(fn, calls, host_s)`` (:func:`cuda_gpu_span`; ``None`` without one) with its
-    ``gpu_covered``. The synchronisation (a spin) is outside the CPU-time windows."""
-    sync()
-    wall, host, thread = time.perf_counter(), time.process_time(), time.thread_time()
-    for _ in range(calls):
-        fn()
-    thread, host = time.thread_time() - thread, time.process_time() - host
-    sync()
-    wall = time.perf_counter() - wall
-    run = {"host_us": host / calls * 1e6, "thread_us": thread / calls * 1e6, "wall_us": wall / calls * 1e6,
-           "gpu_us": None, "gpu_covered": None}
-    if gpu_span is not None:
-        ms, covered = gpu_span(fn, calls, host)
-        run.update(gpu_us=ms * 1e3 / calls, gpu_covered=covered)
-    return run
 
 
 def device_rows(calls_by_impl: dict, calls: int, repeats: int, sync: Callable[[], None], gpu_span=None,
