@@ -96,33 +96,40 @@ def forward_body(
     return_softmax: bool,
     deterministic: bool,
     seed: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The ``flash_attn::forward`` op's body (also :mod:`flash_attn.lowlevel`'s forward, inside its
     own op). Returns ``(out, lse, s_dmask or an empty tensor, rng_state)``; see the backend contract.
 
     ``deterministic`` only matters to the backward; it is an input here so that autograd can
     hand it on. ``seed``: the dropout seed drawn by the caller (:func:`forward`), or ``None`` to
-    draw it here; ``rng_state`` is a copy of it.
+    draw it here; ``rng_state`` is a copy of it. ``qv``: MLA's absorbed queries (scores
+    ``scale * (q.k + qv.v)``); ``sinks``: fp32 ``(nheads,)`` attention sinks (lse includes them).
     """
     return _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                        softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, True, seed)
+                        softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, True, seed, qv,
+                        sinks)
 
 
 def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None):
+                 softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None,
+                 qv=None, sinks=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
     else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls)."""
     varlen = None if cu_seqlens_q is None else \
         varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
-        return _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax)
+        return _forward_without_keys(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax, sinks)
     if seed is None or dropout_p == 0.0:
         rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
     else:
         rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
     params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
     out, lse, s_dmask = dispatch.run(
-        "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax
+        "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax,
+        **extras,
     )
     if s_dmask is None:
         s_dmask = _empty_softmax(q) if fresh else placeholder(torch.float32, q.device, (0,))
@@ -139,18 +146,24 @@ def _nothing_to_attend(q: Tensor, k: Tensor, varlen: Optional[VarlenLayout]) -> 
     return q.numel() == 0 or (varlen is None and k.shape[1] == 0)
 
 
-def _forward_without_keys(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax):
-    """Rows that see no key: output 0 and logsumexp +inf (the fake shapes, filled in)."""
+def _forward_without_keys(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax, sinks=None):
+    """Rows that see no key: output 0 and logsumexp +inf, or the head's sink with sinks (the fake
+    shapes, filled in)."""
     out, lse, s_dmask, rng_state = _forward_fake(
-        q, k, None, cu_seqlens_q, None, None, None, max_seqlen_q, max_seqlen_k, 1.0, -1, -1, 0.0, 0.0,
+        q, k, v, cu_seqlens_q, None, None, None, max_seqlen_q, max_seqlen_k, 1.0, -1, -1, 0.0, 0.0,
         return_softmax, False,
     )
-    return out.zero_(), lse.fill_(float("inf")), s_dmask.zero_(), rng_state.zero_()
+    lse.fill_(float("inf"))
+    if sinks is not None and lse.numel():
+        per_head = torch.where(sinks == float("-inf"), float("inf"), sinks.to(torch.float32))
+        lse.copy_(per_head.view(-1, 1) if cu_seqlens_q is not None else per_head.view(1, -1, 1))
+    return out.zero_(), lse, s_dmask.zero_(), rng_state.zero_()
 
 
 @attention_forward.register_fake
 def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-      softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic, seed=None):
+      softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, deterministic, seed=None, qv=None,
+      sinks=None):
     batch, sq, sk = _batch_and_seqlens(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     nheads = q.shape[-2]
     if cu_seqlens_q is None:
@@ -162,7 +175,19 @@ def _forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes
     else:
         s_dmask = _empty_softmax(q)
     rng_state = q.new_empty((1,), dtype=torch.int64)
-    return q.new_empty(q.shape), lse, s_dmask, rng_state
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), lse, s_dmask, rng_state
+
+
+def sink_gradient(sinks: Tensor, lse: Tensor, delta: Tensor, packed: bool) -> Tensor:
+    """``d loss / d sinks``: each head's sum over its rows of ``-exp(sink - lse) * delta``.
+
+    A sink is a logit whose value vector is 0, so its share of the scores' gradient is
+    ``p_sink * (0 - delta)`` with ``p_sink = exp(sink - lse)`` (the forward's lse includes the
+    sink) and ``delta = rowsum(dout * out)``. lse/delta ``(b, h, sq)`` or, packed, ``(h, total)``;
+    the result in the sinks' dtype. Rows that saw nothing (lse +inf) add 0."""
+    sink = sinks.to(torch.float32).view(-1, 1) if packed else sinks.to(torch.float32).view(1, -1, 1)
+    per_row = torch.exp(sink - lse) * delta
+    return per_row.sum(dim=1 if packed else (0, 2)).neg().to(sinks.dtype)
 
 
 def _backward_body(
@@ -185,63 +210,81 @@ def _backward_body(
     dropout_p: float,
     rng_state: Tensor,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    qv: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dqv, dsinks)``; ``dqv``/``dsinks`` empty when the call has no qv / sinks."""
     varlen = None
     if cu_seqlens_q is not None:
         varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    dqv = q.new_empty((0,)) if qv is None else None
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else None
     if q.numel() == 0 or k.numel() == 0:
-        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        dqv = dqv if qv is None else qv.new_zeros(qv.shape)
+        dsinks = dsinks if sinks is None else sinks.new_zeros(sinks.shape)
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dqv, dsinks
     params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
-    dq, dk, dv = dispatch.run(
+    extras = {} if qv is None else dict(qv=qv)
+    grads = dispatch.run(
         "backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes,
-        deterministic=deterministic,
+        deterministic=deterministic, return_delta=sinks is not None, **extras,
     )
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    dq, dk, dv = grads[:3]
+    if qv is not None:
+        dqv = grads[3].contiguous()
+    if sinks is not None:
+        dsinks = sink_gradient(sinks, lse, grads[-1], varlen is not None)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dqv, dsinks
 
 
 attention_backward = torch.library.custom_op("flash_attn::backward", mutates_args=())(_backward_body)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+      softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, deterministic, qv=None, sinks=None):
+    dqv = q.new_empty((0,)) if qv is None else qv.new_empty(qv.shape)
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dqv, dsinks
 
 
-# Positions of the forward inputs that the backward needs besides q, k, v.
+# The forward op's inputs, in order (the autograd formula returns one gradient per input).
 _FORWARD_INPUTS = (
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "block_table", "alibi_slopes", "max_seqlen_q",
     "max_seqlen_k", "softmax_scale", "window_left", "window_right", "softcap", "dropout_p",
-    "return_softmax", "deterministic",
+    "return_softmax", "deterministic", "seed", "qv", "sinks",
 )
 
 
 def _setup_context(ctx, inputs, output):
-    # inputs in _FORWARD_INPUTS' order (the op's own inputs end with the seed, not needed here)
+    # inputs in _FORWARD_INPUTS' order (the seed not needed here)
     (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
-     window_left, window_right, softcap, dropout_p, _, deterministic) = inputs[:len(_FORWARD_INPUTS)]
+     window_left, window_right, softcap, dropout_p, _, deterministic, _, qv, sinks) = inputs
     out, lse, _, rng_state = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state, qv,
+                          sinks)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p)
     ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, *unused_grads):
-    q, k, v, out, lse, cu_q, cu_k, block_table, alibi, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, block_table, alibi, rng_state, qv, sinks = ctx.saved_tensors
     max_sq, max_sk, scale, left, right, softcap, dropout_p = ctx.scalars
-    op = _backward_body if direct_call_ok((dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi)) \
+    op = _backward_body if direct_call_ok((dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, qv, sinks)) \
         else attention_backward
-    dq, dk, dv = op(
+    dq, dk, dv, dqv, dsinks = op(
         dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left,
-        right, softcap, dropout_p, rng_state, ctx.deterministic,
+        right, softcap, dropout_p, rng_state, ctx.deterministic, qv, sinks,
     )
-    return (dq, dk, dv) + (None,) * (len(_FORWARD_INPUTS) - 3)
+    # one gradient per _FORWARD_INPUTS: q, k, v, none for the metadata and scalars, qv, sinks
+    return (dq, dk, dv, *_NO_GRADS, dqv if qv is not None else None, dsinks if sinks is not None else None)
 
 
-def _op_backward(ctx, dout, *unused_grads):
-    return _backward(ctx, dout) + (None,)  # and none for the op's last input, the seed
+_NO_GRADS = (None,) * (len(_FORWARD_INPUTS) - 5)
+assert _FORWARD_INPUTS[:3] == ("q", "k", "v") and _FORWARD_INPUTS[-2:] == ("qv", "sinks")
 
 
-attention_forward.register_autograd(_op_backward, setup_context=_setup_context)
+attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _kvcache_body(
@@ -263,6 +306,8 @@ def _kvcache_body(
     softcap: float,
     rotary_interleaved: bool,
     num_splits: int,
+    qv: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     if _checks_values(q):
         _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
@@ -273,7 +318,8 @@ def _kvcache_body(
         k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits,
     )
-    out, lse = dispatch.run("forward_kvcache", q.device, q, params, cache, alibi_slopes=alibi_slopes)
+    extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
+    out, lse = dispatch.run("forward_kvcache", q.device, q, params, cache, alibi_slopes=alibi_slopes, **extras)
     return out.contiguous(), lse.contiguous()
 
 
@@ -284,7 +330,7 @@ attention_forward_kvcache = torch.library.custom_op("flash_attn::forward_kvcache
 @attention_forward_kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, *args):
     batch, sq, nheads, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, sq), dtype=torch.float32)
+    return q.new_empty((batch, sq, nheads, v_cache.shape[-1])), q.new_empty((batch, nheads, sq), dtype=torch.float32)
 
 
 def _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos) -> None:
@@ -347,33 +393,35 @@ def direct_call_ok(tensors) -> bool:
 class _Attention(torch.autograd.Function):
     """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls.
 
-    Its inputs are the op's tensors and one tuple of its scalars, its one output ``out``: the
-    non-differentiable results (lse, S_dmask, rng_state) leave through ``extra``, a list the
-    caller passes, not as outputs autograd would wrap and mark (each input and output costs the
-    autograd machinery about a microsecond per call)."""
+    Its inputs are the op's tensors (qv and sinks after the first seven) and one tuple of its
+    scalars, its one output ``out``: the non-differentiable results (lse, S_dmask, rng_state)
+    leave through ``extra``, a list the caller passes, not as outputs autograd would wrap and
+    mark (each input and output costs the autograd machinery about a microsecond per call)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, scalars, extra):
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, qv, sinks, scalars, extra):
         tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
         # not an op's outputs: the unused rng_state/S_dmask may be shared placeholders
-        output = _forward_run(*tensors, *scalars[:-1], False)
-        _setup_context(ctx, (*tensors, *scalars), output)
+        output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks)
+        _setup_context(ctx, (*tensors, *scalars, None, qv, sinks), output)
         extra.extend(output[1:])
         return output[0]
 
     @staticmethod
     def backward(ctx, dout):
-        return _backward(ctx, dout)[:7] + (None, None)
+        grads = _backward(ctx, dout)  # the op's: the op's 7 tensors first, qv and sinks last
+        return (*grads[:7], *grads[-2:], None, None)
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars):
-    """``flash_attn::forward`` (arguments as the op's): through the op, or in eager calls
-    (:func:`eager_call`) the backend's own route when it takes the call
-    (:func:`flash_attn.dispatch.run_direct`), else the op's body directly, with autograd's record
-    where needed."""
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars, qv=None, sinks=None):
+    """``flash_attn::forward`` (arguments as the op's, ``qv`` and ``sinks`` by keyword): through the
+    op, or in eager calls (:func:`eager_call`) the backend's own route when it takes the call
+    (:func:`flash_attn.dispatch.run_direct`; calls without qv and sinks), else the op's body
+    directly, with autograd's record where needed."""
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
-    record = eager_call(tensors)
-    if record is not None:
+    record = eager_call((*tensors, qv, sinks))
+    plain = qv is None and sinks is None
+    if record is not None and plain:
         direct = dispatch.run_direct("forward", q.device, *tensors, *scalars)
         if direct is not None:
             return direct
@@ -384,17 +432,17 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
         # op does not help in torch 2.13).
         dropout_p = scalars[_FORWARD_INPUTS.index("dropout_p") - len(tensors)]
         seed = _draw_dropout_seed(dropout_p, q.device) if dropout_p != 0.0 else None
-        return attention_forward(*tensors, *scalars, seed)
+        return attention_forward(*tensors, *scalars, seed, qv, sinks)
     if record:
         extra: list = []
-        return (_Attention.apply(*tensors, scalars, extra), *extra)
-    return _forward_run(*tensors, *scalars[:-1], False)
+        return (_Attention.apply(*tensors, qv, sinks, scalars, extra), *extra)
+    return _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks)
 
 
 def forward_kvcache(q, k_cache, v_cache, *args):
     """``flash_attn::forward_kvcache`` (arguments as the op's), directly when :func:`direct_call_ok`;
     then the caches' version counters are bumped here, as the op's registration does."""
-    tensors = (q, k_cache, v_cache, *args[:9])
+    tensors = (q, k_cache, v_cache, *args[:9], *args[15:])  # the tensors: before the scalars, then qv, sinks
     if not direct_call_ok(tensors):
         return attention_forward_kvcache(q, k_cache, v_cache, *args)
     result = _kvcache_body(q, k_cache, v_cache, *args)

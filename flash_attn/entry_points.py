@@ -34,8 +34,9 @@ def _no_generator(gen) -> None:
     """Checked first, before any other argument, as upstream's TORCH_CHECK is."""
     if gen is not None:
         raise RuntimeError(
-            "flash-attn: the RNG `generator` argument (unused_generator_compat) is no longer supported and must be "
-            "None; dropout (when enabled) uses the default generator (seed it with torch.manual_seed)."
+            "flash-attn: the RNG `generator` argument is no longer supported and must be None "
+            "(unused_generator_compat); dropout (when enabled) uses the default generator (seed it with "
+            "torch.manual_seed)."
         )
 
 

@@ -30,6 +30,23 @@ logsumexp +inf.
 MQA/GQA: k/v may have fewer heads than q (nheads % nheads_k == 0); query head ``h`` uses
 key/value head ``h // (nheads // nheads_k)``.
 
+Head dims: q and k share one (``headdim``), v may have its own (``headdim_v``, e.g. 192/128 for
+DeepSeek's MLA training), and the output has v's; each between 1 and 512.
+
+Beyond flash-attn 2.8, keyword-only at the end of the calls:
+
+* ``learnable_sink`` (FlashAttention-4's name; every function): an optional float32 tensor
+  ``(nheads,)``, one attention-sink logit per query head (gpt-oss). It joins every row's softmax
+  denominator with no value: ``P[i, j] = exp(s[i, j]) / (exp(sink) + sum_j' exp(s[i, j']))``, so the
+  rows' probabilities sum to less than 1 and the logsumexp includes the sink (a row that sees no
+  key: output 0, logsumexp ``sink``). It is not scaled, softcapped or biased; gradients flow into it
+  when it requires grad. A sink of ``-inf`` is no sink.
+* ``qv`` (FlashAttention-3's name; :func:`flash_attn_func`, :func:`flash_attn_varlen_func`,
+  :func:`flash_attn_with_kvcache`): MLA's absorbed queries, shaped like q with v's head dim:
+  scores become ``softmax_scale * (q . k + qv . v)``, and the default softmax scale
+  ``(headdim + headdim_v) ** -0.5`` (MLA decoding: q of 64 with qv of 512 against a 512-wide
+  latent cache as v). Gradients flow into qv too.
+
 Upstream's low-level API is importable from here too, for code that combines attention blocks
 itself (context parallelism): ``_flash_attn_forward``, ``_flash_attn_varlen_forward``,
 ``_flash_attn_backward``, ``_flash_attn_varlen_backward`` (:mod:`flash_attn.lowlevel`) and the
@@ -62,11 +79,13 @@ __all__ = [
 ]
 
 
-def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-             batch, nheads, headdim, device) -> tuple:
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink, deterministic,
+             return_attn_probs, batch, nheads, headdim, device) -> tuple:
     """The scalar options checked and normalised: ``(softmax_scale, window_left, window_right,
-    softcap, dropout_p, return_attn_probs, deterministic)``."""
+    softcap, dropout_p, return_attn_probs, deterministic)``; ``headdim``: the features the default
+    scale counts (q's, plus qv's when given)."""
     window_size = validation.check_options(dropout_p, softcap, window_size, alibi_slopes, batch, nheads, device)
+    validation.check_sinks(learnable_sink, nheads, device)
     left, right = validation.causal_window(validation.check_flag(causal, "causal"), window_size)
     scale = validation.softmax_scale(softmax_scale, headdim)
     return_attn_probs = validation.check_flag(return_attn_probs, "return_attn_probs")
@@ -74,25 +93,33 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
             validation.check_flag(deterministic, "deterministic"))
 
 
-def _dense_checks(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                  return_attn_probs) -> tuple:
+def _dense_checks(q, k, v, qv, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
+                  deterministic, return_attn_probs) -> tuple:
     validation.check_dense_qkv(q, k, v)
-    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                    return_attn_probs, q.shape[0], q.shape[-2], q.shape[-1], q.device)
+    validation.check_qv(qv, q, v.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
+    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
+                    deterministic, return_attn_probs, q.shape[0], q.shape[-2], _scaled_features(q, qv), q.device)
 
 
-def _varlen_options(alibi_slopes, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                    return_attn_probs, batch, nheads, headdim, device) -> tuple:
-    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                    return_attn_probs, batch, nheads, headdim, device)
+def _varlen_options(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
+                    deterministic, return_attn_probs, batch, nheads, headdim, device) -> tuple:
+    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
+                    deterministic, return_attn_probs, batch, nheads, headdim, device)
 
 
-def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, options):
+def _scaled_features(q, qv) -> int:
+    """The features the default softmax scale counts: q's, and qv's (``q.k + qv.v``)."""
+    return q.shape[-1] + (0 if qv is None else qv.shape[-1])
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, options,
+               qv, learnable_sink):
     """Shared tail of the dense and varlen functions (inputs checked, ``options`` from :func:`_options`)."""
     scale, left, right, softcap, dropout_p, return_attn_probs, deterministic = options
     out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p, return_attn_probs, deterministic,
+        qv=qv, sinks=learnable_sink,
     )
     return (out, lse, s_dmask) if return_attn_probs else out
 
@@ -109,12 +136,16 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    qv=None,
+    learnable_sink=None,
 ):
     """Exact attention over a padded batch.
 
     Arguments:
         q: ``(batch, seqlen_q, nheads, headdim)``, float16/bfloat16/float32.
-        k, v: ``(batch, seqlen_k, nheads_k, headdim)``, same dtype and device as q.
+        k: ``(batch, seqlen_k, nheads_k, headdim)``, v: ``(batch, seqlen_k, nheads_k, headdim_v)``,
+            same dtype and device as q.
         dropout_p: probability of dropping an attention weight (use 0.0 in evaluation). The mask
             is drawn from PyTorch's RNG: ``torch.manual_seed`` makes it reproducible, and the
             backward uses the very mask of its forward.
@@ -127,17 +158,21 @@ def flash_attn_func(
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the score of query i and key j.
         deterministic: make the backward bit-reproducible run to run.
         return_attn_probs: also return the logsumexp and the attention probabilities (testing).
+        qv: keyword-only, optional ``(batch, seqlen_q, nheads, headdim_v)``: MLA's absorbed queries
+            (see the module docstring).
+        learnable_sink: keyword-only, optional float32 ``(nheads,)`` attention sinks (see the module
+            docstring).
 
     Returns:
-        out ``(batch, seqlen_q, nheads, headdim)``; with ``return_attn_probs`` also
+        out ``(batch, seqlen_q, nheads, headdim_v)``; with ``return_attn_probs`` also
         softmax_lse float32 ``(batch, nheads, seqlen_q)`` (natural log of the softmax denominator
         of the scaled scores) and S_dmask float32 ``(batch, nheads, seqlen_q, seqlen_k)``: the
         softmax probabilities, negative where dropout dropped the entry.
     """
-    options = validation.checked("flash_attn_func", (q, k, v, alibi_slopes),
+    options = validation.checked("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink),
                                  (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                                   return_attn_probs), _dense_checks)
-    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options)
+    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(
@@ -150,6 +185,8 @@ def flash_attn_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """:func:`flash_attn_func` with q, k, v stacked: qkv ``(batch, seqlen, 3, nheads, headdim)``.
 
@@ -158,7 +195,7 @@ def flash_attn_qkvpacked_func(
     _check_packed(qkv, "qkv", 5, 3, "(batch, seqlen, 3, nheads, headdim)")
     q, k, v = qkv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_kvpacked_func(
@@ -172,13 +209,15 @@ def flash_attn_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """:func:`flash_attn_func` with k, v stacked: kv ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
     _check_packed(kv, "kv", 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     _check_packed_with_q(q, kv)
     k, v = kv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                           alibi_slopes, deterministic, return_attn_probs)
+                           alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_func(
@@ -198,35 +237,42 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    qv=None,
+    learnable_sink=None,
 ):
     """Exact attention over sequences of different lengths packed without padding.
 
     Arguments:
         q: ``(total_q, nheads, headdim)``: the queries of all sequences, one after another.
-        k, v: ``(total_k, nheads_k, headdim)``; or, with ``block_table`` (paged KV),
-            ``(num_blocks, page_block_size, nheads_k, headdim)``.
+        k, v: ``(total_k, nheads_k, headdim)`` and ``(total_k, nheads_k, headdim_v)``; or, with
+            ``block_table`` (paged KV), ``(num_blocks, page_block_size, nheads_k, headdim / headdim_v)``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` cumulative lengths starting at 0:
             sequence ``b`` owns rows ``cu[b]:cu[b+1]``. Zero-length sequences are allowed.
         max_seqlen_q, max_seqlen_k: int, at least the longest sequence.
         block_table: optional int32 ``(batch, max_pages_per_seq)``: the pages holding sequence
             ``b``'s keys and values, in order.
+        qv: keyword-only, optional ``(total_q, nheads, headdim_v)``: MLA's absorbed queries.
+        learnable_sink: keyword-only, optional float32 ``(nheads,)`` attention sinks.
         The other arguments as in :func:`flash_attn_func`; masks and ALiBi use each sequence's
         own lengths.
 
     Returns:
-        out ``(total_q, nheads, headdim)``; with ``return_attn_probs`` also softmax_lse float32
+        out ``(total_q, nheads, headdim_v)``; with ``return_attn_probs`` also softmax_lse float32
         ``(nheads, total_q)`` and S_dmask float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)``.
     """
     max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
                                                                exact=bool(return_attn_probs))
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    validation.check_qv(qv, q, v.shape[-1], "(total_q, nheads, headdim_v)")
     # the tensors' shapes change with every packed batch: only the options are checked once per signature
-    options = validation.checked("varlen options", (alibi_slopes,),
+    options = validation.checked("varlen options", (alibi_slopes, learnable_sink),
                                  (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                  return_attn_probs, cu_seqlens_q.shape[0] - 1, q.shape[-2], q.shape[-1], q.device),
+                                  return_attn_probs, cu_seqlens_q.shape[0] - 1, q.shape[-2], _scaled_features(q, qv),
+                                  q.device),
                                  _varlen_options)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-                      options)
+                      options, qv, learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -241,6 +287,8 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """:func:`flash_attn_varlen_func` with qkv ``(total, 3, nheads, headdim)`` and one set of
     ``cu_seqlens``/``max_seqlen`` for queries and keys."""
@@ -248,7 +296,7 @@ def flash_attn_varlen_qkvpacked_func(
     q, k, v = qkv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs)
+                                  deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -266,6 +314,8 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    learnable_sink=None,
 ):
     """:func:`flash_attn_varlen_func` with kv ``(total_k, 2, nheads_k, headdim)``."""
     _check_packed(kv, "kv", 4, 2, "(total_k, 2, nheads_k, headdim)")
@@ -273,7 +323,7 @@ def flash_attn_varlen_kvpacked_func(
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
-                                  alibi_slopes, deterministic, return_attn_probs)
+                                  alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink)
 
 
 def _check_packed_with_q(q, kv) -> None:
@@ -309,6 +359,9 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    qv=None,
+    learnable_sink=None,
 ):
     """Attention for incremental decoding against a key/value cache (no backward).
 
@@ -318,9 +371,10 @@ def flash_attn_with_kvcache(
 
     Arguments:
         q: ``(batch, seqlen_q, nheads, headdim)``.
-        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, headdim)``, or with
-            ``block_table`` a page pool ``(num_blocks, page_block_size, nheads_k, headdim)``.
-        k, v: optional ``(batch, seqlen_new, nheads_k, headdim)``, the new tokens.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_k, headdim)`` and ``(..., headdim_v)``,
+            or with ``block_table`` page pools ``(num_blocks, page_block_size, nheads_k, headdim)``
+            and ``(..., headdim_v)``.
+        k, v: optional ``(batch, seqlen_new, nheads_k, headdim / headdim_v)``, the new tokens.
         rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)``; rotate the new k at
             positions ``cache_seqlens[b] + t``, and q at the same positions when causal or local,
             otherwise every q row at position ``cache_seqlens[b]``.
@@ -335,12 +389,17 @@ def flash_attn_with_kvcache(
         num_splits: how many key splits a GPU kernel may use (0 = heuristic); never changes the
             result.
         return_softmax_lse: also return the logsumexp ``(batch, nheads, seqlen_q)``.
+        qv: keyword-only, optional ``(batch, seqlen_q, nheads, headdim_v)``: MLA's absorbed queries,
+            scored against the v cache (not rotated). MLA decoding as FlashAttention-3 spells it: q
+            of head dim 64, qv of 512, k_cache of 64 and the latent cache of 512 as v_cache.
+        learnable_sink: keyword-only, optional float32 ``(nheads,)`` attention sinks (counted once per
+            row, whatever the number of key splits).
         The other arguments as in :func:`flash_attn_func`.
 
     Returns:
-        out ``(batch, seqlen_q, nheads, headdim)``, and softmax_lse if requested.
+        out ``(batch, seqlen_q, nheads, headdim_v)``, and softmax_lse if requested.
     """
     out, lse = kvcache.forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                               rotary_interleaved, alibi_slopes, num_splits)
+                               rotary_interleaved, alibi_slopes, num_splits, qv=qv, sinks=learnable_sink)
     return (out, lse) if validation.check_flag(return_softmax_lse, "return_softmax_lse") else out

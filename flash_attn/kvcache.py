@@ -10,12 +10,14 @@ from flash_attn.params import cache_capacity
 
 
 def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits):
-    """``(out, lse)`` of :func:`flash_attn.flash_attn_with_kvcache` (same arguments)."""
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            qv=None, sinks=None):
+    """``(out, lse)`` of :func:`flash_attn.flash_attn_with_kvcache` (same arguments; ``sinks`` is
+    its ``learnable_sink``)."""
     scale, left, right, softcap, rotary_interleaved, num_splits = validation.checked(
         "flash_attn_with_kvcache",
         (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-         alibi_slopes),
+         alibi_slopes, qv, sinks),
         (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits), _checks)
     if not isinstance(cache_seqlens, torch.Tensor):  # None (the whole cache) or one int for every sequence
         cache_seqlens = torch.full((q.shape[0],), cache_capacity(k_cache, block_table) if cache_seqlens is None
@@ -23,17 +25,23 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     return custom_ops.forward_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, rotary_cos, rotary_sin, alibi_slopes, scale, left, right, softcap, rotary_interleaved, num_splits,
+        qv, sinks,
     )
 
 
 def _checks(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-            block_table, alibi_slopes, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits):
+            block_table, alibi_slopes, qv, sinks, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+            num_splits):
     """The metadata checks; returns the normalised ``(softmax_scale, window_left, window_right, softcap,
     rotary_interleaved, num_splits)``."""
     q, k_new, v_new, cache_seqlens = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     batch, _, nheads, headdim = q.shape
     _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits)
     window_size = validation.check_options(0.0, softcap, window_size, alibi_slopes, batch, nheads, q.device)
+    validation.check_qv(qv, q, v_cache.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
+    validation.check_sinks(sinks, nheads, q.device)
+    if qv is not None:
+        headdim += qv.shape[-1]  # the default scale counts both products' features
     # like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
     # rotated as a local/causal block or at one position)
     causal = validation.check_flag(causal, "causal")
@@ -47,7 +55,7 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
     validation.check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     cache_layout = "(num_blocks, page_block_size, nheads_k, headdim)" if block_table is not None else "(batch_cache, seqlen_cache, nheads_k, headdim)"
     validation.check_tensor(k_cache, "k_cache", 4, cache_layout)
-    validation.check_tensor(v_cache, "v_cache", 4, cache_layout)
+    validation.check_tensor(v_cache, "v_cache", 4, cache_layout.replace("headdim)", "headdim_v)"))
     validation.check_same(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must agree except in headdim, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -57,11 +65,13 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
         raise ValueError("k and v must be given together (or both None)")
     if k is not None:
         validation.check_tensor(k, "k", 4, "(batch, seqlen_new, nheads_k, headdim)")
-        validation.check_tensor(v, "v", 4, "(batch, seqlen_new, nheads_k, headdim)")
+        validation.check_tensor(v, "v", 4, "(batch, seqlen_new, nheads_k, headdim_v)")
         validation.check_same(("q", q), ("k", k), ("v", v))
-        expected = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
-        if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"k and v must have shape {expected} (batch, seqlen_new, nheads_k, headdim), got {tuple(k.shape)} and {tuple(v.shape)}")
+        expected_k = (batch, k.shape[1]) + tuple(k_cache.shape[2:])
+        expected_v = (batch, k.shape[1]) + tuple(v_cache.shape[2:])
+        if tuple(k.shape) != expected_k or tuple(v.shape) != expected_v:
+            raise ValueError(f"k and v must have shapes {expected_k} and {expected_v} (batch, seqlen_new, nheads_k, "
+                             f"headdim / headdim_v of the caches), got {tuple(k.shape)} and {tuple(v.shape)}")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when new k/v are appended to the cache")
     if block_table is not None:

@@ -14,6 +14,11 @@ of the package's own ``flash_attn::forward`` op (:mod:`flash_attn.custom_ops`), 
 backend contract (:mod:`flash_attn.backends`) directly, which writes the caller's gradients in
 place and hands back the kernels' Delta for ``softmax_d``.
 
+V may have its own head dim (``headdim_v``), with FlashAttention-3's shapes: ``out`` and ``dout``
+have v's head dim, ``dv`` v's shape. FlashAttention-3's low-level forward also takes ``qv`` (MLA) and
+neither has attention sinks; these are FlashAttention-2's functions, which take neither (the public
+functions do: ``qv``, ``learnable_sink``).
+
 Where this package's outputs differ from upstream's (the same as for ``flash_attn_func``):
 ``S_dmask`` is fp32 ``(batch, nheads, seqlen_q, seqlen_k)`` and returned whenever asked for;
 ``rng_state`` is an int64 ``(1,)`` tensor on q's device holding the dropout seed, drawn there
@@ -144,7 +149,8 @@ def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_r
     _same_device(q, k=k, v=v, alibi_slopes=alibi_slopes)
     batch, seqlen_q, nheads, _ = q.shape
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return q.new_empty(q.shape), lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng(q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng(q)
 
 
 def _fake_s_dmask(q, return_softmax, batch, seqlen_q, seqlen_k):
@@ -262,7 +268,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
     batch = cu_seqlens_q.shape[0] - 1
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     s_dmask = _fake_s_dmask(q, return_softmax, batch, max_seqlen_q, max_seqlen_k)
-    return q.new_empty(q.shape), lse, s_dmask, _fake_rng(q)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), lse, s_dmask, _fake_rng(q)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,8 +277,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p
 
 
 def _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, lse_shape) -> None:
-    _check_like(dout, "dout", q.shape, q.dtype, q.device)
-    _check_like(out, "out", q.shape, q.dtype, q.device)
+    out_shape = (*q.shape[:-1], v.shape[-1])  # v's head dim (FlashAttention-3's shapes)
+    _check_like(dout, "dout", out_shape, q.dtype, q.device)
+    _check_like(out, "out", out_shape, q.dtype, q.device)
     _check_like(softmax_lse, "softmax_lse", lse_shape, torch.float32, q.device)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:

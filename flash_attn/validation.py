@@ -61,21 +61,25 @@ def check_same(*named: tuple[str, torch.Tensor]) -> None:
 
 
 def check_heads(q_heads: int, k_heads: int, q_dim: int, k_dim: int, v_dim: int) -> None:
+    """Head counts (MQA/GQA) and head dims: q and k share theirs, v (and so the output) may have its
+    own (``headdim_v``); each between 1 and :data:`~flash_attn.limits.MAX_HEADDIM`."""
     if q_heads == 0 or k_heads == 0:
         _fail(ValueError, f"nheads of q ({q_heads}) and of k/v ({k_heads}) must be at least 1")
     if q_heads % k_heads != 0:
         _fail(ValueError, f"nheads of q ({q_heads}) must be a multiple of nheads of k/v ({k_heads}) for MQA/GQA")
-    if q_dim != k_dim or k_dim != v_dim:
-        _fail(ValueError, f"headdim of q ({q_dim}), k ({k_dim}) and v ({v_dim}) must be equal")
+    if q_dim != k_dim:
+        _fail(ValueError, f"headdim of q ({q_dim}) and k ({k_dim}) must be equal (v may have its own, headdim_v)")
     if not 1 <= q_dim <= MAX_HEADDIM:
         _fail(ValueError, f"headdim must be between 1 and {MAX_HEADDIM}, got {q_dim}")
+    if not 1 <= v_dim <= MAX_HEADDIM:
+        _fail(ValueError, f"headdim_v (v's head dim) must be between 1 and {MAX_HEADDIM}, got {v_dim}")
 
 
 def check_dense_qkv(q, k, v) -> None:
-    """q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``."""
+    """q ``(b, sq, h, d)``, k ``(b, sk, hk, d)``, v ``(b, sk, hk, dv)``."""
     q_shape = check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     k_shape = check_tensor(k, "k", 4, "(batch, seqlen_k, nheads_k, headdim)")
-    v_shape = check_tensor(v, "v", 4, "(batch, seqlen_k, nheads_k, headdim)")
+    v_shape = check_tensor(v, "v", 4, "(batch, seqlen_k, nheads_k, headdim_v)")
     check_same(("q", q), ("k", k), ("v", v))
     if k_shape[:3] != v_shape[:3]:
         _fail(ValueError, f"k and v must agree in (batch, seqlen_k, nheads_k), got {tuple(k_shape)} and {tuple(v_shape)}")
@@ -146,14 +150,14 @@ def varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k, exact: boo
 
 
 def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) -> None:
-    """q ``(total_q, h, d)``; k/v ``(total_k, hk, d)`` or pages ``(blocks, page, hk, d)``."""
+    """q ``(total_q, h, d)``; k/v ``(total_k, hk, d / dv)`` or pages ``(blocks, page, hk, d / dv)``."""
     if block_table is not None and not _is_block_table(block_table):  # it decides k and v's layout
         _fail(TypeError, f"block_table must be an int32 tensor of shape (batch_size, max_num_blocks_per_seq), got "
                          f"{_describe(block_table)}")
     check_tensor(q, "q", 3, "(total_q, nheads, headdim)")
     kv_rank, kv_layout = (4, "(num_blocks, page_block_size, nheads_k, headdim)") if block_table is not None else (3, "(total_k, nheads_k, headdim)")
     check_tensor(k, "k", kv_rank, kv_layout)
-    check_tensor(v, "v", kv_rank, kv_layout)
+    check_tensor(v, "v", kv_rank, kv_layout.replace("headdim)", "headdim_v)"))
     check_same(("q", q), ("k", k), ("v", v))
     if k.shape[:-1] != v.shape[:-1]:
         _fail(ValueError, f"k and v must have the same shape except headdim, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -284,7 +288,7 @@ def check_softcap(softcap) -> float:
     """``softcap`` as a float: ``0`` or ``inf`` (both mean off), or a positive number; NaN and
     ``True`` are refused."""
     value = _real(softcap, "softcap", "a float (0 or inf = off)")
-    if math.isnan(value) or value < 0.0:
+    if not value >= 0.0:  # NaN too; comparisons only, which torch.compile traces (math.isnan it cannot)
         _fail(ValueError, f"softcap must be >= 0 (0 or inf disables it), got {softcap!r}")
     return value
 
@@ -301,11 +305,35 @@ def softcap_value(softcap, softmax_scale: float) -> float:
     return value
 
 
+def check_sinks(sinks, nheads: int, device) -> None:
+    """Attention sinks (``learnable_sink``): ``None`` or a float32 tensor ``(nheads,)`` on q's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32:
+        _fail(TypeError, f"learnable_sink must be a float32 tensor of shape ({nheads},) (one logit per query head), "
+                         f"got {_describe(sinks)}")
+    if tuple(sinks.shape) != (nheads,):
+        _fail(ValueError, f"learnable_sink must have shape ({nheads},) (one logit per query head), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        _fail(ValueError, f"learnable_sink is on {sinks.device} but q is on {device}")
+
+
+def check_qv(qv, q, head_dim_v: int, layout: str) -> None:
+    """MLA's absorbed queries: ``None`` or a tensor shaped like q with v's head dim, q's dtype and device."""
+    if qv is None:
+        return
+    expected = (*q.shape[:-1], head_dim_v)
+    check_tensor(qv, "qv", len(expected), layout)
+    if tuple(qv.shape) != expected:
+        _fail(ValueError, f"qv must have shape {layout} = {expected} (q's with v's head dim), got {tuple(qv.shape)}")
+    check_same(("q", q), ("qv", qv))
+
+
 def check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is None:
         return
     value = _real(softmax_scale, "softmax_scale", "a float or None")
-    if not math.isfinite(value):
+    if not abs(value) < math.inf:  # NaN and +-inf; comparisons only, as in check_softcap
         _fail(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
 
 

@@ -100,35 +100,56 @@ def kernel_function(kernel: str):
 
 
 def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config, family: str,
-                   features: bool = False, exact: bool = False) -> Spec:
+                   features: bool = False, exact: bool = False, block_dv: Optional[int] = None) -> Spec:
     """The ahead-of-time specialisation of one attention kernel for devices of ``family``: its
-    folded flags (or, ``exact``, those of its exact-call image), blocks and config."""
+    folded flags (or, ``exact``, those of its exact-call image), blocks (v's ``block_dv``, default
+    ``block_d``) and config."""
     decl = declarations.get(kernel)
     flags = decl.exact_constexprs() if exact else decl.aot_constexprs(features)
-    return Spec.of(kernel, dtype, {**flags, **decl.tile_constexprs(block_d, config, family)}, config)
+    return Spec.of(kernel, dtype, {**flags, **decl.tile_constexprs(block_d, config, family, block_dv)}, config)
+
+
+def head_dim_pairs(family: str, features: bool, block_ds: Sequence[int] = BLOCK_DS) -> list[tuple[int, int]]:
+    """The ``(BLOCK_D, BLOCK_DV)`` pairs of ``family``'s attention images (of the score-features
+    variant where ``features``): the square ones of the buckets it ships, then the declared pairs
+    (:func:`~flash_attn.planning.declarations.ships_head_dims`), within ``block_ds``."""
+    squares = [(d, d) for d in (FEATURE_BLOCK_DS if features else BLOCK_DS) if d in block_ds]
+    pairs = [pair for pair in declarations.HEAD_DIM_PAIR_IMAGES if pair[0] in block_ds]
+    return [pair for pair in squares + pairs if declarations.ships_head_dims(family, *pair, features)]
 
 
 def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
                     with_features: bool = True) -> list[Spec]:
     """The attention kernels' specialisations for devices of ``family``: per kernel, the lean
-    variant for every ``BLOCK_D`` and (forward, dK/dV, dQ) the score-features variant; each with
-    the launch config the planner picks for that family, head dim and variant. ``block_ds`` and
-    ``with_features`` narrow it (``bench tune`` builds one head dim's lean kernels)."""
+    variant for every head-dim pair (:func:`head_dim_pairs`) and (forward, dK/dV, dQ) the
+    score-features variant; each with the launch config the planner picks for that family, head
+    dims and variant. ``block_ds`` and ``with_features`` narrow it (``bench tune`` builds one head
+    dim's lean kernels)."""
+    return [spec for spec, _ in attention_launches(family, dtype, block_ds, with_features)]
+
+
+def attention_launches(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
+                       with_features: bool = True) -> list[tuple[Spec, configs.Config]]:
+    """:func:`attention_specs` with the launch config of each (its compiler options beyond
+    ``num_warps`` and ``num_stages``: :func:`flash_attn.planning.configs.compiler_options`)."""
     out = []
-    fused_block_ds = [d for d in block_ds if any(configs.fused_backward(d, family, f) for f in (False, True))]
+    block_ds = [d for d in block_ds if configs.refusal(d, family) is None]  # a bucket the family does not run
     for kernel in ATTENTION_KERNELS:
         decl = declarations.get(kernel)
         for features in (False, True) if decl.has_features and with_features else (False,):
-            for block_d in [d for d in FEATURE_BLOCK_DS if d in block_ds] if features else block_ds:
-                if kernel == "attn_bwd_dq_convert_kernel" and block_d not in fused_block_ds:
+            for block_d, block_dv in head_dim_pairs(family, features, block_ds):
+                widest = max(block_d, block_dv)
+                fused = any(configs.fused_backward(widest, family, f) for f in (False, True))
+                if kernel == "attn_bwd_dq_convert_kernel" and not fused:
                     continue  # only the fused backward needs it
-                config = configs.pick(decl.config_kind, block_d, family, features)
+                config = configs.pick(decl.config_kind, widest, family, features)
                 if config is None:  # the split kernels serve this head dim (configs.fused_backward)
                     continue
-                out.append(attention_spec(kernel, dtype, block_d, config, family, features))
-                if not features and decl.ships_exact_image(family, block_d, dtype):
-                    exact_config = configs.pick(decl.config_kind, block_d, family, exact=True)
-                    out.append(attention_spec(kernel, dtype, block_d, exact_config, family, exact=True))
+                out.append((attention_spec(kernel, dtype, block_d, config, family, features, block_dv=block_dv),
+                            config))
+                if not features and decl.ships_exact_image(family, block_d, dtype, block_dv):
+                    exact_config = configs.pick(decl.config_kind, widest, family, exact=True)
+                    out.append((attention_spec(kernel, dtype, block_d, exact_config, family, exact=True), exact_config))
     return out
 
 

@@ -87,6 +87,8 @@ def supports(problem: core.Problem, params: AttentionParams, tuning: Tuning = DE
         and params.dropout_p == 0
         and problem.head_dim_v == q.shape[-1]
         and (params.softcap == 0 or _softcap_on_onednn(problem, params, tuning, features or THIS_CPU))
+        and problem.qv is None  # PyTorch's kernels have no scores against V, nor attention sinks
+        and problem.sinks is None
     )
 
 

@@ -60,8 +60,8 @@ class PlanCache:
 # The call's tensors, by slot name
 
 
-def forward_inputs(q, k, v, params, varlen=None, alibi_slopes=None) -> dict:
-    inputs = dict(q=q, k=k, v=v, alibi=alibi_slopes, seed=params.dropout_seed)
+def forward_inputs(q, k, v, params, varlen=None, alibi_slopes=None, sinks=None, qv=None) -> dict:
+    inputs = dict(q=q, k=k, v=v, alibi=alibi_slopes, seed=params.dropout_seed, sinks=sinks, qv=qv)
     if varlen is not None:
         inputs.update(cu_q=varlen.cu_seqlens_q, cu_k=varlen.cu_seqlens_k, block_table=varlen.block_table)
     return inputs
@@ -78,10 +78,11 @@ def backward_inputs(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=N
     return inputs
 
 
-def kvcache_inputs(q, cache, alibi_slopes=None) -> dict:
+def kvcache_inputs(q, cache, alibi_slopes=None, sinks=None, qv=None) -> dict:
     return dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, k_new=cache.k_new, v_new=cache.v_new,
                 seqlens=cache.cache_seqlens, leftpad=cache.cache_leftpad, batch_idx=cache.cache_batch_idx,
-                block_table=cache.block_table, cos=cache.rotary_cos, sin=cache.rotary_sin, alibi=alibi_slopes)
+                block_table=cache.block_table, cos=cache.rotary_cos, sin=cache.rotary_sin, alibi=alibi_slopes,
+                sinks=sinks, qv=qv)
 
 
 def capturing(device) -> bool:
@@ -226,25 +227,27 @@ class KernelBackend:
 
     # --- the contract ---------------------------------------------------------------------------
 
-    def prepare_forward(self, q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False):
-        shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax)
-        runner = self._prepare(P.plan_forward, shape, forward_inputs(q, k, v, params, varlen, alibi_slopes), q.device)
+    def prepare_forward(self, q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False, sinks=None,
+                        qv=None):
+        shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
+        runner = self._prepare(P.plan_forward, shape, forward_inputs(q, k, v, params, varlen, alibi_slopes, sinks, qv),
+                               q.device)
         if isinstance(runner, Refusal) or return_softmax:
             return runner
         return lambda: (*runner(), None)
 
     def prepare_backward(self, dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
-                         deterministic=False, grads=None, return_delta=False):
+                         deterministic=False, grads=None, return_delta=False, qv=None):
         # deterministic: the split kernels (no atomics) instead of the fused one; grads: the
-        # caller's (dq, dk, dv), written in place where laid out as the kernels write
+        # caller's (dq, dk, dv), written in place where laid out as the kernels write; qv: refused
         shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
-                                    return_delta)
+                                    return_delta, qv)
         return self._prepare(P.plan_backward, shape,
                              backward_inputs(dout, q, k, v, out, lse, params, varlen, alibi_slopes, grads), q.device)
 
-    def prepare_forward_kvcache(self, q, params, cache, *, alibi_slopes=None):
-        shape = P.describe_kvcache(q, params, cache, alibi_slopes)
-        return self._prepare(P.plan_kvcache, shape, kvcache_inputs(q, cache, alibi_slopes), q.device)
+    def prepare_forward_kvcache(self, q, params, cache, *, alibi_slopes=None, sinks=None, qv=None):
+        shape = P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv)
+        return self._prepare(P.plan_kvcache, shape, kvcache_inputs(q, cache, alibi_slopes, sinks, qv), q.device)
 
     def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
         """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its

@@ -30,8 +30,9 @@ class Engine(NamedTuple):
     """How one problem is computed.
 
     ``forward(problem, params, return_softmax) -> (out, lse)``; ``backward(problem, params, dout,
-    out, lse) -> (dq, dk, dv)``; ``probabilities(problem, params, lse, sk) -> fp32 (B, h, sq, sk)``
-    (the softmax, negated where dropout drops, from the forward's lse).
+    out, lse) -> (dq, dk, dv)``, and ``dqv`` too for a problem with ``qv``; ``probabilities(problem,
+    params, lse, sk) -> fp32 (B, h, sq, sk)`` (the softmax, negated where dropout drops, from the
+    forward's lse).
     """
 
     forward: Callable
@@ -60,9 +61,11 @@ def _column_loader(k: Tensor, v: Tensor) -> core.KVLoader:
 
 
 def _dense_problem(
-    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], first_batch: int = 0
+    q: Tensor, k: Tensor, v: Tensor, alibi_slopes: Optional[Tensor], first_batch: int = 0,
+    qv: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
 ) -> core.Problem:
-    """A problem over ``q (B, sq, h, d)`` and keys ``k, v (B, sk, hk, d)``, all of equal length."""
+    """A problem over ``q (B, sq, h, d)`` and keys ``k, v (B, sk, hk, d / dv)``, all of equal
+    length (``qv``: ``(B, sq, h, dv)``; ``sinks``: ``(h,)``)."""
     return core.Problem(
         q=q,
         load_kv=_column_loader(k, v),
@@ -73,6 +76,8 @@ def _dense_problem(
         key_len=[k.shape[1]],
         first_batch=first_batch,
         alibi_slopes=alibi_slopes,
+        qv=qv,
+        sinks=sinks,
     )
 
 
@@ -98,7 +103,8 @@ def _sequence_kv(
     return gather(k), gather(v)
 
 
-def _sequence_problems(q: Tensor, k: Tensor, v: Tensor, varlen: VarlenLayout, alibi_slopes: Optional[Tensor]):
+def _sequence_problems(q: Tensor, k: Tensor, v: Tensor, varlen: VarlenLayout, alibi_slopes: Optional[Tensor],
+                       qv: Optional[Tensor] = None, sinks: Optional[Tensor] = None):
     """Yield ``(b, q0, q1, k0, k1, problem)`` for every sequence with at least one query row."""
     cu_q = varlen.cu_seqlens_q.tolist()
     cu_k = varlen.cu_seqlens_k.tolist()
@@ -108,11 +114,12 @@ def _sequence_problems(q: Tensor, k: Tensor, v: Tensor, varlen: VarlenLayout, al
             continue
         kb, vb = _sequence_kv(k, v, varlen, b, k0, k1)
         slopes = _slopes_for(alibi_slopes, b)
-        problem = _dense_problem(q[q0:q1].unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), slopes, first_batch=b)
+        qv_b = None if qv is None else qv[q0:q1].unsqueeze(0)
+        problem = _dense_problem(q[q0:q1].unsqueeze(0), kb.unsqueeze(0), vb.unsqueeze(0), slopes, b, qv_b, sinks)
         yield b, q0, q1, k0, k1, problem
 
 
-def _varlen_forward(engine, q, k, v, params, varlen, alibi_slopes, return_softmax):
+def _varlen_forward(engine, q, k, v, params, varlen, alibi_slopes, return_softmax, qv=None, sinks=None):
     total_q, h, _ = q.shape
     batch = varlen.cu_seqlens_q.shape[0] - 1
     out = q.new_zeros(total_q, h, v.shape[-1])
@@ -121,7 +128,7 @@ def _varlen_forward(engine, q, k, v, params, varlen, alibi_slopes, return_softma
     if return_softmax:
         shape = (batch, h, varlen.max_seqlen_q, varlen.max_seqlen_k)
         s_dmask = torch.zeros(shape, dtype=torch.float32, device=q.device)
-    for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes):
+    for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes, qv, sinks):
         out_b, lse_b = engine.forward(problem, params, return_softmax)
         out[q0:q1] = out_b[0]
         lse[:, q0:q1] = lse_b[0]
@@ -140,15 +147,18 @@ def _scatter_pages(pool_grad: Tensor, grad: Tensor, pages: Tensor) -> None:
     pool_grad.index_add_(0, pages, padded.view(pages.shape[0], page_size, *grad.shape[1:]))
 
 
-def _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slopes):
+def _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slopes, qv=None):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes):
-        dq_b, dk_b, dv_b = engine.backward(
+    dqv = None if qv is None else torch.zeros(qv.shape, dtype=torch.float32, device=qv.device)
+    for b, q0, q1, k0, k1, problem in _sequence_problems(q, k, v, varlen, alibi_slopes, qv):
+        dq_b, dk_b, dv_b, *dqv_b = engine.backward(
             problem, params, dout[q0:q1].unsqueeze(0), out[q0:q1].unsqueeze(0), lse[:, q0:q1].unsqueeze(0)
         )
         dq[q0:q1] = dq_b[0]
+        if dqv is not None:
+            dqv[q0:q1] = dqv_b[0][0]
         if varlen.block_table is None:
             dk[k0:k1] += dk_b[0]
             dv[k0:k1] += dv_b[0]
@@ -156,7 +166,8 @@ def _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slop
             pages = _sequence_pages(varlen, b, k1 - k0, k.shape[1])
             _scatter_pages(dk, dk_b[0], pages)
             _scatter_pages(dv, dv_b[0], pages)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return grads if dqv is None else (*grads, dqv.to(qv.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,12 +178,13 @@ def _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slop
 @torch.no_grad()
 def forward(engine: Engine, q: Tensor, k: Tensor, v: Tensor, params: AttentionParams, *,
             varlen: Optional[VarlenLayout] = None, alibi_slopes: Optional[Tensor] = None,
-            return_softmax: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+            return_softmax: bool = False, sinks: Optional[Tensor] = None,
+            qv: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """The contract's ``forward`` (:mod:`flash_attn.backends.contract`) on ``engine``:
     ``(out, lse, s_dmask)``."""
     if varlen is not None:
-        return _varlen_forward(engine, q, k, v, params, varlen, alibi_slopes, return_softmax)
-    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
+        return _varlen_forward(engine, q, k, v, params, varlen, alibi_slopes, return_softmax, qv, sinks)
+    problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes), qv=qv, sinks=sinks)
     out, lse = engine.forward(problem, params, return_softmax)
     s_dmask = engine.probabilities(problem, params, lse, k.shape[1]) if return_softmax else None
     return out, lse, s_dmask
@@ -182,18 +194,19 @@ def forward(engine: Engine, q: Tensor, k: Tensor, v: Tensor, params: AttentionPa
 def backward(engine: Engine, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              params: AttentionParams, *, varlen: Optional[VarlenLayout] = None,
              alibi_slopes: Optional[Tensor] = None, deterministic: bool = False, grads: Optional[tuple] = None,
-             return_delta: bool = False) -> tuple[Tensor, ...]:
-    """The contract's ``backward`` on ``engine``: ``(dq, dk, dv)`` in the inputs' dtypes (and Delta).
+             return_delta: bool = False, qv: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+    """The contract's ``backward`` on ``engine``: ``(dq, dk, dv)`` in the inputs' dtypes (and
+    ``dqv`` with ``qv``; then Delta with ``return_delta``).
 
     ``deterministic`` and ``grads`` are accepted for the contract: the engines are always
     deterministic, and compute their gradients in their own buffers, never in the caller's.
     """
     if varlen is not None:
-        result = _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slopes)
+        result = _varlen_backward(engine, dout, q, k, v, out, lse, params, varlen, alibi_slopes, qv)
     else:
-        problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes))
-        dq, dk, dv = engine.backward(problem, params, dout, out, lse)
-        result = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        problem = _dense_problem(q, k, v, _slopes_for(alibi_slopes), qv=qv)
+        computed = engine.backward(problem, params, dout, out, lse)
+        result = tuple(g.to(like.dtype) for g, like in zip(computed, (q, k, v, qv)))
     return (*result, delta(dout, out, varlen is not None)) if return_delta else result
 
 
@@ -281,7 +294,7 @@ def _cache_loader(cache: KVCacheInputs, batch: int) -> core.KVLoader:
 @torch.no_grad()
 def forward_kvcache(
     engine: Engine, q: Tensor, params: AttentionParams, cache: KVCacheInputs, *,
-    alibi_slopes: Optional[Tensor] = None,
+    alibi_slopes: Optional[Tensor] = None, sinks: Optional[Tensor] = None, qv: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out (b, sq, h, d), lse fp32 (b, h, sq))`` of ``flash_attn_with_kvcache``.
 
@@ -324,5 +337,7 @@ def forward_kvcache(
         key_start=starts.tolist(),
         key_len=(ends - starts).tolist(),
         alibi_slopes=_slopes_for(alibi_slopes),
+        qv=qv,
+        sinks=sinks,
     )
     return engine.forward(problem, params, False)

@@ -181,6 +181,17 @@ def _above_diagonal(rows: int, cols: int, tile_rows: int) -> Tensor:
     return _upper_triangle(tile_rows)[:rows, :cols]
 
 
+@functools.lru_cache(maxsize=4)
+def _lower_triangle(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril_(-1)
+
+
+def _below_diagonal(cols: int, rows: int, tile_rows: int) -> Tensor:
+    """:func:`_above_diagonal` transposed: where key ``j > i`` in a transposed causal tile's
+    ``cols x rows`` part."""
+    return _lower_triangle(tile_rows)[:cols, :rows]
+
+
 def _key_blocks(i0: int, i1: int, sk: int, causal: bool, block: int):
     """``(c0, c1, masked)`` of the key blocks of ``block`` keys that rows ``i0:i1`` see; with the
     top-left causal mask row ``i`` sees keys ``<= i``, and the tiles' rows dividing ``block``
@@ -215,14 +226,16 @@ class _Softcap:
         # the sigmoid form's derivative is sigmoid (1 - sigmoid) = (1 - tanh^2) / 4
         self.derivative_scale = 4.0 if self.sigmoid else 1.0
 
-    def scores_(self, s: Tensor, keep_derivative: bool = False) -> tuple[Tensor, Optional[Tensor]]:
-        """The products ``s`` made softcapped base-2 scores in place, plus ``shift``; and the
-        derivative, over ``derivative_scale``, if asked for."""
+    def scores_(self, s: Tensor, keep_derivative: bool = False) -> tuple[Tensor, float, Optional[Tensor]]:
+        """The products ``s`` made softcapped base-2 scores, in place, up to a factor:
+        ``(scores / factor, factor, derivative over derivative_scale or None)``; the scores include
+        ``shift``. (The callers multiply by the factor in the pass that takes the softmax's shift.)"""
         if not self.sigmoid:
-            return softcap_scores_(s, self.out, torch.empty_like(s), keep_derivative)
+            t, derivative = softcap_scores_(s, 1.0, torch.empty_like(s), keep_derivative)
+            return t, self.out, derivative
         sigmoid = s.sigmoid_()
         derivative = torch.addcmul(sigmoid, sigmoid, sigmoid, value=-1.0) if keep_derivative else None
-        return sigmoid.mul_(2.0 * self.out), derivative
+        return sigmoid, 2.0 * self.out, derivative
 
 
 def _row_norms_max(x: Tensor) -> Tensor:
@@ -259,18 +272,19 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
                     m = total = acc = None
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
                         s = _mm(linear, q_head[i0:i1], k_head[c0:c1])
+                        factor = 1.0  # the base-2 scores are factor * s
                         if capped:
-                            s, _ = capped.scores_(s)
+                            s, factor, _ = capped.scores_(s)
                         if masked:
                             s[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), float("-inf"))
-                        block_max = s.amax(-1, keepdim=True)
+                        block_max = s.amax(-1, keepdim=True).mul_(factor)
                         if m is None:
                             m = block_max
                         else:
                             new_m = torch.maximum(m, block_max)
                             alpha = torch.exp2(m - new_m)
                             m = new_m
-                        p = s.sub_(m).exp2_()
+                        p = torch.add(m.neg(), s, alpha=factor, out=s).exp2_()  # exp2(factor * s - m), one pass
                         part = _mm(linear, p, v_cols[c0, c1])
                         if acc is None:
                             acc, total = part, p.sum(-1, keepdim=True)
@@ -301,34 +315,36 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, log
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32).transpose(1, 2)
     dk = torch.zeros(B, sk, hk, d, dtype=torch.float32).transpose(1, 2)
     dv = torch.zeros(B, sk, hk, v.shape[-1], dtype=torch.float32).transpose(1, 2)
-    delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): (B, h, sq, 1)
-    lse2 = (logsumexp * _LOG2E + (capped.shift if capped else 0.0)).unsqueeze(-1)  # in the scores' units
+    delta = (grad_out * out).sum(-1)  # rowsum(dO * O): (B, h, sq)
+    neg_lse2 = logsumexp * -_LOG2E - (capped.shift if capped else 0.0)  # in the scores' units
     rows, block = tuning.onednn_rows, tuning.onednn_cols
     for b in range(B):
         for jk in range(hk):
             k_head, v_head = k[b, jk].contiguous(), v[b, jk].contiguous()
             k_cols = _TransposedBlocks(k_head, block)  # dS @ K is linear(dS, K^T)
             for j in range(jk * group, (jk + 1) * group):
-                q_head = q[b, j]
-                q_scaled = q_head * c
+                q_scaled = q[b, j] * c
                 for i0 in range(0, sq, rows):
                     i1 = min(sq, i0 + rows)
-                    q_cols = q_head[i0:i1].t().contiguous()
-                    do_rows = grad_out[b, j, i0:i1]
+                    q_cols = q[b, j, i0:i1].t().contiguous()
+                    do_rows = grad_out[b, j, i0:i1].contiguous()
                     do_cols = do_rows.t().contiguous()
+                    neg_lse2_row, delta_row = neg_lse2[b, j, i0:i1].view(1, -1), delta[b, j, i0:i1].view(1, -1)
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
-                        s = _mm(linear, q_scaled[i0:i1], k_head[c0:c1])
-                        derivative = None
+                        # the tile transposed, (keys, rows): dV and dK take it as it is, only dQ
+                        # takes a transposed copy (oneDNN copies a strided operand anyway)
+                        s = _mm(linear, k_head[c0:c1], q_scaled[i0:i1])
+                        derivative, factor = None, 1.0
                         if capped:
-                            s, derivative = capped.scores_(s, keep_derivative=True)
-                        p = s.sub_(lse2[b, j, i0:i1]).exp2_()
+                            s, factor, derivative = capped.scores_(s, keep_derivative=True)
+                        p = torch.add(neg_lse2_row, s, alpha=factor, out=s).exp2_()
                         if masked:
-                            p[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), 0.0)
-                        dv[b, jk, c0:c1] += _mm(linear, p.t(), do_cols)
-                        ds = _mm(linear, do_rows, v_head[c0:c1]).sub_(delta[b, j, i0:i1]).mul_(p)
+                            p[i0 - c0:].masked_fill_(_below_diagonal(c1 - i0, i1 - i0, rows), 0.0)
+                        dv[b, jk, c0:c1] += _mm(linear, p, do_cols)
+                        ds = _mm(linear, v_head[c0:c1], do_rows).sub_(delta_row).mul_(p)
                         if derivative is not None:
                             ds.mul_(derivative)  # d(c tanh(x / c)) / dx
-                        dq[b, j, i0:i1] += _mm(linear, ds, k_cols[c0, c1])
-                        dk[b, jk, c0:c1] += _mm(linear, ds.t(), q_cols)
+                        dk[b, jk, c0:c1] += _mm(linear, ds, q_cols)
+                        dq[b, j, i0:i1] += _mm(linear, ds.t(), k_cols[c0, c1])
     scale *= capped.derivative_scale if capped else 1.0
     return dq.mul_(scale), dk.mul_(scale), dv

@@ -120,7 +120,9 @@ class Problem:
     ``key_len``: per-sequence python ints (length ``B``, or 1 when shared by all).
     ``first_batch``: the batch index of row 0 of q, fed with the rows' offsets to the dropout RNG
     (a varlen sequence is a problem of its own). ``alibi_slopes``:
-    fp32 ``(1 or B, h)`` or ``None``.
+    fp32 ``(1 or B, h)`` or ``None``. ``qv``: MLA's absorbed queries ``(B, sq, h, dv)``, scored
+    against V (``scale * (q.k + qv.v)``), or ``None``. ``sinks``: ``(h,)`` attention sinks, one
+    logit per query head that joins every row's softmax denominator with no value, or ``None``.
     """
 
     q: Tensor
@@ -132,6 +134,8 @@ class Problem:
     key_len: Sequence[int]
     first_batch: int = 0
     alibi_slopes: Optional[Tensor] = None
+    qv: Optional[Tensor] = None
+    sinks: Optional[Tensor] = None
 
     @property
     def batch(self) -> int:
@@ -344,16 +348,22 @@ def _tile_scores(
     mask: Optional[Tensor],
     scratch: _Scratch,
     keep_derivative: bool,
+    qvs: Optional[Tensor] = None,
+    vc: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Base-2 scores of one tile, ready for ``exp2``, and the softcap derivative (if asked for).
 
     qs: fp32 ``(B, hk, g, rows, d)`` already multiplied by ``base2.q_scale``; kc: fp32
-    ``(B, hk, cols, d)``. Returns fp32 ``(B, hk, g, rows, cols)``: the (softcapped) scaled score
-    plus ALiBi, times ``log2(e)``, ``-inf`` where ``mask`` (additive, :func:`_tile_mask`) hides a key;
-    and with softcap and ``keep_derivative``, ``1 - tanh^2`` of each score (the softcap's
-    derivative). ``geometry`` is needed for ALiBi. Both live in ``scratch`` (until the next tile).
+    ``(B, hk, cols, d)``; with ``qvs`` (like qs with v's head dim, scaled alike) the product
+    ``qvs @ vc^T`` joins the scores. Returns fp32 ``(B, hk, g, rows, cols)``: the (softcapped)
+    scaled score plus ALiBi, times ``log2(e)``, ``-inf`` where ``mask`` (additive, :func:`_tile_mask`)
+    hides a key; and with softcap and ``keep_derivative``, ``1 - tanh^2`` of each score (the
+    softcap's derivative). ``geometry`` is needed for ALiBi. Both live in ``scratch`` (until the
+    next tile).
     """
     s = _grouped_matmul_nt(scratch.take("scores", *qs.shape[:-1], kc.shape[2]), qs, kc)
+    if qvs is not None:
+        _add_grouped_matmul_nt(s, qvs, vc)
     derivative = None
     if base2.softcap_out:
         s, derivative = softcap_scores_(s, base2.softcap_out, scratch.take("softcap", *s.shape), keep_derivative)
@@ -392,6 +402,27 @@ def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometr
     size = problem.batch * problem.nheads * geometry.rows.numel() * cols.shape[-1]
     buffers = [scratch.take(f"philox{i}", size, dtype=torch.int64) for i in range(5)]
     return keep_mask(params.dropout_seed, batch, heads, geometry.rows, cols, params.dropout_p, buffers)
+
+
+def _initial_state(problem: Problem, base2: _Base2, shape: torch.Size) -> tuple[Tensor, Tensor]:
+    """The online softmax's running row maxima and sums ``(B, hk, g, rows)`` before any key: empty
+    (``-inf``, 0), or with attention sinks the head's sink as a first key with no value (max the
+    sink in base-2 score units, sum 1; a sink of ``-inf`` is none)."""
+    device = problem.q.device
+    if problem.sinks is None:
+        return torch.full(shape, float("-inf"), device=device), torch.zeros(shape, device=device)
+    sink = base2.lse2(problem.sinks.to(device=device, dtype=torch.float32))
+    row_max = sink.view(1, problem.nheads_k, problem.group, 1).expand(shape).contiguous()
+    return row_max, (row_max > float("-inf")).to(torch.float32)
+
+
+def _query_chunk(x: Optional[Tensor], i0: int, i1: int, nheads_k: int, scratch: "_Scratch", name: str,
+                 scale: Optional[float] = None) -> Optional[Tensor]:
+    """:func:`_grouped_rows` of an optional input (``qv``), times ``scale`` where given."""
+    if x is None:
+        return None
+    rows = _grouped_rows(x, i0, i1, nheads_k, scratch, name)
+    return rows if scale is None else rows.mul_(scale)
 
 
 def _grouped_view(x: Tensor, i0: int, i1: int, nheads_k: int) -> Tensor:
@@ -446,6 +477,12 @@ def _grouped_matmul_nt(out: Tensor, a: Tensor, b: Tensor) -> Tensor:
     B, hk, g, n, m = a.shape
     torch.bmm(a.view(B * hk, g * n, m), b.reshape(B * hk, -1, m).transpose(1, 2), out=out.view(B * hk, g * n, -1))
     return out
+
+
+def _add_grouped_matmul_nt(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc (B, hk, g, n, c) += a (B, hk, g, n, m) @ b (B, hk, c, m)^T`` (:func:`_grouped_matmul_nt`, accumulated)."""
+    B, hk, g, n, m = a.shape
+    acc.view(B * hk, g * n, -1).baddbmm_(a.reshape(B * hk, g * n, m), b.reshape(B * hk, -1, m).transpose(1, 2))
 
 
 def _add_grouped_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -528,13 +565,13 @@ def attention_forward(problem: Problem, params: AttentionParams, chunks: Optiona
         for i0 in range(0, sq, chunk_q):
             i1 = min(sq, i0 + chunk_q)
             qs = _grouped_rows(q, i0, i1, hk, scratch, "q").mul_(base2.q_scale)
-            row_max = torch.full(qs.shape[:-1], float("-inf"), device=q.device)
-            row_sum = torch.zeros(qs.shape[:-1], device=q.device)
+            qvs = _query_chunk(problem.qv, i0, i1, hk, scratch, "qv", base2.q_scale)
+            row_max, row_sum = _initial_state(problem, base2, qs.shape[:-1])
             acc = scratch.take("acc", *qs.shape[:-1], problem.head_dim_v).zero_()
             for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
                 kc, vc = columns(c0, c1)
                 geometry, mask = _tile(problem, params, i0, i1, c0, c1, scratch)
-                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=False)
+                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=False, qvs=qvs, vc=vc)
                 new_max = torch.maximum(row_max, s.amax(-1))
                 # A row with nothing visible yet keeps max -inf; use 0 as its shift so no NaN appears.
                 shift = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -547,7 +584,8 @@ def attention_forward(problem: Problem, params: AttentionParams, chunks: Optiona
                     p = p.masked_fill_(~keep, 0.0).mul_(1.0 / (1.0 - params.dropout_p))
                 _add_grouped_matmul(acc.mul_(rescale.unsqueeze(-1)), p, vc)
                 row_max = new_max
-            # Rows that saw no key: row_sum 0 and acc 0, so out 0 and lse +inf (a NaN sum stays NaN).
+            # Rows that saw no key: row_sum 0 and acc 0, so out 0 and lse +inf (a NaN sum stays NaN;
+            # with a sink: out 0, lse the sink).
             seen = row_sum != 0
             acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
             _grouped_view(out, i0, i1, hk).copy_(acc)
@@ -576,11 +614,12 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
         for i0 in range(0, sq, chunk_q):
             i1 = min(sq, i0 + chunk_q)
             qs = _grouped_rows(q, i0, i1, hk, scratch, "q").mul_(base2.q_scale)
+            qvs = _query_chunk(problem.qv, i0, i1, hk, scratch, "qv", base2.q_scale)
             lse_c = base2.lse2(lse[:, :, i0:i1].reshape(qs.shape[:-1]).unsqueeze(-1))
             for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
-                kc, _ = _load_columns(problem, c0, c1)
+                kc, vc = _load_columns(problem, c0, c1)
                 geometry, mask = _tile(problem, params, i0, i1, c0, c1, scratch)
-                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=False)
+                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=False, qvs=qvs, vc=vc)
                 p = s.sub_(lse_c).exp2_()
                 if params.dropout_p > 0:
                     p = torch.where(_tile_keep(problem, params, geometry, scratch), p, -p)
@@ -597,12 +636,14 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
 def attention_backward(
     problem: Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor,
     chunks: Optional[tuple[int, int]] = None, tuning: Tuning = DEFAULT_TUNING,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, ...]:
     """Flash-attention backward of one problem, recomputing P tile by tile from ``lse``.
 
     dout/out: ``(B, sq, h, dv)``; lse: fp32 ``(B, h, sq)``. Returns fp32 ``dq (B, sq, h, d)``
-    and fp32 ``dk, dv (B, n_cols, hk, d)`` (gradients w.r.t. the loaded key columns). The given
-    ``out`` and ``lse`` are used as they are (a block of a longer sequence gets its share).
+    and fp32 ``dk, dv (B, n_cols, hk, d / dv)`` (gradients w.r.t. the loaded key columns), and with
+    ``problem.qv`` fp32 ``dqv (B, sq, h, dv)`` too. The given ``out`` and ``lse`` are used as they
+    are (a block of a longer sequence gets its share; with attention sinks lse includes them, so
+    the keys' probabilities need nothing else).
     """
     q = problem.q
     B, sq, h, d = q.shape
@@ -614,6 +655,10 @@ def attention_backward(
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=dev)
     dk = torch.zeros(B, hk, problem.n_cols, d, dtype=torch.float32, device=dev)
     dv = torch.zeros(B, hk, problem.n_cols, dim_v, dtype=torch.float32, device=dev)
+    with_qv = problem.qv is not None
+    # qv's gradients: dqv = dS_qk V, and dS_qk^T qv joins dv (scaled like dq and dk, at the end)
+    dqv = torch.zeros(B, sq, h, dim_v, dtype=torch.float32, device=dev) if with_qv else None
+    dv_scores = torch.zeros_like(dv) if with_qv else None
     dropout_scale = 1.0 / (1.0 - params.dropout_p)
     columns = _column_source(problem, params, chunk_q, tuning)
     with _scratch_for(dev, B * h * chunk_q * chunk_k, tuning) as scratch:
@@ -621,15 +666,18 @@ def attention_backward(
             i1 = min(sq, i0 + chunk_q)
             qc = _grouped_rows(q, i0, i1, hk, scratch, "q")
             qs = torch.mul(qc, base2.q_scale, out=scratch.take("q_scaled", *qc.shape))
+            qvc = _query_chunk(problem.qv, i0, i1, hk, scratch, "qv")
+            qvs = None if qvc is None else torch.mul(qvc, base2.q_scale, out=scratch.take("qv_scaled", *qvc.shape))
             doc = _grouped_rows(dout, i0, i1, hk, scratch, "dout")
             # D = rowsum(dO * O): the softmax Jacobian's correction term, one value per row.
             delta = _grouped_rows(out, i0, i1, hk, scratch, "out").mul_(doc).sum(-1, keepdim=True)
             lse_c = base2.lse2(lse[:, :, i0:i1].reshape(qc.shape[:-1]).unsqueeze(-1))
             dq_c = scratch.take("dq", *qc.shape).zero_()
+            dqv_c = scratch.take("dqv", *qvc.shape).zero_() if with_qv else None
             for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
                 kc, vc = columns(c0, c1)
                 geometry, mask = _tile(problem, params, i0, i1, c0, c1, scratch)
-                s, derivative = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=True)
+                s, derivative = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=True, qvs=qvs, vc=vc)
                 # Rows that saw no key have lse = +inf: s - inf = -inf, so P = 0 and no NaN appears.
                 p = s.sub_(lse_c).exp2_()
                 dp = _grouped_matmul_nt(scratch.take("dp", *p.shape), doc, vc)
@@ -645,6 +693,15 @@ def attention_backward(
                     ds.mul_(derivative)  # d(c * tanh(x / c)) / dx = 1 - tanh^2
                 _add_grouped_matmul(dq_c, ds, kc)
                 _add_grouped_matmul_t(dk[:, :, c0:c1], ds, qc)
+                if with_qv:
+                    _add_grouped_matmul(dqv_c, ds, vc)
+                    _add_grouped_matmul_t(dv_scores[:, :, c0:c1], ds, qvc)
             _grouped_view(dq, i0, i1, hk).copy_(dq_c)
+            if with_qv:
+                _grouped_view(dqv, i0, i1, hk).copy_(dqv_c)
         scale = params.softmax_scale
-        return dq.mul_(scale), dk.mul_(scale).transpose(1, 2), dv.transpose(1, 2)
+        grads = dq.mul_(scale), dk.mul_(scale).transpose(1, 2), dv.transpose(1, 2)
+        if with_qv:
+            dv.add_(dv_scores, alpha=scale)
+            grads = (*grads, dqv.mul_(scale))
+        return grads

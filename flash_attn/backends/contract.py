@@ -95,12 +95,20 @@ def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kv
                    direct or {}, settings_error=settings_error)
 
 
-def nvidia_cuda_reason(device: torch.device, what_it_does: str, not_rocm: str) -> Optional[str]:
-    """Why a backend of NVIDIA GPU kernels cannot take tensors on ``device`` at all: they are not
-    CUDA tensors ("it <what_it_does> and needs CUDA tensors, not cpu"), or PyTorch is a ROCm build
-    ("<not_rocm>, not ROCm"); ``None`` when neither holds."""
+def cuda_tensor_reason(device: torch.device, what_it_does: str) -> Optional[str]:
+    """Why a backend of GPU kernels cannot take tensors on ``device``: they are not CUDA tensors
+    ("it <what_it_does> and needs CUDA tensors, not cpu"; ROCm PyTorch's GPU tensors are CUDA
+    tensors too); ``None`` when they are."""
     if device.type != "cuda":
         return f"it {what_it_does} and needs CUDA tensors, not {device.type}"
-    if getattr(torch.version, "hip", None):
-        return f"{not_rocm}, not ROCm"
     return None
+
+
+def nvidia_cuda_reason(device: torch.device, what_it_does: str, not_rocm: str) -> Optional[str]:
+    """Why a backend of NVIDIA GPU kernels cannot take tensors on ``device`` at all: they are not
+    CUDA tensors (:func:`cuda_tensor_reason`), or PyTorch is a ROCm build ("<not_rocm>, not ROCm");
+    ``None`` when neither holds."""
+    reason = cuda_tensor_reason(device, what_it_does)
+    if reason is None and getattr(torch.version, "hip", None):
+        return f"{not_rocm}, not ROCm"
+    return reason

@@ -12,8 +12,8 @@ take the same problems (:mod:`flash_attn.backends._layouts` adapts the layouts t
 
 :func:`direct_forward` is the eager route the dispatcher offers to public calls
 (:func:`flash_attn.dispatch.run_direct`): whether a call is *plain* -- dense, no ALiBi, softcap,
-dropout, softmax probabilities or window other than causal, and one kernel call in the general
-plan -- is decided there and nowhere else; a plain call is that one kernel call, whose autograd
+dropout, softmax probabilities, window other than causal, sinks or qv, v of q's head dim, and one
+kernel call in the general plan -- is decided there and nowhere else; a plain call is that one kernel call, whose autograd
 formula, where autograd records, is PyTorch's own (its backward is the kernel call
 :func:`backward` makes for the same problem).
 
@@ -129,7 +129,8 @@ def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slope
     short call's time on the CPU (benchmarks/README.md).
     """
     if (cu_seqlens_q is not None or alibi_slopes is not None or return_softmax or softcap != 0.0
-            or dropout_p != 0.0 or window_left >= 0 or window_right > 0 or q.numel() == 0 or k.numel() == 0):
+            or dropout_p != 0.0 or window_left >= 0 or window_right > 0 or q.numel() == 0 or k.numel() == 0
+            or v.shape[-1] != q.shape[-1]):  # PyTorch's fused CPU kernel takes one head dim for q, k and v
         return None
     causal = window_right == 0
     if not _one_kernel_call(q, k, causal, tuning, features):

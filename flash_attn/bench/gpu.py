@@ -23,6 +23,11 @@ backend ran (:func:`flash_attn.dispatch.last_backend`), is an ``error`` and make
 1; so is one whose backend is unavailable under ``FLASH_ATTN_STRICT_BACKEND=1``. Other
 implementations' exceptions are ``unsupported`` (their kernels reject some shapes).
 
+Beyond FlashAttention-2 (on by default, issue 44's targets): head dim 512 and 192/128 (v's own head
+dim) training against cuDNN and the others where they run the shape, and attention sinks
+(``learnable_sink``) at d64/d128 against the same call without them (the table's own d64/d128
+rows: the same shapes); FLOPs count q.k and p.v at their own widths.
+
 Decode (on by default): ``flash_attn_with_kvcache`` with one new query token over a full KV cache
 (batch 1-64, cache 4k-128k, 32 query / 8 KV heads, d=128, bf16) against SDPA on the same cache.
 Decode is memory-bound, so its rows report GB/s (bytes of the K and V cache read, plus q read and
@@ -53,6 +58,9 @@ from flash_attn.bench.common import attention_flops, summarize
 DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "upstream")
 Timer = Callable[[Callable[[], None], int, int], list]
 
+# The rows beyond FlashAttention-2: head dims (v's where it differs) and attention sinks
+BEYOND_CASES = ({"headdim": 512}, {"headdim": 192, "headdim_v": 128}, {"headdim": 64, "sinks": True},
+                {"headdim": 128, "sinks": True})
 DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_CACHELENS = (4096, 16384, 65536, 131072)
 # a Llama-3-8B-like layer: 32 query heads sharing 8 KV heads
@@ -80,13 +88,15 @@ class Implementation:
     name: str
     # why it cannot run on the device at all (None: it can); checked once
     unavailable: Callable[[object], Optional[str]]
-    # run(q, k, v, dout, causal): forward, and backward when dout is given
+    # run(q, k, v, dout, causal, sinks): forward, and backward when dout is given; sinks: fp32 (heads,)
+    # attention sinks or None (raises NotImplementedError where the implementation has none)
     run: Callable
     context: Callable[[], ContextManager] = contextlib.nullcontext
     backend: Optional[str] = None  # this package's backend that must run the calls (None: not ours)
     # decode(q, k_cache, v_cache) -> out: one query token over the whole cache (None: no such call)
     decode: Optional[Callable] = None
-    # forward(q, k, v, causal) -> out, for the check against the reference before timing (None: not checked)
+    # forward(q, k, v, causal, sinks=None) -> out, for the check against the reference before timing (None: not
+    # checked); raises NotImplementedError for sinks where the implementation has none
     forward: Optional[Callable] = None
 
 
@@ -104,19 +114,22 @@ def _backend_env(name: str):
 
 
 def _autograd_run(forward: Callable) -> Callable:
-    def run(q, k, v, dout, causal):
-        out = forward(q, k, v, causal)
+    """``run`` of :class:`Implementation` from ``forward(q, k, v, causal, sinks)``."""
+    def run(q, k, v, dout, causal, sinks=None):
+        out = forward(q, k, v, causal, sinks)
         if dout is not None:
             out.backward(dout)
             q.grad = k.grad = v.grad = None
+            if sinks is not None:
+                sinks.grad = None
     return run
 
 
 def _ours(backend: str) -> Implementation:
     from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache  # noqa: PLC0415
 
-    def forward(q, k, v, causal):
-        return flash_attn_func(q, k, v, causal=causal)
+    def forward(q, k, v, causal, sinks=None):
+        return flash_attn_func(q, k, v, causal=causal, learnable_sink=sinks)
 
     return Implementation(
         f"flash_attn[{backend}]",
@@ -129,11 +142,13 @@ def _ours(backend: str) -> Implementation:
     )
 
 
-def sdpa_forward(q, k, v, causal: bool):
+def sdpa_forward(q, k, v, causal: bool, sinks=None):
     """PyTorch's SDPA on our ``(batch, seqlen, heads, headdim)`` layout (whichever SDPA backend the
-    caller's ``sdpa_kernel`` context allows)."""
+    caller's ``sdpa_kernel`` context allows); it has no attention sinks."""
     import torch.nn.functional as F  # noqa: PLC0415
 
+    if sinks is not None:
+        raise NotImplementedError("SDPA has no attention sinks")
     gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}  # k/v heads shared by groups of q heads
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
                                          **gqa)
@@ -191,7 +206,9 @@ def _upstream() -> Implementation:
         state["ext"] = flash_attn_2_cuda
         return None
 
-    def run(q, k, v, dout, causal):
+    def run(q, k, v, dout, causal, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("flash-attn 2 has no attention sinks")
         ext = state["ext"]
         scale = q.shape[-1] ** -0.5
         out, lse, _, rng = ext.fwd(q, k, v, None, None, 0.0, scale, causal, -1, -1, 0.0, False, None)[:4]
@@ -278,14 +295,18 @@ def wall_timer(fn: Callable[[], None], warmup: int, repeats: int) -> list:
 
 
 def cases(config: dict) -> list[dict]:
+    """The training rows: every head dim of the table, then those beyond FlashAttention-2
+    (``config["beyond"]``: :data:`BEYOND_CASES`), at every dtype, mask, length and pass."""
+    shapes = [{"headdim": d} for d in config["headdims"]] + list(config.get("beyond") or ())
     out = []
     for dtype in config["dtypes"]:
-        for headdim in config["headdims"]:
+        for shape in shapes:
+            headdim = shape["headdim"]
             for causal in config["causal"]:
                 for seqlen in config["seqlens"]:
                     for backward in config["backward"]:
                         out.append({
-                            "dtype": dtype, "headdim": headdim, "causal": causal, "seqlen": seqlen,
+                            **shape, "dtype": dtype, "headdim": headdim, "causal": causal, "seqlen": seqlen,
                             "batch": max(1, config["total_tokens"] // seqlen), "heads": max(1, config["hidden"] // headdim),
                             "pass": "fwd_bwd" if backward else "fwd",
                         })
@@ -374,22 +395,27 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
         dtype = _torch_dtype(case["dtype"])
         backward = case["pass"] == "fwd_bwd"
         shape = (case["batch"], case["seqlen"], case["heads"], case["headdim"])
+        shape_v = (*shape[:-1], case.get("headdim_v", case["headdim"]))
         kv_shape = shape[:2] + (case.get("kv_heads", case["heads"]), case["headdim"])
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=g).requires_grad_(backward)
-                   for s in (shape, kv_shape, kv_shape))
-        dout = torch.randn(shape, device=device, dtype=dtype, generator=g) if backward else None
-        flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"], case["headdim"],
-                                case["causal"], backward)
-        expected = _once(lambda: reference(q, k, v, dout, case["causal"]))
+                   for s in (shape, kv_shape, (*kv_shape[:-1], shape_v[-1])))
+        dout = torch.randn(shape_v, device=device, dtype=dtype, generator=g) if backward else None
+        sinks = None
+        if case.get("sinks"):
+            sinks = torch.randn(case["heads"], device=device, generator=g).requires_grad_(backward)
+        # q.k at q's head dim and p.v at v's: the mean of the two in the 4*b*h*sq*sk*d count
+        flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"],
+                                (case["headdim"] + shape_v[-1]) / 2, case["causal"], backward)
+        expected = _once(lambda: reference(q, k, v, dout, case["causal"], sinks))
         for impl in impls:
             row = dict(case, impl=impl.name, what=WHAT.get(impl.name))
-            _check_row(row, impl, reasons[impl.name], q, k, v, dout, case, expected)
+            _check_row(row, impl, reasons[impl.name], q, k, v, dout, sinks, case, expected)
             if row.get("status") == "error":  # a wrong result is not timed
                 emit(row)
                 continue
-            _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"]), config, timer,
-                     device)
+            _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"], sinks), config,
+                     timer, device)
             if "time_ms" in row:
                 row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12
             emit(row)
@@ -509,21 +535,23 @@ CHECK_TOLERANCE = {"bf16": 3e-2, "fp16": 5e-3, "fp32": 1e-4}
 REFERENCE_SCORES = 1 << 28  # score elements the reference holds at once (1 GiB of fp32)
 
 
-def reference(q, k, v, dout, causal: bool):
+def reference(q, k, v, dout, causal: bool, sinks=None):
     """``(out, grads)``: attention in float32 by PyTorch's math path (and, when ``dout`` is given,
-    the gradients of q, k, v), over a few batch x head slices at a time so that the scores never
-    exceed :data:`REFERENCE_SCORES` elements. ``grads`` is ``None`` without ``dout``."""
+    the gradients of q, k, v, and of ``sinks`` when given), over a few batch x head slices at a
+    time so that the scores never exceed :data:`REFERENCE_SCORES` elements. ``grads`` is ``None``
+    without ``dout``. With attention sinks the slices are computed naively (:func:`_sink_attention`):
+    SDPA has none."""
     import torch  # noqa: PLC0415
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
     batch, seqlen_q, heads, _ = q.shape
     group = heads // k.shape[2]
     if group > 1:  # GQA: each k/v head repeated for its group of q heads, its gradient the group's sum
-        out, grads = reference(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout, causal)
+        out, grads = reference(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout, causal, sinks)
         if grads is None:
             return out, None
         fold = lambda g: g.reshape(*g.shape[:2], k.shape[2], group, g.shape[3]).sum(3)  # noqa: E731
-        return out, (grads[0], fold(grads[1]), fold(grads[2]))
+        return out, (grads[0], fold(grads[1]), fold(grads[2]), *grads[3:])
     step = max(1, REFERENCE_SCORES // (seqlen_q * k.shape[1]))
 
     def slices(t):  # (batch, seqlen, heads, headdim) -> (batch * heads, seqlen, 1, headdim) in float32
@@ -532,21 +560,40 @@ def reference(q, k, v, dout, causal: bool):
     def back(t):  # the inverse of slices
         return t.reshape(batch, heads, t.shape[1], t.shape[3]).permute(0, 2, 1, 3)
 
-    qf, kf, vf = slices(q), slices(k), slices(v)
+    tensors = [slices(q), slices(k), slices(v)]
+    if sinks is not None:  # one sink per slice: batch-major, heads within, as the slices
+        tensors.append(sinks.detach().float().repeat(batch))
     df = slices(dout) if dout is not None else None
     outs, grads = [], []
     with sdpa_kernel(SDPBackend.MATH):
         for start in range(0, batch * heads, step):
             part = slice(start, start + step)
-            qs, ks, vs = (t[part].requires_grad_(dout is not None) for t in (qf, kf, vf))
-            out = sdpa_forward(qs, ks, vs, causal)
+            inputs = [t[part].requires_grad_(dout is not None) for t in tensors]
+            out = sdpa_forward(*inputs[:3], causal) if sinks is None else _sink_attention(*inputs, causal)
             outs.append(out.detach())
             if dout is not None:
-                grads.append(torch.autograd.grad(out, (qs, ks, vs), df[part]))
+                grads.append(torch.autograd.grad(out, inputs, df[part]))
     out = back(torch.cat(outs))
     if dout is None:
         return out, None
-    return out, tuple(back(torch.cat([g[i] for g in grads])) for i in range(3))
+    result = tuple(back(torch.cat([g[i] for g in grads])) for i in range(3))
+    if sinks is not None:  # each head's gradient summed over the batch
+        result += (torch.cat([g[3] for g in grads]).view(batch, heads).sum(0),)
+    return out, result
+
+
+def _sink_attention(q, k, v, sinks, causal: bool):
+    """Naive attention of ``(n, seqlen, 1, headdim)`` slices with one sink logit per slice: an extra
+    score column of the sink's value, joining the softmax with no value row."""
+    import torch  # noqa: PLC0415
+
+    scores = (q[:, :, 0] @ k[:, :, 0].transpose(1, 2)) * q.shape[-1] ** -0.5
+    sq, sk = scores.shape[1:]
+    if causal:  # bottom-right aligned
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    logits = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, sq, 1)], dim=-1)
+    return (logits.softmax(-1)[..., :-1] @ v[:, :, 0]).unsqueeze(2)
 
 
 def relative_error(got, want) -> float:
@@ -554,26 +601,27 @@ def relative_error(got, want) -> float:
     return float((got.float() - want).abs().max()) / scale
 
 
-def check(forward: Callable, q, k, v, dout, causal: bool, dtype: str, expected=None) -> dict:
+def check(forward: Callable, q, k, v, dout, causal: bool, dtype: str, expected=None, sinks=None) -> dict:
     """``forward``'s output (and gradients, when ``dout`` is given) against :func:`reference`
     (or ``expected``, its result for these inputs): ``err_out`` and ``err_grad`` (the largest of
-    dq, dk, dv), each relative to the reference's largest magnitude, and ``check``: ``ok``, or
-    ``mismatch`` beyond :data:`CHECK_TOLERANCE` (also for a NaN)."""
+    dq, dk, dv and, with attention sinks, dsinks), each relative to the reference's largest
+    magnitude, and ``check``: ``ok``, or ``mismatch`` beyond :data:`CHECK_TOLERANCE` (also for a NaN)."""
     import torch  # noqa: PLC0415
 
-    want_out, want_grads = expected if expected is not None else reference(q, k, v, dout, causal)
-    qs, ks, vs = (t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v))
-    out = forward(qs, ks, vs, causal)
+    want_out, want_grads = expected if expected is not None else reference(q, k, v, dout, causal, sinks)
+    inputs = [t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v, sinks) if t is not None]
+    out = forward(*inputs[:3], causal, *inputs[3:])
     result = {"err_out": relative_error(out.detach(), want_out), "err_grad": None}
     if dout is not None:
-        grads = torch.autograd.grad(out, (qs, ks, vs), dout)
+        grads = torch.autograd.grad(out, inputs, dout)
         result["err_grad"] = max(relative_error(g, w) for g, w in zip(grads, want_grads))
     errors = [e for e in (result["err_out"], result["err_grad"]) if e is not None]
     result["check"] = "ok" if all(e <= CHECK_TOLERANCE[dtype] for e in errors) else "mismatch"
     return result
 
 
-def _check_row(row: dict, impl: Implementation, reason: Optional[str], q, k, v, dout, case, expected) -> None:
+def _check_row(row: dict, impl: Implementation, reason: Optional[str], q, k, v, dout, sinks, case,
+               expected) -> None:
     """Check ``impl`` on the case's inputs before it is timed (:func:`check`) into ``row``; a wrong
     result of this package is an ``error`` row."""
     if reason is not None or impl.forward is None:
@@ -581,7 +629,7 @@ def _check_row(row: dict, impl: Implementation, reason: Optional[str], q, k, v, 
         return
     try:
         with impl.context():
-            row.update(check(impl.forward, q, k, v, dout, case["causal"], case["dtype"], expected()))
+            row.update(check(impl.forward, q, k, v, dout, case["causal"], case["dtype"], expected(), sinks))
     except Exception as exc:  # noqa: BLE001  (timing reports the implementation's own refusal)
         row["check"] = f"not checked: {type(exc).__name__}"
         return
@@ -631,6 +679,7 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
     except Exception as exc:  # noqa: BLE001  (an SDPA backend that rejects a shape, OOM...)
         note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
         row.update(status="error" if impl.backend is not None else "unsupported", note=note)
+        row.pop("time_ms", None)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -698,8 +747,10 @@ def _progress_line(row: dict) -> str:
             return f"{head} {row['status']}: {row.get('note', '')}"
         pct = f" ({row['bw_pct']:.0f} % of measured)" if row.get("bw_pct") is not None else ""
         return f"{head} {row['time_ms']:9.3f} ms {row['gbps']:7.0f} GB/s{pct}"
+    dims = f"{row['headdim']}/{row['headdim_v']}" if row.get("headdim_v") else f"{row['headdim']}"
+    dims += "+sinks" if row.get("sinks") else ""
     heads = f" h={row['heads']}/{row['kv_heads']} b={row['batch']}" if row.get("held_out") else ""
-    head = (f"  {row['dtype']} d={row['headdim']:<3} {'causal' if row['causal'] else 'full':<6} {row['pass']:<7} "
+    head = (f"  {row['dtype']} d={dims:<3} {'causal' if row['causal'] else 'full':<6} {row['pass']:<7} "
             f"s={row['seqlen']:<6}{heads} {row['impl']:<20}")
     if row.get("status") != "ok":
         return f"{head} {row['status']}: {row.get('note', '')}"
@@ -716,21 +767,28 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
         return []
     # decode and the copy are in GB/s, the held-out shapes each their own: not plotted
     rows = [r for r in rows if r["pass"] in ("fwd", "fwd_bwd") and not r.get("held_out")]
+
+    def dims(r):  # a panel per head dim, v's too where it differs
+        return f"{r['headdim']}/{r['headdim_v']}" if r.get("headdim_v") else str(r["headdim"])
+
+    def label(r):  # a line per implementation, with sinks apart
+        return r["impl"] + (" +sinks" if r.get("sinks") else "")
+
     written = []
     for dtype in sorted({r["dtype"] for r in rows}):
         subset = [r for r in rows if r["dtype"] == dtype]
-        headdims = sorted({r["headdim"] for r in subset})
+        headdims = sorted({dims(r) for r in subset}, key=lambda text: [int(x) for x in text.split("/")])
         columns = sorted({(r["pass"], r["causal"]) for r in subset})
         fig, axes = plt.subplots(len(headdims), len(columns), figsize=(3.6 * len(columns), 2.8 * len(headdims)),
                                  squeeze=False, sharex=True)
         for i, headdim in enumerate(headdims):
             for j, (pass_, causal) in enumerate(columns):
                 ax = axes[i][j]
-                for impl in dict.fromkeys(r["impl"] for r in subset):
-                    pts = [r for r in subset if r["impl"] == impl and r["headdim"] == headdim and r["pass"] == pass_
+                for name in dict.fromkeys(label(r) for r in subset):
+                    pts = [r for r in subset if label(r) == name and dims(r) == headdim and r["pass"] == pass_
                            and r["causal"] == causal and r.get("status") == "ok"]
                     if pts:
-                        ax.plot([r["seqlen"] for r in pts], [r["tflops"] for r in pts], marker="o", label=impl)
+                        ax.plot([r["seqlen"] for r in pts], [r["tflops"] for r in pts], marker="o", label=name)
                 ax.set_xscale("log", base=2)
                 ax.set_title(f"d={headdim} {pass_} {'causal' if causal else 'non-causal'}", fontsize=9)
                 ax.set_ylabel("TFLOP/s")
@@ -747,9 +805,9 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     return written
 
 
-COLUMNS = ("impl", "what", "held_out", "dtype", "headdim", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
-           "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "host_ms", "host_bound", "check", "err_out", "err_grad",
-           "status", "note")
+COLUMNS = ("impl", "what", "held_out", "dtype", "headdim", "headdim_v", "sinks", "causal", "pass", "seqlen", "cachelen", "batch",
+           "heads", "kv_heads", "time_ms", "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct",
+           "host_ms", "host_bound", "check", "err_out", "err_grad", "status", "note")
 
 
 class RowWriter:
@@ -788,6 +846,7 @@ def config_from_args(args, default_seqlens=()) -> dict:
         "total_tokens": args.total_tokens, "hidden": args.hidden,
         "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
         "decode": None, "held_out": bool(getattr(args, "held_out", False)),
+        "beyond": list(BEYOND_CASES) if args.beyond and not args.quick else [],
     }
     if args.decode:
         config["decode"] = dict(DECODE_SHAPE, copy_bytes=COPY_BYTES,
@@ -821,7 +880,8 @@ def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None,
         pngs = plot(rows, args.out, "bench-gpu", f"{meta['machine'].get('gpu')}, torch {meta['machine']['torch']}")
         paths["png"] = ", ".join(map(str, pngs)) or "(not written: matplotlib is not installed)"
     ok = [r for r in rows if r.get("status") == "ok" and r["pass"] in ("fwd", "fwd_bwd")]
-    print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("causal", "causal"), ("pass", "pass"),
+    print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("headdim_v", "d_v"), ("sinks", "sinks"),
+                                     ("causal", "causal"), ("pass", "pass"),
                                      ("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "ms"),
                                      ("tflops", "TFLOP/s")]))
     if config["decode"]:

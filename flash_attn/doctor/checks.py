@@ -14,6 +14,7 @@ from flash_attn.aot.library import LIBRARY_ENV, LIBRARY_NAME, is_cpu_only_build
 from flash_attn.aot.manifest import DIR_ENV
 from flash_attn.doctor.facts import collect
 from flash_attn.doctor.report import Finding, Report
+from flash_attn.planning.families import FAMILIES, arch_family
 
 # Oldest Linux driver of each CUDA major version (NVIDIA's CUDA compatibility tables).
 MIN_DRIVER_FOR_CUDA_MAJOR = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
@@ -166,12 +167,35 @@ def torch_cpu_build(facts: dict) -> list[Finding]:
     )]
 
 
+def _rocm(facts: dict) -> bool:
+    return bool(facts["torch"].get("installed") and facts["torch"].get("build") == "ROCm")
+
+
+def _amd_families_text() -> str:
+    """The AMD families with launch tables and their processors, for the reader."""
+    return "; ".join(f"{f.name}: {', '.join(f.devices.names)} ({f.gpus})" for f in FAMILIES.values()
+                     if f.vendor == "amd")
+
+
+ROCM_TRITON_FIX = ("install the Triton of your ROCm PyTorch (`pip install pytorch-triton-rocm` from the same ROCm "
+                   "wheel index as torch; these kernels need Triton 3.7 to 3.9)")
+
+
 def torch_rocm(facts: dict) -> list[Finding]:
-    if not (facts["torch"].get("installed") and facts["torch"].get("build") == "ROCm"):
+    """A ROCm build of PyTorch: what runs on its AMD GPUs."""
+    if not _rocm(facts):
         return []
-    return [Finding("torch-rocm", "warning", "PyTorch is a ROCm build",
-                    "The GPU kernels of this package target NVIDIA GPUs; AMD GPUs run the reference backend.",
-                    "nothing to do for correctness; for speed use an NVIDIA GPU")]
+    triton = facts["triton"]
+    detail = (f"PyTorch {facts['torch'].get('version')} (HIP {facts['torch'].get('hip')}). AMD GPUs of these families run "
+              f"this package's Triton kernels (forward, backward, varlen, paged and KV-cache attention, the fused ops), "
+              f"compiled on first use with the family's launch tables: {_amd_families_text()}. Other AMD GPUs run the "
+              "exact PyTorch reference backend. The ahead-of-time kernels are NVIDIA images and are not used. "
+              "Unmeasured: no AMD GPU has run these kernels for this project; their results are checked in Triton's "
+              "interpreter and their compiled code statically (`python -m flash_attn amd-kernels`), their speed is "
+              "not known.")
+    if not triton.get("installed"):
+        return [Finding("torch-rocm", "warning", "PyTorch is a ROCm build, without Triton", detail, ROCM_TRITON_FIX)]
+    return [Finding("torch-rocm", "info", "PyTorch is a ROCm build", detail, "")]
 
 
 def _driver_too_old_for_torch(facts: dict) -> list[Finding]:
@@ -283,10 +307,11 @@ def aot_kernels(facts: dict) -> list[Finding]:
                if kernels.get("from_env") else "reinstall flash-attn")
         return [Finding("aot-kernels", "error", "the kernel manifest cannot be read", kernels["error"], fix)]
     if not kernels.get("manifest"):
-        return [Finding("aot-kernels", "warning" if gpu_machine else "info",
+        nvidia_gpus = gpu_machine and not _rocm(facts)  # AMD GPUs run Triton's JIT: no images are for them
+        return [Finding("aot-kernels", "warning" if nvidia_gpus else "info",
                         "this installation ships no ahead-of-time kernels (no manifest.json)",
                         "GPUs use the Triton backend (compiled on first use) or the reference backend.",
-                        "install a CUDA build of flash-attn that ships kernels" if gpu_machine else "")]
+                        "install a CUDA build of flash-attn that ships kernels" if nvidia_gpus else "")]
     unusable = kernels.get("unusable_images")
     if unusable:
         shown = unusable[:20] + ([f"... and {len(unusable) - 20} more"] if len(unusable) > 20 else [])
@@ -336,7 +361,16 @@ def arch_not_shipped(facts: dict) -> list[Finding]:
 
 
 def _needs_triton(gpu: dict, facts: dict) -> bool:
+    if gpu.get("gcn_arch"):  # AMD: what needs Triton is a GPU of a family with launch tables
+        return gpu["auto"] == "reference" and not facts["triton"].get("installed") and _amd_family(gpu) is not None
     return gpu["auto"] == "reference" and _capability(gpu) >= MIN_CAPABILITY and not facts["triton"].get("installed")
+
+
+def _amd_family(gpu: dict) -> Optional[str]:
+    try:
+        return arch_family(gpu["gcn_arch"])
+    except (ValueError, TypeError):
+        return None
 
 
 def triton_missing(facts: dict) -> list[Finding]:
@@ -345,6 +379,7 @@ def triton_missing(facts: dict) -> list[Finding]:
         "triton-missing", "error",
         f"{_label(gpu)}: Triton is not installed, so this GPU runs the slow reference backend",
         "No ahead-of-time kernel can run here (" + "; ".join(gpu["why_not_aot"]) + ").",
+        ROCM_TRITON_FIX if gpu.get("gcn_arch") else
         "`pip install triton` or `conda install triton` (or install a flash-attn build whose "
         "kernels include this architecture)",
     ) for gpu in _gpus_torch_uses(facts) if _needs_triton(gpu, facts)]
@@ -355,7 +390,22 @@ def triton_missing(facts: dict) -> list[Finding]:
     return findings
 
 
+def _amd_gpu_backend_finding(gpu: dict) -> Optional[Finding]:
+    if gpu["auto"] == "triton":
+        family = arch_family(gpu["gcn_arch"])
+        return Finding("gpu-backend", "info", f"{_label(gpu)}: auto runs the Triton kernels with the {family} tables",
+                       "compiled on first use (seconds per kernel variant); unmeasured on AMD GPUs",  "")
+    if gpu["auto"] != "reference":
+        return None
+    return Finding("gpu-backend", "warning", f"{_label(gpu)}: auto uses the reference backend",
+                   "; ".join(gpu["why_not_aot"]) or "no GPU backend can run",
+                   f"the Triton kernels have launch tables for {_amd_families_text()}; this GPU gets exact results "
+                   "from the reference backend")
+
+
 def _gpu_backend_finding(gpu: dict) -> Optional[Finding]:
+    if gpu.get("gcn_arch"):
+        return _amd_gpu_backend_finding(gpu)
     if gpu["auto"] == "triton":
         return Finding("gpu-backend", "warning", f"{_label(gpu)}: auto uses Triton (JIT), not the ahead-of-time kernels",
                        "; ".join(gpu["why_not_aot"]),
@@ -425,6 +475,28 @@ def fused_ops(facts: dict) -> list[Finding]:
                     "`pip install triton` or `conda install triton`")]
 
 
+# What was found of Triton's Intel backend (issue 47; benchmarks/README.md, "AMD and Intel GPUs").
+XPU_WHY = ("Triton's Intel backend (`triton-xpu` on PyPI) was tried without an Intel GPU on 2026-11-29: its newest "
+           "release, 3.3.0b1, installs and compiles small kernels to SPIR-V (after Level Zero's and SYCL's libraries), "
+           "but it is older than the Triton 3.7 these kernels need (it has no tensor descriptors, so the forward "
+           "and backward do not compile) and its native code needs Intel's offline compiler, so nothing of the "
+           "kernels could be shown for Intel GPUs")
+
+
+def other_gpus(facts: dict) -> list[Finding]:
+    """GPUs of other kinds PyTorch can use (Apple's MPS, Intel's XPU): the reference backend, and why."""
+    torch_info = facts["torch"]
+    findings = []
+    if torch_info.get("xpu_available"):
+        findings.append(Finding("other-gpus", "info", "Intel GPU (xpu) tensors run the exact reference backend",
+                                XPU_WHY + ".", ""))
+    if torch_info.get("mps_available"):
+        findings.append(Finding("other-gpus", "info", "Apple GPU (mps) tensors run the exact reference backend",
+                                "No kernel of this package targets Apple GPUs; a fast path there waits until one "
+                                "can be measured.", ""))
+    return findings
+
+
 def no_gpu(facts: dict) -> list[Finding]:
     if not facts["torch"].get("installed") or facts["driver"].get("devices") or facts["gpus"]:
         return []
@@ -464,6 +536,7 @@ CHECKS: dict[str, Callable[[dict], list[Finding]]] = {
     "gpu-backend": gpu_backend,
     "backend-env": backend_env,
     "fused-ops": fused_ops,
+    "other-gpus": other_gpus,
     "no-gpu": no_gpu,
 }
 

@@ -93,12 +93,15 @@ def _torch_devices(torch: Any, info: dict) -> list[dict]:
     try:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            devices.append({
+            device = {
                 "index": index,
                 "name": props.name,
                 "capability": [props.major, props.minor],
                 "memory_bytes": int(props.total_memory),
-            })
+            }
+            if info.get("hip"):  # an AMD GPU: its gcnArchName names it (the capability is a stand-in)
+                device["gcn_arch"] = getattr(props, "gcnArchName", None)
+            devices.append(device)
     except Exception as exc:  # noqa: BLE001
         info["cuda_error"] = error_text(exc)
     return devices
@@ -125,6 +128,11 @@ def probe_torch() -> dict:
     info["devices"] = _torch_devices(torch, info) if info["cuda_available"] else []
     mps = getattr(torch.backends, "mps", None)
     info["mps_available"] = bool(mps is not None and mps.is_available())
+    xpu = getattr(torch, "xpu", None)
+    try:
+        info["xpu_available"] = bool(xpu is not None and xpu.is_available())
+    except Exception:  # noqa: BLE001  (a broken XPU runtime is no XPU)
+        info["xpu_available"] = False
     return info
 
 

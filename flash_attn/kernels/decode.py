@@ -88,20 +88,21 @@ def _cache_rows(rows, row_mask, seq, bt_row, page_size, identity_table, PAGED: t
 
 @triton.jit
 def _attend_blocks(
-    acc, m_i, l_i, q, row_pos, slope_log2,
-    K, V, seq, bt_row, block_start, block_end, first_row, seqlen_k, seqlen_q, offs_d, d_mask, page_size,
-    stride_kb, stride_ks, k_head, stride_vb, stride_vs, v_head,
+    acc, m_i, l_i, q, qv, row_pos, slope_log2,
+    K, V, seq, bt_row, block_start, block_end, first_row, seqlen_k, seqlen_q, offs_d, d_mask, offs_dv, dv_mask,
+    page_size, stride_kb, stride_ks, k_head, stride_vb, stride_vs, v_head,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, window_left, window_right, identity_table,
     BLOCK_N: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    PAGED: tl.constexpr,
+    PAGED: tl.constexpr, HAS_QV: tl.constexpr,
 ):
     """Online softmax over key blocks ``[block_start, block_end)`` (positions ``j``, 0-based).
 
-    ``acc`` (fp32 ``(BLOCK_M, BLOCK_D)``), ``m_i`` (running max, base-2 units) and ``l_i`` (running
+    ``acc`` (fp32 ``(BLOCK_M, BLOCK_DV)``), ``m_i`` (running max, base-2 units) and ``l_i`` (running
     sum) are updated and returned. Every block is masked (key range and window): decoding is bound
     by reading K/V, not by the mask arithmetic. The score scalars come from
     :func:`flash_attn.kernels.masking.score_scalars`; ``slope_log2`` is the ALiBi slope of each
-    row times ``log2(e)``.
+    row times ``log2(e)``. ``HAS_QV``: each V block is also scored against ``qv`` (MLA), read
+    before the scores and used again for the output.
     """
     for block in range(block_start, block_end):
         offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,15 +111,18 @@ def _attend_blocks(
         slot, row = _cache_rows(rows, n_mask, seq, bt_row, page_size, identity_table, PAGED)
         k_off = slot * stride_kb + row * stride_ks + k_head
         v_off = slot * stride_vb + row * stride_vs + v_head
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(K + k_off[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if HAS_QV:
+            v = tl.load(V + v_off[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+            qk = tl.dot(qv, tl.trans(v), qk, input_precision="ieee")
         # softcap (switched at run time by cap_on), ALiBi and the mask: the rule of every kernel
         s, _ = masking.logits_log2(qk, row_pos[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
                                    cap_on, cap_in, cap_out_log2, slope_log2[:, None], window_left, window_right,
                                    True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
-        v = tl.load(V + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if not HAS_QV:
+            v = tl.load(V + v_off[:, None] + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
     return acc, m_i, l_i
@@ -160,14 +164,12 @@ def _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new, use_l
 
 
 @triton.jit
-def _packed_rows(m_block, kv_head, seqlen_q, group, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _packed_rows(m_block, kv_head, seqlen_q, group, BLOCK_M: tl.constexpr):
     """The tile's packed rows ``m -> (query row m // group, head kv_head * group + m % group)``:
-    ``(row_pos, head, m_mask, offs_d, d_mask)``."""
+    ``(row_pos, head, m_mask)``."""
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < seqlen_q * group
-    d_mask = offs_d < head_dim
-    return offs_m // group, kv_head * group + offs_m % group, m_mask, offs_d, d_mask
+    return offs_m // group, kv_head * group + offs_m % group, m_mask
 
 
 @triton.jit
@@ -213,6 +215,14 @@ def _normalised(acc, m_i, l_i, empty_lse):
 
 
 @triton.jit
+def _row_sinks_log2(Sinks, head, m_mask, use_sinks):
+    """Each packed row's attention sink (its head's, times ``log2(e)``), ``-inf`` where there is
+    none (``use_sinks == 0``: ``Sinks`` is not read)."""
+    on = m_mask & ((head * 0 + use_sinks) != 0)  # a tensor compare: the int may arrive as a constant
+    return tl.load(Sinks + head, mask=on, other=float("-inf")).to(tl.float32) * LOG2E
+
+
+@triton.jit
 def _store_out(Out, OutPart, out, b, split, num_splits, row_pos, head, m_mask, offs_d, d_mask, stride_ob, stride_os,
                stride_oh, stride_px, stride_pb, stride_ps, stride_ph):
     """``out`` into the final output (one split, in ``Out``'s dtype) or into this split's fp32
@@ -239,20 +249,21 @@ def _store_lse(Lse, lse, b, split, row_pos, head, m_mask, stride_lx, stride_lb, 
 @triton.jit
 def split_kv_kernel(
     Q, K, V, Out, OutPart, Lse,
-    Seqlens, Leftpad, BatchIdx, BlockTable, Alibi,
+    Seqlens, Leftpad, BatchIdx, BlockTable, Alibi, Sinks, QV,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_px, stride_pb, stride_ps, stride_ph,
     stride_lx, stride_lb, stride_ls, stride_lh,
+    stride_qvb, stride_qvs, stride_qvh,
     stride_btb, stride_ab,
-    nheads_k, seqlen_q, seqlen_new, group, head_dim, page_size,
-    use_leftpad, use_alibi, identity_table,
+    nheads_k, seqlen_q, seqlen_new, group, head_dim, head_dim_v, page_size,
+    use_leftpad, use_alibi, use_sinks, identity_table,
     softmax_scale, softcap, window_left, window_right, empty_lse,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_QV: tl.constexpr,
 ):
     """Grid ``(batch * nheads_k * cdiv(seqlen_q * group, BLOCK_M), num_splits)``.
 
@@ -263,28 +274,40 @@ def split_kv_kernel(
     there is one split, else to the fp32 scratch ``OutPart + split * stride_px + ...``: two
     pointers chosen at run time rather than one pointer of either type, so that the kernel has a
     single signature per dtype (an ahead-of-time build compiles one kernel, not two).
+
+    q/k have ``head_dim`` columns (``BLOCK_D``), v and the output ``head_dim_v`` (``BLOCK_DV``);
+    ``QV`` (``HAS_QV``): MLA's absorbed queries, like q with ``head_dim_v`` columns. The attention
+    sinks (``use_sinks``) join the row sums here when there is one split, else in the combine (once
+    per row, not per split).
     """
     b, kv_head, m_block, split, num_splits = _program_tile(seqlen_q, group, nheads_k, BLOCK_M)
     first_row, seqlen_k, seq, bt_row = _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new,
                                                        use_leftpad, stride_btb, PAGED, HAS_BATCH_IDX, HAS_LEFTPAD)
-    row_pos, head, m_mask, offs_d, d_mask = _packed_rows(m_block, kv_head, seqlen_q, group, head_dim, BLOCK_M, BLOCK_D)
+    row_pos, head, m_mask = _packed_rows(m_block, kv_head, seqlen_q, group, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < head_dim_v
     q = _load_packed_q(Q, b, row_pos, head, m_mask, offs_d, d_mask, stride_qb, stride_qs, stride_qh)
+    qv = q
+    if HAS_QV:
+        qv = _load_packed_q(QV, b, row_pos, head, m_mask, offs_dv, dv_mask, stride_qvb, stride_qvs, stride_qvh)
     slope_log2 = _alibi_slopes_log2(Alibi, b, head, m_mask, stride_ab, use_alibi, HAS_ALIBI, BLOCK_M)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     start, end = _split_share(m_block, split, num_splits, seqlen_q, group, seqlen_k, window_left, window_right,
                               BLOCK_M, BLOCK_N, IS_LOCAL)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_i = _row_sinks_log2(Sinks, head, m_mask, use_sinks * (num_splits == 1))  # else the combine adds them
+    l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
     acc, m_i, l_i = _attend_blocks(
-        acc, m_i, l_i, q, row_pos, slope_log2, K, V, seq, bt_row, start, end, first_row, seqlen_k, seqlen_q,
-        offs_d, d_mask, page_size, stride_kb, stride_ks, kv_head.to(tl.int64) * stride_kh, stride_vb, stride_vs,
-        kv_head.to(tl.int64) * stride_vh, qk_scale_log2, cap_on, cap_in, cap_out_log2, window_left, window_right,
-        identity_table, BLOCK_N, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED)
+        acc, m_i, l_i, q, qv, row_pos, slope_log2, K, V, seq, bt_row, start, end, first_row, seqlen_k, seqlen_q,
+        offs_d, d_mask, offs_dv, dv_mask, page_size, stride_kb, stride_ks, kv_head.to(tl.int64) * stride_kh,
+        stride_vb, stride_vs, kv_head.to(tl.int64) * stride_vh, qk_scale_log2, cap_on, cap_in, cap_out_log2,
+        window_left, window_right, identity_table, BLOCK_N, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, PAGED, HAS_QV)
 
     out, lse = _normalised(acc, m_i, l_i, empty_lse)
-    _store_out(Out, OutPart, out, b, split, num_splits, row_pos, head, m_mask, offs_d, d_mask, stride_ob, stride_os,
+    _store_out(Out, OutPart, out, b, split, num_splits, row_pos, head, m_mask, offs_dv, dv_mask, stride_ob, stride_os,
                stride_oh, stride_px, stride_pb, stride_ps, stride_ph)
     _store_lse(Lse, lse, b, split, row_pos, head, m_mask, stride_lx, stride_lb, stride_ls, stride_lh)
 
@@ -295,6 +318,7 @@ def combine_splits_kernel(
     LsePart,
     Out,
     Lse,
+    Sinks,
     stride_px,
     stride_pb,
     stride_ps,
@@ -313,6 +337,7 @@ def combine_splits_kernel(
     seqlen_q,
     nheads,
     head_dim,
+    use_sinks,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -322,7 +347,10 @@ def combine_splits_kernel(
     partial logsumexps ``lse_s`` and normalised partial outputs ``o_s``:
     ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) o_s``. Splits with
     ``lse_s = -inf`` (no visible key) weigh nothing; a row with none at all gets out 0, lse +inf.
-    ``OutPart`` strides: ``stride_p*``; ``LsePart`` strides: ``stride_m*``.
+    With ``use_sinks`` the row's attention sink (``Sinks[head]``, a logit with no value) joins the
+    sum once: it weighs ``exp(sink - lse)`` and adds nothing to the output.
+    ``OutPart`` strides: ``stride_p*``; ``LsePart`` strides: ``stride_m*``; ``head_dim``: the
+    output's (v's).
     """
     num_r_blocks = tl.cdiv(seqlen_q * nheads, BLOCK_R)
     b = (tl.program_id(0) // num_r_blocks).to(tl.int64)
@@ -337,12 +365,13 @@ def combine_splits_kernel(
     part_ptrs = OutPart + b * stride_pb + t[:, None] * stride_ps + h[:, None] * stride_ph + offs_d[None, :]
     mask = r_mask[:, None] & d_mask[None, :]
 
-    lse_max = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    sink = _row_sinks_log2(Sinks, h, r_mask, use_sinks) * LN2  # natural units, -inf without
+    lse_max = sink
     for s in range(0, num_splits):
         lse_s = tl.load(lse_ptrs + s * stride_mx, mask=r_mask, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse_s)
     shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([BLOCK_R], dtype=tl.float32)
+    total = tl.math.exp2((sink - shift) * LOG2E)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for s in range(0, num_splits):
         lse_s = tl.load(lse_ptrs + s * stride_mx, mask=r_mask, other=float("-inf"))

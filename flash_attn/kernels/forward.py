@@ -17,13 +17,21 @@ Feature flags (``tl.constexpr``):
                 switches it off at run time)
 ``HAS_DROPOUT`` counter-based Philox dropout (:mod:`flash_attn.kernels.dropout_rng`)
 ``IS_PAGED``    K/V rows gathered through ``block_table`` pages of ``page_size`` rows (varlen only)
-``PAD_HEADDIM`` ``head_dim < BLOCK_D``: the padded feature columns are masked
+``PAD_HEADDIM`` ``head_dim < BLOCK_D`` or ``head_dim_v < BLOCK_DV``: the padded feature columns are masked
+``HAS_QV``      MLA's absorbed queries: ``qv`` ``(.., head_dim_v)`` scored against V, the logit of
+                key ``j`` is ``scale * (q . k_j + qv . v_j)``
 
 ``BLOCK_M``/``BLOCK_N`` come from :mod:`flash_attn.planning.configs`, ``BLOCK_D`` is the head dim
-padded to a power of two >= 16. Everything else (sizes, strides, scale, window) is a plain
-argument, so one compiled specialisation serves every input with the same flags (ahead-of-time
-compilation); the dropout seed is an int64 read from the device (``DropoutSeed``), so a CUDA graph
-replay draws a fresh one. The last dimension of every tensor must be contiguous (stride 1).
+of q/k and ``BLOCK_DV`` that of v and the output (``head_dim_v``, which may differ), each padded to
+a power of two >= 16. Everything else (sizes, strides, scale, window) is a plain argument, so one
+compiled specialisation serves every input with the same flags (ahead-of-time compilation); the
+dropout seed is an int64 read from the device (``DropoutSeed``), so a CUDA graph replay draws a
+fresh one. The last dimension of every tensor must be contiguous (stride 1).
+
+Attention sinks (``use_sinks``, a run-time switch of every variant): ``Sinks`` holds one fp32 logit
+per query head that joins every row's softmax denominator with no value (``exp(sink - m)`` added to
+the sum, the row's lse includes it); the online softmax starts from it (:func:`~flash_attn.kernels.
+tiles.sink_state`), so a row that sees no key gets output 0 and lse ``sink``.
 
 MHA/GQA/MQA: query head ``h`` reads kv head ``h // group``; K/V are never repeated.
 A row that sees no key (or only ``-inf`` scores) gets output 0 and lse ``+inf``; a NaN or ``+inf``
@@ -39,19 +47,40 @@ from flash_attn.kernels import masking
 from flash_attn.kernels.dropout_rng import dropout_keep
 from flash_attn.kernels.tiles import (
     LN2, LOG2E, alibi_slope_log2, block_and_batch, head_rows, kv_row_ptrs, load_seed, online_softmax_step, row_ptrs,
-    sequence_bounds, stride_16b,
+    sequence_bounds, sink_state, stride_16b,
 )
 
 
 @triton.jit
+def _key_rows(src, rows, start_n, offs_n, col0, offs_c, c_mask, seqlen_k, MASKED: tl.constexpr,
+              PAD_HEADDIM: tl.constexpr, TMA: tl.constexpr):
+    """One K or V tile: rows ``start_n ...`` (``rows``: their pointers) and columns ``offs_c``
+    (from ``col0``; ``c_mask``: those inside the head dim), zeros outside; through the tensor
+    descriptor ``src`` with ``TMA`` (its bounds mask). Interior tiles (not ``MASKED``) lie inside
+    ``seqlen_k``."""
+    if TMA:
+        tile = src.load([start_n, col0])
+    else:
+        if MASKED:
+            mask = (offs_n < seqlen_k)[:, None] & c_mask[None, :]
+        else:
+            mask = c_mask[None, :]
+        if MASKED or PAD_HEADDIM:
+            tile = tl.load(rows[:, None] + offs_c[None, :], mask=mask, other=0.0)
+        else:
+            tile = tl.load(rows[:, None] + offs_c[None, :])
+    return tile
+
+
+@triton.jit
 def _attend_key_tiles(
-    acc, m_i, l_i, q, offs_m, offs_d, d_mask,
+    acc, m_i, l_i, q, qv, offs_m, offs_d, d_mask, v_start, offs_dv, dv_mask,
     K_head, V_head, K_desc, V_desc, bt_row, lo, hi,
     seqlen_q, seqlen_k, page_size, stride_kpage, stride_ks, stride_vpage, stride_vs,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr, HAS_QV: tl.constexpr,
     BLOCK_N: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
     """Online-softmax update of one query block over the key tiles ``[lo, hi)``.
@@ -60,22 +89,19 @@ def _attend_key_tiles(
     are fully visible, so they load without a row mask and compute no mask at all. With ``TMA``
     K and V come through the tensor descriptors ``K_desc``/``V_desc`` (whose bounds mask). ``WS``:
     Triton warp-specialises the loop (a producer warpgroup loads, consumer warpgroups compute).
+    ``HAS_QV``: the V tile is loaded first and scored against ``qv`` too. V's columns: ``offs_dv``
+    (from ``v_start``), this program's share of the output's.
     """
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_rows = kv_row_ptrs(K_head, start_n, seqlen_k, bt_row, page_size, stride_kpage, stride_ks, BLOCK_N, IS_PAGED)
         v_rows = kv_row_ptrs(V_head, start_n, seqlen_k, bt_row, page_size, stride_vpage, stride_vs, BLOCK_N, IS_PAGED)
-        if MASKED:
-            kv_mask = (offs_n < seqlen_k)[:, None] & d_mask[None, :]
-        else:
-            kv_mask = d_mask[None, :]
-        if TMA:
-            k = K_desc.load([start_n, 0])
-        elif MASKED or PAD_HEADDIM:
-            k = tl.load(k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_rows[:, None] + offs_d[None, :])
+        k = _key_rows(K_desc, k_rows, start_n, offs_n, 0, offs_d, d_mask, seqlen_k, MASKED, PAD_HEADDIM, TMA)
         qk = tl.dot(q, tl.trans(k))
+        if HAS_QV:
+            v = _key_rows(V_desc, v_rows, start_n, offs_n, v_start, offs_dv, dv_mask, seqlen_k, MASKED, PAD_HEADDIM,
+                          TMA)
+            qk = tl.dot(qv, tl.trans(v), qk)
         s, _ = masking.logits_log2(qk, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, qk_scale_log2,
                                    cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                    MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
@@ -84,12 +110,9 @@ def _attend_key_tiles(
             if dropout_p > 0.0:  # compiled in, active per launch
                 keep = dropout_keep(dropout_seed, b, h, offs_m[:, None], offs_n[None, :], dropout_p)
                 p = tl.where(keep, p, 0.0)
-        if TMA:
-            v = V_desc.load([start_n, 0])
-        elif MASKED or PAD_HEADDIM:
-            v = tl.load(v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        else:
-            v = tl.load(v_rows[:, None] + offs_d[None, :])
+        if not HAS_QV:
+            v = _key_rows(V_desc, v_rows, start_n, offs_n, v_start, offs_dv, dv_mask, seqlen_k, MASKED, PAD_HEADDIM,
+                          TMA)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_i, l_i
 
@@ -97,26 +120,35 @@ def _attend_key_tiles(
 @triton.jit
 def attn_fwd_kernel(
     Q, K, V, Out, LSE,
-    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes, DropoutSeed,
+    CuSeqlensQ, CuSeqlensK, BlockTable, AlibiSlopes, DropoutSeed, Sinks, QV,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
+    stride_qvb, stride_qvs, stride_qvh,
     stride_lb, stride_lh,
     stride_btb, stride_ab,
-    seqlen_q, seqlen_k, group, head_dim, page_size, packed, use_alibi,
+    seqlen_q, seqlen_k, group, head_dim, head_dim_v, page_size, packed, use_alibi, use_sinks,
     softmax_scale, softcap, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IS_PAGED: tl.constexpr, PAD_HEADDIM: tl.constexpr, HAS_QV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DVOUT: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads)`` (:func:`block_and_batch`).
+    """Grid ``(cdiv(max_seqlen_q, BLOCK_M) * batch, nheads * BLOCK_DV // BLOCK_DVOUT)``
+    (:func:`block_and_batch`; axis 1 is query head x part).
 
-    Dense: q/out ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``, lse ``(b, h, sq)``. Varlen: q/out
-    ``(total_q, h, d)``, k/v ``(total_k, hk, d)`` (``stride_*b`` = 0) or, paged, page pools
-    ``(pages, page_size, hk, d)`` with ``stride_kb`` the page stride; lse ``(h, total_q)``.
-    ``stride_lb``/``stride_lh`` address lse (its row stride is 1). ``AlibiSlopes`` is fp32
-    ``(h,)`` (``stride_ab`` = 0) or ``(b, h)``.
+    With ``BLOCK_DVOUT < BLOCK_DV`` the output's (v's) columns are split over programs: each
+    computes the scores in full and the output's ``BLOCK_DVOUT`` columns of its part (FlashAttention's
+    accumulator of a 512-wide head takes twice the registers a thread has; the scores are recomputed
+    instead), and the first part stores lse.
+
+    Dense: q ``(b, sq, h, d)``, k ``(b, sk, hk, d)``, v ``(b, sk, hk, dv)``, out ``(b, sq, h, dv)``,
+    lse ``(b, h, sq)``. Varlen: the same without the batch dim, rows packed (``stride_*b`` = 0) or,
+    for K/V, paged: page pools ``(pages, page_size, hk, d or dv)`` with ``stride_kb`` the page
+    stride; lse ``(h, total_q)``. ``stride_lb``/``stride_lh`` address lse (its row stride is 1).
+    ``AlibiSlopes`` is fp32 ``(h,)`` (``stride_ab`` = 0) or ``(b, h)``; ``Sinks`` fp32 ``(h,)``
+    (read when ``use_sinks``); ``QV`` like q with v's head dim (``HAS_QV``).
 
     ``WS`` (with ``TMA``, not paged): one warp-specialised loop over every key tile, each masked,
     and Q through a descriptor too: Triton 3.9's Hopper warp specialisation takes one loop and
@@ -128,7 +160,11 @@ def attn_fwd_kernel(
     stride_ob, stride_os, stride_oh = stride_16b(stride_ob), stride_16b(stride_os), stride_16b(stride_oh)
     # heavy causal blocks (large row index) first: better load balance at the tail of the grid
     pid_m, b = block_and_batch(seqlen_q, BLOCK_M, True)
-    h = tl.program_id(1)
+    DV_PARTS: tl.constexpr = BLOCK_DV // BLOCK_DVOUT
+    if HAS_QV:
+        tl.static_assert(DV_PARTS == 1, "qv is scored against all of v's columns: they are not split")
+    h = tl.program_id(1) // DV_PARTS
+    v_start = (tl.program_id(1) % DV_PARTS) * BLOCK_DVOUT
     dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
     q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
     k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
@@ -143,11 +179,15 @@ def attn_fwd_kernel(
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = v_start + tl.arange(0, BLOCK_DVOUT)
     d_mask = offs_d < head_dim
+    dv_mask = offs_dv < head_dim_v
     m_mask = offs_m < seqlen_q
     q_mask = m_mask[:, None]
+    o_mask = m_mask[:, None]
     if PAD_HEADDIM:
         q_mask = q_mask & d_mask[None, :]
+        o_mask = o_mask & dv_mask[None, :]
 
     b64 = b.to(tl.int64)
     Q_head = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
@@ -156,6 +196,12 @@ def attn_fwd_kernel(
     else:
         q = tl.load(row_ptrs(Q_head, start_m, stride_qs, BLOCK_M)[:, None] + offs_d[None, :], mask=q_mask,
                     other=0.0)
+    qv = q
+    if HAS_QV:
+        stride_qvb, stride_qvs, stride_qvh = stride_16b(stride_qvb), stride_16b(stride_qvs), stride_16b(stride_qvh)
+        QV_head = QV + b64 * stride_qvb + q_start.to(tl.int64) * stride_qvs + h * stride_qvh
+        qv = tl.load(row_ptrs(QV_head, start_m, stride_qvs, BLOCK_M)[:, None] + offs_dv[None, :],
+                     mask=m_mask[:, None] & dv_mask[None, :], other=0.0)
     if IS_PAGED:
         K_head = K + kv_h * stride_kh
         V_head = V + kv_h * stride_vh
@@ -166,41 +212,48 @@ def attn_fwd_kernel(
         bt_row = BlockTable
 
     K_desc = head_rows(K_head, seqlen_k, head_dim, stride_ks, USE_TMA, BLOCK_N, BLOCK_D)
-    V_desc = head_rows(V_head, seqlen_k, head_dim, stride_vs, USE_TMA, BLOCK_N, BLOCK_D)
+    V_desc = head_rows(V_head, seqlen_k, head_dim_v, stride_vs, USE_TMA, BLOCK_N, BLOCK_DVOUT)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     slope_log2 = alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i = sink_state(Sinks, h, use_sinks, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_DVOUT], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = masking.key_block_range(start_m, seqlen_q, seqlen_k, window_left, window_right,
                                                      BLOCK_M, BLOCK_N, IS_LOCAL)
     if USE_WS:  # every tile masked, in one loop
         acc, m_i, l_i = _attend_key_tiles(
-            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, lo, hi,
-            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            acc, m_i, l_i, q, qv, offs_m, offs_d, d_mask, v_start, offs_dv, dv_mask, K_head, V_head, K_desc, V_desc,
+            bt_row,
+            lo, hi, seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
             qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed,
-            b, h, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, True, True)
+            b, h, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, HAS_QV, BLOCK_N, True,
+            True)
     else:
         # stage 1: masked tiles left of the interior (sliding window's left edge)
         acc, m_i, l_i = _attend_key_tiles(
-            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, lo, mid_lo,
-            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA, False)
+            acc, m_i, l_i, q, qv, offs_m, offs_d, d_mask, v_start, offs_dv, dv_mask, K_head, V_head, K_desc, V_desc,
+            bt_row,
+            lo, mid_lo, seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed,
+            b, h, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, HAS_QV, BLOCK_N, USE_TMA,
+            False)
         # stage 2: the interior, no mask
         acc, m_i, l_i = _attend_key_tiles(
-            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_lo, mid_hi,
-            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA, False)
+            acc, m_i, l_i, q, qv, offs_m, offs_d, d_mask, v_start, offs_dv, dv_mask, K_head, V_head, K_desc, V_desc,
+            bt_row,
+            mid_lo, mid_hi, seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed,
+            b, h, False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, HAS_QV, BLOCK_N, USE_TMA,
+            False)
         # stage 3: masked tiles right of the interior (diagonal, last partial tile)
         acc, m_i, l_i = _attend_key_tiles(
-            acc, m_i, l_i, q, offs_m, offs_d, d_mask, K_head, V_head, K_desc, V_desc, bt_row, mid_hi, hi,
-            seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
-            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
-            True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, BLOCK_N, USE_TMA, False)
+            acc, m_i, l_i, q, qv, offs_m, offs_d, d_mask, v_start, offs_dv, dv_mask, K_head, V_head, K_desc, V_desc,
+            bt_row,
+            mid_hi, hi, seqlen_q, seqlen_k, page_size, stride_kb, stride_ks, stride_vb, stride_vs,
+            qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right, dropout_p, dropout_seed,
+            b, h, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, HAS_QV, BLOCK_N, USE_TMA,
+            False)
 
     seen = l_i != 0.0  # 0: no visible key (or only -inf scores); a NaN sum (NaN or +inf scores) stays NaN
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
@@ -211,9 +264,9 @@ def attn_fwd_kernel(
 
     O_head = Out + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
     o_rows = row_ptrs(O_head, start_m, stride_os, BLOCK_M)
-    tl.store(o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=q_mask)
+    tl.store(o_rows[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
     L_head = LSE + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q_start
-    tl.store(L_head + offs_m, lse, mask=m_mask)
+    tl.store(L_head + offs_m, lse, mask=m_mask & ((offs_m * 0 + v_start) == 0))  # the first part's
 
 
 @triton.jit

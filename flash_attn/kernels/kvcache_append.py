@@ -115,11 +115,13 @@ def append_kv_kernel(
     nheads_k,
     seqlen_new,
     head_dim,
+    head_dim_v,
     rotary_half,
     page_size,
     identity_table,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr,
     HAS_ROTARY: tl.constexpr,
@@ -127,8 +129,9 @@ def append_kv_kernel(
 ):
     """Grid ``(batch * nheads_k * cdiv(seqlen_new, BLOCK_T),)``: one block of new rows of one head.
 
-    ``K_cache``/``V_cache`` are ``(batch_cache, seqlen_cache, nheads_k, d)`` or, when ``PAGED``,
-    a page pool ``(num_pages, page_size, nheads_k, d)`` (then ``stride_*cb`` is the page stride).
+    ``K_cache``/``V_cache`` are ``(batch_cache, seqlen_cache, nheads_k, d or dv)`` or, when
+    ``PAGED``, a page pool ``(num_pages, page_size, nheads_k, d or dv)`` (then ``stride_*cb`` is the
+    page stride); v's rows have ``head_dim_v`` columns (``BLOCK_DV``), k's ``head_dim``.
     """
     b, h, offs_t, offs_d, t_mask = _head_row_block(seqlen_new, nheads_k, BLOCK_T, BLOCK_D)
     positions = tl.load(Seqlens + b) + offs_t  # absolute cache rows, also the rotary positions
@@ -156,8 +159,10 @@ def append_kv_kernel(
     d_mask = offs_d < head_dim
     mask = t_mask[:, None] & d_mask[None, :]
     tl.store(k_dst[:, None] + offs_d[None, :], k.to(K_cache.dtype.element_ty), mask=mask)
-    v = tl.load(v_src[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    tl.store(v_dst[:, None] + offs_d[None, :], v, mask=mask)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    v_mask = t_mask[:, None] & (offs_dv < head_dim_v)[None, :]
+    v = tl.load(v_src[:, None] + offs_dv[None, :], mask=v_mask, other=0.0)
+    tl.store(v_dst[:, None] + offs_dv[None, :], v, mask=v_mask)
 
 
 @triton.jit

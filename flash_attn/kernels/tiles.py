@@ -1,6 +1,6 @@
 """Tile helpers the attention kernels share (forward, backward, KV-cache decode): where a
 program's rows and batch entry are, pointers to a tile's rows (dense, varlen or paged), the
-dropout seed, the ALiBi slope, and one step of the online softmax in base 2."""
+dropout seed, the ALiBi slope, the attention sink, and one step of the online softmax in base 2."""
 
 from __future__ import annotations
 
@@ -109,6 +109,17 @@ def alibi_slope_log2(AlibiSlopes, b, h, stride_ab, use_alibi, HAS_ALIBI: tl.cons
         return slope.to(tl.float32) * LOG2E
     else:
         return 0.0
+
+
+@triton.jit
+def sink_state(Sinks, h, use_sinks, BLOCK: tl.constexpr):
+    """``(m, l)``: the online softmax's running row maxima and sums (base 2) of ``BLOCK`` rows of
+    query head ``h`` before any key. With ``use_sinks`` they hold the head's attention sink, a
+    logit ``Sinks[h]`` (natural units) with no value that joins every row's denominator; without,
+    no key seen yet (``-inf``, 0). A sink of ``-inf`` is no sink."""
+    sink = tl.load(Sinks + h, mask=use_sinks != 0, other=float("-inf")).to(tl.float32) * LOG2E
+    m = tl.full([BLOCK], 0.0, dtype=tl.float32) + sink
+    return m, tl.where(m == float("-inf"), 0.0, 1.0)
 
 
 @triton.jit

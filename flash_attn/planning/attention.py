@@ -13,12 +13,13 @@ from flash_attn.planning.launches import Target
 from flash_attn.planning.layouts import Layouts, alibi_batch_stride
 from flash_attn.planning.shapes import Scalars, Slot, TensorInfo, is_local
 
-__all__ = ["Sizes", "sizes", "uses_score_features", "block_d", "score_flags", "runs_exact_image",
+__all__ = ["Sizes", "sizes", "uses_score_features", "block_dims", "score_flags", "runs_exact_image",
            "attention_constexprs", "CallSlots", "call_slots", "shared_args"]
 
 
 class Sizes(NamedTuple):
     head_dim: int
+    head_dim_v: int  # v's and the output's
     nheads: int
     nheads_k: int
     batch: int
@@ -36,7 +37,7 @@ def sizes(s) -> Sizes:
         batch, seqlen_q, seqlen_k = s.varlen.batch, s.varlen.max_seqlen_q, s.varlen.max_seqlen_k
     else:
         batch, seqlen_q, seqlen_k = s.q.shape[0], s.q.shape[1], s.k.shape[1]
-    return Sizes(s.q.shape[-1], s.q.shape[-2], s.k.shape[-2], batch, seqlen_q, seqlen_k, packed,
+    return Sizes(s.q.shape[-1], s.v.shape[-1], s.q.shape[-2], s.k.shape[-2], batch, seqlen_q, seqlen_k, packed,
                  packed and s.varlen.block_table is not None, uses_score_features(s.scalars, s.alibi is not None))
 
 
@@ -47,14 +48,22 @@ def uses_score_features(scalars: Scalars, alibi: bool) -> bool:
     return scalars.softcap > 0.0 or alibi or scalars.dropout_p > 0.0
 
 
-def block_d(head_dim: int, features: bool, target: Target) -> int:
-    """``BLOCK_D``: the head dim padded to a power of two (at least 16); the ahead-of-time images
-    exist from the smallest head-dim bucket (of the score-features variant: its smallest, 64)
-    up, exact for smaller head dims."""
-    padded = configs.padded_headdim(head_dim)
+def block_dims(head_dim: int, head_dim_v: int, features: bool, target: Target) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_DV)``: q/k's and v's head dims padded to powers of two (at least 16; where
+    the backward may split the wider one's columns over programs, at least 16 per program, so that
+    each part is an MMA operand). Ahead of time: an image pair the build ships for the family
+    (:func:`~flash_attn.planning.declarations.ships_head_dims`), each from the smallest head-dim
+    bucket (of the score-features variant: its smallest, 64) up; where no image has the pair, the
+    square image of the wider one (exact: the narrower one's columns are masked at run time)."""
+    widest = configs.padded_headdim(max(head_dim, head_dim_v))
+    low = 16 * max(1, widest // configs.GRADIENT_COLUMNS)
+    block_d, block_dv = (max(low, configs.padded_headdim(d)) for d in (head_dim, head_dim_v))
     if target.aot:
-        padded = max(padded, configs.FEATURE_BUCKETS[0] if features else configs.HEADDIM_BUCKETS[0])
-    return padded
+        smallest = configs.FEATURE_BUCKETS[0] if features else configs.HEADDIM_BUCKETS[0]
+        block_d, block_dv = max(block_d, smallest), max(block_dv, smallest)
+        if not declarations.ships_head_dims(target.family, block_d, block_dv, features):
+            block_d = block_dv = max(block_d, block_dv)
+    return block_d, block_dv
 
 
 def score_flags(scalars: Scalars, features: bool) -> dict:
@@ -63,14 +72,14 @@ def score_flags(scalars: Scalars, features: bool) -> dict:
 
 
 def runs_exact_image(kernel: str, target: Target, features: bool, flags: dict, block_d: int,
-                     dtype: torch.dtype) -> bool:
+                     dtype: torch.dtype, block_dv: int) -> bool:
     """Whether the call runs its kernel's exact-call specialisation, in that image's launch config
     (``configs.pick(..., exact=True)``): on the JIT any lean call with the exact flags, ahead of
     time where that image ships."""
     decl = declarations.get(kernel)
     if features or not decl.serves_exactly(flags):
         return False
-    return not target.aot or decl.ships_exact_image(target.family, block_d, dtype)
+    return not target.aot or decl.ships_exact_image(target.family, block_d, dtype, block_dv)
 
 
 def attention_constexprs(kernel: str, target: Target, features: bool, flags: dict, blocks: dict,
@@ -96,6 +105,7 @@ class CallSlots(NamedTuple):
     alibi: Optional[Slot]
     seed: Optional[Slot]
     lse_strides: tuple
+    sinks: Slot  # the forward's attention sinks (lse where the call has none: not read)
 
 
 def call_slots(lay: Layouts, s, sz: Sizes, lse: Slot) -> CallSlots:
@@ -107,7 +117,9 @@ def call_slots(lay: Layouts, s, sz: Sizes, lse: Slot) -> CallSlots:
     alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else (lse if sz.features else None)
     seed = _seed_slot(lay, s.seed, sz.features)
     lse_strides = tuple(lay.strides["lse"][:2]) if not sz.packed else (0, lay.strides["lse"][0])
-    return CallSlots(cu_q, cu_k, block_table, alibi, seed, lse_strides)
+    sinks = getattr(s, "sinks", None)
+    sinks = lay.input("sinks", sinks, "plain") if sinks is not None else lse
+    return CallSlots(cu_q, cu_k, block_table, alibi, seed, lse_strides, sinks)
 
 
 def _seed_slot(lay: Layouts, seed: Optional[TensorInfo], features: bool) -> Optional[Slot]:
@@ -127,6 +139,6 @@ def shared_args(s, sz: Sizes, lay: Layouts, slots: CallSlots) -> dict:
         CuSeqlensQ=slots.cu_q, CuSeqlensK=slots.cu_k, AlibiSlopes=slots.alibi, DropoutSeed=slots.seed,
         stride_lb=slots.lse_strides[0], stride_lh=slots.lse_strides[1], stride_ab=alibi_batch_stride(lay, s.alibi),
         seqlen_q=sz.seqlen_q, seqlen_k=sz.seqlen_k, group=sz.nheads // sz.nheads_k, head_dim=sz.head_dim,
-        packed=int(sz.packed), use_alibi=int(s.alibi is not None), softmax_scale=sc.softmax_scale,
+        head_dim_v=sz.head_dim_v, packed=int(sz.packed), use_alibi=int(s.alibi is not None), softmax_scale=sc.softmax_scale,
         softcap=sc.softcap, window_left=sc.window_left, window_right=sc.window_right, dropout_p=sc.dropout_p,
     )

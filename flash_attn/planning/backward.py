@@ -11,9 +11,10 @@ import torch
 
 from flash_attn.limits import cdiv
 from flash_attn.planning import configs, declarations
-from flash_attn.planning.attention import (CallSlots, Sizes, attention_constexprs, block_d as padded_block_d,
-                                           call_slots, runs_exact_image, score_flags, shared_args, sizes)
-from flash_attn.planning.launches import Launch, Planned, Refusal, Target, finish, kernel_refusal, launch, named
+from flash_attn.planning.attention import (CallSlots, Sizes, attention_constexprs, block_dims, call_slots,
+                                           runs_exact_image, score_flags, shared_args, sizes)
+from flash_attn.planning.launches import (Launch, Planned, Refusal, Target, finish, image_refusal, kernel_refusal, launch,
+                                         named)
 from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import BackwardShape, Slot
 
@@ -23,22 +24,29 @@ _ROWS = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
 
 
 class _Backward(NamedTuple):
-    """One backward call as its launches see it: sizes, ``BLOCK_D`` (of the score-features
-    variant where the call has one; ``lean_block_d``: the preprocess and convert kernels', which
-    have none), the call's flags, the slots and their (batch, row, head) strides, the arguments
-    every dK/dV/dQ kernel takes, and ``pre``: the tiles of the preprocess and convert kernels."""
+    """One backward call as its launches see it: sizes, ``BLOCK_D``/``BLOCK_DV`` (of the
+    score-features variant where the call has one; ``lean_blocks``: the preprocess and convert
+    kernels', which have none), the call's flags, the slots and their (batch, row, head) strides,
+    the arguments every dK/dV/dQ kernel takes, and ``pre``: the tiles of the preprocess and
+    convert kernels."""
 
     s: BackwardShape
     target: Target
     sz: Sizes
     block_d: int
-    lean_block_d: int
+    block_dv: int
+    lean_blocks: tuple
     flags: dict
     lay: Layouts
     rows: dict
     slots: CallSlots
     common: dict
     pre: configs.Config
+
+    @property
+    def config_dim(self) -> int:
+        """The head dim whose launch configs size the dK/dV and dQ tiles: the wider block's."""
+        return max(self.block_d, self.block_dv)
 
 
 class _Accumulator(NamedTuple):
@@ -54,14 +62,20 @@ class _Accumulator(NamedTuple):
 
 def plan_backward(s: BackwardShape, target: Target) -> Planned:
     sz = sizes(s)
-    why = kernel_refusal(s.q.dtype, sz.head_dim, target)
+    why = kernel_refusal(s.q.dtype, sz.head_dim, target, sz.head_dim_v)
     if why is None and sz.paged:
         why = Refusal("the backward of paged K/V (pages may be shared between sequences, which needs atomics)")
+    if why is None and s.qv is not None:
+        why = Refusal("the backward of qv (MLA's absorbed queries; FlashAttention-3 has none either)")
     if why is not None:
         return why
     call = _backward_call(s, target, sz)
-    fused_exact = runs_exact_image("attn_bwd_kernel", target, sz.features, call.flags, call.block_d, s.q.dtype)
-    fused = configs.fused_backward(sz.head_dim, target.family, sz.features, fused_exact)
+    why = image_refusal(target, call.block_d, call.block_dv, sz.features)
+    if why is not None:
+        return why
+    fused_exact = runs_exact_image("attn_bwd_kernel", target, sz.features, call.flags, call.block_d, s.q.dtype,
+                                   call.block_dv)
+    fused = configs.fused_backward(call.config_dim, target.family, sz.features, fused_exact)
     splits = 0  # deterministic=False: one program per key block
     if fused is not None and s.deterministic:
         programs_per_split = sz.batch * sz.nheads_k * _parts(call, _tiles(call, "attn_bwd_kernel", fused))
@@ -73,7 +87,7 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
 
 def _backward_call(s: BackwardShape, target: Target, sz: Sizes) -> _Backward:
     """Lays out the call's inputs and results (in this order: the order of its preparations and buffers)."""
-    block_d = padded_block_d(sz.head_dim, sz.features, target)
+    block_d, block_dv = block_dims(sz.head_dim, sz.head_dim_v, sz.features, target)
     lay = Layouts()
     for name in ("q", "k", "v", "dout", "out"):
         lay.input(name, getattr(s, name), "rows")
@@ -89,16 +103,17 @@ def _backward_call(s: BackwardShape, target: Target, sz: Sizes) -> _Backward:
         Delta=delta, **named("stride_q", "bsh", rows["q"]), **named("stride_k", "bsh", rows["k"]),
         **named("stride_v", "bsh", rows["v"]), **named("stride_do", "bsh", rows["dout"])
     )
-    flags = dict(score_flags(s.scalars, sz.features), PAD_HEADDIM=sz.head_dim != block_d)
-    return _Backward(s, target, sz, block_d, padded_block_d(sz.head_dim, False, target), flags, lay, rows, slots,
-                     common, configs.pick("fwd", sz.head_dim, target.family))
+    flags = dict(score_flags(s.scalars, sz.features), PAD_HEADDIM=sz.head_dim != block_d or sz.head_dim_v != block_dv)
+    lean_blocks = block_dims(sz.head_dim, sz.head_dim_v, False, target)
+    return _Backward(s, target, sz, block_d, block_dv, lean_blocks, flags, lay, rows, slots, common,
+                     configs.pick("fwd", max(lean_blocks), target.family))
 
 
 def _split_launches(call: _Backward) -> list:
     """Delta, then dK/dV over key blocks and dQ over query blocks (no atomics)."""
     sz, family = call.sz, call.target.family
-    dkdv = configs.pick("bwd_dkdv", sz.head_dim, family, sz.features)
-    dq = configs.pick("bwd_dq", sz.head_dim, family, sz.features)
+    dkdv = configs.pick("bwd_dkdv", call.config_dim, family, sz.features)
+    dq = configs.pick("bwd_dq", call.config_dim, family, sz.features)
     return [
         _preprocess(call, None),
         _attention_launch(call, "attn_bwd_dkdv_kernel", dkdv, True, _dkdv_args(call)),
@@ -136,9 +151,9 @@ def _preprocess(call: _Backward, accum: Optional[_Accumulator]) -> Launch:
         Out=Slot("out"), dOut=Slot("dout"), Delta=Slot("delta"), dQAccum=acc.slot, CuSeqlensQ=call.slots.cu_q,
         **named("stride_o", "bsh", call.rows["out"]), **named("stride_do", "bsh", call.rows["dout"]),
         stride_lb=call.slots.lse_strides[0], stride_lh=call.slots.lse_strides[1],
-        **named("stride_a", "bsh", acc.rows), seqlen_q=sz.seqlen_q, head_dim=sz.head_dim, packed=int(sz.packed),
-        slices=acc.splits, split_stride=acc.split_stride),
-        dict(BLOCK_M=pre.block_m, BLOCK_D=call.lean_block_d), pre)
+        **named("stride_a", "bsh", acc.rows), seqlen_q=sz.seqlen_q, head_dim=sz.head_dim, head_dim_v=sz.head_dim_v,
+        packed=int(sz.packed), slices=acc.splits, split_stride=acc.split_stride),
+        dict(BLOCK_M=pre.block_m, BLOCK_D=call.lean_blocks[0], BLOCK_DV=call.lean_blocks[1]), pre)
 
 
 def _convert_launch(call: _Backward, acc: _Accumulator) -> Launch:
@@ -149,11 +164,11 @@ def _convert_launch(call: _Backward, acc: _Accumulator) -> Launch:
         **named("stride_dq", "bsh", call.rows["dq"]), seqlen_q=sz.seqlen_q, head_dim=sz.head_dim,
         packed=int(sz.packed), slices=acc.splits, split_stride=acc.split_stride,
         softmax_scale=call.s.scalars.softmax_scale),
-        dict(BLOCK_M=pre.block_m, BLOCK_D=call.lean_block_d), pre)
+        dict(BLOCK_M=pre.block_m, BLOCK_D=call.lean_blocks[0]), pre)
 
 
 def _tiles(call: _Backward, kernel: str, config: configs.Config) -> dict:
-    return declarations.get(kernel).tile_constexprs(call.block_d, config, call.target.family)
+    return declarations.get(kernel).tile_constexprs(call.block_d, config, call.target.family, call.block_dv)
 
 
 def _parts(call: _Backward, blocks: dict) -> int:

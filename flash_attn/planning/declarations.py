@@ -22,9 +22,10 @@ from types import MappingProxyType
 from typing import Mapping, Optional
 
 from flash_attn import limits
-from flash_attn.planning import configs, signatures
+from flash_attn.planning import configs, families, signatures
 
-__all__ = ["EXACT_IMAGE_BLOCK_DS", "EXACT_IMAGE_DTYPES", "EXACT_IMAGE_FAMILIES", "Kernel", "KERNELS", "get"]
+__all__ = ["EXACT_IMAGE_BLOCK_DS", "EXACT_IMAGE_DTYPES", "EXACT_IMAGE_FAMILIES", "HEAD_DIM_PAIR_IMAGES",
+           "BUCKET_IMAGE_FAMILIES", "Kernel", "KERNELS", "get", "listed", "ships_head_dims"]
 
 
 # q/k/v dtype names (torch's without "torch.", and the kernels' own) -> the kernels' name
@@ -79,11 +80,12 @@ class Kernel:
         """The parameters annotated ``tl.constexpr``."""
         return self.parameters.constexprs
 
-    def ships_exact_image(self, family: str, block_d: int, dtype) -> bool:
-        """Whether an exact-call image of this kernel ships for ``family``, ``block_d`` and
-        ``dtype`` (a ``torch.dtype`` or its name)."""
+    def ships_exact_image(self, family: str, block_d: int, dtype, block_dv: Optional[int] = None) -> bool:
+        """Whether an exact-call image of this kernel ships for ``family``, ``block_d`` (and v's
+        ``block_dv``: the exact images are square, q, k and v of one head dim) and ``dtype`` (a
+        ``torch.dtype`` or its name)."""
         return (bool(self.exact) and family in EXACT_IMAGE_FAMILIES and block_d in EXACT_IMAGE_BLOCK_DS
-                and dtype_name(dtype) in EXACT_IMAGE_DTYPES)
+                and block_dv in (None, block_d) and dtype_name(dtype) in EXACT_IMAGE_DTYPES)
 
     def serves_exactly(self, flags: Mapping[str, object]) -> bool:
         """Whether a call with these constexpr flags is one its exact-call image serves."""
@@ -95,18 +97,25 @@ class Kernel:
             raise ValueError(f"{self.name} has no exact-call image")
         return {**self.folded, **self.exact}
 
-    def tile_constexprs(self, block_d: int, config: "configs.Config", family: str) -> dict:
+    def tile_constexprs(self, block_d: int, config: "configs.Config", family: str,
+                        block_dv: Optional[int] = None) -> dict:
         """The constexprs a launch config fixes on ``family`` (the planner's launch and the
-        build's image agree through this): the blocks it declares, the fused backward's gradient
-        columns (:func:`configs.gradient_columns`), its tensor-descriptor switches
+        build's image agree through this): the blocks it declares (``block_dv``: v's head-dim
+        block, default ``block_d``), the fused backward's gradient columns
+        (:func:`configs.gradient_columns`), its tensor-descriptor switches
         (:func:`configs.uses_tma`, :func:`configs.uses_dq_tma`) and warp specialisation
         (:func:`configs.uses_ws`)."""
         declared = self.constexprs
+        block_dv = block_d if block_dv is None else block_dv
         out = {"BLOCK_M": config.block_m, "BLOCK_D": block_d}
+        if "BLOCK_DV" in declared:
+            out["BLOCK_DV"] = block_dv
+        if "BLOCK_DVOUT" in declared:
+            out["BLOCK_DVOUT"] = configs.output_columns(block_dv)
         if "BLOCK_N" in declared:
             out["BLOCK_N"] = config.block_n
         if "BLOCK_DOUT" in declared:
-            out["BLOCK_DOUT"] = configs.gradient_columns(self.config_kind, family, block_d)
+            out["BLOCK_DOUT"] = configs.gradient_columns(self.config_kind, family, block_d, block_dv)
         if "TMA" in declared:
             out["TMA"] = configs.uses_tma(self.config_kind, family, config)
         if "WS" in declared:
@@ -158,44 +167,82 @@ EXACT_IMAGE_BLOCK_DS = frozenset({64, 128, 256})
 # (folded in both) ran alike
 EXACT_IMAGE_DTYPES = frozenset(limits.KERNEL_DTYPES.values())
 
+# The head-dim buckets whose attention images ship for some families only, lean variant (every
+# other bucket ships for every family, both variants): each costs a compile per kernel, variant and
+# dtype, within the build's budget. Family -> whether it ships; a family not listed takes the answer
+# of its nearest config parent that is (families.lineage), as its launch configs do; none: no.
+# Blackwell takes Hopper's tables but not these images: its compiles at head dim 512 are the
+# build's slowest, and its tiles there are not measured (the JIT runs those calls).
+BUCKET_IMAGE_FAMILIES: Mapping[int, Mapping[str, bool]] = MappingProxyType(
+    {512: MappingProxyType({"sm80": True, "sm90": True, "sm100": False})})
+# The (BLOCK_D, BLOCK_DV) pairs of the attention images besides the square ones (q, k and v of one
+# head dim), lean variant, and where they ship (as above): DeepSeek's 192/128 (and 256/128)
+# training shape. Any other pair runs on the square image of its wider head dim, the narrower
+# one's columns masked at run time (exact).
+HEAD_DIM_PAIR_IMAGES: Mapping[tuple, Mapping[str, bool]] = MappingProxyType(
+    {(256, 128): MappingProxyType({"sm80": True, "sm90": True, "sm100": False})})
+
+
+def listed(family: str, table: Mapping[str, bool]) -> bool:
+    """``family``'s answer in a table of family -> bool: its own, else its nearest config parent's,
+    else no."""
+    for name in families.lineage(family):
+        if name in table:
+            return table[name]
+    return False
+
+
+def ships_head_dims(family: str, block_d: int, block_dv: int, features: bool = False) -> bool:
+    """Whether the attention images of ``family`` include the head-dim pair ``(block_d, block_dv)``
+    (of the score-features variant where ``features``)."""
+    if block_d == block_dv:
+        table = BUCKET_IMAGE_FAMILIES.get(block_d)
+        return table is None or (not features and listed(family, table))
+    return not features and listed(family, HEAD_DIM_PAIR_IMAGES.get((block_d, block_dv), {}))
+
 _DECLARED = (
     Kernel("attn_fwd_kernel", "flash_attn.kernels.forward", "fwd",
-           _pointers(dt="Q K V Out", fp32="LSE AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"),
-           folded=MappingProxyType(dict(_LEAN, IS_PAGED=False, BlockTable=None)), has_features=True, exact=_EXACT),
+           _pointers(dt="Q K V Out QV", fp32="LSE AlibiSlopes Sinks", i32="CuSeqlensQ CuSeqlensK BlockTable",
+                     i64="DropoutSeed"),
+           _ATTENTION_FLOATS, _names("head_dim head_dim_v"),
+           folded=MappingProxyType(dict(_LEAN, IS_PAGED=False, BlockTable=None, HAS_QV=False, QV=None)),
+           has_features=True, exact=_EXACT),
     Kernel("attn_probs_kernel", "flash_attn.kernels.forward", "fwd",
            _pointers(dt="Q K", fp32="LSE S AlibiSlopes", i32="CuSeqlensQ CuSeqlensK BlockTable", i64="DropoutSeed"),
            _ATTENTION_FLOATS, _names("head_dim"), ships=False),
     Kernel("attn_bwd_preprocess_kernel", "flash_attn.kernels.backward", "fwd",
-           _pointers(dt="Out dOut", fp32="Delta dQAccum", i32="CuSeqlensQ"), divisible_by_8=_names("head_dim")),
+           _pointers(dt="Out dOut", fp32="Delta dQAccum", i32="CuSeqlensQ"), divisible_by_8=_names("head_dim head_dim_v")),
     Kernel("attn_bwd_kernel", "flash_attn.kernels.backward", "bwd_fused",
            _pointers(dt="Q K V dOut dK dV", fp32="LSE Delta dQAccum AlibiSlopes", i32="CuSeqlensQ CuSeqlensK",
                      i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True, exact=_EXACT),
+           _ATTENTION_FLOATS, _names("head_dim head_dim_v"), folded=MappingProxyType(_LEAN), has_features=True,
+           exact=_EXACT),
     Kernel("attn_bwd_dq_convert_kernel", "flash_attn.kernels.backward", "fwd",
            _pointers(dt="dQ", fp32="dQAccum", i32="CuSeqlensQ"), _names("softmax_scale"), _names("head_dim")),
     Kernel("attn_bwd_dkdv_kernel", "flash_attn.kernels.backward", "bwd_dkdv",
            _pointers(dt="Q K V dOut dK dV", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True),
+           _ATTENTION_FLOATS, _names("head_dim head_dim_v"), folded=MappingProxyType(_LEAN), has_features=True),
     Kernel("attn_bwd_dq_kernel", "flash_attn.kernels.backward", "bwd_dq",
            _pointers(dt="Q K V dOut dQ", fp32="LSE Delta AlibiSlopes", i32="CuSeqlensQ CuSeqlensK", i64="DropoutSeed"),
-           _ATTENTION_FLOATS, _names("head_dim"), folded=MappingProxyType(_LEAN), has_features=True),
+           _ATTENTION_FLOATS, _names("head_dim head_dim_v"), folded=MappingProxyType(_LEAN), has_features=True),
     # The KV-cache kernels ship one "superset" variant (every feature compiled in, switched at run
     # time; plain caches addressed as one page per sequence): flash_attn.planning.decode_configs.
     Kernel("split_kv_kernel", "flash_attn.kernels.decode", None,
-           _pointers(dt="Q K V Out", fp32="OutPart Lse Alibi", i32="Seqlens Leftpad BatchIdx BlockTable"),
+           _pointers(dt="Q K V Out QV", fp32="OutPart Lse Alibi Sinks", i32="Seqlens Leftpad BatchIdx BlockTable"),
            _names("softmax_scale softcap empty_lse"),
            _names("stride_qb stride_qs stride_qh stride_kb stride_ks stride_kh stride_vb stride_vs stride_vh "
-                  "stride_ob stride_os stride_oh stride_px stride_pb stride_ps stride_ph head_dim"),
+                  "stride_ob stride_os stride_oh stride_px stride_pb stride_ps stride_ph stride_qvb stride_qvs "
+                  "stride_qvh head_dim head_dim_v"),
            folded=MappingProxyType(dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True,
                                         HAS_BATCH_IDX=False, HAS_LEFTPAD=True))),
     Kernel("combine_splits_kernel", "flash_attn.kernels.decode", None,
-           _pointers(dt="Out", fp32="OutPart LsePart Lse"),
+           _pointers(dt="Out", fp32="OutPart LsePart Lse Sinks"),
            divisible_by_8=_names("stride_px stride_pb stride_ps stride_ph stride_ob stride_os stride_oh head_dim")),
     Kernel("append_kv_kernel", "flash_attn.kernels.kvcache_append", None,
            _pointers(dt="K_new V_new K_cache V_cache", fp32="Cos Sin", i32="Seqlens BatchIdx BlockTable"),
            divisible_by_8=_names("stride_knb stride_kns stride_knh stride_vnb stride_vns stride_vnh "
-                                 "stride_kcb stride_kcs stride_kch stride_vcb stride_vcs stride_vch head_dim"),
+                                 "stride_kcb stride_kcs stride_kch stride_vcb stride_vcs stride_vch head_dim "
+                                 "head_dim_v"),
            folded=MappingProxyType(dict(PAGED=True, HAS_BATCH_IDX=False))),
     Kernel("rotary_q_kernel", "flash_attn.kernels.kvcache_append", None,
            _pointers(dt="Q Q_out", fp32="Cos Sin", i32="Seqlens"),

@@ -7,54 +7,69 @@ import torch
 
 from flash_attn.limits import cdiv
 from flash_attn.planning import configs, declarations
-from flash_attn.planning.attention import (attention_constexprs, block_d as padded_block_d, call_slots,
-                                           runs_exact_image, score_flags, shared_args, sizes)
-from flash_attn.planning.launches import Launch, Planned, Refusal, Target, finish, kernel_refusal, launch, named
+from flash_attn.planning.attention import (attention_constexprs, block_dims, call_slots, runs_exact_image,
+                                           score_flags, shared_args, sizes)
+from flash_attn.planning.launches import (Launch, Planned, Refusal, Target, finish, image_refusal, kernel_refusal, launch,
+                                         named)
 from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import ForwardShape, Slot
 
 __all__ = ["plan_forward"]
 
 
-def _refusal(s: ForwardShape, head_dim: int, paged: bool, target: Target):
-    why = kernel_refusal(s.q.dtype, head_dim, target)
+def _refusal(s: ForwardShape, head_dim: int, head_dim_v: int, paged: bool, target: Target):
+    why = kernel_refusal(s.q.dtype, head_dim, target, head_dim_v)
     if why is None and target.aot and paged:
         why = Refusal("paged K/V in the varlen forward (not compiled ahead of time)")
     if why is None and target.aot and s.return_softmax:
         why = Refusal("return_attn_probs (a testing feature) is not compiled ahead of time")
+    if why is None and target.aot and s.qv is not None:
+        why = Refusal("qv (MLA's absorbed queries) in the forward (not compiled ahead of time; the KV-cache call's is)")
+    if why is None and s.qv is not None and s.return_softmax:
+        why = Refusal("return_attn_probs with qv")
     return why
 
 
 def plan_forward(s: ForwardShape, target: Target) -> Planned:
     sz = sizes(s)
-    why = _refusal(s, sz.head_dim, sz.paged, target)
+    why = _refusal(s, sz.head_dim, sz.head_dim_v, sz.paged, target)
     if why is not None:
         return why
-    block_d = padded_block_d(sz.head_dim, sz.features, target)
-    flags = dict(score_flags(s.scalars, sz.features), IS_PAGED=sz.paged, PAD_HEADDIM=sz.head_dim != block_d)
-    exact_image = runs_exact_image("attn_fwd_kernel", target, sz.features, flags, block_d, s.q.dtype)
-    config = configs.pick("fwd", sz.head_dim, target.family, sz.features, exact_image)
+    block_d, block_dv = block_dims(sz.head_dim, sz.head_dim_v, sz.features, target)
+    why = image_refusal(target, block_d, block_dv, sz.features)
+    if why is not None:
+        return why
+    flags = dict(score_flags(s.scalars, sz.features), IS_PAGED=sz.paged, HAS_QV=s.qv is not None,
+                 PAD_HEADDIM=sz.head_dim != block_d or sz.head_dim_v != block_dv)
+    exact_image = runs_exact_image("attn_fwd_kernel", target, sz.features, flags, block_d, s.q.dtype, block_dv)
+    config = configs.pick("fwd", max(block_d, block_dv), target.family, sz.features, exact_image)
 
     lay = Layouts()
     q, k, v = lay.input("q", s.q, "rows"), lay.input("k", s.k, "rows"), lay.input("v", s.v, "rows")
-    out = lay.buffer("out", s.q.shape, s.q.dtype, padded=True)
+    qv = lay.input("qv", s.qv, "rows") if s.qv is not None else None
+    out = lay.buffer("out", (*s.q.shape[:-1], sz.head_dim_v), s.q.dtype, padded=True)
     lse_shape = (sz.nheads, s.q.shape[0]) if sz.packed else (sz.batch, sz.nheads, sz.seqlen_q)
     lse = lay.buffer("lse", lse_shape, torch.float32)
     slots = call_slots(lay, s, sz, lse)
     common = dict(shared_args(s, sz, lay, slots), BlockTable=slots.block_table,
                   stride_btb=lay.strides["block_table"][0] if sz.paged else 0,
                   page_size=s.k.shape[1] if sz.paged else 0)
-    blocks = declarations.get("attn_fwd_kernel").tile_constexprs(block_d, config, target.family)
+    blocks = declarations.get("attn_fwd_kernel").tile_constexprs(block_d, config, target.family, block_dv)
+    if s.qv is not None:
+        blocks["BLOCK_DVOUT"] = block_dv  # qv is scored against all of v's columns (JIT only)
     grid = (cdiv(sz.seqlen_q, config.block_m) * sz.batch, sz.nheads)
-    launches = [launch("attn_fwd_kernel", grid, dict(
-        common, Q=q, K=k, V=v, Out=out, LSE=lse,
+    fwd_grid = (grid[0], grid[1] * (block_dv // blocks["BLOCK_DVOUT"]))
+    launches = [launch("attn_fwd_kernel", fwd_grid, dict(
+        common, Q=q, K=k, V=v, Out=out, LSE=lse, QV=qv, Sinks=slots.sinks, use_sinks=int(s.sinks is not None),
         **named("stride_q", "bsh", lay.rows("q")), **named("stride_k", "bsh", lay.rows("k")),
-        **named("stride_v", "bsh", lay.rows("v")), **named("stride_o", "bsh", lay.rows("out"))),
+        **named("stride_v", "bsh", lay.rows("v")), **named("stride_o", "bsh", lay.rows("out")),
+        **named("stride_qv", "bsh", lay.rows("qv") if qv is not None else (0, 0, 0))),
         attention_constexprs("attn_fwd_kernel", target, sz.features, flags, blocks, exact_image), config)]
     if not s.return_softmax:
         return finish(s.q.dtype, lay, launches, ("out", "lse"))
     probs_shape = (sz.batch, sz.nheads, sz.seqlen_q, sz.seqlen_k)
-    launches.append(_probs_launch(lay, common, grid, flags, block_d, config, target, probs_shape))
+    probs_flags = {name: value for name, value in flags.items() if name != "HAS_QV"}
+    launches.append(_probs_launch(lay, common, grid, probs_flags, block_d, config, target, probs_shape))
     return finish(s.q.dtype, lay, launches, ("out", "lse", "s_dmask"))
 
 
@@ -63,6 +78,7 @@ def _probs_launch(lay: Layouts, common: dict, grid: tuple, flags: dict, block_d:
     """The softmax probabilities ``(batch, nheads, seqlen_q, seqlen_k)`` into ``s_dmask`` (zeroed:
     the kernel writes only part of it), on the forward's tiles."""
     s_dmask = lay.buffer("s_dmask", probs_shape, torch.float32, zeroed=True)
+    common = {name: value for name, value in common.items() if name != "head_dim_v"}
     return launch("attn_probs_kernel", grid, dict(
         common, Q=Slot("q"), K=Slot("k"), LSE=Slot("lse"), S=s_dmask,
         **named("stride_q", "bsh", lay.rows("q")), **named("stride_k", "bsh", lay.rows("k")),

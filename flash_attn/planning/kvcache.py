@@ -77,11 +77,19 @@ def _cache_refusal(s: KVCacheShape) -> Optional[Refusal]:
 
 
 def _kvcache_refusal(s: KVCacheShape, target: Target) -> Optional[Refusal]:
-    head_dim = s.q.shape[3]
+    head_dim, head_dim_v = s.q.shape[3], s.v_cache.shape[3]
     if target.aot:
-        return kernel_refusal(s.q.dtype, head_dim, target) or _cache_refusal(s)
-    if head_dim > limits.MAX_HEADDIM:
-        return Refusal(f"head dimension {head_dim} > {limits.MAX_HEADDIM}")
+        why = kernel_refusal(s.q.dtype, head_dim, target) or kernel_refusal(s.q.dtype, head_dim_v, target)
+        if why is None:
+            superset = dc.superset_refusal(target.family, head_dim, head_dim_v, s.qv is not None)
+            why = Refusal(superset) if superset is not None else _cache_refusal(s)
+        return why
+    for name, dim in (("head dimension", head_dim), ("head dimension of v", head_dim_v)):
+        if dim > limits.MAX_HEADDIM:
+            return Refusal(f"{name} {dim} > {limits.MAX_HEADDIM}")
+        why = configs.refusal(dim, target.family)
+        if why is not None:
+            return Refusal(f"{name} {dim} on {target.family}: {why}")
     return None
 
 
@@ -131,8 +139,10 @@ class _KVCall(NamedTuple):
     nheads: int
     nheads_k: int
     head_dim: int
+    head_dim_v: int
     seqlen_new: int
     block_d: int
+    block_dv: int
     q: Slot
     out: Slot
     lse: Slot
@@ -144,6 +154,8 @@ class _KVCall(NamedTuple):
     leftpad: Slot
     batch_idx: Slot
     alibi: Slot
+    sinks: Slot
+    qv: Optional[Slot]
     cache: _CacheAddress
 
     @property
@@ -162,11 +174,13 @@ def _kv_call(s: KVCacheShape, target: Target) -> _KVCall:
     """Lays out the call's inputs and results (in this order: the order of its preparations and buffers)."""
     superset = target.aot
     batch, seqlen_q, nheads, head_dim = s.q.shape
+    head_dim_v = s.v_cache.shape[3]
     lay = Layouts()
     q = lay.input("q", s.q, "rows" if superset else "plain")
+    qv = lay.input("qv", s.qv, "rows" if superset else "plain") if s.qv is not None else None
     lay.strides["k_cache"] = effective_strides(s.k_cache)
     lay.strides["v_cache"] = effective_strides(s.v_cache)
-    out = lay.buffer("out", s.q.shape, s.q.dtype, padded=superset)
+    out = lay.buffer("out", (batch, seqlen_q, nheads, head_dim_v), s.q.dtype, padded=superset)
     lse = lay.buffer("lse", (batch, nheads, seqlen_q), torch.float32)
     seqlens = lay.input("seqlens", s.seqlens, "plain")
     if s.cos is not None:
@@ -179,20 +193,22 @@ def _kv_call(s: KVCacheShape, target: Target) -> _KVCall:
     leftpad = lay.input("leftpad", s.leftpad, "plain") if s.leftpad is not None else seqlens
     batch_idx = lay.input("batch_idx", s.batch_idx, "plain") if s.batch_idx is not None else seqlens
     alibi = lay.input("alibi", s.alibi, "plain") if s.alibi is not None else lse
+    sinks = lay.input("sinks", s.sinks, "plain") if s.sinks is not None else lse
     cache = _cache_address(s, lay, superset, seqlens)
-    block_d = dc.superset_block_d(head_dim) if superset else configs.padded_headdim(head_dim)
+    block_d, block_dv = dc.block_dims(head_dim, head_dim_v, superset, s.qv is not None)
     seqlen_new = 0 if s.k_new is None else s.k_new.shape[1]
     return _KVCall(s=s, superset=superset, lay=lay, batch=batch, seqlen_q=seqlen_q, nheads=nheads,
-                   nheads_k=s.k_cache.shape[2], head_dim=head_dim, seqlen_new=seqlen_new, block_d=block_d, q=q,
-                   out=out, lse=lse, seqlens=seqlens, cos=cos, sin=sin, rotary_half=rotary_half, stride_ro=stride_ro,
-                   leftpad=leftpad, batch_idx=batch_idx, alibi=alibi, cache=cache)
+                   nheads_k=s.k_cache.shape[2], head_dim=head_dim, head_dim_v=head_dim_v, seqlen_new=seqlen_new,
+                   block_d=block_d, block_dv=block_dv, q=q, out=out, lse=lse, seqlens=seqlens, cos=cos, sin=sin,
+                   rotary_half=rotary_half, stride_ro=stride_ro, leftpad=leftpad, batch_idx=batch_idx, alibi=alibi,
+                   sinks=sinks, qv=qv, cache=cache)
 
 
 def _kv_splits(kv: _KVCall, target: Target) -> tuple:
     """The split kernel's config, its query tiles per (batch, kv head), and the number of key splits."""
     s, group = kv.s, kv.nheads // kv.nheads_k
     rows = kv.seqlen_q * group
-    config = dc.decode_config(target.family, kv.head_dim, rows, fp32=s.q.dtype == torch.float32)
+    config = dc.decode_config(target.family, max(kv.block_d, kv.block_dv), rows, fp32=s.q.dtype == torch.float32)
     m_blocks = cdiv(rows, config.block_m)
     query_rows_per_tile = min(kv.seqlen_q, cdiv(config.block_m, group) + 1)
     capacity = kv.cache.capacity
@@ -218,7 +234,7 @@ def _kv_partials(kv: _KVCall, splits: int) -> _Partials:
     if splits == 1:
         return _Partials(1, kv.lse, (0, 0, 0, 0), kv.lse, (0, *kv.lse_rows), float("inf"))
     lay = kv.lay
-    out_part = lay.buffer("out_part", (splits, kv.batch, kv.seqlen_q, kv.nheads, kv.head_dim), torch.float32)
+    out_part = lay.buffer("out_part", (splits, kv.batch, kv.seqlen_q, kv.nheads, kv.head_dim_v), torch.float32)
     lse_part = lay.buffer("lse_part", (splits, kv.batch, kv.seqlen_q, kv.nheads), torch.float32)
     return _Partials(splits, out_part, lay.strides["out_part"][:4], lse_part, lay.strides["lse_part"], float("-inf"))
 
@@ -235,9 +251,10 @@ def _append_launch(kv: _KVCall) -> Launch:
         **named("stride_kc", "bsh", lay.strides["k_cache"][:3]),
         **named("stride_vc", "bsh", lay.strides["v_cache"][:3]),
         stride_btb=cache.stride_btb, stride_ro=kv.stride_ro, nheads_k=kv.nheads_k, seqlen_new=kv.seqlen_new,
-        head_dim=kv.head_dim, rotary_half=kv.rotary_half, page_size=cache.page_size,
+        head_dim=kv.head_dim, head_dim_v=kv.head_dim_v, rotary_half=kv.rotary_half, page_size=cache.page_size,
         identity_table=cache.identity_table),
-        dict(dc.append_constexprs(kv.block_d, cache.paged, cache.batch_idx, s.cos is not None, s.rotary_interleaved)),
+        dict(dc.append_constexprs(kv.block_d, cache.paged, cache.batch_idx, s.cos is not None, s.rotary_interleaved,
+                                  kv.block_dv)),
         dc.AUX_CONFIG)
 
 
@@ -259,19 +276,23 @@ def _plain_decode(kv: _KVCall, config: configs.Config, target: Target) -> bool:
     s, sc = kv.s, kv.s.scalars
     # a window whose left side is unbounded masks nothing for one query row (aligned bottom-right)
     unmasked = not is_local(sc) or (kv.seqlen_q == 1 and sc.window_left < 0)
-    return (dc.ships_exact(target.family) and config == dc.bucket_configs(target.family, kv.block_d)[0]
-            and unmasked and sc.softcap == 0.0 and s.alibi is None and s.leftpad is None
-            and s.block_table is None and s.batch_idx is None)
+    return (dc.ships_exact(target.family) and kv.block_d == kv.block_dv
+            and config == dc.bucket_configs(target.family, kv.block_d)[0] and unmasked and sc.softcap == 0.0
+            and s.alibi is None and s.leftpad is None and s.block_table is None and s.batch_idx is None
+            and s.qv is None)
 
 
 def _split_kv_features(kv: _KVCall, config: configs.Config, target: Target) -> dict:
     """The split kernel's feature flags: the call's own (JIT), else the shipped exact-call image's
     where it serves the call, else every feature (superset)."""
     if kv.superset:
-        return dict(dc.SPLIT_KV_EXACT if _plain_decode(kv, config, target) else dc.SPLIT_KV_SUPERSET)
+        if _plain_decode(kv, config, target):
+            return dict(dc.SPLIT_KV_EXACT)
+        return dict(dc.SPLIT_KV_SUPERSET, HAS_QV=kv.s.qv is not None)
     s = kv.s
     return dict(IS_LOCAL=is_local(s.scalars), HAS_SOFTCAP=s.scalars.softcap > 0.0, HAS_ALIBI=s.alibi is not None,
-                HAS_LEFTPAD=s.leftpad is not None, PAGED=kv.cache.paged, HAS_BATCH_IDX=kv.cache.batch_idx)
+                HAS_LEFTPAD=s.leftpad is not None, PAGED=kv.cache.paged, HAS_BATCH_IDX=kv.cache.batch_idx,
+                HAS_QV=s.qv is not None)
 
 
 def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int, parts: _Partials,
@@ -281,26 +302,30 @@ def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int
     return launch("split_kv_kernel", (kv.batch * kv.nheads_k * m_blocks, parts.splits), dict(
         Q=q, K=Slot("k_cache"), V=Slot("v_cache"), Out=kv.out, OutPart=parts.out, Lse=parts.lse,
         Seqlens=kv.seqlens, Leftpad=kv.leftpad, BatchIdx=kv.batch_idx, BlockTable=cache.block_table, Alibi=kv.alibi,
+        Sinks=kv.sinks, QV=kv.qv if kv.qv is not None else q,
+        **named("stride_qv", "bsh", lay.rows(kv.qv) if kv.qv is not None else (0, 0, 0)),
         **named("stride_q", "bsh", lay.rows(q)), **named("stride_k", "bsh", lay.strides["k_cache"][:3]),
         **named("stride_v", "bsh", lay.strides["v_cache"][:3]), **named("stride_o", "bsh", lay.rows(kv.out)),
         **named("stride_p", "xbsh", parts.out_strides), **named("stride_l", "xbsh", parts.lse_strides),
         stride_btb=cache.stride_btb, stride_ab=alibi_batch_stride(lay, s.alibi),
         nheads_k=kv.nheads_k, seqlen_q=kv.seqlen_q, seqlen_new=kv.seqlen_new, group=kv.nheads // kv.nheads_k,
-        head_dim=kv.head_dim, page_size=cache.page_size, use_leftpad=int(s.leftpad is not None),
-        use_alibi=int(s.alibi is not None), identity_table=cache.identity_table, softmax_scale=sc.softmax_scale,
-        softcap=sc.softcap, window_left=sc.window_left, window_right=sc.window_right, empty_lse=parts.empty_lse),
-        dc.split_kv_constexprs(config, kv.block_d, _split_kv_features(kv, config, target)), config)
+        head_dim=kv.head_dim, head_dim_v=kv.head_dim_v, page_size=cache.page_size,
+        use_leftpad=int(s.leftpad is not None), use_alibi=int(s.alibi is not None), use_sinks=int(s.sinks is not None),
+        identity_table=cache.identity_table, softmax_scale=sc.softmax_scale, softcap=sc.softcap,
+        window_left=sc.window_left, window_right=sc.window_right, empty_lse=parts.empty_lse),
+        dc.split_kv_constexprs(config, kv.block_d, _split_kv_features(kv, config, target), kv.block_dv), config)
 
 
 def _combine_launch(kv: _KVCall, parts: _Partials) -> Launch:
     """Merges the splits' partial results into out and lse."""
     grid = (kv.batch * cdiv(kv.seqlen_q * kv.nheads, dc.COMBINE_BLOCK_R),)
     return launch("combine_splits_kernel", grid, dict(
-        OutPart=parts.out, LsePart=parts.lse, Out=kv.out, Lse=kv.lse,
+        OutPart=parts.out, LsePart=parts.lse, Out=kv.out, Lse=kv.lse, Sinks=kv.sinks,
         **named("stride_p", "xbsh", parts.out_strides), **named("stride_m", "xbsh", parts.lse_strides),
         **named("stride_o", "bsh", kv.lay.rows(kv.out)), **named("stride_l", "bsh", kv.lse_rows),
-        num_splits=parts.splits, seqlen_q=kv.seqlen_q, nheads=kv.nheads, head_dim=kv.head_dim),
-        dc.combine_constexprs(kv.block_d), dc.COMBINE_CONFIG)
+        num_splits=parts.splits, seqlen_q=kv.seqlen_q, nheads=kv.nheads, head_dim=kv.head_dim_v,
+        use_sinks=int(kv.s.sinks is not None)),
+        dc.combine_constexprs(kv.block_dv), dc.COMBINE_CONFIG)
 
 
 def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:

@@ -14,12 +14,12 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
-from flash_attn.planning import configs, registry
+from flash_attn.planning import configs, declarations, registry
 from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import K_ROWS, Q_ROWS, Slot
 
 __all__ = ["Target", "Launch", "Plan", "Refusal", "Planned", "PLANNER", "IMAGES", "DRIVER", "launch", "named",
-           "kernel_refusal", "finish"]
+           "kernel_refusal", "image_refusal", "finish"]
 
 
 class Target(NamedTuple):
@@ -102,16 +102,37 @@ def named(prefix: str, suffixes: str, values) -> dict:
     return {prefix + suffix: int(value) for suffix, value in zip(suffixes, values)}
 
 
-def kernel_refusal(dtype, head_dim: int, target: Target) -> Optional[Refusal]:
-    """Why the kernels (or, for ``target.aot``, their images) cannot take q/k/v of ``dtype`` and ``head_dim``."""
+def kernel_refusal(dtype, head_dim: int, target: Target, head_dim_v: Optional[int] = None) -> Optional[Refusal]:
+    """Why the kernels (or, for ``target.aot``, their images) cannot take q/k/v of ``dtype``,
+    q/k's ``head_dim`` and v's ``head_dim_v`` (default ``head_dim``)."""
     if str(dtype) not in limits.KERNEL_DTYPES:
         return Refusal(f"{dtype} inputs (the kernels take fp16/bf16)")
-    if head_dim > limits.MAX_HEADDIM:
-        return Refusal(f"head dimension {head_dim} > {limits.MAX_HEADDIM}")
-    if target.aot and head_dim % limits.AOT_HEADDIM_MULTIPLE:
-        return Refusal(f"head dimension {head_dim} (the ahead-of-time kernels need a multiple of "
-                       f"{limits.AOT_HEADDIM_MULTIPLE})")
+    for name, dim in (("head dimension", head_dim), ("head dimension of v", head_dim_v)):
+        if dim is None:
+            continue
+        if dim > limits.MAX_HEADDIM:
+            return Refusal(f"{name} {dim} > {limits.MAX_HEADDIM}")
+        why = configs.refusal(dim, target.family)
+        if why is not None:
+            return Refusal(f"{name} {dim} on {target.family}: {why}")
+        if target.aot and dim % limits.AOT_HEADDIM_MULTIPLE:
+            return Refusal(f"{name} {dim} (the ahead-of-time kernels need a multiple of "
+                           f"{limits.AOT_HEADDIM_MULTIPLE})")
     return None
+
+
+def image_refusal(target: Target, block_d: int, block_dv: int, features: bool) -> Optional[Refusal]:
+    """Why the ahead-of-time attention images of ``target`` hold no kernel of these head-dim blocks
+    (and variant), or ``None`` (the JIT compiles any)."""
+    if not target.aot or declarations.ships_head_dims(target.family, block_d, block_dv, features):
+        return None
+    widest = max(block_d, block_dv)
+    if declarations.ships_head_dims(target.family, widest, widest):
+        return Refusal(f"head dimension {widest} with softcap, ALiBi or dropout (its images are of plain calls only)")
+    table = declarations.BUCKET_IMAGE_FAMILIES.get(widest, {})
+    shipping = [name for name, ships in table.items() if ships]
+    return Refusal(f"head dimension {widest} on {target.family} (compiled ahead of time for {', '.join(shipping)} "
+                   f"only)")
 
 
 def _grid_refusal(launches) -> Optional[Refusal]:

@@ -155,6 +155,8 @@ class ForwardShape(NamedTuple):
     scalars: Scalars
     return_softmax: bool
     seed: Optional[TensorInfo]
+    sinks: Optional[TensorInfo] = None  # fp32 (nheads,): attention sinks
+    qv: Optional[TensorInfo] = None  # like q with v's head dim: MLA's absorbed queries
 
 
 class BackwardShape(NamedTuple):
@@ -171,6 +173,7 @@ class BackwardShape(NamedTuple):
     deterministic: bool = False  # the split kernels (no atomics) instead of the fused one
     grads: Optional[tuple] = None  # the caller's (dq, dk, dv) to write in place, where laid out as the kernels write
     delta: bool = False  # Delta = rowsum(dout * out) (fp32, lse's layout) returned as a fourth result
+    qv: Optional[TensorInfo] = None  # MLA's absorbed queries (the kernels have no backward for them)
 
 
 class KVCacheShape(NamedTuple):
@@ -189,6 +192,8 @@ class KVCacheShape(NamedTuple):
     scalars: Scalars
     rotary_interleaved: bool
     num_splits: int
+    sinks: Optional[TensorInfo] = None
+    qv: Optional[TensorInfo] = None
 
 
 def _seed_info(params) -> Optional[TensorInfo]:
@@ -197,7 +202,8 @@ def _seed_info(params) -> Optional[TensorInfo]:
     return info(seed) if params.dropout_p and isinstance(seed, torch.Tensor) else None
 
 
-def describe_forward(q, k, v, params, varlen=None, alibi_slopes=None, return_softmax=False) -> ForwardShape:
+def describe_forward(q, k, v, params, varlen=None, alibi_slopes=None, return_softmax=False, sinks=None,
+                     qv=None) -> ForwardShape:
     # return_softmax: S_dmask is sized by the exact longest sequences
     if _rows_per_call(q, varlen, return_softmax):
         if varlen.block_table is None:
@@ -205,13 +211,14 @@ def describe_forward(q, k, v, params, varlen=None, alibi_slopes=None, return_sof
         else:
             k_info, v_info = info(k), info(v)  # a page pool, not packed rows
         return _new_info(ForwardShape, (_packed_info(q, Q_ROWS), k_info, v_info, _varlen_info(varlen),
-                                        info(alibi_slopes), _scalars(params), False, _seed_info(params)))
+                                        info(alibi_slopes), _scalars(params), False, _seed_info(params), info(sinks),
+                                        _packed_info(qv, Q_ROWS)))
     return _new_info(ForwardShape, (info(q), info(k), info(v), _varlen_info(varlen, exact=True), info(alibi_slopes),
-                                    _scalars(params), bool(return_softmax), _seed_info(params)))
+                                    _scalars(params), bool(return_softmax), _seed_info(params), info(sinks), info(qv)))
 
 
 def describe_backward(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None, deterministic=False,
-                      grads=None, delta=False) -> BackwardShape:
+                      grads=None, delta=False, qv=None) -> BackwardShape:
     """``grads``: the caller's ``(dq, dk, dv)`` (each may be ``None``) for the kernels to write in
     place where they can; ``delta``: return Delta too (the low-level API's ``softmax_d``)."""
     paged = varlen is not None and varlen.block_table is not None  # refused by the planner
@@ -221,19 +228,19 @@ def describe_backward(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes
         return _new_info(BackwardShape, (
             _packed_info(dout, Q_ROWS), _packed_info(q, Q_ROWS), _packed_info(k, K_ROWS), _packed_info(v, K_ROWS),
             _packed_info(out, Q_ROWS), _packed_lse_info(lse), _varlen_info(varlen), info(alibi_slopes),
-            _scalars(params), _seed_info(params), bool(deterministic), grad_infos, bool(delta)))
+            _scalars(params), _seed_info(params), bool(deterministic), grad_infos, bool(delta), info(qv)))
     grad_infos = None if grads is None else (info(grads[0]), info(grads[1]), info(grads[2]))
     return _new_info(BackwardShape, (info(dout), info(q), info(k), info(v), info(out), info(lse),
                                      _varlen_info(varlen, exact=True), info(alibi_slopes), _scalars(params),
-                                     _seed_info(params), bool(deterministic), grad_infos, bool(delta)))
+                                     _seed_info(params), bool(deterministic), grad_infos, bool(delta), info(qv)))
 
 
-def describe_kvcache(q, params, cache, alibi_slopes=None) -> KVCacheShape:
+def describe_kvcache(q, params, cache, alibi_slopes=None, sinks=None, qv=None) -> KVCacheShape:
     return _new_info(KVCacheShape, (
         info(q), info(cache.k_cache), info(cache.v_cache), info(cache.k_new), info(cache.v_new),
         info(cache.cache_seqlens), info(cache.cache_batch_idx), info(cache.cache_leftpad), info(cache.block_table),
         info(cache.rotary_cos), info(cache.rotary_sin), info(alibi_slopes), _scalars(params),
-        bool(cache.rotary_interleaved), int(cache.num_splits),
+        bool(cache.rotary_interleaved), int(cache.num_splits), info(sinks), info(qv),
     ))
 
 

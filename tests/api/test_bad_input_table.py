@@ -1046,6 +1046,28 @@ def public_functions() -> dict[str, list[str]]:
     return found
 
 
+# Parameters another branch adds (issue 44: attention sinks and MLA's absorbed queries): rows for
+# every public function whose signature has one, generated from the parameter's name. A function
+# spelling one differently fails test_every_public_parameter_has_rows: add its name to the tuple.
+SINK_PARAMETERS = ("learnable_sink",)
+QV_PARAMETERS = ("qv",)
+
+
+def _added_parameter_rows() -> None:
+    heads = 4  # every attention control's q has 4 heads
+    for function, parameters in public_functions().items():
+        for p in set(parameters) & set(SINK_PARAMETERS):
+            rows(function, p, not_a("float32", value="sinks"),
+                 ("value", bad("fp16", lambda a: torch.zeros(heads, dtype=F16, device=dev())), TypeError, "float32"),
+                 ("shape", bad("(3,)", lambda a: torch.zeros(heads - 1, device=dev())), ValueError, "shape"),
+                 ("device", bad("meta", lambda a: torch.zeros(heads, device="meta")), ValueError, "meta"))
+        for p in set(parameters) & set(QV_PARAMETERS):  # a valid qv is q-shaped here (v's head dim is q's)
+            rows(function, p, not_a("torch.Tensor", value="x"),
+                 ("value", bad("int32", lambda a: a["q"].to(torch.int32)), TypeError, "float16"),
+                 ("shape", bad("another shape", lambda a: a["q"].unsqueeze(0)), ValueError, "dims"),
+                 ("device", bad("meta", lambda a: a["q"].to("meta")), ValueError, "meta"))
+
+
 def _is_kernel_helper(obj) -> bool:
     triton = pytest.importorskip("triton") if False else __import__("importlib").util.find_spec("triton")
     if triton is None:
@@ -1069,12 +1091,17 @@ def _call(control: Control, args: dict):
     return control.fn(**args)
 
 
+_added_parameter_rows()
+
+
 @pytest.mark.parametrize("row", TABLE, ids=lambda r: r.id)
 def test_bad_input_raises_a_clear_error(row, monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_DEBUG", "1")  # value checks of device tensors too
     control = CONTROLS[row.function]
     args = control.args()
-    assert row.parameter in args, f"{row.function} has no argument {row.parameter}"
+    # a parameter the control leaves at its default is added: the function must have it
+    assert row.parameter in args or row.parameter in public_functions()[row.function], \
+        f"{row.function} has no argument {row.parameter}"
     args[row.parameter] = row.bad(args) if callable(row.bad) and not isinstance(row.bad, (torch.Generator,)) else row.bad
     pattern = "".join(f"(?=.*{re.escape(w)})" for w in row.words)
     with pytest.raises(row.error, match=re.compile(pattern, re.IGNORECASE | re.DOTALL)):

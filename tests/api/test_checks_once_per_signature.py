@@ -118,3 +118,39 @@ def test_varlen_and_kvcache_options_are_remembered_and_still_right():
         flash_attn_with_kvcache(qd, k_cache, v_cache, kd, vd, cache_seqlens=seqlens[:1])
     with pytest.raises(ValueError, match="cache"):
         flash_attn_with_kvcache(qd, k_cache, v_cache, kd, vd, cache_seqlens=16)
+
+
+def test_qv_and_learnable_sink_are_part_of_the_signature():
+    """qv and learnable_sink are checked tensors of the signature: after a call without them (or
+    with good ones) passed, a bad one is still refused, and a good one still changes the answer."""
+    q, k, v = _qkv()
+    sinks = torch.tensor([0.5, -1.0])
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    k_cache, v_cache = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    calls = {
+        "dense": lambda **kw: flash_attn_func(q, k, v, **kw),
+        "varlen": lambda **kw: flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, **kw),
+        "kvcache": lambda **kw: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=8, **kw),
+    }
+    for name, call in calls.items():
+        for _ in range(2):
+            plain = call()
+            with_sinks = call(learnable_sink=sinks)
+        assert not torch.equal(plain, with_sinks), name
+        for bad, error in ((sinks[:1], ValueError), (sinks.double(), TypeError), ([0.5, -1.0], TypeError),
+                           (sinks.to("meta"), ValueError)):
+            with pytest.raises(error, match="learnable_sink"):
+                call(learnable_sink=bad)
+        good_qv = torch.randn_like(q if name != "varlen" else q[0])
+        call(qv=good_qv)
+        call(qv=good_qv)
+        with pytest.raises(ValueError, match="qv"):
+            call(qv=good_qv[..., :8])
+        with pytest.raises(TypeError, match="qv"):
+            call(qv=good_qv.double())
+    # the sinks' answer, against a naive oracle: one more score column of the sink's value, no value row
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    scores = qd @ kd.transpose(-1, -2) / 16 ** 0.5
+    logits = torch.cat([scores, sinks.double().view(1, 2, 1, 1).expand(1, 2, 8, 1)], dim=-1)
+    want = (logits.softmax(-1)[..., :-1] @ vd).transpose(1, 2)
+    torch.testing.assert_close(flash_attn_func(q, k, v, learnable_sink=sinks).double(), want, rtol=1e-4, atol=1e-5)

@@ -6,6 +6,10 @@ kinds and defaults must be identical so existing callers (positional or keyword)
 They are unchanged in upstream's current source (version 2.8.4, commit
 0251105a2fb19d2957484b7f023cd8c115286ced); the low-level functions' and entry points' changes
 since 2.8.3 are checked in tests/api/test_lowlevel_api.py.
+
+Beyond them, keyword-only after the last one (so no positional call changes meaning): the newer
+interfaces' features, spelled as they spell them (``EXTENSIONS``): FlashAttention-4's
+``learnable_sink`` everywhere, FlashAttention-3's ``qv`` where FlashAttention-3 has it.
 """
 
 from __future__ import annotations
@@ -72,6 +76,19 @@ SPEC = {
 }
 
 
+# name -> the keyword-only parameters after flash-attn 2.8's (all default None)
+_SINK, _MLA = ["learnable_sink"], ["qv", "learnable_sink"]
+EXTENSIONS = {
+    "flash_attn_qkvpacked_func": _SINK,
+    "flash_attn_kvpacked_func": _SINK,
+    "flash_attn_func": _MLA,
+    "flash_attn_varlen_qkvpacked_func": _SINK,
+    "flash_attn_varlen_kvpacked_func": _SINK,
+    "flash_attn_varlen_func": _MLA,
+    "flash_attn_with_kvcache": _MLA,
+}
+
+
 def _parse_version(text: str) -> tuple[int, ...]:
     parts = []
     for piece in text.split("+")[0].split("."):
@@ -108,10 +125,13 @@ def test_every_public_name_is_importable_from_both_modules():
 @pytest.mark.parametrize("name", sorted(SPEC))
 def test_signature_matches_flash_attn_2_8(name):
     sig = inspect.signature(getattr(flash_attn, name))
-    got = [(p.name, p.default) for p in sig.parameters.values()]
+    positional = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    got = [(p.name, p.default) for p in positional]
     assert got == SPEC[name], f"{name}{sig}"
-    for p in sig.parameters.values():
+    for p in positional:
         assert p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, f"{name}: {p.name} is {p.kind}"
+    extra = [(p.name, p.default) for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert extra == [(n, None) for n in EXTENSIONS[name]], f"{name}{sig}"
 
 
 @pytest.mark.parametrize("name", sorted(SPEC))

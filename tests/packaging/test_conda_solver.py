@@ -5,9 +5,11 @@ the builds conda-forge's feedstock would publish (this recipe rendered with the 
 13 migration, tests/support/conda_forge_pinning.py), each as rattler-build itself solves its build and host
 environments and attaches their run_exports (``--render-only --with-solve`` over a channel of real,
 empty packages carrying their feedstocks' run_exports.json), beside
-conda-forge-shaped Python, PyTorch, Triton and CUDA records. Each scenario is a machine (its
-virtual packages: a CUDA 12 or 13 driver, none, macOS, Windows) and what the user asks for, and
-asserts the exact flash-attn build picked.
+conda-forge-shaped Python, PyTorch, Triton and CUDA records. The CPU build is `noarch: python`:
+the feedstock builds it once, on linux-64 (conda-smithy drops a noarch build on every other
+platform), and that one file is what macOS, Windows and a Linux machine without a driver get. Each
+scenario is a machine (its virtual packages: a CUDA 12 or 13 driver, none, macOS, Windows) and what
+the user asks for, and asserts the exact flash-attn build picked.
 
 The CPU build is given a *newer* timestamp than the CUDA builds (a rebuild, or a CI job that
 finished later): with equal build numbers that alone makes solvers prefer it
@@ -29,7 +31,7 @@ pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (
 from support import conda_channel, conda_forge_pinning as cf  # noqa: E402
 from support.packaging_helpers import RECIPE, render  # noqa: E402
 
-PLATFORMS = ["linux-64", "osx-arm64", "win-64"]
+PLATFORMS = ["linux-64", "linux-aarch64", "osx-arm64", "win-64"]
 
 
 def virtual(name: str, version: str, build: str = "0"):
@@ -37,12 +39,15 @@ def virtual(name: str, version: str, build: str = "0"):
 
 
 LINUX = [virtual("__unix", "0"), virtual("__linux", "6.8"), virtual("__glibc", "2.35"), virtual("__archspec", "1", "x86_64_v3")]
+ARM = [virtual("__unix", "0"), virtual("__linux", "6.8"), virtual("__glibc", "2.35"), virtual("__archspec", "1", "aarch64")]
 MACHINES = {
     "linux, no GPU": ("linux-64", LINUX),
     "linux, CUDA 12 driver": ("linux-64", [*LINUX, virtual("__cuda", "12.8")]),  # e.g. driver 570
     "linux, CUDA 13 driver": ("linux-64", [*LINUX, virtual("__cuda", "13.0")]),  # e.g. driver 580
     "macOS": ("osx-arm64", [virtual("__unix", "0"), virtual("__osx", "15.5"), virtual("__archspec", "1", "m1")]),
     "windows, CUDA 13 driver": ("win-64", [virtual("__win", "0"), virtual("__cuda", "13.0")]),
+    "linux-aarch64, no GPU": ("linux-aarch64", ARM),  # e.g. a Graviton server
+    "linux-aarch64, CUDA 13 driver": ("linux-aarch64", [*ARM, virtual("__cuda", "13.0")]),  # e.g. GH200, Thor
 }
 
 
@@ -74,6 +79,8 @@ SCENARIOS = {
         "linux, CUDA 13 driver", ["python", "pytorch", "flash-attn"], "cuda129", pytorch="cuda129",
         torch_version="2.13.0", python="3.12", installed=["python 3.12.*", "pytorch * cuda129*"]),
     "CPU build asked for on a GPU machine": Scenario("linux, CUDA 13 driver", ["flash-attn * cpu*"], "cpu"),
+    "linux-aarch64 without a GPU": Scenario("linux-aarch64, no GPU", ["flash-attn"], "cpu", pytorch="cpu"),
+    "linux-aarch64 with a CUDA 13 driver": Scenario("linux-aarch64, CUDA 13 driver", ["flash-attn"], "cuda130", pytorch="cuda130"),
 }
 
 
@@ -90,7 +97,8 @@ def ours(tmp_path_factory) -> dict:
     """The feedstock's builds: platform -> kind (cuda129/cuda130/cpu) -> repodata record, as
     rattler-build itself renders and solves them (``--render-only --with-solve``) over a channel
     of real packages: their ``depends`` are the recipe's run requirements plus the run_exports
-    rattler-build attached from the solved build and host environments."""
+    rattler-build attached from the solved build and host environments. Every platform's "cpu" is
+    the one noarch record the feedstock publishes (built on linux-64)."""
     folder = tmp_path_factory.mktemp("rattler-build")
     url = conda_channel.write_package_channel(folder / "channel", [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)])
     builds = {}
@@ -101,13 +109,19 @@ def ours(tmp_path_factory) -> dict:
         # every build the feedstock renders (skipped ones left out) was solved
         assert sorted(builds[platform]) == sorted(v.recipe["build"]["string"].split("_")[0]
                                                   for v in render(platform, cf.variant_config(cf.feedstock_spec(platform))))
-        builds[platform]["cpu"]["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
+    noarch = builds["linux-64"]["cpu"]
+    assert noarch["subdir"] == "noarch" and noarch["noarch"] == "python"
+    for platform in PLATFORMS:
+        # rendered anywhere, the CPU build is the same file; conda-smithy builds it on linux-64 only
+        assert builds[platform]["cpu"]["fn"] == noarch["fn"] and builds[platform]["cpu"]["depends"] == noarch["depends"]
+        builds[platform]["cpu"] = noarch
+    noarch["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
     return builds
 
 
 def _channel(folder: Path, ours: dict) -> str:
     records = [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)]
-    records += [r for p in PLATFORMS for r in ours[p].values()]
+    records += [r for p in PLATFORMS for kind, r in ours[p].items() if kind != "cpu"] + [ours["linux-64"]["cpu"]]
     return conda_channel.write_channel(folder, records)
 
 
@@ -152,6 +166,8 @@ def test_without_the_build_number_offset_gpu_machines_get_the_cpu_build(tmp_path
     """The control: the same builds with build number 0 everywhere (the recipe before issue 10)
     give a GPU machine the CPU build beside a CUDA PyTorch, the defect the offset fixes."""
     flat = {p: {kind: {**r, "build_number": 0} for kind, r in builds.items()} for p, builds in ours.items()}
+    for builds in flat.values():
+        builds["cpu"] = flat["linux-64"]["cpu"]
     channel = (_channel(tmp_path / "channel", flat), tmp_path / "cache")
     for machine in ("linux, CUDA 12 driver", "linux, CUDA 13 driver"):
         env = solve(channel, machine, ["flash-attn"])
@@ -167,16 +183,20 @@ def test_cpu_build_installs_everywhere(machine, channel, ours):
 
 def test_records_carry_the_run_exports(ours):
     """What rattler-build writes into index.json (it solved build and host and attached the
-    run_exports): run requirements plus the compilers', sysroot's, nvcc's and python-abi3's
-    run_exports; libtorch's pin, cuda-cudart and python's python_abi are ignored."""
+    run_exports): run requirements plus the compilers', sysroot's and nvcc's run_exports; libtorch's
+    pin, cuda-cudart and python's python_abi are ignored; no python-abi3 (the package has no
+    extension module), so nothing restricts the Python beyond `python >=3.10`."""
     cuda129, cuda130, cpu = (set(ours["linux-64"][k]["depends"]) for k in ("cuda129", "cuda130", "cpu"))
-    assert {"python >=3.10", "pytorch >=2.10", "libtorch >=2.10", "pytorch * cuda*", "__cuda >=12",
-            "cuda-version >=12.9,<13", "libgcc >=14", "libstdcxx >=14", "__glibc >=2.17,<3.0.a0",
-            "cpython >=3.10", "_python_abi3_support 1.*"} <= cuda129
-    assert {"__cuda >=13", "cuda-version >=13.0,<14", "libstdcxx >=15", "__glibc >=2.28,<3.0.a0"} <= cuda130
-    assert cpu == {"python >=3.10", "pytorch >=2.10", "cpython >=3.10", "_python_abi3_support 1.*"}
+    assert {"python >=3.10", "pytorch >=2.10", "libtorch >=2.10", "pytorch * cuda*", "__cuda",
+            "cuda-version >=12.9,<13", "libgcc >=14", "libstdcxx >=14", "__glibc >=2.17,<3.0.a0"} <= cuda129
+    assert {"__cuda", "cuda-version >=13.0,<14", "libstdcxx >=15", "__glibc >=2.28,<3.0.a0"} <= cuda130
+    assert cpu == {"python >=3.10", "pytorch >=2.10"}
     for depends in (cuda129, cuda130, cpu):
-        assert not any(d.startswith(("python_abi", "cuda-cudart", "libtorch >=2.10,<")) for d in depends)
+        assert not any(d.startswith(("python_abi", "cuda-cudart", "libtorch >=2.10,<", "cpython", "_python_abi3"))
+                       for d in depends)
     assert ours["linux-64"]["cuda129"]["build_number"] == ours["linux-64"]["cuda130"]["build_number"] == 200
     assert ours["linux-64"]["cpu"]["build_number"] == 0
-    assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())  # CEP-20
+    # the CUDA builds: CEP-20 (their platform's subdir, noarch python in index.json); the CPU build: noarch
+    assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())
+    assert {r["subdir"] for builds in ours.values() for k, r in builds.items() if k != "cpu"} == {"linux-64", "linux-aarch64"}
+    assert ours["osx-arm64"]["cpu"]["subdir"] == "noarch"

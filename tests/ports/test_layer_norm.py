@@ -497,9 +497,11 @@ def test_kernels_compile_for_the_gpu_without_one():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    # n >= 2: with one feature h - mean is 0 and rstd = 1/sqrt(eps), so a one-ulp difference in the
-    # mean (PyTorch's F.layer_norm vs the textbook sum / n) is magnified ~300x: ill-conditioned, not a bug
-    rows=st.integers(1, 6), n=st.integers(2, 70), rms=st.booleans(), bias=st.booleans(), residual=st.booleans(),
+    # n >= 3: with one feature h - mean is 0 and rstd = 1/sqrt(eps), so a one-ulp difference in the
+    # mean (PyTorch's F.layer_norm vs the textbook sum / n) is magnified ~300x; with two the normalised
+    # row is (+1, -1) whatever h is, so LayerNorm's dx is exactly 0 and every implementation returns
+    # rounding noise times rstd (found: 2.5e-5 against a tolerance of 1.5e-5). Ill-conditioned, not a bug
+    rows=st.integers(1, 6), n=st.integers(3, 70), rms=st.booleans(), bias=st.booleans(), residual=st.booleans(),
     parallel=st.sampled_from(["none", "x1", "x1_w1"]), rowscale=st.booleans(), zero_centered=st.booleans(),
     dropout=st.sampled_from([0.0, 0.3]), prenorm=st.booleans(), kernels=st.booleans(),
 )

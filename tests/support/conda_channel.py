@@ -75,8 +75,15 @@ def record_from_rendered(output: dict, platform: str) -> dict:
             depends.append(spec)
     constrains = [entry.get("source") or entry.get("spec") for entry in run.get("constraints", [])]
     return _record(recipe["package"]["name"], str(recipe["package"]["version"]), recipe["build"]["string"],
-                   int(recipe["build"]["number"]), depends, constrains, platform,
-                   noarch="python" if recipe["build"].get("python", {}).get("version_independent") else None)
+                   int(recipe["build"]["number"]), depends, constrains, *package_subdir(recipe["build"], platform))
+
+
+def package_subdir(build: dict, platform: str) -> tuple[str, str | None]:
+    """(subdir, noarch) of a rendered build: `noarch: python` is the noarch subdir; a CEP-20
+    version-independent package is its platform's subdir with `noarch: python` in index.json."""
+    if build.get("noarch"):
+        return "noarch", build["noarch"]
+    return platform, "python" if build.get("python", {}).get("version_independent") else None
 
 
 def rattler_build_records(recipe: Path, platform: str, channel_url: str, variant_files: list[Path],

@@ -4,12 +4,16 @@ Nothing here imports :mod:`flash_attn`: the oracle must be able to disagree with
 Everything is computed with the full ``(seqlen_q x seqlen_k)`` score matrix and explicit boolean
 masks, one formula per line:
 
-* scores ``s[i, j] = scale * q_i . k_j`` (query head ``h`` reads kv head ``h // (H / Hk)``);
+* scores ``s[i, j] = scale * q_i . k_j`` (query head ``h`` reads kv head ``h // (H / Hk)``); v and
+  the output may have their own head dim; with MLA's absorbed queries ``qv`` (like q with v's head
+  dim) ``s[i, j] = scale * (q_i . k_j + qv_i . v_j)``;
 * softcap: ``s = c * tanh(s / c)`` when ``c > 0``;
 * ALiBi: ``s += -slope * |i + sk - sq - j|``;
 * mask (bottom-right aligned): key ``j`` is visible to query ``i`` iff
   ``i + sk - sq - left <= j <= i + sk - sq + right`` (``-1`` = unbounded; causal = ``right 0``);
-* ``P = softmax(s)`` over visible keys; ``lse = log sum exp s`` over visible keys;
+* attention sinks: one more column per row holding the head's sink logit, always visible, whose
+  value vector is 0 (it only joins the denominator; a sink of ``-inf`` is none);
+* ``P = softmax(s)`` over visible keys (and the sink); ``lse = log sum exp s`` over them;
 * dropout with an explicit keep mask: ``out = (P * keep / (1 - p)) @ v``;
 * a row that sees no key: out 0, lse +inf, P 0;
 * special values, as upstream's kernels: a NaN or +inf among a row's visible scores makes its
@@ -69,10 +73,11 @@ class RefResult:
 
 
 def attention_single(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0.0,
-                     slopes_h=None, keep=None, dropout_p=0.0, compute_dtype=F64):
-    """One sequence. q ``(sq, h, d)``, k/v ``(sk, hk, d)``; slopes_h ``(h,)`` or None;
-    keep ``(h, sq, sk)`` bool or None. Returns out ``(sq, h, d)`` in the compute dtype,
-    lse ``(h, sq)``, probs ``(h, sq, sk)``."""
+                     slopes_h=None, keep=None, dropout_p=0.0, compute_dtype=F64, qv=None, sinks=None):
+    """One sequence. q ``(sq, h, d)``, k ``(sk, hk, d)``, v ``(sk, hk, dv)``; slopes_h ``(h,)`` or
+    None; keep ``(h, sq, sk)`` bool or None; qv ``(sq, h, dv)`` or None; sinks ``(h,)`` or None.
+    Returns out ``(sq, h, dv)`` in the compute dtype, lse ``(h, sq)``, probs ``(h, sq, sk)`` (the
+    keys' probabilities; with sinks they sum to less than 1)."""
     cd = compute_dtype or q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     sq, h, d = q.shape
@@ -83,13 +88,20 @@ def attention_single(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0
     kh = k[:, kv_head]  # (sk, h, d)
     vh = v[:, kv_head]
     s = torch.einsum("ihd,jhd->hij", q, kh) * scale  # (h, sq, sk)
+    if qv is not None:
+        s = s + torch.einsum("ihe,jhe->hij", qv.to(cd), vh) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if slopes_h is not None:
         s = s + alibi_bias(slopes_h, sq, sk, cd)
     mask = visible_mask(sq, sk, window[0], window[1], causal, device=q.device).expand(h, sq, sk)
+    if sinks is not None:
+        # the sink as one more key of every row: always visible (unless -inf), value 0
+        sink_column = sinks.to(cd).view(h, 1, 1).expand(h, sq, 1)
+        s = torch.cat([s, sink_column], dim=-1)
+        mask = torch.cat([mask, (sink_column > float("-inf")).detach()], dim=-1)
     s_masked = s.masked_fill(~mask, float("-inf"))  # a fill, not an addition: a hidden NaN stays hidden
-    row_max = s_masked.amax(dim=-1, keepdim=True) if sk > 0 else torch.zeros(h, sq, 1, dtype=cd, device=q.device)
+    row_max = s_masked.amax(dim=-1, keepdim=True) if s.shape[-1] > 0 else torch.zeros(h, sq, 1, dtype=cd, device=q.device)
     # a row without visible keys (or only -inf scores) shifts by 0, so that e is 0, not NaN; a NaN
     # or +inf row max stays and makes the row NaN
     row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max).detach()
@@ -97,7 +109,7 @@ def attention_single(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0
     denom = e.sum(dim=-1, keepdim=True)
     empty = denom == 0  # no visible key with a finite score (a NaN sum is not empty)
     safe_denom = torch.where(empty, torch.ones_like(denom), denom)
-    p = e / safe_denom
+    p = (e / safe_denom)[..., :sk]  # the sink's column holds no value: only its share of the denominator
     lse = torch.where(empty, torch.full_like(denom, float("inf")), row_max + torch.log(safe_denom))
     p_used = p
     if keep is not None:
@@ -105,7 +117,7 @@ def attention_single(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0
     if torch.isfinite(vh).all():
         out = torch.einsum("hij,jhd->ihd", p_used, vh)
     else:  # sum over the visible keys only: a hidden key's weight 0 times its NaN would reach the row
-        terms = (p_used.unsqueeze(-1) * vh.permute(1, 0, 2).unsqueeze(1)).masked_fill(~mask.unsqueeze(-1), 0.0)
+        terms = (p_used.unsqueeze(-1) * vh.permute(1, 0, 2).unsqueeze(1)).masked_fill(~mask[..., :sk].unsqueeze(-1), 0.0)
         out = terms.sum(dim=2).permute(1, 0, 2)
     return out, lse.squeeze(-1), p
 
@@ -116,22 +128,28 @@ def _slopes_for(alibi_slopes, b):
     return alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
 
 
+def default_scale(q, qv=None) -> float:
+    """``1 / sqrt(features)`` of the scores: q's head dim, plus qv's when given."""
+    return (q.shape[-1] + (0 if qv is None else qv.shape[-1])) ** -0.5
+
+
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi_slopes=None, keep=None, dropout_p=0.0, compute_dtype=F64) -> RefResult:
-    """Dense: q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``; keep ``(b, h, sq, sk)`` bool."""
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+                  alibi_slopes=None, keep=None, dropout_p=0.0, compute_dtype=F64, qv=None, sinks=None) -> RefResult:
+    """Dense: q ``(b, sq, h, d)``, k ``(b, sk, hk, d)``, v ``(b, sk, hk, dv)``; keep ``(b, h, sq, sk)``
+    bool; qv ``(b, sq, h, dv)``; sinks ``(h,)``."""
+    scale = default_scale(q, qv) if softmax_scale is None else softmax_scale
     outs, lses, probs = [], [], []
     for b in range(q.shape[0]):
         o, l, p = attention_single(
             q[b], k[b], v[b], scale=scale, causal=causal, window=window, softcap=softcap,
             slopes_h=_slopes_for(alibi_slopes, b), keep=None if keep is None else keep[b],
-            dropout_p=dropout_p, compute_dtype=compute_dtype)
+            dropout_p=dropout_p, compute_dtype=compute_dtype, qv=None if qv is None else qv[b], sinks=sinks)
         outs.append(o), lses.append(l), probs.append(p)
     cd = compute_dtype or q.dtype
     if not outs:
         b, sq, h, d = q.shape
         sk = k.shape[1]
-        return RefResult(q.new_zeros(q.shape, dtype=cd), q.new_zeros((0, h, sq), dtype=cd),
+        return RefResult(q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=cd), q.new_zeros((0, h, sq), dtype=cd),
                          q.new_zeros((0, h, sq, sk), dtype=cd))
     return RefResult(torch.stack(outs), torch.stack(lses), torch.stack(probs))
 
@@ -139,14 +157,14 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window=(-1, -1),
 def attention_varlen_ref(q, k, v, cu_q: Sequence[int], cu_k: Sequence[int], *, softmax_scale=None,
                          causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None,
                          keep=None, dropout_p=0.0, block_table=None, compute_dtype=F64,
-                         max_seqlen_q=None, max_seqlen_k=None) -> RefResult:
+                         max_seqlen_q=None, max_seqlen_k=None, qv=None, sinks=None) -> RefResult:
     """Varlen by looping over sequences. q ``(total_q, h, d)``; k/v ``(total_k, hk, d)`` or, with
     ``block_table`` (a list of lists of page indices), a page pool ``(blocks, page, hk, d)``.
     keep: ``(b, h, max_sq, max_sk)`` bool. Returns lse ``(h, total_q)`` and probs
     ``(b, h, max_sq, max_sk)`` (zero outside each sequence's lengths)."""
     cu_q, cu_k = [int(x) for x in cu_q], [int(x) for x in cu_k]
     batch = len(cu_q) - 1
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    scale = default_scale(q, qv) if softmax_scale is None else softmax_scale
     cd = compute_dtype or q.dtype
     lens_q = [cu_q[i + 1] - cu_q[i] for i in range(batch)]
     lens_k = [cu_k[i + 1] - cu_k[i] for i in range(batch)]
@@ -164,12 +182,13 @@ def attention_varlen_ref(q, k, v, cu_q: Sequence[int], cu_k: Sequence[int], *, s
         kp = None if keep is None else keep[b, :, :lens_q[b], :lens_k[b]]
         o, l, p = attention_single(qb, kb, vb, scale=scale, causal=causal, window=window,
                                    softcap=softcap, slopes_h=_slopes_for(alibi_slopes, b),
-                                   keep=kp, dropout_p=dropout_p, compute_dtype=compute_dtype)
+                                   keep=kp, dropout_p=dropout_p, compute_dtype=compute_dtype,
+                                   qv=None if qv is None else qv[cu_q[b]:cu_q[b + 1]], sinks=sinks)
         outs.append(o), lses.append(l)
         full = torch.zeros(h, msq, msk, dtype=cd, device=q.device)
         full[:, :lens_q[b], :lens_k[b]] = p.detach()
         probs.append(full)
-    out = torch.cat(outs) if outs else q.new_zeros(q.shape, dtype=cd)
+    out = torch.cat(outs) if outs else q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=cd)
     lse = torch.cat(lses, dim=1) if lses else q.new_zeros((h, 0), dtype=cd)
     pr = torch.stack(probs) if probs else q.new_zeros((0, h, msq, msk), dtype=cd)
     return RefResult(out, lse, pr)
@@ -226,7 +245,7 @@ class KVCacheRef:
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
                 cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                 softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                rotary_interleaved=True, alibi_slopes=None, compute_dtype=F64) -> KVCacheRef:
+                rotary_interleaved=True, alibi_slopes=None, compute_dtype=F64, qv=None, sinks=None) -> KVCacheRef:
     """Naive ``flash_attn_with_kvcache``.
 
     Per batch entry b: its cache rows are ``k_cache[cache_batch_idx[b]]`` (or the pages
@@ -248,7 +267,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_
         seqlens = tolist(cache_seqlens)
     bidx = tolist(cache_batch_idx) or list(range(batch))
     pads = tolist(cache_leftpad) or [0] * batch
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = default_scale(q, qv) if softmax_scale is None else softmax_scale
     sn = 0 if k is None else k.shape[1]
     new_k = k_cache.detach().to(F64).clone()
     new_v = v_cache.detach().to(F64).clone()
@@ -283,12 +302,13 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_
         else:
             kb = new_k.new_zeros((0,) + tuple(k_cache.shape[2:]))
             vb = new_v.new_zeros((0,) + tuple(v_cache.shape[2:]))
+        qvb = None if qv is None else qv[b]  # not rotated
         if compute_dtype is None:
             # the low-precision variant sees the cache as stored in the input dtype
             qb, kb, vb = qb.to(q.dtype), kb.to(q.dtype), vb.to(q.dtype)
         o, l, _ = attention_single(qb, kb, vb, scale=scale, causal=causal, window=window,
                                    softcap=softcap, slopes_h=_slopes_for(alibi_slopes, b),
-                                   compute_dtype=cd)
+                                   compute_dtype=cd, qv=qvb, sinks=sinks)
         outs.append(o), lses.append(l)
     return KVCacheRef(torch.stack(outs), torch.stack(lses), new_k, new_v, written)
 

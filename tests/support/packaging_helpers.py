@@ -211,6 +211,42 @@ def run_build_script(src: Path, prefix: Path, python: Path, env: dict) -> BuildR
     return BuildRun(seconds, peak, log)
 
 
+def run_test_built_packages(work: Path, packages: dict[str, list[str]], driver_cuda: str | None, task_env: dict,
+                            failing: str = "") -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """recipe/test_built_packages.sh on empty stand-ins of ``packages`` ({subdir: [file names]}) in
+    ``work``/output, with the variables ``task_env`` (what pixi's task exports) and stand-ins on PATH:
+    `rattler-build` records each call with its CONDA_OVERRIDE_CUDA and fails for a package whose
+    name contains ``failing``; `nvidia-smi` prints a driver header for CUDA ``driver_cuda`` (or is
+    absent). Returns the script's result and {package file: CONDA_OVERRIDE_CUDA it was tested with}."""
+    tools, log = work / "bin", work / "calls.log"
+    tools.mkdir(parents=True)
+    (work / "output").mkdir()
+    for subdir, names in packages.items():
+        (work / "output" / subdir).mkdir()
+        for name in names:
+            (work / "output" / subdir / name).write_bytes(b"")
+    (tools / "rattler-build").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$* CONDA_OVERRIDE_CUDA=${{CONDA_OVERRIDE_CUDA:-}}" >> "{log}"\n'
+        f'case "$*" in *{failing or "no-such-package"}*) exit 1 ;; esac\n')
+    if driver_cuda:
+        (tools / "nvidia-smi").write_text(
+            "#!/usr/bin/env bash\n"
+            f'echo "| NVIDIA-SMI 570.00   Driver Version: 570.00   CUDA Version: {driver_cuda}     |"\n')
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    system = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists())
+    env = {**{k: v for k, v in os.environ.items() if k != "CONDA_OVERRIDE_CUDA"}, **task_env, "PATH": f"{tools}:{system}"}
+    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=work, env=env,
+                            capture_output=True, text=True)
+    calls = {}
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        command, _, override = line.rpartition(" CONDA_OVERRIDE_CUDA=")
+        assert command.startswith("test --package-file output/"), command
+        calls[Path(command.split()[-1]).name] = override
+    return result, calls
+
+
 # Compiled code on Linux, macOS and Windows (shared libraries, Python extensions, objects).
 COMPILED_SUFFIXES = {".so", ".dylib", ".dll", ".pyd", ".o", ".obj", ".a", ".lib"}
 

@@ -639,7 +639,8 @@ def test_fallback_warning_once_per_cause(monkeypatch):
 
 # Command-line front ends: their output is the product.
 # utils/benchmark.py: upstream's benchmark helpers print their measurements when verbose=True (their API)
-LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "kernel_build/build.py", "kernel_build/info.py",
+LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "kernel_build/build.py", "kernel_build/amd.py",
+                                  "kernel_build/info.py",
                                   "utils/benchmark.py"}
 
 
@@ -655,3 +656,79 @@ def test_library_code_never_prints():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
                 offenders.append(f"{relative}:{node.lineno}")
     assert not offenders, f"print() in library code: {offenders}"
+
+
+# ---------------------------------------------------------------------------------------------
+# ROCm PyTorch on AMD GPUs, Intel and Apple GPUs (simulated: no such GPU is available here).
+# ---------------------------------------------------------------------------------------------
+
+MI300X = {"index": 0, "name": "AMD Instinct MI300X", "capability": [9, 4], "memory_bytes": 192 * 2**30,
+          "gcn_arch": "gfx942:sramecc+:xnack-"}
+MI250X = {"index": 0, "name": "AMD Instinct MI250X", "capability": [9, 0], "memory_bytes": 64 * 2**30,
+          "gcn_arch": "gfx90a:sramecc+:xnack-"}
+
+
+def rocm_torch(devices):
+    return {"installed": True, "version": "2.13.0+rocm7.1", "cuda": None, "hip": "7.1.25424", "cxx11_abi": True,
+            "build": "ROCm", "cuda_available": True, "devices": [dict(d) for d in devices], "mps_available": False,
+            "xpu_available": False}
+
+
+@pytest.fixture
+def rocm_machine(gpu_machine, monkeypatch):
+    """A ROCm PyTorch with one AMD GPU; the real dispatcher asks the stubbed torch.cuda."""
+
+    from flash_attn.backends import triton as triton_backend
+    from support import rocm
+
+    def setup(device, triton_installed=True):
+        rocm.simulate(monkeypatch, device["gcn_arch"])
+        dispatch.reset()
+        info = gpu_machine(rocm_torch([device]), driver([]), triton_installed)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))  # ROCm's stand-in
+        return info
+
+    yield setup
+    dispatch.reset()
+    triton_backend._device_target.cache_clear()
+
+
+def test_rocm_with_a_supported_amd_gpu_runs_the_triton_kernels(capsys, rocm_machine):
+    rocm_machine(MI300X)
+    status, report = run_json(capsys)
+    found = checks(report)
+    assert status == 0, [f for f in report["findings"] if f["severity"] == "error"]
+    assert report["gpus"][0]["auto"] == "triton" and report["gpus"][0]["arch"] == "gfx942"
+    rocm = found["torch-rocm"][0]
+    assert rocm["severity"] == "info" and "gfx942" in rocm["detail"] and "Unmeasured" in rocm["detail"]
+    backend = found["gpu-backend"][0]
+    assert backend["severity"] == "info" and "cdna3" in backend["summary"]
+    assert "arch-not-shipped" not in found  # no image is meant for AMD GPUs
+    assert all(f["severity"] == "info" for f in found.get("aot-kernels", []))
+
+
+def test_rocm_with_an_amd_gpu_of_no_family_runs_the_reference_and_says_why(capsys, rocm_machine):
+    rocm_machine(MI250X)
+    _, report = run_json(capsys)
+    backend = checks(report)["gpu-backend"][0]
+    assert report["gpus"][0]["auto"] == "reference"
+    assert backend["severity"] == "warning" and "gfx90a is in no GPU family" in backend["detail"]
+    assert "gfx942" in backend["fix"]
+
+
+def test_rocm_without_triton_says_to_install_rocms_triton(capsys, rocm_machine):
+    rocm_machine(MI300X, triton_installed=False)
+    _, report = run_json(capsys)
+    found = checks(report)
+    assert found["torch-rocm"][0]["severity"] == "warning" and "pytorch-triton-rocm" in found["torch-rocm"][0]["fix"]
+    missing = checks(report, "error")["triton-missing"][0]
+    assert "pytorch-triton-rocm" in missing["fix"]
+
+
+@pytest.mark.parametrize("kind,words", [("xpu", "triton-xpu"), ("mps", "Apple GPUs")])
+def test_intel_and_apple_gpus_run_the_reference_and_the_doctor_says_why(capsys, gpu_machine, kind, words):
+    info = dict(cpu_torch(), xpu_available=kind == "xpu", mps_available=kind == "mps")
+    gpu_machine(info, driver([]))
+    _, report = run_json(capsys)
+    finding = checks(report)["other-gpus"][0]
+    assert finding["severity"] == "info" and kind in finding["summary"] and words in finding["detail"]

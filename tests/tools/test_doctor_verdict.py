@@ -82,3 +82,22 @@ def test_the_text_report_says_where_calls_run(monkeypatch, capsys):
     text = capsys.readouterr().out
     assert re.search(r"Calls run on:\n  cpu\s+reference backend", text)
     assert "cpu backend" not in text.replace("reference backend", "")
+
+
+def test_the_troubleshooting_page_says_what_the_doctor_says(monkeypatch, capsys):
+    """docs/troubleshooting.md lists every check the doctor has, in its order, and its example of
+    a setting under which nothing runs is the doctor's output for that setting, line for line."""
+    page = (PACKAGE.parent / "docs" / "troubleshooting.md").read_text()
+    table = re.findall(r"^\| `([a-z-]+)`(?: / `([a-z-]+)`)? \|", page, re.MULTILINE)
+    documented = [name for row in table for name in row if name]
+    assert documented == list(doctor.CHECKS)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "aot")
+    monkeypatch.setattr(dispatch, "_chains", {})
+    doctor.main([])
+    text = capsys.readouterr().out
+    example = page.split("A setting under which nothing runs", 1)[1]
+    example = re.search(r"```text\n(.*?)```", example, re.S).group(1)
+    printed = {" ".join(line.split()) for line in text.splitlines()}  # the device column's width varies
+    for line in example.splitlines():
+        if line.strip():
+            assert " ".join(line.split()) in printed, line

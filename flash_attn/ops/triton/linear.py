@@ -18,7 +18,8 @@ Where the arithmetic runs:
 * CUDA tensors (fp16/bf16/fp32): one Triton kernel per call, compiled by Triton's JIT on first use.
   Products accumulate in fp32; the bias, the activation and its derivative are evaluated in fp32
   on the accumulator and the result is rounded once to the input dtype. fp32 inputs use TF32
-  exactly when ``torch.backends.cuda.matmul.allow_tf32`` allows it (as ``F.linear`` does).
+  exactly when ``torch.backends.cuda.matmul.allow_tf32`` allows it (as ``F.linear`` does) and the
+  GPU has it (on ROCm: CDNA3's XF32; other AMD GPUs exact fp32).
   Tiles come from a small fixed table chosen by the problem's shape and dtype (no autotuning).
 * every other device, float64, and installs without Triton: the same formulas in PyTorch, in
   float32 (float64 for float64 inputs).
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flash_attn.backends import devices
 from flash_attn.ops.triton import cuda_launch, triton_modules
 
 triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
@@ -200,10 +202,16 @@ def _kernel_applies(x: Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in _KERNEL_DTYPES
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+def _input_precision(x: Tensor) -> str:
+    """fp32 products: ``"tf32"`` where PyTorch allows it and Triton has it for the device (ROCm:
+    CDNA3 only, :func:`flash_attn.backends.devices.takes_tf32`), else exact. fp16/bf16 operands
+    have no choice: ``"ieee"``, which every backend accepts (Triton's AMD one refuses ``"tf32"``
+    for them too, but on CDNA3)."""
+    if x.dtype != torch.float32 or not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
-    return "tf32"  # ignored by tl.dot for fp16/bf16 operands
+    if x.is_cuda and not devices.takes_tf32(x.device):
+        return "ieee"
+    return "tf32"
 
 
 def _grid(M: int, N: int, tiles: _Tiles):
@@ -224,7 +232,7 @@ def _linear_act_triton(x2d, weight, bias, activation, save_act_input):
             stride_xm=x2d.stride(0), stride_xk=x2d.stride(1), stride_wn=weight.stride(0),
             stride_wk=weight.stride(1), stride_om=out.stride(0), HAS_BIAS=bias is not None,
             SAVE_ACT_INPUT=save_act_input, ACTIVATION=activation,
-            INPUT_PRECISION=_input_precision(x2d.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            INPUT_PRECISION=_input_precision(x2d), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out, act_input
 
@@ -241,7 +249,7 @@ def _dgrad_act_triton(g2d, weight, activation, act2d):
             stride_gm=g2d.stride(0), stride_gk=g2d.stride(1), stride_wk=weight.stride(0),
             stride_wn=weight.stride(1), stride_om=out.stride(0),
             stride_actm=act2d.stride(0) if act2d is not None else 0, ACTIVATION=activation,
-            INPUT_PRECISION=_input_precision(g2d.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            INPUT_PRECISION=_input_precision(g2d), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
