@@ -117,7 +117,8 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                  qv=None, sinks=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
     else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls)."""
-    varlen = varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
+    varlen = None if cu_seqlens_q is None else \
+        varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax, sinks)
     if seed is None or dropout_p == 0.0:
@@ -256,17 +257,14 @@ _FORWARD_INPUTS = (
 
 
 def _setup_context(ctx, inputs, output):
-    named = dict(zip(_FORWARD_INPUTS, inputs))
+    # inputs in _FORWARD_INPUTS' order (the seed not needed here)
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k, softmax_scale,
+     window_left, window_right, softcap, dropout_p, _, deterministic, _, qv, sinks) = inputs
     out, lse, _, rng_state = output
-    ctx.save_for_backward(
-        named["q"], named["k"], named["v"], out, lse, named["cu_seqlens_q"], named["cu_seqlens_k"],
-        named["block_table"], named["alibi_slopes"], rng_state, named["qv"], named["sinks"],
-    )
-    ctx.scalars = (
-        named["max_seqlen_q"], named["max_seqlen_k"], named["softmax_scale"], named["window_left"],
-        named["window_right"], named["softcap"], named["dropout_p"],
-    )
-    ctx.deterministic = named["deterministic"]
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state, qv,
+                          sinks)
+    ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p)
+    ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, *unused_grads):
@@ -278,8 +276,12 @@ def _backward(ctx, dout, *unused_grads):
         dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left,
         right, softcap, dropout_p, rng_state, ctx.deterministic, qv, sinks,
     )
-    grads = dict(q=dq, k=dk, v=dv, qv=dqv if qv is not None else None, sinks=dsinks if sinks is not None else None)
-    return tuple(grads.get(name) for name in _FORWARD_INPUTS)
+    # one gradient per _FORWARD_INPUTS: q, k, v, none for the metadata and scalars, qv, sinks
+    return (dq, dk, dv, *_NO_GRADS, dqv if qv is not None else None, dsinks if sinks is not None else None)
+
+
+_NO_GRADS = (None,) * (len(_FORWARD_INPUTS) - 5)
+assert _FORWARD_INPUTS[:3] == ("q", "k", "v") and _FORWARD_INPUTS[-2:] == ("qv", "sinks")
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -389,18 +391,26 @@ def direct_call_ok(tensors) -> bool:
 
 
 class _Attention(torch.autograd.Function):
-    """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls."""
+    """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls.
+
+    Its inputs are the op's tensors (qv and sinks after the first seven) and one tuple of its
+    scalars, its one output ``out``: the non-differentiable results (lse, S_dmask, rng_state)
+    leave through ``extra``, a list the caller passes, not as outputs autograd would wrap and
+    mark (each input and output costs the autograd machinery about a microsecond per call)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = forward_body(*inputs)
-        _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(*output[1:])
-        return output
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, qv, sinks, scalars, extra):
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
+        # not an op's outputs: the unused rng_state/S_dmask may be shared placeholders
+        output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks)
+        _setup_context(ctx, (*tensors, *scalars, None, qv, sinks), output)
+        extra.extend(output[1:])
+        return output[0]
 
     @staticmethod
-    def backward(ctx, dout, *unused_grads):
-        return _backward(ctx, dout)
+    def backward(ctx, dout):
+        grads = _backward(ctx, dout)  # the op's: the op's 7 tensors first, qv and sinks last
+        return (*grads[:7], *grads[-2:], None, None)
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars, qv=None, sinks=None):
@@ -424,7 +434,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
         seed = _draw_dropout_seed(dropout_p, q.device) if dropout_p != 0.0 else None
         return attention_forward(*tensors, *scalars, seed, qv, sinks)
     if record:
-        return _Attention.apply(*tensors, *scalars, None, qv, sinks)
+        extra: list = []
+        return (_Attention.apply(*tensors, qv, sinks, scalars, extra), *extra)
     return _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks)
 
 

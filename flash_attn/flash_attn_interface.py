@@ -79,22 +79,46 @@ __all__ = [
 ]
 
 
-def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-               dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, qv=None, learnable_sink=None):
-    """Shared tail of the dense and varlen functions (inputs already shape-checked)."""
-    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-    window_size = validation.check_options(
-        dropout_p, softcap, window_size, alibi_slopes, batch, q.shape[-2], q.device
-    )
-    validation.check_sinks(learnable_sink, q.shape[-2], q.device)
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink, deterministic,
+             return_attn_probs, batch, nheads, headdim, device) -> tuple:
+    """The scalar options checked and normalised: ``(softmax_scale, window_left, window_right,
+    softcap, dropout_p, return_attn_probs, deterministic)``; ``headdim``: the features the default
+    scale counts (q's, plus qv's when given)."""
+    window_size = validation.check_options(dropout_p, softcap, window_size, alibi_slopes, batch, nheads, device)
+    validation.check_sinks(learnable_sink, nheads, device)
     left, right = validation.causal_window(validation.check_flag(causal, "causal"), window_size)
-    scale = validation.softmax_scale(softmax_scale, q.shape[-1] + (0 if qv is None else qv.shape[-1]))
+    scale = validation.softmax_scale(softmax_scale, headdim)
     return_attn_probs = validation.check_flag(return_attn_probs, "return_attn_probs")
+    return (scale, left, right, validation.softcap_value(softcap, scale), float(dropout_p), return_attn_probs,
+            validation.check_flag(deterministic, "deterministic"))
+
+
+def _dense_checks(q, k, v, qv, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
+                  deterministic, return_attn_probs) -> tuple:
+    validation.check_dense_qkv(q, k, v)
+    validation.check_qv(qv, q, v.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
+    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
+                    deterministic, return_attn_probs, q.shape[0], q.shape[-2], _scaled_features(q, qv), q.device)
+
+
+def _varlen_options(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
+                    deterministic, return_attn_probs, batch, nheads, headdim, device) -> tuple:
+    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
+                    deterministic, return_attn_probs, batch, nheads, headdim, device)
+
+
+def _scaled_features(q, qv) -> int:
+    """The features the default softmax scale counts: q's, and qv's (``q.k + qv.v``)."""
+    return q.shape[-1] + (0 if qv is None else qv.shape[-1])
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, options,
+               qv, learnable_sink):
+    """Shared tail of the dense and varlen functions (inputs checked, ``options`` from :func:`_options`)."""
+    scale, left, right, softcap, dropout_p, return_attn_probs, deterministic = options
     out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, scale, left, right, validation.softcap_value(softcap, scale),
-        float(dropout_p), return_attn_probs, validation.check_flag(deterministic, "deterministic"),
+        max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p, return_attn_probs, deterministic,
         qv=qv, sinks=learnable_sink,
     )
     return (out, lse, s_dmask) if return_attn_probs else out
@@ -145,11 +169,10 @@ def flash_attn_func(
         of the scaled scores) and S_dmask float32 ``(batch, nheads, seqlen_q, seqlen_k)``: the
         softmax probabilities, negative where dropout dropped the entry.
     """
-    validation.check_dense_qkv(q, k, v)
-    validation.check_qv(qv, q, v.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
-    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, dropout_p, softmax_scale,
-                      causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, qv,
-                      learnable_sink)
+    options = validation.checked("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink),
+                                 (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                  return_attn_probs), _dense_checks)
+    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(
@@ -242,9 +265,14 @@ def flash_attn_varlen_func(
                                                                exact=bool(return_attn_probs))
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     validation.check_qv(qv, q, v.shape[-1], "(total_q, nheads, headdim_v)")
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs, qv, learnable_sink)
+    # the tensors' shapes change with every packed batch: only the options are checked once per signature
+    options = validation.checked("varlen options", (alibi_slopes, learnable_sink),
+                                 (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                  return_attn_probs, cu_seqlens_q.shape[0] - 1, q.shape[-2], _scaled_features(q, qv),
+                                  q.device),
+                                 _varlen_options)
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+                      options, qv, learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -14,6 +14,26 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             qv=None, sinks=None):
     """``(out, lse)`` of :func:`flash_attn.flash_attn_with_kvcache` (same arguments; ``sinks`` is
     its ``learnable_sink``)."""
+    scale, left, right, softcap, rotary_interleaved, num_splits = validation.checked(
+        "flash_attn_with_kvcache",
+        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+         alibi_slopes, qv, sinks),
+        (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits), _checks)
+    if not isinstance(cache_seqlens, torch.Tensor):  # None (the whole cache) or one int for every sequence
+        cache_seqlens = torch.full((q.shape[0],), cache_capacity(k_cache, block_table) if cache_seqlens is None
+                                   else cache_seqlens, dtype=torch.int32, device=q.device)
+    return custom_ops.forward_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, rotary_cos, rotary_sin, alibi_slopes, scale, left, right, softcap, rotary_interleaved, num_splits,
+        qv, sinks,
+    )
+
+
+def _checks(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, alibi_slopes, qv, sinks, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+            num_splits):
+    """The metadata checks; returns the normalised ``(softmax_scale, window_left, window_right, softcap,
+    rotary_interleaved, num_splits)``."""
     q, k_new, v_new, cache_seqlens = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     batch, _, nheads, headdim = q.shape
     _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits)
@@ -27,11 +47,8 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     causal = validation.check_flag(causal, "causal")
     left, right = validation.bounded_window(causal, window_size, cache_capacity(k_cache, block_table))
     scale = validation.softmax_scale(softmax_scale, headdim)
-    return custom_ops.forward_kvcache(
-        q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, rotary_cos, rotary_sin, alibi_slopes, scale, left, right, validation.softcap_value(softcap, scale),
-        validation.check_flag(rotary_interleaved, "rotary_interleaved"), int(num_splits), qv, sinks,
-    )
+    return (scale, left, right, validation.softcap_value(softcap, scale),
+            validation.check_flag(rotary_interleaved, "rotary_interleaved"), int(num_splits))
 
 
 def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):

@@ -401,3 +401,55 @@ def bounded_window(causal: bool, window_size, seqlen_k: int) -> tuple[int, int]:
     left = -1 if left < 0 or left >= seqlen_k else int(left)
     right = -1 if right < 0 or right >= seqlen_k else int(right)
     return left, right
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks made once per call signature: the metadata checks and normalisations above read only
+# shapes, strides, dtypes, devices and the scalar arguments, so a call whose arguments look the
+# same as an earlier call's that passed passes again, with the same normalised values.
+
+_checked: dict = {}
+CHECKED_LIMIT = 4096  # signatures kept (then forgotten all at once: a new shape costs one full check)
+
+
+def signature(tensors: tuple, scalars: tuple) -> tuple:
+    """The arguments as the metadata checks see them: each of ``tensors`` (plain tensors or
+    ``None``) by shape, strides, dtype and device; ``scalars`` by value and type (``True``, ``1``
+    and ``1.0`` are equal but told apart), a tuple among them only when it holds plain ints.
+    Raises ``TypeError`` for anything else (a tensor subclass, a number in ``tensors``, a list):
+    those calls are checked every time."""
+    key = [tuple(map(type, scalars)), scalars]
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is torch.Tensor:
+            key += (t.shape, t.stride(), t.dtype, t.device)
+        else:
+            raise TypeError("not a plain tensor")
+    if tuple in key[0]:
+        for s in scalars:
+            if type(s) is tuple and any(type(e) is not int for e in s):
+                raise TypeError("a tuple of other than ints")
+    return tuple(key)
+
+
+def checked(tag: str, tensors: tuple, scalars: tuple, check):
+    """``check(*tensors, *scalars)`` (metadata checks that return the call's normalised values),
+    run once per :func:`signature` under ``tag`` (the function checking them): a later call with
+    the same signature gets the first call's result without the checks. A call that fails its
+    checks is never remembered; arguments without a signature, and calls while torch.compile
+    traces (the tracer must see the checks), are checked every time."""
+    if torch.compiler.is_compiling():
+        return check(*tensors, *scalars)
+    try:
+        key = (tag, signature(tensors, scalars))
+        return _checked[key]
+    except KeyError:
+        pass
+    except (TypeError, RuntimeError):  # no signature, an unhashable scalar (a list), a tensor without strides
+        return check(*tensors, *scalars)
+    result = check(*tensors, *scalars)
+    if len(_checked) >= CHECKED_LIMIT:
+        _checked.clear()
+    _checked[key] = result
+    return result

@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="gpu: also time each decode call captured in a CUDA graph (as servers run decode: "
                      "no host time per step), the 'decode_graph' rows (default: on)")
     gpu.add_argument("--decode-batches", type=_ints, help="gpu: decode batch sizes (default 1,4,16,64)")
+    gpu.add_argument("--held-out", action="store_true",
+                     help="gpu: also time shapes the launch configs were not tuned on (2k, 8k, 3001 tokens, GQA 8:1, "
+                     "heads x headdim 4096 and 5120, batch 1 x 32k; gpu.HELD_OUT)")
     gpu.add_argument("--decode-cachelens", type=_ints, help="gpu: decode KV cache lengths (default 4096,16384,65536,131072)")
     overhead = parser.add_argument_group("overhead mode")
     overhead.add_argument("--device", choices=("stubbed", "cuda"), default="stubbed",
@@ -175,14 +178,21 @@ def run_overhead(args: argparse.Namespace) -> int:
         print(f"bench overhead: {exc}", file=sys.stderr)
         return 2
     meta = {"mode": "overhead", "config": {"device": mode, "calls": args.calls}, "machine": common.machine()}
-    columns = ("mode", "case", "us_per_call", "us_min", "us_max", "launches_per_call")
+    columns = overhead.DEVICE_COLUMNS if mode == "device" else ("mode", "case", "us_per_call", "us_min", "us_max",
+                                                                "launches_per_call")
     paths = common.write_results(args.out, "bench-overhead", meta, rows, columns)
     for case, text in (profiles or {}).items():
         path = Path(args.out) / f"bench-overhead-profile-{case.replace(' ', '-').replace('+', '-')}.txt"
         path.write_text(text)
         paths[f"profile {case}"] = path
-    print(common.markdown_table(rows, [("case", "call"), ("us_per_call", "us per call"), ("us_min", "min"),
-                                       ("us_max", "max"), ("launches_per_call", "launches")]))
+    if mode == "device":
+        print(common.markdown_table(rows, [("case", "call"), ("impl", "impl"), ("host_us", "host CPU us"),
+                                           ("thread_us", "calling thread us"), ("gpu_us", "GPU us"),
+                                           ("us_per_call", "wall us"), ("host_bound", "host > GPU"),
+                                           ("gpu_covered", "GPU span clean"), ("status", "status")]))
+    else:
+        print(common.markdown_table(rows, [("case", "call"), ("us_per_call", "us per call"), ("us_min", "min"),
+                                           ("us_max", "max"), ("launches_per_call", "launches")]))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items() if kind != "png"))
     return 0
 

@@ -9,8 +9,9 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, headdim: int, causal: bool,
@@ -31,6 +32,28 @@ def summarize(times_ms: Sequence[float]) -> dict:
         "time_ms_max": max(times_ms),
         "repeats": len(times_ms),
     }
+
+
+def host_and_gpu(fn: Callable, calls: int, sync: Callable[[], None], gpu_span=None) -> dict:
+    """One timed run of ``calls`` calls, per call: ``thread_us`` the calling thread's CPU time
+    (``time.thread_time``: no waiting counted), ``host_us`` the process's CPU time (every thread:
+    a CUDA backward runs in the autograd engine's device thread while the caller waits),
+    ``wall_us`` up to a device synchronisation after the last call, and ``gpu_us`` from
+    ``gpu_span(fn, calls, host_s)`` (:func:`flash_attn.bench.overhead.cuda_gpu_span`; ``None`` without one) with its
+    ``gpu_covered``. The synchronisation (a spin) is outside the CPU-time windows."""
+    sync()
+    wall, host, thread = time.perf_counter(), time.process_time(), time.thread_time()
+    for _ in range(calls):
+        fn()
+    thread, host = time.thread_time() - thread, time.process_time() - host
+    sync()
+    wall = time.perf_counter() - wall
+    run = {"host_us": host / calls * 1e6, "thread_us": thread / calls * 1e6, "wall_us": wall / calls * 1e6,
+           "gpu_us": None, "gpu_covered": None}
+    if gpu_span is not None:
+        ms, covered = gpu_span(fn, calls, host)
+        run.update(gpu_us=ms * 1e3 / calls, gpu_covered=covered)
+    return run
 
 
 def machine() -> dict:

@@ -8,6 +8,15 @@ Timing: CUDA events around each call after warm-up, the median of the repeats. T
 :func:`flash_attn.bench.common.attention_flops` (``4*b*h*sq*sk*d``, halved for causal;
 x3.5 for forward+backward).
 
+Before a training case is timed, each implementation's output and gradients on the case's inputs
+are compared with float32 attention by PyTorch's math path (:func:`check`, :func:`reference`): the
+errors (relative to the reference's largest magnitude) go into the row's ``err_out``/``err_grad``
+and ``check``; a result of this package beyond :data:`CHECK_TOLERANCE` is an ``error`` row and is
+not timed.
+
+Every timed row also has the host's CPU time per call (``host_ms``) and ``host_bound`` where the
+event time is mostly the host's (:data:`HOST_BOUND_SHARE`).
+
 Rows are written as they are measured (``bench-gpu.jsonl`` and ``bench-gpu.csv``), so a run cut
 short keeps what it measured. A row of this package's backends that crashed, or that another
 backend ran (:func:`flash_attn.dispatch.last_backend`), is an ``error`` and makes the command exit
@@ -86,6 +95,9 @@ class Implementation:
     backend: Optional[str] = None  # this package's backend that must run the calls (None: not ours)
     # decode(q, k_cache, v_cache) -> out: one query token over the whole cache (None: no such call)
     decode: Optional[Callable] = None
+    # forward(q, k, v, causal, sinks=None) -> out, for the check against the reference before timing (None: not
+    # checked); raises NotImplementedError for sinks where the implementation has none
+    forward: Optional[Callable] = None
 
 
 @contextlib.contextmanager
@@ -116,13 +128,17 @@ def _autograd_run(forward: Callable) -> Callable:
 def _ours(backend: str) -> Implementation:
     from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache  # noqa: PLC0415
 
+    def forward(q, k, v, causal, sinks=None):
+        return flash_attn_func(q, k, v, causal=causal, learnable_sink=sinks)
+
     return Implementation(
         f"flash_attn[{backend}]",
         lambda device: dispatch.unavailable_reason(backend, device),
-        _autograd_run(lambda q, k, v, causal, sinks: flash_attn_func(q, k, v, causal=causal, learnable_sink=sinks)),
+        _autograd_run(forward),
         lambda: _backend_env(backend),
         backend,
         decode=lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache),
+        forward=forward,
     )
 
 
@@ -133,7 +149,9 @@ def sdpa_forward(q, k, v, causal: bool, sinks=None):
 
     if sinks is not None:
         raise NotImplementedError("SDPA has no attention sinks")
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}  # k/v heads shared by groups of q heads
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                                         **gqa)
     return out.transpose(1, 2)  # back to (batch, seqlen, heads, headdim), like dout
 
 
@@ -152,7 +170,8 @@ def _sdpa(label: str, backend_name: str) -> Implementation:
 
         return sdpa_kernel(getattr(SDPBackend, backend_name))
 
-    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(sdpa_forward), context, decode=sdpa_decode)
+    return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(sdpa_forward), context, decode=sdpa_decode,
+                          forward=sdpa_forward)
 
 
 def sdpa_decode(q, k_cache, v_cache):
@@ -203,6 +222,29 @@ def _upstream() -> Implementation:
                                q.shape[-1] ** -0.5, False, -1, -1, 0.0, True, 0)[0]
 
     return Implementation("upstream", unavailable, run, decode=decode)
+
+
+# What each implementation is, in the rows ("what"): the baselines named for what they run.
+WHAT = {
+    "flash_attn[aot]": "flash_attn: Triton kernels compiled ahead of time, launched by the op library",
+    "flash_attn[triton]": "flash_attn: the same Triton kernels, JIT-compiled",
+    "flash_attn[reference]": "flash_attn: exact PyTorch reference",
+    "sdpa[flash]": "PyTorch SDPA flash (vendored FA2)",
+    "sdpa[efficient]": "PyTorch SDPA memory-efficient",
+    "sdpa[cudnn]": "PyTorch SDPA cuDNN",
+    "sdpa[math]": "PyTorch SDPA math (unfused)",
+    "upstream": "flash-attn 2 CUDA extension (flash_attn_2_cuda)",
+}
+
+# Shapes the launch configs were not tuned on (the table is 1k/4k/16k tokens, hidden 2048, heads of
+# q and k/v equal): (seqlen, batch, heads, kv_heads, headdim) at head dim 128, by `--held-out`
+HELD_OUT = (
+    (2048, 8, 16, 16, 128), (8192, 2, 16, 16, 128),
+    (3001, 4, 16, 16, 128),  # an odd length: partial tiles at every level
+    (4096, 4, 32, 4, 128),  # GQA 8:1
+    (4096, 4, 32, 32, 128), (4096, 4, 40, 40, 128),  # heads x head dim 4096 and 5120
+    (32768, 1, 16, 16, 128),  # batch 1, a long sequence
+)
 
 
 def implementations(names) -> list[Implementation]:
@@ -268,6 +310,13 @@ def cases(config: dict) -> list[dict]:
                             "batch": max(1, config["total_tokens"] // seqlen), "heads": max(1, config["hidden"] // headdim),
                             "pass": "fwd_bwd" if backward else "fwd",
                         })
+    for seqlen, batch, heads, kv_heads, headdim in HELD_OUT if config.get("held_out") else ():
+        for dtype in config["dtypes"]:
+            for causal in config["causal"]:
+                for backward in config["backward"]:
+                    out.append({"dtype": dtype, "headdim": headdim, "causal": causal, "seqlen": seqlen, "batch": batch,
+                                "heads": heads, "kv_heads": kv_heads, "pass": "fwd_bwd" if backward else "fwd",
+                                "held_out": True})
     return out
 
 
@@ -347,9 +396,10 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
         backward = case["pass"] == "fwd_bwd"
         shape = (case["batch"], case["seqlen"], case["heads"], case["headdim"])
         shape_v = (*shape[:-1], case.get("headdim_v", case["headdim"]))
+        kv_shape = shape[:2] + (case.get("kv_heads", case["heads"]), case["headdim"])
         g = torch.Generator(device=device).manual_seed(0)
-        q, k = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(backward) for _ in range(2))
-        v = torch.randn(shape_v, device=device, dtype=dtype, generator=g).requires_grad_(backward)
+        q, k, v = (torch.randn(s, device=device, dtype=dtype, generator=g).requires_grad_(backward)
+                   for s in (shape, kv_shape, (*kv_shape[:-1], shape_v[-1])))
         dout = torch.randn(shape_v, device=device, dtype=dtype, generator=g) if backward else None
         sinks = None
         if case.get("sinks"):
@@ -357,8 +407,13 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
         # q.k at q's head dim and p.v at v's: the mean of the two in the 4*b*h*sq*sk*d count
         flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"],
                                 (case["headdim"] + shape_v[-1]) / 2, case["causal"], backward)
+        expected = _once(lambda: reference(q, k, v, dout, case["causal"], sinks))
         for impl in impls:
-            row = dict(case, impl=impl.name)
+            row = dict(case, impl=impl.name, what=WHAT.get(impl.name))
+            _check_row(row, impl, reasons[impl.name], q, k, v, dout, sinks, case, expected)
+            if row.get("status") == "error":  # a wrong result is not timed
+                emit(row)
+                continue
             _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"], sinks), config,
                      timer, device)
             if "time_ms" in row:
@@ -474,6 +529,132 @@ def measure_bandwidth(config: dict, device, timer: Timer, free_memory) -> dict:
     return row
 
 
+# A result's largest error relative to the reference's largest magnitude that a correct kernel in
+# this precision stays within (the inputs' own rounding is ~4e-3 in bf16, ~5e-4 in fp16)
+CHECK_TOLERANCE = {"bf16": 3e-2, "fp16": 5e-3, "fp32": 1e-4}
+REFERENCE_SCORES = 1 << 28  # score elements the reference holds at once (1 GiB of fp32)
+
+
+def reference(q, k, v, dout, causal: bool, sinks=None):
+    """``(out, grads)``: attention in float32 by PyTorch's math path (and, when ``dout`` is given,
+    the gradients of q, k, v, and of ``sinks`` when given), over a few batch x head slices at a
+    time so that the scores never exceed :data:`REFERENCE_SCORES` elements. ``grads`` is ``None``
+    without ``dout``. With attention sinks the slices are computed naively (:func:`_sink_attention`):
+    SDPA has none."""
+    import torch  # noqa: PLC0415
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    batch, seqlen_q, heads, _ = q.shape
+    group = heads // k.shape[2]
+    if group > 1:  # GQA: each k/v head repeated for its group of q heads, its gradient the group's sum
+        out, grads = reference(q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2), dout, causal, sinks)
+        if grads is None:
+            return out, None
+        fold = lambda g: g.reshape(*g.shape[:2], k.shape[2], group, g.shape[3]).sum(3)  # noqa: E731
+        return out, (grads[0], fold(grads[1]), fold(grads[2]), *grads[3:])
+    step = max(1, REFERENCE_SCORES // (seqlen_q * k.shape[1]))
+
+    def slices(t):  # (batch, seqlen, heads, headdim) -> (batch * heads, seqlen, 1, headdim) in float32
+        return t.detach().float().permute(0, 2, 1, 3).reshape(batch * heads, t.shape[1], 1, t.shape[3])
+
+    def back(t):  # the inverse of slices
+        return t.reshape(batch, heads, t.shape[1], t.shape[3]).permute(0, 2, 1, 3)
+
+    tensors = [slices(q), slices(k), slices(v)]
+    if sinks is not None:  # one sink per slice: batch-major, heads within, as the slices
+        tensors.append(sinks.detach().float().repeat(batch))
+    df = slices(dout) if dout is not None else None
+    outs, grads = [], []
+    with sdpa_kernel(SDPBackend.MATH):
+        for start in range(0, batch * heads, step):
+            part = slice(start, start + step)
+            inputs = [t[part].requires_grad_(dout is not None) for t in tensors]
+            out = sdpa_forward(*inputs[:3], causal) if sinks is None else _sink_attention(*inputs, causal)
+            outs.append(out.detach())
+            if dout is not None:
+                grads.append(torch.autograd.grad(out, inputs, df[part]))
+    out = back(torch.cat(outs))
+    if dout is None:
+        return out, None
+    result = tuple(back(torch.cat([g[i] for g in grads])) for i in range(3))
+    if sinks is not None:  # each head's gradient summed over the batch
+        result += (torch.cat([g[3] for g in grads]).view(batch, heads).sum(0),)
+    return out, result
+
+
+def _sink_attention(q, k, v, sinks, causal: bool):
+    """Naive attention of ``(n, seqlen, 1, headdim)`` slices with one sink logit per slice: an extra
+    score column of the sink's value, joining the softmax with no value row."""
+    import torch  # noqa: PLC0415
+
+    scores = (q[:, :, 0] @ k[:, :, 0].transpose(1, 2)) * q.shape[-1] ** -0.5
+    sq, sk = scores.shape[1:]
+    if causal:  # bottom-right aligned
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    logits = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, sq, 1)], dim=-1)
+    return (logits.softmax(-1)[..., :-1] @ v[:, :, 0]).unsqueeze(2)
+
+
+def relative_error(got, want) -> float:
+    scale = float(want.abs().max()) or 1.0
+    return float((got.float() - want).abs().max()) / scale
+
+
+def check(forward: Callable, q, k, v, dout, causal: bool, dtype: str, expected=None, sinks=None) -> dict:
+    """``forward``'s output (and gradients, when ``dout`` is given) against :func:`reference`
+    (or ``expected``, its result for these inputs): ``err_out`` and ``err_grad`` (the largest of
+    dq, dk, dv and, with attention sinks, dsinks), each relative to the reference's largest
+    magnitude, and ``check``: ``ok``, or ``mismatch`` beyond :data:`CHECK_TOLERANCE` (also for a NaN)."""
+    import torch  # noqa: PLC0415
+
+    want_out, want_grads = expected if expected is not None else reference(q, k, v, dout, causal, sinks)
+    inputs = [t.detach().clone().requires_grad_(dout is not None) for t in (q, k, v, sinks) if t is not None]
+    out = forward(*inputs[:3], causal, *inputs[3:])
+    result = {"err_out": relative_error(out.detach(), want_out), "err_grad": None}
+    if dout is not None:
+        grads = torch.autograd.grad(out, inputs, dout)
+        result["err_grad"] = max(relative_error(g, w) for g, w in zip(grads, want_grads))
+    errors = [e for e in (result["err_out"], result["err_grad"]) if e is not None]
+    result["check"] = "ok" if all(e <= CHECK_TOLERANCE[dtype] for e in errors) else "mismatch"
+    return result
+
+
+def _check_row(row: dict, impl: Implementation, reason: Optional[str], q, k, v, dout, sinks, case,
+               expected) -> None:
+    """Check ``impl`` on the case's inputs before it is timed (:func:`check`) into ``row``; a wrong
+    result of this package is an ``error`` row."""
+    if reason is not None or impl.forward is None:
+        row["check"] = "not checked" if reason is None else None
+        return
+    try:
+        with impl.context():
+            row.update(check(impl.forward, q, k, v, dout, case["causal"], case["dtype"], expected(), sinks))
+    except Exception as exc:  # noqa: BLE001  (timing reports the implementation's own refusal)
+        row["check"] = f"not checked: {type(exc).__name__}"
+        return
+    if row["check"] == "mismatch" and impl.backend is not None:
+        row.update(status="error", note=f"wrong result: out {row['err_out']:.2g}, grad {row['err_grad']} "
+                                        f"(relative; tolerance {CHECK_TOLERANCE[case['dtype']]})")
+
+
+# Host CPU time per call (`host_ms`): this many calls back to back, without synchronising between
+# them. The event timer's span of one call includes the GPU's idle gaps while the host prepares the
+# next launch, so a host-bound call shows an event time close to its host time, never far below:
+# such a row (host time at least this share of the event time) is flagged `host_bound`: its time is
+# the host's, not the kernels'.
+HOST_CALLS = 10
+HOST_BOUND_SHARE = 0.8
+
+
+def host_ms(call: Callable[[], None], device) -> float:
+    """The process's CPU time per call of ``call`` in milliseconds (:data:`HOST_CALLS` calls)."""
+    import torch  # noqa: PLC0415
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return common.host_and_gpu(call, HOST_CALLS, sync)["host_us"] / 1e3
+
+
 def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device) -> None:
     """Time ``call`` under ``impl``'s context into ``row`` (status, times or note)."""
     import torch  # noqa: PLC0415
@@ -488,7 +669,10 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
     try:
         with impl.context():
             times = timer(call, config["warmup"], config["repeats"])
-        row.update(summarize(times), status="ok")
+            # a graph replay's host side is one launch: not measured
+            host = None if row.get("pass") == "decode_graph" else host_ms(call, device)
+        row.update(summarize(times), status="ok", host_ms=host)
+        row["host_bound"] = None if host is None else host >= HOST_BOUND_SHARE * row["time_ms"]
         elsewhere = _ran_elsewhere(impl, device.type)
         if elsewhere:
             row.update(status="error", note=elsewhere)
@@ -498,6 +682,17 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
         row.pop("time_ms", None)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _once(make: Callable) -> Callable:
+    """``make()`` on the first call, the same value after (the reference: only if something is checked)."""
+    value = []
+
+    def get():
+        if not value:
+            value.append(make())
+        return value[0]
+    return get
 
 
 def _torch_dtype(name: str):
@@ -554,11 +749,13 @@ def _progress_line(row: dict) -> str:
         return f"{head} {row['time_ms']:9.3f} ms {row['gbps']:7.0f} GB/s{pct}"
     dims = f"{row['headdim']}/{row['headdim_v']}" if row.get("headdim_v") else f"{row['headdim']}"
     dims += "+sinks" if row.get("sinks") else ""
+    heads = f" h={row['heads']}/{row['kv_heads']} b={row['batch']}" if row.get("held_out") else ""
     head = (f"  {row['dtype']} d={dims:<3} {'causal' if row['causal'] else 'full':<6} {row['pass']:<7} "
-            f"s={row['seqlen']:<6} {row['impl']:<20}")
+            f"s={row['seqlen']:<6}{heads} {row['impl']:<20}")
     if row.get("status") != "ok":
         return f"{head} {row['status']}: {row.get('note', '')}"
-    return f"{head} {row['time_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+    bound = " (host-bound: the time is the host's)" if row.get("host_bound") else ""
+    return f"{head} {row['time_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s{bound}"
 
 
 def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
@@ -568,7 +765,8 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     plt = pyplot()
     if plt is None:
         return []
-    rows = [r for r in rows if r["pass"] in ("fwd", "fwd_bwd")]  # decode and the copy are in GB/s, not plotted
+    # decode and the copy are in GB/s, the held-out shapes each their own: not plotted
+    rows = [r for r in rows if r["pass"] in ("fwd", "fwd_bwd") and not r.get("held_out")]
 
     def dims(r):  # a panel per head dim, v's too where it differs
         return f"{r['headdim']}/{r['headdim_v']}" if r.get("headdim_v") else str(r["headdim"])
@@ -607,8 +805,9 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     return written
 
 
-COLUMNS = ("impl", "dtype", "headdim", "headdim_v", "sinks", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
-           "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "status", "note")
+COLUMNS = ("impl", "what", "held_out", "dtype", "headdim", "headdim_v", "sinks", "causal", "pass", "seqlen", "cachelen", "batch",
+           "heads", "kv_heads", "time_ms", "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct",
+           "host_ms", "host_bound", "check", "err_out", "err_grad", "status", "note")
 
 
 class RowWriter:
@@ -646,7 +845,8 @@ def config_from_args(args, default_seqlens=()) -> dict:
         "causal": [False, True], "backward": [False, True], "impls": args.impls or list(DEFAULT_IMPLS),
         "total_tokens": args.total_tokens, "hidden": args.hidden,
         "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
-        "decode": None, "beyond": list(BEYOND_CASES) if args.beyond and not args.quick else [],
+        "decode": None, "held_out": bool(getattr(args, "held_out", False)),
+        "beyond": list(BEYOND_CASES) if args.beyond and not args.quick else [],
     }
     if args.decode:
         config["decode"] = dict(DECODE_SHAPE, copy_bytes=COPY_BYTES,

@@ -8,17 +8,21 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   What remains is this package's own work per call: validation, the custom op, dispatch, the
   plan lookup, buffer allocation, the argument lists. What it cannot show: the op library's
   argument checks and ``cuLaunchKernel`` (a few microseconds per launch), and the CUDA caching
-  allocator (CPU allocations stand in for it).
-* ``device`` (a CUDA GPU): the same calls for real; small shapes, so the time per call is what a
-  host-bound loop (decoding) pays: wall clock over many calls, the device synchronised once. Two
-  more rows split a call's cost: one launch through the op library alone (a forward's kernel with
-  the arguments its call packed: the library's checks, the stable-ABI call, ``cudaLaunchKernelExC``)
-  and, for scale, one PyTorch kernel launch.
+  allocator (CPU allocations stand in for it; CPU placeholders are kept, CUDA ones made per call).
+  ``--profile`` adds, per case, cProfile's view and a per-stage breakdown
+  (:func:`stage_breakdown`: each stage replayed alone).
+* ``device`` (a CUDA GPU): the same calls for real, and PyTorch SDPA's flash and cuDNN backends
+  on the same shapes (:func:`_sdpa_calls`), interleaved, every row with the host's CPU time per
+  call (the process's, and the calling thread's), the GPU's time per call (the calls queued
+  behind a sleep kernel, timed by events: :func:`cuda_gpu_span`), the wall clock, and whether the
+  host is the bound. Two more rows split a call's cost: one launch through the op library alone
+  (a forward's kernel with the arguments its call packed: the library's checks, the stable-ABI
+  call, ``cudaLaunchKernelExC``; the images hold no empty kernel) and one PyTorch kernel launch.
 
 Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
 time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
-nothing waits for a device), wall clock in ``device`` mode. ``plans_per_call`` (stubbed mode, in
-the JSON): launch plans made per timed call, 0 when every call finds its plan in the cache.
+nothing waits for a device). ``plans_per_call`` (stubbed mode, in the JSON): launch plans made
+per timed call, 0 when every call finds its plan in the cache.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.aot import archs, manifest as aot_manifest
+from flash_attn.bench.common import host_and_gpu
 from flash_attn.backends import aot
 from flash_attn.layers.rotary import apply_rotary_emb
 from flash_attn.planning import configs
@@ -200,21 +205,261 @@ def profile_text(fn: Callable, calls: int, sync: Callable[[], None], rows: int =
     return "\n".join(lines) + "\n"
 
 
+# The stages of a call that the breakdown times on their own: (label, module, function name). Each
+# is replayed with the arguments of the call's first use of it, so each stage's figure is what a
+# steady-state call pays for it (the plan found in the cache, the checks' signature known).
+# Functions a version of the package lacks are left out (the breakdown also runs on older trees,
+# for before/after figures: there the checks ran as check_dense_qkv, check_options, ...).
+def _stage_functions() -> list[tuple]:
+    from flash_attn import custom_ops, kvcache, validation  # noqa: PLC0415
+
+    stages = [
+        ("metadata checks", validation, "checked"),
+        ("metadata checks: q, k, v", validation, "check_dense_qkv"),
+        ("metadata checks: options", validation, "check_options"),
+        ("metadata checks: the kv cache", kvcache, "_check_kvcache"),
+        ("custom op entry", custom_ops, "forward"),
+        ("custom op entry (kv cache)", custom_ops, "forward_kvcache"),
+        ("backward op body", custom_ops, "_backward_body"),
+        ("host value checks (CPU tensors)", custom_ops, "_check_varlen_values"),
+        ("host value checks (CPU tensors)", custom_ops, "_check_kvcache_values"),
+        ("dispatch", dispatch, "run"),
+        ("allocation (inputs prepared, buffers)", aot, "slots"),
+        ("the launch (stubbed: a count)", aot, "_launch_op"),
+    ]
+    return [(label, module, name) for label, module, name in stages if hasattr(module, name)]
+
+
+class _Stage:
+    __slots__ = ("label", "fn", "args", "kwargs", "parent", "count", "children")
+
+    def __init__(self, label, fn, args, kwargs, parent):
+        self.label, self.fn, self.args, self.kwargs, self.parent = label, fn, args, kwargs, parent
+        self.count, self.children = 0, []
+
+
+def _record_stages(fn: Callable) -> list[_Stage]:
+    """One call of ``fn`` with the stage functions wrapped: each stage's first arguments, how
+    often it runs per call, and the stage it runs inside. ``dispatch.run`` adds two stages of its
+    own per op: the backend's plan lookup (describe the call, find its plan) and the execution."""
+    stages: dict[tuple, _Stage] = {}
+    stack: list[_Stage] = []
+    saved = []
+
+    def wrap(label, module, name, original):
+        is_dispatch = module is dispatch and name == "run"
+        def recording(*args, **kwargs):
+            op = f" ({args[0]})" if is_dispatch else ""
+            key = (label + op, stack[-1].label if stack else None)
+            stage = stages.get(key)
+            if stage is None:
+                stage = stages[key] = _Stage(label + op, original, args, kwargs, stack[-1] if stack else None)
+                if stack:
+                    stack[-1].children.append(stage)
+            stage.count += 1
+            stack.append(stage)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                stack.pop()
+        return recording
+
+    for label, module, name in _stage_functions():
+        original = getattr(module, name)
+        saved.append((module, name, original))
+        setattr(module, name, wrap(label, module, name, original))
+    try:
+        fn()
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
+    for stage in list(stages.values()):
+        if stage.fn is dispatch.run:
+            op, device, *args = stage.args
+            prepare = dispatch._load(dispatch.chain(device)[0])[0].prepare[op]
+            plan = _Stage(f"plan lookup ({op}: describe the call, find its plan)", prepare, tuple(args),
+                          stage.kwargs, stage)
+            runner = prepare(*args, **stage.kwargs)
+            run = _Stage(f"execution ({op}: buffers, argument lists, launches)", runner, (), {}, stage)
+            plan.count = run.count = 1
+            # what the execution runs (allocation, launches) moves under it
+            run.children, stage.children = stage.children, [plan, run]
+    return [s for s in stages.values() if s.parent is None]
+
+
+def stage_breakdown(fn: Callable, calls: int, repeats: int = 3) -> list[dict]:
+    """Where one call of ``fn`` spends host time, by stage: each stage of :func:`_stage_functions`
+    that the call runs, replayed alone (CPU time, median of ``repeats`` runs of ``calls``), its
+    own time (what its sub-stages do not account for) and its runs per call. The first row is
+    the whole call; its own time is what no listed stage covers (the public function's glue, and
+    in training the autograd engine and the forward's autograd record)."""
+    roots = _record_stages(fn)
+    whole = statistics.median(_time(fn, calls, repeats, lambda: None, clock=time.process_time))
+    rows = [{"stage": "the whole call", "depth": 0, "us": whole, "count": 1,
+             "own_us": whole - sum(_inclusive(s, calls, repeats) * s.count for s in roots)}]
+
+    def visit(stage, depth):
+        us = _inclusive(stage, calls, repeats)
+        own = us - sum(_inclusive(c, calls, repeats) * c.count / max(stage.count, 1) for c in stage.children)
+        rows.append({"stage": stage.label, "depth": depth, "us": us, "count": stage.count, "own_us": own})
+        for child in stage.children:
+            visit(child, depth + 1)
+
+    for root in roots:
+        visit(root, 1)
+    return rows
+
+
+_timed: dict = {}
+
+
+def _inclusive(stage: _Stage, calls: int, repeats: int) -> float:
+    if id(stage) not in _timed:
+        call = (lambda: stage.fn(*stage.args, **stage.kwargs)) if stage.args or stage.kwargs else stage.fn
+        _timed[id(stage)] = (stage, statistics.median(_time(call, calls, repeats, lambda: None, clock=time.process_time)))
+    return _timed[id(stage)][1]
+
+
+def stages_text(rows: list[dict]) -> str:
+    lines = [f"{'us':>8} {'own us':>8} {'runs':>5}  stage (replayed alone, CPU time per run; nested stages indented)"]
+    for r in rows:
+        lines.append(f"{r['us']:8.2f} {r['own_us']:8.2f} {r['count']:5d}  {'  ' * r['depth']}{r['stage']}")
+    return "\n".join(lines) + "\n"
+
+
+# --- device mode: host and GPU apart, ours beside SDPA's ---------------------------------------
+
+# SDPA's backends timed on the same calls in device mode (label -> torch.nn.attention.SDPBackend)
+SDPA_BACKENDS = {"sdpa[flash]": "FLASH_ATTENTION", "sdpa[cudnn]": "CUDNN_ATTENTION"}
+IMPLS = ("flash_attn", *SDPA_BACKENDS)
+SLEEP_MARGIN = 4  # the GPU's head start (below): this many times the host's time to queue the calls
+DEVICE_COLUMNS = ("mode", "case", "impl", "us_per_call", "us_min", "us_max", "host_us", "host_min", "host_max",
+                  "thread_us", "thread_min", "thread_max", "gpu_us", "gpu_min", "gpu_max", "host_bound", "gpu_covered", "launches_per_call", "status", "note")
+
+
+def _sdpa_calls(device) -> dict[str, Callable[[], object]]:
+    """SDPA on the calls of :func:`_calls` that it has (no packed sequences, no rotary): the same
+    shapes, its own ``(batch, heads, seqlen, headdim)`` layout; the decode step appends the new
+    token's k/v to the cache (two copies) and attends over the filled rows
+    (:func:`flash_attn.bench.gpu.sdpa_decode`: query heads grouped by their KV head)."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from flash_attn.bench.gpu import sdpa_decode  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
+    q, k, v = rnd(1, 16, 128, 128), rnd(1, 16, 128, 128), rnd(1, 16, 128, 128)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    dout = rnd(1, 16, 128, 128)
+    batch, heads, heads_k, filled = 8, 32, 8, 2000
+    k_cache, v_cache = rnd(batch, 4096, heads_k, 128), rnd(batch, 4096, heads_k, 128)
+    step_q, step_k, step_v = rnd(batch, 1, heads, 128), rnd(batch, 1, heads_k, 128), rnd(batch, 1, heads_k, 128)
+
+    def training():
+        for t in (qg, kg, vg):
+            t.grad = None
+        F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).backward(dout)
+
+    def decode_step():
+        k_cache[:, filled:filled + 1] = step_k
+        v_cache[:, filled:filled + 1] = step_v
+        return sdpa_decode(step_q, k_cache[:, :filled + 1], v_cache[:, :filled + 1])
+
+    return {
+        "forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "forward+backward": training,
+        "decode step": decode_step,
+    }
+
+
+def _sdpa_context(backend: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+def cuda_gpu_span(fn: Callable, calls: int, host_s: float) -> tuple[float, bool]:
+    """``(milliseconds, covered)``: the GPU time of ``calls`` back-to-back calls of ``fn``, the
+    GPU alone. A sleep kernel first holds the stream while the host queues every call, so the two
+    events around the calls time their kernels back to back, without the host's gaps between
+    them; ``covered``: the sleep outlasted the queuing (else the span includes host time).
+    ``host_s``: about how long the host takes to queue the calls (it sizes the sleep)."""
+    cycles = int(max(host_s, 1e-3) * SLEEP_MARGIN * 2e9)  # ~2 GHz: a few ms too long costs nothing
+    before, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    before.record()
+    torch.cuda._sleep(cycles)
+    start.record()
+    queued = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    end.record()
+    queued = time.perf_counter() - queued
+    end.synchronize()
+    return start.elapsed_time(end), before.elapsed_time(start) >= queued * 1e3
+
+
+def device_rows(calls_by_impl: dict, calls: int, repeats: int, sync: Callable[[], None], gpu_span=None,
+                contexts: Optional[dict] = None, launches: Optional[dict] = None) -> list[dict]:
+    """Rows of device mode: for each case and implementation (``calls_by_impl``: impl -> case ->
+    call), the median and spread over ``repeats`` runs of :func:`host_and_gpu`, the runs
+    interleaved (every case and implementation once, then again), each inside its ``contexts[impl]``
+    (SDPA's backend choice). A call that raises is a row with ``status`` error and the message.
+    ``host_bound``: the host's CPU time per call exceeds the GPU's (the GPU waits for the host)."""
+    runs: dict = {}
+    failed: dict = {}
+    cases = list(dict.fromkeys(case for by_case in calls_by_impl.values() for case in by_case))
+    for _ in range(repeats):
+        for case in cases:
+            for impl, by_case in calls_by_impl.items():
+                if case not in by_case or (case, impl) in failed:
+                    continue
+                with (contexts or {}).get(impl, contextlib.nullcontext)():
+                    try:
+                        for _ in range(max(3, calls // 10)):  # warm-up (plans, autotuning, allocator)
+                            by_case[case]()
+                        runs.setdefault((case, impl), []).append(host_and_gpu(by_case[case], calls, sync, gpu_span))
+                    except Exception as exc:  # noqa: BLE001  (SDPA's backends refuse some calls)
+                        failed[case, impl] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    rows = []
+    for case in cases:
+        for impl in calls_by_impl:
+            if case not in calls_by_impl[impl]:
+                continue
+            row = {**dict.fromkeys(DEVICE_COLUMNS), "mode": "device", "case": case, "impl": impl,
+                   "launches_per_call": (launches or {}).get(case)}
+            if (case, impl) in failed:
+                rows.append({**row, "status": "error", "note": failed[case, impl]})
+                continue
+            got = runs[case, impl]
+            for key, name in (("wall_us", "us"), ("host_us", "host"), ("thread_us", "thread"), ("gpu_us", "gpu")):
+                values = [r[key] for r in got if r[key] is not None]
+                if values:
+                    prefix = "us_per_call" if name == "us" else f"{name}_us"
+                    row.update({prefix: statistics.median(values), f"{name}_min": min(values),
+                                f"{name}_max": max(values)})
+            if row.get("gpu_us") is not None:
+                row["host_bound"] = row["host_us"] > row["gpu_us"]
+                row["gpu_covered"] = all(r["gpu_covered"] for r in got)
+            rows.append({**row, "status": "ok"})
+    return rows
+
+
 def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Optional[dict] = None) -> list[dict]:
     """One row per case: ``us_per_call`` (median), min and max over ``repeats``, launches per call,
     plans made per timed call (stubbed mode). ``profiles``: a dict that receives each case's
-    :func:`profile_text`."""
+    :func:`profile_text`. Device mode: one row per case and implementation (:func:`device_rows`)."""
     rows = []
     if mode == "device":
         if not torch.cuda.is_available():
             raise RuntimeError("device mode needs a CUDA GPU")
         device = torch.device("cuda")
-        for name, fn in {**_calls(device), **_launch_calls(device)}.items():
-            times = _time(fn, calls, repeats, torch.cuda.synchronize)
-            rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),
-                         "us_min": min(times), "us_max": max(times),
-                         "launches_per_call": 1 if name in LAUNCH_CASES else None})
-            if profiles is not None:
+        ours = {**_calls(device), **_launch_calls(device)}
+        calls_by_impl = {"flash_attn": ours, **{impl: _sdpa_calls(device) for impl in SDPA_BACKENDS}}
+        contexts = {impl: (lambda b=b: _sdpa_context(b)) for impl, b in SDPA_BACKENDS.items()}
+        rows = device_rows(calls_by_impl, calls, repeats, torch.cuda.synchronize, cuda_gpu_span, contexts,
+                           launches={name: 1 for name in LAUNCH_CASES})
+        if profiles is not None:
+            for name, fn in ours.items():
                 profiles[name] = profile_text(fn, calls, torch.cuda.synchronize)
         return rows
     with stubbed_aot() as launches:
@@ -230,5 +475,6 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
                          "us_min": min(times), "us_max": max(times), "launches_per_call": per_call,
                          "plans_per_call": (len(plans) - planned) / (calls * repeats + max(3, calls // 10))})
             if profiles is not None:
-                profiles[name] = profile_text(fn, calls, lambda: None)
+                stages = stages_text(stage_breakdown(fn, calls))
+                profiles[name] = profile_text(fn, calls, lambda: None) + "\nby stage\n" + stages
     return rows

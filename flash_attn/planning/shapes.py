@@ -63,7 +63,7 @@ class TensorInfo(NamedTuple):
     aligned: bool  # data pointer 16-byte aligned
 
 
-_new_info = tuple.__new__  # a TensorInfo without NamedTuple's Python-level __new__ (once per call)
+_new_info = tuple.__new__  # a named tuple without its Python-level __new__ (every field given; per call)
 
 
 def info(t: Optional[torch.Tensor]) -> Optional[TensorInfo]:
@@ -120,8 +120,8 @@ def _varlen_info(varlen, exact: bool = False) -> Optional[VarlenInfo]:
     max_q, max_k = int(varlen.max_seqlen_q), int(varlen.max_seqlen_k)
     if not exact:
         max_q, max_k = bucket_seqlen(max_q), bucket_seqlen(max_k)
-    return VarlenInfo(varlen.cu_seqlens_q.shape[0] - 1, max_q, max_k, info(varlen.cu_seqlens_q),
-                      info(varlen.cu_seqlens_k), info(varlen.block_table))
+    return _new_info(VarlenInfo, (varlen.cu_seqlens_q.shape[0] - 1, max_q, max_k, info(varlen.cu_seqlens_q),
+                                  info(varlen.cu_seqlens_k), info(varlen.block_table)))
 
 
 def _packed_info(t: Optional[torch.Tensor], rows: Rows) -> Optional[TensorInfo]:
@@ -210,10 +210,11 @@ def describe_forward(q, k, v, params, varlen=None, alibi_slopes=None, return_sof
             k_info, v_info = _packed_info(k, K_ROWS), _packed_info(v, K_ROWS)
         else:
             k_info, v_info = info(k), info(v)  # a page pool, not packed rows
-        return ForwardShape(_packed_info(q, Q_ROWS), k_info, v_info, _varlen_info(varlen), info(alibi_slopes),
-                            _scalars(params), False, _seed_info(params), info(sinks), _packed_info(qv, Q_ROWS))
-    return ForwardShape(info(q), info(k), info(v), _varlen_info(varlen, exact=True), info(alibi_slopes),
-                        _scalars(params), bool(return_softmax), _seed_info(params), info(sinks), info(qv))
+        return _new_info(ForwardShape, (_packed_info(q, Q_ROWS), k_info, v_info, _varlen_info(varlen),
+                                        info(alibi_slopes), _scalars(params), False, _seed_info(params), info(sinks),
+                                        _packed_info(qv, Q_ROWS)))
+    return _new_info(ForwardShape, (info(q), info(k), info(v), _varlen_info(varlen, exact=True), info(alibi_slopes),
+                                    _scalars(params), bool(return_softmax), _seed_info(params), info(sinks), info(qv)))
 
 
 def describe_backward(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None, deterministic=False,
@@ -224,23 +225,23 @@ def describe_backward(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes
     if _rows_per_call(q, varlen, paged):
         grad_infos = None if grads is None else (
             _packed_info(grads[0], Q_ROWS), _packed_info(grads[1], K_ROWS), _packed_info(grads[2], K_ROWS))
-        return BackwardShape(_packed_info(dout, Q_ROWS), _packed_info(q, Q_ROWS), _packed_info(k, K_ROWS),
-                             _packed_info(v, K_ROWS), _packed_info(out, Q_ROWS), _packed_lse_info(lse),
-                             _varlen_info(varlen), info(alibi_slopes), _scalars(params), _seed_info(params),
-                             bool(deterministic), grad_infos, bool(delta), info(qv))
+        return _new_info(BackwardShape, (
+            _packed_info(dout, Q_ROWS), _packed_info(q, Q_ROWS), _packed_info(k, K_ROWS), _packed_info(v, K_ROWS),
+            _packed_info(out, Q_ROWS), _packed_lse_info(lse), _varlen_info(varlen), info(alibi_slopes),
+            _scalars(params), _seed_info(params), bool(deterministic), grad_infos, bool(delta), info(qv)))
     grad_infos = None if grads is None else (info(grads[0]), info(grads[1]), info(grads[2]))
-    return BackwardShape(info(dout), info(q), info(k), info(v), info(out), info(lse), _varlen_info(varlen, exact=True),
-                         info(alibi_slopes), _scalars(params), _seed_info(params), bool(deterministic), grad_infos,
-                         bool(delta), info(qv))
+    return _new_info(BackwardShape, (info(dout), info(q), info(k), info(v), info(out), info(lse),
+                                     _varlen_info(varlen, exact=True), info(alibi_slopes), _scalars(params),
+                                     _seed_info(params), bool(deterministic), grad_infos, bool(delta), info(qv)))
 
 
 def describe_kvcache(q, params, cache, alibi_slopes=None, sinks=None, qv=None) -> KVCacheShape:
-    return KVCacheShape(
+    return _new_info(KVCacheShape, (
         info(q), info(cache.k_cache), info(cache.v_cache), info(cache.k_new), info(cache.v_new),
         info(cache.cache_seqlens), info(cache.cache_batch_idx), info(cache.cache_leftpad), info(cache.block_table),
         info(cache.rotary_cos), info(cache.rotary_sin), info(alibi_slopes), _scalars(params),
         bool(cache.rotary_interleaved), int(cache.num_splits), info(sinks), info(qv),
-    )
+    ))
 
 
 def is_local(scalars: Scalars) -> bool:

@@ -7,7 +7,9 @@ and the build mode on a stand-in build command."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import itertools
 import json
 import subprocess
 import sys
@@ -241,6 +243,76 @@ def test_gpu_mode_plumbing_with_a_fake_timer():
     assert all(r["status"] == "unavailable" and "CUDA only" in r["note"] for r in rows if r["impl"] == "upstream")
     assert all(r["status"] == "ok" for r in rows if r["impl"] == "sdpa[math]")
     assert len(calls) == 2 * len(ours)  # ours and sdpa[math]
+
+
+def test_gpu_mode_checks_each_case_before_timing_it(monkeypatch):
+    """Each case's output and gradients are compared with float32 math attention before the case
+    is timed (:func:`gpu.check`), the errors recorded in the row; a result of ours beyond the
+    tolerance is an error row and is not timed; other implementations' are recorded."""
+    timed = []
+    config = _gpu_config(seqlens=[32], headdims=[32], causal=[True], impls=["flash_attn[reference]", "sdpa[math]"])
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: timed.append(fn) or [1.0])
+    assert len(rows) == 4 and len(timed) == 4
+    for r in rows:
+        assert r["check"] == "ok" and r["err_out"] < 1e-5, r
+        assert (r["err_grad"] is None) == (r["pass"] == "fwd") and (r["err_grad"] or 0) < 1e-5
+
+    wrong = gpu._ours("reference")
+    monkeypatch.setattr(gpu, "_ours", lambda backend: gpu.Implementation(
+        wrong.name, wrong.unavailable, wrong.run, wrong.context, wrong.backend,
+        forward=lambda q, k, v, causal: wrong.forward(q, k, v, causal) * 1.1))
+    timed.clear()
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: timed.append(fn) or [1.0])
+    ours = [r for r in rows if r["impl"] == "flash_attn[reference]"]
+    assert all(r["check"] == "mismatch" and r["status"] == "error" and "wrong result" in r["note"] for r in ours)
+    assert all("time_ms" not in r for r in ours) and len(timed) == 2  # only sdpa[math] was timed
+
+
+def test_gpu_held_out_shapes_are_checked_and_named(monkeypatch):
+    """``--held-out`` adds shapes the configs were not tuned on (tiny stand-ins here: an odd length
+    and GQA 4:1), each checked against the reference (GQA: k/v heads repeated for it) and timed;
+    every row names what the implementation is."""
+    monkeypatch.setattr(gpu, "HELD_OUT", ((37, 2, 4, 4, 16), (24, 1, 8, 2, 16)))
+    config = _gpu_config(seqlens=[32], headdims=[32], causal=[True], impls=["flash_attn[reference]", "sdpa[math]"],
+                         held_out=True)
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:])
+    held = [r for r in rows if r.get("held_out")]
+    assert [(r["seqlen"], r["heads"], r["kv_heads"], r["pass"]) for r in held[::2]] == [
+        (37, 4, 4, "fwd"), (37, 4, 4, "fwd_bwd"), (24, 8, 2, "fwd"), (24, 8, 2, "fwd_bwd")]
+    for r in rows:
+        assert r["status"] == "ok" and r["check"] == "ok" and r["err_out"] < 1e-5, r
+    assert {r["what"] for r in rows} == {gpu.WHAT["flash_attn[reference]"], "PyTorch SDPA math (unfused)"}
+    assert gpu.WHAT["sdpa[flash]"] == "PyTorch SDPA flash (vendored FA2)"
+
+
+def test_gpu_rows_flag_a_time_that_is_the_hosts():
+    """Every timed row has the host's CPU time per call (``host_ms``); a row whose event time is
+    not clearly above it is flagged ``host_bound`` (stand-in timers: one far below any host time,
+    one far above)."""
+    config = _gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False],
+                         impls=["flash_attn[reference]", "sdpa[math]"])
+    for event_ms, bound in ((1e-6, True), (1e6, False)):
+        rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [event_ms])
+        assert len(rows) == 2
+        for r in rows:
+            assert r["status"] == "ok" and r["host_ms"] > 0 and r["host_bound"] is bound, r
+    assert "(host-bound" in gpu._progress_line(dict(rows[0], host_bound=True))
+
+
+def test_gpu_reference_is_chunked_without_changing_the_answer(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 24, 3, 8, generator=g) for _ in range(4))
+    whole_out, whole_grads = gpu.reference(q, k, v, dout, True)
+    monkeypatch.setattr(gpu, "REFERENCE_SCORES", 24 * 24 * 2)  # two heads at a time: three slices
+    out, grads = gpu.reference(q, k, v, dout, True)
+    torch.testing.assert_close(out, whole_out, rtol=0, atol=0)
+    for a, b in zip(grads, whole_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and the reference itself against a naive float64 attention
+    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
+    scores = (qd @ kd.transpose(-1, -2)) / 8 ** 0.5
+    scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(out.double(), (scores.softmax(-1) @ vd).transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
 def test_gpu_rows_beyond_fa2():
@@ -724,3 +796,93 @@ def test_ops_a_failing_compile_costs_only_its_own_row(tmp_path, monkeypatch):
 def test_ops_unknown_names_are_refused(tmp_path, capsys):
     assert cli.main(["bench", "ops", "--ops", "softmax", "--out", str(tmp_path)]) == 2
     assert "unknown op" in capsys.readouterr().err
+
+
+def test_overhead_device_rows_interleave_and_flag_the_host_bound(monkeypatch):
+    """Device mode's rows on CPU callables, with a stand-in GPU span (the CUDA one needs a GPU:
+    it is not run here): each case and implementation timed ``repeats`` times in interleaved
+    order, medians and spreads of host and GPU time per call, host > GPU flagged, a call that
+    raises kept as its own error row while the others run."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    order = []
+
+    def call(name):
+        return lambda: order.append(name)
+
+    def refuses():
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    # the GPU span says 1 ms per call for "slow" (the host is far quicker), 0 for the rest
+    def gpu_span(fn, calls, host_s):
+        slow = order[-1].startswith("slow")
+        return (calls * 1.0 if slow else 0.0), True
+
+    entered = []
+
+    @contextlib.contextmanager
+    def context():
+        entered.append(len(order))
+        yield
+
+    calls_by_impl = {"ours": {"fast": call("fast ours"), "slow": call("slow ours")},
+                     "theirs": {"fast": refuses, "slow": call("slow theirs")}}
+    rows = overhead.device_rows(calls_by_impl, calls=4, repeats=3, sync=lambda: None, gpu_span=gpu_span,
+                                contexts={"theirs": context}, launches={"fast": 1})
+    assert [(r["case"], r["impl"], r["status"]) for r in rows] == [
+        ("fast", "ours", "ok"), ("fast", "theirs", "error"), ("slow", "ours", "ok"), ("slow", "theirs", "ok")]
+    assert rows[1]["note"] == "RuntimeError: no kernel for this shape"
+    # interleaved: each repeat runs every case and implementation once (warm-up 3 + 4 timed + span 4)
+    runs = [name for name, _ in itertools.groupby(order)]
+    assert runs == ["fast ours", "slow ours", "slow theirs"] * 3
+    assert len(entered) == 2 + 1 + 1  # theirs' context around each of its runs (fast once: it failed)
+    for row in (rows[0], rows[2], rows[3]):
+        assert row["host_min"] <= row["host_us"] <= row["host_max"] and row["us_min"] <= row["us_per_call"]
+        assert row["thread_us"] >= 0 and row["gpu_covered"] is True
+    assert rows[0]["gpu_us"] == 0.0 and rows[0]["host_bound"] is True and rows[0]["launches_per_call"] == 1
+    assert rows[2]["gpu_us"] == 1000.0 and rows[2]["host_bound"] is False and rows[2]["launches_per_call"] is None
+
+
+def test_overhead_device_rows_without_a_gpu_span():
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    rows = overhead.device_rows({"ours": {"forward": lambda: None}}, calls=2, repeats=2, sync=lambda: None)
+    assert rows[0]["gpu_us"] is None and rows[0]["host_bound"] is None and rows[0]["status"] == "ok"
+    assert set(rows[0]) == set(overhead.DEVICE_COLUMNS)
+
+
+def test_overhead_device_mode_needs_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the device mode runs in .ci/gpu-check's overhead step instead")
+    assert cli.main(["bench", "overhead", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_overhead_stage_breakdown_nests_the_stages():
+    """The per-stage breakdown of a forward and a decode step (stubbed aot): the stages a call
+    runs, nested as they run, the dispatcher split into plan lookup and execution, and no stage
+    dearer than the whole call it is part of (with slack for timing noise on a shared machine)."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    try:
+        stub = overhead.stubbed_aot()
+        stub.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    try:
+        calls = overhead._calls(torch.device("cpu"))
+        for case, entry in (("forward", "custom op entry"), ("decode step", "custom op entry (kv cache)")):
+            calls[case]()
+            rows = overhead.stage_breakdown(calls[case], calls=100, repeats=3)
+            names = [(r["depth"], r["stage"]) for r in rows]
+            op = "forward" if case == "forward" else "forward_kvcache"
+            assert names[:3] == [(0, "the whole call"), (1, "metadata checks"), (1, entry)]
+            assert (2, f"dispatch ({op})") in names
+            assert (3, f"plan lookup ({op}: describe the call, find its plan)") in names
+            assert (4, "allocation (inputs prepared, buffers)") in names
+            assert all(r["us"] >= 0 and r["count"] >= 1 for r in rows)  # the stubbed launch may round to 0
+            assert rows[0]["us"] > 0 and all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
+            text = overhead.stages_text(rows)
+            assert "plan lookup" in text and text.count("\n") == len(rows) + 1
+    finally:
+        stub.__exit__(None, None, None)

@@ -90,3 +90,33 @@ def test_tune_sweep_0_measures_the_shipped_images_only(tmp_path):
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert len(calls) == 1 and calls[0].startswith("-m flash_attn bench gpu"), calls
     assert "tune rc=0 bench rc=0 warp-specialised rc=0" in result.stdout
+
+
+def test_the_host_step_measures_then_checks_what_the_call_path_touches(tmp_path):
+    """``host`` (issue 42's window): the stubbed overhead, the device overhead beside SDPA, a short
+    benchmark, then gpu-check's aot and graphs steps in what is left of its budget; a failed
+    measurement fails the step but the others still run."""
+    bin_dir = _stand_ins(tmp_path, "no hang")
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOST_BUDGET_S": "250"}
+    result = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-window"), "host", str(out), str(tmp_path / "carry")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = [c for c in (tmp_path / "calls.log").read_text().splitlines() if "import xdist" not in c]
+    assert calls[0].startswith("-m flash_attn bench overhead --profile")
+    assert calls[1].startswith("-m flash_attn bench overhead --device cuda")
+    assert calls[2].startswith("-m flash_attn bench gpu") and "sdpa[flash]" in calls[2]
+    pytest_calls = [c for c in calls[3:] if c.startswith("-m pytest")]
+    assert len(pytest_calls) == 2 and "--flash-backend aot" in pytest_calls[0] and "test_cuda_graphs" in pytest_calls[1]
+    assert (out / "host-summary.txt").read_text().split("\n")[:4] == [
+        "overhead-stubbed rc=0", "overhead-cuda rc=0", "bench rc=0", "gpu-check rc=0"]
+    budget = int(re.search(r"=== budget: (\d+)s", result.stdout).group(1))
+    assert 240 <= budget <= 250
+
+    (bin_dir / "python").write_text((bin_dir / "python").read_text().replace(
+        "exit 0", '[[ "$*" == *"--device cuda"* ]] && exit 3\nexit 0'))
+    result = subprocess.run(["bash", str(ROOT / ".ci" / "gpu-window"), "host", str(out), str(tmp_path / "carry")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert "overhead-cuda rc=3" in (out / "host-summary.txt").read_text()
+    assert "gpu-check rc=0" in (out / "host-summary.txt").read_text()
