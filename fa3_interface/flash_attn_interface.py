@@ -1,0 +1,381 @@
+"""FlashAttention-3's Python interface (``flash_attn_interface``) over this package's attention.
+
+FlashAttention-3 (upstream's ``hopper/``, distribution ``flash_attn_3``) ships this top-level module;
+code written for it (Hugging Face Transformers' ``flash_attention_3``, serving code) imports
+``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_with_kvcache``,
+``flash_attn_combine`` and ``get_scheduler_metadata`` from here. The functions below take FA3's
+arguments, in FA3's order, with FA3's defaults, and return what FA3 returns (upstream
+``hopper/flash_attn_interface.py`` at commit 0251105a); they run on :mod:`flash_attn`'s kernels
+and PyTorch backends, so they work on every GPU this package supports and on the CPU.
+
+FA3's arguments here (docs/compatibility.md, "FlashAttention-3's interface"):
+
+* computed as FA3 does: ``softmax_scale`` (default ``(headdim + headdim_v of qv) ** -0.5``),
+  ``causal``, ``window_size``, ``softcap``, ``qv`` (MLA), GQA, ``seqused_q``/``seqused_k``,
+  varlen with or without ``cu_seqlens_*``, paged KV (``page_table``, any page size),
+  ``cache_batch_idx``, ``cache_leftpad``, rotary, ``deterministic``, ``num_heads_q``;
+* ``s_aux`` (keyword-only; the sink spelling of FA3's forks, vLLM's and Transformers' gpt-oss
+  path): ``(nheads,)`` attention-sink logits, one per query head, which join every row's softmax
+  denominator (flash_attn's ``learnable_sink``; cast to float32, gradients flow back);
+* scheduler hints that change nothing here: ``num_splits`` of the dense and varlen calls,
+  ``pack_gqa``, ``sm_margin``, ``scheduler_metadata`` (``num_splits`` of the cache call is
+  passed on: it never changes the result either);
+* refused with ``NotImplementedError`` naming the argument: ``q_descale``/``k_descale``/
+  ``v_descale`` (FP8: not built), ``attention_chunk`` other than 0, and the cache call's
+  ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``max_seqlen_q`` and ``rotary_seqlens``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from flash_attn import custom_ops, kvcache, validation
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
+    "get_scheduler_metadata",
+]
+
+
+def _refuse(**arguments) -> None:
+    """FA3 arguments this package does not implement: a clear error when one is set."""
+    reasons = {
+        "q_descale": "FP8 attention is not built here; pass float16/bfloat16/float32 tensors",
+        "k_descale": "FP8 attention is not built here; pass float16/bfloat16/float32 tensors",
+        "v_descale": "FP8 attention is not built here; pass float16/bfloat16/float32 tensors",
+        "attention_chunk": "chunked attention is not implemented here; use 0",
+        "cu_seqlens_q": "the cache call takes a padded q (batch, seqlen_q, nheads, headdim) here",
+        "cu_seqlens_k_new": "the cache call takes padded new k/v (batch, seqlen_new, nheads_k, headdim) here",
+        "max_seqlen_q": "the cache call takes a padded q here (max_seqlen_q belongs to cu_seqlens_q)",
+        "rotary_seqlens": "rotary positions are the cache positions here (cache_seqlens)",
+    }
+    for name, value in arguments.items():
+        if value is not None and not (name == "attention_chunk" and value == 0):
+            shown = "a tensor" if isinstance(value, torch.Tensor) else repr(value)
+            raise NotImplementedError(f"flash_attn_interface: {name} ({shown}) is not supported: {reasons[name]}")
+
+
+def _sinks(s_aux):
+    """FA3 forks' ``s_aux`` as flash_attn's ``learnable_sink`` (float32, differentiable)."""
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
+        raise TypeError(f"s_aux must be a floating-point tensor (nheads,) of sink logits, got {type(s_aux).__name__}")
+    return s_aux.float()
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+             window_size, softcap, deterministic, qv, sinks):
+    """``(out, lse)`` of one flash_attn forward (dense when ``cu_seqlens_q`` is None), with autograd."""
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    validation.check_softmax_scale(softmax_scale)
+    window_size = validation.check_options(0.0, softcap, window_size, None, batch, q.shape[-2], q.device)
+    validation.check_sinks(sinks, q.shape[-2], q.device)
+    left, right = validation.causal_window(causal, window_size)
+    scale = validation.softmax_scale(softmax_scale, q.shape[-1] + (0 if qv is None else qv.shape[-1]))
+    out, lse, _, _ = custom_ops.forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, None, None, max_seqlen_q, max_seqlen_k, scale, left, right,
+        float(softcap), 0.0, False, bool(deterministic), qv=qv, sinks=sinks,
+    )
+    return out, lse
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    softmax_scale=None,
+    causal=False,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    deterministic=False,
+    num_heads_q=None,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
+    """:func:`flash_attn_func` with q, k, v stacked: qkv ``(batch, seqlen, 3, nheads, headdim)``, or
+    with ``num_heads_q`` (GQA) ``(batch, seqlen, num_heads_q + 2 * nheads_k, headdim)``."""
+    if num_heads_q is None:
+        validation.check_tensor(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
+        if qkv.shape[2] != 3:
+            raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+        q, k, v = qkv.unbind(dim=2)
+    else:
+        validation.check_tensor(qkv, "qkv", 4, "(batch, seqlen, num_heads_q + 2 * nheads_k, headdim)")
+        nheads_k, rest = divmod(qkv.shape[2] - num_heads_q, 2)
+        if rest or nheads_k <= 0:
+            raise ValueError(f"qkv's dim 2 ({qkv.shape[2]}) must be num_heads_q ({num_heads_q}) + 2 * nheads_k")
+        q, k, v = qkv.split([num_heads_q, nheads_k, nheads_k], dim=2)
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, 1, None, deterministic, sm_margin, return_attn_probs, s_aux=s_aux)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
+    """Exact attention over a padded batch, FA3's signature.
+
+    q ``(batch, seqlen_q, nheads, headdim)``, k ``(batch, seqlen_k, nheads_k, headdim)``, v
+    ``(batch, seqlen_k, nheads_k, headdim_v)``; masks as :func:`flash_attn.flash_attn_func`'s
+    (bottom-right aligned causal, ``window_size``). Returns out ``(batch, seqlen_q, nheads,
+    headdim_v)``, and with ``return_attn_probs`` ``(out, softmax_lse)``, softmax_lse float32
+    ``(batch, nheads, seqlen_q)`` (FA3 returns no probabilities). ``num_splits``, ``pack_gqa`` and
+    ``sm_margin`` change nothing here.
+    """
+    _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    validation.check_dense_qkv(q, k, v)
+    validation.check_qv(qv, q, v.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
+    out, lse = _forward(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_size,
+                        softcap, deterministic, qv, _sinks(s_aux))
+    return (out, lse) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+    *,
+    s_aux=None,
+):
+    """Exact attention over sequences of different lengths, FA3's signature.
+
+    As in FA3, either side may be packed or padded: with ``cu_seqlens_q`` q is ``(total_q, nheads,
+    headdim)`` and sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``; with
+    ``cu_seqlens_q=None`` q is ``(batch, seqlen_q, nheads, headdim)`` (and likewise k/v with
+    ``cu_seqlens_k``). ``seqused_q``/``seqused_k`` (int32 ``(batch,)``) keep only the first
+    ``seqused[b]`` rows of each sequence's slot; rows past ``seqused_q[b]`` get output 0 and
+    logsumexp +inf (as a row that sees no key) and no gradient. Reading ``seqused_*`` waits for
+    the device (the rows kept are gathered on the host's count).
+
+    Returns out (q's layout with v's head dim), and with ``return_attn_probs`` ``(out,
+    softmax_lse)``: ``(nheads, total_q)`` for packed q, ``(batch, nheads, seqlen_q)`` for padded q.
+    """
+    _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    sinks = _sinks(s_aux)
+    padded_q = cu_seqlens_q is None
+    if padded_q and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
+        return flash_attn_func(q, k, v, softmax_scale, causal, qv, None, None, None, window_size, 0, softcap,
+                               num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, s_aux=s_aux)
+    batch = _batch_of(cu_seqlens_q, cu_seqlens_k, q, k, seqused_q, seqused_k)
+    q_rows, cu_q, max_q = _packed(q, "q", cu_seqlens_q, max_seqlen_q, seqused_q, batch)
+    k_rows, cu_k, max_k = _packed(k, "k", cu_seqlens_k, max_seqlen_k, seqused_k, batch)
+    flat = lambda t: t if t.dim() == 3 else t.flatten(0, 1)  # noqa: E731
+    q_used, k_used, v_used = flat(q), flat(k), flat(v)
+    qv_used = None if qv is None else flat(qv)
+    if q_rows is not None:
+        q_used = q_used.index_select(0, q_rows)
+        qv_used = None if qv_used is None else qv_used.index_select(0, q_rows)
+    if k_rows is not None:
+        k_used, v_used = k_used.index_select(0, k_rows), v_used.index_select(0, k_rows)
+    max_q, max_k = validation.varlen_max_seqlens(q_used, k_used, None, max_q, max_k)
+    validation.check_varlen_qkv(q_used, k_used, v_used, cu_q, cu_k, max_q, max_k, None)
+    validation.check_qv(qv_used, q_used, v_used.shape[-1], "(total_q, nheads, headdim_v)")
+    out, lse = _forward(q_used, k_used, v_used, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size,
+                        softcap, deterministic, qv_used, sinks)
+    if q_rows is not None:
+        total = q.shape[0] * (q.shape[1] if padded_q else 1)
+        out = out.new_zeros((total, *out.shape[1:])).index_copy(0, q_rows, out)
+        lse = lse.new_full((lse.shape[0], total), float("inf")).index_copy(1, q_rows, lse)
+    if padded_q:
+        out = out.unflatten(0, q.shape[:2])
+        lse = lse.unflatten(1, q.shape[:2]).transpose(0, 1)
+    return (out, lse) if return_attn_probs else out
+
+
+def _batch_of(cu_seqlens_q, cu_seqlens_k, q, k, seqused_q, seqused_k) -> int:
+    for cu in (cu_seqlens_q, cu_seqlens_k):
+        if cu is not None:
+            validation.check_cu_seqlens(cu, "cu_seqlens", q.device)
+            return cu.shape[0] - 1
+    for used in (seqused_q, seqused_k):
+        if used is not None:
+            return used.shape[0]
+    return q.shape[0] if q.dim() == 4 else k.shape[0]
+
+
+def _packed(x, name, cu_seqlens, max_seqlen, seqused, batch):
+    """For one side (q or k/v): the rows to keep (``None``: all of them), the int32 ``cu_seqlens``
+    of the kept rows and their max length. A padded side ``(batch, seqlen, ...)`` is its flattened
+    rows with ``cu_seqlens = [0, seqlen, 2 seqlen, ...]``."""
+    if cu_seqlens is None:
+        validation.check_tensor(x, name, 4, f"(batch, seqlen_{name}, nheads, headdim) when cu_seqlens_{name} is None")
+        if x.shape[0] != batch:
+            raise ValueError(f"{name} has batch {x.shape[0]}, the other arguments say {batch}")
+        seqlen = x.shape[1]
+        cu_seqlens = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=x.device)
+        max_seqlen = seqlen
+    if seqused is None:
+        return None, cu_seqlens, max_seqlen
+    if not isinstance(seqused, torch.Tensor) or seqused.dtype != torch.int32 or tuple(seqused.shape) != (batch,):
+        raise TypeError(f"seqused_{name} must be an int32 tensor of shape ({batch},), got "
+                        f"{getattr(seqused, 'dtype', type(seqused).__name__)} {tuple(getattr(seqused, 'shape', ()))}")
+    if seqused.device != x.device:
+        raise ValueError(f"seqused_{name} is on {seqused.device} but {name} is on {x.device}")
+    starts, slots = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    used = seqused.long()
+    if bool(((used < 0) | (used > slots)).any()):
+        raise ValueError(f"seqused_{name} must be between 0 and each sequence's length in cu_seqlens_{name} "
+                         f"(or the padded seqlen), got {seqused.tolist()} for lengths {slots.tolist()}")
+    cu_used = torch.cat([used.new_zeros(1), used.cumsum(0)])
+    owner = torch.repeat_interleave(torch.arange(batch, device=x.device), used)
+    rows = starts[owner] + torch.arange(owner.shape[0], device=x.device) - cu_used[:-1][owner]
+    return rows, cu_used.to(torch.int32), int(used.max()) if batch else 0
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merge attention computed over disjoint key splits.
+
+    out_partial float32 ``(num_splits, batch, seqlen, nheads, headdim)``, lse_partial float32
+    ``(num_splits, batch, seqlen, nheads)`` (each split's output and logsumexp). Returns
+    ``(out, softmax_lse)``: ``out = sum_s exp(lse_s - lse) * out_s`` in ``out_dtype`` (default
+    out_partial's; written into ``out`` when given) and ``lse = log sum_s exp(lse_s)`` float32
+    ``(batch, seqlen, nheads)``. A row whose splits all have lse -inf gets 0 and -inf.
+    """
+    for name, t, ndim in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != ndim:
+            raise TypeError(f"{name} must be a float32 tensor with {ndim} dims, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
+        raise ValueError(f"lse_partial must have shape (num_splits, batch, seqlen, nheads) = "
+                         f"{tuple(out_partial.shape[:-1])}, got {tuple(lse_partial.shape)}")
+    if out_partial.shape[0] == 0:
+        raise ValueError("out_partial must hold at least one split")
+    out_dtype = out_dtype or out_partial.dtype
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    lse = torch.logsumexp(lse_partial, dim=0)
+    finite = torch.isfinite(lse)
+    weights = torch.where(finite, torch.exp(lse_partial - torch.where(finite, lse, 0.0)), 0.0)
+    combined = (weights.unsqueeze(-1) * out_partial).sum(dim=0)
+    if out is None:
+        return combined.to(out_dtype), lse
+    out.copy_(combined)
+    return out, lse
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    qv=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[(int, torch.Tensor)]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    page_table: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    rotary_seqlens: Optional[torch.Tensor] = None,
+    q_descale: Optional[torch.Tensor] = None,
+    k_descale: Optional[torch.Tensor] = None,
+    v_descale: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    attention_chunk=0,
+    softcap=0.0,  # 0.0 means deactivated
+    rotary_interleaved=True,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+    return_softmax_lse=False,
+    *,
+    s_aux=None,
+):
+    """Attention against a key/value cache (decoding), FA3's signature; no backward.
+
+    New ``k``/``v`` are written **in place** into the caches at rows ``cache_seqlens[b] + t``
+    before attending (rotated first when ``rotary_cos``/``rotary_sin`` are given), as
+    :func:`flash_attn.flash_attn_with_kvcache` does; ``page_table`` is its ``block_table`` (pages of
+    any size). ``qv`` with a latent cache as v_cache is MLA decoding.
+
+    Returns out ``(batch, seqlen_q, nheads, headdim_v)``; with ``return_softmax_lse`` FA3's
+    ``(out, softmax_lse, out_accum, softmax_lse_accum)``, softmax_lse ``(batch, nheads, seqlen_q)``
+    and the two split accumulators empty (the splits here are combined inside the call).
+    """
+    _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q,
+            rotary_seqlens=rotary_seqlens)
+    out, lse = kvcache.forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                               cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
+                               rotary_interleaved, None, num_splits, qv=qv, sinks=_sinks(s_aux))
+    if not return_softmax_lse:
+        return out
+    empty = torch.empty((0,), dtype=torch.float32, device=out.device)
+    return out, lse, empty, empty.clone()
+
+
+def get_scheduler_metadata(
+    batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+    cache_seqlens: torch.Tensor,
+    qkv_dtype=torch.bfloat16,
+    headdim_v=None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_k_new: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    page_size: Optional[int] = None,
+    max_seqlen_k_new=0,
+    causal=False,
+    window_size=(-1, -1),  # -1 means infinite context window
+    attention_chunk=0,
+    has_softcap=False,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+):
+    """FA3's precomputed tile schedule for :func:`flash_attn_with_kvcache`'s ``scheduler_metadata``.
+
+    This package plans its launches itself, so the metadata is an empty int32 tensor on
+    ``cache_seqlens``' device, which :func:`flash_attn_with_kvcache` accepts and ignores.
+    """
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int32 tensor ({batch_size},), got {type(cache_seqlens).__name__}")
+    _refuse(attention_chunk=attention_chunk)
+    return torch.empty((0,), dtype=torch.int32, device=cache_seqlens.device)
