@@ -27,7 +27,7 @@ rattler = pytest.importorskip("rattler", reason="py-rattler is not installed (pi
 pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (pip install py-rattler-build)")
 
 from support import conda_channel, conda_forge_pinning as cf  # noqa: E402
-from support.packaging_helpers import RECIPE, render  # noqa: E402
+from support.packaging_helpers import FA3_OUTPUT, MAIN_OUTPUT, RECIPE, render  # noqa: E402
 
 PLATFORMS = ["linux-64", "osx-arm64", "win-64"]
 
@@ -74,6 +74,10 @@ SCENARIOS = {
         "linux, CUDA 13 driver", ["python", "pytorch", "flash-attn"], "cuda129", pytorch="cuda129",
         torch_version="2.13.0", python="3.12", installed=["python 3.12.*", "pytorch * cuda129*"]),
     "CPU build asked for on a GPU machine": Scenario("linux, CUDA 13 driver", ["flash-attn * cpu*"], "cpu"),
+    # FlashAttention-3's interface brings flash-attn, and the same build flash-attn alone would get
+    "FA3 interface, CUDA 13 driver": Scenario("linux, CUDA 13 driver", ["flash-attn-fa3"], "cuda130", pytorch="cuda130"),
+    "FA3 interface, macOS": Scenario("macOS", ["flash-attn-fa3"], "cpu", pytorch="cpu"),
+    "FA3 interface, Windows": Scenario("windows, CUDA 13 driver", ["flash-attn-fa3"], "cpu"),
 }
 
 
@@ -97,7 +101,11 @@ def ours(tmp_path_factory) -> dict:
     for platform in PLATFORMS:
         variants = write_variant_file(cf.variant_config(cf.feedstock_spec(platform)), folder / f"{platform}.yaml")
         records = conda_channel.rattler_build_records(RECIPE, platform, url, [variants])
-        builds[platform] = {r["build"].split("_")[0]: r for r in records}
+        builds[platform] = {r["build"].split("_")[0]: r for r in records if r["name"] == MAIN_OUTPUT}
+        # FlashAttention-3's interface: one noarch package, rendered by linux-64's matrix only
+        fa3 = [r for r in records if r["name"] == FA3_OUTPUT]
+        assert len(fa3) == (platform == "linux-64") and len(records) == len(builds[platform]) + len(fa3), records
+        builds.setdefault("noarch", {}).update({"fa3": r for r in fa3})
         # every build the feedstock renders (skipped ones left out) was solved
         assert sorted(builds[platform]) == sorted(v.recipe["build"]["string"].split("_")[0]
                                                   for v in render(platform, cf.variant_config(cf.feedstock_spec(platform))))
@@ -107,7 +115,7 @@ def ours(tmp_path_factory) -> dict:
 
 def _channel(folder: Path, ours: dict) -> str:
     records = [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)]
-    records += [r for p in PLATFORMS for r in ours[p].values()]
+    records += [r for p in [*PLATFORMS, "noarch"] for r in ours[p].values()]
     return conda_channel.write_channel(folder, records)
 
 
@@ -134,6 +142,7 @@ def test_solver_picks_the_right_build(name, channel, ours):
     locked = solve(channel, scenario.machine, scenario.installed).values() if scenario.installed else ()
     env = solve(channel, scenario.machine, scenario.specs, locked)
     flash_attn, pytorch = str(env["flash-attn"].build), str(env["pytorch"].build)
+    assert ("flash-attn-fa3" in env) == ("flash-attn-fa3" in scenario.specs)  # never without asking
     assert flash_attn == ours[platform][scenario.flash_attn]["build"], f"{name}: got {flash_attn} with pytorch {pytorch}"
     assert pytorch.startswith(scenario.pytorch), pytorch
     if scenario.flash_attn != "cpu":
@@ -180,3 +189,7 @@ def test_records_carry_the_run_exports(ours):
     assert ours["linux-64"]["cuda129"]["build_number"] == ours["linux-64"]["cuda130"]["build_number"] == 200
     assert ours["linux-64"]["cpu"]["build_number"] == 0
     assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())  # CEP-20
+    fa3 = ours["noarch"]["fa3"]
+    assert fa3["subdir"] == "noarch" and fa3["build_number"] == 0
+    # python's run_export to a noarch package is `python` itself, beside the recipe's floor
+    assert set(fa3["depends"]) == {"python", "python >=3.10", f"flash-attn =={fa3['version']}"}, fa3["depends"]

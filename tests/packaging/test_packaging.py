@@ -90,7 +90,9 @@ def test_recipe_matches_the_schema():
     errors = _validate(schema, recipe)
     assert not errors, "\n".join(errors)
     # The schema is strict enough to notice a misspelt key (else this test would prove nothing).
-    assert _validate(schema, {**recipe, "build": {**recipe["build"], "scirpt": "x"}})
+    main, *others = recipe["outputs"]
+    misspelt = {**main, "build": {**main["build"], "scirpt": "x"}}
+    assert _validate(schema, {**recipe, "outputs": [misspelt, *others]})
 
 
 def test_recipe_version_is_the_package_version():
@@ -216,7 +218,8 @@ def _with(platform: str, **values):
 
 
 CHECKOUT_SOURCES = [{"path": "../flash_attn", "target_directory": "flash_attn"}, {"path": "../csrc", "target_directory": "csrc"},
-                    {"path": "../CMakeLists.txt"}, {"path": "../pyproject.toml"}, {"path": "../LICENSE"}]
+                    {"path": "../CMakeLists.txt"}, {"path": "../pyproject.toml"}, {"path": "../LICENSE"},
+                    {"path": "../fa3_interface", "target_directory": "fa3_interface"}]
 
 
 def test_recipe_source_follows_where_it_is_built():
@@ -267,9 +270,9 @@ def test_recipe_answers_the_linters_hints():
     without an abi3audit test) is answered by recipe/check_no_python_c_api.py and skipped in
     recipe/feedstock-conda-forge.yml, with the reason (test_check_no_python_c_api_*)."""
     recipe = yaml.safe_load(RECIPE.read_text())
-    python_tests = [t["python"] for t in recipe["tests"] if "python" in t]
-    assert python_tests
-    for test in python_tests:
+    python_tests = {o["package"]["name"]: [t["python"] for t in o["tests"] if "python" in t] for o in recipe["outputs"]}
+    assert all(python_tests.values()) and len(python_tests) == 2
+    for test in sum(python_tests.values(), []):
         assert test["python_version"] == ["${{ python_min }}.*", "*"]
         assert test.get("pip_check", True) is True
     assert all("TODO" in recipe["about"][key] for key in ("homepage", "repository", "documentation"))
@@ -278,7 +281,7 @@ def test_recipe_answers_the_linters_hints():
     assert forge["conda_build_tool"] == "rattler-build"
     assert forge["build_platform"] == {"linux_aarch64": "linux_64"}
     assert forge["linter"]["skip"] == ["hint_abi3_missing_abi3audit"]
-    cuda_tests = json.dumps(recipe["tests"])
+    cuda_tests = json.dumps(recipe["outputs"][0]["tests"])
     assert "python check_no_python_c_api.py" in cuda_tests
 
 
@@ -544,7 +547,8 @@ def test_cpu_only_build_compiles_nothing(tmp_path):
     # pixi-build's work directory: the build's inputs only (build.sh writes README.md's stand-in)
     [cpu] = [v for v in render("linux-64", _with("linux-64", flash_attn_source=["pixi"])) if v.cuda == "None"]
     src = copy_recipe_sources(cpu, tmp_path / "src")
-    assert sorted(p.name for p in src.iterdir()) == ["CMakeLists.txt", "LICENSE", "csrc", "flash_attn", "pyproject.toml"]
+    assert sorted(p.name for p in src.iterdir()) == ["CMakeLists.txt", "LICENSE", "csrc", "fa3_interface", "flash_attn",
+                                                     "pyproject.toml"]
     prefix = tmp_path / "prefix"
     run = run_build_script(src, prefix, build_python, {
         "cuda_compiler_version": "None", "CC": "/nonexistent/cc", "CXX": "/nonexistent/c++",

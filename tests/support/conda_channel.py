@@ -74,9 +74,13 @@ def record_from_rendered(output: dict, platform: str) -> dict:
         if spec not in depends:
             depends.append(spec)
     constrains = [entry.get("source") or entry.get("spec") for entry in run.get("constraints", [])]
+    # a `noarch: python` output (flash-attn-fa3) lives in noarch/; a CEP-20 version-independent one
+    # (flash-attn) in the platform's subdir, marked noarch python
+    noarch = recipe["build"].get("noarch")
+    independent = recipe["build"].get("python", {}).get("version_independent")
     return _record(recipe["package"]["name"], str(recipe["package"]["version"]), recipe["build"]["string"],
-                   int(recipe["build"]["number"]), depends, constrains, platform,
-                   noarch="python" if recipe["build"].get("python", {}).get("version_independent") else None)
+                   int(recipe["build"]["number"]), depends, constrains, "noarch" if noarch else platform,
+                   noarch="python" if noarch == "python" or independent else None)
 
 
 def rattler_build_records(recipe: Path, platform: str, channel_url: str, variant_files: list[Path],
@@ -216,6 +220,7 @@ def build_tool_records(platform: str) -> list[dict]:
     cuda-cudart-static: none), and the Python build tools (none)."""
     records = [_record("cmake", "4.1.2", "h_0", 0, [], [], platform), _record("ninja", "1.13.1", "h_0", 0, [], [], platform),
                _record("pip", "25.3", "pyh_0", 0, ["python >=3.10"], [], "noarch", "python"),
+               _record("setuptools", "80.9.0", "pyh_0", 0, ["python >=3.9"], [], "noarch", "python"),
                _record("scikit-build-core", "0.11.6", "pyh_0", 0, ["python >=3.10", "packaging", "pathspec"], [], "noarch", "python"),
                _record("packaging", "25.0", "pyh_0", 0, ["python >=3.8"], [], "noarch", "python"),
                _record("pathspec", "0.12.1", "pyh_0", 0, ["python >=3.8"], [], "noarch", "python")]

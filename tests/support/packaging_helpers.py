@@ -20,6 +20,8 @@ from pathlib import Path
 from support import REPO
 
 RECIPE = REPO / "recipe" / "recipe.yaml"
+# The recipe's outputs: flash-attn itself, and FlashAttention-3's interface on it (fa3_interface/).
+MAIN_OUTPUT, FA3_OUTPUT = "flash-attn", "flash-attn-fa3"
 BUILD_SCRIPT = REPO / "recipe" / "build.sh"
 BUILD_BAT = REPO / "recipe" / "build.bat"
 VARIANTS = REPO / "conda_build_config.yaml"
@@ -38,10 +40,12 @@ class Rendered:
         return str(self.variant.get("cuda_compiler_version", "None"))
 
 
-def render(platform: str, variants=None, build_platform: str | None = None, recipe_path: Path = RECIPE) -> list[Rendered]:
-    """The recipe rendered for ``platform`` (no solving): with conda_build_config.yaml, or the given
-    ``VariantConfig``; built on ``platform`` itself unless ``build_platform`` names another
-    (cross-compiling). Skipped variants are left out, as rattler-build leaves them out."""
+def render(platform: str, variants=None, build_platform: str | None = None, recipe_path: Path = RECIPE,
+           output: str = MAIN_OUTPUT) -> list[Rendered]:
+    """The recipe's output ``output`` (flash-attn itself unless named) rendered for ``platform`` (no
+    solving): with conda_build_config.yaml, or the given ``VariantConfig``; built on ``platform``
+    itself unless ``build_platform`` names another (cross-compiling). Skipped variants are left
+    out, as rattler-build leaves them out."""
     from rattler_build import JinjaConfig, PlatformConfig, RenderConfig, Stage0Recipe, VariantConfig
 
     build_platform = build_platform or platform
@@ -51,7 +55,8 @@ def render(platform: str, variants=None, build_platform: str | None = None, reci
     recipe = Stage0Recipe.from_file(recipe_path)
     rendered = [Rendered(dict(v.variant), v.recipe.to_dict())
                 for v in recipe.render(variants, RenderConfig(platform=platform_config))]
-    return [r for r in rendered if not _skipped(r, platform, build_platform, recipe_path)]
+    return [r for r in rendered
+            if r.recipe["package"]["name"] == output and not _skipped(r, platform, build_platform, recipe_path)]
 
 
 def _skipped(rendered: Rendered, platform: str, build_platform: str, recipe_path: Path = RECIPE) -> bool:
@@ -61,7 +66,10 @@ def _skipped(rendered: Rendered, platform: str, build_platform: str, recipe_path
     import jinja2
     import yaml
 
-    conditions = yaml.safe_load(recipe_path.read_text())["build"].get("skip", [])
+    outputs = yaml.safe_load(recipe_path.read_text())["outputs"]
+    name = rendered.recipe["package"]["name"]
+    [output] = [o for o in outputs if o["package"]["name"].replace("${{ name }}", "flash-attn") == name]
+    conditions = output["build"].get("skip", [])
     os_name, _, arch = platform.partition("-")
     names = {"linux": os_name == "linux", "osx": os_name == "osx", "win": os_name == "win",
              "unix": os_name in ("linux", "osx"), "x86_64": arch == "64", "aarch64": arch == "aarch64",
