@@ -122,7 +122,7 @@ def _flash_attn_forward(
 
 
 @_flash_attn_forward.register_fake
-def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
       return_softmax):
     batch, seqlen_q, nheads, _ = q.shape
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
@@ -236,7 +236,7 @@ def _flash_attn_varlen_forward(
 
 
 @_flash_attn_varlen_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
       window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
       block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False, num_splits=0):
     batch = cu_seqlens_q.shape[0] - 1
@@ -337,7 +337,7 @@ def _flash_attn_backward(
 
 
 @_flash_attn_backward.register_fake
-def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
       window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
@@ -398,7 +398,7 @@ def _flash_attn_varlen_backward(
 
 
 @_flash_attn_varlen_backward.register_fake
-def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
       rng_state=None, zero_tensors=False):
     batch = cu_seqlens_q.shape[0] - 1

@@ -58,7 +58,7 @@ class _ApplyRotaryEmb(torch.autograd.Function):
     grad) the result is a view of ``x`` carrying the rotation's backward."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
+    def forward(ctx, x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
         out = _rotate_without_autograd(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace)
         offsets_tensor = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
         ctx.save_for_backward(cos, sin, cu_seqlens, offsets_tensor)
@@ -232,6 +232,45 @@ class _RotatePackedInPlace(torch.autograd.Function):
         grad = grad.clone()  # the incoming gradient may be shared or expanded: never write into it
         _rotate_parts(_rotated_parts(grad, num_heads_q), ctx.tables, interleaved, ctx.offsets, conjugate=True)
         return grad, None, None, None, None
+
+
+# Upstream's names of the autograd classes (code outside the package calls ``ApplyRotaryEmb.apply``).
+ApplyRotaryEmb = _ApplyRotaryEmb
+
+
+class ApplyRotaryEmbQKV_(torch.autograd.Function):
+    """Upstream's in-place rotation of q and k in a packed qkv, as an autograd class."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0, num_heads_q=None):
+        tables = ((cos, sin), (cos, sin) if cos_k is None else (cos_k, sin_k))
+        return _RotatePackedInPlace.forward(ctx, qkv, tables, interleaved, seqlen_offsets, num_heads_q)
+
+    @staticmethod
+    def backward(ctx, dqkv):
+        return _RotatePackedInPlace.backward(ctx, dqkv)[0], *(None,) * 7
+
+
+class ApplyRotaryEmbKV_(torch.autograd.Function):
+    """Upstream's in-place rotation of k in a packed kv, as an autograd class."""
+
+    @staticmethod
+    def forward(ctx, kv, cos, sin, interleaved=False, seqlen_offsets=0):
+        return _RotatePackedInPlace.forward(ctx, kv, ((cos, sin),), interleaved, seqlen_offsets, None)
+
+    @staticmethod
+    def backward(ctx, dkv):
+        return _RotatePackedInPlace.backward(ctx, dkv)[0], *(None,) * 4
+
+
+def _apply_rotary_emb_qkv(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, inplace=False, conjugate=False,
+                          seqlen_offsets: Offsets = 0, num_heads_q: Optional[int] = None) -> Tensor:
+    """Upstream's helper: q and k of a packed qkv rotated (``conjugate``: by minus the angle), in
+    place or into a copy; nothing recorded for autograd."""
+    out = qkv if inplace else qkv.clone()
+    tables = ((cos, sin), (cos, sin) if cos_k is None else (cos_k, sin_k))
+    _rotate_parts(_rotated_parts(out, num_heads_q), tables, interleaved, seqlen_offsets, conjugate)
+    return out
 
 
 def _rotate_packed(packed, tables, interleaved, seqlen_offsets, num_heads_q) -> Tensor:
