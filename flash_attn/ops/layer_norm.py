@@ -1,13 +1,113 @@
-"""Placeholder for upstream's ``flash_attn.ops.layer_norm``: importing it raises ImportError.
+"""Upstream's ``flash_attn.ops.layer_norm`` (the ``dropout_layer_norm`` CUDA extension's Python API;
+conda-forge's ``flash-attn-layer-norm``), on this package's fused norm, :mod:`flash_attn.ops.triton.layer_norm`.
 
-Upstream's module wraps ``dropout_layer_norm``, a separately built CUDA extension (conda-forge:
-``flash-attn-layer-norm``); this package does not build it. The Triton implementation upstream
-recommends instead, ``flash_attn.ops.triton.layer_norm``, is provided.
+``dropout(x0 * rowscale * layerscale) + residual`` then LayerNorm, with the same arguments,
+defaults and returns as upstream; the second output of ``..._parallel_residual`` is the Triton
+norm's ``x1`` / ``weight1``. Triton kernels on CUDA, exact PyTorch elsewhere, every dtype and hidden
+size the Triton norm takes (upstream's extension: hidden sizes up to 8192 in steps of 8).
+``layerscale`` (upstream's per-feature ``colscale``) multiplies ``x0`` before the fused call, so
+its gradient comes from autograd. The ``*Fn`` classes keep upstream's ``.apply`` argument order;
+their autograd formula is the Triton norm's.
+
+Not provided: the ``*_subset`` variants (BERT's ``last_layer_subset`` fused into the norm; the
+BERT model here computes the subset without them) and the ``_dropout_add_layer_norm_*`` wrappers
+of the extension's raw entry points (docs/compatibility.md, "Upstream's module surface").
 """
 
-raise ImportError(
-    "flash_attn.ops.layer_norm is not provided by this flash-attn package: upstream builds it as "
-    "a separate CUDA extension (dropout_layer_norm; conda-forge: flash-attn-layer-norm), which is "
-    "not shipped here. Use flash_attn.ops.triton.layer_norm instead: layer_norm_fn (dropout, "
-    "residual add, prenorm, rowscale, parallel x1/weight1) and the LayerNorm / RMSNorm modules."
-)
+from __future__ import annotations
+
+import torch
+
+from flash_attn.ops.triton.layer_norm import layer_norm_fn
+
+__all__ = [
+    "DropoutAddLayerNorm", "DropoutAddLayerNormFn", "DropoutAddLayerNormParallelResidualFn",
+    "dropout_add_layer_norm", "dropout_add_layer_norm_parallel_residual", "layer_norm", "maybe_align",
+]
+
+
+def maybe_align(x, alignment_in_bytes=16):
+    """``x`` itself if its data is aligned to ``alignment_in_bytes``, else an aligned copy."""
+    return x if x.data_ptr() % alignment_in_bytes == 0 else x.clone()
+
+
+def _masks(result, prenorm: bool, outputs: int, return_dmask: bool):
+    """The Triton norm's ``y[, y1][, residual][, mask, mask1]`` as upstream's extension returns it:
+    the masks (uint8, 1 = kept) only when asked for, one per dropped input."""
+    if not return_dmask:
+        return result
+    *values, mask, mask1 = result
+    masks = [m.to(torch.uint8) if m is not None else None for m in (mask, mask1)][:outputs]
+    return (*values, *masks)
+
+
+def _scaled(x0, layerscale):
+    return x0 if layerscale is None else x0 * layerscale
+
+
+class DropoutAddLayerNormFn:
+    """Upstream's autograd class, by its ``apply``: ``(x0, residual, gamma, beta, rowscale, colscale,
+    dropout_p, epsilon, residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False)``."""
+
+    @staticmethod
+    def apply(x0, residual, gamma, beta, rowscale, colscale, dropout_p, epsilon, residual_in_fp32=False,
+              prenorm=False, is_rms_norm=False, return_dmask=False):
+        result = layer_norm_fn(_scaled(x0, colscale), gamma, beta, residual, eps=epsilon, dropout_p=dropout_p,
+                               rowscale=rowscale, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+                               is_rms_norm=is_rms_norm, return_dropout_mask=return_dmask)
+        return _masks(result, prenorm, 1, return_dmask)
+
+
+class DropoutAddLayerNormParallelResidualFn:
+    """Upstream's autograd class, by its ``apply``: ``(x0, x1, residual, gamma0, beta0, gamma1, beta1,
+    dropout_p, epsilon, residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False)``."""
+
+    @staticmethod
+    def apply(x0, x1, residual, gamma0, beta0, gamma1, beta1, dropout_p, epsilon, residual_in_fp32=False,
+              prenorm=False, is_rms_norm=False, return_dmask=False):
+        result = layer_norm_fn(x0, gamma0, beta0, residual, x1, gamma1, beta1, eps=epsilon, dropout_p=dropout_p,
+                               prenorm=prenorm, residual_in_fp32=residual_in_fp32, is_rms_norm=is_rms_norm,
+                               return_dropout_mask=return_dmask)
+        if gamma1 is None:  # upstream returns (out0, None, ...) without a second norm
+            result = (result,) if not isinstance(result, tuple) else result
+            result = (result[0], None, *result[1:])
+        return _masks(result, prenorm, 1 if x1 is None else 2, return_dmask)
+
+
+def layer_norm(x, weight, bias, epsilon):
+    return DropoutAddLayerNormFn.apply(x, None, weight, bias, None, None, 0.0, epsilon, False)
+
+
+def dropout_add_layer_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale=None, layerscale=None,
+                           prenorm=False, residual_in_fp32=False, return_dropout_mask=False):
+    """``LayerNorm(dropout(x0 * rowscale * layerscale) + residual)``; returns ``out``, with ``prenorm``
+    ``(out, residual_out)``, with ``return_dropout_mask`` the uint8 mask last. residual_in_fp32
+    only has an effect if residual is None."""
+    return DropoutAddLayerNormFn.apply(x0, residual, weight, bias, rowscale, layerscale, dropout_p, epsilon,
+                                       residual_in_fp32, prenorm, False, return_dropout_mask)
+
+
+def dropout_add_layer_norm_parallel_residual(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon,
+                                             prenorm=False, residual_in_fp32=False, return_dropout_mask=False):
+    """``z = dropout(x0) + dropout(x1) + residual``; returns ``(LayerNorm(z; weight0, bias0),
+    LayerNorm(z; weight1, bias1) or None)``, with ``prenorm`` also ``z``, with ``return_dropout_mask``
+    the masks of x0 and x1."""
+    return DropoutAddLayerNormParallelResidualFn.apply(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p,
+                                                       epsilon, residual_in_fp32, prenorm, False, return_dropout_mask)
+
+
+class DropoutAddLayerNorm(torch.nn.Module):
+    def __init__(self, hidden_size, prenorm=False, p=0.0, eps=1e-5, residual_in_fp32=False, device=None, dtype=None):
+        super().__init__()
+        self.prenorm, self.p, self.eps, self.residual_in_fp32 = prenorm, p, eps, residual_in_fp32
+        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.weight)
+        torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x0, residual=None):
+        return dropout_add_layer_norm(x0, residual, self.weight, self.bias, self.p if self.training else 0.0,
+                                      self.eps, prenorm=self.prenorm, residual_in_fp32=self.residual_in_fp32)
