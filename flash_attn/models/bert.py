@@ -45,6 +45,9 @@ from flash_attn.modules.block import Block
 from flash_attn.modules.embedding import BertEmbeddings
 from flash_attn.modules.mha import MHA
 from flash_attn.modules.mlp import Mlp
+from flash_attn.losses.cross_entropy import CrossEntropyLoss  # noqa: F401  (upstream's names here)
+from flash_attn.ops.fused_dense import FusedDense  # noqa: F401
+from flash_attn.ops.triton.layer_norm import layer_norm_fn  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

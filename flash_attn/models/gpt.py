@@ -49,7 +49,9 @@ from flash_attn.modules.block import Block, ParallelBlock
 from flash_attn.modules.embedding import GPT2Embeddings, ParallelGPT2Embeddings
 from flash_attn.modules.mha import MHA, ParallelMHA
 from flash_attn.modules.mlp import GatedMlp, Mlp, ParallelGatedMlp, ParallelMLP
+from flash_attn.modules.tensor_parallel import ColumnParallelLinear  # noqa: F401  (upstream's names here)
 from flash_attn.ops.activations import sqrelu_fwd
+from flash_attn.ops.triton.mlp import FusedDenseSqreluDense  # noqa: F401
 from flash_attn.ops.triton.layer_norm import RMSNorm, layer_norm_fn
 from flash_attn.utils.distributed import (
     all_gather,

@@ -24,6 +24,7 @@ from flash_attn.layers.patch_embed import PatchEmbed
 from flash_attn.modules.block import Block, StochasticDepth
 from flash_attn.modules.mha import MHA
 from flash_attn.modules.mlp import Mlp
+from flash_attn.ops.triton.layer_norm import layer_norm_fn  # noqa: F401  (upstream's name here)
 
 _FUSED_DENSE_MISSING = (
     "fused_dense is not installed: {option}=True needs upstream's fused_dense CUDA extension, "

@@ -278,6 +278,11 @@ class _CrossEntropy(torch.autograd.Function):
         return dlogits, None, None, None, None, None, None, None, None
 
 
+# Upstream's name of the autograd class (same ``apply`` arguments: logits, labels, precomputed_lse,
+# smoothing, logit_scale, lse_square_scale, ignore_index, inplace_backward, process_group).
+CrossEntropyLoss = _CrossEntropy
+
+
 def _check(logits, labels, precomputed_lse, label_smoothing, logit_scale, lse_square_scale, ignore_index,
            process_group) -> None:
     if not isinstance(logits, Tensor) or logits.ndim != 2 or not logits.dtype.is_floating_point:

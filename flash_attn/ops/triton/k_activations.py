@@ -25,6 +25,12 @@ import math
 from enum import Enum
 from typing import Optional
 
+# upstream's module constants: sqrt(2 / pi) (GELU's tanh approximation), 1 / sqrt(2) (erf GELU),
+# 1 / sqrt(2 pi) (the normal density)
+_sqrt2pi = math.sqrt(2.0 / math.pi)
+_sqrt1_2 = math.sqrt(1.0 / 2)
+_gaussian_pdf_normalization = 1.0 / math.sqrt(2 * math.pi)
+
 try:  # Triton is optional: without it the ops fall back to their PyTorch paths
     import triton
     import triton.language as tl
