@@ -31,13 +31,15 @@ def maybe_align(x, alignment_in_bytes=16):
     return x if x.data_ptr() % alignment_in_bytes == 0 else x.clone()
 
 
-def _masks(result, prenorm: bool, outputs: int, return_dmask: bool):
+def _masks(result, dropped, return_dmask: bool):
     """The Triton norm's ``y[, y1][, residual][, mask, mask1]`` as upstream's extension returns it:
-    the masks (uint8, 1 = kept) only when asked for, one per dropped input."""
+    the masks (uint8, 1 = kept) only when asked for, one per dropped input (``dropped``: x0[, x1]),
+    all ones without dropout."""
     if not return_dmask:
         return result
     *values, mask, mask1 = result
-    masks = [m.to(torch.uint8) if m is not None else None for m in (mask, mask1)][:outputs]
+    masks = [torch.ones(x.shape, dtype=torch.uint8, device=x.device) if m is None else m.to(torch.uint8).view(x.shape)
+             for m, x in zip((mask, mask1), dropped)]
     return (*values, *masks)
 
 
@@ -55,7 +57,7 @@ class DropoutAddLayerNormFn:
         result = layer_norm_fn(_scaled(x0, colscale), gamma, beta, residual, eps=epsilon, dropout_p=dropout_p,
                                rowscale=rowscale, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
                                is_rms_norm=is_rms_norm, return_dropout_mask=return_dmask)
-        return _masks(result, prenorm, 1, return_dmask)
+        return _masks(result, (x0,), return_dmask)
 
 
 class DropoutAddLayerNormParallelResidualFn:
@@ -71,7 +73,7 @@ class DropoutAddLayerNormParallelResidualFn:
         if gamma1 is None:  # upstream returns (out0, None, ...) without a second norm
             result = (result,) if not isinstance(result, tuple) else result
             result = (result[0], None, *result[1:])
-        return _masks(result, prenorm, 1 if x1 is None else 2, return_dmask)
+        return _masks(result, (x0,) if x1 is None else (x0, x1), return_dmask)
 
 
 def layer_norm(x, weight, bias, epsilon):
