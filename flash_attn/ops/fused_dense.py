@@ -69,6 +69,13 @@ class FusedDense(nn.Linear):
                                 process_group=process_group)
 
 
+def _check_mlp_options(activation, checkpoint_lvl) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if checkpoint_lvl not in (0, 1, 2):
+        raise ValueError(f"checkpoint_lvl must be 0, 1 or 2, got {checkpoint_lvl!r}")
+
+
 def _mlp(x, weight1, weight2, bias1, bias2, activation, checkpoint_lvl):
     act = ACTIVATIONS[activation]
     if checkpoint_lvl == 2:  # recompute the first matmul and the activation in the backward
@@ -86,10 +93,7 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
     """``fc2(activation(fc1(x)))`` with ``activation`` in gelu_approx (GELU, tanh approximation),
     relu, sqrelu (squared ReLU); with ``return_residual`` also ``x``. With a ``process_group`` the
     output is this rank's partial sum: the caller reduces it, as upstream's."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if checkpoint_lvl not in (0, 1, 2):
-        raise ValueError(f"checkpoint_lvl must be 0, 1 or 2, got {checkpoint_lvl!r}")
+    _check_mlp_options(activation, checkpoint_lvl)
     gathered = _parallel_input(x, process_group, sequence_parallel)
     out = _mlp(gathered, weight1, weight2, bias1, bias2, activation, checkpoint_lvl)
     return out if not return_residual else (out, x)
@@ -112,9 +116,7 @@ class FusedMLP(nn.Module):
     def __init__(self, in_features, hidden_features=None, out_features=None, bias1=True, bias2=True,
                  activation="gelu_approx", return_residual=False, checkpoint_lvl=0, heuristic="auto", device=None,
                  dtype=None):
-        if checkpoint_lvl not in (0, 1, 2) or activation not in ACTIVATIONS:
-            raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 and activation one of {sorted(ACTIVATIONS)}, "
-                             f"got {checkpoint_lvl!r} and {activation!r}")
+        _check_mlp_options(activation, checkpoint_lvl)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         out_features = out_features or in_features
@@ -141,9 +143,7 @@ class ParallelFusedMLP(nn.Module):
                  heuristic="auto", device=None, dtype=None):
         if process_group is None:
             raise ValueError("ParallelFusedMLP needs a process_group")
-        if checkpoint_lvl not in (0, 1, 2) or activation not in ACTIVATIONS:
-            raise ValueError(f"checkpoint_lvl must be 0, 1 or 2 and activation one of {sorted(ACTIVATIONS)}, "
-                             f"got {checkpoint_lvl!r} and {activation!r}")
+        _check_mlp_options(activation, checkpoint_lvl)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         out_features = out_features or in_features
