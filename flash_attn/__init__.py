@@ -9,6 +9,9 @@ from pkgutil import extend_path
 
 # Every `flash_attn` folder on sys.path is part of this package, as upstream's: FlashAttention-4's
 # distribution installs `flash_attn/cute/` (without an __init__ of `flash_attn`) beside this one.
+# This distribution's own folders (two in an editable install) are kept apart: its op library and
+# kernel images are looked up only there, never in another flash-attn's folder on sys.path.
+_own_path = list(__path__)
 __path__ = extend_path(__path__, __name__)
 
 from flash_attn._version import __version__  # noqa: E402
