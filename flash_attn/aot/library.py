@@ -50,7 +50,8 @@ def package_folders() -> list[Path]:
     source tree and site-packages), not those ``__path__`` gains from other distributions
     (``flash_attn.cute``); the package is imported before any of its modules."""
     package = sys.modules[__name__.split(".")[0]]
-    return [Path(folder) for folder in getattr(package, "_own_path", package.__path__)]
+    others = set(getattr(package, "_other_distributions", ()))
+    return [Path(folder) for folder in package.__path__ if folder not in others]
 
 
 def _find_in_package(name: str) -> Optional[Path]:
