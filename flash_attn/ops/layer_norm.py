@@ -9,9 +9,10 @@ size the Triton norm takes (upstream's extension: hidden sizes up to 8192 in ste
 its gradient comes from autograd. The ``*Fn`` classes keep upstream's ``.apply`` argument order;
 their autograd formula is the Triton norm's.
 
-Not provided: the ``*_subset`` variants (BERT's ``last_layer_subset`` fused into the norm; the
-BERT model here computes the subset without them) and the ``_dropout_add_layer_norm_*`` wrappers
-of the extension's raw entry points (docs/compatibility.md, "Upstream's module surface").
+The ``*_subset`` variants (upstream's stochastic depth fused into the norm) scatter the present
+rows of ``x0`` into the full rows, add, normalise and gather the output rows, each a PyTorch
+index operation around the same fused norm. Not provided: the ``_dropout_add_layer_norm_*``
+wrappers of the extension's raw entry points (docs/compatibility.md, "Upstream's module surface").
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 from flash_attn.ops.triton.layer_norm import layer_norm_fn
 
 __all__ = [
-    "DropoutAddLayerNorm", "DropoutAddLayerNormFn", "DropoutAddLayerNormParallelResidualFn",
-    "dropout_add_layer_norm", "dropout_add_layer_norm_parallel_residual", "layer_norm", "maybe_align",
+    "DropoutAddLayerNorm", "DropoutAddLayerNormFn", "DropoutAddLayerNormParallelResidualFn", "DropoutAddLayerNormSubsetFn",
+    "dropout_add_layer_norm", "dropout_add_layer_norm_parallel_residual", "dropout_add_layer_norm_subset", "layer_norm",
+    "maybe_align",
 ]
 
 
@@ -74,6 +76,59 @@ class DropoutAddLayerNormParallelResidualFn:
             result = (result,) if not isinstance(result, tuple) else result
             result = (result[0], None, *result[1:])
         return _masks(result, (x0,) if x1 is None else (x0, x1), return_dmask)
+
+
+def _present(subset):
+    """Positions (in the full rows) a subset map marks present, and the row each maps to
+    (``subset[i] = k > 0``: full row i is row k - 1 of the subset tensor)."""
+    rows = subset.reshape(-1).long()
+    where = torch.nonzero(rows > 0).squeeze(1)
+    return where, rows[where] - 1
+
+
+class DropoutAddLayerNormSubsetFn:
+    """Upstream's autograd class, by its ``apply``: ``(x0, residual, gamma, beta, colscale, x0_subset,
+    out_subset, dropout_p, epsilon, rowscale_const, out_numrows, residual_in_fp32=False,
+    prenorm=False, is_rms_norm=False, return_dmask=False)``.
+
+    ``x0`` holds only the present rows: ``x0_subset`` ``(batch, seqlen)`` int32 maps full row ``i``
+    to row ``x0_subset[i] - 1`` of ``x0`` (0: absent, i.e. zero), ``out_subset`` likewise to the
+    ``out_numrows`` output rows. ``z = dropout(x0 * colscale * rowscale_const) + residual`` over the
+    full rows; returns ``LayerNorm(z)`` at the output rows ``(out_numrows, hidden)``, with ``prenorm``
+    also ``z`` ``(batch * seqlen, hidden)``, with ``return_dmask`` ``x0``'s uint8 mask."""
+
+    @staticmethod
+    def apply(x0, residual, gamma, beta, colscale, x0_subset, out_subset, dropout_p, epsilon, rowscale_const,
+              out_numrows, residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False):
+        hidden = x0.shape[-1]
+        full = x0_subset.numel()
+        x0_at, x0_rows = _present(x0_subset)
+        scaled = _scaled(x0, colscale) * rowscale_const
+        x_full = scaled.new_zeros((full, hidden)).index_copy(0, x0_at, scaled.reshape(-1, hidden)[x0_rows])
+        res = None if residual is None else residual.reshape(full, hidden)
+        result = layer_norm_fn(x_full, gamma, beta, res, eps=epsilon, dropout_p=dropout_p, prenorm=True,
+                               residual_in_fp32=residual_in_fp32, is_rms_norm=is_rms_norm,
+                               return_dropout_mask=return_dmask)
+        y, z = result[:2]
+        out_at, out_rows = _present(out_subset)
+        out = y.new_zeros((out_numrows, hidden)).index_copy(0, out_rows, y[out_at])
+        outs = (out, z) if prenorm else (out,)
+        if return_dmask:
+            mask = result[2]
+            dmask = torch.ones(x0.shape, dtype=torch.uint8, device=x0.device)
+            if mask is not None:
+                dmask.reshape(-1, hidden)[x0_rows] = mask[x0_at].to(torch.uint8)
+            outs = outs + (dmask,)
+        return outs[0] if len(outs) == 1 else outs
+
+
+def dropout_add_layer_norm_subset(x0, residual, weight, bias, dropout_p, epsilon, layerscale=None, x0_subset=None,
+                                  out_subset=None, rowscale_const=1.0, out_numrows=0, prenorm=False,
+                                  residual_in_fp32=False, return_dropout_mask=False):
+    """:func:`dropout_add_layer_norm` over a subset of rows (see :class:`DropoutAddLayerNormSubsetFn`)."""
+    return DropoutAddLayerNormSubsetFn.apply(x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p,
+                                             epsilon, rowscale_const, out_numrows, residual_in_fp32, prenorm, False,
+                                             return_dropout_mask)
 
 
 def layer_norm(x, weight, bias, epsilon):

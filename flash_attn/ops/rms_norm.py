@@ -1,17 +1,20 @@
 """Upstream's ``flash_attn.ops.rms_norm`` (built on the ``dropout_layer_norm`` CUDA extension;
 conda-forge's ``flash-attn-layer-norm``), on :mod:`flash_attn.ops.layer_norm` with RMSNorm:
-``x * rsqrt(mean(x^2) + eps) * weight``. Same arguments, defaults and returns as upstream; the
-``*_subset`` variants are not provided (see :mod:`flash_attn.ops.layer_norm`).
+``x * rsqrt(mean(x^2) + eps) * weight``. Same arguments, defaults and returns as upstream.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flash_attn.ops.layer_norm import DropoutAddLayerNormFn, DropoutAddLayerNormParallelResidualFn
+from flash_attn.ops.layer_norm import (
+    DropoutAddLayerNormFn,
+    DropoutAddLayerNormParallelResidualFn,
+    DropoutAddLayerNormSubsetFn,
+)
 
 __all__ = ["DropoutAddRMSNorm", "RMSNorm", "dropout_add_rms_norm", "dropout_add_rms_norm_parallel_residual",
-           "rms_norm"]
+           "dropout_add_rms_norm_subset", "rms_norm"]
 
 
 def rms_norm(x, weight, epsilon):
@@ -24,6 +27,14 @@ def dropout_add_rms_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscal
     :func:`flash_attn.ops.layer_norm.dropout_add_layer_norm`."""
     return DropoutAddLayerNormFn.apply(x0, residual, weight, bias, rowscale, layerscale, dropout_p, epsilon,
                                        residual_in_fp32, prenorm, True, return_dropout_mask)
+
+
+def dropout_add_rms_norm_subset(x0, residual, weight, bias, dropout_p, epsilon, layerscale=None, x0_subset=None,
+                                out_subset=None, rowscale_const=1.0, out_numrows=0, prenorm=False,
+                                residual_in_fp32=False, return_dropout_mask=False):
+    return DropoutAddLayerNormSubsetFn.apply(x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p,
+                                             epsilon, rowscale_const, out_numrows, residual_in_fp32, prenorm, True,
+                                             return_dropout_mask)
 
 
 def dropout_add_rms_norm_parallel_residual(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon,

@@ -171,3 +171,39 @@ def test_fused_mlp_module_and_bad_arguments():
         FusedMLP(16, activation="swish")
     with pytest.raises(ValueError, match="checkpoint_lvl"):
         fused_mlp_func(x, m.fc1.weight, m.fc2.weight, checkpoint_lvl=3)
+
+
+def _droppath_subset(keep_batch, seqlen):
+    """Upstream's test helper: rows of the kept batch entries numbered 1, 2, ... (0: dropped)."""
+    rows = keep_batch.repeat_interleave(seqlen)
+    return torch.cumsum(rows, 0, dtype=torch.int32).masked_fill(~rows, 0).view(len(keep_batch), seqlen), int(rows.sum())
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_subset_against_float64(rms):
+    """upstream's test_dropout_layer_norm_subset_training: stochastic depth as row subsets of x0 and
+    of the output, with dropout, a layerscale and a residual."""
+    from flash_attn.ops.layer_norm import dropout_add_layer_norm_subset
+    from flash_attn.ops.rms_norm import dropout_add_rms_norm_subset
+
+    batch, seqlen, hidden, eps, p, scale = 4, 3, 32, 1e-5, 0.25, 1.5
+    x0_keep, out_keep = torch.tensor([True, False, True, True]), torch.tensor([False, True, True, False])
+    x0_subset, x0_rows = _droppath_subset(x0_keep, seqlen)
+    out_subset, out_rows = _droppath_subset(out_keep, seqlen)
+    x_full = randn(batch, seqlen, hidden, seed=1, grad=False)
+    x0 = x_full[x0_keep.to(x_full.device)].reshape(-1, hidden).clone().requires_grad_()
+    residual, layerscale = randn(batch, seqlen, hidden, seed=2), randn(hidden, seed=3)
+    weight, bias = randn(hidden, seed=4), None if rms else randn(hidden, seed=5)
+    fn = dropout_add_rms_norm_subset if rms else dropout_add_layer_norm_subset
+    out, z, dmask = fn(x0, residual, weight, bias, p, eps, layerscale=layerscale, x0_subset=x0_subset.to(x0.device),
+                       out_subset=out_subset.to(x0.device), rowscale_const=scale, out_numrows=out_rows, prenorm=True,
+                       return_dropout_mask=True)
+    assert out.shape == (out_rows, hidden) and z.shape == (batch * seqlen, hidden) and dmask.shape == x0.shape
+    mask_full = torch.zeros(batch, seqlen, hidden, dtype=F64, device=x0.device)
+    mask_full[x0_keep.to(x0.device)] = dmask.to(F64).view(-1, seqlen, hidden)
+    x0_full = torch.zeros(batch, seqlen, hidden, dtype=F64, device=x0.device)
+    x0_full[x0_keep.to(x0.device)] = x0.to(F64).view(-1, seqlen, hidden)
+    z_ref = (x0_full * layerscale.to(F64) * scale * mask_full / (1 - p) + residual.to(F64)).view(-1, hidden)
+    out_ref = norm64(z_ref, weight, bias, eps, rms).view(batch, seqlen, hidden)[out_keep.to(x0.device)].view(-1, hidden)
+    inputs = [t for t in (x0, residual, weight, bias, layerscale) if t is not None]
+    check_against([out, z], [out_ref, z_ref], inputs)

@@ -34,17 +34,12 @@ NOT_PROVIDED_MODULES = {
     "flash_attn.flash_blocksparse_attn_interface": _BLOCKSPARSE,
 }
 
-_SUBSET = ("BERT's last_layer_subset fused into the norm by the dropout_layer_norm extension; the BERT model "
-           "here gathers the subset rows itself, no fused subset norm")
 _RAW = "a wrapper of the dropout_layer_norm extension's raw entry point (its buffers and return layout); call the public functions"
 _TRITON_PRIVATE = ("a private launch helper or kernel of upstream's Triton code: the kernels here are organised "
                    "differently (other arguments), so the name would not be a drop-in; call the public functions")
 NOT_PROVIDED_NAMES = {
-    ("flash_attn.ops.layer_norm", "DropoutAddLayerNormSubsetFn"): _SUBSET,
-    ("flash_attn.ops.layer_norm", "dropout_add_layer_norm_subset"): _SUBSET,
-    ("flash_attn.ops.rms_norm", "dropout_add_rms_norm_subset"): _SUBSET,
-    ("flash_attn.ops.layer_norm", "_dropout_add_layer_norm_subset_forward"): _SUBSET,
-    ("flash_attn.ops.layer_norm", "_dropout_add_layer_norm_subset_backward"): _SUBSET,
+    ("flash_attn.ops.layer_norm", "_dropout_add_layer_norm_subset_forward"): _RAW,
+    ("flash_attn.ops.layer_norm", "_dropout_add_layer_norm_subset_backward"): _RAW,
     ("flash_attn.ops.layer_norm", "_dropout_add_layer_norm_forward"): _RAW,
     ("flash_attn.ops.layer_norm", "_dropout_add_layer_norm_backward"): _RAW,
     ("flash_attn.ops.layer_norm", "_dropout_add_layer_norm_parallel_residual_forward"): _RAW,
@@ -96,5 +91,5 @@ def test_what_is_not_provided_is_listed_exactly():
     total = sum(len(v) for v in SURFACE["modules"].values())
     excluded = len(NOT_PROVIDED_NAMES) + sum(len(SURFACE["modules"][m]) for m in NOT_PROVIDED_MODULES)
     print(f"upstream surface at {COMMIT[:8]}: {total} names, {total - excluded} here, {excluded} listed as not provided")
-    # 4 legacy modules (27 names) and 23 names, with the reasons above (docs/compatibility.md lists them)
-    assert (total, excluded) == (326, 50)
+    # 4 legacy modules (27 names) and 20 names, with the reasons above (docs/compatibility.md lists them)
+    assert (total, excluded) == (326, 47)
