@@ -21,8 +21,8 @@ FA3's arguments here (docs/compatibility.md, "FlashAttention-3's interface"):
   ``pack_gqa``, ``sm_margin``, ``scheduler_metadata`` (``num_splits`` of the cache call is
   passed on: it never changes the result either);
 * refused with ``NotImplementedError`` naming the argument: ``q_descale``/``k_descale``/
-  ``v_descale`` (FP8: not built), ``attention_chunk`` other than 0, and the cache call's
-  ``cu_seqlens_q``, ``cu_seqlens_k_new``, ``max_seqlen_q`` and ``rotary_seqlens``.
+  ``v_descale`` (FP8: not built), ``attention_chunk`` other than 0, the cache call's
+  ``rotary_seqlens``, and its ``cu_seqlens_k_new`` without ``cu_seqlens_q``.
 """
 
 from __future__ import annotations
@@ -50,9 +50,7 @@ def _refuse(**arguments) -> None:
         "k_descale": "FP8 attention is not built here; pass float16/bfloat16/float32 tensors",
         "v_descale": "FP8 attention is not built here; pass float16/bfloat16/float32 tensors",
         "attention_chunk": "chunked attention is not implemented here; use 0",
-        "cu_seqlens_q": "the cache call takes a padded q (batch, seqlen_q, nheads, headdim) here",
-        "cu_seqlens_k_new": "the cache call takes padded new k/v (batch, seqlen_new, nheads_k, headdim) here",
-        "max_seqlen_q": "the cache call takes a padded q here (max_seqlen_q belongs to cu_seqlens_q)",
+        "cu_seqlens_k_new": "new k/v packed by sequence need cu_seqlens_q too here (or pass them padded)",
         "rotary_seqlens": "rotary positions are the cache positions here (cache_seqlens)",
     }
     for name, value in arguments.items():
@@ -336,20 +334,77 @@ def flash_attn_with_kvcache(
     :func:`flash_attn.flash_attn_with_kvcache` does; ``page_table`` is its ``block_table`` (pages of
     any size). ``qv`` with a latent cache as v_cache is MLA decoding.
 
-    Returns out ``(batch, seqlen_q, nheads, headdim_v)``; with ``return_softmax_lse`` FA3's
+    With ``cu_seqlens_q`` q (and ``qv``) are packed ``(total_q, nheads, headdim)``, sequence ``b`` owning
+    rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, and new ``k``/``v`` packed likewise by
+    ``cu_seqlens_k_new`` (else padded ``(batch, seqlen_new, ...)``); each sequence is one cache call
+    here (the lengths are read on the host), ``max_seqlen_q`` is not needed.
+
+    Returns out ``(batch, seqlen_q, nheads, headdim_v)`` (``(total_q, nheads, headdim_v)`` packed,
+    softmax_lse then ``(nheads, total_q)``); with ``return_softmax_lse`` FA3's
     ``(out, softmax_lse, out_accum, softmax_lse_accum)``, softmax_lse ``(batch, nheads, seqlen_q)``
     and the two split accumulators empty (the splits here are combined inside the call).
     """
     _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q,
-            rotary_seqlens=rotary_seqlens)
-    out, lse = kvcache.forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                               cache_leftpad, page_table, softmax_scale, causal, window_size, softcap,
-                               rotary_interleaved, None, num_splits, qv=qv, sinks=_sinks(s_aux))
+            rotary_seqlens=rotary_seqlens, cu_seqlens_k_new=None if cu_seqlens_q is not None else cu_seqlens_k_new)
+    call = (rotary_cos, rotary_sin, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, _sinks(s_aux))
+    if cu_seqlens_q is None:
+        out, lse = _kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                            *call)
+    else:
+        out, lse = _kvcache_varlen_q(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                     page_table, cu_seqlens_q, cu_seqlens_k_new, call)
     if not return_softmax_lse:
         return out
     empty = torch.empty((0,), dtype=torch.float32, device=out.device)
     return out, lse, empty, empty.clone()
+
+
+def _kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table, rotary_cos,
+             rotary_sin, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, sinks):
+    return kvcache.forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                           cache_leftpad, page_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                           None, num_splits, qv=qv, sinks=sinks)
+
+
+def _kvcache_varlen_q(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+                      cu_seqlens_q, cu_seqlens_k_new, call):
+    """The cache call for packed q: one call per sequence, each with that sequence's cache row."""
+    validation.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.device)
+    validation.check_tensor(q, "q", 3, "(total_q, nheads, headdim) with cu_seqlens_q")
+    starts = cu_seqlens_q.tolist()
+    batch = len(starts) - 1
+    new_starts = cu_seqlens_k_new.tolist() if cu_seqlens_k_new is not None else None
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    rows = torch.arange(batch, dtype=torch.int32, device=q.device)
+    outs, lses = [], []
+    for b in range(batch):
+        one = slice(b, b + 1)
+        q_b = q[starts[b]:starts[b + 1]].unsqueeze(0)
+        qv_b = None if qv is None else qv[starts[b]:starts[b + 1]].unsqueeze(0)
+        new = (None, None)
+        if k is not None:
+            new = ((k[new_starts[b]:new_starts[b + 1]].unsqueeze(0), v[new_starts[b]:new_starts[b + 1]].unsqueeze(0))
+                   if new_starts is not None else (k[one], v[one]))
+        empty = q_b.shape[1] == 0
+        if empty and (new[0] is None or new[0].shape[1] == 0):
+            continue
+        if empty:  # no query, but its new tokens still go into the cache: one throwaway query row
+            q_b = q.new_zeros((1, 1, *q.shape[1:]))
+            qv_b = None if qv is None else qv.new_zeros((1, 1, *qv.shape[1:]))
+        out, lse = _kvcache(
+            q_b, k_cache, v_cache, *new, qv_b,
+            None if cache_seqlens is None else cache_seqlens[one],
+            None if page_table is not None else (rows if cache_batch_idx is None else cache_batch_idx)[one],
+            None if cache_leftpad is None else cache_leftpad[one], None if page_table is None else page_table[one],
+            *call)
+        if not empty:
+            outs.append(out[0])
+            lses.append(lse[0])
+    if not outs:
+        dv = v_cache.shape[-1]
+        return q.new_empty((0, q.shape[1], dv)), torch.empty((q.shape[1], 0), dtype=torch.float32, device=q.device)
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def get_scheduler_metadata(

@@ -271,13 +271,59 @@ def test_fp8_descale_and_chunks_are_refused(fa3, argument):
             call()
 
 
-@pytest.mark.parametrize("argument", ["cu_seqlens_q", "cu_seqlens_k_new", "max_seqlen_q", "rotary_seqlens"])
-def test_kvcache_varlen_arguments_are_refused(fa3, argument):
+@pytest.mark.parametrize("argument", ["cu_seqlens_k_new", "rotary_seqlens"])
+def test_kvcache_arguments_it_cannot_take_are_refused(fa3, argument):
     g = gen(1)
     q = randn((1, 4, 2, 16), F32, g)
-    value = 4 if argument == "max_seqlen_q" else cu_from_lens([4])
     with pytest.raises(NotImplementedError, match=argument):
-        fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, **{argument: value})
+        fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, **{argument: cu_from_lens([4])})
+
+
+@pytest.mark.parametrize("new_tokens", ["none", "padded", "packed"])
+def test_kvcache_with_packed_q_against_the_oracle(fa3, new_tokens):
+    """FA3's ``cu_seqlens_q`` (speculative decoding, chunked prefill against a cache): each
+    sequence's queries against its own cache row, new tokens appended first; one oracle call per
+    sequence, with the cache as it was before the call."""
+    dtype, h, hk, d = F32, 4, 2, 16
+    lens_q, lens_new, seqlens = [2, 0, 3], [1, 2, 2], [3, 5, 1]
+    g = gen(31)
+    q = randn((sum(lens_q), h, d), dtype, g)
+    k_cache, v_cache = randn((3, 10, hk, d), dtype, g), randn((3, 10, hk, d), dtype, g)
+    before = (k_cache.clone(), v_cache.clone())
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32, device=test_device())
+    batch_idx = torch.tensor([2, 0, 1], dtype=torch.int32, device=test_device())
+    cu_q = cu_from_lens(lens_q)
+    kw = {}
+    if new_tokens == "padded":
+        k_new, v_new = randn((3, 2, hk, d), dtype, g), randn((3, 2, hk, d), dtype, g)
+        kw = dict(k=k_new, v=v_new)
+        new_of = lambda b: (k_new[b:b + 1], v_new[b:b + 1])  # noqa: E731
+    elif new_tokens == "packed":
+        k_new, v_new = randn((sum(lens_new), hk, d), dtype, g), randn((sum(lens_new), hk, d), dtype, g)
+        cu_new = cu_from_lens(lens_new)
+        kw = dict(k=k_new, v=v_new, cu_seqlens_k_new=cu_new)
+        new_of = lambda b: (k_new[cu_new[b]:cu_new[b + 1]].unsqueeze(0), v_new[cu_new[b]:cu_new[b + 1]].unsqueeze(0))  # noqa: E731
+    out, lse, *_ = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=batch_idx,
+                                               cu_seqlens_q=cu_q, max_seqlen_q=3, causal=True, return_softmax_lse=True,
+                                               **kw)
+    assert out.shape == (sum(lens_q), h, d) and lse.shape == (h, sum(lens_q))
+    starts = cu_q.tolist()
+    for b in range(3):
+        # a sequence without queries still appends its new tokens (checked below)
+        q_b = q[starts[b]:starts[b + 1]].unsqueeze(0) if lens_q[b] else randn((1, 1, h, d), dtype, g)
+        args = dict(cache_seqlens=[seqlens[b]], cache_batch_idx=[int(batch_idx[b])], causal=True)
+        k_b, v_b = new_of(b) if new_tokens != "none" else (None, None)
+        ref = kvcache_ref(q_b, *before, k_b, v_b, **args)
+        if k_b is not None:
+            row = int(batch_idx[b])
+            written = ref.written[row]
+            assert written.any() and torch.equal(k_cache[row][written].double(), ref.k_cache[row][written])
+            assert torch.equal(v_cache[row][written].double(), ref.v_cache[row][written])
+        if lens_q[b] == 0:
+            continue
+        naive = kvcache_ref(q_b, *before, k_b, v_b, compute_dtype=None, **args)
+        check_close(out[starts[b]:starts[b + 1]], ref.out[0], naive.out[0], dtype, f"out[{b}]")
+        check_close(lse[:, starts[b]:starts[b + 1]], ref.lse[0], naive.lse[0], dtype, f"lse[{b}]")
 
 
 def test_bad_seqused_and_s_aux_are_named(fa3):
