@@ -13,7 +13,8 @@ FA3's arguments here (docs/compatibility.md, "FlashAttention-3's interface"):
 * computed as FA3 does: ``softmax_scale`` (default ``(headdim + headdim_v of qv) ** -0.5``),
   ``causal``, ``window_size``, ``softcap``, ``qv`` (MLA), GQA, ``seqused_q``/``seqused_k``,
   varlen with or without ``cu_seqlens_*``, paged KV (``page_table``, any page size),
-  ``cache_batch_idx``, ``cache_leftpad``, rotary, ``deterministic``, ``num_heads_q``;
+  ``cache_batch_idx``, ``cache_leftpad``, rotary, the cache call's packed queries and new tokens
+  (``cu_seqlens_q``, ``cu_seqlens_k_new``), ``deterministic``, ``num_heads_q``;
 * ``s_aux`` (keyword-only; the sink spelling of FA3's forks, vLLM's and Transformers' gpt-oss
   path): ``(nheads,)`` attention-sink logits, one per query head, which join every row's softmax
   denominator (flash_attn's ``learnable_sink``; cast to float32, gradients flow back);
