@@ -76,6 +76,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, so
     validation.check_softmax_scale(softmax_scale)
     window_size = validation.check_options(0.0, softcap, window_size, None, batch, q.shape[-2], q.device)
     validation.check_sinks(sinks, q.shape[-2], q.device)
+    causal, deterministic = validation.check_flag(causal, "causal"), validation.check_flag(deterministic, "deterministic")
     left, right = validation.causal_window(causal, window_size)
     scale = validation.softmax_scale(softmax_scale, q.shape[-1] + (0 if qv is None else qv.shape[-1]))
     out, lse, _, _ = custom_ops.forward(

@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("flash_attn.doctor", "check this installation and explain what to fix"),
     "bench": ("flash_attn.bench", "benchmark attention: CPU, GPU or the kernel build"),
     "build-kernels": ("flash_attn.kernel_build.build", "compile the ahead-of-time GPU kernels (no GPU needed)"),
+    "amd-kernels": ("flash_attn.kernel_build.amd", "compile every kernel for the AMD GPU families and report on them "
+                                                   "(compile only, no GPU needed)"),
     "info": ("flash_attn.kernel_build.info", "what this installation ships: AOT kernels, archs, bytes, op library"),
 }
 

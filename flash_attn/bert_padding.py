@@ -13,6 +13,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from flash_attn import validation
+
 __all__ = [
     "IndexFirstAxis",
     "IndexFirstAxisResidual",
@@ -26,11 +28,25 @@ __all__ = [
 ]
 
 
-def _check_indices(indices: torch.Tensor) -> None:
+def _check_tensor(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+
+
+def _check_indices(indices: torch.Tensor, size: Optional[int] = None, of: str = "", data=None,
+                   data_name: str = "") -> None:
+    """A 1-D int32/int64 tensor; on ``data``'s device when given; every index in ``[0, size)``
+    (``of``: what ``size`` counts) when ``size`` is given: checked on the host for CPU tensors, on
+    the device otherwise (:func:`flash_attn.validation.check_values`)."""
     if not isinstance(indices, torch.Tensor) or indices.ndim != 1:
         raise ValueError("indices must be a 1-D integer tensor")
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"indices must be int32 or int64, got {indices.dtype}")
+    if data is not None and indices.device != data.device:
+        raise ValueError(f"indices is on {indices.device} but {data_name} is on {data.device}")
+    if size is not None and indices.numel():
+        validation.check_values((indices.min() >= 0) & (indices.max() < size), IndexError,
+                                f"indices must lie in [0, {size}) ({of}), got one outside")
 
 
 class IndexFirstAxis(torch.autograd.Function):
@@ -38,9 +54,10 @@ class IndexFirstAxis(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        _check_tensor(input, "input")
         if input.ndim < 1:
-            raise ValueError("index_first_axis needs a tensor with at least one dimension")
-        _check_indices(indices)
+            raise ValueError("index_first_axis needs an input with at least one dimension")
+        _check_indices(indices, input.shape[0], "input's rows", input, "input")
         ctx.save_for_backward(indices)
         ctx.first_axis_dim = input.shape[0]
         return input.index_select(0, indices)
@@ -61,7 +78,9 @@ class IndexPutFirstAxis(torch.autograd.Function):
     def forward(
         ctx, values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int
     ) -> torch.Tensor:
-        _check_indices(indices)
+        _check_tensor(values, "values")
+        first_axis_dim = validation.check_int(first_axis_dim, "first_axis_dim", minimum=0)
+        _check_indices(indices, first_axis_dim, "first_axis_dim", values, "values")
         if values.ndim < 1 or values.shape[0] != indices.shape[0]:
             raise ValueError(
                 f"values must have one row per index: got values of shape {tuple(values.shape)}"
@@ -87,9 +106,10 @@ class IndexFirstAxisResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, indices: torch.Tensor):
+        _check_tensor(input, "input")
         if input.ndim < 1:
-            raise ValueError("index_first_axis_residual needs at least one dimension")
-        _check_indices(indices)
+            raise ValueError("index_first_axis_residual needs an input with at least one dimension")
+        _check_indices(indices, input.shape[0], "input's rows", input, "input")
         ctx.save_for_backward(indices)
         # Detached so autograd does not see the residual as a view of an input it must track.
         return input[indices], input.detach()
@@ -108,6 +128,10 @@ index_first_axis_residual = IndexFirstAxisResidual.apply
 
 
 def _check_padded(hidden_states: torch.Tensor, mask: torch.Tensor, name: str) -> None:
+    _check_tensor(hidden_states, "hidden_states")
+    _check_tensor(mask, name)
+    if mask.device != hidden_states.device:
+        raise ValueError(f"{name} is on {mask.device} but hidden_states is on {hidden_states.device}")
     if mask.ndim != 2:
         raise ValueError(f"{name} must have shape (batch, seqlen), got {tuple(mask.shape)}")
     if hidden_states.ndim < 2 or tuple(hidden_states.shape[:2]) != tuple(mask.shape):
@@ -152,6 +176,9 @@ def unpad_input(
     used = attention_mask != 0
     kept = used
     if unused_mask is not None:
+        _check_tensor(unused_mask, "unused_mask")
+        if unused_mask.device != attention_mask.device:
+            raise ValueError(f"unused_mask is on {unused_mask.device} but attention_mask is on {attention_mask.device}")
         if tuple(unused_mask.shape) != tuple(attention_mask.shape):
             raise ValueError(
                 f"unused_mask must have the shape of attention_mask {tuple(attention_mask.shape)},"
@@ -188,11 +215,9 @@ def unpad_input_for_concatenated_sequences(
         )
     seqlen = lengths.shape[1]
     row_total = lengths.sum(dim=-1)
-    if bool((lengths < 0).any()) or bool((row_total > seqlen).any()):
-        raise ValueError(
-            "attention_mask_in_length must hold non-negative lengths summing to at most seqlen "
-            "per row"
-        )
+    validation.check_values(((lengths >= 0).all() & (row_total <= seqlen).all()), ValueError,
+                            "attention_mask_in_length must hold non-negative lengths summing to at most seqlen "
+                            "per row")
     positions = torch.arange(seqlen, device=lengths.device)
     token_mask = positions.unsqueeze(0) < row_total.unsqueeze(1)
     flat_lengths = lengths.flatten()
@@ -211,7 +236,10 @@ def pad_input(
     ``indices`` are positions in the flattened ``batch * seqlen`` axis (as returned by
     ``unpad_input``); every other position is zero.
     """
-    _check_indices(indices)
+    _check_tensor(hidden_states, "hidden_states")
+    batch = validation.check_int(batch, "batch", minimum=0)
+    seqlen = validation.check_int(seqlen, "seqlen", minimum=0)
+    _check_indices(indices, batch * seqlen, "batch * seqlen", hidden_states, "hidden_states")
     if hidden_states.ndim < 1 or hidden_states.shape[0] != indices.shape[0]:
         raise ValueError(
             f"hidden_states must have one row per index: got {tuple(hidden_states.shape)} and "

@@ -26,7 +26,7 @@ from flash_attn import dispatch, validation
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout, cache_capacity
 from flash_attn.placeholders import placeholder
 
-DEBUG_ENV = "FLASH_ATTN_DEBUG"
+DEBUG_ENV = validation.DEBUG_ENV
 
 
 def _checks_values(t: Tensor) -> bool:
@@ -339,7 +339,8 @@ def _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_l
     if any(n < 0 for n in seqlens):
         raise ValueError(f"cache_seqlens must be >= 0, got {seqlens}")
     ends = [n + seqlen_new for n in seqlens]
-    what = "kv cache too small for the append" if seqlen_new else "cache_seqlens exceeds the kv cache"
+    what = ("kv cache too small for the append (cache_seqlens + the new tokens)" if seqlen_new
+            else "cache_seqlens exceeds the kv cache")
     validation.check_positions_fit(ends, capacity, what)
     if rotary_cos is not None:
         validation.check_positions_fit(ends, rotary_cos.shape[0], "rotary_cos/rotary_sin have too few positions")

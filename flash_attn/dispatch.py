@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -156,6 +157,8 @@ def _load(name: str) -> tuple[Backend | None, str | None]:
             found = _IMPORTERS[name](), None
         except ImportError as exc:
             found = None, f"the {name!r} backend is not installed ({exc})"
+        except Exception as exc:  # noqa: BLE001  (a broken dependency, e.g. a Triton whose import fails otherwise)
+            found = None, f"the {name!r} backend cannot be imported ({type(exc).__name__}: {exc})"
         _loaded[name] = found
     return found
 
@@ -207,26 +210,57 @@ def _warn_downgrade(first: str, reasons: list[str], device: torch.device) -> Non
                   f"{first} backend (kernels compiled on first use: slower to start, same results).")
 
 
-def _make_chain(name: str, device: torch.device) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class Route:
+    """What a call on ``device`` does with the environment as set (:func:`route`): it runs on
+    ``backends`` (the first that serves it; empty when every call raises ``error`` instead).
+    ``passed_over``: why ``auto`` did not pick a better backend."""
+
+    device: torch.device
+    backends: tuple[str, ...]
+    error: Optional[Exception] = None
+    passed_over: tuple[str, ...] = ()
+
+
+def route(device: torch.device) -> Route:
+    """What a call on ``device`` does, with the environment as it is set now: the one decision the
+    dispatcher acts on (:func:`chain`) and the doctor reports. An invalid setting
+    (``FLASH_ATTN_BACKEND``, ``FLASH_ATTN_STRICT_BACKEND``, a backend's own, such as
+    ``FLASH_ATTN_CPU_ONEDNN``), or a named backend that cannot run on the device, makes every call
+    raise."""
+    device = torch.device(device)
+    try:
+        strict()
+        name = requested_backend()
+    except ValueError as exc:
+        return Route(device, (), exc)
     if name == "auto":
         first, reasons = auto_choice(device)
-        _warn_downgrade(first, reasons, device)
     else:
         reason = unavailable_reason(name, device)
         if reason is not None:
-            raise BackendUnavailableError(f"{BACKEND_ENV}={name} cannot run on {device}: {reason}")
-        first = name
+            return Route(device, (), BackendUnavailableError(f"{BACKEND_ENV}={name} cannot run on {device}: {reason}"))
+        first, reasons = name, []
     later = tuple(b for b in _NEXT[first] if b == "reference" or unavailable_reason(b, device) is None)
-    return (first, *later)
+    backends = (first, *later)
+    for backend in backends:
+        error = _load(backend)[0].settings_error()
+        if error is not None:
+            return Route(device, (), ValueError(error))
+    return Route(device, backends, passed_over=tuple(reasons))
 
 
 def chain(device: torch.device) -> tuple[str, ...]:
-    """The backends a call on ``device`` may run on, in order (what each can run on the device
-    is worked out once per process)."""
-    key = (os.environ.get(BACKEND_ENV), device)  # the raw setting: normalised only on a miss
+    """The backends a call on ``device`` may run on, in order (:func:`route`, worked out once
+    per process and setting)."""
+    key = (os.environ.get(BACKEND_ENV), os.environ.get(STRICT_ENV), device)  # the raw settings: read on a miss
     found = _chains.get(key)
     if found is None:
-        found = _chains[key] = _make_chain(requested_backend(), device)
+        decided = route(device)
+        if decided.error is not None:
+            raise decided.error
+        _warn_downgrade(decided.backends[0], list(decided.passed_over), device)
+        found = _chains[key] = decided.backends
     return found
 
 

@@ -114,12 +114,13 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         dropout_p, softcap, window_size, alibi_slopes, batch, q.shape[-2], q.device
     )
     validation.check_sinks(learnable_sink, q.shape[-2], q.device)
-    left, right = validation.causal_window(causal, window_size)
+    left, right = validation.causal_window(validation.check_flag(causal, "causal"), window_size)
     scale = validation.softmax_scale(softmax_scale, q.shape[-1] + (0 if qv is None else qv.shape[-1]))
+    return_attn_probs = validation.check_flag(return_attn_probs, "return_attn_probs")
     out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
-        max_seqlen_q, max_seqlen_k, scale, left, right,
-        float(softcap), float(dropout_p), bool(return_attn_probs), bool(deterministic),
+        max_seqlen_q, max_seqlen_k, scale, left, right, validation.softcap_value(softcap, scale),
+        float(dropout_p), return_attn_probs, validation.check_flag(deterministic, "deterministic"),
         qv=qv, sinks=learnable_sink,
     )
     return (out, lse, s_dmask) if return_attn_probs else out
@@ -154,7 +155,7 @@ def flash_attn_func(
         causal: bottom-right aligned causal mask (see the module docstring).
         window_size: ``(left, right)`` sliding-window bounds, ``-1`` = unbounded.
         softcap: if > 0, scores become ``softcap * tanh(scores / softcap)`` (after scaling, before
-            masking).
+            masking); 0 or ``inf`` turn it off.
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``; adds
             ``-slope * |i + seqlen_k - seqlen_q - j|`` to the score of query i and key j.
         deterministic: make the backward bit-reproducible run to run.
@@ -216,6 +217,7 @@ def flash_attn_kvpacked_func(
 ):
     """:func:`flash_attn_func` with k, v stacked: kv ``(batch, seqlen_k, 2, nheads_k, headdim)``."""
     _check_packed(kv, "kv", 5, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    _check_packed_with_q(q, kv)
     k, v = kv.unbind(dim=2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                            alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink)
@@ -315,10 +317,17 @@ def flash_attn_varlen_kvpacked_func(
 ):
     """:func:`flash_attn_varlen_func` with kv ``(total_k, 2, nheads_k, headdim)``."""
     _check_packed(kv, "kv", 4, 2, "(total_k, 2, nheads_k, headdim)")
+    _check_packed_with_q(q, kv)
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs, learnable_sink=learnable_sink)
+
+
+def _check_packed_with_q(q, kv) -> None:
+    """kv shares q's dtype and device (named as kv, not as the k and v it holds)."""
+    if isinstance(q, torch.Tensor):
+        validation.check_same(("q", q), ("kv", kv))
 
 
 def _check_packed(t, name: str, ndim: int, count: int, layout: str) -> None:
@@ -391,4 +400,4 @@ def flash_attn_with_kvcache(
     out, lse = kvcache.forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                rotary_interleaved, alibi_slopes, num_splits, qv=qv, sinks=learnable_sink)
-    return (out, lse) if return_softmax_lse else out
+    return (out, lse) if validation.check_flag(return_softmax_lse, "return_softmax_lse") else out

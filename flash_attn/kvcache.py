@@ -24,11 +24,13 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         headdim += qv.shape[-1]  # the default scale counts both products' features
     # like upstream, a bound no smaller than the cache is unbounded (this decides whether q is
     # rotated as a local/causal block or at one position)
+    causal = validation.check_flag(causal, "causal")
     left, right = validation.bounded_window(causal, window_size, cache_capacity(k_cache, block_table))
+    scale = validation.softmax_scale(softmax_scale, headdim)
     return custom_ops.forward_kvcache(
         q, k_cache, v_cache, k_new, v_new, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, rotary_cos, rotary_sin, alibi_slopes, validation.softmax_scale(softmax_scale, headdim), left,
-        right, float(softcap), bool(rotary_interleaved), int(num_splits), qv, sinks,
+        block_table, rotary_cos, rotary_sin, alibi_slopes, scale, left, right, validation.softcap_value(softcap, scale),
+        validation.check_flag(rotary_interleaved, "rotary_interleaved"), int(num_splits), qv, sinks,
     )
 
 
@@ -69,6 +71,9 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
 
 def _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, num_splits):
     batch = q.shape[0]
+    if cache_batch_idx is not None and block_table is not None:
+        raise ValueError("cache_batch_idx cannot be combined with block_table: a paged cache maps each sequence to "
+                         "its pages through block_table (reorder block_table's rows instead)")
     if cache_batch_idx is None and block_table is None and k_cache.shape[0] < batch:
         raise ValueError(f"k_cache holds {k_cache.shape[0]} sequences but q has batch {batch}; pass cache_batch_idx to map them")
     for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
@@ -82,6 +87,8 @@ def _check_kvcache_extras(q, k_cache, block_table, k_new, rotary_cos, rotary_sin
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2:
                 raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), got {validation._describe(t)}")
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{name} must be a floating-point tensor (the cos / sin of the angles), got {t.dtype}")
             if t.device != q.device:
                 raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         if rotary_cos.shape != rotary_sin.shape:

@@ -13,7 +13,7 @@ from __future__ import annotations
 KERNEL_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16"}
 # The kernels' head-dimension buckets: the BLOCK_D of their specialisations, a head dim running on
 # the smallest bucket that holds it (the launch-config tables have one entry per bucket).
-HEADDIM_BUCKETS = (32, 64, 128, 256)
+HEADDIM_BUCKETS = (32, 64, 128, 256, 512)
 # Largest head dimension of any backend (validation) and of the kernels: the largest bucket.
 MAX_HEADDIM = HEADDIM_BUCKETS[-1]
 # The ahead-of-time kernels declare head_dim a multiple of this (vectorised masked loads).

@@ -14,6 +14,11 @@ of the package's own ``flash_attn::forward`` op (:mod:`flash_attn.custom_ops`), 
 backend contract (:mod:`flash_attn.backends`) directly, which writes the caller's gradients in
 place and hands back the kernels' Delta for ``softmax_d``.
 
+V may have its own head dim (``headdim_v``), with FlashAttention-3's shapes: ``out`` and ``dout``
+have v's head dim, ``dv`` v's shape. FlashAttention-3's low-level forward also takes ``qv`` (MLA) and
+neither has attention sinks; these are FlashAttention-2's functions, which take neither (the public
+functions do: ``qv``, ``learnable_sink``).
+
 Where this package's outputs differ from upstream's (the same as for ``flash_attn_func``):
 ``S_dmask`` is fp32 ``(batch, nheads, seqlen_q, seqlen_k)`` and returned whenever asked for;
 ``rng_state`` is an int64 ``(1,)`` tensor on q's device holding the dropout seed, drawn there
@@ -51,8 +56,17 @@ def _last_dim_contiguous(*tensors):
     return [t.contiguous() if isinstance(t, torch.Tensor) and t.stride(-1) != 1 else t for t in tensors]
 
 
-def _options(dropout_p, softcap, alibi_slopes, batch, nheads, device) -> None:
-    validation.check_options(dropout_p, softcap, (-1, -1), alibi_slopes, batch, nheads, device)
+def _options(dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, batch,
+             nheads, seqlen_k, device) -> tuple[float, int, int, float]:
+    """The scalar options checked, as ``(softmax_scale, left, right, softcap)`` (the window bounded
+    by ``seqlen_k`` as upstream does, the softcap as the backends take it)."""
+    window = validation.check_options(dropout_p, softcap, (window_size_left, window_size_right), alibi_slopes, batch,
+                                      nheads, device, any_negative=True)
+    if softmax_scale is None:
+        raise TypeError("softmax_scale must be a float (the low-level functions have no default), got None")
+    scale = validation.softmax_scale(softmax_scale, 1)
+    left, right = validation.bounded_window(validation.check_flag(causal, "causal"), window, seqlen_k)
+    return scale, left, right, validation.softcap_value(softcap, scale)
 
 
 def _check_like(t, name: str, shape, dtype, device) -> None:
@@ -113,20 +127,30 @@ def _flash_attn_forward(
     ``(out, softmax_lse fp32 (b, h, sq), S_dmask, rng_state)``."""
     q, k, v = _last_dim_contiguous(q, k, v)
     validation.check_dense_qkv(q, k, v)
-    _options(dropout_p, softcap, alibi_slopes, q.shape[0], q.shape[2], q.device)
-    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), k.shape[1])
+    scale, left, right, softcap = _options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                           softcap, alibi_slopes, q.shape[0], q.shape[2], k.shape[1], q.device)
     return _defined_seed(forward_body(
-        q, k, v, None, None, None, alibi_slopes, q.shape[1], k.shape[1], float(softmax_scale), left, right,
-        float(softcap), float(dropout_p), bool(return_softmax), False,
+        q, k, v, None, None, None, alibi_slopes, q.shape[1], k.shape[1], scale, left, right,
+        softcap, float(dropout_p), validation.check_flag(return_softmax, "return_softmax"), False,
     ), dropout_p)
+
+
+def _same_device(q, **tensors) -> None:
+    """Every tensor given is on q's device. Checked by the fake implementations too: a call that
+    mixes a meta tensor with real ones dispatches to them, not to the op's body."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on the same device")
 
 
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
       return_softmax):
+    _same_device(q, k=k, v=v, alibi_slopes=alibi_slopes)
     batch, seqlen_q, nheads, _ = q.shape
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
-    return q.new_empty(q.shape), lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng(q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, lse, _fake_s_dmask(q, return_softmax, batch, seqlen_q, k.shape[1]), _fake_rng(q)
 
 
 def _fake_s_dmask(q, return_softmax, batch, seqlen_q, seqlen_k):
@@ -224,14 +248,14 @@ def _flash_attn_varlen_forward(
     max_seqlen_k = validation.as_max_seqlen(max_seqlen_k, "max_seqlen_k")
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     batch = cu_seqlens_q.shape[0] - 1
-    _options(dropout_p, softcap, alibi_slopes, batch, q.shape[1], q.device)
+    scale, left, right, softcap = _options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                           softcap, alibi_slopes, batch, q.shape[1], max_seqlen_k, q.device)
     _check_num_splits(num_splits, q, k, block_table, max_seqlen_q, dropout_p, causal, window_size_left,
                       window_size_right, alibi_slopes)
-    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
     k, v, cu_seqlens_k, block_table = _select_keys(k, v, cu_seqlens_k, max_seqlen_k, block_table, leftpad_k, seqused_k)
     return _defined_seed(forward_body(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
-        float(softmax_scale), left, right, float(softcap), float(dropout_p), bool(return_softmax), False,
+        scale, left, right, softcap, float(dropout_p), validation.check_flag(return_softmax, "return_softmax"), False,
     ), dropout_p)
 
 
@@ -239,10 +263,12 @@ def _flash_attn_varlen_forward(
 def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
       window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
       block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False, num_splits=0):
+    _same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
+                 block_table=block_table, leftpad_k=leftpad_k, seqused_k=seqused_k)
     batch = cu_seqlens_q.shape[0] - 1
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     s_dmask = _fake_s_dmask(q, return_softmax, batch, max_seqlen_q, max_seqlen_k)
-    return q.new_empty(q.shape), lse, s_dmask, _fake_rng(q)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), lse, s_dmask, _fake_rng(q)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,8 +277,9 @@ def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seq
 
 
 def _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, lse_shape) -> None:
-    _check_like(dout, "dout", q.shape, q.dtype, q.device)
-    _check_like(out, "out", q.shape, q.dtype, q.device)
+    out_shape = (*q.shape[:-1], v.shape[-1])  # v's head dim (FlashAttention-3's shapes)
+    _check_like(dout, "dout", out_shape, q.dtype, q.device)
+    _check_like(out, "out", out_shape, q.dtype, q.device)
     _check_like(softmax_lse, "softmax_lse", lse_shape, torch.float32, q.device)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:
@@ -325,11 +352,12 @@ def _flash_attn_backward(
     validation.check_dense_qkv(q, k, v)
     batch, seqlen_q, nheads, _ = q.shape
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (batch, nheads, seqlen_q))
-    _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
-    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), k.shape[1])
+    scale, left, right, softcap = _options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                           softcap, alibi_slopes, batch, nheads, k.shape[1], q.device)
     delta = _backward_delta(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, None, alibi_slopes, float(softmax_scale), left, right,
-        float(softcap), float(dropout_p), _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, None, alibi_slopes, scale, left, right,
+        softcap, float(dropout_p), _rng_state(rng_state, dropout_p, q.device),
+        validation.check_flag(deterministic, "deterministic"),
     )
     softmax_d = q.new_zeros((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
     _softmax_d(delta, dropout_p, softmax_d[:, :, :seqlen_q])
@@ -339,6 +367,8 @@ def _flash_attn_backward(
 @_flash_attn_backward.register_fake
 def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
       window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    _same_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
+                 alibi_slopes=alibi_slopes, rng_state=rng_state)
     batch, seqlen_q, nheads, _ = q.shape
     return q.new_empty((batch, nheads, round_multiple(seqlen_q, 128)), dtype=torch.float32)
 
@@ -381,13 +411,14 @@ def _flash_attn_varlen_backward(
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (nheads, total_q))
-    _options(dropout_p, softcap, alibi_slopes, batch, nheads, q.device)
+    scale, left, right, softcap = _options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
+                                           softcap, alibi_slopes, batch, nheads, max_seqlen_k, q.device)
     varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k)  # value checks
-    left, right = validation.bounded_window(causal, (window_size_left, window_size_right), max_seqlen_k)
     varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     delta = _backward_delta(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv, varlen, alibi_slopes, float(softmax_scale), left, right,
-        float(softcap), float(dropout_p), _rng_state(rng_state, dropout_p, q.device), bool(deterministic),
+        dout, q, k, v, out, softmax_lse, dq, dk, dv, varlen, alibi_slopes, scale, left, right,
+        softcap, float(dropout_p), _rng_state(rng_state, dropout_p, q.device),
+        validation.check_flag(deterministic, "deterministic"),
     )
     softmax_d = q.new_zeros((nheads, total_q + 128 * batch), dtype=torch.float32)
     rows = torch.arange(total_q, device=q.device, dtype=torch.int32)
@@ -401,5 +432,7 @@ def _flash_attn_varlen_backward(
 def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
       rng_state=None, zero_tensors=False):
+    _same_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
+                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes, rng_state=rng_state)
     batch = cu_seqlens_q.shape[0] - 1
     return q.new_empty((q.shape[1], q.shape[0] + 128 * batch), dtype=torch.float32)

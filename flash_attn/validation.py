@@ -8,7 +8,9 @@ the compiler), so they never cause a graph break.
 
 from __future__ import annotations
 
+import math
 import operator
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -16,7 +18,12 @@ import torch
 from flash_attn.limits import MAX_HEADDIM, cdiv
 from flash_attn.params import cache_capacity
 
+# With FLASH_ATTN_DEBUG=1 the values of device tensors are checked on the host too (reading them
+# waits for the device); otherwise only CPU tensors are (see check_values).
+DEBUG_ENV = "FLASH_ATTN_DEBUG"
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _fail(exc_type: type[Exception], message: str):
@@ -144,6 +151,9 @@ def varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k, exact: boo
 
 def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) -> None:
     """q ``(total_q, h, d)``; k/v ``(total_k, hk, d / dv)`` or pages ``(blocks, page, hk, d / dv)``."""
+    if block_table is not None and not _is_block_table(block_table):  # it decides k and v's layout
+        _fail(TypeError, f"block_table must be an int32 tensor of shape (batch_size, max_num_blocks_per_seq), got "
+                         f"{_describe(block_table)}")
     check_tensor(q, "q", 3, "(total_q, nheads, headdim)")
     kv_rank, kv_layout = (4, "(num_blocks, page_block_size, nheads_k, headdim)") if block_table is not None else (3, "(total_k, nheads_k, headdim)")
     check_tensor(k, "k", kv_rank, kv_layout)
@@ -160,8 +170,12 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         check_block_table(block_table, cu_seqlens_q.shape[0] - 1, q.device)
 
 
+def _is_block_table(block_table) -> bool:
+    return isinstance(block_table, torch.Tensor) and block_table.dtype == torch.int32 and block_table.dim() == 2
+
+
 def check_block_table(block_table, batch: int, device: torch.device) -> None:
-    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+    if not _is_block_table(block_table):
         _fail(TypeError, f"block_table must be an int32 tensor of shape (batch_size, max_num_blocks_per_seq), got {_describe(block_table)}")
     if block_table.shape[0] != batch:
         _fail(ValueError, f"block_table must have batch_size ({batch}) rows, got {block_table.shape[0]}")
@@ -178,17 +192,88 @@ def check_index_vector(t, name: str, batch: int, device: torch.device, owner: st
         _fail(ValueError, f"{name} is on {t.device} but {owner} is on {device}")
 
 
-def check_options(dropout_p, softcap, window_size, alibi_slopes, batch: int, nheads: int, device) -> tuple[int, int]:
-    """Scalar options; returns ``window_size`` as two ints."""
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
-        _fail(ValueError, f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    if not isinstance(softcap, (int, float)) or float(softcap) < 0.0:
-        _fail(ValueError, f"softcap must be >= 0 (0 disables it), got {softcap!r}")
-    if window_size is None or len(window_size) != 2:
-        _fail(ValueError, f"window_size must be a pair (left, right), got {window_size!r}")
-    left, right = (int(w) for w in window_size)
-    if left < -1 or right < -1:
+def host_reads_values(t: torch.Tensor) -> bool:
+    """Whether argument values of ``t`` are read on the host: always for CPU tensors; for others
+    (reading them waits for the device and breaks CUDA-graph capture) only with
+    ``FLASH_ATTN_DEBUG=1``; never for meta or fake tensors, nor while torch.compile traces."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return t.device.type == "cpu" or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def check_values(ok: torch.Tensor, exc_type: type[Exception], message: str) -> None:
+    """A check of tensor values (``ok``: a 0-d bool tensor computed from them): on the host where
+    :func:`host_reads_values` (a clear ``exc_type``); on a device otherwise, through
+    ``torch._assert_async`` (no synchronisation: a device-side assert if it fails); not at all
+    for meta tensors (they have no values)."""
+    if ok.device.type == "meta":
+        return
+    if host_reads_values(ok):
+        if not bool(ok):
+            _fail(exc_type, message)
+    else:
+        torch._assert_async(ok, f"flash_attn: {message}")
+
+
+def check_int(value, name: str, minimum: Optional[int] = None) -> int:
+    """``value`` as an int (not a bool), at least ``minimum`` when given."""
+    if isinstance(value, bool):
+        _fail(TypeError, f"{name} must be an int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        _fail(TypeError, f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and number < minimum:
+        _fail(ValueError, f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool: Python's ``True``/``False`` (or 0/1), nothing else (a string or a
+    tensor would otherwise be read by its truth value)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    _fail(TypeError, f"{name} must be a bool, got {value!r}")
+
+
+def _real(value, name: str, accepted: str) -> float:
+    """``value`` as a Python float: an int or float, not a bool (``True`` is not 1.0 here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(TypeError, f"{name} must be {accepted}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_window(window_size, any_negative: bool = False) -> tuple[int, int]:
+    """``window_size`` as two ints ``(left, right)``, each ``-1`` (unbounded) or ``>= 0``
+    (``any_negative``: any negative bound is unbounded, as upstream's low-level functions take it)."""
+    accepted = "a pair of ints (left, right), -1 meaning unbounded"
+    if not isinstance(window_size, (tuple, list)):
+        _fail(TypeError, f"window_size must be {accepted}, got {type(window_size).__name__} {window_size!r}")
+    if len(window_size) != 2:
+        _fail(ValueError, f"window_size must be {accepted}, got {len(window_size)} entries: {window_size!r}")
+    bounds = []
+    for side, bound in zip(("left", "right"), window_size):
+        if isinstance(bound, bool):
+            _fail(TypeError, f"window_size must be {accepted}, got {window_size!r} ({side} is a bool)")
+        try:
+            bounds.append(operator.index(bound))
+        except TypeError:
+            _fail(TypeError, f"window_size must be {accepted}, got {window_size!r} ({side} is not an int)")
+    left, right = bounds
+    if (left < -1 or right < -1) and not any_negative:
         _fail(ValueError, f"window_size entries must be >= -1 (-1 = unbounded), got {tuple(window_size)}")
+    return left, right
+
+
+def check_options(dropout_p, softcap, window_size, alibi_slopes, batch: int, nheads: int, device,
+                  any_negative: bool = False) -> tuple[int, int]:
+    """Scalar options; returns ``window_size`` as two ints (:func:`check_window`; the softcap of the
+    call: :func:`softcap_value`)."""
+    p = _real(dropout_p, "dropout_p", "a float in [0, 1)")
+    if not 0.0 <= p < 1.0:
+        _fail(ValueError, f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    check_softcap(softcap)
+    left, right = check_window(window_size, any_negative)
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32:
             _fail(TypeError, f"alibi_slopes must be a float32 tensor of shape (nheads,) or (batch_size, nheads), got {_describe(alibi_slopes)}")
@@ -197,6 +282,27 @@ def check_options(dropout_p, softcap, window_size, alibi_slopes, batch: int, nhe
         if alibi_slopes.device != device:
             _fail(ValueError, f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
     return left, right
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` as a float: ``0`` or ``inf`` (both mean off), or a positive number; NaN and
+    ``True`` are refused."""
+    value = _real(softcap, "softcap", "a float (0 or inf = off)")
+    if not value >= 0.0:  # NaN too; comparisons only, which torch.compile traces (math.isnan it cannot)
+        _fail(ValueError, f"softcap must be >= 0 (0 or inf disables it), got {softcap!r}")
+    return value
+
+
+def softcap_value(softcap, softmax_scale: float) -> float:
+    """The softcap a backend applies: ``inf`` is no softcap (``c * tanh(x / c)`` tends to ``x`` as
+    ``c`` grows), so 0.0; a positive one so small that ``softmax_scale / softcap`` overflows
+    float32 (the kernels' factor) is refused."""
+    value = check_softcap(softcap)
+    if value == math.inf:
+        return 0.0
+    if value > 0.0 and not abs(softmax_scale) / value < FLOAT32_MAX:
+        _fail(ValueError, f"softcap {softcap!r} is too small: softmax_scale / softcap must fit in float32")
+    return value
 
 
 def check_sinks(sinks, nheads: int, device) -> None:
@@ -224,8 +330,11 @@ def check_qv(qv, q, head_dim_v: int, layout: str) -> None:
 
 
 def check_softmax_scale(softmax_scale) -> None:
-    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
-        _fail(TypeError, f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if softmax_scale is None:
+        return
+    value = _real(softmax_scale, "softmax_scale", "a float or None")
+    if not abs(value) < math.inf:  # NaN and +-inf; comparisons only, as in check_softcap
+        _fail(ValueError, f"softmax_scale must be a finite number, got {softmax_scale!r}")
 
 
 def _describe(x) -> str:

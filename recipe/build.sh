@@ -26,8 +26,8 @@ else
     # (its pytorch ships no site-packages/torch/include).
     export FLASH_ATTN_TORCH_DIR="${FLASH_ATTN_TORCH_DIR:-${PREFIX}}"
     export CUDA_HOME="${CUDA_HOME:-${BUILD_PREFIX}}"
-    # FLASH_ATTN_CUDA_ARCHS unset: the package's default set (flash_attn/aot/archs.py), less the
-    # family targets this toolkit's ptxas cannot assemble (Thor's sm_110f needs CUDA 13.0).
+    # FLASH_ATTN_CUDA_ARCHS: the recipe's `cuda_archs` (or the caller's), less the family targets
+    # this toolkit's ptxas cannot assemble (Thor's sm_110f needs CUDA 13.0): flash_attn/kernel_build.
     # Triton must use the toolchain's ptxas (pinned by cuda_compiler_version), not the one in its wheel.
     export TRITON_PTXAS_PATH="${TRITON_PTXAS_PATH:-${BUILD_PREFIX}/bin/ptxas}"
     export TRITON_PTXAS_BLACKWELL_PATH="${TRITON_PTXAS_BLACKWELL_PATH:-${TRITON_PTXAS_PATH}}"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Tests every flash-attn package `pixi run build` wrote into OUTPUT/<subdir> (default ./output) with
-# `rattler-build test`, as far as this machine can (README, "With pixi or conda"):
+# Tests every flash-attn package `pixi run build` wrote into OUTPUT/<subdir> and OUTPUT/noarch
+# (default ./output) with `rattler-build test`, as far as this machine can (docs/install-and-build.md):
 #
-# - the CPU build: every test step;
+# - the CPU build (noarch): every test step;
 # - a CUDA build whose CUDA major this machine's driver supports: every test step, the GPU tests on
 #   the GPU;
 # - a CUDA build without such a driver (no driver at all, or a CUDA 12 driver and the CUDA 13
@@ -10,6 +10,9 @@
 #   and a CUDA PyTorch), so it is tested with CONDA_OVERRIDE_CUDA=N.0: imports, doctor, the CPU
 #   tests, the op library's checks; its GPU step finds no device and says "GPU tests not run".
 #   This script says so too, per package.
+#
+# `pixi run build` exports CONDA_OVERRIDE_CUDA for the build's solves (pixi.toml): every other test
+# here runs without it, with this machine's own driver.
 #
 # Exits non-zero if any package's tests fail. A package is never moved to output/broken here:
 # `rattler-build build --test skip` builds, this script tests.
@@ -32,9 +35,9 @@ if command -v nvidia-smi > /dev/null 2>&1; then
 fi
 
 shopt -s nullglob
-packages=("${output}/${subdir}"/flash-attn-*.conda)
+packages=("${output}/${subdir}"/flash-attn-*.conda "${output}/noarch"/flash-attn-*.conda)
 if [[ ${#packages[@]} -eq 0 ]]; then
-    echo "no flash-attn package in ${output}/${subdir}" >&2
+    echo "no flash-attn package in ${output}/${subdir} or ${output}/noarch" >&2
     exit 1
 fi
 
@@ -48,14 +51,14 @@ for package in "${packages[@]}"; do
         major="${major%?}"                    # cuda129 -> 12, cuda130 -> 13
         if (( driver_cuda_major >= major )); then
             echo "== ${package}: all tests (a driver for CUDA ${driver_cuda_major})"
-            rattler-build test --package-file "${package}" || failed=1
+            env -u CONDA_OVERRIDE_CUDA rattler-build test --package-file "${package}" || failed=1
         else
             echo "== ${package}: no driver for CUDA ${major} here: tested with CONDA_OVERRIDE_CUDA=${major}.0, GPU tests not run"
             CONDA_OVERRIDE_CUDA="${major}.0" rattler-build test --package-file "${package}" || failed=1
         fi
     else
         echo "== ${package}: all tests"
-        rattler-build test --package-file "${package}" || failed=1
+        env -u CONDA_OVERRIDE_CUDA rattler-build test --package-file "${package}" || failed=1
     fi
 done
 exit "${failed}"

@@ -8,7 +8,10 @@ run on :mod:`flash_attn`. There is no ``flash_attn_3._C`` here: nothing in it is
 
 The distribution is also named ``flash_attn_3``, so pip treats a real FlashAttention-3 as the same
 project: installing one replaces the other, never both side by side (docs/compatibility.md).
-Its version is flash-attn's (lower than any FA3 release: 3.x replaces it as an upgrade).
+Its version is flash-attn's (lower than any FA3 release: 3.x replaces it as an upgrade), which
+fa3_interface/setup.py reads from flash_attn/_version.py.
 """
 
-__version__ = "2.9.0"
+from importlib.metadata import version
+
+__version__ = version("flash_attn_3")

@@ -17,17 +17,50 @@ Pure Python and no torch (its one import, the GPU families, neither), so it is u
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Optional
 
 from flash_attn.planning import families
 
-# Default for FLASH_ATTN_CUDA_ARCHS: Ampere/Ada cubins (sm_80 runs on every 8.x), Hopper's
-# arch-specific cubin (wgmma), family cubins for datacenter Blackwell (sm_100f: B200/GB200 10.0 and
-# B300/GB300 10.3), Thor (sm_110f) and consumer Blackwell (sm_120f: RTX 50xx 12.0, DGX Spark 12.1),
-# and sm_80 PTX for anything newer.
-DEFAULT_CUDA_ARCHS = "80;90a;100f;110f;120f;80+PTX"
+# The default of FLASH_ATTN_CUDA_ARCHS is declared once, as the build targets of the conda recipe
+# (recipe/recipe.yaml's context `cuda_archs`, which passes them to its builds): Ampere/Ada cubins
+# (sm_80 runs on every 8.x), Hopper's arch-specific cubin (wgmma), family cubins for datacenter
+# Blackwell (sm_100f: B200/GB200 10.0 and B300/GB300 10.3), Thor (sm_110f) and consumer Blackwell
+# (sm_120f: RTX 50xx 12.0, DGX Spark 12.1), and sm_80 PTX for anything newer.
+_SOURCE_ROOT = Path(__file__).resolve().parents[2]
+_RECIPE_ARCHS = re.compile(r'^  cuda_archs: "([^"]+)"$', re.M)
+
+
+@functools.cache
+def default_cuda_archs() -> str:
+    """The declared build targets: the recipe's beside a source tree (a checkout, an sdist, a release
+    tarball); for an installed package, what its build recorded in ``_C/build_config.json`` (the
+    recipe's list, else the list it was built for); else "" (none known: callers ask for a list)."""
+    recipe = _SOURCE_ROOT / "recipe" / "recipe.yaml"
+    if (_SOURCE_ROOT / "pyproject.toml").is_file() and recipe.is_file():
+        match = _RECIPE_ARCHS.search(recipe.read_text())
+        if match:
+            return match.group(1)
+    try:
+        config = json.loads((Path(__file__).resolve().parents[1] / "_C" / "build_config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    for key in ("declared_cuda_archs", "cuda_archs"):
+        value = str(config.get(key) or "").strip()
+        if value and value.lower() not in ("none", "native"):
+            return value
+    return ""
+
+
+def __getattr__(name: str):
+    # DEFAULT_CUDA_ARCHS on first use: the run-time imports of this module read no file.
+    if name == "DEFAULT_CUDA_ARCHS":
+        return default_cuda_archs()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, order=True)
@@ -85,7 +118,10 @@ def parse_arch_list(text: Optional[str]) -> list[Arch]:
     """The ``FLASH_ATTN_CUDA_ARCHS`` format: entries separated by ``;``, ``,`` or spaces; ``80+PTX``
     adds ``compute_80`` to ``sm_80``; ``compute_80`` alone ships PTX only. Empty: the default."""
     if text is None or not text.strip():
-        text = DEFAULT_CUDA_ARCHS
+        text = default_cuda_archs()
+        if not text:
+            raise ValueError("no default GPU architectures here (no recipe/recipe.yaml beside this flash_attn, no "
+                             "recorded build targets): name them, e.g. FLASH_ATTN_CUDA_ARCHS='80;90'")
     out: list[Arch] = []
     for entry in re.split(r"[;,\s]+", text.strip()):
         if not entry:

@@ -39,6 +39,7 @@ class LibraryStatus:
     path: Optional[str]
     reason: str  # empty when loaded
     build_config: dict = field(default_factory=dict)
+    from_env: bool = False  # the path came from FLASH_ATTN_AOT_LIBRARY
 
 
 _lock = threading.Lock()
@@ -110,17 +111,38 @@ def _load() -> LibraryStatus:
             f"the op library {LIBRARY_NAME} is not installed (flash_attn was installed without its C++ part; "
             f"reinstall with `pip install .` and a torch >= 2.10 present)",
         )
+    from_env = bool(os.environ.get(LIBRARY_ENV))
+    if path.is_dir():
+        return LibraryStatus(False, str(path), f"{LIBRARY_ENV} points at a folder, {path}, not at the library file "
+                             f"({LIBRARY_NAME})", from_env=from_env)
     if not path.is_file():
-        return LibraryStatus(False, str(path), f"the op library {path} does not exist ({LIBRARY_ENV} points there)")
+        return LibraryStatus(False, str(path), f"the op library {path} does not exist ({LIBRARY_ENV} points there)",
+                             from_env=from_env)
     config = _read_build_config(path)
     try:
         import torch
 
         torch.ops.load_library(str(path))
     except Exception as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return LibraryStatus(False, str(path), f"the op library {path} failed to load: {first_line}", config)
-    return LibraryStatus(True, str(path), "", config)
+        return LibraryStatus(False, str(path), f"the op library {path} failed to load: {loader_message(exc)}", config,
+                             from_env)
+    return LibraryStatus(True, str(path), "", config, from_env)
+
+
+def loader_message(exc: BaseException) -> str:
+    """What went wrong, with the dynamic loader's own words: PyTorch raises "Could not load this
+    library" and keeps the loader's reason (wrong ELF class, an undefined symbol, a GLIBC version)
+    in ``__cause__``; each distinct first line of the chain, outermost first."""
+    lines: list[str] = []
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).strip()
+        line = text.splitlines()[0] if text else type(exc).__name__
+        if line not in lines:
+            lines.append(line)
+        exc = exc.__cause__ or exc.__context__
+    return "; the loader says: ".join(lines)
 
 
 def status() -> LibraryStatus:
@@ -224,7 +246,8 @@ def register_kernel(image_path: str | os.PathLike, entry: dict) -> int:
         try:
             data = read_image(image_path)
         except (OSError, zlib.error) as exc:
-            raise RuntimeError(f"flash_attn: image '{image_path}' cannot be read: {exc}") from None
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise RuntimeError(f"flash_attn: image '{image_path}' cannot be read: {why}") from None
         image = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return ops().aot_register_kernel(
         str(image_path),

@@ -130,6 +130,25 @@ class Manifest:
             return f"the manifest entry of {key} ({arch}) is malformed ({problem}): rebuild the kernels or reinstall"
         return f"{key} is not in the {arch} image set of this installation"
 
+    def unusable_images(self) -> list[str]:
+        """The image files of usable entries that cannot be used: missing, unreadable, empty, or
+        stored compressed without a zlib header (damage past the header shows at the first call
+        that needs the image). Each file is looked at once, not read whole."""
+        bad = []
+        for entry in self.entries.values():
+            path = self.folder / entry["image"]
+            try:
+                with open(path, "rb") as file:
+                    head = file.read(2)
+            except OSError as exc:
+                bad.append(f"{entry['image']}: {exc.strerror or exc}")
+                continue
+            if not head:
+                bad.append(f"{entry['image']}: empty")
+            elif str(path).endswith(op_library.COMPRESSED_SUFFIX) and not _zlib_header(head):
+                bad.append(f"{entry['image']}: not zlib data")
+        return bad
+
     def requirement(self, arch: str) -> Optional[tuple[int, int]]:
         """The oldest CUDA driver release (major, minor) that loads the images of ``arch``: the
         ptxas release for cubins (minor-version compatible), the PTX ISA's release for PTX."""
@@ -162,6 +181,11 @@ class Manifest:
                     f"({why}; this driver supports CUDA {driver[0]}.{driver[1]}): update the driver, or install a "
                     f"flash-attn build for an older CUDA")
         return choice
+
+
+def _zlib_header(head: bytes) -> bool:
+    """RFC 1950: deflate (method 8) and a header checksum that divides by 31."""
+    return len(head) == 2 and head[0] & 0x0F == 8 and (head[0] << 8 | head[1]) % 31 == 0
 
 
 def _entry_requirement(entry: dict) -> Optional[tuple[int, int]]:

@@ -125,7 +125,15 @@ def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
     score-features variant; each with the launch config the planner picks for that family, head
     dims and variant. ``block_ds`` and ``with_features`` narrow it (``bench tune`` builds one head
     dim's lean kernels)."""
+    return [spec for spec, _ in attention_launches(family, dtype, block_ds, with_features)]
+
+
+def attention_launches(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
+                       with_features: bool = True) -> list[tuple[Spec, configs.Config]]:
+    """:func:`attention_specs` with the launch config of each (its compiler options beyond
+    ``num_warps`` and ``num_stages``: :func:`flash_attn.planning.configs.compiler_options`)."""
     out = []
+    block_ds = [d for d in block_ds if configs.refusal(d, family) is None]  # a bucket the family does not run
     for kernel in ATTENTION_KERNELS:
         decl = declarations.get(kernel)
         for features in (False, True) if decl.has_features and with_features else (False,):
@@ -137,10 +145,11 @@ def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
                 config = configs.pick(decl.config_kind, widest, family, features)
                 if config is None:  # the split kernels serve this head dim (configs.fused_backward)
                     continue
-                out.append(attention_spec(kernel, dtype, block_d, config, family, features, block_dv=block_dv))
+                out.append((attention_spec(kernel, dtype, block_d, config, family, features, block_dv=block_dv),
+                            config))
                 if not features and decl.ships_exact_image(family, block_d, dtype, block_dv):
                     exact_config = configs.pick(decl.config_kind, widest, family, exact=True)
-                    out.append(attention_spec(kernel, dtype, block_d, exact_config, family, exact=True))
+                    out.append((attention_spec(kernel, dtype, block_d, exact_config, family, exact=True), exact_config))
     return out
 
 

@@ -22,8 +22,14 @@ share with flash-attn is spelled out here and worked around exactly:
 * its causal mask skips work only in blocks of 512 keys: an fp32 causal square runs as a tree
   of batched calls that compute about the visible half (:mod:`._causal_tree`);
 * a row that sees no key must give out 0 and lse +inf (the kernel gives lse 0): fixed up;
+* special values: the kernel's row max skips NaN, so a row whose visible scores are all NaN (a NaN
+  in q, say) or hold +inf gives out 0 instead of NaN, and an explicit mask adds -inf to a hidden
+  NaN score, which reaches the row. Every such row ends with an lse that is NaN, infinite or 0
+  (checked on every call: one pass over lse), and then :func:`attention_forward` answers None
+  and the tiled engine, which follows upstream's semantics, computes the problem;
 * softcap and dropout (our Philox mask) have no counterpart: :func:`supports` says no and the
-  tiled engine of :mod:`._reference_core` runs them;
+  tiled engine of :mod:`._reference_core` runs them, except softcap where :mod:`._onednn`
+  computes every call of the plan (it softcaps its scores itself);
 * where PyTorch's BLAS is the kernel's slow part (MKL on AMD CPUs), calls without an explicit
   mask or ALiBi run on :mod:`._onednn` instead: the same contract on oneDNN's fp32 products.
 
@@ -68,19 +74,39 @@ def _ops():
 OPS = _ops()
 
 
-def supports(problem: core.Problem, params: AttentionParams) -> bool:
-    """True when the fused kernels compute exactly this problem."""
+def supports(problem: core.Problem, params: AttentionParams, tuning: Tuning = DEFAULT_TUNING,
+             features: Optional["Features"] = None) -> bool:
+    """True when this module's plan computes exactly this problem (for a CPU with ``features``,
+    :data:`THIS_CPU` if not given): the fused kernels, or with softcap, which they have no
+    counterpart for, :mod:`._onednn` for every call (:func:`_softcap_on_onednn`)."""
     q = problem.q
     return (
         OPS is not None
         and q.device.type == "cpu"
         and q.dtype in DTYPES
-        and params.softcap == 0
         and params.dropout_p == 0
         and problem.head_dim_v == q.shape[-1]
+        and (params.softcap == 0 or _softcap_on_onednn(problem, params, tuning, features or THIS_CPU))
         and problem.qv is None  # PyTorch's kernels have no scores against V, nor attention sinks
         and problem.sinks is None
     )
+
+
+def _softcap_on_onednn(problem: core.Problem, params: AttentionParams, tuning: Tuning, features: "Features") -> bool:
+    """Whether :mod:`._onednn` computes every call of the plan, forward and backward (the backward
+    of half precision converted to fp32): then the plan runs softcap, faster than the tiled
+    engine (oneDNN's fp32 products are the quicker ones where it applies)."""
+    dtype = problem.q.dtype
+    if dtype == torch.float16 and features.native_fp16():
+        return False  # computed in fp16 by PyTorch's kernels, which cannot softcap
+    forward_dtype = torch.float32 if dtype == torch.float16 else dtype
+    for backward, compute in ((False, forward_dtype), (True, torch.float32)):
+        for group in plan(problem, params, backward, tuning):
+            for call in group:
+                if call.masked or problem.alibi_slopes is not None or not onednn_takes(
+                        compute, call.i1 - call.i0, call.c1 - call.c0, tuning, features, backward):
+                    return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,10 +364,16 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call, tu
     forward, _ = OPS
     k, v = problem.load_kv(call.c0, call.c1)
     if onednn and _onednn_applies(problem, call, tuning, features):
-        forward = functools.partial(_onednn.forward, tuning=tuning, linear=features.onednn_linear)
+        forward = functools.partial(_onednn.forward, softcap=params.softcap, tuning=tuning,
+                                    linear=features.onednn_linear)
+    elif params.softcap:
+        raise AssertionError(f"{call} of a softcap problem is not a oneDNN call")  # supports() said it is
     elif _tree_applies(problem, call, tuning):
-        return _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale,
-                                    tuning.tree_base_rows)
+        out, lse = _causal_tree.forward(forward, problem.q[:, call.i0:call.i1], k, v, params.softmax_scale,
+                                        tuning.tree_base_rows)
+        if not plain_scores(lse):
+            raise SpecialScores
+        return out, lse
     mask = seen = row_term = None
     if call.masked:
         mask, seen = _mask(problem, params, call)
@@ -351,11 +383,30 @@ def _run_forward(problem: core.Problem, params: AttentionParams, call: _Call, tu
                        call.causal, attn_mask=mask, scale=params.softmax_scale)
     if row_term is not None:
         lse = lse - row_term
+    if not plain_scores(lse, seen):
+        raise SpecialScores
     if seen is not None and not bool(seen.all()):
         seen = seen.expand(lse.shape)
         out = out.masked_fill(~seen.unsqueeze(-1), 0.0)
         lse = lse.masked_fill(~seen, float("-inf"))
     return out, lse
+
+
+class SpecialScores(Exception):
+    """A call met NaN or infinite scores, whose results the fused kernel does not compute as
+    upstream does (module docstring)."""
+
+
+def plain_scores(lse: Tensor, seen: Optional[Tensor] = None) -> bool:
+    """Whether the kernel's ``lse`` shows only finite scores: finite and non-zero on every row
+    that sees a key (``seen``, broadcast to lse; None: every row). A row with a NaN or +inf
+    score, or only -inf ones, ends NaN, infinite or 0 there; an exact lse of 0 is rare and merely
+    sends the problem to the tiled engine."""
+    size = lse.abs()
+    plain = (size > 0) & (size < float("inf"))
+    if seen is not None:
+        plain |= ~seen
+    return bool(plain.all())
 
 
 def _plain_causal(problem: core.Problem, call: _Call) -> bool:
@@ -408,16 +459,25 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
 
 @torch.no_grad()
 def attention_forward(problem: core.Problem, params: AttentionParams, tuning: Tuning = DEFAULT_TUNING,
-                      features: Features = THIS_CPU, onednn: bool = True) -> tuple[Tensor, Tensor]:
+                      features: Features = THIS_CPU, onednn: bool = True) -> Optional[tuple[Tensor, Tensor]]:
     """``out`` like q and fp32 ``lse (B, h, sq)``, as :func:`core.attention_forward`, planned with
-    ``tuning`` for a CPU with ``features``. ``onednn``: whether :mod:`._onednn` may compute calls
-    (not for a bf16 problem converted to fp32 for the fused kernels' sake: below its own size,
-    see :func:`_runs_in_fp32`)."""
+    ``tuning`` for a CPU with ``features``; None where a score is NaN or infinite (the tiled
+    engine then computes the problem, see the module docstring). ``onednn``: whether :mod:`._onednn`
+    may compute calls (not for a bf16 problem converted to fp32 for the fused kernels' sake: below
+    its own size, see :func:`_runs_in_fp32`)."""
+    try:
+        return _forward(problem, params, tuning, features, onednn)
+    except SpecialScores:
+        return None
+
+
+def _forward(problem: core.Problem, params: AttentionParams, tuning: Tuning, features: Features,
+             onednn: bool) -> tuple[Tensor, Tensor]:
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params, False, tuning)
     if _runs_in_fp32(problem, groups, False, tuning, features):
-        out, lse = attention_forward(_in_fp32(problem), params, tuning, features, onednn=q.dtype != torch.bfloat16)
+        out, lse = _forward(_in_fp32(problem), params, tuning, features, onednn=q.dtype != torch.bfloat16)
         return out.to(q.dtype), lse
     if len(groups) == 1 and groups[0][0].i0 == 0 and groups[0][0].i1 == sq:  # one block: no copies
         out, lse = _merge([_run_forward(problem, params, call, tuning, features, onednn) for call in groups[0]])
@@ -450,7 +510,8 @@ def attention_backward(
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params, True, tuning)
-    if _runs_in_fp32(problem, groups, True, tuning, features):
+    # softcap runs on oneDNN's fp32 backward (_softcap_on_onednn)
+    if _runs_in_fp32(problem, groups, True, tuning, features) or (params.softcap and q.dtype != torch.float32):
         return attention_backward(_in_fp32(problem), params, dout.float(), out.float(), lse, tuning, features)
     calls = [call for group in groups for call in group]
     if len(calls) == 1 and (calls[0].i0, calls[0].i1, calls[0].c0, calls[0].c1) == (0, sq, 0, problem.n_cols):
@@ -473,7 +534,10 @@ def _run_backward(problem, params, call, dout, out, lse, tuning, features):
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]
     if _onednn_applies(problem, call, tuning, features, backward=True):
-        backward = functools.partial(_onednn.backward, tuning=tuning, linear=features.onednn_linear)
+        backward = functools.partial(_onednn.backward, softcap=params.softcap, tuning=tuning,
+                                     linear=features.onednn_linear)
+    elif params.softcap:
+        raise AssertionError(f"{call} of a softcap problem is not a oneDNN call")  # supports() said it is
     elif _tree_applies(problem, call, tuning):
         return _causal_tree.backward(backward, dout[:, rows], problem.q[:, rows], k, v, out[:, rows], lse_c,
                                      params.softmax_scale, tuning.tree_base_rows)

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning
+from flash_attn.backends._reference_core import DEFAULT_TUNING, Tuning, softcap_scores_
 
 # "auto" (default): where :func:`faster_here` says so; "1": wherever it applies; "0": never.
 MODE_ENV = "FLASH_ATTN_CPU_ONEDNN"
@@ -96,17 +96,34 @@ def applies(rows: int, cols: int, tuning: Tuning = DEFAULT_TUNING, linear=LINEAR
     is much faster than the BLAS (:func:`faster_here` when not given)."""
     if linear is None or rows < tuning.onednn_min_rows or cols < tuning.onednn_min_cols:
         return False
-    mode = os.environ.get(MODE_ENV, "auto").strip().lower()
-    if mode in ("0", "off", "false", "no"):
-        return False
-    if mode in ("1", "on", "true", "yes"):
-        return True
-    if mode != "auto":
-        raise ValueError(f"{MODE_ENV}={mode!r}: expected auto, 1 or 0")
+    chosen = mode()
+    if chosen != "auto":
+        return chosen == "1"
     threads = torch.get_num_threads()
     if threads > MAX_AUTO_THREADS or (threads > 1 and min(rows, cols) < MULTI_THREAD_MIN):
         return False
     return (faster or faster_here)(threads)
+
+
+_MODES = {"auto": "auto", "": "auto", "1": "1", "on": "1", "true": "1", "yes": "1", "0": "0", "off": "0",
+          "false": "0", "no": "0"}
+
+
+def mode() -> str:
+    """``FLASH_ATTN_CPU_ONEDNN`` as ``"auto"``, ``"1"`` or ``"0"``; ValueError for anything else."""
+    value = os.environ.get(MODE_ENV, "auto").strip().lower()
+    if value not in _MODES:
+        raise ValueError(f"{MODE_ENV}={value!r} is not a setting; expected auto, 1 or 0")
+    return _MODES[value]
+
+
+def settings_error():
+    """Why ``FLASH_ATTN_CPU_ONEDNN`` is invalid, or None (the cpu backend's settings check)."""
+    try:
+        mode()
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @functools.cache
@@ -164,6 +181,17 @@ def _above_diagonal(rows: int, cols: int, tile_rows: int) -> Tensor:
     return _upper_triangle(tile_rows)[:rows, :cols]
 
 
+@functools.lru_cache(maxsize=4)
+def _lower_triangle(n: int) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril_(-1)
+
+
+def _below_diagonal(cols: int, rows: int, tile_rows: int) -> Tensor:
+    """:func:`_above_diagonal` transposed: where key ``j > i`` in a transposed causal tile's
+    ``cols x rows`` part."""
+    return _lower_triangle(tile_rows)[:cols, :rows]
+
+
 def _key_blocks(i0: int, i1: int, sk: int, causal: bool, block: int):
     """``(c0, c1, masked)`` of the key blocks of ``block`` keys that rows ``i0:i1`` see; with the
     top-left causal mask row ``i`` sees keys ``<= i``, and the tiles' rows dividing ``block``
@@ -176,18 +204,59 @@ def _key_blocks(i0: int, i1: int, sk: int, causal: bool, block: int):
         yield c0, c1, causal and c1 - 1 > i0
 
 
+class _Softcap:
+    """Softcap ``c * tanh(x / c)`` on one call's base-2 scores (q is multiplied by ``q_scale``, so
+    that its products are ``u = 2x / c``), in one of two forms, chosen by the call's bound of the
+    raw scores, ``scale * max |q_i| * max |k_j|``:
+
+    * ``c`` at most 4 times that bound: ``2c * sigmoid(u)``, one fast pass. It is the softcapped
+      score plus ``c`` (every score shifted alike: the softmax ignores it, ``shift`` takes it out of
+      lse), within ``c * eps`` of it: 4 ulp of the largest score the call can have;
+    * a larger ``c``, where ``c * eps`` would dwarf the scores (as ``x / c`` tends to 0 the softcap
+      tends to ``x``): the exact ``expm1`` form of
+      :func:`~flash_attn.backends._reference_core.softcap_scores_`.
+    """
+
+    def __init__(self, softcap: float, scale: float, q: Tensor, k: Tensor):
+        self.q_scale = 2.0 * scale / softcap
+        self.out = softcap * _LOG2E
+        bound = abs(scale) * float(_row_norms_max(q)) * float(_row_norms_max(k))
+        self.sigmoid = softcap <= 4.0 * bound  # False for a NaN bound: the exact form
+        self.shift = self.out if self.sigmoid else 0.0
+        # the sigmoid form's derivative is sigmoid (1 - sigmoid) = (1 - tanh^2) / 4
+        self.derivative_scale = 4.0 if self.sigmoid else 1.0
+
+    def scores_(self, s: Tensor, keep_derivative: bool = False) -> tuple[Tensor, float, Optional[Tensor]]:
+        """The products ``s`` made softcapped base-2 scores, in place, up to a factor:
+        ``(scores / factor, factor, derivative over derivative_scale or None)``; the scores include
+        ``shift``. (The callers multiply by the factor in the pass that takes the softmax's shift.)"""
+        if not self.sigmoid:
+            t, derivative = softcap_scores_(s, 1.0, torch.empty_like(s), keep_derivative)
+            return t, self.out, derivative
+        sigmoid = s.sigmoid_()
+        derivative = torch.addcmul(sigmoid, sigmoid, sigmoid, value=-1.0) if keep_derivative else None
+        return sigmoid, 2.0 * self.out, derivative
+
+
+def _row_norms_max(x: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).amax()
+
+
 @torch.no_grad()
 def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: bool = False, *,
-            attn_mask: Optional[Tensor] = None, scale: Optional[float] = None,
+            attn_mask: Optional[Tensor] = None, scale: Optional[float] = None, softcap: float = 0.0,
             tuning: Tuning = DEFAULT_TUNING, linear=LINEAR) -> tuple[Tensor, Tensor]:
     """``(out (B, h, sq, d), lse fp32 (B, h, sq))`` as the fused kernel's forward, computed in
     fp32; bf16 inputs are converted block by block, and only ``out`` is rounded back to bf16.
-    ``tuning``: the tile sizes; ``linear``: oneDNN's product (:data:`LINEAR`)."""
+    ``softcap``: scores ``c * tanh(x / c)`` (0: none), which the fused kernel has no counterpart
+    for. ``tuning``: the tile sizes; ``linear``: oneDNN's product (:data:`LINEAR`)."""
     _check(q, k, v, dropout_p, attn_mask, (torch.float32, torch.bfloat16))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = h // hk
-    c = (d ** -0.5 if scale is None else scale) * _LOG2E  # scores in base 2
+    scale = d ** -0.5 if scale is None else scale
+    capped = _Softcap(softcap, scale, q, k) if softcap > 0 else None
+    c = capped.q_scale if capped else scale * _LOG2E  # scores in base 2
     out = torch.empty(B, sq, h, v.shape[-1], dtype=q.dtype).transpose(1, 2)
     lse = torch.empty(B, h, sq, dtype=torch.float32)
     rows = tuning.onednn_rows if is_causal else tuning.onednn_full_forward_rows
@@ -203,16 +272,19 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
                     m = total = acc = None
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
                         s = _mm(linear, q_head[i0:i1], k_head[c0:c1])
+                        factor = 1.0  # the base-2 scores are factor * s
+                        if capped:
+                            s, factor, _ = capped.scores_(s)
                         if masked:
                             s[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), float("-inf"))
-                        block_max = s.amax(-1, keepdim=True)
+                        block_max = s.amax(-1, keepdim=True).mul_(factor)
                         if m is None:
                             m = block_max
                         else:
                             new_m = torch.maximum(m, block_max)
                             alpha = torch.exp2(m - new_m)
                             m = new_m
-                        p = s.sub_(m).exp2_()
+                        p = torch.add(m.neg(), s, alpha=factor, out=s).exp2_()  # exp2(factor * s - m), one pass
                         part = _mm(linear, p, v_cols[c0, c1])
                         if acc is None:
                             acc, total = part, p.sum(-1, keepdim=True)
@@ -220,48 +292,59 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
                             acc.mul_(alpha).add_(part)
                             total = total.mul_(alpha).add_(p.sum(-1, keepdim=True))
                     out[b, j, i0:i1] = acc.div_(total)
-                    lse[b, j, i0:i1] = (m + total.log2()).squeeze(-1) / _LOG2E
+                    lse[b, j, i0:i1] = (m + total.log2() - (capped.shift if capped else 0.0)).squeeze(-1) / _LOG2E
     return out, lse
 
 
 @torch.no_grad()
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
              dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Optional[Tensor] = None,
-             scale: Optional[float] = None, tuning: Tuning = DEFAULT_TUNING,
+             scale: Optional[float] = None, softcap: float = 0.0, tuning: Tuning = DEFAULT_TUNING,
              linear=LINEAR) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` as the fused kernel's backward: the probabilities come from the given
     ``logsumexp`` and the correction term from the given ``out``. fp32 only (PyTorch's bf16
-    backward kernel is the quicker one for bf16). ``tuning`` and ``linear`` as :func:`forward`'s."""
+    backward kernel is the quicker one for bf16). ``softcap``, ``tuning`` and ``linear`` as
+    :func:`forward`'s."""
     _check(q, k, v, dropout_p, attn_mask, (torch.float32,))
     B, h, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = h // hk
     scale = d ** -0.5 if scale is None else scale
-    c = scale * _LOG2E
+    capped = _Softcap(softcap, scale, q, k) if softcap > 0 else None
+    c = capped.q_scale if capped else scale * _LOG2E
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32).transpose(1, 2)
     dk = torch.zeros(B, sk, hk, d, dtype=torch.float32).transpose(1, 2)
     dv = torch.zeros(B, sk, hk, v.shape[-1], dtype=torch.float32).transpose(1, 2)
-    delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O): (B, h, sq, 1)
-    lse2 = (logsumexp * _LOG2E).unsqueeze(-1)
+    delta = (grad_out * out).sum(-1)  # rowsum(dO * O): (B, h, sq)
+    neg_lse2 = logsumexp * -_LOG2E - (capped.shift if capped else 0.0)  # in the scores' units
     rows, block = tuning.onednn_rows, tuning.onednn_cols
     for b in range(B):
         for jk in range(hk):
             k_head, v_head = k[b, jk].contiguous(), v[b, jk].contiguous()
             k_cols = _TransposedBlocks(k_head, block)  # dS @ K is linear(dS, K^T)
             for j in range(jk * group, (jk + 1) * group):
-                q_head = q[b, j]
-                q_scaled = q_head * c
+                q_scaled = q[b, j] * c
                 for i0 in range(0, sq, rows):
                     i1 = min(sq, i0 + rows)
-                    q_cols = q_head[i0:i1].t().contiguous()
-                    do_rows = grad_out[b, j, i0:i1]
+                    q_cols = q[b, j, i0:i1].t().contiguous()
+                    do_rows = grad_out[b, j, i0:i1].contiguous()
                     do_cols = do_rows.t().contiguous()
+                    neg_lse2_row, delta_row = neg_lse2[b, j, i0:i1].view(1, -1), delta[b, j, i0:i1].view(1, -1)
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
-                        p = _mm(linear, q_scaled[i0:i1], k_head[c0:c1]).sub_(lse2[b, j, i0:i1]).exp2_()
+                        # the tile transposed, (keys, rows): dV and dK take it as it is, only dQ
+                        # takes a transposed copy (oneDNN copies a strided operand anyway)
+                        s = _mm(linear, k_head[c0:c1], q_scaled[i0:i1])
+                        derivative, factor = None, 1.0
+                        if capped:
+                            s, factor, derivative = capped.scores_(s, keep_derivative=True)
+                        p = torch.add(neg_lse2_row, s, alpha=factor, out=s).exp2_()
                         if masked:
-                            p[:, i0 - c0:].masked_fill_(_above_diagonal(i1 - i0, c1 - i0, rows), 0.0)
-                        dv[b, jk, c0:c1] += _mm(linear, p.t(), do_cols)
-                        ds = _mm(linear, do_rows, v_head[c0:c1]).sub_(delta[b, j, i0:i1]).mul_(p)
-                        dq[b, j, i0:i1] += _mm(linear, ds, k_cols[c0, c1])
-                        dk[b, jk, c0:c1] += _mm(linear, ds.t(), q_cols)
+                            p[i0 - c0:].masked_fill_(_below_diagonal(c1 - i0, i1 - i0, rows), 0.0)
+                        dv[b, jk, c0:c1] += _mm(linear, p, do_cols)
+                        ds = _mm(linear, v_head[c0:c1], do_rows).sub_(delta_row).mul_(p)
+                        if derivative is not None:
+                            ds.mul_(derivative)  # d(c tanh(x / c)) / dx
+                        dk[b, jk, c0:c1] += _mm(linear, ds, q_cols)
+                        dq[b, j, i0:i1] += _mm(linear, ds.t(), k_cols[c0, c1])
+    scale *= capped.derivative_scale if capped else 1.0
     return dq.mul_(scale), dk.mul_(scale), dv

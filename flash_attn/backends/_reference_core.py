@@ -13,11 +13,17 @@ dense tensors, one varlen sequence, and the (possibly paged) KV cache, and never
 
 Tiles are small enough to stay in the CPU's caches (``Tuning.tile_budget_bytes``), and scores are
 kept in base 2 (``exp2`` is several times faster than ``exp`` on CPUs): the softmax scale times
-``log2(e)`` is folded into q, and softcap ``c * tanh(x / c)`` is computed as
-``2c * sigmoid(2x / c)`` (one vectorised pass, ``tanh`` is several times slower) minus the
-constant ``c``, which only shifts every score of a row alike: the softmax ignores it and the
-log-sum-exp subtracts it. K/V are converted to fp32 once per problem when that copy is small
-(``Tuning.preload_budget_bytes``), not once per query chunk.
+``log2(e)`` is folded into q. Softcap ``c * tanh(x / c)`` is computed as ``c * e / (e + 2)`` with
+``e = expm1(2x / c)`` (``2 / c`` folded into q): exact where ``x / c`` is small (``expm1`` keeps its
+relative precision there, where ``2 * sigmoid - 1`` or ``1 - 2 / (exp + 1)`` cancel) and where it
+is large (``e / (e + 2)`` rounds to 1), and several times faster than ``tanh`` on CPUs. K/V are
+converted to fp32 once per problem when that copy is small (``Tuning.preload_budget_bytes``), not
+once per query chunk.
+
+Special values (NaN, +-inf, overflowing products) follow upstream's kernels: a NaN or +inf among a
+row's visible scores makes its output and lse NaN (the online max propagates it), a row whose
+visible scores are all -inf is a row without keys (out 0, lse +inf), and a hidden key never
+reaches a row's scores (the mask replaces a non-finite score instead of adding -inf to it).
 
 Tiles keep the grouped-query layout ``(B, hk, g, rows, cols)`` (``h = hk * g``; query head
 ``kh * g + gi`` reads kv head ``kh``), so K/V are never repeated across the group.
@@ -48,6 +54,8 @@ TILE_ASPECT = 4
 DROPOUT_TILE_SHRINK = 2
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# expm1's argument is clamped here: tanh(32) is 1 in fp32, and expm1(+inf) / (expm1(+inf) + 2) is NaN.
+SOFTCAP_CLAMP = 64.0
 
 
 @dataclass(frozen=True)
@@ -247,15 +255,14 @@ class _TileGeometry:
 class _Base2:
     """How a problem's scores are computed in base 2 (see the module docstring).
 
-    ``q_scale`` multiplies q before ``q @ k^T``; with softcap the product is ``2x / c`` and
-    ``softcap_out = 2c * log2(e)`` turns its sigmoid into the (shifted) base-2 score.
-    ``lse_shift`` is the constant dropped from every score (natural log units).
-    ``slopes``: ALiBi slopes times ``log2(e)``, ``(1 or B, hk, g, 1, 1)``, or None.
+    ``q_scale`` multiplies q before ``q @ k^T``; with softcap the product is ``u = 2x / c`` and
+    ``softcap_out = c * log2(e)`` turns ``tanh(u / 2) = expm1(u) / (expm1(u) + 2)`` into the base-2
+    score (0: no softcap). ``slopes``: ALiBi slopes times ``log2(e)``, ``(1 or B, hk, g, 1, 1)``,
+    or None.
     """
 
     q_scale: float
     softcap_out: float
-    lse_shift: float
     slopes: Optional[Tensor]
 
     @staticmethod
@@ -265,15 +272,17 @@ class _Base2:
             slopes = (problem.alibi_slopes * LOG2E).view(-1, problem.nheads_k, problem.group, 1, 1)
         if params.softcap > 0:
             c = params.softcap
-            return _Base2(2.0 * params.softmax_scale / c, 2.0 * c * LOG2E, c, slopes)
-        return _Base2(params.softmax_scale * LOG2E, 0.0, 0.0, slopes)
+            return _Base2(2.0 * params.softmax_scale / c, c * LOG2E, slopes)
+        return _Base2(params.softmax_scale * LOG2E, 0.0, slopes)
 
-    def lse2(self, lse: Tensor) -> Tensor:
-        """The natural-log ``lse`` of the real scores in this problem's base-2 score units."""
-        return (lse + self.lse_shift) * LOG2E
+    @staticmethod
+    def lse2(lse: Tensor) -> Tensor:
+        """The natural-log ``lse`` in base-2 score units."""
+        return lse * LOG2E
 
-    def natural_lse(self, row_max: Tensor, row_sum: Tensor) -> Tensor:
-        return (row_max + torch.log2(row_sum)) * LN2 - self.lse_shift
+    @staticmethod
+    def natural_lse(row_max: Tensor, row_sum: Tensor) -> Tensor:
+        return (row_max + torch.log2(row_sum)) * LN2
 
 
 class _Scratch:
@@ -338,33 +347,48 @@ def _tile_scores(
     geometry: Optional[_TileGeometry],
     mask: Optional[Tensor],
     scratch: _Scratch,
-    keep_sigmoid: bool,
+    keep_derivative: bool,
     qvs: Optional[Tensor] = None,
     vc: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """Base-2 scores of one tile, ready for ``exp2``, and the softcap sigmoid (if asked for).
+    """Base-2 scores of one tile, ready for ``exp2``, and the softcap derivative (if asked for).
 
     qs: fp32 ``(B, hk, g, rows, d)`` already multiplied by ``base2.q_scale``; kc: fp32
     ``(B, hk, cols, d)``; with ``qvs`` (like qs with v's head dim, scaled alike) the product
     ``qvs @ vc^T`` joins the scores. Returns fp32 ``(B, hk, g, rows, cols)``: the (softcapped)
     scaled score plus ALiBi, times ``log2(e)``, ``-inf`` where ``mask`` (additive, :func:`_tile_mask`)
-    hides a key. ``geometry`` is needed for ALiBi. Both live in ``scratch`` (until the next tile).
+    hides a key; and with softcap and ``keep_derivative``, ``1 - tanh^2`` of each score (the
+    softcap's derivative). ``geometry`` is needed for ALiBi. Both live in ``scratch`` (until the
+    next tile).
     """
     s = _grouped_matmul_nt(scratch.take("scores", *qs.shape[:-1], kc.shape[2]), qs, kc)
     if qvs is not None:
         _add_grouped_matmul_nt(s, qvs, vc)
-    sigmoid = None
+    derivative = None
     if base2.softcap_out:
-        s.sigmoid_()  # sigmoid(2x / c)
-        if keep_sigmoid:  # the scores go to a second buffer, the sigmoid stays for the derivative
-            sigmoid, s = s, torch.mul(s, base2.softcap_out, out=scratch.take("softcapped", *s.shape))
-        else:
-            s.mul_(base2.softcap_out)
+        s, derivative = softcap_scores_(s, base2.softcap_out, scratch.take("softcap", *s.shape), keep_derivative)
     if base2.slopes is not None:
         s.addcmul_(base2.slopes, geometry.alibi_distance(), value=-1.0)
     if mask is not None:
-        s.add_(mask)  # a broadcast add is several times faster than masked_fill_
-    return s, sigmoid
+        if math.isfinite(s.sum()):
+            s.add_(mask)  # a broadcast add is several times faster than masked_fill_ ...
+        else:
+            s.masked_fill_(mask != 0, float("-inf"))  # ... but NaN + -inf is NaN: a hidden key would reach the row
+    return s, derivative
+
+
+def softcap_scores_(s: Tensor, softcap_out: float, buffer: Tensor,
+                    keep_derivative: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+    """Scores ``s`` holding ``u = 2x / c`` become ``softcap_out * tanh(x / c)`` in place (with
+    ``softcap_out = c * log2(e)``: softcapped scores in base 2), computed as ``e / (e + 2)`` with
+    ``e = expm1(u)`` (the module docstring); with ``keep_derivative`` also ``1 - tanh(x / c)^2``,
+    the softcap's derivative, in ``buffer`` (a tensor like ``s``, else scratch)."""
+    e = s.clamp_(max=SOFTCAP_CLAMP).expm1_()
+    t = e.div_(torch.add(e, 2.0, out=buffer))
+    derivative = None
+    if keep_derivative:
+        derivative = torch.addcmul(torch.ones((), device=t.device), t, t, value=-1.0, out=buffer)
+    return t.mul_(softcap_out), derivative
 
 
 def _tile_keep(problem: Problem, params: AttentionParams, geometry: _TileGeometry, scratch: _Scratch) -> Tensor:
@@ -547,7 +571,7 @@ def attention_forward(problem: Problem, params: AttentionParams, chunks: Optiona
             for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
                 kc, vc = columns(c0, c1)
                 geometry, mask = _tile(problem, params, i0, i1, c0, c1, scratch)
-                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_sigmoid=False, qvs=qvs, vc=vc)
+                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=False, qvs=qvs, vc=vc)
                 new_max = torch.maximum(row_max, s.amax(-1))
                 # A row with nothing visible yet keeps max -inf; use 0 as its shift so no NaN appears.
                 shift = torch.where(new_max == float("-inf"), 0.0, new_max)
@@ -560,9 +584,9 @@ def attention_forward(problem: Problem, params: AttentionParams, chunks: Optiona
                     p = p.masked_fill_(~keep, 0.0).mul_(1.0 / (1.0 - params.dropout_p))
                 _add_grouped_matmul(acc.mul_(rescale.unsqueeze(-1)), p, vc)
                 row_max = new_max
-            # Rows that saw no key: row_sum 0 and acc 0, so out 0 and lse +inf (with a sink: out 0,
-            # lse the sink).
-            seen = row_sum > 0
+            # Rows that saw no key: row_sum 0 and acc 0, so out 0 and lse +inf (a NaN sum stays NaN;
+            # with a sink: out 0, lse the sink).
+            seen = row_sum != 0
             acc.div_(torch.where(seen, row_sum, 1.0).unsqueeze(-1))
             _grouped_view(out, i0, i1, hk).copy_(acc)
             chunk_lse = torch.where(seen, base2.natural_lse(row_max, row_sum), float("inf"))
@@ -595,7 +619,7 @@ def softmax_with_dropout_signs(problem: Problem, params: AttentionParams, lse: T
             for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
                 kc, vc = _load_columns(problem, c0, c1)
                 geometry, mask = _tile(problem, params, i0, i1, c0, c1, scratch)
-                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_sigmoid=False, qvs=qvs, vc=vc)
+                s, _ = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=False, qvs=qvs, vc=vc)
                 p = s.sub_(lse_c).exp2_()
                 if params.dropout_p > 0:
                     p = torch.where(_tile_keep(problem, params, geometry, scratch), p, -p)
@@ -653,7 +677,7 @@ def attention_backward(
             for c0, c1 in _key_chunks(problem, params, i0, i1, chunk_k):
                 kc, vc = columns(c0, c1)
                 geometry, mask = _tile(problem, params, i0, i1, c0, c1, scratch)
-                s, sigmoid = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_sigmoid=True, qvs=qvs, vc=vc)
+                s, derivative = _tile_scores(qs, kc, base2, geometry, mask, scratch, keep_derivative=True, qvs=qvs, vc=vc)
                 # Rows that saw no key have lse = +inf: s - inf = -inf, so P = 0 and no NaN appears.
                 p = s.sub_(lse_c).exp2_()
                 dp = _grouped_matmul_nt(scratch.take("dp", *p.shape), doc, vc)
@@ -665,10 +689,8 @@ def attention_backward(
                     p_dropped = p
                 _add_grouped_matmul_t(dv[:, :, c0:c1], p_dropped, doc)
                 ds = dp.sub_(delta).mul_(p)
-                if sigmoid is not None:
-                    # d(c * tanh(x / c)) / dx = 1 - tanh^2 = 4 u (1 - u) with u = sigmoid(2x / c);
-                    # the factor 4 is applied with the softmax scale at the end
-                    ds.mul_(sigmoid.addcmul_(sigmoid, sigmoid, value=-1.0))
+                if derivative is not None:
+                    ds.mul_(derivative)  # d(c * tanh(x / c)) / dx = 1 - tanh^2
                 _add_grouped_matmul(dq_c, ds, kc)
                 _add_grouped_matmul_t(dk[:, :, c0:c1], ds, qc)
                 if with_qv:
@@ -677,7 +699,7 @@ def attention_backward(
             _grouped_view(dq, i0, i1, hk).copy_(dq_c)
             if with_qv:
                 _grouped_view(dqv, i0, i1, hk).copy_(dqv_c)
-        scale = params.softmax_scale * (4.0 if params.softcap > 0 else 1.0)
+        scale = params.softmax_scale
         grads = dq.mul_(scale), dk.mul_(scale).transpose(1, 2), dv.transpose(1, 2)
         if with_qv:
             dv.add_(dv_scores, alpha=scale)

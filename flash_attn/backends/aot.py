@@ -85,6 +85,7 @@ class _DeviceImages:
     target: P.Target
     failed: dict = field(default_factory=dict)
     plans: PlanCache = field(default_factory=_Plans)  # call shape -> packed launches or refusal
+    damaged: Optional[Refusal] = None  # the one refusal of every image file that cannot be used
 
 
 _devices: dict[torch.device, _DeviceImages | Refusal] = {}
@@ -212,6 +213,10 @@ def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:
         return failed
     try:
         kid = _register(images.manifest, entry)
+    except Exception as exc:  # noqa: BLE001  (the file: missing, unreadable, damaged)
+        images.failed[entry["key"]] = _damaged(images, entry, exc)
+        return images.failed[entry["key"]]
+    try:
         _load(kid, device)
         return kid
     except Exception as exc:  # noqa: BLE001  (whatever the answer, this image cannot run now)
@@ -220,6 +225,17 @@ def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:
             return Refusal(f"{why}; tried again on a later call", DRIVER, retry=True)
         refusal = images.failed[entry["key"]] = Refusal(why, DRIVER)
         return refusal
+
+
+def _damaged(images: _DeviceImages, entry: dict, exc: Exception) -> Refusal:
+    """The refusal of an image file that cannot be registered (missing, unreadable, not an image):
+    one for the whole installation, worded after the first such file, so that the dispatcher warns
+    once, however many kernels there are; the doctor lists every one."""
+    if images.damaged is None:
+        images.damaged = Refusal(
+            f"the installed {images.arch} kernel images in {images.manifest.folder} are missing or damaged (the first "
+            f"found: {_first_line(exc)}); reinstall flash-attn (`python -m flash_attn doctor` lists them)", IMAGES)
+    return images.damaged
 
 
 # CUDA's answers that do not say anything about the image: memory, or a load during graph capture.

@@ -60,7 +60,9 @@ class Backend:
     forward calls it takes; see :func:`flash_attn.dispatch.run_direct`). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
-    the next backend.
+    the next backend. ``settings_error()``: why the backend's own environment settings are invalid
+    (``None`` when they are valid); the dispatcher then raises it for every call, which is what the
+    doctor reports (:func:`flash_attn.dispatch.route`).
     """
 
     name: str
@@ -68,6 +70,7 @@ class Backend:
     prepare: Mapping[str, Prepare]
     direct: Mapping[str, Direct] = field(default_factory=lambda: MappingProxyType({}))
     failure: Optional[type[BaseException]] = None
+    settings_error: Callable[[], Optional[str]] = lambda: None
 
     def __post_init__(self):
         if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS):
@@ -78,7 +81,8 @@ class Backend:
 
 
 def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kvcache,
-                    direct: Optional[Mapping[str, Direct]] = None) -> Backend:
+                    direct: Optional[Mapping[str, Direct]] = None,
+                    settings_error: Callable[[], Optional[str]] = lambda: None) -> Backend:
     """A backend that refuses no call it can run (cpu, reference): each op's runner calls the
     given function with the call's arguments."""
 
@@ -88,15 +92,23 @@ def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kv
     return Backend(name, unavailable_reason,
                    {"forward": preparing(forward), "backward": preparing(backward),
                     "forward_kvcache": preparing(forward_kvcache)},
-                   direct or {})
+                   direct or {}, settings_error=settings_error)
+
+
+def cuda_tensor_reason(device: torch.device, what_it_does: str) -> Optional[str]:
+    """Why a backend of GPU kernels cannot take tensors on ``device``: they are not CUDA tensors
+    ("it <what_it_does> and needs CUDA tensors, not cpu"; ROCm PyTorch's GPU tensors are CUDA
+    tensors too); ``None`` when they are."""
+    if device.type != "cuda":
+        return f"it {what_it_does} and needs CUDA tensors, not {device.type}"
+    return None
 
 
 def nvidia_cuda_reason(device: torch.device, what_it_does: str, not_rocm: str) -> Optional[str]:
     """Why a backend of NVIDIA GPU kernels cannot take tensors on ``device`` at all: they are not
-    CUDA tensors ("it <what_it_does> and needs CUDA tensors, not cpu"), or PyTorch is a ROCm build
-    ("<not_rocm>, not ROCm"); ``None`` when neither holds."""
-    if device.type != "cuda":
-        return f"it {what_it_does} and needs CUDA tensors, not {device.type}"
-    if getattr(torch.version, "hip", None):
+    CUDA tensors (:func:`cuda_tensor_reason`), or PyTorch is a ROCm build ("<not_rocm>, not ROCm");
+    ``None`` when neither holds."""
+    reason = cuda_tensor_reason(device, what_it_does)
+    if reason is None and getattr(torch.version, "hip", None):
         return f"{not_rocm}, not ROCm"
-    return None
+    return reason

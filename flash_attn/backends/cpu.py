@@ -12,8 +12,8 @@ take the same problems (:mod:`flash_attn.backends._layouts` adapts the layouts t
 
 :func:`direct_forward` is the eager route the dispatcher offers to public calls
 (:func:`flash_attn.dispatch.run_direct`): whether a call is *plain* -- dense, no ALiBi, softcap,
-dropout, softmax probabilities or window other than causal, and one kernel call in the general
-plan -- is decided there and nowhere else; a plain call is that one kernel call, whose autograd
+dropout, softmax probabilities, window other than causal, sinks or qv, v of q's head dim, and one
+kernel call in the general plan -- is decided there and nowhere else; a plain call is that one kernel call, whose autograd
 formula, where autograd records, is PyTorch's own (its backward is the kernel call
 :func:`backward` makes for the same problem).
 
@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flash_attn.backends import _causal_tree, _layouts
+from flash_attn.backends import _causal_tree, _layouts, _onednn
 from flash_attn.backends import _cpu_fused as fused
 from flash_attn.backends import _reference_core as core
 from flash_attn.backends._cpu_fused import THIS_CPU, Features
@@ -55,12 +55,14 @@ def engine(tuning: Tuning = DEFAULT_TUNING, features: Features = THIS_CPU) -> _l
     for the rest."""
 
     def forward(problem: core.Problem, params: AttentionParams, return_softmax: bool):
-        if not return_softmax and fused.supports(problem, params):
-            return fused.attention_forward(problem, params, tuning, features)
+        if not return_softmax and fused.supports(problem, params, tuning, features):
+            result = fused.attention_forward(problem, params, tuning, features)
+            if result is not None:  # None: special values, which only the tiled engine computes as upstream does
+                return result
         return core.attention_forward(problem, params, None, tuning)
 
     def backward(problem: core.Problem, params: AttentionParams, dout: Tensor, out: Tensor, lse: Tensor):
-        if fused.supports(problem, params):
+        if fused.supports(problem, params, tuning, features):
             return fused.attention_backward(problem, params, dout, out, lse, tuning, features)
         return core.attention_backward(problem, params, dout, out, lse, None, tuning)
 
@@ -127,15 +129,18 @@ def direct_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slope
     short call's time on the CPU (benchmarks/README.md).
     """
     if (cu_seqlens_q is not None or alibi_slopes is not None or return_softmax or softcap != 0.0
-            or dropout_p != 0.0 or window_left >= 0 or window_right > 0 or q.numel() == 0 or k.numel() == 0):
+            or dropout_p != 0.0 or window_left >= 0 or window_right > 0 or q.numel() == 0 or k.numel() == 0
+            or v.shape[-1] != q.shape[-1]):  # PyTorch's fused CPU kernel takes one head dim for q, k and v
         return None
     causal = window_right == 0
     if not _one_kernel_call(q, k, causal, tuning, features):
         return None
     kernel = fused.OPS[0]
     out, lse = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale)
+    if not fused.plain_scores(lse):
+        return None  # NaN or infinite scores: the general route computes them as upstream does
     return out.transpose(1, 2), lse, *_UNUSED
 
 
 BACKEND = runs_every_call("cpu", unavailable_reason, forward, backward, forward_kvcache,
-                          direct={"forward": direct_forward})
+                          direct={"forward": direct_forward}, settings_error=_onednn.settings_error)

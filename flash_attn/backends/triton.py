@@ -1,10 +1,14 @@
 """The ``triton`` backend: our Triton kernels compiled just in time for the GPU at hand.
 
 Used by ``auto`` on CUDA devices when the ahead-of-time kernels (``aot``) are not installed or do
-not serve a call, or explicitly with ``FLASH_ATTN_BACKEND=triton``. The first call of each kernel
-variant compiles it (seconds); launch configurations come from :mod:`flash_attn.planning.configs`
-for the device's architecture. The launches are those of :mod:`flash_attn.planning.plan`; calls it
-refuses (fp32 inputs, the backward of paged K/V) run elsewhere (:mod:`flash_attn.dispatch`).
+not serve a call, on AMD GPUs under ROCm PyTorch (where nothing ships ahead of time), or
+explicitly with ``FLASH_ATTN_BACKEND=triton``. The first call of each kernel variant compiles it
+(seconds); launch configurations come from :mod:`flash_attn.planning.configs` for the device's
+family (:mod:`flash_attn.backends.devices`: NVIDIA by compute capability, AMD by ``gcnArchName``),
+with the compiler options of that family (:func:`flash_attn.planning.configs.compiler_options`:
+AMD's ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``). The launches are those of
+:mod:`flash_attn.planning.plan`; calls it refuses (fp32 inputs, the backward of paged K/V) run
+elsewhere (:mod:`flash_attn.dispatch`).
 
 The first run of each plan is where Triton itself can fail: it builds its launcher (``driver.c``,
 with the machine's C compiler), writes its cache (``~/.triton`` or ``TRITON_CACHE_DIR``) and
@@ -18,16 +22,17 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import re
 import subprocess
 from typing import Optional
 
 import torch
 
-from flash_attn import limits
+from flash_attn.backends import devices
 from flash_attn.backends._execute import KernelBackend, capturing, execute, launch_kwargs, ready
-from flash_attn.backends.contract import nvidia_cuda_reason
-from flash_attn.planning import families, registry
+from flash_attn.backends.contract import cuda_tensor_reason
+from flash_attn.planning import configs, registry
 from flash_attn.planning.plan import Target
 
 __all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "BackendFailed", "diagnose"]
@@ -37,7 +42,7 @@ _NAME = "triton"
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
     device = torch.device(device)
-    reason = nvidia_cuda_reason(device, "compiles GPU kernels", "its launch tables are for NVIDIA GPUs")
+    reason = cuda_tensor_reason(device, "compiles GPU kernels")
     if reason is not None:
         return reason
     try:
@@ -46,17 +51,13 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
         return f"triton is not installed ({exc})"
     if not torch.cuda.is_available():
         return "no CUDA device is available"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < limits.MIN_CAPABILITY:
-        return (f"compute capability {capability[0]}.{capability[1]} is below the kernels' minimum "
-                f"{limits.MIN_CAPABILITY[0]}.{limits.MIN_CAPABILITY[1]}")
-    return None
+    return devices.family_reason(device)
 
 
 @functools.lru_cache(maxsize=None)
 def _device_target(index: int) -> Target:
-    family = families.arch_family(torch.cuda.get_device_capability(index))
-    return Target(family, torch.cuda.get_device_properties(index).multi_processor_count)
+    device = torch.device("cuda", index)
+    return Target(devices.family(device), torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _target(device) -> Target:
@@ -84,9 +85,9 @@ def _run_launch(launch, tensors: dict, device) -> None:
     if 0 in launch.grid:
         return
     _ensure_scratch_allocator()
+    options = configs.compiler_options(launch.config, _target(device).family)
     with torch.cuda.device(device):
-        registry.jit_function(launch.kernel)[launch.grid](
-            **launch_kwargs(launch, tensors), num_warps=launch.config.num_warps, num_stages=launch.config.num_stages)
+        registry.jit_function(launch.kernel)[launch.grid](**launch_kwargs(launch, tensors), **options)
 
 
 # --- failures of Triton itself, on a plan's first run ------------------------------------------
@@ -135,12 +136,29 @@ def diagnose(exc: BaseException, capturing: bool = False) -> BackendFailed:
                              "install a C compiler and Python's headers (conda: `conda install -c conda-forge "
                              "c-compiler`; or set CC to one), or use the shipped kernels (FLASH_ATTN_BACKEND=aot)",
                              "backend")
-    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+    if _cache_failure(exc):
         return BackendFailed(f"Triton cannot write its cache directory ({text})",
                              "set TRITON_CACHE_DIR to a writable directory", "backend")
     return BackendFailed(f"Triton cannot compile this call's kernels ({type(exc).__name__}: {text})",
                          "report it with the output of `python -m flash_attn doctor`; the shipped kernels "
                          "(FLASH_ATTN_BACKEND=aot) or FLASH_ATTN_BACKEND=reference avoid Triton", "plan")
+
+
+def _cache_failure(exc: BaseException) -> bool:
+    """An OSError of Triton's cache: one that no folder could avoid (no permission, a read-only
+    or full disk), or any about a path inside Triton's cache directories (a path through a file,
+    a dangling link: ENOTDIR, ENOENT, EEXIST)."""
+    if not isinstance(exc, OSError):
+        return False
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC):
+        return True
+    if not exc.filename:
+        return False
+    from triton import knobs  # noqa: PLC0415
+
+    path = os.path.abspath(os.fsdecode(exc.filename))
+    roots = [os.path.abspath(d) for d in (knobs.cache.dir, knobs.cache.dump_dir, knobs.cache.override_dir) if d]
+    return any(path == root or path.startswith(root + os.sep) or root.startswith(path + os.sep) for root in roots)
 
 
 class _Jitted:

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--headdims", type=_ints, default=[64, 128, 256])
     gpu.add_argument("--total-tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
     gpu.add_argument("--hidden", type=int, default=2048, help="heads * headdim (default 2048)")
+    gpu.add_argument("--beyond", action=argparse.BooleanOptionalAction, default=True,
+                     help="gpu: also time head dim 512, 192/128 (v's own head dim) and attention sinks at d64/d128 "
+                          "(not with --quick)")
     gpu.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                      help="gpu: also time decode (flash_attn_with_kvcache, one token over a KV cache) in GB/s "
                      "against the measured memory bandwidth (default: on)")

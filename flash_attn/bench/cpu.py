@@ -18,8 +18,9 @@ unsupported, with PyTorch's reason.
 Every case runs in a fresh child process, which measures all implementations: the first call of
 each for peak memory (the growth of the resident set's high-water mark ``VmHWM`` over the call,
 after ``/proc/self/clear_refs`` and ``malloc_trim``), then timed calls *alternating* between the
-implementations, so that a busy spell of a shared machine slows them alike. The **ratio** is
-SDPA's median time over ours: above 1 we are faster.
+implementations, so that a busy spell of a shared machine slows them alike. The **ratio** is the
+median over the repeats of SDPA's time over ours in the same repeat (paired ratios: a busy spell
+slows both calls of a pair); above 1 we are faster. The times reported are each side's median.
 
 Run as ``python -m flash_attn bench cpu``; a child runs ``python -m flash_attn.bench.cpu SPEC``.
 """
@@ -462,7 +463,8 @@ def cases(config: dict) -> list[dict]:
 
 
 def run(config: dict, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
-    """Rows ``(case, impl)`` in order; ours carry ``ratio`` (SDPA's time over ours)."""
+    """Rows ``(case, impl)`` in order; ours carry ``ratio`` (the median of the paired ratios SDPA's
+    time over ours)."""
     rows = []
     available = available_memory_bytes()
     for spec in cases(config):

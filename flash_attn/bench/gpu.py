@@ -14,6 +14,11 @@ backend ran (:func:`flash_attn.dispatch.last_backend`), is an ``error`` and make
 1; so is one whose backend is unavailable under ``FLASH_ATTN_STRICT_BACKEND=1``. Other
 implementations' exceptions are ``unsupported`` (their kernels reject some shapes).
 
+Beyond FlashAttention-2 (on by default, issue 44's targets): head dim 512 and 192/128 (v's own head
+dim) training against cuDNN and the others where they run the shape, and attention sinks
+(``learnable_sink``) at d64/d128 against the same call without them (the table's own d64/d128
+rows: the same shapes); FLOPs count q.k and p.v at their own widths.
+
 Decode (on by default): ``flash_attn_with_kvcache`` with one new query token over a full KV cache
 (batch 1-64, cache 4k-128k, 32 query / 8 KV heads, d=128, bf16) against SDPA on the same cache.
 Decode is memory-bound, so its rows report GB/s (bytes of the K and V cache read, plus q read and
@@ -44,6 +49,9 @@ from flash_attn.bench.common import attention_flops, summarize
 DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "upstream")
 Timer = Callable[[Callable[[], None], int, int], list]
 
+# The rows beyond FlashAttention-2: head dims (v's where it differs) and attention sinks
+BEYOND_CASES = ({"headdim": 512}, {"headdim": 192, "headdim_v": 128}, {"headdim": 64, "sinks": True},
+                {"headdim": 128, "sinks": True})
 DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_CACHELENS = (4096, 16384, 65536, 131072)
 # a Llama-3-8B-like layer: 32 query heads sharing 8 KV heads
@@ -71,7 +79,8 @@ class Implementation:
     name: str
     # why it cannot run on the device at all (None: it can); checked once
     unavailable: Callable[[object], Optional[str]]
-    # run(q, k, v, dout, causal): forward, and backward when dout is given
+    # run(q, k, v, dout, causal, sinks): forward, and backward when dout is given; sinks: fp32 (heads,)
+    # attention sinks or None (raises NotImplementedError where the implementation has none)
     run: Callable
     context: Callable[[], ContextManager] = contextlib.nullcontext
     backend: Optional[str] = None  # this package's backend that must run the calls (None: not ours)
@@ -93,11 +102,14 @@ def _backend_env(name: str):
 
 
 def _autograd_run(forward: Callable) -> Callable:
-    def run(q, k, v, dout, causal):
-        out = forward(q, k, v, causal)
+    """``run`` of :class:`Implementation` from ``forward(q, k, v, causal, sinks)``."""
+    def run(q, k, v, dout, causal, sinks=None):
+        out = forward(q, k, v, causal, sinks)
         if dout is not None:
             out.backward(dout)
             q.grad = k.grad = v.grad = None
+            if sinks is not None:
+                sinks.grad = None
     return run
 
 
@@ -107,18 +119,20 @@ def _ours(backend: str) -> Implementation:
     return Implementation(
         f"flash_attn[{backend}]",
         lambda device: dispatch.unavailable_reason(backend, device),
-        _autograd_run(lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)),
+        _autograd_run(lambda q, k, v, causal, sinks: flash_attn_func(q, k, v, causal=causal, learnable_sink=sinks)),
         lambda: _backend_env(backend),
         backend,
         decode=lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache),
     )
 
 
-def sdpa_forward(q, k, v, causal: bool):
+def sdpa_forward(q, k, v, causal: bool, sinks=None):
     """PyTorch's SDPA on our ``(batch, seqlen, heads, headdim)`` layout (whichever SDPA backend the
-    caller's ``sdpa_kernel`` context allows)."""
+    caller's ``sdpa_kernel`` context allows); it has no attention sinks."""
     import torch.nn.functional as F  # noqa: PLC0415
 
+    if sinks is not None:
+        raise NotImplementedError("SDPA has no attention sinks")
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
     return out.transpose(1, 2)  # back to (batch, seqlen, heads, headdim), like dout
 
@@ -173,7 +187,9 @@ def _upstream() -> Implementation:
         state["ext"] = flash_attn_2_cuda
         return None
 
-    def run(q, k, v, dout, causal):
+    def run(q, k, v, dout, causal, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("flash-attn 2 has no attention sinks")
         ext = state["ext"]
         scale = q.shape[-1] ** -0.5
         out, lse, _, rng = ext.fwd(q, k, v, None, None, 0.0, scale, causal, -1, -1, 0.0, False, None)[:4]
@@ -237,14 +253,18 @@ def wall_timer(fn: Callable[[], None], warmup: int, repeats: int) -> list:
 
 
 def cases(config: dict) -> list[dict]:
+    """The training rows: every head dim of the table, then those beyond FlashAttention-2
+    (``config["beyond"]``: :data:`BEYOND_CASES`), at every dtype, mask, length and pass."""
+    shapes = [{"headdim": d} for d in config["headdims"]] + list(config.get("beyond") or ())
     out = []
     for dtype in config["dtypes"]:
-        for headdim in config["headdims"]:
+        for shape in shapes:
+            headdim = shape["headdim"]
             for causal in config["causal"]:
                 for seqlen in config["seqlens"]:
                     for backward in config["backward"]:
                         out.append({
-                            "dtype": dtype, "headdim": headdim, "causal": causal, "seqlen": seqlen,
+                            **shape, "dtype": dtype, "headdim": headdim, "causal": causal, "seqlen": seqlen,
                             "batch": max(1, config["total_tokens"] // seqlen), "heads": max(1, config["hidden"] // headdim),
                             "pass": "fwd_bwd" if backward else "fwd",
                         })
@@ -326,15 +346,21 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
         dtype = _torch_dtype(case["dtype"])
         backward = case["pass"] == "fwd_bwd"
         shape = (case["batch"], case["seqlen"], case["heads"], case["headdim"])
+        shape_v = (*shape[:-1], case.get("headdim_v", case["headdim"]))
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(backward) for _ in range(3))
-        dout = torch.randn(shape, device=device, dtype=dtype, generator=g) if backward else None
-        flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"], case["headdim"],
-                                case["causal"], backward)
+        q, k = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(backward) for _ in range(2))
+        v = torch.randn(shape_v, device=device, dtype=dtype, generator=g).requires_grad_(backward)
+        dout = torch.randn(shape_v, device=device, dtype=dtype, generator=g) if backward else None
+        sinks = None
+        if case.get("sinks"):
+            sinks = torch.randn(case["heads"], device=device, generator=g).requires_grad_(backward)
+        # q.k at q's head dim and p.v at v's: the mean of the two in the 4*b*h*sq*sk*d count
+        flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"],
+                                (case["headdim"] + shape_v[-1]) / 2, case["causal"], backward)
         for impl in impls:
             row = dict(case, impl=impl.name)
-            _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"]), config, timer,
-                     device)
+            _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"], sinks), config,
+                     timer, device)
             if "time_ms" in row:
                 row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12
             emit(row)
@@ -469,6 +495,7 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
     except Exception as exc:  # noqa: BLE001  (an SDPA backend that rejects a shape, OOM...)
         note = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
         row.update(status="error" if impl.backend is not None else "unsupported", note=note)
+        row.pop("time_ms", None)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -525,7 +552,9 @@ def _progress_line(row: dict) -> str:
             return f"{head} {row['status']}: {row.get('note', '')}"
         pct = f" ({row['bw_pct']:.0f} % of measured)" if row.get("bw_pct") is not None else ""
         return f"{head} {row['time_ms']:9.3f} ms {row['gbps']:7.0f} GB/s{pct}"
-    head = (f"  {row['dtype']} d={row['headdim']:<3} {'causal' if row['causal'] else 'full':<6} {row['pass']:<7} "
+    dims = f"{row['headdim']}/{row['headdim_v']}" if row.get("headdim_v") else f"{row['headdim']}"
+    dims += "+sinks" if row.get("sinks") else ""
+    head = (f"  {row['dtype']} d={dims:<3} {'causal' if row['causal'] else 'full':<6} {row['pass']:<7} "
             f"s={row['seqlen']:<6} {row['impl']:<20}")
     if row.get("status") != "ok":
         return f"{head} {row['status']}: {row.get('note', '')}"
@@ -540,21 +569,28 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     if plt is None:
         return []
     rows = [r for r in rows if r["pass"] in ("fwd", "fwd_bwd")]  # decode and the copy are in GB/s, not plotted
+
+    def dims(r):  # a panel per head dim, v's too where it differs
+        return f"{r['headdim']}/{r['headdim_v']}" if r.get("headdim_v") else str(r["headdim"])
+
+    def label(r):  # a line per implementation, with sinks apart
+        return r["impl"] + (" +sinks" if r.get("sinks") else "")
+
     written = []
     for dtype in sorted({r["dtype"] for r in rows}):
         subset = [r for r in rows if r["dtype"] == dtype]
-        headdims = sorted({r["headdim"] for r in subset})
+        headdims = sorted({dims(r) for r in subset}, key=lambda text: [int(x) for x in text.split("/")])
         columns = sorted({(r["pass"], r["causal"]) for r in subset})
         fig, axes = plt.subplots(len(headdims), len(columns), figsize=(3.6 * len(columns), 2.8 * len(headdims)),
                                  squeeze=False, sharex=True)
         for i, headdim in enumerate(headdims):
             for j, (pass_, causal) in enumerate(columns):
                 ax = axes[i][j]
-                for impl in dict.fromkeys(r["impl"] for r in subset):
-                    pts = [r for r in subset if r["impl"] == impl and r["headdim"] == headdim and r["pass"] == pass_
+                for name in dict.fromkeys(label(r) for r in subset):
+                    pts = [r for r in subset if label(r) == name and dims(r) == headdim and r["pass"] == pass_
                            and r["causal"] == causal and r.get("status") == "ok"]
                     if pts:
-                        ax.plot([r["seqlen"] for r in pts], [r["tflops"] for r in pts], marker="o", label=impl)
+                        ax.plot([r["seqlen"] for r in pts], [r["tflops"] for r in pts], marker="o", label=name)
                 ax.set_xscale("log", base=2)
                 ax.set_title(f"d={headdim} {pass_} {'causal' if causal else 'non-causal'}", fontsize=9)
                 ax.set_ylabel("TFLOP/s")
@@ -571,7 +607,7 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     return written
 
 
-COLUMNS = ("impl", "dtype", "headdim", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
+COLUMNS = ("impl", "dtype", "headdim", "headdim_v", "sinks", "causal", "pass", "seqlen", "cachelen", "batch", "heads", "kv_heads", "time_ms",
            "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct", "status", "note")
 
 
@@ -610,7 +646,7 @@ def config_from_args(args, default_seqlens=()) -> dict:
         "causal": [False, True], "backward": [False, True], "impls": args.impls or list(DEFAULT_IMPLS),
         "total_tokens": args.total_tokens, "hidden": args.hidden,
         "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
-        "decode": None,
+        "decode": None, "beyond": list(BEYOND_CASES) if args.beyond and not args.quick else [],
     }
     if args.decode:
         config["decode"] = dict(DECODE_SHAPE, copy_bytes=COPY_BYTES,
@@ -644,7 +680,8 @@ def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None,
         pngs = plot(rows, args.out, "bench-gpu", f"{meta['machine'].get('gpu')}, torch {meta['machine']['torch']}")
         paths["png"] = ", ".join(map(str, pngs)) or "(not written: matplotlib is not installed)"
     ok = [r for r in rows if r.get("status") == "ok" and r["pass"] in ("fwd", "fwd_bwd")]
-    print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("causal", "causal"), ("pass", "pass"),
+    print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("headdim_v", "d_v"), ("sinks", "sinks"),
+                                     ("causal", "causal"), ("pass", "pass"),
                                      ("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "ms"),
                                      ("tflops", "TFLOP/s")]))
     if config["decode"]:

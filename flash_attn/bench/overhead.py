@@ -36,10 +36,11 @@ import torch
 from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.aot import archs, manifest as aot_manifest
 from flash_attn.backends import aot
+from flash_attn.layers.rotary import apply_rotary_emb
 from flash_attn.planning import configs
 from flash_attn.planning.plan import Target
 
-CASES = ("forward", "forward+backward", "packed training", "decode step")
+CASES = ("forward", "forward+backward", "packed training", "decode step", "rotary step")
 LAUNCH_CASES = ("one aot launch", "one PyTorch launch")  # device mode only
 
 # packed batches: distinct totals, so that no two calls of a timing run have the same lengths
@@ -67,7 +68,9 @@ def _calls(device) -> dict[str, Callable[[], object]]:
     """The measured calls: a short forward (inference), a training step's attention (forward and
     backward through autograd), the same for packed sequences whose lengths change every call
     (padding-free training: ``flash_attn_varlen_func``), one decode step with a KV cache (append +
-    attend)."""
+    attend), and a decode step's rotary (a model's q rotated in place at each sequence's own
+    position: its argument checks, including the offsets' values, on the device for device
+    tensors; in stubbed mode its PyTorch path, checked on the host)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
     q, k, v = rnd(1, 128, 16, 128), rnd(1, 128, 16, 128), rnd(1, 128, 16, 128)
@@ -77,6 +80,7 @@ def _calls(device) -> dict[str, Callable[[], object]]:
     k_cache, v_cache = rnd(batch, 4096, heads_k, 128), rnd(batch, 4096, heads_k, 128)
     step_q, step_k, step_v = rnd(batch, 1, heads, 128), rnd(batch, 1, heads_k, 128), rnd(batch, 1, heads_k, 128)
     seqlens = torch.full((batch,), 2000, dtype=torch.int32, device=device)
+    cos, sin = rnd(4096, 64), rnd(4096, 64)
 
     def training():
         for t in (qg, kg, vg):
@@ -99,6 +103,7 @@ def _calls(device) -> dict[str, Callable[[], object]]:
         "packed training": packed_training,
         "decode step": lambda: flash_attn_with_kvcache(step_q, k_cache, v_cache, step_k, step_v,
                                                        cache_seqlens=seqlens, causal=True),
+        "rotary step": lambda: apply_rotary_emb(step_q, cos, sin, inplace=True, seqlen_offsets=seqlens),
     }
 
 

@@ -5,7 +5,9 @@ It reports this package (version, location, how it was installed), Python, PyTor
 version, CPU/CUDA/ROCm build), the NVIDIA driver (asked directly through ``libcuda``, so it is seen
 even by a CPU build of PyTorch), every visible GPU, the op library, the GPU architectures of the
 kernel images the ``aot`` backend finds (``$FLASH_ATTN_AOT_DIR``, else the package's ``_aot/``),
-and which backend ``FLASH_ATTN_BACKEND=auto`` uses on each GPU (and, when it is not ``aot``, why).
+which backend ``FLASH_ATTN_BACKEND=auto`` uses on each GPU (and, when it is not ``aot``, why), and
+what a call on each device (the CPU, every GPU, MPS) does with the environment as set: the
+dispatcher's own decision (:func:`flash_attn.dispatch.route`).
 Then it explains every problem it finds with a concrete fix. Findings come in this order, one
 function per check in :mod:`flash_attn.doctor.checks`:
 
@@ -18,7 +20,8 @@ check                      problem
                            is demangled and explained (C++ ABI / PyTorch version mismatch)
 ``torch-missing``          PyTorch cannot be imported
 ``torch-cpu-build``        a CPU build of PyTorch on a machine with an NVIDIA GPU
-``torch-rocm``             a ROCm build of PyTorch (the kernels target NVIDIA GPUs)
+``torch-rocm``             a ROCm build of PyTorch: which AMD GPUs run the Triton kernels (and
+                           that Triton is missing, where it is)
 ``driver-too-old``         the driver's CUDA version is older than the major CUDA version that
                            PyTorch (or the op library) was built with
 ``torch-cuda-unusable``    a CUDA PyTorch that cannot use the GPUs the driver sees
@@ -30,9 +33,12 @@ check                      problem
                            PTX, Triton or only the reference backend covers it)
 ``triton-missing``         Triton is not installed although a GPU needs it
 ``gpu-backend``            a GPU that runs on the (slow) reference backend or only on Triton
-``backend-env``            ``FLASH_ATTN_BACKEND`` is invalid or cannot run on a GPU
+``backend-env``            every call on a device raises with the environment as set: an invalid
+                           ``FLASH_ATTN_BACKEND``, ``FLASH_ATTN_STRICT_BACKEND`` or
+                           ``FLASH_ATTN_CPU_ONEDNN``, or a named backend that cannot run there
 ``fused-ops``              what ``flash_attn.ops.triton`` (norms, loss, rotary) runs on the GPUs:
                            Triton's JIT (information), or without Triton the PyTorch path
+``other-gpus``             Intel (xpu) or Apple (mps) GPUs: the reference backend, and why
 ``no-gpu``                 no NVIDIA GPU is visible (information)
 =========================  ======================================================================
 

@@ -9,11 +9,12 @@ import re
 from pathlib import Path
 from typing import Callable, Optional
 
-from flash_attn import limits
-from flash_attn.aot.library import is_cpu_only_build
+from flash_attn import dispatch, limits
+from flash_attn.aot.library import LIBRARY_ENV, LIBRARY_NAME, is_cpu_only_build
 from flash_attn.aot.manifest import DIR_ENV
 from flash_attn.doctor.facts import collect
 from flash_attn.doctor.report import Finding, Report
+from flash_attn.planning.families import FAMILIES, arch_family
 
 # Oldest Linux driver of each CUDA major version (NVIDIA's CUDA compatibility tables).
 MIN_DRIVER_FOR_CUDA_MAJOR = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
@@ -166,12 +167,35 @@ def torch_cpu_build(facts: dict) -> list[Finding]:
     )]
 
 
+def _rocm(facts: dict) -> bool:
+    return bool(facts["torch"].get("installed") and facts["torch"].get("build") == "ROCm")
+
+
+def _amd_families_text() -> str:
+    """The AMD families with launch tables and their processors, for the reader."""
+    return "; ".join(f"{f.name}: {', '.join(f.devices.names)} ({f.gpus})" for f in FAMILIES.values()
+                     if f.vendor == "amd")
+
+
+ROCM_TRITON_FIX = ("install the Triton of your ROCm PyTorch (`pip install pytorch-triton-rocm` from the same ROCm "
+                   "wheel index as torch; these kernels need Triton 3.7 to 3.9)")
+
+
 def torch_rocm(facts: dict) -> list[Finding]:
-    if not (facts["torch"].get("installed") and facts["torch"].get("build") == "ROCm"):
+    """A ROCm build of PyTorch: what runs on its AMD GPUs."""
+    if not _rocm(facts):
         return []
-    return [Finding("torch-rocm", "warning", "PyTorch is a ROCm build",
-                    "The GPU kernels of this package target NVIDIA GPUs; AMD GPUs run the reference backend.",
-                    "nothing to do for correctness; for speed use an NVIDIA GPU")]
+    triton = facts["triton"]
+    detail = (f"PyTorch {facts['torch'].get('version')} (HIP {facts['torch'].get('hip')}). AMD GPUs of these families run "
+              f"this package's Triton kernels (forward, backward, varlen, paged and KV-cache attention, the fused ops), "
+              f"compiled on first use with the family's launch tables: {_amd_families_text()}. Other AMD GPUs run the "
+              "exact PyTorch reference backend. The ahead-of-time kernels are NVIDIA images and are not used. "
+              "Unmeasured: no AMD GPU has run these kernels for this project; their results are checked in Triton's "
+              "interpreter and their compiled code statically (`python -m flash_attn amd-kernels`), their speed is "
+              "not known.")
+    if not triton.get("installed"):
+        return [Finding("torch-rocm", "warning", "PyTorch is a ROCm build, without Triton", detail, ROCM_TRITON_FIX)]
+    return [Finding("torch-rocm", "info", "PyTorch is a ROCm build", detail, "")]
 
 
 def _driver_too_old_for_torch(facts: dict) -> list[Finding]:
@@ -257,13 +281,17 @@ def op_library(facts: dict) -> list[Finding]:
                             "The ahead-of-time kernels cannot launch on this GPU machine.",
                             "install the CUDA build of flash-attn")]
         return []
+    env_fix = f"unset {LIBRARY_ENV}, or point it at a library file built for this PyTorch (flash_attn/_C/{LIBRARY_NAME})"
     if op.get("installed"):
-        return [Finding("op-library", "error", "the op library fails to load", op.get("reason", ""),
-                        "reinstall flash-attn for this PyTorch (`conda install --force-reinstall flash-attn` or "
-                        "`pip install --force-reinstall flash-attn`); the library needs torch >= 2.10")]
+        fix = env_fix if op.get("from_env") else (
+            "reinstall flash-attn for this PyTorch (`conda install --force-reinstall flash-attn` or "
+            "`pip install --force-reinstall flash-attn`); the library needs torch >= 2.10")
+        where = f" set by {LIBRARY_ENV}" if op.get("from_env") else ""
+        return [Finding("op-library", "error", f"the op library{where} fails to load", op.get("reason", ""), fix)]
     if op.get("path"):
-        return [Finding("op-library", "error", "the op library set by FLASH_ATTN_AOT_LIBRARY does not exist",
-                        op.get("reason", ""), "unset FLASH_ATTN_AOT_LIBRARY or point it at a built library")]
+        what = "is a folder" if Path(op["path"]).is_dir() else "does not exist"
+        return [Finding("op-library", "error", f"the op library set by {LIBRARY_ENV} {what}",
+                        op.get("reason", ""), env_fix)]
     summary = ("this is the CPU-only build of flash-attn: no op library (ahead-of-time kernel launcher)"
                if is_cpu_only_build(config) else "the op library (ahead-of-time kernel launcher) is not installed")
     return [Finding("op-library", "warning" if gpu_machine else "info", summary, op.get("reason", ""),
@@ -279,10 +307,19 @@ def aot_kernels(facts: dict) -> list[Finding]:
                if kernels.get("from_env") else "reinstall flash-attn")
         return [Finding("aot-kernels", "error", "the kernel manifest cannot be read", kernels["error"], fix)]
     if not kernels.get("manifest"):
-        return [Finding("aot-kernels", "warning" if gpu_machine else "info",
+        nvidia_gpus = gpu_machine and not _rocm(facts)  # AMD GPUs run Triton's JIT: no images are for them
+        return [Finding("aot-kernels", "warning" if nvidia_gpus else "info",
                         "this installation ships no ahead-of-time kernels (no manifest.json)",
                         "GPUs use the Triton backend (compiled on first use) or the reference backend.",
-                        "install a CUDA build of flash-attn that ships kernels" if gpu_machine else "")]
+                        "install a CUDA build of flash-attn that ships kernels" if nvidia_gpus else "")]
+    unusable = kernels.get("unusable_images")
+    if unusable:
+        shown = unusable[:20] + ([f"... and {len(unusable) - 20} more"] if len(unusable) > 20 else [])
+        return [Finding("aot-kernels", "error" if gpu_machine else "warning",
+                        f"{len(unusable)} of the {kernels.get('kernel_count')} kernel images listed in "
+                        f"{kernels['manifest']} are missing or damaged",
+                        "; ".join(shown) + ". Calls that need them run on the next backend.",
+                        "reinstall flash-attn (or rebuild the kernels: `python -m flash_attn build-kernels`)")]
     invalid = kernels.get("invalid_entries")
     if invalid:
         return [Finding("aot-kernels", "warning",
@@ -324,7 +361,16 @@ def arch_not_shipped(facts: dict) -> list[Finding]:
 
 
 def _needs_triton(gpu: dict, facts: dict) -> bool:
+    if gpu.get("gcn_arch"):  # AMD: what needs Triton is a GPU of a family with launch tables
+        return gpu["auto"] == "reference" and not facts["triton"].get("installed") and _amd_family(gpu) is not None
     return gpu["auto"] == "reference" and _capability(gpu) >= MIN_CAPABILITY and not facts["triton"].get("installed")
+
+
+def _amd_family(gpu: dict) -> Optional[str]:
+    try:
+        return arch_family(gpu["gcn_arch"])
+    except (ValueError, TypeError):
+        return None
 
 
 def triton_missing(facts: dict) -> list[Finding]:
@@ -333,6 +379,7 @@ def triton_missing(facts: dict) -> list[Finding]:
         "triton-missing", "error",
         f"{_label(gpu)}: Triton is not installed, so this GPU runs the slow reference backend",
         "No ahead-of-time kernel can run here (" + "; ".join(gpu["why_not_aot"]) + ").",
+        ROCM_TRITON_FIX if gpu.get("gcn_arch") else
         "`pip install triton` or `conda install triton` (or install a flash-attn build whose "
         "kernels include this architecture)",
     ) for gpu in _gpus_torch_uses(facts) if _needs_triton(gpu, facts)]
@@ -343,7 +390,22 @@ def triton_missing(facts: dict) -> list[Finding]:
     return findings
 
 
+def _amd_gpu_backend_finding(gpu: dict) -> Optional[Finding]:
+    if gpu["auto"] == "triton":
+        family = arch_family(gpu["gcn_arch"])
+        return Finding("gpu-backend", "info", f"{_label(gpu)}: auto runs the Triton kernels with the {family} tables",
+                       "compiled on first use (seconds per kernel variant); unmeasured on AMD GPUs",  "")
+    if gpu["auto"] != "reference":
+        return None
+    return Finding("gpu-backend", "warning", f"{_label(gpu)}: auto uses the reference backend",
+                   "; ".join(gpu["why_not_aot"]) or "no GPU backend can run",
+                   f"the Triton kernels have launch tables for {_amd_families_text()}; this GPU gets exact results "
+                   "from the reference backend")
+
+
 def _gpu_backend_finding(gpu: dict) -> Optional[Finding]:
+    if gpu.get("gcn_arch"):
+        return _amd_gpu_backend_finding(gpu)
     if gpu["auto"] == "triton":
         return Finding("gpu-backend", "warning", f"{_label(gpu)}: auto uses Triton (JIT), not the ahead-of-time kernels",
                        "; ".join(gpu["why_not_aot"]),
@@ -368,20 +430,31 @@ def gpu_backend(facts: dict) -> list[Finding]:
     return [f for f in found if f is not None]
 
 
+def _settings_fix(error: str) -> str:
+    if "cannot run on" in error:
+        return f"unset {dispatch.BACKEND_ENV} (auto runs what can run on each device), or name a backend that runs there"
+    named = re.search(r"FLASH_ATTN_\w+", error)
+    variable = named.group(0) if named else "the variable"
+    return f"set {variable} to one of the values the message names, or unset it"
+
+
 def backend_env(facts: dict) -> list[Finding]:
-    """``FLASH_ATTN_BACKEND`` is invalid, or names a backend that cannot run on a GPU."""
-    backends = facts["backends"]
+    """Every call on a device raises with the environment as set (an invalid ``FLASH_ATTN_BACKEND``,
+    ``FLASH_ATTN_STRICT_BACKEND`` or ``FLASH_ATTN_CPU_ONEDNN``, or a named backend that cannot run
+    there): the dispatcher's own decision (:func:`flash_attn.dispatch.route`), one finding per cause."""
+    devices_by_error: dict[str, list[str]] = {}
+    for route in facts["backends"].get("routes", []):
+        if route.get("error"):
+            devices_by_error.setdefault(route["error"], []).append(route["device"])
     findings = []
-    if backends.get("requested_error"):
-        findings.append(Finding("backend-env", "error", backends["requested_error"], "",
-                                "unset FLASH_ATTN_BACKEND or set it to auto|aot|triton|interpret|cpu|reference"))
-    requested = backends.get("requested", "auto")
-    if requested.strip().lower() in ("", "auto"):
-        return findings
-    return findings + [Finding(
-        "backend-env", "error", f"FLASH_ATTN_BACKEND={requested} cannot run on {_label(gpu)}: calls on it raise",
-        gpu["requested_reason"], "unset FLASH_ATTN_BACKEND (auto picks what can run)",
-    ) for gpu in _gpus_torch_uses(facts) if gpu.get("requested_reason")]
+    for error, devices in devices_by_error.items():
+        summary, _, reason = error.partition(": ") if "cannot run on" in error else (error, "", "")
+        findings.append(Finding(
+            "backend-env", "error", f"every call on {', '.join(devices)} raises: {summary}",
+            (f"{reason}. " if reason else "") + "This is what the dispatcher decides with the environment as set.",
+            _settings_fix(error),
+        ))
+    return findings
 
 
 def fused_ops(facts: dict) -> list[Finding]:
@@ -402,11 +475,47 @@ def fused_ops(facts: dict) -> list[Finding]:
                     "`pip install triton` or `conda install triton`")]
 
 
+# What was found of Triton's Intel backend (issue 47; benchmarks/README.md, "AMD and Intel GPUs").
+XPU_WHY = ("Triton's Intel backend (`triton-xpu` on PyPI) was tried without an Intel GPU on 2026-11-29: its newest "
+           "release, 3.3.0b1, installs and compiles small kernels to SPIR-V (after Level Zero's and SYCL's libraries), "
+           "but it is older than the Triton 3.7 these kernels need (it has no tensor descriptors, so the forward "
+           "and backward do not compile) and its native code needs Intel's offline compiler, so nothing of the "
+           "kernels could be shown for Intel GPUs")
+
+
+def other_gpus(facts: dict) -> list[Finding]:
+    """GPUs of other kinds PyTorch can use (Apple's MPS, Intel's XPU): the reference backend, and why."""
+    torch_info = facts["torch"]
+    findings = []
+    if torch_info.get("xpu_available"):
+        findings.append(Finding("other-gpus", "info", "Intel GPU (xpu) tensors run the exact reference backend",
+                                XPU_WHY + ".", ""))
+    if torch_info.get("mps_available"):
+        findings.append(Finding("other-gpus", "info", "Apple GPU (mps) tensors run the exact reference backend",
+                                "No kernel of this package targets Apple GPUs; a fast path there waits until one "
+                                "can be measured.", ""))
+    return findings
+
+
 def no_gpu(facts: dict) -> list[Finding]:
     if not facts["torch"].get("installed") or facts["driver"].get("devices") or facts["gpus"]:
         return []
+    cpu = next((r for r in facts["backends"].get("routes", []) if r["device"] == "cpu"), None)
+    if cpu is None or not cpu["backends"]:
+        return [Finding("no-gpu", "info", "no NVIDIA GPU is visible", "", "")]
     return [Finding("no-gpu", "info", "no NVIDIA GPU is visible",
-                    "All calls use the cpu backend (PyTorch's fused CPU kernels, exact; O(n) memory, slower than a GPU).", "")]
+                    f"CPU tensors run on the {cpu['backends'][0]} backend ({_BACKEND_WORDS.get(cpu['backends'][0], '')}).",
+                    "")]
+
+
+# What each backend is, in a few words (the doctor's sentences about where calls run).
+_BACKEND_WORDS = {
+    "cpu": "PyTorch's fused CPU kernels where they are exact, else the tiled engine; O(n) memory",
+    "reference": "the exact tiled definition in PyTorch, slower",
+    "aot": "the kernels shipped ahead of time",
+    "triton": "the kernels compiled by Triton on first use",
+    "interpret": "the kernels in Triton's CPU interpreter, for development: very slow",
+}
 
 
 # Every check id and its function, in the order findings are listed.
@@ -427,6 +536,7 @@ CHECKS: dict[str, Callable[[dict], list[Finding]]] = {
     "gpu-backend": gpu_backend,
     "backend-env": backend_env,
     "fused-ops": fused_ops,
+    "other-gpus": other_gpus,
     "no-gpu": no_gpu,
 }
 

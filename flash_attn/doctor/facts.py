@@ -7,6 +7,7 @@ from typing import Any
 
 from flash_attn.aot.archs import select_image
 from flash_attn.doctor import probes
+from flash_attn.planning.families import gcn_processor
 
 
 def collect() -> dict:
@@ -21,7 +22,8 @@ def collect() -> dict:
     facts["triton"] = probes.probe_triton()
     facts["copies"] = probes.probe_copies()
     facts["foreign_extensions"] = probes.probe_foreign_extensions()
-    facts["backends"] = probes.probe_backends(facts["torch"]) if facts["torch"].get("installed") else {"devices": []}
+    facts["backends"] = (probes.probe_backends(facts["torch"]) if facts["torch"].get("installed")
+                         else {"devices": [], "routes": []})
     facts["gpus"] = merge_gpus(facts)
     return facts
 
@@ -37,7 +39,9 @@ def merge_gpus(facts: dict) -> list[dict]:
     for device in devices:
         gpu = dict(device, seen_by=source)
         cap = device.get("capability")
-        if cap:
+        if device.get("gcn_arch"):  # AMD (ROCm): named by its processor; no image ships for it
+            gpu["arch"] = gcn_processor(device["gcn_arch"])
+        elif cap:
             gpu["arch"] = f"sm_{cap[0]}{cap[1]}"
             if shipped:
                 choice = select_image((cap[0], cap[1]), shipped)
@@ -62,7 +66,7 @@ def why_torch_cannot_use_gpus(torch_info: dict) -> str:
         return "PyTorch is not importable"
     if torch_info.get("build") == "CPU":
         return f"PyTorch {torch_info.get('version')} is a CPU build"
-    if torch_info.get("build") == "ROCm":
-        return "PyTorch is a ROCm build, which cannot drive NVIDIA GPUs"
+    if torch_info.get("build") == "ROCm" and not torch_info.get("cuda_available"):
+        return "PyTorch is a ROCm build that sees no AMD GPU (and cannot drive NVIDIA GPUs)"
     why = torch_info.get("cuda_warning") or torch_info.get("cuda_error") or "torch.cuda.is_available() is False"
     return "PyTorch cannot use CUDA: " + why

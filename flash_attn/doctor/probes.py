@@ -93,12 +93,15 @@ def _torch_devices(torch: Any, info: dict) -> list[dict]:
     try:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            devices.append({
+            device = {
                 "index": index,
                 "name": props.name,
                 "capability": [props.major, props.minor],
                 "memory_bytes": int(props.total_memory),
-            })
+            }
+            if info.get("hip"):  # an AMD GPU: its gcnArchName names it (the capability is a stand-in)
+                device["gcn_arch"] = getattr(props, "gcnArchName", None)
+            devices.append(device)
     except Exception as exc:  # noqa: BLE001
         info["cuda_error"] = error_text(exc)
     return devices
@@ -125,6 +128,11 @@ def probe_torch() -> dict:
     info["devices"] = _torch_devices(torch, info) if info["cuda_available"] else []
     mps = getattr(torch.backends, "mps", None)
     info["mps_available"] = bool(mps is not None and mps.is_available())
+    xpu = getattr(torch, "xpu", None)
+    try:
+        info["xpu_available"] = bool(xpu is not None and xpu.is_available())
+    except Exception:  # noqa: BLE001  (a broken XPU runtime is no XPU)
+        info["xpu_available"] = False
     return info
 
 
@@ -155,6 +163,7 @@ def probe_op_library() -> dict:
         "reason": status.reason,
         "build_config": dict(status.build_config),
         "installed": status.path is not None and Path(status.path).is_file(),
+        "from_env": status.from_env,
     }
     if status.loaded and status.build_config.get("cuda", True):
         try:
@@ -207,6 +216,9 @@ def probe_kernels() -> dict:
         info["error"] = f"cannot read {info['manifest']}: {error_text(exc)}"
         return info
     info["kernel_count"] = len(loaded.entries)
+    unusable = loaded.unusable_images()
+    if unusable:  # image files that are gone or damaged: all of them, the warning at a call names one
+        info["unusable_images"] = unusable
     if loaded.problems:  # entries left out (never used): how many, and the first few reasons
         info["invalid_entries"] = {"count": len(loaded.problems), "first": loaded.problems[:3]}
     return info
@@ -299,18 +311,34 @@ def _backend_on(device: Any, requested: str, info: dict) -> dict:
     return entry
 
 
+def route_of(device: Any) -> dict:
+    """What a call on ``device`` does with the environment as set (:func:`flash_attn.dispatch.route`,
+    the dispatcher's own decision): the backends it runs on, or the error every call raises."""
+    try:
+        decided = dispatch.route(device)
+    except Exception as exc:  # noqa: BLE001  (a doctor reports, never raises)
+        return {"device": str(device), "backends": [], "error": f"the dispatcher's decision failed: {error_text(exc)}",
+                "passed_over": []}
+    return {"device": str(device), "backends": list(decided.backends),
+            "error": None if decided.error is None else str(decided.error), "passed_over": list(decided.passed_over)}
+
+
 def probe_backends(torch_info: dict) -> dict:
-    """``FLASH_ATTN_BACKEND`` and what ``auto`` picks on each GPU PyTorch can use."""
-    info: dict[str, Any] = {"requested": os.environ.get(dispatch.BACKEND_ENV, "auto"), "devices": []}
+    """``FLASH_ATTN_BACKEND``, what a call on each device does (``routes``: the CPU, every GPU
+    PyTorch can use, MPS) and what ``auto`` picks on each GPU (``devices``)."""
+    import torch  # noqa: PLC0415
+
+    info: dict[str, Any] = {"requested": os.environ.get(dispatch.BACKEND_ENV, "auto"), "devices": [], "routes": [],
+                            "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASH_ATTN_")}}
     try:
         dispatch.requested_backend()
     except ValueError as exc:
         info["requested_error"] = str(exc)
-    if not torch_info.get("cuda_available"):
-        return info
-    import torch  # noqa: PLC0415
-
+    gpus = [torch.device("cuda", d["index"]) for d in torch_info.get("devices", [])] \
+        if torch_info.get("cuda_available") else []
+    others = [torch.device("mps")] if torch_info.get("mps_available") else []
+    info["routes"] = [route_of(device) for device in [torch.device("cpu"), *gpus, *others]]
     requested = info["requested"].strip().lower()
-    for device in torch_info.get("devices", []):
-        info["devices"].append(_backend_on(torch.device("cuda", device["index"]), requested, info))
+    for device in gpus:
+        info["devices"].append(_backend_on(device, requested, info))
     return info

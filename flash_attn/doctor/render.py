@@ -59,12 +59,31 @@ def _summary_rows(f: dict) -> list[tuple[str, str]]:
         ("shipped kernels", _kernels_text(f["aot_kernels"])),
         ("Triton", triton.get("version") if triton.get("installed") else triton.get("error")),
         ("FLASH_ATTN_BACKEND", f.get("backends", {}).get("requested", "auto")),
-    ]
+    ] + _other_settings(f.get("backends", {}).get("settings", {}))
+
+
+def _other_settings(settings: dict) -> list[tuple[str, str]]:
+    others = {k: v for k, v in settings.items() if k != "FLASH_ATTN_BACKEND"}
+    return [("other settings", ", ".join(f"{k}={v}" for k, v in others.items()))] if others else []
+
+
+def _route_lines(routes: list[dict]) -> list[str]:
+    """Where a call on each device runs, with the environment as set (the dispatcher's decision)."""
+    lines = []
+    width = max((len(r["device"]) for r in routes), default=0)
+    for r in routes:
+        if r.get("error"):
+            lines.append(f"  {r['device'].ljust(width)}  every call raises: {r['error']}")
+        else:
+            first, *rest = r["backends"]
+            then = f" (a call it refuses: {', then '.join(rest)})" if rest else ""
+            lines.append(f"  {r['device'].ljust(width)}  {first} backend{then}")
+    return lines
 
 
 def _gpu_lines(gpus: list[dict]) -> list[str]:
     if not gpus:
-        return ["  none visible; CPU tensors use the cpu backend"]
+        return ["  none visible"]
     lines = []
     for gpu in gpus:
         lines.append(f"  [{gpu['index']}] {gpu.get('name')}  {gpu.get('arch', '?')}  {_gib(gpu.get('memory_bytes'))}"
@@ -98,6 +117,7 @@ def render_text(report: Report, strict: bool = False) -> str:
     return "\n".join([
         "flash_attn doctor", "",
         *(f"  {k.ljust(width)}  {v}" for k, v in rows),
+        "", "Calls run on:", *_route_lines(report.facts.get("backends", {}).get("routes", [])),
         "", "GPUs:", *_gpu_lines(report.facts["gpus"]),
         "", "Findings:", *_finding_lines(report),
         "", f"Result: {verdict} ({len(report.errors)} error(s), {len(report.warnings)} warning(s))",

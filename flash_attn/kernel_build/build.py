@@ -2,7 +2,7 @@
 
 Compiles every specialisation of :mod:`flash_attn.aot.specializations` for each architecture
 of ``--archs`` / ``FLASH_ATTN_CUDA_ARCHS`` (default
-:data:`~flash_attn.aot.archs.DEFAULT_CUDA_ARCHS`; ``native``: the local GPU) with
+:func:`~flash_attn.aot.archs.default_cuda_archs`, the recipe's; ``native``: the local GPU) with
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))``, in ``--jobs`` worker
 processes (``MAX_JOBS``, default: the CPU count). A family target (``sm_100f``, ``sm_110f``,
 ``sm_120f``) costs no compile of its own: ptxas assembles the PTX of the family's compile for it
@@ -44,7 +44,7 @@ from typing import NamedTuple, Optional
 
 from flash_attn import limits
 from flash_attn.aot import library as op_library, specializations as S
-from flash_attn.aot.archs import DEFAULT_CUDA_ARCHS, Arch, parse_arch_list
+from flash_attn.aot.archs import Arch, default_cuda_archs, parse_arch_list
 from flash_attn.kernel_build import kernel_report
 from flash_attn.planning import configs, declarations
 
@@ -65,13 +65,16 @@ def default_output_dir() -> Path:
 def resolve_archs(text: Optional[str]) -> tuple[list, list]:
     """``(cubin archs, ptx archs)`` (:class:`~flash_attn.aot.archs.Arch`) of ``FLASH_ATTN_CUDA_ARCHS``.
 
-    Empty: :data:`~flash_attn.aot.archs.DEFAULT_CUDA_ARCHS`, less the family targets this
-    ptxas cannot assemble (an older toolkit). ``native`` is the local GPU. A bare number from
+    Empty: the declared targets (:func:`~flash_attn.aot.archs.default_cuda_archs`, the recipe's),
+    less the family targets this ptxas cannot assemble (an older toolkit); the same when the list
+    given is the declared one (the recipe passes it to every CUDA build, 12.9's included).
+    ``native`` is the local GPU. A bare number from
     sm_90 on means Triton's arch-specific target (``90`` -> ``sm_90a``). The lowest cubin
     architecture also gets PTX (driver JIT on future GPUs) unless PTX was asked for explicitly,
     when it is portable (below sm_90)."""
     text = (text or "").strip()
-    default = not text
+    declared = default_cuda_archs()
+    default = not text or (bool(declared) and text.lower() != "native" and parse_arch_list(text) == parse_arch_list(declared))
     if text.lower() == "native":
         import torch  # noqa: PLC0415
 
@@ -80,7 +83,7 @@ def resolve_archs(text: Optional[str]) -> tuple[list, list]:
         major, minor = torch.cuda.get_device_capability()
         text = f"{major}{minor}"
     wanted = [a if a.suffix or a.ptx or a.major < 9 else Arch(a.major, a.minor, "a")
-              for a in parse_arch_list(text or DEFAULT_CUDA_ARCHS)]
+              for a in parse_arch_list(text or None)]
     for arch in wanted:
         if arch.capability < limits.MIN_CAPABILITY:
             raise SystemExit(f"architecture sm_{arch.major}{arch.minor} is below the kernels' minimum "
@@ -324,7 +327,8 @@ def compile_job(job: dict) -> dict:
             "num_stages": spec.num_stages, "target": cap, "ptxas": ptxas_for(cap).get("version"),
             "ptx_isa": isa.group(1) if isa else None, **entry}
     common = {"key": spec.key, "kernel": spec.kernel, "ptx_mma": ptx_mma, "dtype": spec.dtype,
-              "block_d": spec.block_d, "features": features}
+              "block_d": spec.block_d, "block_dv": int(dict(spec.flags).get("BLOCK_DV", spec.block_d)),
+              "features": features}
     for arch in job["cubins"]:
         assembled = 0.0
         if arch == cubin_arch:
@@ -601,7 +605,7 @@ def _write_json(path: Path, data: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--archs", default=None,
                         help=f"GPU architectures, e.g. '80;90' or 'native' (default: ${ARCHS_ENV} or "
-                             f"{DEFAULT_CUDA_ARCHS})")
+                             f"{default_cuda_archs() or 'none declared here'})")
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile processes (default: $MAX_JOBS or CPUs)")
     parser.add_argument("--output", "-o", default=None, help="output folder (default: the package's flash_attn/_aot/)")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress output")

@@ -85,12 +85,13 @@ def layouts(ttgir: str) -> dict:
 def replication(layout: dict, shape: list) -> int:
     """How many warps hold each element of a ``shape`` tensor in ``layout`` (1: none replicated)."""
     kind = layout.get("kind")
-    if kind == "nvidia_mma":
+    if kind in ("nvidia_mma", "amd_mfma"):
         wm, wn = layout["warpsPerCTA"][-2:]
+        instr_m = 16 if kind == "nvidia_mma" else layout["instrShape"][0]
         instr_n = layout["instrShape"][1]
         m, n = shape[-2:]
-        return max(1, wm * 16 // m) * max(1, wn * instr_n // n)
-    if kind == "linear" and "warp" in layout:
+        return max(1, wm * instr_m // m) * max(1, wn * instr_n // n)
+    if kind in ("linear", "amd_wmma") and "warp" in layout:  # WMMA's warps as linear bases
         return 2 ** sum(1 for basis in layout["warp"] if not any(basis))
     if kind == "blocked":
         factor = 1
@@ -130,8 +131,8 @@ def dots(ttgir: str) -> list[dict]:
         result = defs.get(c[2] or "", {})
         entry = {"family": op, "shape": [m, n, k]}
         if op == "dot":
-            entry["family"] = {2: "mma.sync", 3: "wgmma"}.get(result.get("version"), "fma")
-        if result.get("kind") == "nvidia_mma":
+            entry["family"] = _dot_family(result)
+        if result.get("kind") in ("nvidia_mma", "amd_mfma"):
             entry["warps"] = result["warpsPerCTA"][-2:]
             entry["instr_n"] = result["instrShape"][1]
             entry["replication"] = replication(result, [m, n])
@@ -147,6 +148,16 @@ def dots(ttgir: str) -> list[dict]:
         entry["in_loop"] = bool(inside)
         out.append(entry)
     return out
+
+
+def _dot_family(result: dict) -> str:
+    """The matrix instructions of a ``tt.dot`` whose result has layout ``result``: NVIDIA's by
+    the MMA version, AMD's by the layout (``amd_mfma``: CDNA's MFMA, ``amd_wmma``: RDNA's WMMA);
+    ``fma`` for a product Triton computes with plain multiply-adds."""
+    kind = result.get("kind")
+    if kind == "nvidia_mma":
+        return {2: "mma.sync", 3: "wgmma"}.get(result.get("version"), "fma")
+    return {"amd_mfma": "mfma", "amd_wmma": "wmma"}.get(kind, "fma")
 
 
 def _loops(ttgir: str) -> list[tuple[int, int]]:
@@ -249,10 +260,15 @@ DETERMINISTIC_KERNELS = tuple(k.name for k in declarations.KERNELS.values()
                               if k.config_kind in configs.SPLIT_BACKWARD_KINDS)
 _PRODUCTS_PER_STEP = {"attn_fwd_kernel": 2, "attn_bwd_kernel": 5, "attn_bwd_dkdv_kernel": 4, "attn_bwd_dq_kernel": 3}
 # the fused backward with its head dim split over two programs (configs.gradient_columns) also
-# computes the scores and dP over the other half: two more products, each half as wide
+# computes the scores and dP over the other half: two more products, each half as wide (split
+# over more, it computes them from whole rows: the design's products, no more)
 _SPLIT_EXTRA_PRODUCTS = 2
 MIN_KEYS_PER_CTA = 128  # per dK/dV program, head dims <= 128 (FA2 and FA3 walk 128 keys)
 MIN_WGMMA_N = 64
+# Beyond this head dim the tiles are 16 rows a warp, the fewest without a replicated product (an
+# accumulator of 512 columns takes 256 registers a thread even so): the targets there are no
+# replicated product and every main product on tensor cores (tensor_core_misses), not the widths.
+WIDEST_TARGET_HEAD_DIM = 256
 
 
 def target_misses(row: dict) -> list[str]:
@@ -267,25 +283,22 @@ def target_misses(row: dict) -> list[str]:
     * the products per step of the design (forward 2, fused backward 5, dK/dV 4, dQ 3: nothing
       recomputed; two more, half-width, where the head dim is split over two programs);
     * at head dims <= 128, at least 128 keys per dK/dV program.
+
+    Beyond head dim :data:`WIDEST_TARGET_HEAD_DIM` (512) only the first two (:func:`tensor_core_misses`
+    and the architecture's MMA).
     """
-    misses = []
+    misses = tensor_core_misses(row)
+    if not row.get("dots") or not any(d.get("in_loop") for d in row["dots"]):
+        return misses
     kernel, arch = row["kernel"], row["arch"]
-    loop = [d for d in row.get("dots", []) if d.get("in_loop")]
-    if not loop:
-        return ["no tensor-core product inside a loop"]
-    if not row.get("ptx_mma"):
-        misses.append("no tensor-core instruction in the PTX (an empty kernel?)")
-    replicated = [d for d in row["dots"] if d["replication"] > 1]
-    if replicated:
-        misses.append(f"replicated work: {', '.join(_dot_text(d) for d in replicated)}")
-    # a dK/dV program's own rows are its keys (its dQ^T product has the head dim as M)
-    rows = row.get("keys_per_cta") or max(d["shape"][0] for d in loop)
-    main = [d for d in loop if d["shape"][0] == rows]
+    main = _main_products(row)
     want = "tcgen05" if arch.startswith("sm_100") else "wgmma" if arch.startswith("sm_90") else None
     if want is not None:
         other = [d for d in main if d["family"] != want]
         if other:
             misses.append(f"main products not on {want}: {', '.join(_dot_text(d) for d in other)}")
+    if max(row.get("block_d", 0), row.get("block_dv", 0)) > WIDEST_TARGET_HEAD_DIM:
+        return misses
     if want == "wgmma":
         # a product narrower than 64 (head dim 32) cannot have a wider instruction
         narrow = [d for d in main if d["family"] == "wgmma" and d.get("instr_n", 0) < min(MIN_WGMMA_N, d["shape"][1])]
@@ -294,13 +307,40 @@ def target_misses(row: dict) -> list[str]:
     expected = _PRODUCTS_PER_STEP.get(kernel)
     kind = declarations.get(kernel).config_kind
     family = configs.arch_family(archs.parse_arch(arch).capability)
-    if expected is not None and configs.gradient_columns(kind, family, row["block_d"]) < row["block_d"]:
+    if expected is not None and configs.gradient_parts(kind, family, row["block_d"], row.get("block_dv")) == 2:
         expected += _SPLIT_EXTRA_PRODUCTS
     if expected is not None and row.get("products_per_step") != expected:
         misses.append(f"{row.get('products_per_step')} products per step, the design does {expected}")
     keys = row.get("keys_per_cta")
     if keys is not None and row.get("block_d", 0) <= 128 and keys < MIN_KEYS_PER_CTA:
         misses.append(f"{keys} keys per dK/dV program (< {MIN_KEYS_PER_CTA})")
+    return misses
+
+
+def _main_products(row: dict) -> list[dict]:
+    """The products in loops over the program's own rows: a dK/dV program's keys, else the widest M
+    (its dQ^T product has the head dim as M)."""
+    loop = [d for d in row["dots"] if d.get("in_loop")]
+    rows = row.get("keys_per_cta") or max(d["shape"][0] for d in loop)
+    return [d for d in loop if d["shape"][0] == rows]
+
+
+def tensor_core_misses(row: dict) -> list[str]:
+    """Why one build-report row misses the targets of every training image on every architecture:
+    a tensor-core product in a loop, tensor-core instructions in the PTX, no product computed by
+    more than one warp, and every main product on tensor cores (not ``fma``)."""
+    loop = [d for d in row.get("dots", []) if d.get("in_loop")]
+    if not loop:
+        return ["no tensor-core product inside a loop"]
+    misses = []
+    if not row.get("ptx_mma"):
+        misses.append("no tensor-core instruction in the PTX (an empty kernel?)")
+    replicated = [d for d in row["dots"] if d["replication"] > 1]
+    if replicated:
+        misses.append(f"replicated work: {', '.join(_dot_text(d) for d in replicated)}")
+    scalar = [d for d in _main_products(row) if d["family"] == "fma"]
+    if scalar:
+        misses.append(f"main products without tensor cores: {', '.join(_dot_text(d) for d in scalar)}")
     return misses
 
 

@@ -112,25 +112,29 @@ def _query_rows(src, start_m, stride_s, col0, c_mask, seqlen_q, MASKED: tl.const
 @triton.jit
 def _dkdv_query_tiles(
     dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask, vo_start, vo_mask, vr_start, vr_mask,
-    Q_src, dO_src, dQ_dst, L_head, D_head, lo, hi,
+    Q_src, dO_src, Qr_src, dOr_src, dQ_dst, L_head, D_head, lo, hi,
     stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k,
     qk_scale_log2, cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
     dropout_p, dropout_seed, b, h,
     MASKED: tl.constexpr, IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_DOUT: tl.constexpr, BLOCK_DVOUT: tl.constexpr, SPLIT_D: tl.constexpr, TMA: tl.constexpr,
-    TMA_DQ: tl.constexpr,
+    BLOCK_DOUT: tl.constexpr, BLOCK_DVOUT: tl.constexpr, REST_D: tl.constexpr, REST_DV: tl.constexpr,
+    SPLIT: tl.constexpr, TMA: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
     """Accumulate dK/dV of one key block over the query tiles ``[lo, hi)`` of one query head;
     with ``ATOMIC_DQ`` also add this key block's share of dQ (unscaled, fp32) into ``dQ_dst``:
     the head's first row (per-element atomics) or, with ``TMA_DQ``, its tensor descriptor (one
     bulk reduction per tile, its bounds dropping what lies past the rows and the head dim).
     The gradients cover the ``BLOCK_DOUT`` head-dim columns of q/k from ``o_start`` (``k`` holds
-    them) and the ``BLOCK_DVOUT`` columns of v/dO from ``vo_start`` (``v`` holds them). With
-    ``SPLIT_D`` these are half of the columns and those from ``r_start``/``vr_start``
-    (``k_rest``/``v_rest``) the other half: the scores and dP are summed over both halves, the
+    them) and the ``BLOCK_DVOUT`` columns of v/dO from ``vo_start`` (``v`` holds them). ``SPLIT``
+    1: these are half of the columns and those from ``r_start``/``vr_start`` (``k_rest``/``v_rest``,
+    ``REST_D``/``REST_DV`` wide) the other half: the scores and dP are summed over both halves, the
     three gradient products use this program's half only, and every operand is loaded once.
-    ``Q_src``/``dO_src``: the query head's tensor descriptors (``TMA``) or first rows.
+    ``SPLIT`` 2 (more than two parts): ``k_rest``/``v_rest`` are all of K's and V's columns, the
+    scores and dP are computed from them and whole Q/dO rows, the gradient products from this
+    program's columns (loaded again). ``Q_src``/``dO_src``: the query head's tensor descriptors
+    (``TMA``) or first rows; ``Qr_src``/``dOr_src`` the same for the other columns (``REST_D``/
+    ``REST_DV`` wide blocks).
 
     Tiles are laid out keys x queries (transposed scores), so both products are plain dots.
     Interior tiles (``MASKED`` False) are fully inside ``seqlen_q`` and fully visible.
@@ -149,20 +153,30 @@ def _dkdv_query_tiles(
         else:
             lse_log2 = tl.load(L_head + offs_m) * LOG2E
             delta = tl.load(D_head + offs_m)
-        qk_t = tl.dot(k, tl.trans(q))
-        if SPLIT_D:
-            q_rest = _query_rows(Q_src, start_m, stride_qs, r_start, r_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA,
-                                 BLOCK_M, BLOCK_DOUT)
-            qk_t = tl.dot(k_rest, tl.trans(q_rest), qk_t)
+        if SPLIT == 2:
+            q_rest = _query_rows(Qr_src, start_m, stride_qs, r_start, r_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA,
+                                 BLOCK_M, REST_D)
+            qk_t = tl.dot(k_rest, tl.trans(q_rest))
+        else:
+            qk_t = tl.dot(k, tl.trans(q))
+            if SPLIT == 1:
+                q_rest = _query_rows(Qr_src, start_m, stride_qs, r_start, r_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA,
+                                     BLOCK_M, REST_D)
+                qk_t = tl.dot(k_rest, tl.trans(q_rest), qk_t)
         s_t, tanh_t = masking.logits_log2(qk_t, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, qk_scale_log2,
                                           cap_on, cap_in, cap_out_log2, slope_log2, window_left, window_right,
                                           MASKED, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI)
         p_t = tl.math.exp2(s_t - lse_log2[None, :])
-        dp_t = tl.dot(v, tl.trans(do))
-        if SPLIT_D:
-            do_rest = _query_rows(dO_src, start_m, stride_dos, vr_start, vr_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA,
-                                  BLOCK_M, BLOCK_DVOUT)
-            dp_t = tl.dot(v_rest, tl.trans(do_rest), dp_t)
+        if SPLIT == 2:
+            do_rest = _query_rows(dOr_src, start_m, stride_dos, vr_start, vr_mask, seqlen_q, MASKED, PAD_HEADDIM, TMA,
+                                  BLOCK_M, REST_DV)
+            dp_t = tl.dot(v_rest, tl.trans(do_rest))
+        else:
+            dp_t = tl.dot(v, tl.trans(do))
+            if SPLIT == 1:
+                do_rest = _query_rows(dOr_src, start_m, stride_dos, vr_start, vr_mask, seqlen_q, MASKED, PAD_HEADDIM,
+                                      TMA, BLOCK_M, REST_DV)
+                dp_t = tl.dot(v_rest, tl.trans(do_rest), dp_t)
         p_drop_t = p_t
         if HAS_DROPOUT:
             if dropout_p > 0.0:  # compiled in, active per launch
@@ -221,11 +235,12 @@ def _dkdv_program(
     with ``ATOMIC_DQ``, the block's share of dQ added into ``dQAccum``, whose sums of this split
     start ``split * split_stride`` elements in; with ``TMA_DQ`` by TMA bulk reductions). With
     ``BLOCK_DOUT < BLOCK_D`` the gradients' head-dim columns are split over ``BLOCK_D //
-    BLOCK_DOUT`` (at most two) programs (grid axis 1 is kv head x part), those of q/k and of v/dO
-    alike (v's ``BLOCK_DV`` in parts of ``BLOCK_DV // parts``): each recomputes the scores and dP
-    over both halves and keeps only its columns of dK/dV in registers. With ``TMA`` the streamed Q
-    and dO tiles come through tensor descriptors (Hopper's tensor memory accelerator: no address
-    arithmetic in registers; Triton keeps the descriptors in its global scratch, 128 B each)."""
+    BLOCK_DOUT`` programs (grid axis 1 is kv head x part), those of q/k and of v/dO alike (v's
+    ``BLOCK_DV`` in parts of ``BLOCK_DV // parts``): each recomputes the scores and dP over all
+    columns (two parts: from its half and the other; more: from whole rows) and keeps only its
+    columns of dK/dV in registers. With ``TMA`` the streamed Q and dO tiles come through tensor
+    descriptors (Hopper's tensor memory accelerator: no address arithmetic in registers; Triton
+    keeps the descriptors in its global scratch, 128 B each; up to two parts)."""
     stride_qb, stride_qs, stride_qh = stride_16b(stride_qb), stride_16b(stride_qs), stride_16b(stride_qh)
     stride_kb, stride_ks, stride_kh = stride_16b(stride_kb), stride_16b(stride_ks), stride_16b(stride_kh)
     stride_vb, stride_vs, stride_vh = stride_16b(stride_vb), stride_16b(stride_vs), stride_16b(stride_vh)
@@ -239,19 +254,22 @@ def _dkdv_program(
     dropout_seed = load_seed(DropoutSeed, HAS_DROPOUT)
     q_start, seqlen_q = sequence_bounds(b, CuSeqlensQ, seqlen_q, packed)
     k_start, seqlen_k = sequence_bounds(b, CuSeqlensK, seqlen_k, packed)
-    tl.static_assert(D_PARTS <= 2, "the head dim splits over at most two programs")
+    # the scores' other columns: none (one part), the other half (two), or all of them (more)
+    SPLIT: tl.constexpr = 0 if D_PARTS == 1 else 1 if D_PARTS == 2 else 2
+    REST_D: tl.constexpr = BLOCK_D if SPLIT == 2 else BLOCK_DOUT
+    REST_DV: tl.constexpr = BLOCK_DV if SPLIT == 2 else BLOCK_DVOUT
     part = tl.program_id(1) % D_PARTS
     o_start = part * BLOCK_DOUT
     offs_o = o_start + tl.arange(0, BLOCK_DOUT)
     o_mask = offs_o < head_dim
-    r_start = (1 - part) * BLOCK_DOUT  # the other half (D_PARTS 2)
-    offs_r = r_start + tl.arange(0, BLOCK_DOUT)
+    r_start = (1 - part) * BLOCK_DOUT if SPLIT == 1 else 0
+    offs_r = r_start + tl.arange(0, REST_D)
     r_mask = offs_r < head_dim
     vo_start = part * BLOCK_DVOUT  # the same for v's columns
     offs_vo = vo_start + tl.arange(0, BLOCK_DVOUT)
     vo_mask = offs_vo < head_dim_v
-    vr_start = (1 - part) * BLOCK_DVOUT
-    offs_vr = vr_start + tl.arange(0, BLOCK_DVOUT)
+    vr_start = (1 - part) * BLOCK_DVOUT if SPLIT == 1 else 0
+    offs_vr = vr_start + tl.arange(0, REST_DV)
     vr_mask = offs_vr < head_dim_v
     b64 = b.to(tl.int64)
     k0 = k_start.to(tl.int64)
@@ -271,7 +289,7 @@ def _dkdv_program(
                 stride_dvh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
                 seqlen_q, seqlen_k, group, head_dim, head_dim_v, use_alibi, softmax_scale, window_left, window_right,
                 dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_N,
-                BLOCK_DOUT, BLOCK_DVOUT, D_PARTS, TMA, TMA_DQ)
+                BLOCK_DOUT, BLOCK_DVOUT, REST_D, REST_DV, SPLIT, TMA, TMA_DQ)
     elif split * BLOCK_N < seqlen_k:
         _dkdv_key_block(
             split, b, b64, q0, k0, kv_h, o_start, offs_o, o_mask, r_start, offs_r, r_mask, vo_start, offs_vo,
@@ -282,7 +300,7 @@ def _dkdv_program(
             stride_dvh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
             seqlen_q, seqlen_k, group, head_dim, head_dim_v, use_alibi, softmax_scale, window_left, window_right,
             dropout_p, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_N,
-            BLOCK_DOUT, BLOCK_DVOUT, D_PARTS, TMA, TMA_DQ)
+            BLOCK_DOUT, BLOCK_DVOUT, REST_D, REST_DV, SPLIT, TMA, TMA_DQ)
 
 
 @triton.jit
@@ -296,8 +314,8 @@ def _dkdv_key_block(
     seqlen_q, seqlen_k, group, head_dim, head_dim_v, use_alibi, softmax_scale, window_left, window_right, dropout_p,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     PAD_HEADDIM: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DOUT: tl.constexpr, BLOCK_DVOUT: tl.constexpr, D_PARTS: tl.constexpr, TMA: tl.constexpr,
-    TMA_DQ: tl.constexpr,
+    BLOCK_DOUT: tl.constexpr, BLOCK_DVOUT: tl.constexpr, REST_D: tl.constexpr, REST_DV: tl.constexpr,
+    SPLIT: tl.constexpr, TMA: tl.constexpr, TMA_DQ: tl.constexpr,
 ):
     """Key block ``pid_n`` of :func:`_dkdv_program` (sequence-relative bounds, this program's
     columns): its dK/dV, stored, and its dQ shares."""
@@ -310,8 +328,8 @@ def _dkdv_key_block(
     v_rows = row_ptrs(V + b64 * stride_vb + k0 * stride_vs + kv_h * stride_vh, start_n, stride_vs, BLOCK_N)
     k = tl.load(k_rows[:, None] + offs_o[None, :], mask=own_mask, other=0.0)
     v = tl.load(v_rows[:, None] + offs_vo[None, :], mask=own_v_mask, other=0.0)
-    if D_PARTS > 1:
-        # the other program's columns
+    if SPLIT > 0:
+        # the other program's columns (two parts), or every column (more)
         k_rest = tl.load(k_rows[:, None] + offs_r[None, :], mask=n_mask & r_mask[None, :], other=0.0)
         v_rest = tl.load(v_rows[:, None] + offs_vr[None, :], mask=n_mask & vr_mask[None, :], other=0.0)
     else:
@@ -332,28 +350,33 @@ def _dkdv_key_block(
         D_head = Delta + b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + q0
         Q_src = head_rows(Q_head, seqlen_q, head_dim, stride_qs, TMA, BLOCK_M, BLOCK_DOUT)
         dO_src = head_rows(dO_head, seqlen_q, head_dim_v, stride_dos, TMA, BLOCK_M, BLOCK_DVOUT)
+        Qr_src = Q_src  # the other columns' blocks: those of this program (up to two parts) or whole rows
+        dOr_src = dO_src
+        if SPLIT == 2:
+            Qr_src = head_rows(Q_head, seqlen_q, head_dim, stride_qs, TMA, BLOCK_M, REST_D)
+            dOr_src = head_rows(dO_head, seqlen_q, head_dim_v, stride_dos, TMA, BLOCK_M, REST_DV)
         dQ_dst = head_rows(dQ_head, seqlen_q, head_dim, stride_dqs, TMA_DQ, BLOCK_M, BLOCK_DOUT)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask, vo_start, vo_mask, vr_start,
-            vr_mask, Q_src, dO_src, dQ_dst, L_head, D_head, lo, mid_lo,
+            vr_mask, Q_src, dO_src, Qr_src, dOr_src, dQ_dst, L_head, D_head, lo, mid_lo,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
-            BLOCK_DVOUT, D_PARTS > 1, TMA, TMA_DQ)
+            BLOCK_DVOUT, REST_D, REST_DV, SPLIT, TMA, TMA_DQ)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask, vo_start, vo_mask, vr_start,
-            vr_mask, Q_src, dO_src, dQ_dst, L_head, D_head, mid_lo, mid_hi,
+            vr_mask, Q_src, dO_src, Qr_src, dOr_src, dQ_dst, L_head, D_head, mid_lo, mid_hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             False, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
-            BLOCK_DVOUT, D_PARTS > 1, TMA, TMA_DQ)
+            BLOCK_DVOUT, REST_D, REST_DV, SPLIT, TMA, TMA_DQ)
         dk, dv = _dkdv_query_tiles(
             dk, dv, k, v, k_rest, v_rest, offs_n, o_start, o_mask, r_start, r_mask, vo_start, vo_mask, vr_start,
-            vr_mask, Q_src, dO_src, dQ_dst, L_head, D_head, mid_hi, hi,
+            vr_mask, Q_src, dO_src, Qr_src, dOr_src, dQ_dst, L_head, D_head, mid_hi, hi,
             stride_qs, stride_dos, stride_dqs, seqlen_q, seqlen_k, qk_scale_log2, cap_on, cap_in, cap_out_log2,
             slope_log2, window_left, window_right, dropout_p, dropout_seed, b, h,
             True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, PAD_HEADDIM, ATOMIC_DQ, BLOCK_M, BLOCK_DOUT,
-            BLOCK_DVOUT, D_PARTS > 1, TMA, TMA_DQ)
+            BLOCK_DVOUT, REST_D, REST_DV, SPLIT, TMA, TMA_DQ)
 
     dk = dk * softmax_scale
     dk_rows = row_ptrs(dK + b64 * stride_dkb + k0 * stride_dks + kv_h * stride_dkh, start_n, stride_dks, BLOCK_N)

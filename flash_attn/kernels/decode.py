@@ -208,7 +208,7 @@ def _split_share(m_block, split, num_splits, seqlen_q, group, seqlen_k, window_l
 def _normalised(acc, m_i, l_i, empty_lse):
     """The online softmax's result: ``(out, lse)``, lse in natural log (``empty_lse`` and out 0
     for a row that saw no key)."""
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # a NaN sum (NaN or +inf scores) stays NaN
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     return out, tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, empty_lse)
@@ -379,7 +379,7 @@ def combine_splits_kernel(
         o_s = tl.load(part_ptrs + s * stride_px, mask=mask, other=0.0)
         total += w
         acc += w[:, None] * o_s
-    seen = total > 0.0
+    seen = total != 0.0  # a NaN split (NaN or +inf scores) makes the row NaN
     total_safe = tl.where(seen, total, 1.0)
     out = acc / total_safe[:, None]
     lse = tl.where(seen, shift + tl.log(total_safe), float("inf"))

@@ -34,7 +34,8 @@ the sum, the row's lse includes it); the online softmax starts from it (:func:`~
 tiles.sink_state`), so a row that sees no key gets output 0 and lse ``sink``.
 
 MHA/GQA/MQA: query head ``h`` reads kv head ``h // group``; K/V are never repeated.
-A row that sees no key gets output 0 and lse ``+inf``.
+A row that sees no key (or only ``-inf`` scores) gets output 0 and lse ``+inf``; a NaN or ``+inf``
+among a row's visible scores makes its output and lse NaN (upstream's semantics).
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ def attn_fwd_kernel(
             b, h, True, IS_LOCAL, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, IS_PAGED, PAD_HEADDIM, HAS_QV, BLOCK_N, USE_TMA,
             False)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # 0: no visible key (or only -inf scores); a NaN sum (NaN or +inf scores) stays NaN
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
     if HAS_DROPOUT:
         inv_l = inv_l / (1.0 - dropout_p)  # exactly 1 when dropout is off at run time

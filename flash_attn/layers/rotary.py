@@ -19,9 +19,11 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from flash_attn import validation
 from flash_attn.ops.triton.rotary import (
     Offsets,
     _check_args,
+    _check_table,
     _rotate_torch,
     apply_rotary,
 )
@@ -115,6 +117,7 @@ def apply_rotary_emb(
     Returns a tensor shaped like ``x``.
     """
     _check_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen)
+    interleaved, inplace = validation.check_flag(interleaved, "interleaved"), validation.check_flag(inplace, "inplace")
     if _tables_need_grad(cos, sin):
         if inplace and not _autograd_allows_in_place(x):
             raise ValueError(
@@ -140,7 +143,11 @@ apply_rotary_emb_func = apply_rotary_emb
 
 def rotate_half(x: Tensor, interleaved: bool = False) -> Tensor:
     """Map each rotated pair ``(a, b)`` to ``(-b, a)`` (multiplication by i)."""
-    if interleaved:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"x must be a tensor, got {type(x).__name__}")
+    if x.ndim < 1 or x.shape[-1] % 2:
+        raise ValueError(f"x's last dimension (the rotated pairs) must be even, got shape {tuple(x.shape)}")
+    if validation.check_flag(interleaved, "interleaved"):
         a, b = x[..., 0::2], x[..., 1::2]
         return torch.stack((-b, a), dim=-1).flatten(-2)
     a, b = x.chunk(2, dim=-1)
@@ -155,11 +162,22 @@ def apply_rotary_emb_torch(
     x: ``(batch, seqlen, nheads, headdim)``; cos, sin: ``(seqlen, rotary_dim / 2)`` or
     ``(batch, seqlen, rotary_dim / 2)``.
     """
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point or x.ndim != 4:
+        raise ValueError(f"x must be a floating-point tensor of shape (batch, seqlen, nheads, headdim), got "
+                         f"{validation._describe(x)}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, Tensor) or not table.dtype.is_floating_point or table.ndim not in (2, 3):
+            raise ValueError(f"{name} must be a floating-point tensor of shape (seqlen, rotary_dim / 2) or (batch, "
+                             f"seqlen, rotary_dim / 2), got {validation._describe(table)}")
+        if table.device != x.device:
+            raise ValueError(f"{name} is on {table.device} but x is on {x.device}")
+        if table.shape[-2] != x.shape[1] or table.shape != cos.shape:
+            raise ValueError(f"{name} must have shape ({x.shape[1]}, rotary_dim / 2) like cos, got {tuple(table.shape)}")
     rotary_dim = 2 * cos.shape[-1]
     if rotary_dim > x.shape[-1]:
         raise ValueError(f"rotary_dim ({rotary_dim}) must be <= headdim ({x.shape[-1]})")
     # Expand the half-width tables to full width in the layout of the pairs.
-    if interleaved:
+    if validation.check_flag(interleaved, "interleaved"):
         cos_full = cos.repeat_interleave(2, dim=-1)
         sin_full = sin.repeat_interleave(2, dim=-1)
     else:
@@ -273,18 +291,32 @@ def _apply_rotary_emb_qkv(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=Fal
     return out
 
 
-def _rotate_packed(packed, tables, interleaved, seqlen_offsets, num_heads_q) -> Tensor:
-    """Rotate the parts of ``packed`` in place with ``tables`` ((cos, sin) per part)."""
+def _rotate_packed(packed, tables, interleaved, seqlen_offsets, num_heads_q,
+                   table_names=(("cos", "sin"), ("cos", "sin"))) -> Tensor:
+    """Rotate the parts of ``packed`` in place with ``tables`` ((cos, sin) per part, named
+    ``table_names``)."""
+    interleaved = validation.check_flag(interleaved, "interleaved")
     parts = _rotated_parts(packed, num_heads_q)
+    for part, (cos, sin), names in zip(parts, tables, table_names):  # bad arguments fail here, before any write
+        _check_args(part, cos, sin, seqlen_offsets, None, None, names)
     recorded = torch.is_grad_enabled() and packed.requires_grad
+    if recorded and packed.is_leaf and torch.compiler.is_compiling():
+        # A leaf that requires grad: eagerly the result is a view of it carrying the rotation
+        # (_RotatePackedInPlace), which torch.compile cannot trace, and an in-place write into it
+        # with autograd recording is refused. So: the rotation of a copy, whose values are
+        # written into the leaf without autograd, and the copy returned (same values, same
+        # gradient to the leaf).
+        rotated = packed.clone()
+        _rotate_packed(rotated, tables, interleaved, seqlen_offsets, num_heads_q, table_names)
+        with torch.no_grad():
+            packed.copy_(rotated)
+        return rotated
     if any(_tables_need_grad(cos, sin) for cos, sin in tables) or (recorded and torch.compiler.is_compiling()):
         # differentiable tables: op by op (a packed leaf that requires grad is refused there);
         # under torch.compile, part by part as apply_rotary_emb traces it
         for part, (cos, sin) in zip(parts, tables):
             apply_rotary_emb(part, cos, sin, interleaved, True, seqlen_offsets)
         return packed
-    for part, (cos, sin) in zip(parts, tables):  # bad arguments fail here, before any write
-        _check_args(part, cos, sin, seqlen_offsets, None, None)
     if recorded:
         return _RotatePackedInPlace.apply(packed, tables, interleaved, seqlen_offsets, num_heads_q)
     _rotate_parts(parts, tables, interleaved, seqlen_offsets)
@@ -310,14 +342,18 @@ def apply_rotary_emb_qkv_(
     """
     if (cos_k is None) != (sin_k is None):
         raise ValueError("cos_k and sin_k must be given together")
+    _check_packed(qkv, "qkv")
+    if num_heads_q is not None:
+        validation.check_int(num_heads_q, "num_heads_q", minimum=1)
     if qkv.ndim == 5 and qkv.shape[2] != 3:
         raise ValueError(
             f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}"
         )
     _split_qk(qkv, num_heads_q)  # shape errors before anything else
+    names = (("cos", "sin"), ("cos", "sin") if cos_k is None else ("cos_k", "sin_k"))
     if cos_k is None:
         cos_k, sin_k = cos, sin
-    return _rotate_packed(qkv, ((cos, sin), (cos_k, sin_k)), interleaved, seqlen_offsets, num_heads_q)
+    return _rotate_packed(qkv, ((cos, sin), (cos_k, sin_k)), interleaved, seqlen_offsets, num_heads_q, names)
 
 
 def apply_rotary_emb_kv_(
@@ -329,11 +365,17 @@ def apply_rotary_emb_kv_(
 ) -> Tensor:
     """Rotate k of a packed kv ``(batch, seqlen, 2, nheads, headdim)`` *in place*; return ``kv``
     (a view of it for a leaf that requires grad, as upstream)."""
+    _check_packed(kv, "kv")
     if kv.ndim != 5 or kv.shape[2] != 2:
         raise ValueError(
             f"kv must have shape (batch, seqlen, 2, nheads, headdim), got {tuple(kv.shape)}"
         )
     return _rotate_packed(kv, ((cos, sin),), interleaved, seqlen_offsets, None)
+
+
+def _check_packed(packed, name: str) -> None:
+    if not isinstance(packed, Tensor) or not packed.dtype.is_floating_point:
+        raise ValueError(f"{name} must be a floating-point tensor, got {validation._describe(packed)}")
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -356,11 +398,19 @@ class RotaryEmbedding(torch.nn.Module):
         device=None,
     ):
         super().__init__()
+        dim = validation.check_int(dim, "dim")
         if dim <= 0 or dim % 2 != 0:
             raise ValueError(f"dim must be a positive even number, got {dim}")
+        base = validation._real(base, "base", "a float > 0")
+        if not base > 0 or base == float("inf"):
+            raise ValueError(f"base must be a finite float > 0, got {base!r}")
+        if scale_base is not None:
+            scale_base = validation._real(scale_base, "scale_base", "a float > 0 or None")
+            if not scale_base > 0:
+                raise ValueError(f"scale_base must be > 0 (or None: no XPos), got {scale_base!r}")
         self.dim = dim
-        self.base = float(base)
-        self.interleaved = interleaved
+        self.base = base
+        self.interleaved = validation.check_flag(interleaved, "interleaved")
         self.scale_base = scale_base
         self.register_buffer("inv_freq", self._compute_inv_freq(device), persistent=False)
         scale = self._compute_scale(device) if scale_base is not None else None
@@ -430,6 +480,18 @@ class RotaryEmbedding(torch.nn.Module):
         seqlen_offset: int or ``(batch,)`` tensor, the position of the first token. With a
             tensor, pass ``max_seqlen`` so the tables are built long enough.
         """
+        if not isinstance(qkv, Tensor):
+            raise TypeError(f"qkv must be a tensor, got {type(qkv).__name__}")
+        if qkv.ndim < 4:
+            raise ValueError(f"qkv must have shape (batch, seqlen, ...) with heads and headdim, got {tuple(qkv.shape)}")
+        if isinstance(kv, Tensor) and kv.device != qkv.device:
+            raise ValueError(f"kv is on {kv.device} but qkv is on {qkv.device}")
+        if isinstance(seqlen_offset, bool) or not isinstance(seqlen_offset, (int, Tensor)):
+            raise ValueError(f"seqlen_offset must be an int or a tensor of shape (batch,), got {seqlen_offset!r}")
+        if max_seqlen is not None:
+            max_seqlen = validation.check_int(max_seqlen, "max_seqlen", minimum=0)
+        if num_heads_q is not None:
+            validation.check_int(num_heads_q, "num_heads_q", minimum=1)
         seqlen = qkv.shape[1]
         if max_seqlen is not None:
             self._update_cos_sin_cache(max_seqlen, device=qkv.device, dtype=qkv.dtype)

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+from flash_attn import validation
+from flash_attn.ops.triton.cross_entropy import _check, check_options, cross_entropy_loss
 
 __all__ = ["CrossEntropyLoss"]
 
@@ -40,7 +41,9 @@ class CrossEntropyLoss(nn.Module):
                 logging; it carries no gradient.
         """
         super().__init__()
-        if reduction not in _REDUCTIONS:
+        check_options(label_smoothing, logit_scale, lse_square_scale, ignore_index, inplace_backward, process_group)
+        validation.check_flag(return_z_loss, "return_z_loss")
+        if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
             # upstream's exception type, so code that catches it keeps working
             raise NotImplementedError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
         self.ignore_index = ignore_index
@@ -67,6 +70,8 @@ class CrossEntropyLoss(nn.Module):
             the loss (``(batch,)`` for ``reduction="none"``, else a scalar), and the z-loss the same
             way when ``return_z_loss``.
         """
+        _check(input, target, precomputed_lse, self.label_smoothing, self.logit_scale, self.lse_square_scale,
+               self.ignore_index, self.inplace_backward, self.process_group, names=("input", "target"))
         loss, z_loss = cross_entropy_loss(
             input,
             target,

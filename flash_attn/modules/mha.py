@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 from torch import Tensor
 
+from flash_attn import validation
 from flash_attn.flash_attn_interface import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -36,15 +37,59 @@ def get_alibi_slopes(nheads):
         first = 2.0 ** (-8.0 / n)
         return [first ** (i + 1) for i in range(n)]
 
-    if nheads <= 0:
-        raise ValueError(f"nheads must be positive, got {nheads}")
+    nheads = validation.check_int(nheads, "nheads", minimum=1)
     lower = 2 ** math.floor(math.log2(nheads))
     if lower == nheads:
         return geometric(nheads)
     return geometric(lower) + geometric(2 * lower)[0::2][: nheads - lower]
 
 
+def _check_options(causal=False, softmax_scale=None, dropout=0.0, dropout_name="attention_dropout",
+                   window_size=(-1, -1), alibi_slopes=None, **flags):
+    """The modules' scalar options, named as their constructors name them."""
+    validation.check_flag(causal, "causal")
+    validation.check_softmax_scale(softmax_scale)
+    p = validation._real(dropout, dropout_name, "a float in [0, 1)")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{dropout_name} must be in [0, 1), got {dropout!r}")
+    validation.check_window(window_size)
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor):
+            raise TypeError(f"alibi_slopes must be a tensor of shape (nheads,), got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dim() != 1:
+            raise ValueError(f"alibi_slopes must have shape (nheads,), got {tuple(alibi_slopes.shape)}")
+    for name, flag in flags.items():
+        validation.check_flag(flag, name)
+
+
+def _check_tensor(t, name: str, layout: str, ndim: int, device=None):
+    """A floating-point tensor of ``ndim`` dims (``layout``), on ``device`` when given."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a tensor of shape {layout}, got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the queries are on {device}")
+
+
+def _check_key_padding_mask(mask, batch: int, seqlen: int, device):
+    if mask is None:
+        return
+    if not isinstance(mask, Tensor):
+        raise TypeError(f"key_padding_mask must be a bool tensor of shape (batch, seqlen), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = keep), got {mask.dtype}")
+    if tuple(mask.shape) != (batch, seqlen):
+        raise ValueError(f"key_padding_mask must have shape (batch, seqlen) = {(batch, seqlen)}, got {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but the queries are on {device}")
+
+
 def _check_varlen(cu_seqlens, max_seqlen, names=("cu_seqlens", "max_seqlen")):
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"{names[0]} must be an int32 tensor of shape (batch + 1,), got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{names[0]} must be torch.int32, got {cu_seqlens.dtype}")
     if not isinstance(max_seqlen, int):
@@ -68,6 +113,8 @@ class FlashSelfAttention(nn.Module):
         deterministic=False,
     ):
         super().__init__()
+        _check_options(causal, softmax_scale, attention_dropout, window_size=window_size, alibi_slopes=alibi_slopes,
+                       deterministic=deterministic)
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
@@ -91,6 +138,7 @@ class FlashSelfAttention(nn.Module):
         if cu_seqlens is not None:
             _check_varlen(cu_seqlens, max_seqlen)
             return flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p, **common)
+        _no_max_seqlen(max_seqlen)
         return flash_attn_qkvpacked_func(qkv, dropout_p, **common)
 
 
@@ -108,6 +156,8 @@ class FlashCrossAttention(nn.Module):
         deterministic=False,
     ):
         super().__init__()
+        _check_options(causal, softmax_scale, attention_dropout, window_size=window_size, alibi_slopes=alibi_slopes,
+                       deterministic=deterministic)
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
@@ -145,11 +195,19 @@ class FlashCrossAttention(nn.Module):
             return flash_attn_varlen_kvpacked_func(
                 q, kv, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, dropout_p, **common
             )
+        _no_max_seqlen(max_seqlen)
+        _check_tensor(q, "q", "(batch, seqlen_q, nheads, headdim)", 4)
+        _check_tensor(kv, "kv", "(batch, seqlen_k, 2, nheads_k, headdim)", 5, q.device)
         if kv.shape[0] != q.shape[0] or kv.shape[-1] != q.shape[-1]:
             raise ValueError(
                 f"kv {tuple(kv.shape)} must have q's batch size and head dim (q {tuple(q.shape)})"
             )
         return flash_attn_kvpacked_func(q, kv, dropout_p, **common)
+
+
+def _no_max_seqlen(max_seqlen):
+    if max_seqlen is not None:
+        raise ValueError("max_seqlen is for varlen calls: pass it together with cu_seqlens (or not at all)")
 
 
 def _float32(slopes):
@@ -187,12 +245,17 @@ class SelfAttention(nn.Module):
 
     def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0):
         super().__init__()
+        _check_options(causal, softmax_scale, attention_dropout)
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
 
     def forward(self, qkv, causal=None, key_padding_mask=None):
-        causal = self.causal if causal is None else causal
+        causal = self.causal if causal is None else validation.check_flag(causal, "causal")
+        _check_tensor(qkv, "qkv", "(batch, seqlen, 3, nheads, headdim)", 5)
+        if qkv.shape[2] != 3:
+            raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+        _check_key_padding_mask(key_padding_mask, qkv.shape[0], qkv.shape[1], qkv.device)
         q, k, v = qkv.unbind(dim=2)
         return _masked_softmax_attention(
             q, k, v, self.softmax_scale, self.drop, key_padding_mask, causal, False
@@ -206,12 +269,18 @@ class CrossAttention(nn.Module):
 
     def __init__(self, causal=False, softmax_scale=None, attention_dropout=0.0):
         super().__init__()
+        _check_options(causal, softmax_scale, attention_dropout)
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
 
     def forward(self, q, kv, causal=None, key_padding_mask=None):
-        causal = self.causal if causal is None else causal
+        causal = self.causal if causal is None else validation.check_flag(causal, "causal")
+        _check_tensor(q, "q", "(batch, seqlen_q, nheads, headdim)", 4)
+        _check_tensor(kv, "kv", "(batch, seqlen_k, 2, nheads_k, headdim)", 5, q.device)
+        if kv.shape[2] != 2:
+            raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+        _check_key_padding_mask(key_padding_mask, kv.shape[0], kv.shape[1], q.device)
         if kv.shape[0] != q.shape[0] or kv.shape[-1] != q.shape[-1]:
             raise ValueError(
                 f"kv {tuple(kv.shape)} must have q's batch size and head dim (q {tuple(q.shape)})"
@@ -228,7 +297,16 @@ class CrossAttention(nn.Module):
 class LinearResidual(nn.Linear):
     """``nn.Linear`` that also returns its input: ``(linear(x), x)``."""
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None) -> None:
+        validation.check_int(in_features, "in_features", minimum=0)
+        validation.check_int(out_features, "out_features", minimum=0)
+        validation.check_flag(bias, "bias")
+        super().__init__(in_features, out_features, bias, device, dtype)
+
     def forward(self, input: Tensor):
+        if isinstance(input, Tensor) and (input.dim() < 1 or input.shape[-1] != self.in_features):
+            raise ValueError(f"input must have in_features ({self.in_features}) as its last dimension, got shape "
+                             f"{tuple(input.shape)}")
         return super().forward(input), input
 
 
@@ -278,6 +356,13 @@ class _KVCacheAttention(nn.Module):
                     use_flash_attn, checkpointing):
         """Check the head counts (``num_heads_kv`` defaults to ``num_heads``) and keep the
         settings that the attention step reads."""
+        embed_dim = validation.check_int(embed_dim, "embed_dim", minimum=1)
+        num_heads = validation.check_int(num_heads, "num_heads", minimum=1)
+        if num_heads_kv is not None:
+            validation.check_int(num_heads_kv, "num_heads_kv", minimum=1)
+        if layer_idx is not None:
+            validation.check_int(layer_idx, "layer_idx", minimum=0)
+        rotary_emb_dim = validation.check_int(rotary_emb_dim, "rotary_emb_dim", minimum=0)
         num_heads_kv = num_heads_kv if num_heads_kv is not None else num_heads
         if num_heads <= 0 or num_heads_kv <= 0 or num_heads % num_heads_kv:
             raise ValueError(
@@ -285,6 +370,9 @@ class _KVCacheAttention(nn.Module):
             )
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if rotary_emb_dim % 2 or rotary_emb_dim > embed_dim // num_heads:
+            raise ValueError(f"rotary_emb_dim must be even and at most the head dim ({embed_dim // num_heads}), got "
+                             f"{rotary_emb_dim}")
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_heads_kv = num_heads_kv
@@ -397,6 +485,36 @@ class _KVCacheAttention(nn.Module):
         return inner(*args, **kwargs)
 
 
+def _check_mha_options(dropout, softmax_scale, rotary_emb_base, rotary_emb_scale_base, window_size, dtype, **flags):
+    """What ``MHA`` and ``ParallelMHA`` take besides the head counts (:meth:`_KVCacheAttention._init_heads`)."""
+    _check_options(flags.pop("causal"), softmax_scale, dropout, "dropout", window_size, **flags)
+    base = validation._real(rotary_emb_base, "rotary_emb_base", "a float > 0")
+    if not base > 0:
+        raise ValueError(f"rotary_emb_base must be > 0, got {rotary_emb_base!r}")
+    if rotary_emb_scale_base is not None and not validation._real(
+            rotary_emb_scale_base, "rotary_emb_scale_base", "a float > 0 or None") > 0:
+        raise ValueError(f"rotary_emb_scale_base must be > 0 (or None: no XPos), got {rotary_emb_scale_base!r}")
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+
+
+def _check_inference_params(inference_params):
+    if inference_params is not None and not (hasattr(inference_params, "key_value_memory_dict")
+                                             and hasattr(inference_params, "seqlen_offset")):
+        raise TypeError(f"inference_params must be a flash_attn.utils.generation.InferenceParams, got "
+                        f"{type(inference_params).__name__}")
+
+
+def _check_input(x, embed_dim: int, layout: str, ndims=(3,)):
+    if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating-point tensor of shape {layout}, got {validation._describe(x)}")
+    if x.dim() not in ndims or x.shape[-1] != embed_dim:
+        raise ValueError(f"x must have shape {layout} with embed_dim = {embed_dim}, got {tuple(x.shape)}")
+
+
 def _inner_attentions(use_flash_attn, alibi_slopes, window_size, causal, softmax_scale, dropout):
     """The inner self- and cross-attention modules of ``MHA`` / ``ParallelMHA``. Built before
     the projections, so that an option the plain PyTorch path lacks fails before any weight is
@@ -476,6 +594,11 @@ class MHA(_KVCacheAttention):
     ) -> None:
         factory = {"device": device, "dtype": dtype}
         super().__init__()
+        _check_mha_options(dropout, softmax_scale, rotary_emb_base, rotary_emb_scale_base, window_size, dtype,
+                           causal=causal, cross_attn=cross_attn, qkv_proj_bias=qkv_proj_bias,
+                           out_proj_bias=out_proj_bias, dwconv=dwconv, rotary_emb_interleaved=rotary_emb_interleaved,
+                           use_alibi=use_alibi, fused_bias_fc=fused_bias_fc, use_flash_attn=use_flash_attn,
+                           return_residual=return_residual, checkpointing=checkpointing)
         self._init_heads(embed_dim, num_heads, num_heads_kv, causal, layer_idx, rotary_emb_dim,
                          use_flash_attn, checkpointing)
         if rotary_emb_dim > 0 and cross_attn:
@@ -518,8 +641,11 @@ class MHA(_KVCacheAttention):
     def _causal_conv(conv, t):
         return conv(t.transpose(1, 2))[..., :-2].transpose(1, 2).contiguous()
 
-    def _check_forward_args(self, x_kv, key_padding_mask, cu_seqlens, max_seqlen, mixer_subset,
+    def _check_forward_args(self, x, x_kv, key_padding_mask, cu_seqlens, max_seqlen, mixer_subset,
                             inference_params):
+        _check_inference_params(inference_params)
+        if max_seqlen is not None and cu_seqlens is None:
+            raise ValueError("max_seqlen is for varlen calls: pass it together with cu_seqlens (or not at all)")
         if cu_seqlens is not None:
             if max_seqlen is None:
                 raise ValueError("max_seqlen is required when cu_seqlens is given")
@@ -543,6 +669,11 @@ class MHA(_KVCacheAttention):
                 raise NotImplementedError("MHA: generation (inference_params) does not support dwconv")
         if not self.cross_attn and (x_kv is not None or mixer_subset is not None):
             raise ValueError("x_kv and mixer_subset are for cross_attn=True only")
+        _check_input(x, self.embed_dim, "(batch, seqlen, embed_dim), or (total, embed_dim) with cu_seqlens",
+                     (2,) if cu_seqlens is not None else (3,))
+        if key_padding_mask is not None:
+            source = x_kv if isinstance(x_kv, Tensor) else x
+            _check_key_padding_mask(key_padding_mask, source.shape[0], source.shape[1], x.device)
 
     def forward(
         self,
@@ -562,7 +693,7 @@ class MHA(_KVCacheAttention):
         mixer_subset: cross-attention only; queries from ``x[:, mixer_subset]``.
         inference_params: ``InferenceParams`` for step-by-step decoding with a kv cache.
         Returns ``out`` of ``x``'s shape, or ``(out, x)`` with ``return_residual``."""
-        self._check_forward_args(x_kv, key_padding_mask, cu_seqlens, max_seqlen, mixer_subset,
+        self._check_forward_args(x, x_kv, key_padding_mask, cu_seqlens, max_seqlen, mixer_subset,
                                  inference_params)
         if self.use_flash_attn:
             kwargs = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, **kwargs}
@@ -630,6 +761,13 @@ class ParallelMHA(_KVCacheAttention):
 
         factory = {"device": device, "dtype": dtype}
         super().__init__()
+        _check_mha_options(dropout, softmax_scale, rotary_emb_base, rotary_emb_scale_base, window_size, dtype,
+                           causal=causal, qkv_proj_bias=qkv_proj_bias, out_proj_bias=out_proj_bias,
+                           rotary_emb_interleaved=rotary_emb_interleaved, use_alibi=use_alibi,
+                           use_flash_attn=use_flash_attn, checkpointing=checkpointing,
+                           sequence_parallel=sequence_parallel)
+        if not isinstance(process_group, torch.distributed.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}")
         self._init_heads(embed_dim, num_heads, num_heads_kv, causal, layer_idx, rotary_emb_dim,
                          use_flash_attn, checkpointing)
         self.process_group = process_group
@@ -671,6 +809,13 @@ class ParallelMHA(_KVCacheAttention):
     def forward(self, x, seqlen=None, inference_params=None, **kwargs):
         """x: ``(batch, seqlen, embed_dim)``; or, with ``seqlen`` given, ``(batch * seqlen,
         embed_dim)`` (sequence parallel: this rank's slice of it). Returns the same layout."""
+        _check_inference_params(inference_params)
+        if seqlen is not None:
+            seqlen = validation.check_int(seqlen, "seqlen", minimum=1)
+            if isinstance(x, Tensor) and x.dim() and x.shape[0] % seqlen:
+                raise ValueError(f"seqlen ({seqlen}) must divide x's {x.shape[0]} rows (batch * seqlen)")
+        _check_input(x, self.embed_dim, "(batch, seqlen, embed_dim), or (batch * seqlen, embed_dim) with seqlen",
+                     (2,) if seqlen is not None else (3,))
         d = self.head_dim
         qkv = self.Wqkv(x)
         if seqlen is not None:

@@ -49,13 +49,14 @@ def uses_score_features(scalars: Scalars, alibi: bool) -> bool:
 
 
 def block_dims(head_dim: int, head_dim_v: int, features: bool, target: Target) -> tuple[int, int]:
-    """``(BLOCK_D, BLOCK_DV)``: q/k's and v's head dims padded to powers of two (at least 16; at
-    least 32 where the backward splits the wider one's columns over two programs, so that each half
-    is an MMA operand). Ahead of time: an image pair the build ships for the family
+    """``(BLOCK_D, BLOCK_DV)``: q/k's and v's head dims padded to powers of two (at least 16; where
+    the backward may split the wider one's columns over programs, at least 16 per program, so that
+    each part is an MMA operand). Ahead of time: an image pair the build ships for the family
     (:func:`~flash_attn.planning.declarations.ships_head_dims`), each from the smallest head-dim
     bucket (of the score-features variant: its smallest, 64) up; where no image has the pair, the
     square image of the wider one (exact: the narrower one's columns are masked at run time)."""
-    low = 32 if max(head_dim, head_dim_v) > configs.GRADIENT_COLUMNS else 16
+    widest = configs.padded_headdim(max(head_dim, head_dim_v))
+    low = 16 * max(1, widest // configs.GRADIENT_COLUMNS)
     block_d, block_dv = (max(low, configs.padded_headdim(d)) for d in (head_dim, head_dim_v))
     if target.aot:
         smallest = configs.FEATURE_BUCKETS[0] if features else configs.HEADDIM_BUCKETS[0]

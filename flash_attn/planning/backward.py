@@ -13,7 +13,8 @@ from flash_attn.limits import cdiv
 from flash_attn.planning import configs, declarations
 from flash_attn.planning.attention import (CallSlots, Sizes, attention_constexprs, block_dims, call_slots,
                                            runs_exact_image, score_flags, shared_args, sizes)
-from flash_attn.planning.launches import Launch, Planned, Refusal, Target, finish, kernel_refusal, launch, named
+from flash_attn.planning.launches import (Launch, Planned, Refusal, Target, finish, image_refusal, kernel_refusal, launch,
+                                         named)
 from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import BackwardShape, Slot
 
@@ -69,6 +70,9 @@ def plan_backward(s: BackwardShape, target: Target) -> Planned:
     if why is not None:
         return why
     call = _backward_call(s, target, sz)
+    why = image_refusal(target, call.block_d, call.block_dv, sz.features)
+    if why is not None:
+        return why
     fused_exact = runs_exact_image("attn_bwd_kernel", target, sz.features, call.flags, call.block_d, s.q.dtype,
                                    call.block_dv)
     fused = configs.fused_backward(call.config_dim, target.family, sz.features, fused_exact)

@@ -3,9 +3,14 @@
 A configuration is ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``, with three switches where the
 kernels have them: ``tma`` (tensor-descriptor loads, :func:`uses_tma`), ``ws`` (Triton's warp
 specialisation of the forward, :func:`uses_ws`) and ``dq_tma`` (the fused backward's dQ by TMA
-reductions, :func:`uses_dq_tma`). The tables are keyed by kernel
+reductions, :func:`uses_dq_tma`); and the knobs Triton's AMD backend takes (``waves_per_eu``,
+``matrix_instr_nonkdim``, ``kpack``: :func:`compiler_options`). The tables are keyed by kernel
 kind, architecture family and head-dimension bucket; :func:`pick_config` looks one up. Nothing
 here is tuned at run time (the kernels are compiled ahead of time), so the table *is* the tuning.
+
+``num_warps`` counts warps of the family's wave size (:attr:`flash_attn.planning.families.Family.
+wave_size`): 32 threads on NVIDIA and RDNA, 64 on CDNA, where ``num_warps=4`` is 256 threads
+(:func:`threads`).
 
 The families, their shared memory and whose rows a family without its own takes are declared in
 :mod:`flash_attn.planning.families`; the head-dimension buckets (one entry per bucket in every row)
@@ -45,9 +50,12 @@ __all__ = [
     "INTERPRETER_CONFIGS",
     "arch_family",
     "estimate_shared_memory",
+    "compiler_options",
     "padded_headdim",
     "pick",
     "pick_config",
+    "refusal",
+    "threads",
 ]
 
 
@@ -59,6 +67,24 @@ class Config(NamedTuple):
     tma: Optional[bool] = None  # tensor-descriptor loads (forward, fused backward); None: uses_tma's default
     ws: bool = False  # warp specialisation (the forward on Hopper: uses_ws); implies tma
     dq_tma: bool = False  # the fused backward's dQ added by TMA bulk reductions (uses_dq_tma)
+    # Triton's AMD knobs (compiler_options; the defaults are Triton's own, and NVIDIA's configs keep them):
+    waves_per_eu: int = 0  # waves per SIMD the register allocation aims at (0: as many as fit)
+    matrix_instr_nonkdim: int = 0  # MFMA/WMMA instruction M = N: 16 or 32 (0: Triton's choice)
+    kpack: int = 1  # operand elements per LDS read of an MFMA (CDNA3: 1 or 2; later ones take 1)
+
+
+class Refused(NamedTuple):
+    """A head-dim bucket a family's kernels do not run, and why (the planner refuses those calls)."""
+
+    reason: str
+
+
+class WithFeatures(NamedTuple):
+    """An entry of an AMD row whose score-features variant takes its own config (the features'
+    extra live tiles spill in the lean one)."""
+
+    lean: Optional[Config]
+    features: Config
 
 
 HEADDIM_BUCKETS = limits.HEADDIM_BUCKETS
@@ -84,22 +110,31 @@ _C = Config
 # product computed twice (128-row tiles for 8 warps); then the largest tiles and the deepest
 # pipeline. A register spill is allowed where the bigger tile is expected to be faster; the GPU
 # sweep (`bench tune`) is what settles it.
+#
+# Head dim 512 (the last entry; read from compiles for sm_80, sm_90a, sm_100f and sm_120f, none run on
+# a GPU yet: benchmarks/README.md, "Head dim 512"): no product computed twice anywhere, 16 rows a
+# warp. The forward splits the output's columns over two programs (OUTPUT_COLUMNS) and spills at
+# most 184 B (sm_80), none on sm_90a; the backward splits the gradients' columns over four
+# (GRADIENT_COLUMNS) and still spills 0.8-2 KB a thread (its dK/dV tiles take 128 registers, whole
+# rows of Q and dO or K and V feed the scores): the smallest tiles that fit, fewest spills in the
+# loops of those tried.
 _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining.
-    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2)),
-    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2)),
+    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2), _C(64, 32, 4, 2)),
+    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2), _C(16, 32, 2, 2)),
+    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2), _C(32, 16, 2, 1)),
     # Consumer Ampere / Ada (sm86, sm87, sm89) and consumer Blackwell (sm120, its parent): 99 KB.
-    ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1)),
-    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2)),
+    ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1), _C(32, 16, 2, 2)),
+    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2), _C(16, 32, 2, 1)),
+    ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2), _C(32, 16, 2, 1)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims; the H200 sweep of
     # 2026-11-27 chose d64's 64 rows on one warpgroup and d256's K/V by TMA.
-    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(64, 128, 4, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2, tma=True)),
+    ("fwd", "sm90"): (_C(128, 128, 8, 3), _C(64, 128, 4, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2, tma=True),
+                       _C(128, 32, 8, 2)),
     # deterministic=True: dK/dV as the fused backward walks it (128 keys on two warpgroups, Q and
     # dO by TMA, d256's head dim split over two programs), dQ on 128-row tiles (64 replicated S)
-    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2)),
-    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 32, 8, 2)),
+    ("bwd_dkdv", "sm90"): (_C(32, 128, 8, 2), _C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 4, 1)),
+    ("bwd_dq", "sm90"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 16, 4, 1)),
     # The fused backward (deterministic=False). None: the split dK/dV + dQ kernels run instead
     # (benchmarks/README.md, "The fused backward"). On mma.sync (sm80, sm86, sm120) the fused
     # kernel replicates or spills KBs where the split ones do not, and neither is measured there.
@@ -108,19 +143,98 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # d128 in three stages (the H200 sweep). d256 splits the head dim over two programs
     # (GRADIENT_COLUMNS): 32 queries a step in two stages is the tile whose operands still fit the
     # 227 KB of shared memory; its dQ shares added by TMA reductions (the H200 sweep).
-    ("bwd_fused", "sm80"): (None, None, None, None),
-    ("bwd_fused", "sm86"): (None, None, None, None),
-    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True)),
+    ("bwd_fused", "sm80"): (None, None, None, None, None),
+    ("bwd_fused", "sm86"): (None, None, None, None, None),
+    ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True),
+                             _C(16, 64, 4, 1)),
     # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05
     # MMAs. Its forward is Hopper's (its parent's) until a Blackwell GPU measures its own.
-    ("bwd_dkdv", "sm100"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2)),
-    ("bwd_dq", "sm100"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2)),
+    ("bwd_dkdv", "sm100"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2), _C(16, 64, 4, 1)),
+    ("bwd_dq", "sm100"): (_C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(64, 16, 4, 1)),
     # Blackwell's fused backward (tcgen05, unmeasured: no Blackwell GPU has run it): tensor memory
     # (512 fp32 columns) holds dK, dV, S, dP and dQ, so d128 takes 32 queries a step to keep two
     # stages (64 x 128 fits one stage and spills 163 instructions in its loop; 32 x 128 s2: 3); d256
     # fits with its gradient columns split over two programs (dK and dV 128 columns each), Hopper's tile.
-    ("bwd_fused", "sm100"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2)),
+    ("bwd_fused", "sm100"): (_C(64, 128, 8, 2), _C(64, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(16, 64, 4, 1)),
 }
+
+# AMD (ROCm PyTorch, Triton's JIT; families.py: CDNA's MFMA on 64-thread waves, RDNA's WMMA on 32).
+# One row per head-dim bucket: (fwd, bwd_dkdv, bwd_dq, bwd_fused) as in _TABLE, or Refused(why)
+# for a bucket the family's kernels cannot run; a family without rows takes its config parent's.
+# A bucket added to limits.HEADDIM_BUCKETS is one row per family here (checked at import).
+#
+# The rule (no AMD GPU has measured them: chosen from the compiled kernels, the static report of
+# `python -m flash_attn amd-kernels`, benchmarks/README.md "AMD"): every product on the matrix
+# instructions and the LDS within the workgroup's limit; on CDNA no scratch at head dims <= 128,
+# on RDNA the least scratch any tile reaches; then at least two waves per SIMD (waves_per_eu=2)
+# where the registers allow it; then the largest tiles.
+_A, _WF = Config, WithFeatures
+_AMD_512 = Refused("head dim 512 has no AMD launch config yet (none compiled and read by `amd-kernels`)")
+_AMD: dict[str, dict[int, object]] = {
+    # MI300 (gfx942; MI350, gfx950, its child): 4 waves of 64 = 256 threads per program; fused
+    # backward (native fp32 atomics), 128 keys per dK/dV program up to d128. Each entry the
+    # largest tile without scratch (and at two waves per SIMD where one exists): d128's forward
+    # 128x64 keeps 80 B of scratch at two waves, so 128x32. With the score features, the d64
+    # forward keeps 792 B (at two waves; 28 B on gfx950 with 128x32), d128 1.2 KB; d128's dQ 480 B.
+    "cdna3": {
+        32: (_A(128, 64, 4, 2, waves_per_eu=2), _A(32, 128, 4, 1), _A(128, 32, 4, 1), _A(16, 128, 4, 1)),
+        64: (_WF(_A(128, 64, 4, 2, waves_per_eu=2), _A(128, 32, 4, 2)), _A(32, 128, 4, 1), _A(128, 32, 4, 1),
+             _A(16, 128, 4, 1)),
+        128: (_WF(_A(128, 32, 4, 2, waves_per_eu=2), _A(128, 32, 4, 2)), _A(16, 128, 4, 1),
+              _WF(_A(128, 64, 4, 1), _A(128, 32, 4, 1)), _A(16, 128, 4, 1)),
+        256: (_A(128, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), _A(16, 128, 4, 1)),
+        512: _AMD_512,
+    },
+    # RX 7000 (gfx1100/1101): 32-thread waves, WMMA on 16-row tiles per wave, whose operands take
+    # twice the registers of RDNA4's: the backward spills with every tile (the least the sweep
+    # found: d64 dK/dV 88 B, dQ 304 B; d128 forward 204 B, dK/dV 912 B, dQ 780 B). Its float
+    # atomics are compare-and-swap loops: the split backward, no fused one.
+    "rdna3": {
+        32: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_WF(_A(128, 32, 8, 2), _A(128, 16, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        128: (_A(64, 16, 4, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
+        256: (_A(64, 16, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
+        512: _AMD_512,
+    },
+    # RX 9000 (gfx1201/1200): none of its lean images spills up to d64; d128's dK/dV keeps 276 B.
+    # Native float atomics, but the fused backward spills where the split kernels do not.
+    "rdna4": {
+        32: (_A(128, 64, 8, 2), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        64: (_WF(_A(128, 64, 8, 2), _A(128, 32, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
+        128: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
+        256: (_A(64, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
+        512: _AMD_512,
+    },
+}
+
+
+def _amd_rows(rows_by_family: dict) -> tuple[dict, dict, dict]:
+    """``(table rows, features rows, refused buckets)`` of the bucket-major AMD rows: ``(kind,
+    family) -> one entry per bucket`` for :data:`_TABLE` and :data:`_FEATURES_TABLE` (``None``: the
+    lean entry), ``(family, bucket) -> reason`` for :func:`refusal`."""
+    table: dict = {}
+    features: dict = {}
+    refused: dict = {}
+    for family, rows in rows_by_family.items():
+        if set(rows) != set(HEADDIM_BUCKETS):
+            raise ValueError(f"AMD launch configs of {family}: rows for head-dim buckets {sorted(rows)}; one per "
+                             f"head-dim bucket {HEADDIM_BUCKETS} expected (a config tuple or Refused(why))")
+        for bucket, row in rows.items():
+            if isinstance(row, Refused):
+                refused[(family, bucket)] = row.reason
+            elif len(row) != len(KINDS):
+                raise ValueError(f"AMD launch configs of {family}, head dim {bucket}: {len(row)} entries; one per "
+                                 f"kind {KINDS} expected")
+        for i, kind in enumerate(KINDS):
+            entries = [None if isinstance(rows[b], Refused) else rows[b][i] for b in HEADDIM_BUCKETS]
+            table[(kind, family)] = tuple(e.lean if isinstance(e, WithFeatures) else e for e in entries)
+            if any(isinstance(e, WithFeatures) for e in entries):
+                features[(kind, family)] = tuple(e.features if isinstance(e, WithFeatures) else None for e in entries)
+    return table, features, refused
+
+
+_AMD_TABLE, _AMD_FEATURES, _REFUSED = _amd_rows(_AMD)
+_TABLE.update(_AMD_TABLE)
 
 # The score-features variant (softcap + ALiBi + dropout compiled in, each switched at run time):
 # where the lean entry spills with the extra live tiles, the largest tile that does not (same rule;
@@ -128,28 +242,32 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # on the 64 kernels: FEATURE_BUCKETS). A family without a row takes its config parent's.
 _F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
-    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 8, 1), _C(16, 32, 8, 2), None),
-    ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None),
-    ("fwd", "sm90"): (None, _F, _F, None),
-    ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None),
-    ("bwd_dq", "sm90"): (None, None, _C(128, 32, 8, 2), None),
+    # d64: 16x64 on 4 warps, not 8 (2026-11-29): v's own head-dim mask took the last of 8 warps'
+    # 255 registers and the oldest Triton allowed (3.7) spilled 8 B; on 4 warps no product is
+    # computed twice (8 warps: twice) and no Triton spills (241-244 registers)
+    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 4, 1), _C(16, 32, 8, 2), None, None),
+    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 4, 1), _C(16, 32, 8, 2), None, None),
+    ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None, None),
+    ("fwd", "sm90"): (None, _F, _F, None, None),
+    ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None, None),
+    ("bwd_dq", "sm90"): (None, None, _C(128, 32, 8, 2), None, None),
     # d128: the lean 64x128 keeps ~1.1 KB of stack and ~1,250 spill instructions in its loop with
     # the features' live tiles; 32 queries a step in two stages: 0.4 KB and 85
     # d64: the lean 128x128 (the sweep's) keeps 1.6 KB of stack and ~1,600 spill instructions in
     # its loop with the features' tiles; 64x128 (the lean entry before the sweep) 344 B and 64
-    ("bwd_fused", "sm90"): (None, _C(64, 128, 8, 2), _C(32, 128, 8, 2), None),
+    ("bwd_fused", "sm90"): (None, _C(64, 128, 8, 2), _C(32, 128, 8, 2), None, None),
     # 128x32: compiles 30-40 % faster than 128x64, and at d256 128x64 keeps 56 B of stack, 128x32 none
-    ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), _C(128, 32, 8, 2)),
-    ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
-    ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None),  # d64: 64x32 keeps 8 B, 128x64 none
+    ("fwd", "sm100"): (None, _C(128, 32, 8, 2), _C(128, 32, 8, 2), _C(128, 32, 8, 2), None),
+    ("bwd_dkdv", "sm100"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None, None),
+    ("bwd_dq", "sm100"): (None, None, _C(64, 32, 8, 2), None, None),  # d64: 64x32 keeps 8 B, 128x64 none
     # with the features' tiles, spill instructions in the loop: d64 the lean 64x128 80, 32x128 6;
     # d256 the lean 32x128 90, 16x128 s3 none
-    ("bwd_fused", "sm100"): (None, _C(32, 128, 8, 2), None, _C(16, 128, 8, 3)),
+    ("bwd_fused", "sm100"): (None, _C(32, 128, 8, 2), None, _C(16, 128, 8, 3), None),
     # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
-    ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None),
-    ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None),
+    ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None, None),
+    ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None, None),
 }
+_FEATURES_TABLE.update(_AMD_FEATURES)  # AMD: in its rows above (WithFeatures)
 
 # The exact-call images (full attention, head dim = BLOCK_D; declarations.EXACT_IMAGE_*) carry
 # their own tile where the sweep measured one faster for them than the lean entry, which serves
@@ -157,12 +275,12 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # (`bench tune --tune-step fold`; benchmarks/README.md, "Exact-call configs"). A family without a
 # row takes its config parent's.
 _EXACT_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None),
-    ("bwd_fused", "sm90"): (None, None, None, _C(32, 128, 8, 2)),
+    ("fwd", "sm90"): (None, _C(128, 64, 8, 3), None, None, None),
+    ("bwd_fused", "sm90"): (None, None, None, _C(32, 128, 8, 2), None),
     # Blackwell ships no exact-call images (declarations.EXACT_IMAGE_FAMILIES) and no GPU has
     # measured them: its JIT runs exact calls on its lean tiles, not Hopper's exact ones
-    ("fwd", "sm100"): (None, None, None, None),
-    ("bwd_fused", "sm100"): (None, None, None, None),
+    ("fwd", "sm100"): (None, None, None, None, None),
+    ("bwd_fused", "sm100"): (None, None, None, None, None),
 }
 
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
@@ -187,6 +305,39 @@ def _check_rows(*tables: dict) -> None:
 
 
 _check_rows(_TABLE, _FEATURES_TABLE, _EXACT_TABLE)
+
+
+def refusal(headdim: int, family: str) -> Optional[str]:
+    """Why ``family``'s kernels do not run ``headdim`` (its bucket's row is :class:`Refused`), else
+    ``None``; looked up along the config parents like the rows."""
+    bucket = HEADDIM_BUCKETS[_bucket(headdim)]
+    for name in families.lineage(family):
+        if (name, bucket) in _REFUSED:
+            return _REFUSED[(name, bucket)]
+        if name in _AMD:
+            return None  # the family's own rows decide
+    return None
+
+
+def threads(config: Config, family: str) -> int:
+    """Threads of one program of ``config`` on ``family``: ``num_warps`` times its wave size (32,
+    or 64 on CDNA); the interpreter's: 32 per warp."""
+    family_record = families.FAMILIES.get(family)
+    return config.num_warps * (family_record.wave_size if family_record is not None else 32)
+
+
+_AMD_OPTIONS = ("waves_per_eu", "matrix_instr_nonkdim", "kpack")
+
+
+def compiler_options(config: Config, family: str) -> dict:
+    """The options Triton compiles a launch of ``config`` with on ``family``: ``num_warps`` and
+    ``num_stages`` everywhere, and on AMD families the knobs of its backend (``waves_per_eu``,
+    ``matrix_instr_nonkdim``, ``kpack``), which the NVIDIA backend does not accept."""
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    family_record = families.FAMILIES.get(family)
+    if family_record is not None and family_record.vendor == "amd":
+        options.update((name, getattr(config, name)) for name in _AMD_OPTIONS)
+    return options
 
 
 def padded_headdim(headdim: int) -> int:
@@ -221,6 +372,9 @@ def pick(kind: str, headdim: int, family: str, features: bool = False, exact: bo
         return INTERPRETER_CONFIGS[kind]
     if features:
         bucket = max(bucket, _bucket(FEATURE_BUCKETS[0]))
+    why = refusal(HEADDIM_BUCKETS[bucket], family)
+    if why is not None:
+        raise ValueError(f"head dim {headdim} on {family}: {why}")
     special = _FEATURES_TABLE if features else _EXACT_TABLE if exact else None
     if special is not None:
         entry = _row(special, kind, family)[bucket]
@@ -295,21 +449,23 @@ def deterministic_splits(family: str) -> int:
 # The gradient columns per dK/dV program: at head dim 256 two programs share a key block, each
 # recomputing the scores and dP over all 256 columns (seven half-width products per tile pair
 # instead of five) so that its half of dK/dV fits in registers (benchmarks/README.md). Split where
-# the wider of q's and v's head dims exceeds GRADIENT_COLUMNS, over two programs (the kernels split
-# at most in two), q's and v's columns alike. Where: the fused backward everywhere, the
-# deterministic dK/dV kernel on the families listed (Hopper; elsewhere it keeps whole rows on its
-# small tiles, as measured before the split existed).
+# the wider of q's and v's head dims exceeds GRADIENT_COLUMNS, into parts of GRADIENT_COLUMNS, q's
+# and v's columns alike (at 512 four programs, each computing the scores and dP from whole rows:
+# with two, their dK and dV tiles alone take 256 registers a thread and spilled 2-3 KB; the build
+# report). Where: the fused backward everywhere, the deterministic dK/dV kernel on the families
+# listed (Hopper; elsewhere it keeps whole rows on its small tiles, as measured before the split
+# existed) and everywhere beyond WHOLE_ROWS columns.
 GRADIENT_COLUMNS = 128
 SPLIT_COLUMN_FAMILIES = {"bwd_dkdv": frozenset({"sm90"})}
+WHOLE_ROWS = 256
 
 
 def gradient_parts(kind: str, family: str, block_d: int, block_dv: Optional[int] = None) -> int:
-    """The programs one key block's dK/dV columns are split over (1 or 2) in the dK/dV program
+    """The programs one key block's dK/dV columns are split over (1, 2 or 4) in the dK/dV program
     sized by ``kind`` on ``family`` for ``BLOCK_D`` (q/k) and ``BLOCK_DV`` (v; default ``BLOCK_D``)."""
     widest = max(block_d, block_d if block_dv is None else block_dv)
-    if widest > GRADIENT_COLUMNS and (kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ())):
-        return 2
-    return 1
+    splits = kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ()) or widest > WHOLE_ROWS
+    return widest // GRADIENT_COLUMNS if splits and widest > GRADIENT_COLUMNS else 1
 
 
 def gradient_columns(kind: str, family: str, block_d: int, block_dv: Optional[int] = None) -> int:

@@ -25,7 +25,7 @@ from flash_attn import limits
 from flash_attn.planning import configs, families, signatures
 
 __all__ = ["EXACT_IMAGE_BLOCK_DS", "EXACT_IMAGE_DTYPES", "EXACT_IMAGE_FAMILIES", "HEAD_DIM_PAIR_IMAGES",
-           "BUCKET_IMAGE_FAMILIES", "Kernel", "KERNELS", "get", "ships_head_dims"]
+           "BUCKET_IMAGE_FAMILIES", "Kernel", "KERNELS", "get", "listed", "ships_head_dims"]
 
 
 # q/k/v dtype names (torch's without "torch.", and the kernels' own) -> the kernels' name
@@ -167,28 +167,38 @@ EXACT_IMAGE_BLOCK_DS = frozenset({64, 128, 256})
 # (folded in both) ran alike
 EXACT_IMAGE_DTYPES = frozenset(limits.KERNEL_DTYPES.values())
 
-# The head-dim buckets whose attention images ship for some families only (every other bucket ships
-# for every family): each costs a compile per kernel, variant and dtype, within the build's budget.
-# A family ships what a family of its config lineage (families.lineage) is listed for.
-BUCKET_IMAGE_FAMILIES: Mapping[int, frozenset] = MappingProxyType({})
+# The head-dim buckets whose attention images ship for some families only, lean variant (every
+# other bucket ships for every family, both variants): each costs a compile per kernel, variant and
+# dtype, within the build's budget. Family -> whether it ships; a family not listed takes the answer
+# of its nearest config parent that is (families.lineage), as its launch configs do; none: no.
+# Blackwell takes Hopper's tables but not these images: its compiles at head dim 512 are the
+# build's slowest, and its tiles there are not measured (the JIT runs those calls).
+BUCKET_IMAGE_FAMILIES: Mapping[int, Mapping[str, bool]] = MappingProxyType(
+    {512: MappingProxyType({"sm80": True, "sm90": True, "sm100": False})})
 # The (BLOCK_D, BLOCK_DV) pairs of the attention images besides the square ones (q, k and v of one
-# head dim), lean variant, and the families they ship for (and their config descendants): DeepSeek's
-# 192/128 (and 256/128) training shape. Any other pair runs on the square image of its wider head
-# dim, the narrower one's columns masked at run time (exact).
-HEAD_DIM_PAIR_IMAGES: Mapping[tuple, frozenset] = MappingProxyType({(256, 128): frozenset({"sm80", "sm90"})})
+# head dim), lean variant, and where they ship (as above): DeepSeek's 192/128 (and 256/128)
+# training shape. Any other pair runs on the square image of its wider head dim, the narrower
+# one's columns masked at run time (exact).
+HEAD_DIM_PAIR_IMAGES: Mapping[tuple, Mapping[str, bool]] = MappingProxyType(
+    {(256, 128): MappingProxyType({"sm80": True, "sm90": True, "sm100": False})})
 
 
-def _listed(family: str, listed) -> bool:
-    return any(name in listed for name in families.lineage(family))
+def listed(family: str, table: Mapping[str, bool]) -> bool:
+    """``family``'s answer in a table of family -> bool: its own, else its nearest config parent's,
+    else no."""
+    for name in families.lineage(family):
+        if name in table:
+            return table[name]
+    return False
 
 
 def ships_head_dims(family: str, block_d: int, block_dv: int, features: bool = False) -> bool:
     """Whether the attention images of ``family`` include the head-dim pair ``(block_d, block_dv)``
     (of the score-features variant where ``features``)."""
     if block_d == block_dv:
-        listed = BUCKET_IMAGE_FAMILIES.get(block_d)
-        return listed is None or _listed(family, listed)
-    return not features and _listed(family, HEAD_DIM_PAIR_IMAGES.get((block_d, block_dv), ()))
+        table = BUCKET_IMAGE_FAMILIES.get(block_d)
+        return table is None or (not features and listed(family, table))
+    return not features and listed(family, HEAD_DIM_PAIR_IMAGES.get((block_d, block_dv), {}))
 
 _DECLARED = (
     Kernel("attn_fwd_kernel", "flash_attn.kernels.forward", "fwd",

@@ -84,18 +84,30 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     ("sm80", 64): (_C(16, 128, 4, 3), _C(64, 128, 8, 3)),
     ("sm80", 128): (_C(16, 64, 4, 3), _C(32, 64, 4, 3)),
     ("sm80", 256): (_C(16, 64, 8, 2), _C(32, 64, 8, 2)),
+    ("sm80", 512): (_C(16, 16, 4, 2), _C(32, 32, 8, 2)),
     # consumer Ampere / Ada (sm86/87/89) and consumer Blackwell (sm120, its parent): 99 KB
     ("sm86", 64): (_C(16, 128, 4, 2), _C(64, 64, 8, 2)),
     ("sm86", 128): (_C(16, 64, 4, 2), _C(32, 64, 4, 2)),
     ("sm86", 256): (_C(16, 32, 4, 2), _C(32, 32, 4, 2)),
+    ("sm86", 512): (_C(16, 16, 4, 2), _C(32, 16, 8, 2)),
     # H100/H200 and B200 (sm100, its parent): 227 KB; BLOCK_M = 16 rows use mma.sync, 64-row tiles wgmma on sm90
     ("sm90", 64): (_C(16, 128, 4, 4), _C(64, 128, 8, 4)),
     ("sm90", 128): (_C(16, 128, 4, 3), _C(64, 64, 8, 3)),
     ("sm90", 256): (_C(16, 64, 8, 2), _C(32, 64, 8, 2)),
+    ("sm90", 512): (_C(16, 32, 8, 2), _C(32, 32, 8, 2)),
+    # AMD (Triton's JIT; configs.py's AMD rule): CDNA (MI300, and MI350 its child) on 64-thread
+    # waves, where 4 warps are 256 threads; RDNA (RX 7000, and RX 9000 its child) on 32-thread waves
+    ("cdna3", 64): (_C(16, 128, 4, 2), _C(64, 64, 4, 2)),
+    ("cdna3", 128): (_C(16, 64, 4, 2), _C(64, 64, 4, 2)),
+    ("cdna3", 256): (_C(16, 64, 4, 1), _C(32, 32, 4, 1)),
+    ("rdna3", 64): (_C(16, 64, 4, 2), _C(64, 32, 4, 2)),
+    ("rdna3", 128): (_C(16, 64, 4, 2), _C(32, 32, 4, 2)),
+    ("rdna3", 256): (_C(16, 32, 4, 1), _C(32, 32, 4, 1)),
     # Triton's interpreter: small key blocks so that the tests cross several blocks and pages
     ("interpret", 64): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
     ("interpret", 128): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
     ("interpret", 256): (_C(16, 16, 1, 1), _C(32, 16, 1, 1)),
+    ("interpret", 512): (_C(16, 16, 1, 1), _C(32, 16, 1, 1)),
 }
 
 # Rows per program of the append / rotary kernels and of the combine kernel.
@@ -124,6 +136,9 @@ FAMILIES = families.FAMILIES
 # The decode kernels are built from head-dim bucket 64 up: their BLOCK_M of 16 packed query rows
 # is one MMA tile, and smaller head dims run on the 64 kernels exactly (run-time head-dim mask).
 HEADDIM_BUCKETS = tuple(b for b in limits.HEADDIM_BUCKETS if b >= 64)
+# The buckets of the shipped superset images (within the build's budget: head dim 512 decodes on
+# the JIT, but MLA's 64/512 with qv, QV_FAMILIES).
+IMAGE_BUCKETS = tuple(b for b in HEADDIM_BUCKETS if b <= 256)
 
 
 def headdim_bucket(head_dim: int) -> int:
@@ -177,22 +192,38 @@ SPLIT_KV_SUPERSET = dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=
 SPLIT_KV_EXACT = dict(IS_LOCAL=False, HAS_SOFTCAP=False, HAS_ALIBI=False, PAGED=False, HAS_BATCH_IDX=False,
                       HAS_LEFTPAD=False, HAS_QV=False)
 # MLA decoding as FlashAttention-3 spells it: q/k of head dim 64 (the rotary part) and qv/v of 512
-# (the absorbed queries against the latent cache), the superset variant with HAS_QV, shipped for
-# these families (q/k and v head dims; other qv calls run on the JIT).
+# (the absorbed queries against the latent cache), the superset variant with HAS_QV; where it ships
+# (family -> bool, a family not listed takes its nearest listed config parent's answer:
+# declarations.listed): Hopper, where MLA models are served (other qv calls run on the JIT), and the
+# interpreter's superset target (the tests run Hopper's launches there).
 QV_HEAD_DIMS = (64, 512)
-QV_FAMILIES = frozenset()
+QV_FAMILIES = {"sm90": True, "sm100": False, "interpret": True}
 # (HAS_ROTARY, INTERLEAVED) of append_kv_kernel: no rotary, GPT-NeoX halves, GPT-J pairs
 APPEND_ROTARY = ((False, False), (True, False), (True, True))
 
 
 def superset_block_d(head_dim: int) -> int:
-    """``BLOCK_D`` of a superset launch: the head-dim bucket (64, 128 or 256)."""
+    """``BLOCK_D`` of a superset launch: the head-dim bucket (64, 128, 256 or 512)."""
     return headdim_bucket(head_dim)
 
 
-def ships_qv(family: str, head_dim: int, head_dim_v: int) -> bool:
-    """Whether ``family``'s images hold the decode kernel with ``qv`` for these head dims."""
-    return family in QV_FAMILIES and (superset_block_d(head_dim), superset_block_d(head_dim_v)) == QV_HEAD_DIMS
+def ships_qv(family: str) -> bool:
+    """Whether ``family``'s images hold the MLA decode kernel (``qv``, :data:`QV_HEAD_DIMS`)."""
+    return declarations.listed(family, QV_FAMILIES)
+
+
+def superset_refusal(family: str, head_dim: int, head_dim_v: int, qv: bool) -> str | None:
+    """Why no shipped superset image serves a KV-cache call of these head dims (with ``qv``), or ``None``."""
+    pair = (superset_block_d(head_dim), superset_block_d(head_dim_v))
+    if qv:
+        if pair == QV_HEAD_DIMS and ships_qv(family):
+            return None
+        shipping = ", ".join(name for name, ships in QV_FAMILIES.items() if ships and name in FAMILIES)
+        return (f"qv with head dims {head_dim}/{head_dim_v} on {family} (MLA's absorbed queries are compiled ahead of "
+                f"time for {QV_HEAD_DIMS[0]}/{QV_HEAD_DIMS[1]} on {shipping})")
+    if max(pair) not in IMAGE_BUCKETS:
+        return f"head dimension {max(head_dim, head_dim_v)} in the KV-cache call (compiled ahead of time up to {IMAGE_BUCKETS[-1]})"
+    return None
 
 
 def block_dims(head_dim: int, head_dim_v: int, superset: bool, qv: bool = False) -> tuple[int, int]:
@@ -246,7 +277,7 @@ def aot_variants(family: str) -> list[tuple[str, dict, Config]]:
     if family not in FAMILIES:
         raise ValueError(f"unknown architecture family {family!r}; expected one of {tuple(FAMILIES)}")
     out: list[tuple[str, dict, Config]] = []
-    for bucket in HEADDIM_BUCKETS:
+    for bucket in IMAGE_BUCKETS:
         for config in dict.fromkeys(bucket_configs(family, bucket)):  # decode, many-rows (deduplicated)
             out.append(("split_kv_kernel", split_kv_constexprs(config, bucket, SPLIT_KV_SUPERSET), config))
         if ships_exact(family):
@@ -257,4 +288,12 @@ def aot_variants(family: str) -> list[tuple[str, dict, Config]]:
         for per_row, interleaved in itertools.product((False, True), repeat=2):
             out.append(("rotary_q_kernel", rotary_q_constexprs(bucket, per_row, interleaved), ROTARY_CONFIG))
         out.append(("combine_splits_kernel", combine_constexprs(bucket), COMBINE_CONFIG))
+    if ships_qv(family):
+        d, dv = QV_HEAD_DIMS
+        for config in dict.fromkeys(bucket_configs(family, dv)):
+            features = dict(SPLIT_KV_SUPERSET, HAS_QV=True)
+            out.append(("split_kv_kernel", split_kv_constexprs(config, d, features, dv), config))
+        for rotary, interleaved in APPEND_ROTARY:
+            out.append(("append_kv_kernel", append_constexprs(d, True, False, rotary, interleaved, dv), AUX_CONFIG))
+        out.append(("combine_splits_kernel", combine_constexprs(dv), COMBINE_CONFIG))
     return out

@@ -9,7 +9,8 @@ from flash_attn.limits import cdiv
 from flash_attn.planning import configs, declarations
 from flash_attn.planning.attention import (attention_constexprs, block_dims, call_slots, runs_exact_image,
                                            score_flags, shared_args, sizes)
-from flash_attn.planning.launches import Launch, Planned, Refusal, Target, finish, kernel_refusal, launch, named
+from flash_attn.planning.launches import (Launch, Planned, Refusal, Target, finish, image_refusal, kernel_refusal, launch,
+                                         named)
 from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import ForwardShape, Slot
 
@@ -35,6 +36,9 @@ def plan_forward(s: ForwardShape, target: Target) -> Planned:
     if why is not None:
         return why
     block_d, block_dv = block_dims(sz.head_dim, sz.head_dim_v, sz.features, target)
+    why = image_refusal(target, block_d, block_dv, sz.features)
+    if why is not None:
+        return why
     flags = dict(score_flags(s.scalars, sz.features), IS_PAGED=sz.paged, HAS_QV=s.qv is not None,
                  PAD_HEADDIM=sz.head_dim != block_d or sz.head_dim_v != block_dv)
     exact_image = runs_exact_image("attn_fwd_kernel", target, sz.features, flags, block_d, s.q.dtype, block_dv)

@@ -79,14 +79,17 @@ def _cache_refusal(s: KVCacheShape) -> Optional[Refusal]:
 def _kvcache_refusal(s: KVCacheShape, target: Target) -> Optional[Refusal]:
     head_dim, head_dim_v = s.q.shape[3], s.v_cache.shape[3]
     if target.aot:
-        why = kernel_refusal(s.q.dtype, head_dim, target, head_dim_v) or _cache_refusal(s)
-        if why is None and s.qv is not None and not dc.ships_qv(target.family, head_dim, head_dim_v):
-            why = Refusal(f"qv with head dims {head_dim}/{head_dim_v} (MLA's absorbed queries are compiled ahead of "
-                          f"time for {dc.QV_HEAD_DIMS} on {', '.join(sorted(dc.QV_FAMILIES))})")
+        why = kernel_refusal(s.q.dtype, head_dim, target) or kernel_refusal(s.q.dtype, head_dim_v, target)
+        if why is None:
+            superset = dc.superset_refusal(target.family, head_dim, head_dim_v, s.qv is not None)
+            why = Refusal(superset) if superset is not None else _cache_refusal(s)
         return why
     for name, dim in (("head dimension", head_dim), ("head dimension of v", head_dim_v)):
         if dim > limits.MAX_HEADDIM:
             return Refusal(f"{name} {dim} > {limits.MAX_HEADDIM}")
+        why = configs.refusal(dim, target.family)
+        if why is not None:
+            return Refusal(f"{name} {dim} on {target.family}: {why}")
     return None
 
 

@@ -19,7 +19,7 @@ from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import K_ROWS, Q_ROWS, Slot
 
 __all__ = ["Target", "Launch", "Plan", "Refusal", "Planned", "PLANNER", "IMAGES", "DRIVER", "launch", "named",
-           "kernel_refusal", "finish"]
+           "kernel_refusal", "image_refusal", "finish"]
 
 
 class Target(NamedTuple):
@@ -112,16 +112,27 @@ def kernel_refusal(dtype, head_dim: int, target: Target, head_dim_v: Optional[in
             continue
         if dim > limits.MAX_HEADDIM:
             return Refusal(f"{name} {dim} > {limits.MAX_HEADDIM}")
+        why = configs.refusal(dim, target.family)
+        if why is not None:
+            return Refusal(f"{name} {dim} on {target.family}: {why}")
         if target.aot and dim % limits.AOT_HEADDIM_MULTIPLE:
             return Refusal(f"{name} {dim} (the ahead-of-time kernels need a multiple of "
                            f"{limits.AOT_HEADDIM_MULTIPLE})")
-    if target.aot:
-        widest = configs.padded_headdim(max(head_dim, head_dim if head_dim_v is None else head_dim_v))
-        if not declarations.ships_head_dims(target.family, widest, widest):
-            shipped = declarations.BUCKET_IMAGE_FAMILIES[widest]
-            return Refusal(f"head dimension {widest} is compiled ahead of time for "
-                           f"{', '.join(sorted(shipped))} only, not {target.family}")
     return None
+
+
+def image_refusal(target: Target, block_d: int, block_dv: int, features: bool) -> Optional[Refusal]:
+    """Why the ahead-of-time attention images of ``target`` hold no kernel of these head-dim blocks
+    (and variant), or ``None`` (the JIT compiles any)."""
+    if not target.aot or declarations.ships_head_dims(target.family, block_d, block_dv, features):
+        return None
+    widest = max(block_d, block_dv)
+    if declarations.ships_head_dims(target.family, widest, widest):
+        return Refusal(f"head dimension {widest} with softcap, ALiBi or dropout (its images are of plain calls only)")
+    table = declarations.BUCKET_IMAGE_FAMILIES.get(widest, {})
+    shipping = [name for name, ships in table.items() if ships]
+    return Refusal(f"head dimension {widest} on {target.family} (compiled ahead of time for {', '.join(shipping)} "
+                   f"only)")
 
 
 def _grid_refusal(launches) -> Optional[Refusal]:

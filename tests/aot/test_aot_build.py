@@ -25,7 +25,7 @@ from flash_attn.backends import aot  # noqa: E402
 from flash_attn.planning import configs, plan as P  # noqa: E402
 from flash_attn.params import AttentionParams, VarlenLayout  # noqa: E402
 
-from support.calls import attention_calls, kvcache_calls  # noqa: E402
+from support.calls import attention_calls, beyond_fa2_calls, kvcache_calls  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 BUILT_ARCHS = {"sm_80": [(8, 0), (8, 6), (8, 9)], "sm_90a": [(9, 0)]}
@@ -84,12 +84,15 @@ def test_spec_set_size_is_deliberate():
     # sm_90a: + the fused backward, its dQ convert, and the exact-call forward and fused backward
     # at head dims 64, 128 and 256 in both dtypes, + the plain decoding step's exact split-KV image
     # (2 dtypes x 3 buckets); Blackwell: + the fused backward and its dQ convert (no exact-call
-    # images); sm_120: the split kernels only
-    assert counts((9, 0)) == (32 + 8 + 8 + 12, 18 + 6, 60 + 6)
+    # images); sm_120: the split kernels only. Beyond FlashAttention-2 (sm_80 and sm_90a, lean, 2
+    # dtypes): head dim 512 (forward, preprocess, dK/dV, dQ; on sm_90a the fused backward and its
+    # convert too) and the 256/128 pair (the same kernels, the convert being d256's); MLA decoding
+    # on sm_90a (2 split-KV + 3 append + 1 combine)
+    assert counts((9, 0)) == (32 + 8 + 8 + 12 + 12 + 10, 18 + 6, 60 + 6 + 12)
     assert counts((10, 0)) == (32 + 8 + 8, 18 + 6, 60)
     assert counts((12, 0)) == (32, 18, 60)
     lean, features, decode = counts((8, 0))
-    assert 32 < lean <= 48 and 18 <= features <= 36 and 60 < decode <= 72
+    assert 32 + 8 + 8 < lean <= 48 + 8 + 8 and 18 <= features <= 36 and 60 < decode <= 72
     for spec in (s for s in S.specs_for_capability((8, 0)) if s.kernel not in S.DECODE_KERNELS):
         flags = dict(spec.flags)
         assert flags.get("IS_LOCAL", True) and flags.get("PAD_HEADDIM", True) and not flags.get("IS_PAGED")
@@ -130,6 +133,30 @@ def test_every_planned_launch_is_shipped(family, dtype):
             assert not isinstance(specs, P.Refusal), f"{name} {op} d{head_dim}: refused ({specs})"
             missing = [spec.key for spec in specs if spec not in shipped]
             assert not missing, f"{name} {op} d{head_dim} on {family}: {missing}"
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm86", "sm90", "sm100", "sm120"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_calls_beyond_fa2_run_on_shipped_images_or_are_refused(family, dtype):
+    """Calls beyond flash-attn 2.8 (v's own head dim, sinks, head dim 512, MLA decoding) planned
+    for a GPU of ``family``: on the families whose images hold them, only shipped specialisations
+    (v's own head dim everywhere: the 256/128 pair images or the square image of the wider head
+    dim); elsewhere refused before anything runs, naming why."""
+    shipped = set(S.specs_for_capability(S.family_capability(family)))
+    target = P.Target(family, 132, aot=True)
+    for name, op, args, kwargs, needs in beyond_fa2_calls(dtype):
+        specs = _planned_specs(op, args, kwargs, target)
+        if needs is not None and family not in needs:
+            assert isinstance(specs, P.Refusal), f"{name} {op} on {family}: planned, but its images do not ship"
+            assert "head dimension 512" in specs.reason or "qv" in specs.reason, specs.reason
+            continue
+        assert not isinstance(specs, P.Refusal), f"{name} {op} on {family}: refused ({specs})"
+        missing = [spec.key for spec in specs if spec not in shipped]
+        assert not missing, f"{name} {op} on {family}: {missing}"
+        if name.startswith("d192v128") and family in ("sm80", "sm90") and op != "forward_kvcache":
+            blocks = {(spec.block_d, dict(spec.flags).get("BLOCK_DV")) for spec in specs if spec.kernel in S.ATTENTION_KERNELS
+                      and spec.kernel not in ("attn_bwd_dq_convert_kernel",)}
+            assert blocks == {(256, 128)} or "softcap" in name, (name, op, blocks)  # the pair images
 
 
 @pytest.mark.parametrize("head_dim,block_d,features_block_d", [(8, 32, 64), (32, 32, 64), (40, 64, 64), (64, 64, 64),

@@ -214,6 +214,25 @@ def test_an_image_that_fails_to_register_fails_over(fake_gpu, monkeypatch):
     assert launched == []
 
 
+def test_missing_image_files_are_one_warning_for_the_installation(fake_gpu, monkeypatch, tmp_path):
+    """Every kernel's image file is gone: one warning, naming the installation once and the doctor
+    (which lists them), not one ~400-character warning per kernel with its path twice."""
+    images, launched = fake_gpu
+
+    def missing(image, entry):
+        return aot.op_library.read_image(tmp_path / "gone" / entry["image"])
+
+    monkeypatch.setattr(aot.op_library, "register_kernel", missing)
+    with pytest.warns(UserWarning) as caught:
+        _call()
+        _call_d128()
+    ours = [str(w.message) for w in caught if "flash_attn" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "missing or damaged" in ours[0] and "doctor" in ours[0] and "reinstall" in ours[0]
+    assert ours[0].count(str(tmp_path)) == 1 and launched == []
+    assert len(images.failed) == 2
+
+
 def test_the_images_run_when_the_driver_loads_them(fake_gpu, monkeypatch):
     images, launched = fake_gpu
     monkeypatch.setattr(aot, "_load", lambda kid, device: None)

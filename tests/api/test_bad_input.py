@@ -102,9 +102,9 @@ def test_headdim_q_differs_from_k():
         flash_attn_func(q, k, v)
 
 
-def test_headdim_above_256():
-    q, k, v = qkv(d=264, b=1, sq=2, sk=2)
-    with raises(ValueError, "headdim", "256"):
+def test_headdim_above_512():
+    q, k, v = qkv(d=520, b=1, sq=2, sk=2)
+    with raises(ValueError, "headdim", "512"):
         flash_attn_func(q, k, v)
 
 

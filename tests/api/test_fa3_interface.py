@@ -50,7 +50,7 @@ def test_signatures_are_fa3s(fa3):
 
 @pytest.mark.parametrize("dtype", [F16, F32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("case", ["causal_gqa", "window_softcap", "qv_sinks", "dv_differs"])
-def test_func_against_the_oracle(fa3, dtype, case, request):
+def test_func_against_the_oracle(fa3, dtype, case):
     b, sq, sk, h, hk, d, dv = 2, 9, 13, 4, 2, 32, 32
     kw, causal, window, softcap, scale = {}, False, (-1, -1), 0.0, None
     if case == "causal_gqa":
@@ -59,12 +59,6 @@ def test_func_against_the_oracle(fa3, dtype, case, request):
         window, softcap, scale = (5, 2), 3.0, 0.3
     elif case == "dv_differs":
         dv = 16
-        if dtype == F32:
-            # flash_attn_func's own bug at cd5d848, not this module's: the cpu backend's direct route
-            # hands float32 q/k/v of two head dims to PyTorch's fused kernel; fixed on beyond-fa2
-            # (backends/cpu.py declines that route), after which this case passes (XPASS).
-            request.applymarker(pytest.mark.xfail(reason="cpu backend direct route with headdim_v != headdim at cd5d848",
-                                                  raises=RuntimeError, strict=False))
     g = gen(11)
     q, k, v = randn((b, sq, h, d), dtype, g), randn((b, sk, hk, d), dtype, g), randn((b, sk, hk, dv), dtype, g)
     tensors = [q, k, v]
@@ -336,3 +330,14 @@ def test_bad_seqused_and_s_aux_are_named(fa3):
         fa3.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, seqused_q=torch.tensor([1, 2]))
     with pytest.raises(TypeError, match="s_aux"):
         fa3.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, s_aux=[0.0, 0.0])
+
+
+@pytest.mark.parametrize("flag", ["causal", "deterministic"])
+def test_flags_are_bools(fa3, flag):
+    """A string for a flag is refused by name, not read by its truth value (flash_attn's check_flag)."""
+    q = randn((1, 4, 2, 16), F32, gen(2))
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        fa3.flash_attn_func(q, q, q, **{flag: "yes"})
+    cu = cu_from_lens([4])
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        fa3.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 4, 4, **{flag: "no"})

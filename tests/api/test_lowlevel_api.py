@@ -273,6 +273,43 @@ def test_forward_and_backward_vs_oracle(case):
     check_close(s_dmask, ref.probs, naive.probs, FP32, "S_dmask")
 
 
+def test_v_of_its_own_head_dim_with_fa3_shapes():
+    """V with its own head dim (192/128 dense, 32/64 varlen): ``out`` and ``dout`` of v's head dim,
+    ``dv`` like v, values and gradients against the oracle; the fake implementations give those
+    shapes too (opcheck)."""
+    g = gen(11)
+    dtype = on_device(FP32, BF16)
+    q, k = randn((1, 21, 4, 192), dtype, g), randn((1, 30, 2, 192), dtype, g)
+    v, dout = randn((1, 30, 2, 128), dtype, g), randn((1, 21, 4, 128), dtype, g)
+    args = (q, k, v, 0.0, 0.1, True, -1, -1, 0.0, None, False)
+    torch.library.opcheck(_flash_attn_forward, args)
+    out, lse, _, rng = _flash_attn_forward(*args)
+    assert out.shape == (1, 21, 4, 128)
+    ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, softmax_scale=0.1, causal=True)
+    check_close(out, ref.out, naive.out, dtype, "out")
+    check_close(lse, ref.lse, naive.lse, FP32, "softmax_lse")
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bwd_args = (dout, q, k, v, out, lse, dq, dk, dv, 0.0, 0.1, True, -1, -1, 0.0, None, False, rng)
+    torch.library.opcheck(_flash_attn_backward, bwd_args)
+    _flash_attn_backward(*bwd_args)
+    floor = backward_floor(q, k, v, dout, 0.1, ref.probs)
+    for got, want, approx, name in zip((dq, dk, dv), rg, ng, ("dq", "dk", "dv")):
+        check_close(got, want, approx, dtype, name, grad=True, floor=floor)
+    with pytest.raises(ValueError, match="dout"):  # dout of q's head dim: not FlashAttention-3's shape
+        _flash_attn_backward(randn((1, 21, 4, 192), dtype, g), q, k, v, out, lse, None, None, None, 0.0, 0.1, True,
+                             -1, -1, 0.0, None, False, rng)
+    lens = [5, 19]
+    cu = cu_from_lens(lens)
+    qq, kk, vv = randn((24, 2, 32), dtype, g), randn((24, 2, 32), dtype, g), randn((24, 2, 64), dtype, g)
+    vargs = (qq, kk, vv, cu, cu, 19, 19, 0.0, 0.3, False, -1, -1)
+    torch.library.opcheck(_flash_attn_varlen_forward, vargs)
+    out, lse, _, rng = _flash_attn_varlen_forward(*vargs)
+    ref, _, naive, _ = oracle_pair(attention_varlen_ref, [qq, kk, vv], None, cu_q=_cu_list(lens), cu_k=_cu_list(lens),
+                                   softmax_scale=0.3)
+    assert out.shape == (24, 2, 64)
+    check_close(out, ref.out, naive.out, dtype, "varlen out")
+
+
 def test_backward_allocates_or_skips_missing_gradient_buffers():
     g = gen(3)
     q, k, v, dout = (randn((1, 20, 2, 32), BF16, g) for _ in range(4))

@@ -699,3 +699,28 @@ def test_torch_compile_fullgraph_with_gradients():
     loss_comp.backward()
     torch.testing.assert_close(loss_comp, loss_eager)
     torch.testing.assert_close(x_comp.grad, x_eager.grad)
+
+
+@pytest.mark.parametrize("packing", ["qkv", "kv"])
+def test_torch_compile_of_the_in_place_packed_rotation_on_a_leaf(packing):
+    """Upstream's expectation: ``torch.compile(apply_rotary_emb_qkv_)`` (and ``_kv_``) on a packed
+    leaf that requires grad gives the eager values, writes them into the leaf, and the same
+    gradient (dynamo used to refuse "a view of a leaf Variable that requires grad is being used in
+    an in-place operation")."""
+    g = torch.Generator().manual_seed(5)
+    shape = (2, 8, 3 if packing == "qkv" else 2, 2, 16)
+    data = torch.randn(shape, generator=g)
+    cos, sin = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+    weights = torch.randn(shape, generator=g)
+    fn = apply_rotary_emb_qkv_ if packing == "qkv" else apply_rotary_emb_kv_
+    results = []
+    for run in (fn, torch.compile(fn, backend="aot_eager")):
+        leaf = data.clone().requires_grad_()
+        out = run(leaf, cos, sin)
+        (out * weights).sum().backward()
+        results.append((out.detach().clone(), leaf.detach().clone(), leaf.grad))
+    (out_e, leaf_e, grad_e), (out_c, leaf_c, grad_c) = results
+    torch.testing.assert_close(out_c, out_e)
+    torch.testing.assert_close(leaf_c, leaf_e)  # rotated in place, as eagerly
+    torch.testing.assert_close(grad_c, grad_e)
+    assert not torch.equal(leaf_e, data)

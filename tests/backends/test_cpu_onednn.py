@@ -159,6 +159,16 @@ def _linear_calls(fn) -> list[str]:
     return [e.input_dtypes[0] for e in prof.events() if e.name == "mkldnn::_linear_pointwise"]
 
 
+def _forward_and_backward(engine, q, k, v, dout, params):
+    """``(out, lse, grads, forward's products, backward's products)`` of one call on ``engine``
+    (the products' dtypes, as :func:`_linear_calls` lists them)."""
+    result = {}
+    forward = _linear_calls(lambda: result.update(zip(("out", "lse", "_"), _layouts.forward(engine, q, k, v, params))))
+    out, lse = result["out"], result["lse"]
+    backward = _linear_calls(lambda: result.update(grads=_layouts.backward(engine, dout, q, k, v, out, lse, params)))
+    return out, lse, result["grads"], forward, backward
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_cpu_engine_on_onednn_vs_oracle(case, small_tiles):
     dtype, b, sq, sk, h, hk, causal, window = case
@@ -167,19 +177,14 @@ def test_cpu_engine_on_onednn_vs_oracle(case, small_tiles):
     k, v = (randn((b, sk, hk, 32), dtype, g) for _ in range(2))
     dout = randn(q.shape, dtype, g)
     params = AttentionParams(0.3, *window)
-    result = {}
-    forward = _linear_calls(lambda: result.update(zip(("out", "lse", "_"), _layouts.forward(small_tiles, q, k, v,
-                                                                                          params))))
-    out, lse = result["out"], result["lse"]
-    backward = _linear_calls(lambda: result.update(grads=_layouts.backward(small_tiles, dout, q, k, v, out, lse,
-                                                                           params)))
+    out, lse, grads, forward, backward = _forward_and_backward(small_tiles, q, k, v, dout, params)
     assert forward and set(forward) == {"float"}, forward  # bf16 too: multiplied in fp32
     assert bool(backward) == (dtype == FP32), backward     # bf16 keeps PyTorch's bf16 backward
     ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, softmax_scale=0.3)
     check_close(out, ref.out, naive.out, dtype, "out")
     check_close(lse, ref.lse, naive.lse, FP32, "lse")
     floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
-    for grad, want, approx, name in zip(result["grads"], rg, ng, ("dq", "dk", "dv")):
+    for grad, want, approx, name in zip(grads, rg, ng, ("dq", "dk", "dv")):
         check_close(grad, want, approx, dtype, name, grad=True, floor=floor)
 
 
@@ -191,7 +196,9 @@ def test_the_choice(monkeypatch):
     monkeypatch.setenv(onednn.MODE_ENV, "1")
     assert _linear_calls(call)
     assert not _linear_calls(lambda: flash_attn_func(q[:, :200], q[:, :200], q[:, :200]))  # below onednn_min_rows
-    assert not _linear_calls(lambda: flash_attn_func(q, q, q, softcap=5.0))  # the tiled engine's
+    # softcap, which the fused kernel cannot compute: on oneDNN where it takes every call, else the tiled engine
+    assert _linear_calls(lambda: flash_attn_func(q, q, q, softcap=5.0))
+    assert not _linear_calls(lambda: flash_attn_func(q[:, :200], q[:, :200], q[:, :200], softcap=5.0))
     assert dispatch.last_backend() == "cpu"
     monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")  # the exact definition alone: never oneDNN
     assert not _linear_calls(call) and dispatch.last_backend() == "reference"
@@ -287,3 +294,26 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="heads"):
         onednn.forward(q, q[:, :1].expand(1, 3, 8, 16), q[:, :1].expand(1, 3, 8, 16))
     assert math.isfinite(onednn.forward(q, q, q)[1].sum().item())
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16, torch.float16])
+@pytest.mark.parametrize("softcap, form", [(4.0, "sigmoid"), (3e4, "expm1")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap_runs_here_in_either_form_vs_oracle(dtype, softcap, form, causal, small_tiles):
+    """Softcap, which PyTorch's fused kernel cannot compute, on oneDNN's products (every call of the
+    plan here, the backward in fp32): the sigmoid form where ``c`` is at most 4 times the scores'
+    bound, the exact expm1 form above; both within the oracle's tolerance, forward and backward."""
+    g = gen(17)
+    q, k, v, dout = (randn((2, 37, 2, 32), dtype, g, scale=2.0) for _ in range(4))
+    bound = 0.3 * float(torch.linalg.vector_norm(q.float(), dim=-1).amax() * torch.linalg.vector_norm(k.float(), dim=-1).amax())
+    assert (softcap <= 4 * bound) == (form == "sigmoid")
+    params = AttentionParams(0.3, -1, 0 if causal else -1, softcap)
+    out, lse, grads, forward, backward = _forward_and_backward(small_tiles, q, k, v, dout, params)
+    assert forward and backward and set(backward) == {"float"}
+    window = (-1, 0) if causal else (-1, -1)
+    ref, rg, naive, ng = oracle_pair(attention_ref, [q, k, v], dout, window=window, softmax_scale=0.3, softcap=softcap)
+    check_close(out, ref.out, naive.out, dtype, "out")
+    check_close(lse, ref.lse, naive.lse, FP32, "lse")
+    floor = backward_floor(q, k, v, dout, 0.3, ref.probs)
+    for grad, want, approx, name in zip(grads, rg, ng, ("dq", "dk", "dv")):
+        check_close(grad, want, approx, dtype, name, grad=True, floor=floor)

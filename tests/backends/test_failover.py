@@ -110,10 +110,30 @@ def _read_only_cache(monkeypatch, tmp_path):
     return lambda: cache.get_cache_manager("0" * 64)
 
 
+def _cache_through_a_file(monkeypatch, tmp_path):
+    """A cache path with a file where a folder must be: ENOTDIR."""
+    from triton.runtime import cache
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    return lambda: cache.get_cache_manager("0" * 64)
+
+
+def _cache_through_a_dangling_link(monkeypatch, tmp_path):
+    """A cache path through a link to nowhere: ENOENT."""
+    from triton.runtime import cache
+
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere" / "at-all")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "gone" / "cache"))
+    return lambda: cache.get_cache_manager("0" * 64)
+
+
 MACHINE_FAILURES = {  # what the warning must name: the cause, and the fix
     "no C compiler": (_no_c_compiler, "C compiler", "CC"),
     "a C compiler that fails": (_failing_c_compiler, "C compiler", "Python's headers"),
     "a read-only cache": (_read_only_cache, "cache directory", "TRITON_CACHE_DIR"),
+    "a cache path through a file": (_cache_through_a_file, "cache directory", "TRITON_CACHE_DIR"),
+    "a cache path through a dangling link": (_cache_through_a_dangling_link, "cache directory", "TRITON_CACHE_DIR"),
 }
 
 

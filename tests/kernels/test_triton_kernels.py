@@ -76,10 +76,18 @@ class Case:
     dropout_p: float = 0.0
     page_size: Optional[int] = None  # paged K/V (varlen only)
     grads: bool = True
+    headdim_v: Optional[int] = None  # v's and the output's head dim (None: headdim)
+    sinks: bool = False  # attention sinks, one fp32 logit per query head
+    qv: bool = False  # MLA's absorbed queries (forward only: the kernels have no backward for them)
+
+    @property
+    def dim_v(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
 
     def __str__(self):
         dtype = "fp16" if self.dtype == torch.float16 else "bf16"
-        parts = [dtype, f"d{self.headdim}", f"h{self.nheads}-{self.nheads_k}"]
+        parts = [dtype, f"d{self.headdim}" + (f"v{self.headdim_v}" if self.headdim_v else ""),
+                 f"h{self.nheads}-{self.nheads_k}"]
         parts.append(f"varlen{self.lens}" if self.lens else f"b{self.batch}-{self.seqlen_q}x{self.seqlen_k}")
         if self.window != (-1, -1):
             parts.append("causal" if self.window == (-1, 0) else f"win{self.window}")
@@ -91,6 +99,10 @@ class Case:
             parts.append(f"drop{self.dropout_p}")
         if self.page_size:
             parts.append(f"page{self.page_size}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.qv:
+            parts.append("qv")
         return "-".join(parts).replace(" ", "").replace(",", "_")
 
 
@@ -106,31 +118,41 @@ class Inputs:
     keep: Optional[torch.Tensor]  # (b, h, max_sq, max_sk) dropout keep mask
     oracle_fn: object
     oracle_kwargs: dict
+    sinks: Optional[torch.Tensor] = None
+    qv: Optional[torch.Tensor] = None
+
+    @property
+    def extras(self) -> dict:
+        """The contract's keyword arguments for the sinks and qv the case has."""
+        return {name: t for name, t in (("sinks", self.sinks), ("qv", self.qv)) if t is not None}
 
 
 def make_inputs(case: Case, seed: int = 0) -> Inputs:
     """CPU inputs and the matching oracle call for ``case``."""
     g = gen(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(case.dtype)  # noqa: E731
-    h, hk, d = case.nheads, case.nheads_k, case.headdim
+    h, hk, d, dv = case.nheads, case.nheads_k, case.headdim, case.dim_v
     left, right = case.window
-    params = AttentionParams(d ** -0.5, left, right, case.softcap, case.dropout_p,
+    params = AttentionParams((d + (dv if case.qv else 0)) ** -0.5, left, right, case.softcap, case.dropout_p,
                              DROPOUT_SEED if case.dropout_p else 0)
-    kwargs = dict(window=case.window, softcap=case.softcap, dropout_p=case.dropout_p)
+    kwargs = dict(window=case.window, softcap=case.softcap, dropout_p=case.dropout_p,
+                  softmax_scale=params.softmax_scale)
     varlen = None
     if case.lens is None:
         b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
-        q, k, v, dout = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d), rand(b, sq, h, d)
+        q, k, v, dout = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, dv), rand(b, sq, h, dv)
+        qv = rand(b, sq, h, dv) if case.qv else None
         fn = oracle.attention_ref
     else:
         lens_q, lens_k = case.lens
         b, sq, sk = len(lens_q), max(lens_q), max(lens_k)
         cu_q = [0, *itertools.accumulate(lens_q)]
         cu_k = [0, *itertools.accumulate(lens_k)]
-        q, dout = rand(cu_q[-1], h, d), rand(cu_q[-1], h, d)
+        q, dout = rand(cu_q[-1], h, d), rand(cu_q[-1], h, dv)
+        qv = rand(cu_q[-1], h, dv) if case.qv else None
         block_table = None
         if case.page_size is None:
-            k, v = rand(cu_k[-1], hk, d), rand(cu_k[-1], hk, d)
+            k, v = rand(cu_k[-1], hk, d), rand(cu_k[-1], hk, dv)
         else:
             page = case.page_size
             need = [max(1, -(-n // page)) for n in lens_k]
@@ -140,7 +162,7 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
             for n in need:
                 block_table.append(order[used:used + n] + [0] * (max(need) - n))
                 used += n
-            k, v = rand(num_pages, page, hk, d), rand(num_pages, page, hk, d)
+            k, v = rand(num_pages, page, hk, d), rand(num_pages, page, hk, dv)
             kwargs["block_table"] = block_table
             block_table = torch.tensor(block_table, dtype=torch.int32)
         varlen = VarlenLayout(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), sq, sk,
@@ -157,7 +179,23 @@ def make_inputs(case: Case, seed: int = 0) -> Inputs:
         ri, ci = torch.arange(sq).view(1, 1, sq, 1), torch.arange(sk).view(1, 1, 1, sk)
         keep = keep_mask(DROPOUT_SEED, bi, hi, ri, ci, case.dropout_p)
         kwargs["keep"] = keep
-    return Inputs(q, k, v, dout, params, varlen, slopes, keep, fn, kwargs)
+    # sinks of either sign around the scores' scale: some rows' denominators dominated by them
+    sinks = 2.0 * torch.randn(h, generator=g) if case.sinks else None
+    return Inputs(q, k, v, dout, params, varlen, slopes, keep, fn, kwargs, sinks, qv)
+
+
+def oracle_tensors(inp: Inputs) -> tuple[list, object]:
+    """The tensors whose gradients the oracle gives (q, k, v, then qv and sinks where the case has
+    them) and the oracle function taking them positionally."""
+    tensors = [inp.q, inp.k, inp.v] + [t for t in (inp.qv, inp.sinks) if t is not None]
+    has_qv, has_sinks = inp.qv is not None, inp.sinks is not None
+
+    def fn(q, k, v, *extra, **kwargs):
+        qv = extra[0] if has_qv else None
+        sinks = extra[-1] if has_sinks else None
+        return inp.oracle_fn(q, k, v, qv=qv, sinks=sinks, **kwargs)
+
+    return tensors, fn
 
 
 def _to(x, device):
@@ -172,29 +210,39 @@ def _to(x, device):
 def run_forward(backend, inp: Inputs, return_softmax=False):
     dev = backend.device
     return dispatch.run("forward", dev, _to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), inp.params,
-                        varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev), return_softmax=return_softmax)
+                        varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev), return_softmax=return_softmax,
+                        **{name: _to(t, dev) for name, t in inp.extras.items()})
 
 
-def run_backward(backend, inp: Inputs, out, lse, deterministic=False):
+def run_backward(backend, inp: Inputs, out, lse, deterministic=False, return_delta=False):
     dev = backend.device
     return dispatch.run("backward", dev, _to(inp.dout, dev), _to(inp.q, dev), _to(inp.k, dev), _to(inp.v, dev), out,
                         lse, inp.params, varlen=_to(inp.varlen, dev), alibi_slopes=_to(inp.slopes, dev),
-                        deterministic=deterministic)
+                        deterministic=deterministic, return_delta=return_delta)
 
 
 def check_case(backend, case: Case, seed: int = 0, deterministic: bool = False):
+    """out, lse and the softmax (``return_attn_probs``: not with qv) against the oracle; with
+    ``grads`` dq, dk, dv, and the sinks' gradient from the backward's Delta and the forward's lse
+    (:func:`flash_attn.custom_ops.sink_gradient`, what the public functions' autograd returns)."""
+    from flash_attn.custom_ops import sink_gradient
+
     inp = make_inputs(case, seed)
     dout = inp.dout if case.grads else None
-    ref, ref_grads, naive, naive_grads = oracle_pair(inp.oracle_fn, [inp.q, inp.k, inp.v], dout=dout,
-                                                     **inp.oracle_kwargs)
-    out, lse, s_dmask = run_forward(backend, inp, return_softmax=True)
+    tensors, fn = oracle_tensors(inp)
+    ref, ref_grads, naive, naive_grads = oracle_pair(fn, tensors, dout=dout, **inp.oracle_kwargs)
+    out, lse, s_dmask = run_forward(backend, inp, return_softmax=not case.qv)
     check_close(out, ref.out, naive.out, case.dtype, f"{case}: out")
     check_close(lse, ref.lse, naive.lse, case.dtype, f"{case}: lse")
-    keep = inp.keep if case.dropout_p else torch.ones_like(ref.probs, dtype=torch.bool)
-    check_dropout_signs(s_dmask.cpu(), ref.probs, keep, case)
+    if not case.qv:
+        keep = inp.keep if case.dropout_p else torch.ones_like(ref.probs, dtype=torch.bool)
+        check_dropout_signs(s_dmask.cpu(), ref.probs, keep, case)
     if case.grads:
-        grads = run_backward(backend, inp, out, lse, deterministic)
-        for name, ours, r, n in zip(("dq", "dk", "dv"), grads, ref_grads, naive_grads):
+        assert not case.qv, "the kernels have no backward of qv: test it on the PyTorch backends"
+        *grads, delta = run_backward(backend, inp, out, lse, deterministic, return_delta=True)
+        if case.sinks:
+            grads.append(sink_gradient(_to(inp.sinks, out.device), lse, delta, inp.varlen is not None))
+        for name, ours, r, n in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads, naive_grads):
             check_close(ours, r, n, case.dtype, f"{case}: {name}", grad=True)
     return inp, out, lse
 
@@ -263,6 +311,43 @@ def test_kernels_match_oracle(backend, case, recwarn):
     check_case(backend, case)
 
 
+# Beyond FlashAttention-2: v's own head dim (narrower, wider; the (256, 128) pair images' shape),
+# attention sinks with every feature they combine with, MLA's qv (forward: the kernels have none of
+# its backward), head dim 512 (the forward's output and the backward's gradient columns split over
+# programs) and padded up to it. A few d512 cases: the interpreter's time grows with the width.
+BEYOND_FA2_CASES = [
+    Case(F16, 192, 4, 2, seqlen_q=37, seqlen_k=45, window=(-1, 0), headdim_v=128),
+    Case(B16, 128, 2, 1, lens=((20, 0, 33), (35, 7, 0)), window=(6, 2), dropout_p=0.2, headdim_v=64),
+    Case(F16, 64, 4, 4, seqlen_q=30, seqlen_k=40, softcap=3.0, alibi="h", headdim_v=128),
+    Case(F16, 64, 4, 2, batch=2, seqlen_q=48, seqlen_k=48, window=(-1, 0), sinks=True),
+    Case(B16, 59, 2, 2, seqlen_q=33, seqlen_k=21, softcap=3.0, alibi="bh", dropout_p=0.3, sinks=True),
+    Case(F16, 128, 6, 2, seqlen_q=40, seqlen_k=24, window=(3, 0), sinks=True),  # rows without keys: lse = sink
+    Case(F16, 64, 4, 2, lens=((5, 0, 33, 17), (9, 4, 0, 40)), window=(-1, 0), sinks=True, headdim_v=32),
+    Case(F16, 64, 4, 2, lens=((20, 0, 37), (50, 7, 33)), window=(-1, 0), page_size=16, sinks=True, grads=False),
+    Case(F16, 64, 4, 1, seqlen_q=20, seqlen_k=50, window=(-1, 0), headdim_v=128, qv=True, sinks=True, grads=False),
+    Case(B16, 32, 2, 2, lens=((17, 31), (64, 17)), headdim_v=64, qv=True, grads=False),
+    Case(F16, 512, 2, 1, seqlen_q=33, seqlen_k=40, window=(-1, 0), sinks=True),
+    Case(B16, 448, 2, 2, seqlen_q=20, seqlen_k=37, softcap=2.0, headdim_v=320),
+]
+
+
+@pytest.mark.parametrize("case", BEYOND_FA2_CASES, ids=str)
+def test_beyond_fa2_kernels_match_oracle(backend, case, recwarn):
+    check_case(backend, case)
+
+
+def test_qv_backward_runs_on_the_reference_with_one_warning(backend, monkeypatch):
+    """The kernels have no backward of qv (FlashAttention-3 has none either): the planner refuses it
+    before anything runs and the reference computes it, with one warning naming why."""
+    _fresh_warnings(monkeypatch)
+    case = Case(F16, 32, 2, 2, seqlen_q=9, seqlen_k=9, headdim_v=48, qv=True)
+    inp = make_inputs(case)
+    out, lse, _ = run_forward(backend, inp)
+    with pytest.warns(UserWarning, match="qv"):
+        dispatch.run("backward", backend.device, *(_to(t, backend.device) for t in (inp.dout, inp.q, inp.k, inp.v)),
+                     out, lse, inp.params, qv=_to(inp.qv, backend.device))
+
+
 @pytest.fixture
 def uninitialized_memory_is_nan():
     """Every ``torch.empty`` filled with NaN (integers: their largest value), PyTorch's own switch
@@ -281,7 +366,9 @@ def uninitialized_memory_is_nan():
 ALL_FAMILIES = (*configs.FAMILY_CAPABILITY, "interpret")
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.grads and c.page_size is None][::3], ids=str)
+# beyond FlashAttention-2: 192/128 (two column parts), sinks with every score feature, head dim 512 (four parts)
+@pytest.mark.parametrize("case", [c for c in CASES if c.grads and c.page_size is None][::3]
+                         + [BEYOND_FA2_CASES[i] for i in (0, 4, 10)], ids=str)
 def test_deterministic_split_kernels_match_oracle(backend, case, recwarn):
     """``deterministic=True`` through the split dK/dV and dQ kernels (every family without a
     fused backward, and calls whose splits of the fused kernel could not keep the SMs busy); the
@@ -730,25 +817,26 @@ CAPABILITIES = [((8, 0), "sm80"), ((8, 6), "sm86"), ((8, 9), "sm86"), ((9, 0), "
 
 @pytest.mark.parametrize("capability,family", CAPABILITIES)
 def test_every_picked_config_fits_its_architecture(capability, family):
-    """Whatever head dim (1..256) and variant a call has, the config it gets is a valid launch on
+    """Whatever head dim (1..512) and variant a call has, the config it gets is a valid launch on
     that GPU: MMA-sized tiles, 4 or 8 warps, and shared memory within the architecture's limit.
     (Whether it is a good config is for the build report: registers, spills, MMA family.)"""
     assert configs.arch_family(capability) == family
     limit = configs.SHARED_MEMORY_LIMIT[family]
     for kind in configs.KINDS:
         for features in (False, True):
-            for headdim in range(1, 257):
+            for headdim in range(1, 513):
                 config = configs.pick_config(kind, headdim, capability, features=features)
                 if config is None:  # only the fused backward: the split kernels serve that head dim
                     assert kind == "bwd_fused" and configs.pick_config("bwd_dkdv", headdim, capability, features)
                     continue
                 assert config.block_m % 16 == 0 and config.block_n % 16 == 0, (kind, headdim, config)
-                assert config.num_warps in (4, 8) and config.num_stages >= 1
+                # 2 warps: head dim 512's tiles of 16 rows a warp where shared memory holds no more
+                assert config.num_warps in ((2, 4, 8) if headdim > 256 else (4, 8)) and config.num_stages >= 1
                 padded = configs.padded_headdim(headdim)
                 estimate = configs.estimate_shared_memory(kind, config, padded, family)
                 assert estimate <= limit, f"{kind} d={headdim} features={features} {config}: ~{estimate} B > {limit} B"
         with pytest.raises(ValueError):
-            configs.pick_config(kind, 257, capability)
+            configs.pick_config(kind, 513, capability)
 
 
 def test_interpreter_uses_small_blocks():

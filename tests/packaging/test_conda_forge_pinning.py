@@ -1,8 +1,10 @@
 """The recipe composes with conda-forge's global pinning: a feedstock's matrix, computed as
 conda-smithy computes it (tests/support/conda_forge_pinning.py: the pinning with ``CF_CUDA_ENABLED=True``,
 the feedstock's recipe/conda_build_config.yaml merged by conda-build's rule or rattler-build's, the
-CUDA 13 migration), renders to 3 builds per Linux platform and 1 on osx-arm64, osx-64 and win-64,
-with the pinning's compilers. The top-level conda_build_config.yaml is the local matrix only.
+CUDA 13 migration), renders to 3 builds per Linux platform and the noarch CPU build elsewhere, with
+the pinning's compilers; as CI jobs that is the noarch CPU build once (linux-64) and the two CUDA
+builds per Linux platform. The feedstock's own recipe/conda_build_config.yaml (its runner label) is
+kept; the top-level conda_build_config.yaml is the local matrix only.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from support.packaging_helpers import RECIPE, VARIANTS, render  # noqa: E402
 BUILD_PLATFORM = {"linux-aarch64": "linux-64"}
 EXPECTED_BUILDS = {"linux-64": 3, "linux-aarch64": 3, "osx-arm64": 1, "osx-64": 1, "win-64": 1}
 MERGES = ["conda-build", "rattler-build"]
-# A feedstock's overrides live here; this recipe has none, so the pinning alone decides.
+# A feedstock's overrides live in its recipe/conda_build_config.yaml: the flash-attn feedstock's
+# holds its runner label and is kept; this repository's recipe/ ships none.
 RECIPE_CBC = RECIPE.parent / "conda_build_config.yaml"
+# CI jobs per platform: the noarch CPU build on linux-64 alone, the CUDA builds on Linux.
+EXPECTED_JOBS = {"linux-64": ["cpu", "cuda129", "cuda130"], "linux-aarch64": ["cuda129", "cuda130"],
+                 "osx-arm64": [], "osx-64": [], "win-64": []}
 
 
 def _feedstock_variants(platform: str, merge: str, recipe_cbc=None):
-    spec = cf.feedstock_spec(platform, recipe_cbc or (RECIPE_CBC if RECIPE_CBC.exists() else None), merge)
+    spec = cf.feedstock_spec(platform, recipe_cbc or cf.FEEDSTOCK_CBC, merge)
     return spec, render(platform, cf.variant_config(spec), BUILD_PLATFORM.get(platform))
 
 
@@ -38,6 +44,7 @@ def test_feedstock_matrix_has_three_builds_per_linux_platform(platform, merge):
     assert len(variants) == EXPECTED_BUILDS[platform], strings
     expected = ["cpu", "cuda129", "cuda130"] if platform.startswith("linux") else ["cpu"]
     assert strings == expected
+    assert all(v.recipe["build"].get("noarch") == ("python" if v.cuda == "None" else None) for v in variants)
 
 
 @pytest.mark.parametrize("merge", MERGES)
@@ -53,6 +60,40 @@ def test_feedstock_builds_use_the_pinnings_toolchains(platform, merge):
         assert f"sysroot_linux-{arch} {glibc}.*" in builds[cuda]
         assert f"cuda-nvcc_linux-{arch} {cuda}.*" in builds[cuda]
     assert not any(s.startswith(("gcc", "gxx", "sysroot", "cuda-nvcc")) for s in builds["None"])
+
+
+def _jobs(platform: str, recipe_path=RECIPE) -> list[str]:
+    spec = cf.feedstock_spec(platform, cf.FEEDSTOCK_CBC)
+    variants = render(platform, cf.variant_config(spec), BUILD_PLATFORM.get(platform), recipe_path=recipe_path)
+    return sorted(v.recipe["build"]["string"].split("_")[0] for v in cf.feedstock_jobs(variants, platform))
+
+
+@pytest.mark.parametrize("platform", sorted(EXPECTED_JOBS))
+def test_feedstock_builds_the_noarch_cpu_build_once(platform, tmp_path):
+    """conda-smithy keeps a noarch build on linux_64 only: the CPU build is one job and one file,
+    the CUDA builds one job each per Linux platform, macOS and Windows none (the noarch file serves
+    them). conda-smithy's own rerender of this recipe gave these five jobs (docs/conda-forge.md).
+    The control: the same recipe with a platform-specific CPU build (no `noarch: python`, as before
+    issue 46) has a CPU job on every platform."""
+    assert _jobs(platform) == EXPECTED_JOBS[platform]
+    text = RECIPE.read_text()
+    # the CPU build's, then the FA3 interface's (its own output, tests/packaging/test_fa3_output.py)
+    assert text.count("      noarch: python\n") == 2 and text.index("      noarch: python\n") < text.index("-fa3\n")
+    per_platform = tmp_path / "recipe" / "recipe.yaml"
+    per_platform.parent.mkdir()
+    per_platform.write_text(text.replace("      noarch: python\n", "", 1))
+    assert _jobs(platform, per_platform) == sorted(EXPECTED_JOBS[platform] + ([] if platform == "linux-64" else ["cpu"]))
+
+
+@pytest.mark.parametrize("merge", MERGES)
+def test_feedstocks_runner_label_is_kept(merge):
+    """The feedstock's recipe/conda_build_config.yaml (github_actions_labels, Linux only) merges
+    into the pinning under both rules and changes no build."""
+    spec, variants = _feedstock_variants("linux-64", merge)
+    assert spec["github_actions_labels"] == ["blacksmith-8vcpu-ubuntu-2404"]
+    without = render("linux-64", cf.variant_config(cf.feedstock_spec("linux-64", None, merge)))
+    assert sorted(v.recipe["build"]["string"] for v in variants) == sorted(v.recipe["build"]["string"] for v in without)
+    assert "github_actions_labels" not in cf.feedstock_spec("osx-arm64", cf.FEEDSTOCK_CBC, merge)
 
 
 def test_migration_adds_cuda_13_as_a_zipped_column():

@@ -100,6 +100,20 @@ def built_library(conda_prefix, tmp_path_factory) -> tuple[Path, str]:
     return build / "libflash_attn_aot.so", configure.stdout
 
 
+def test_build_records_the_recipes_build_targets(built_library):
+    """An installed package has no recipe beside it: the build records the targets the recipe
+    declares in build_config.json, where flash_attn/aot/archs.py takes its default from (here a
+    build without kernels, FLASH_ATTN_CUDA_ARCHS=none, which is no list)."""
+    import json
+
+    import yaml
+
+    library, _ = built_library
+    config = json.loads((library.parent / "build_config.json").read_text())
+    assert config["cuda_archs"] == "none"
+    assert config["declared_cuda_archs"] == yaml.safe_load((REPO / "recipe" / "recipe.yaml").read_text())["context"]["cuda_archs"]
+
+
 def test_op_library_builds_against_the_conda_prefix(built_library, conda_prefix):
     library, configure_log = built_library
     assert library.is_file()

@@ -5,9 +5,11 @@ the builds conda-forge's feedstock would publish (this recipe rendered with the 
 13 migration, tests/support/conda_forge_pinning.py), each as rattler-build itself solves its build and host
 environments and attaches their run_exports (``--render-only --with-solve`` over a channel of real,
 empty packages carrying their feedstocks' run_exports.json), beside
-conda-forge-shaped Python, PyTorch, Triton and CUDA records. Each scenario is a machine (its
-virtual packages: a CUDA 12 or 13 driver, none, macOS, Windows) and what the user asks for, and
-asserts the exact flash-attn build picked.
+conda-forge-shaped Python, PyTorch, Triton and CUDA records. The CPU build is `noarch: python`:
+the feedstock builds it once, on linux-64 (conda-smithy drops a noarch build on every other
+platform), and that one file is what macOS, Windows and a Linux machine without a driver get. Each
+scenario is a machine (its virtual packages: a CUDA 12 or 13 driver, none, macOS, Windows) and what
+the user asks for, and asserts the exact flash-attn build picked.
 
 The CPU build is given a *newer* timestamp than the CUDA builds (a rebuild, or a CI job that
 finished later): with equal build numbers that alone makes solvers prefer it
@@ -29,7 +31,9 @@ pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (
 from support import conda_channel, conda_forge_pinning as cf  # noqa: E402
 from support.packaging_helpers import FA3_OUTPUT, MAIN_OUTPUT, RECIPE, render  # noqa: E402
 
-PLATFORMS = ["linux-64", "osx-arm64", "win-64"]
+PLATFORMS = ["linux-64", "linux-aarch64", "osx-arm64", "win-64"]
+# The noarch outputs: the CPU build and FlashAttention-3's interface, one file each for every platform.
+NOARCH = ("cpu", "fa3")
 
 
 def virtual(name: str, version: str, build: str = "0"):
@@ -37,12 +41,15 @@ def virtual(name: str, version: str, build: str = "0"):
 
 
 LINUX = [virtual("__unix", "0"), virtual("__linux", "6.8"), virtual("__glibc", "2.35"), virtual("__archspec", "1", "x86_64_v3")]
+ARM = [virtual("__unix", "0"), virtual("__linux", "6.8"), virtual("__glibc", "2.35"), virtual("__archspec", "1", "aarch64")]
 MACHINES = {
     "linux, no GPU": ("linux-64", LINUX),
     "linux, CUDA 12 driver": ("linux-64", [*LINUX, virtual("__cuda", "12.8")]),  # e.g. driver 570
     "linux, CUDA 13 driver": ("linux-64", [*LINUX, virtual("__cuda", "13.0")]),  # e.g. driver 580
     "macOS": ("osx-arm64", [virtual("__unix", "0"), virtual("__osx", "15.5"), virtual("__archspec", "1", "m1")]),
     "windows, CUDA 13 driver": ("win-64", [virtual("__win", "0"), virtual("__cuda", "13.0")]),
+    "linux-aarch64, no GPU": ("linux-aarch64", ARM),  # e.g. a Graviton server
+    "linux-aarch64, CUDA 13 driver": ("linux-aarch64", [*ARM, virtual("__cuda", "13.0")]),  # e.g. GH200, Thor
 }
 
 
@@ -74,6 +81,8 @@ SCENARIOS = {
         "linux, CUDA 13 driver", ["python", "pytorch", "flash-attn"], "cuda129", pytorch="cuda129",
         torch_version="2.13.0", python="3.12", installed=["python 3.12.*", "pytorch * cuda129*"]),
     "CPU build asked for on a GPU machine": Scenario("linux, CUDA 13 driver", ["flash-attn * cpu*"], "cpu"),
+    "linux-aarch64 without a GPU": Scenario("linux-aarch64, no GPU", ["flash-attn"], "cpu", pytorch="cpu"),
+    "linux-aarch64 with a CUDA 13 driver": Scenario("linux-aarch64, CUDA 13 driver", ["flash-attn"], "cuda130", pytorch="cuda130"),
     # FlashAttention-3's interface brings flash-attn, and the same build flash-attn alone would get
     "FA3 interface, CUDA 13 driver": Scenario("linux, CUDA 13 driver", ["flash-attn-fa3"], "cuda130", pytorch="cuda130"),
     "FA3 interface, macOS": Scenario("macOS", ["flash-attn-fa3"], "cpu", pytorch="cpu"),
@@ -94,7 +103,8 @@ def ours(tmp_path_factory) -> dict:
     """The feedstock's builds: platform -> kind (cuda129/cuda130/cpu) -> repodata record, as
     rattler-build itself renders and solves them (``--render-only --with-solve``) over a channel
     of real packages: their ``depends`` are the recipe's run requirements plus the run_exports
-    rattler-build attached from the solved build and host environments."""
+    rattler-build attached from the solved build and host environments. Every platform's "cpu" and
+    "fa3" are the noarch records the feedstock publishes (built on linux-64)."""
     folder = tmp_path_factory.mktemp("rattler-build")
     url = conda_channel.write_package_channel(folder / "channel", [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)])
     builds = {}
@@ -102,20 +112,27 @@ def ours(tmp_path_factory) -> dict:
         variants = write_variant_file(cf.variant_config(cf.feedstock_spec(platform)), folder / f"{platform}.yaml")
         records = conda_channel.rattler_build_records(RECIPE, platform, url, [variants])
         builds[platform] = {r["build"].split("_")[0]: r for r in records if r["name"] == MAIN_OUTPUT}
-        # FlashAttention-3's interface: one noarch package, rendered by linux-64's matrix only
-        fa3 = [r for r in records if r["name"] == FA3_OUTPUT]
-        assert len(fa3) == (platform == "linux-64") and len(records) == len(builds[platform]) + len(fa3), records
-        builds.setdefault("noarch", {}).update({"fa3": r for r in fa3})
         # every build the feedstock renders (skipped ones left out) was solved
         assert sorted(builds[platform]) == sorted(v.recipe["build"]["string"].split("_")[0]
                                                   for v in render(platform, cf.variant_config(cf.feedstock_spec(platform))))
-        builds[platform]["cpu"]["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
+        # FlashAttention-3's interface: one noarch package, rendered with the CPU variant
+        [builds[platform]["fa3"]] = [r for r in records if r["name"] == FA3_OUTPUT]
+        assert len(records) == len(builds[platform]), records
+    for kind in NOARCH:
+        noarch = builds["linux-64"][kind]
+        assert noarch["subdir"] == "noarch" and noarch["noarch"] == "python"
+        for platform in PLATFORMS:
+            # rendered anywhere, a noarch output is the same file; conda-smithy builds it on linux-64 only
+            assert builds[platform][kind]["fn"] == noarch["fn"] and builds[platform][kind]["depends"] == noarch["depends"]
+            builds[platform][kind] = noarch
+    builds["linux-64"]["cpu"]["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
     return builds
 
 
 def _channel(folder: Path, ours: dict) -> str:
     records = [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)]
-    records += [r for p in [*PLATFORMS, "noarch"] for r in ours[p].values()]
+    records += [r for p in PLATFORMS for kind, r in ours[p].items() if kind not in NOARCH]
+    records += [ours["linux-64"][kind] for kind in NOARCH]
     return conda_channel.write_channel(folder, records)
 
 
@@ -161,6 +178,8 @@ def test_without_the_build_number_offset_gpu_machines_get_the_cpu_build(tmp_path
     """The control: the same builds with build number 0 everywhere (the recipe before issue 10)
     give a GPU machine the CPU build beside a CUDA PyTorch, the defect the offset fixes."""
     flat = {p: {kind: {**r, "build_number": 0} for kind, r in builds.items()} for p, builds in ours.items()}
+    for builds in flat.values():
+        builds["cpu"] = flat["linux-64"]["cpu"]
     channel = (_channel(tmp_path / "channel", flat), tmp_path / "cache")
     for machine in ("linux, CUDA 12 driver", "linux, CUDA 13 driver"):
         env = solve(channel, machine, ["flash-attn"])
@@ -176,20 +195,25 @@ def test_cpu_build_installs_everywhere(machine, channel, ours):
 
 def test_records_carry_the_run_exports(ours):
     """What rattler-build writes into index.json (it solved build and host and attached the
-    run_exports): run requirements plus the compilers', sysroot's, nvcc's and python-abi3's
-    run_exports; libtorch's pin, cuda-cudart and python's python_abi are ignored."""
+    run_exports): run requirements plus the compilers', sysroot's and nvcc's run_exports; libtorch's
+    pin, cuda-cudart and python's python_abi are ignored; no python-abi3 (the package has no
+    extension module), so nothing restricts the Python beyond `python >=3.10`."""
     cuda129, cuda130, cpu = (set(ours["linux-64"][k]["depends"]) for k in ("cuda129", "cuda130", "cpu"))
-    assert {"python >=3.10", "pytorch >=2.10", "libtorch >=2.10", "pytorch * cuda*", "__cuda >=12",
-            "cuda-version >=12.9,<13", "libgcc >=14", "libstdcxx >=14", "__glibc >=2.17,<3.0.a0",
-            "cpython >=3.10", "_python_abi3_support 1.*"} <= cuda129
-    assert {"__cuda >=13", "cuda-version >=13.0,<14", "libstdcxx >=15", "__glibc >=2.28,<3.0.a0"} <= cuda130
-    assert cpu == {"python >=3.10", "pytorch >=2.10", "cpython >=3.10", "_python_abi3_support 1.*"}
+    assert {"python >=3.10", "pytorch >=2.10", "libtorch >=2.10", "pytorch * cuda*", "__cuda",
+            "cuda-version >=12.9,<13", "libgcc >=14", "libstdcxx >=14", "__glibc >=2.17,<3.0.a0"} <= cuda129
+    assert {"__cuda", "cuda-version >=13.0,<14", "libstdcxx >=15", "__glibc >=2.28,<3.0.a0"} <= cuda130
+    assert cpu == {"python >=3.10", "pytorch >=2.10"}
     for depends in (cuda129, cuda130, cpu):
-        assert not any(d.startswith(("python_abi", "cuda-cudart", "libtorch >=2.10,<")) for d in depends)
+        assert not any(d.startswith(("python_abi", "cuda-cudart", "libtorch >=2.10,<", "cpython", "_python_abi3"))
+                       for d in depends)
     assert ours["linux-64"]["cuda129"]["build_number"] == ours["linux-64"]["cuda130"]["build_number"] == 200
     assert ours["linux-64"]["cpu"]["build_number"] == 0
-    assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())  # CEP-20
-    fa3 = ours["noarch"]["fa3"]
+    # the CUDA builds: CEP-20 (their platform's subdir, noarch python in index.json); the CPU build
+    # and the FA3 interface: noarch
+    assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())
+    assert {r["subdir"] for builds in ours.values() for k, r in builds.items() if k not in NOARCH} == {"linux-64", "linux-aarch64"}
+    assert ours["osx-arm64"]["cpu"]["subdir"] == "noarch"
+    fa3 = ours["osx-arm64"]["fa3"]
     assert fa3["subdir"] == "noarch" and fa3["build_number"] == 0
     # python's run_export to a noarch package is `python` itself, beside the recipe's floor
     assert set(fa3["depends"]) == {"python", "python >=3.10", f"flash-attn =={fa3['version']}"}, fa3["depends"]

@@ -31,13 +31,15 @@ def _version() -> str:
 
 def test_versions_are_flash_attns():
     """The flash_attn_3 distribution is this flash-attn's interface: its version and its pin are
-    flash-attn's (lower than any FA3 release, which replaces it as an upgrade)."""
-    namespace: dict = {}
-    exec((FA3_SOURCE / "flash_attn_3" / "__init__.py").read_text(), namespace)
-    assert namespace["__version__"] == _version()
+    flash-attn's (lower than any FA3 release, which replaces it as an upgrade), read from
+    flash_attn/_version.py by fa3_interface/setup.py, never restated (the built wheel's metadata:
+    test_wheel_holds_the_module_and_the_metadata)."""
     project = tomllib.loads((FA3_SOURCE / "pyproject.toml").read_text())["project"]
     assert project["name"] == "flash_attn_3"
-    assert project["dependencies"] == [f"flash-attn=={_version()}"]
+    assert sorted(project["dynamic"]) == ["dependencies", "version"] and "dependencies" not in project
+    assert "flash_attn/_version.py" in (FA3_SOURCE / "setup.py").read_text()
+    sources = [p for p in FA3_SOURCE.rglob("*") if p.is_file() and "build" not in p.parts and "egg-info" not in str(p)]
+    assert not [p for p in sources if _version() in p.read_text()]
 
 
 def test_flash_attns_wheel_does_not_ship_the_fa3_names():
@@ -48,14 +50,13 @@ def test_flash_attns_wheel_does_not_ship_the_fa3_names():
 
 @pytest.mark.parametrize("platform", ["linux-64", "linux-aarch64", "osx-arm64", "win-64"])
 def test_render_gives_one_noarch_package(platform):
-    """One noarch: python package, rendered by linux-64's CPU job alone (no copy per variant or
-    platform), running on any build of the same flash-attn version."""
+    """One noarch: python package, rendered by the CPU variant alone (no copy per CUDA variant) and
+    the same file whichever platform renders it, like the CPU build (conda-smithy builds noarch
+    outputs on linux_64 only), running on any build of the same flash-attn version."""
     pytest.importorskip("rattler_build", reason=NO_RATTLER)
-    variants = render(platform, output=FA3_OUTPUT)
-    if platform != "linux-64":
-        assert variants == []
-        return
-    [v] = variants
+    [v] = render(platform, output=FA3_OUTPUT)
+    [linux] = render("linux-64", output=FA3_OUTPUT)
+    assert v.recipe["build"]["string"] == linux.recipe["build"]["string"]
     assert v.recipe["package"] == {"name": FA3_OUTPUT, "version": _version()}
     assert v.recipe["build"]["noarch"] == "python"
     assert [str(s) for s in v.recipe["requirements"]["run"]] == ["python >=3.10", f"{MAIN_OUTPUT} =={_version()}"]
@@ -84,11 +85,13 @@ def installed(tmp_path_factory):
 
 
 def test_wheel_holds_the_module_and_the_metadata(installed):
-    names, _ = installed
+    names, target = installed
     top = {n.split("/")[0] for n in names}
     assert "flash_attn_interface.py" in top and "flash_attn_3" in top and "flash_attn" not in top
     dist_info = next(n for n in top if n.endswith(".dist-info"))
     assert dist_info.startswith(f"flash_attn_3-{_version()}")
+    metadata = (target / dist_info / "METADATA").read_text().splitlines()
+    assert f"Version: {_version()}" in metadata and f"Requires-Dist: flash-attn=={_version()}" in metadata
 
 
 def test_transformers_finds_fa3(installed):

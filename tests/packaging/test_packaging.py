@@ -2,14 +2,16 @@
 
 * the manifests validate against the pixi and rattler-build schemas in ../shared/schemas;
 * py-rattler-build renders the recipe with the variant matrix: exactly the expected variants per
-  platform (osx-arm64 and win-64: the CPU variant alone), build strings naming the CUDA version
-  and CUDA build numbers +200, the declared dependencies (libtorch in host and run), CEP-20 version
-  independence and its entry point, no exact pin of Python or PyTorch, linux-aarch64
-  cross-compiled from linux-64 with cross-python, the Triton bounds, the test steps' selections;
+  platform (osx-arm64 and win-64: the CPU variant alone), the CPU build `noarch: python` (one file
+  for every platform), build strings naming the CUDA version and CUDA build numbers +200, the
+  declared dependencies (libtorch in host and run), CEP-20 version independence of the CUDA builds
+  and the entry point, no exact pin of Python or PyTorch, linux-aarch64 cross-compiled from
+  linux-64 with cross-python, the Triton bounds, the test steps' selections;
 * the build scripts: build.sh on Linux/macOS (portable to macOS's bash 3.2 and BSD sed),
   build.bat on Windows, and that the recipe lets rattler-build pick the right one;
 * one recipe for the checkout, pixi-build and the feedstock (its source per context), the build
-  number conda-forge's bot bumps, the linter's hints, the Python C API check of the op library;
+  number conda-forge's bot bumps, the linter's hints (its rules: tests/packaging/test_conda_forge_review.py),
+  the Python C API check of the op library;
 * `pixi run build`'s test half (recipe/test_built_packages.sh) with stand-ins for rattler-build and
   nvidia-smi;
 * (slow) the CPU-only build through build.sh, from pixi-build's sources: no compiler, no torch,
@@ -40,7 +42,7 @@ import pytest
 from support.packaging_helpers import (  # noqa: I001  (tests/ is on sys.path: pyproject.toml's pytest pythonpath)
     BUILD_BAT, BUILD_SCRIPT, PIXI, RECIPE, REPO, SCHEMAS, VARIANTS, assemble, compiled_files, copy_recipe_sources,
     extract_into_venv, lay_out_conda_forge_libtorch, make_venv, open_conda, render, run_build_script,
-    run_from_site, staged_site_packages, torch_floor_dir, triton_requirement,
+    run_from_site, run_test_built_packages, staged_site_packages, torch_floor_dir, triton_requirement,
 )
 
 yaml = pytest.importorskip("yaml")
@@ -49,6 +51,7 @@ NO_RATTLER = "py-rattler-build is not installed (pip install py-rattler-build): 
 LINUX = ["linux-64", "linux-aarch64"]
 CPU_ONLY_PLATFORMS = ["osx-arm64", "win-64"]  # no CUDA variant outside Linux
 CUDA_VARIANTS = {"12.9": "cuda129", "13.0": "cuda130", "None": "cpu"}
+# The CPU build is `noarch: python`: rendered for any platform, it targets `noarch`.
 BUILD_NUMBERS = {"12.9": 200, "13.0": 200, "None": 0}  # conda-forge's +200 for CUDA builds
 TORCH_MIN = "2.10"
 PYTHON_MIN = "3.10"
@@ -117,7 +120,7 @@ def test_render_gives_exactly_the_matrix(rendered):
     assert len(variants) <= 3
     assert sorted(v.cuda for v in variants) == ["12.9", "13.0", "None"]
     for v in variants:
-        assert v.variant["target_platform"] == platform
+        assert v.variant["target_platform"] == (platform if v.cuda != "None" else "noarch")
         assert "python" not in v.variant and "pytorch" not in v.variant  # not variant keys
         number = BUILD_NUMBERS[v.cuda]
         assert v.recipe["build"]["number"] == number
@@ -127,11 +130,14 @@ def test_render_gives_exactly_the_matrix(rendered):
 
 def _check_cpu_variant(v):
     """The CPU variant compiles nothing (no op library): cmake and ninja run the empty CMake
-    project; no compiler, no CUDA, no torch headers at build time."""
+    project; no compiler, no CUDA, no torch headers at build time. It is `noarch: python`: the
+    same file for every platform, so nothing in it may depend on the platform."""
     build, host, run = _specs(v, "build"), _specs(v, "host"), _specs(v, "run")
     constraints = _specs(v, "run_constraints")
+    assert v.recipe["build"]["noarch"] == "python" and v.variant["target_platform"] == "noarch"
+    assert "version_independent" not in v.recipe["build"].get("python", {})  # noarch already is
     assert build == ["cmake >=3.24", "ninja"], build
-    assert not {"pytorch", "libtorch"} & set(_names(host)) and "python-abi3" in host
+    assert host == [f"python {PYTHON_MIN}.*", "pip", "scikit-build-core >=0.11"], host
     assert run == [f"python >={PYTHON_MIN}", f"pytorch >={TORCH_MIN}"] and not constraints
     assert not any("cuda" in s for s in build + host + run), (build, host, run)
     assert re.fullmatch(r"cpu_h[0-9a-f]{7}_0", v.recipe["build"]["string"])
@@ -143,7 +149,8 @@ def test_render_requirements(rendered):
         build, host, run = _specs(v, "build"), _specs(v, "host"), _specs(v, "run")
         arch = platform.replace("linux-", "")
         assert {"cmake", "ninja"} <= set(_names(build))
-        assert "python-abi3" in host
+        # no Python extension module, so no abi3 (conda-smithy's abi3audit hint asked for one)
+        assert "python-abi3" not in _names(host)
         assert f"pytorch >={TORCH_MIN}" in run and f"python >={PYTHON_MIN}" in run
         constraints = _specs(v, "run_constraints")
         if v.cuda == "None":
@@ -154,24 +161,28 @@ def test_render_requirements(rendered):
             # conda-forge's split PyTorch: the headers and libtorch_cpu.so come from libtorch (its
             # CPU build: the same stable-ABI headers without the CUDA libraries)
             assert f"libtorch {TORCH_MIN}.* cpu_*" in host and "pytorch" not in _names(host)
-            major = v.cuda.split(".")[0]
             assert f"cuda-nvcc_linux-{arch} {v.cuda}.*" in build
             assert "triton" in _names(build) and "python" in _names(build)  # kernel build only
             assert f"cuda-version {v.cuda}.*" in host
             assert {"cuda-cudart-dev", "cuda-cudart-static"} <= set(_names(host))
             # the op library links libtorch_cpu.so: libtorch in run, or rattler-build calls it overlinking
             assert f"libtorch >={TORCH_MIN}" in run
-            assert "pytorch * cuda*" in run and f"__cuda >={major}" in run and not constraints
+            # a driver; its major is held by cuda-version (nvcc's run_export), as pytorch does
+            assert "pytorch * cuda*" in run and "__cuda" in run and not constraints
         assert "triton" not in _names(run)
 
 
 def test_render_is_python_and_torch_version_independent(rendered):
     _, variants = rendered
     for v in variants:
-        assert v.recipe["build"]["python"]["version_independent"] is True
         ignored = v.recipe["requirements"]["ignore_run_exports"]
         # python: pixi-build's lock applies only what is written (tests/packaging/test_pixi_workspace.py)
-        assert {"python", "libtorch", "cuda-cudart-dev"} == set(ignored["from_package"])
+        if v.cuda == "None":
+            assert v.recipe["build"]["noarch"] == "python"
+            assert set(ignored["from_package"]) == {"python"}
+        else:
+            assert v.recipe["build"]["python"]["version_independent"] is True
+            assert set(ignored["from_package"]) == {"python", "libtorch", "cuda-cudart-dev"}
         assert ignored["by_name"] == ["python_abi"]
         for spec in _specs(v, "run") + _specs(v, "run_constraints"):
             name, *rest = spec.split()
@@ -199,10 +210,11 @@ def test_render_other_platforms_give_the_cpu_variant_only(platform):
     variants = render(platform)
     assert [v.cuda for v in variants] == ["None"], [v.recipe["build"]["string"] for v in variants]
     [v] = variants
-    assert v.variant["target_platform"] == platform
     assert v.recipe["package"] == {"name": "flash-attn", "version": _version()}
-    assert v.recipe["build"]["python"]["version_independent"] is True
     _check_cpu_variant(v)
+    # the one noarch file: the same build string whichever platform renders it
+    [linux_cpu] = [c for c in render("linux-64") if c.cuda == "None"]
+    assert v.recipe["build"]["string"] == linux_cpu.recipe["build"]["string"]
     text = json.dumps(v.recipe.get("tests", []))
     assert "cuda.is_available" not in text and "libflash_attn_aot" not in text
 
@@ -263,26 +275,25 @@ def test_build_number_is_the_one_the_bot_bumps(tmp_path):
 
 
 def test_recipe_answers_the_linters_hints():
-    """conda-smithy's hints for a v1, python version-independent recipe (conda_smithy/linter/hints.py,
-    August 2026): every python test also tests the newest Python (`"*"`), beside python_min; pip's
-    check is not switched off without a reason (here: not switched off); the maintainers and
-    addresses a person must fill say TODO. The abi3audit hint (a python-abi3 host requirement
-    without an abi3audit test) is answered by recipe/check_no_python_c_api.py and skipped in
-    recipe/feedstock-conda-forge.yml, with the reason (test_check_no_python_c_api_*)."""
+    """conda-smithy's hints for v1 recipes (conda_smithy/linter/hints.py, 081ec6b): every python test
+    also tests the newest Python (`"*"`), beside python_min; pip's check is not switched off without
+    a reason (here: not switched off); the maintainers and addresses a person must fill say TODO.
+    Its rules on python-abi3, conda-forge.yml's linter section and the context are restated in
+    tests/packaging/test_conda_forge_review.py."""
     recipe = yaml.safe_load(RECIPE.read_text())
-    python_tests = {o["package"]["name"]: [t["python"] for t in o["tests"] if "python" in t] for o in recipe["outputs"]}
-    assert all(python_tests.values()) and len(python_tests) == 2
-    for test in sum(python_tests.values(), []):
+    python_tests = [t["python"] for output in recipe["outputs"] for t in output["tests"] if "python" in t]
+    assert len(python_tests) == len(recipe["outputs"])
+    for test in python_tests:
         assert test["python_version"] == ["${{ python_min }}.*", "*"]
         assert test.get("pip_check", True) is True
     assert all("TODO" in recipe["about"][key] for key in ("homepage", "repository", "documentation"))
-    assert recipe["extra"]["recipe-maintainers"] == ["TODO-github-handle"]
+    assert recipe["extra"]["recipe-maintainers"] == ["TODO_github_handle"]
     forge = yaml.safe_load((RECIPE.parent / "feedstock-conda-forge.yml").read_text())
     assert forge["conda_build_tool"] == "rattler-build"
     assert forge["build_platform"] == {"linux_aarch64": "linux_64"}
-    assert forge["linter"]["skip"] == ["hint_abi3_missing_abi3audit"]
-    cuda_tests = json.dumps(recipe["outputs"][0]["tests"])
-    assert "python check_no_python_c_api.py" in cuda_tests
+    assert "linter" not in forge  # nothing to skip
+    [cuda] = [o for o in recipe["outputs"] if "noarch" not in o["build"]]
+    assert "python check_no_python_c_api.py" in json.dumps(cuda["tests"])
 
 
 def _shared_library(tmp_path: Path, name: str, code: str) -> Path:
@@ -318,26 +329,9 @@ def test_check_no_python_c_api_flags_what_abi3audit_lets_through(tmp_path):
 # --- `pixi run build`: built, then tested as far as the machine can -----------------------------------------
 
 
-def _fake_tools(folder: Path, log: Path, driver_cuda: str | None, failing: str = "") -> dict:
-    """Stand-ins on PATH: `rattler-build` records each call with CONDA_OVERRIDE_CUDA and fails for
-    a package whose name contains ``failing``; `nvidia-smi` prints a driver header (or is absent)."""
-    folder.mkdir()
-    (folder / "rattler-build").write_text(
-        "#!/usr/bin/env bash\n"
-        f'echo "$* CONDA_OVERRIDE_CUDA=${{CONDA_OVERRIDE_CUDA:-}}" >> "{log}"\n'
-        f'case "$*" in *{failing or "no-such-package"}*) exit 1 ;; esac\n')
-    if driver_cuda:
-        (folder / "nvidia-smi").write_text(
-            "#!/usr/bin/env bash\n"
-            f'echo "| NVIDIA-SMI 570.00   Driver Version: 570.00   CUDA Version: {driver_cuda}     |"\n')
-    for tool in folder.iterdir():
-        tool.chmod(0o755)
-    system = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists())
-    return {**os.environ, "PATH": f"{folder}:{system}"}
-
-
-PACKAGES = ["flash-attn-2.9.0-cuda129_h1111111_200.conda", "flash-attn-2.9.0-cuda130_h2222222_200.conda",
-            "flash-attn-2.9.0-cpu_h3333333_0.conda"]
+# What `pixi run build` writes: the CUDA builds into output/<subdir>, the CPU build into output/noarch.
+PACKAGES = {"linux-64": ["flash-attn-2.8.3.1-cuda129_h1111111_200.conda", "flash-attn-2.8.3.1-cuda130_h2222222_200.conda"],
+            "noarch": ["flash-attn-2.8.3.1-cpu_h3333333_0.conda"]}
 
 
 @pytest.mark.parametrize("driver,expected", [
@@ -347,24 +341,19 @@ PACKAGES = ["flash-attn-2.9.0-cuda129_h1111111_200.conda", "flash-attn-2.9.0-cud
 ])
 def test_built_packages_are_tested_as_far_as_the_machine_can(driver, expected, tmp_path):
     """recipe/test_built_packages.sh (the second half of `pixi run build`) with stand-ins for
-    rattler-build and nvidia-smi: each package is tested, a CUDA build this machine has no driver
-    for with CONDA_OVERRIDE_CUDA set to its major (its import, doctor and CPU tests run, its GPU
-    step reports the GPU tests as not run); it says so per package. What it cannot show: rattler-build
-    installing the test environments (conda-forge is unreachable here)."""
+    rattler-build and nvidia-smi, in the environment the task gives it (pixi.toml's CONDA_OVERRIDE_CUDA
+    for the build's solves): each package is tested, a CUDA build this machine has no driver for
+    with CONDA_OVERRIDE_CUDA set to its major (its import, doctor and CPU tests run, its GPU step
+    reports the GPU tests as not run), every other one without the override, with the machine's own
+    driver; it says so per package. What it cannot show: rattler-build installing the test
+    environments (tests/packaging/test_pixi_workspace.py solves them)."""
     if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
         pytest.skip("the stand-in packages are linux-64's")
-    log = tmp_path / "calls.log"
-    (tmp_path / "output" / "linux-64").mkdir(parents=True)
-    for name in PACKAGES:
-        (tmp_path / "output" / "linux-64" / name).write_bytes(b"")
-    env = _fake_tools(tmp_path / "bin", log, driver)
-    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True)
+    task_env = tomllib.loads(PIXI.read_text())["tasks"]["build"].get("env", {})
+    result, calls = run_test_built_packages(tmp_path, PACKAGES, driver, task_env)
     assert result.returncode == 0, result.stdout + result.stderr
-    calls = {line.split("flash-attn-2.9.0-")[1].split("_")[0]: line.rsplit("CONDA_OVERRIDE_CUDA=", 1)[1]
-             for line in log.read_text().splitlines()}
-    assert calls == expected
-    assert all(line.startswith("test --package-file output/linux-64/") for line in log.read_text().splitlines())
+    assert {name.split("-")[3].split("_")[0]: override for name, override in calls.items()} == expected
+    assert sorted(calls) == sorted(n for names in PACKAGES.values() for n in names)
     for kind, override in expected.items():
         if override:
             assert f"no driver for CUDA {override.split('.')[0]} here" in result.stdout and "GPU tests not run" in result.stdout
@@ -372,20 +361,11 @@ def test_built_packages_are_tested_as_far_as_the_machine_can(driver, expected, t
 
 
 def test_built_packages_fail_the_task_when_a_test_fails(tmp_path):
-    log = tmp_path / "calls.log"
-    (tmp_path / "output" / "linux-64").mkdir(parents=True)
-    for name in PACKAGES:
-        (tmp_path / "output" / "linux-64" / name).write_bytes(b"")
-    env = _fake_tools(tmp_path / "bin", log, None, failing="cpu_")
-    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True)
+    result, calls = run_test_built_packages(tmp_path / "failing", PACKAGES, None, {}, failing="cpu_")
     assert result.returncode == 1
-    assert len(log.read_text().splitlines()) == 3  # the others were still tested
-    empty = tmp_path / "empty"
-    (empty / "output").mkdir(parents=True)
-    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=empty, env=env,
-                            capture_output=True, text=True)
-    assert result.returncode == 1 and "no flash-attn package" in result.stderr
+    assert len(calls) == 3  # the others were still tested
+    result, calls = run_test_built_packages(tmp_path / "empty", {}, None, {})
+    assert result.returncode == 1 and "no flash-attn package" in result.stderr and not calls
 
 
 # What rattler-build does with `build: script: file:` (rattler_build_script's Script::find_file and
@@ -437,15 +417,19 @@ def test_entry_point_is_declared_for_the_installer():
 
 
 def test_linux_aarch64_cross_compiles_from_linux_64():
-    """conda-forge builds linux-aarch64 on linux-64 (conda-forge.yml `build_platform`): every
+    """conda-forge builds linux-aarch64 on linux-64 (conda-forge.yml `build_platform`): every CUDA
     variant then has cross-python for the target, so $PYTHON (pip) runs here and installs for
-    aarch64; the CUDA variants' kernel build runs with the build machine's own Python."""
+    aarch64; the kernel build runs with the build machine's own Python. The noarch CPU build is
+    the same file wherever it is built: nothing to cross-compile."""
     pytest.importorskip("rattler_build", reason=NO_RATTLER)
     cross = render("linux-aarch64", build_platform="linux-64")
     native = render("linux-aarch64")
     assert sorted(v.cuda for v in cross) == sorted(v.cuda for v in native) == ["12.9", "13.0", "None"]
     for v in cross:
         build = _specs(v, "build")
+        if v.cuda == "None":
+            assert build == ["cmake >=3.24", "ninja"], build
+            continue
         assert "cross-python_linux-aarch64" in build and f"python {PYTHON_MIN}.*" in build
         assert v.recipe["build"]["script"]["env"]["PYTHON_MIN"] == PYTHON_MIN
     for v in native:
@@ -668,13 +652,15 @@ def test_package_index(local_package):
     assert index["subdir"] == "linux-64" and index["noarch"] == "python"  # CEP-20
     assert index["build_number"] == 200
     # the recipe's run requirements, and what rattler-build attached from build and host: the
-    # compilers' and sysroot's, nvcc's cuda-version, python-abi3's; not python_abi (python's, dropped
-    # for a version-independent package), not libtorch's exact pin, not cuda-cudart (ignored)
+    # compilers' and sysroot's, nvcc's cuda-version; not python_abi (python's, dropped for a
+    # version-independent package), not libtorch's exact pin, not cuda-cudart (ignored), and no
+    # python-abi3 (no extension module: any Python >= python_min, free-threaded ones too)
     major = variant.cuda.split(".")[0]
     assert set(_specs(variant, "run")) < set(index["depends"])
-    assert {"libgcc >=14", "libstdcxx >=14", "__glibc >=2.28,<3.0.a0", f"cuda-version >={variant.cuda},<{int(major) + 1}",
-            f"cpython >={PYTHON_MIN}", "_python_abi3_support 1.*"} <= set(index["depends"]), index["depends"]
-    assert not [d for d in index["depends"] if d.startswith(("python_abi ", "cuda-cudart", "libtorch >=2.10.0,<"))]
+    assert {"libgcc >=14", "libstdcxx >=14", "__glibc >=2.28,<3.0.a0",
+            f"cuda-version >={variant.cuda},<{int(major) + 1}"} <= set(index["depends"]), index["depends"]
+    assert not [d for d in index["depends"] if d.startswith(("python_abi ", "cuda-cudart", "libtorch >=2.10.0,<",
+                                                             "cpython", "_python_abi3_support"))]
     assert sorted(index.get("constrains", [])) == sorted(_specs(variant, "run_constraints"))
     assert index["license"] == "BSD-3-Clause"
 

@@ -42,6 +42,7 @@ import fnmatch
 import json
 import os
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -293,21 +294,22 @@ class LockError(AssertionError):
     pass
 
 
-def _virtual(platform_name: str):
+def _virtual(platform_name: str, machine: dict | None = None):
+    """The virtual packages of a platform (its declared ones), or of a ``machine`` (name -> version)."""
     import rattler
 
-    _, virtual = platform_entry(platform_name)
+    virtual = machine if machine is not None else platform_entry(platform_name)[1]
     return [rattler.GenericVirtualPackage(rattler.PackageName(k), rattler.Version(v), rattler.BuildString("0"))
             for k, v in virtual.items()]
 
 
-def _solve(channel, platform_name: str, specs: list[str]) -> list:
+def _solve(channel, platform_name: str, specs: list[str], machine: dict | None = None) -> list:
     import rattler
 
     url, cache, _ = channel
     subdir, _ = platform_entry(platform_name)
     return asyncio.run(rattler.solve([url], specs, gateway=rattler.Gateway(cache_dir=str(cache)),
-                                     platforms=[subdir, "noarch"], virtual_packages=_virtual(platform_name)))
+                                     platforms=[subdir, "noarch"], virtual_packages=_virtual(platform_name, machine)))
 
 
 def _name(spec: str) -> str:
@@ -328,9 +330,12 @@ def _run_exports(records, declared: set[str], ignore: dict, exports_table: dict)
     return out
 
 
-def lock_build(channel, platform_name: str, rendered) -> dict:
+def lock_build(channel, platform_name: str, rendered, machine: dict | None = None) -> dict:
     """One offered build as pixi locks it (resolve_source_record.rs): its build environment, its host
-    environment with the build's strong run_exports, its record. LockError if a solve fails."""
+    environment with the build's strong run_exports, its record. LockError if a solve fails.
+    ``machine``: solve with these virtual packages instead of the platform's (rattler-build's own
+    solves of `pixi run build`, which use the machine's, and rattler-build's rule for run_exports
+    is the same: test_replay_attaches_what_rattler_build_attaches)."""
     from support import conda_channel
 
     _, _, exports_table = channel
@@ -339,12 +344,12 @@ def lock_build(channel, platform_name: str, rendered) -> dict:
     build_specs = [str(s) for s in requirements.get("build", [])]
     host_specs = [str(s) for s in requirements.get("host", [])]
     try:
-        build = _solve(channel, platform_name, build_specs) if build_specs else []
+        build = _solve(channel, platform_name, build_specs, machine) if build_specs else []
     except Exception as error:
         raise LockError(f"{platform_name}: the build environment of {kind(rendered)} does not solve: {error}") from error
     from_build = _run_exports(build, {_name(s) for s in build_specs}, ignore, exports_table)
     try:
-        host = _solve(channel, platform_name, host_specs + from_build["strong"])
+        host = _solve(channel, platform_name, host_specs + from_build["strong"], machine)
     except Exception as error:
         raise LockError(f"{platform_name}: the host environment of {kind(rendered)} does not solve: {error}") from error
     from_host = _run_exports(host, {_name(s) for s in host_specs}, ignore, exports_table)
@@ -357,7 +362,7 @@ def lock_build(channel, platform_name: str, rendered) -> dict:
     subdir, _ = platform_entry(platform_name)
     return conda_channel._record(rendered.recipe["package"]["name"], str(rendered.recipe["package"]["version"]),
                                  rendered.recipe["build"]["string"], int(rendered.recipe["build"]["number"]),
-                                 depends, constrains, subdir)
+                                 depends, constrains, *conda_channel.package_subdir(rendered.recipe["build"], subdir))
 
 
 def lock_source_package(channel, platform_name: str, manifest: dict | None = None) -> dict[str, dict]:
@@ -513,6 +518,114 @@ def test_python_of_the_build_would_be_locked_without_ignoring_its_run_export(bas
     assert str(names["python"].version).startswith("3.10.")
 
 
+# --- `pixi run build` on a machine with a CUDA 13 driver, a CUDA 12 driver, none ---------------------------
+#
+# The build task is rattler-build itself (no pixi-build): it renders the variants file for this
+# platform, solves each variant's build and host environments with the *machine's* virtual
+# packages (rattler's detection; CONDA_OVERRIDE_CUDA replaces __cuda), builds, then
+# recipe/test_built_packages.sh tests each package. Replayed for linux-64 machines.
+
+BUILD_MACHINES = {"CUDA 13 driver": "13.0", "CUDA 12 driver": "12.8", "no driver": None}  # nvidia-smi's "CUDA Version"
+README_BUILDS = ["cpu", "cuda129", "cuda130"]  # docs/install-and-build.md: on Linux the CUDA 12.9, CUDA 13.0 and CPU builds
+
+
+def machine_virtual_packages(driver: str | None, environ: dict) -> dict:
+    """What rattler-build detects on a linux-64 machine with this driver, given the variables the
+    task exports: CONDA_OVERRIDE_CUDA replaces (or supplies) __cuda."""
+    virtual = {**SUBDIR_DEFAULTS["linux"], "__glibc": "2.35", **({"__cuda": driver} if driver else {})}
+    if environ.get("CONDA_OVERRIDE_CUDA"):
+        virtual["__cuda"] = environ["CONDA_OVERRIDE_CUDA"]
+    return virtual
+
+
+def build_task_builds(channel, driver: str | None, task: dict) -> dict:
+    """`pixi run build`'s first half on linux-64: every variant of the variants file, its build and
+    host environments solved as rattler-build solves them: kind -> record, or the LockError."""
+    assert "--variant-config conda_build_config.yaml" in task["cmd"] and "--variant " not in task["cmd"]
+    machine = machine_virtual_packages(driver, task.get("env", {}))
+    out = {}
+    for build in render("linux-64"):
+        try:
+            out[kind(build)] = lock_build(channel, "linux-64", build, machine)
+        except LockError as error:
+            out[kind(build)] = error
+    return out
+
+
+@pytest.mark.parametrize("machine", list(BUILD_MACHINES))
+def test_build_task_builds_the_whole_matrix_on(machine, base_channel):
+    """Every build the docs promise for Linux, on every machine: the task's CONDA_OVERRIDE_CUDA
+    (pixi.toml) lets a CUDA 12 driver solve the CUDA 13.0 build's environments, which nothing
+    of the build runs on a GPU."""
+    url, cache, exports, _, _ = base_channel
+    builds = build_task_builds((url, cache, exports), BUILD_MACHINES[machine], MANIFEST["tasks"]["build"])
+    failed = [str(b) for b in builds.values() if isinstance(b, LockError)]
+    assert not failed, "\n".join(failed)
+    assert sorted(builds) == README_BUILDS
+    assert builds["cpu"]["subdir"] == "noarch" and {builds[k]["subdir"] for k in ("cuda129", "cuda130")} == {"linux-64"}
+
+
+def test_build_task_without_the_override_fails_on_a_cuda12_driver(base_channel):
+    """The control (pixi.toml before issue 46: no `env`): on a CUDA 12 driver the CUDA 13.0 build's
+    build environment does not solve (nvcc 13.0 -> cuda-version 13.0 -> __cuda >=13); with a CUDA
+    13 driver, or none (no __cuda: cuda-version's constraint has nothing to bind), it does."""
+    url, cache, exports, _, _ = base_channel
+    task = {k: v for k, v in MANIFEST["tasks"]["build"].items() if k != "env"}
+    broken = build_task_builds((url, cache, exports), BUILD_MACHINES["CUDA 12 driver"], task)
+    assert isinstance(broken["cuda130"], LockError) and "__cuda" in str(broken["cuda130"])
+    assert not isinstance(broken["cuda129"], LockError) and not isinstance(broken["cpu"], LockError)
+    for machine in ("CUDA 13 driver", "no driver"):
+        builds = build_task_builds((url, cache, exports), BUILD_MACHINES[machine], task)
+        assert not any(isinstance(b, LockError) for b in builds.values()), machine
+
+
+def test_build_task_overrides_the_newest_cuda_of_the_matrix():
+    """The override is the newest CUDA the variants file builds (a lower one would fail that
+    build's solve on every machine without a newer driver)."""
+    newest = max((v.cuda for v in render("linux-64") if v.cuda != "None"), key=lambda c: tuple(map(int, c.split("."))))
+    assert MANIFEST["tasks"]["build"]["env"] == {"CONDA_OVERRIDE_CUDA": newest}
+
+
+# What each built package's tests are run with, per machine (recipe/test_built_packages.sh): the
+# machine's own driver, or, for a CUDA build it has no driver for, that build's CUDA major.
+EXPECTED_TEST_CUDA = {"CUDA 13 driver": {"cpu": "13.0", "cuda129": "13.0", "cuda130": "13.0"},
+                      "CUDA 12 driver": {"cpu": "12.8", "cuda129": "12.8", "cuda130": "13.0"},
+                      "no driver": {"cpu": None, "cuda129": "12.0", "cuda130": "13.0"}}
+
+
+@pytest.mark.parametrize("machine", list(BUILD_MACHINES))
+def test_build_task_tests_every_package_on(machine, base_channel, tmp_path):
+    """`pixi run build`'s second half: recipe/test_built_packages.sh, run (with stand-ins for
+    rattler-build and nvidia-smi) in the task's environment over the packages the first half
+    built, decides how each is tested; the test environment rattler-build then installs (the package,
+    pytest, hypothesis) is solved with the virtual packages that gives: every package's solves, and
+    each CUDA build comes with a CUDA PyTorch of its own CUDA major."""
+    from support import conda_channel
+    from support.packaging_helpers import run_test_built_packages
+
+    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
+        pytest.skip("the replayed machine is a linux-64 one")
+    url, cache, exports, records, _ = base_channel
+    task = MANIFEST["tasks"]["build"]
+    driver = BUILD_MACHINES[machine]
+    built = build_task_builds((url, cache, exports), driver, task)
+    files = {}
+    for build_kind, record in built.items():
+        files.setdefault(record["subdir"], []).append(record["fn"])
+    result, calls = run_test_built_packages(tmp_path / "run", files, driver, task.get("env", {}))
+    assert result.returncode == 0, result.stdout + result.stderr
+    channel = (conda_channel.write_channel(tmp_path / "channel", [*records, *built.values()]), tmp_path / "cache", exports)
+    for build_kind, record in built.items():
+        override = calls[record["fn"]]
+        virtual = machine_virtual_packages(driver, {"CONDA_OVERRIDE_CUDA": override})
+        assert virtual.get("__cuda") == EXPECTED_TEST_CUDA[machine][build_kind], (build_kind, virtual)
+        solved = {r.name.normalized: r for r in _solve(channel, "linux-64", [
+            f"{record['name']} =={record['version']} {record['build']}", "pytest >=8", "hypothesis >=6"], virtual)}
+        assert str(solved["flash-attn"].build) == record["build"]
+        if build_kind != "cpu":
+            assert str(solved["pytorch"].build).startswith(build_kind), (build_kind, solved["pytorch"].build)
+
+
 # --- the tasks ----------------------------------------------------------------------------------------------
 
 
@@ -550,8 +663,9 @@ def test_build_task_builds_then_tests_without_output_broken():
     assert "--test skip" in first and "--test native" not in build["cmd"]
     assert second == "bash recipe/test_built_packages.sh output"
     assert (REPO / "recipe" / "test_built_packages.sh").is_file()
-    # what rattler-build writes: output/<subdir>/<name>-<version>-<build>.conda
-    assert any(fnmatch.fnmatch("output/linux-64/flash-attn-2.9.0-cuda129_habcdef0_200.conda", o) for o in build["outputs"])
+    # what rattler-build writes: output/<subdir>/<name>-<version>-<build>.conda, the CPU build in output/noarch
+    for written in ("output/linux-64/flash-attn-2.8.3.1-cuda129_habcdef0_200.conda", "output/noarch/flash-attn-2.8.3.1-cpu_habcdef0_0.conda"):
+        assert any(fnmatch.fnmatch(written, o) for o in build["outputs"]), written
     for path in ("recipe/recipe.yaml", "conda_build_config.yaml", "flash_attn/__init__.py", "csrc/x.cu", "CMakeLists.txt",
                  "pyproject.toml"):
         assert any(fnmatch.fnmatch(path, i) for i in build["inputs"]), path

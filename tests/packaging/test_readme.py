@@ -53,6 +53,15 @@ def test_the_api_example_runs():
     assert namespace["q_rot"].shape == namespace["q"].shape
 
 
+def test_the_beyond_fa2_example_runs():
+    """docs/compatibility.md's example of v's own head dim, attention sinks and MLA decoding."""
+    page = DOCS / "compatibility.md"
+    namespace = _run(page, _python_block(page, "## Beyond flash-attn 2.8: head dims, attention sinks, MLA"))
+    sinks, out = namespace["sinks"], namespace["out"]
+    assert sinks.grad is not None and sinks.grad.shape == (8,) and sinks.grad.isfinite().all()
+    assert out.shape == (1, 1, 128, 512) and not out.isnan().any()
+
+
 def _default_arch_lists(page: Path) -> list[str]:
     arch_list = re.compile(r"`(\d{2,3}[a-z]?(?:\+PTX)?(?:;\d{2,3}[a-z]?(?:\+PTX)?)+)`")
     return [m.group(1) for line in page.read_text().splitlines() if "default" in line

@@ -141,6 +141,10 @@ FAMILY_CASES = {
     "d128_alibi_softcap_batch_idx": (Case(seqlens=(25, 60), alibi="batch", softcap=5.0, headdim=128, batch_idx=True,
                                           leftpad=(2, 0), seqlen_new=2, nheads=4, nheads_k=2), 0),
     "d256": (SUPERSET_CASES["d256_neox_causal"], 0),
+    # v's own head dim (192/128: the 256 bucket), sinks in the split kernel (one split) and in the combine
+    "dv128_sinks_one_split": (Case(seqlens=(30, 61), nheads=4, nheads_k=2, headdim=192, headdim_v=128, seqlen_new=2,
+                                   rotary="neox", causal=True, sinks=True), 1),
+    "sinks_gqa_dv_splits": (SPLIT_CASES["sinks_gqa_dv"], 3),
 }
 
 
@@ -157,6 +161,33 @@ def test_launches_are_aot_variants(name, family):
     assert ("combine_splits_kernel" in kernels) == (splits_run > 1)
     if name == "decode_gqa_paged":
         assert splits_run > 1  # the combine is among the checked launches
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_launches_hopper_images(splits):
+    """MLA decoding (q 64 + qv 512 against 64- and 512-wide caches, a token appended with rotary,
+    sinks) runs on Hopper's own images (HAS_QV, head dims 64/512) and is refused elsewhere, before
+    anything runs."""
+    case = CASES["mla_qv_64_512"]
+    recorder = Recorder()
+    check_case(case, torch.bfloat16, "interpret", num_splits=splits, target=superset("interpret", "sm90"),
+               run_launch=recorder)
+    assert "split_kv_kernel" in check_launches(recorder.launches, "sm90", torch.bfloat16)
+    split = next(launch for launch, _ in recorder.launches if launch.kernel == "split_kv_kernel")
+    assert split.constexprs["HAS_QV"] and (split.constexprs["BLOCK_D"], split.constexprs["BLOCK_DV"]) == (64, 512)
+    for family in ("sm80", "sm100", "sm120"):
+        args = make_inputs(case, torch.bfloat16, torch.device("cpu"))
+        with pytest.raises(KernelsCannotRun, match="qv with head dims 64/512"):
+            run_kernels(case, args, "interpret", target=superset("interpret", family))
+
+
+def test_head_dim_512_decodes_on_the_jit():
+    """A square head dim 512 KV-cache call is not compiled ahead of time (the JIT runs it)."""
+    case = Case(seqlens=(20, 37), headdim=512, nheads=2, nheads_k=1, seqlen_new=1)
+    args = make_inputs(case, torch.float16, torch.device("cpu"))
+    with pytest.raises(KernelsCannotRun, match="head dimension 512 in the KV-cache call"):
+        run_kernels(case, args, "interpret", target=superset("interpret", "sm90"))
+    check_case(case, torch.float16, "interpret")
 
 
 # The exact-call image of the plain decoding step (decode_configs.SPLIT_KV_EXACT): which calls it
@@ -267,17 +298,24 @@ def _constexpr_params(kernel: str) -> set:
 def test_aot_variants_are_complete_and_distinct(family):
     variants = dc.aot_variants(family)
     keys = [(k, tuple(sorted(f.items())), c) for k, f, c in variants]
-    # 3 head-dim buckets x (2 split + 3 append + 4 rotary + 1 combine), + 1 exact split each where shipped
-    assert len(keys) == len(set(keys)) == (33 if family == "sm90" else 30)
+    # 3 head-dim buckets x (2 split + 3 append + 4 rotary + 1 combine), + 1 exact split each where
+    # shipped; Hopper's MLA images: 2 split (HAS_QV, 64/512) + 3 append (64/512) + 1 combine (512)
+    assert len(keys) == len(set(keys)) == (33 + 6 if family == "sm90" else 30)
     for kernel, constexprs, config in variants:
         assert set(constexprs) == _constexpr_params(kernel), kernel
         assert constexprs["BLOCK_D"] in dc.HEADDIM_BUCKETS
+        mla = constexprs.get("HAS_QV") or (kernel == "append_kv_kernel" and constexprs["BLOCK_DV"] != constexprs["BLOCK_D"])
+        if kernel == "combine_splits_kernel" and constexprs["BLOCK_D"] == dc.QV_HEAD_DIMS[1]:
+            mla = True
+        assert not mla or (dc.ships_qv(family) and family == "sm90"), (family, kernel, constexprs)
         if kernel == "split_kv_kernel":
-            assert config in dc.bucket_configs(family, constexprs["BLOCK_D"])
+            bucket = max(constexprs["BLOCK_D"], constexprs["BLOCK_DV"])
+            assert config in dc.bucket_configs(family, bucket)
             assert (constexprs["BLOCK_M"], constexprs["BLOCK_N"]) == (config.block_m, config.block_n)
             flags = {k: constexprs[k] for k in dc.SPLIT_KV_SUPERSET}
-            assert flags == dc.SPLIT_KV_SUPERSET or (flags == dc.SPLIT_KV_EXACT and dc.ships_exact(family)
-                                                     and config == dc.bucket_configs(family, constexprs["BLOCK_D"])[0])
+            assert (flags == dc.SPLIT_KV_SUPERSET or (flags == dict(dc.SPLIT_KV_SUPERSET, HAS_QV=True) and mla)
+                    or (flags == dc.SPLIT_KV_EXACT and dc.ships_exact(family)
+                        and config == dc.bucket_configs(family, constexprs["BLOCK_D"])[0]))
         else:
             assert config in (dc.AUX_CONFIG, dc.ROTARY_CONFIG, dc.COMBINE_CONFIG)
 
@@ -292,7 +330,12 @@ def test_decode_configs_is_pure_python():
 
 
 def test_superset_head_dim_buckets():
-    assert [dc.superset_block_d(d) for d in (8, 32, 64, 72, 128, 136, 256)] == [64, 64, 64, 128, 128, 256, 256]
+    assert [dc.superset_block_d(d) for d in (8, 32, 64, 72, 128, 136, 256, 264, 512)] == \
+        [64, 64, 64, 128, 128, 256, 256, 512, 512]
+    # the square bucket of the wider head dim, but MLA's own pair with qv
+    assert dc.block_dims(192, 128, superset=True) == (256, 256)
+    assert dc.block_dims(64, 512, superset=True, qv=True) == (64, 512)
+    assert dc.block_dims(40, 24, superset=False) == (64, 32)
 
 
 def test_compiles_ahead_of_time_without_spills(tmp_path, monkeypatch):

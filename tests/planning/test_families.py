@@ -67,12 +67,18 @@ def test_the_records_are_consistent():
     names = list(families.FAMILIES)
     for family in families.FAMILIES.values():
         assert family.mma in families.MMA_KINDS and family.shared_memory > 0
-        assert families.arch_family(family.image_capability) == family.name  # its images are for its own devices
+        if family.vendor == "nvidia":
+            assert families.arch_family(family.image_capability) == family.name  # its images are for its own devices
+        else:  # AMD: Triton's JIT only, no images; each of its processors is its own
+            assert family.image_capability is None and not family.image_carries
+            assert all(families.arch_family(f"{n}:sramecc+:xnack-") == family.name for n in family.devices.names)
         assert family.config_parent is None or family.config_parent in names
+        assert family.config_parent is None or families.get(family.config_parent).vendor == family.vendor
         assert all(name in names for name in family.image_carries)
         assert families.lineage(family.name)[-1] in names
     # the oldest family starts at the kernels' minimum; below it there is no family
-    assert min(f.devices.low for f in families.FAMILIES.values()) == limits.MIN_CAPABILITY
+    nvidia = [f for f in families.FAMILIES.values() if f.vendor == "nvidia"]
+    assert min(f.devices.low for f in nvidia) == limits.MIN_CAPABILITY
     with pytest.raises(ValueError, match="7.5 is in no GPU family"):
         families.arch_family((7, 5))
 
@@ -105,9 +111,10 @@ def test_a_cycle_of_config_parents_is_an_error(monkeypatch):
 
 
 def test_a_head_dim_bucket_added_without_its_entries_fails_loudly(monkeypatch):
-    """Issue 44's bucket 512 added to the declaration alone: the config tables do not shift their
-    entries onto other buckets, they refuse to load until every row has its fifth entry."""
-    monkeypatch.setattr(limits, "HEADDIM_BUCKETS", (*limits.HEADDIM_BUCKETS, 512))
+    """A bucket (1024) added to the declaration alone: the config tables do not shift their entries
+    onto other buckets, they refuse to load until every row has its sixth entry (as bucket 512
+    did until its entries were read from the compiler)."""
+    monkeypatch.setattr(limits, "HEADDIM_BUCKETS", (*limits.HEADDIM_BUCKETS, 1024))
     with pytest.raises(ValueError, match="one per head-dim bucket"):
         runpy.run_path(str(Path(configs.__file__)), run_name="configs_copy")
 

@@ -93,8 +93,8 @@ def test_refusals_say_why():
     params = AttentionParams(0.125)
     fp32 = meta(1, 8, 2, 64, dtype=torch.float32)
     assert "float32" in P.plan_forward(P.describe_forward(fp32, fp32, fp32, params), H100).reason
-    big = meta(1, 8, 2, 512)
-    assert "head dimension 512" in P.plan_forward(P.describe_forward(big, big, big, params), H100).reason
+    big = meta(1, 8, 2, 520)
+    assert "head dimension 520" in P.plan_forward(P.describe_forward(big, big, big, params), H100).reason
     cu = meta(3, dtype=torch.int32)
     pages = meta(4, 16, 2, 64)
     paged = VarlenLayout(cu, cu, 8, 8, meta(2, 2, dtype=torch.int32))

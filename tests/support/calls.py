@@ -70,3 +70,43 @@ def kvcache_calls(dtype, head_dim: int, device="meta"):
         params = _params((-1, 0), softcap=5.0 if extras == "alibi" else 0.0)
         name = f"{'paged' if paged else 'plain'}-{rotary}-q{seqlen_q}-{extras}"
         yield name, "forward_kvcache", (t(b, seqlen_q, h, head_dim), params, cache), dict(alibi_slopes=alibi)
+
+
+# Head dims beyond FlashAttention-2 and the families whose images hold them (declarations.
+# BUCKET_IMAGE_FAMILIES, HEAD_DIM_PAIR_IMAGES; decode_configs.QV_FAMILIES); elsewhere the planner
+# refuses them (the JIT runs them), but the pairs, which run on square images.
+WIDE_FAMILIES = ("sm80", "sm90")
+MLA_FAMILIES = ("sm90",)
+
+
+def beyond_fa2_calls(dtype, device="meta"):
+    """``(name, op, args, kwargs, needs)`` beyond flash-attn 2.8: v's own head dim (192/128, and
+    64/160 on a square image), attention sinks (with and without the score features; and at head
+    dims 64 and 128, on the images of flash-attn 2.8's calls), head dim 512, MLA decoding with ``qv``. ``needs``: the families whose images hold the call (``None``:
+    every family)."""
+    t = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt, device=device)  # noqa: E731
+    seed = torch.empty(1, dtype=torch.int64, device=device)
+    h, hk = 8, 2
+    sinks = t(h, dt=torch.float32)
+    for (d, dv, needs), (mask, window), with_sinks, feat in itertools.product(
+            ((192, 128, None), (64, 160, None), (512, 512, WIDE_FAMILIES), (64, 64, None), (128, 128, None)),
+            MASKS.items(), (False, True), ("none", "softcap")):
+        if d == dv <= 128 and not with_sinks:
+            continue  # flash-attn 2.8's calls: attention_calls
+        if d == 512 and feat != "none":
+            continue  # head dim 512's images are lean
+        params = _params(window, 20.0 if feat == "softcap" else 0.0, seed=seed)
+        q, k, v = t(2, 300, h, d), t(2, 257, hk, d), t(2, 257, hk, dv)
+        name = f"d{d}v{dv}-{mask}-{feat}" + ("-sinks" if with_sinks else "")
+        extra = dict(sinks=sinks) if with_sinks else {}
+        yield name, "forward", (q, k, v, params), extra, needs
+        yield name, "backward", (t(2, 300, h, dv), q, k, v, t(2, 300, h, dv), t(2, h, 300, dt=torch.float32),
+                                 params), {}, needs
+    b, s_cache = 2, 128
+    for name, d, dv, qv, needs in (("mla", 64, 512, True, MLA_FAMILIES), ("d192v128", 192, 128, False, None)):
+        k_cache, v_cache = t(b, s_cache, 1, d), t(b, s_cache, 1, dv)
+        cos, sin = t(s_cache, d // 2, dt=torch.float32), t(s_cache, d // 2, dt=torch.float32)
+        cache = KVCacheInputs(k_cache, v_cache, t(b, dt=torch.int32), t(b, 1, 1, d), t(b, 1, 1, dv), None, None, None,
+                              cos, sin, False, 0)
+        extra = dict(sinks=sinks, **(dict(qv=t(b, 1, h, dv)) if qv else {}))
+        yield f"kvcache-{name}", "forward_kvcache", (t(b, 1, h, d), _params((-1, 0)), cache), extra, needs

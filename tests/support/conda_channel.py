@@ -74,13 +74,16 @@ def record_from_rendered(output: dict, platform: str) -> dict:
         if spec not in depends:
             depends.append(spec)
     constrains = [entry.get("source") or entry.get("spec") for entry in run.get("constraints", [])]
-    # a `noarch: python` output (flash-attn-fa3) lives in noarch/; a CEP-20 version-independent one
-    # (flash-attn) in the platform's subdir, marked noarch python
-    noarch = recipe["build"].get("noarch")
-    independent = recipe["build"].get("python", {}).get("version_independent")
     return _record(recipe["package"]["name"], str(recipe["package"]["version"]), recipe["build"]["string"],
-                   int(recipe["build"]["number"]), depends, constrains, "noarch" if noarch else platform,
-                   noarch="python" if noarch == "python" or independent else None)
+                   int(recipe["build"]["number"]), depends, constrains, *package_subdir(recipe["build"], platform))
+
+
+def package_subdir(build: dict, platform: str) -> tuple[str, str | None]:
+    """(subdir, noarch) of a rendered build: `noarch: python` is the noarch subdir; a CEP-20
+    version-independent package is its platform's subdir with `noarch: python` in index.json."""
+    if build.get("noarch"):
+        return "noarch", build["noarch"]
+    return platform, "python" if build.get("python", {}).get("version_independent") else None
 
 
 def rattler_build_records(recipe: Path, platform: str, channel_url: str, variant_files: list[Path],

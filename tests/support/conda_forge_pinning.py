@@ -28,6 +28,8 @@ from support import TESTS
 DATA = TESTS / "data" / "conda-forge-pinning"
 PINNING = DATA / "conda_build_config.yaml"
 CUDA130_MIGRATION = DATA / "cuda130.yaml"
+# The flash-attn feedstock's own recipe/conda_build_config.yaml (its runner label), which it keeps.
+FEEDSTOCK_CBC = TESTS / "data" / "flash-attn-feedstock" / "conda_build_config.yaml"
 
 Spec = dict  # key -> list of str values, plus "zip_keys": list of lists of keys
 
@@ -208,3 +210,14 @@ def variant_config(spec: Spec):
 
     return VariantConfig({k: v for k, v in spec.items() if k not in ("zip_keys", "__migrator")},
                          zip_keys=spec.get("zip_keys"))
+
+
+# --- conda-smithy: which rendered builds become CI jobs ----------------------------------------------
+
+
+def feedstock_jobs(rendered: list, platform: str, noarch_platforms=("linux_64",)) -> list:
+    """The rendered builds of ``platform`` that get a CI job: conda-smithy drops a noarch build on
+    every platform outside conda-forge.yml's ``noarch_platforms`` (default linux_64), so a noarch
+    build is built once (conda_smithy/configure_feedstock.py ``_render_ci_provider``, keep_noarch)."""
+    keep_noarch = platform.replace("-", "_") in noarch_platforms
+    return [r for r in rendered if keep_noarch or not r.recipe["build"].get("noarch")]

@@ -54,22 +54,33 @@ class Case:
     alibi: Optional[str] = None  # "heads" -> (h,), "batch" -> (b, h)
     num_splits: int = 0
     dtype_tables: bool = False  # rotary tables in the input dtype instead of fp32
+    headdim_v: Optional[int] = None  # the v cache's (and the output's) head dim; None: headdim
+    sinks: bool = False  # attention sinks, one fp32 logit per query head
+    qv: bool = False  # MLA's absorbed queries (like q with v's head dim)
 
     @property
     def batch(self) -> int:
         return len(self.seqlens)
 
+    @property
+    def dim_v(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.headdim + (self.dim_v if self.qv else 0)) ** -0.5
+
 
 def make_inputs(case: Case, dtype, device, seed: int = 0) -> dict:
     """All arguments of the call, drawn on the CPU and moved to ``device``."""
     g = gen(seed)
-    b, sq, h, hk, d = case.batch, case.seqlen_q, case.nheads, case.nheads_k, case.headdim
+    b, sq, h, hk, d, dv = case.batch, case.seqlen_q, case.nheads, case.nheads_k, case.headdim, case.dim_v
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype)
     args = {"q": rnd(b, sq, h, d)}
     if case.page_size is None:
         batch_cache = b + 2 if case.batch_idx else b
         args["k_cache"] = rnd(batch_cache, case.seqlen_cache, hk, d)
-        args["v_cache"] = rnd(batch_cache, case.seqlen_cache, hk, d)
+        args["v_cache"] = rnd(batch_cache, case.seqlen_cache, hk, dv)
         if case.batch_idx:
             perm = torch.randperm(batch_cache, generator=g)[:b]
             args["cache_batch_idx"] = perm.to(torch.int32)
@@ -77,12 +88,17 @@ def make_inputs(case: Case, dtype, device, seed: int = 0) -> dict:
         pages_per_seq = -(-case.seqlen_cache // case.page_size)
         num_pages = b * pages_per_seq + 3
         args["k_cache"] = rnd(num_pages, case.page_size, hk, d)
-        args["v_cache"] = rnd(num_pages, case.page_size, hk, d)
+        args["v_cache"] = rnd(num_pages, case.page_size, hk, dv)
         perm = torch.randperm(num_pages, generator=g)[: b * pages_per_seq]
         args["block_table"] = perm.view(b, pages_per_seq).to(torch.int32)
     if case.seqlen_new:
         args["k"] = rnd(b, case.seqlen_new, hk, d)
-        args["v"] = rnd(b, case.seqlen_new, hk, d)
+        args["v"] = rnd(b, case.seqlen_new, hk, dv)
+    if case.qv:
+        args["qv"] = rnd(b, sq, h, dv)
+    if case.sinks:
+        # of either sign around the scores' scale: some rows' denominators dominated by them
+        args["sinks"] = 2.0 * torch.randn(h, generator=g)
     args["cache_seqlens"] = torch.tensor(case.seqlens, dtype=torch.int32)
     if case.leftpad is not None:
         args["cache_leftpad"] = torch.tensor(case.leftpad, dtype=torch.int32)
@@ -123,7 +139,7 @@ def run_kernels(case: Case, args: dict, mode: str, num_splits: Optional[int] = N
     left, right = case.window
     if case.causal:
         right = 0
-    params = AttentionParams(softmax_scale=case.headdim ** -0.5, window_left=left, window_right=right,
+    params = AttentionParams(softmax_scale=case.softmax_scale, window_left=left, window_right=right,
                              softcap=case.softcap)
     cache = KVCacheInputs(
         k_cache=args["k_cache"], v_cache=args["v_cache"], cache_seqlens=args["cache_seqlens"],
@@ -134,7 +150,8 @@ def run_kernels(case: Case, args: dict, mode: str, num_splits: Optional[int] = N
         num_splits=case.num_splits if num_splits is None else num_splits,
     )
     backend = kernel_backend(mode, target, run_launch)
-    return backend.forward_kvcache(args["q"], params, cache, alibi_slopes=args.get("alibi_slopes"))
+    extras = {name: args[name] for name in ("sinks", "qv") if name in args}
+    return backend.forward_kvcache(args["q"], params, cache, alibi_slopes=args.get("alibi_slopes"), **extras)
 
 
 def oracle_result(case: Case, args: dict, compute_dtype=oracle.F64) -> oracle.KVCacheRef:
@@ -144,9 +161,9 @@ def oracle_result(case: Case, args: dict, compute_dtype=oracle.F64) -> oracle.KV
         rotary_cos=cpu.get("rotary_cos"), rotary_sin=cpu.get("rotary_sin"),
         cache_seqlens=cpu["cache_seqlens"], cache_batch_idx=cpu.get("cache_batch_idx"),
         cache_leftpad=cpu.get("cache_leftpad"), block_table=cpu.get("block_table"),
-        softmax_scale=case.headdim ** -0.5, causal=case.causal, window=case.window, softcap=case.softcap,
+        softmax_scale=case.softmax_scale, causal=case.causal, window=case.window, softcap=case.softcap,
         rotary_interleaved=case.rotary != "neox", alibi_slopes=cpu.get("alibi_slopes"),
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, qv=cpu.get("qv"), sinks=cpu.get("sinks"),
     )
 
 
@@ -180,7 +197,7 @@ def check_case(case: Case, dtype, mode: str, seed: int = 0, num_splits: Optional
     out, lse = run_kernels(case, args, mode, num_splits, **run_kwargs)
     ref = oracle_result(case, {**args, "k_cache": before["k"], "v_cache": before["v"]})
     naive = oracle_result(case, {**args, "k_cache": before["k"], "v_cache": before["v"]}, compute_dtype=None)
-    assert out.dtype == dtype and out.shape == args["q"].shape
+    assert out.dtype == dtype and out.shape == (*args["q"].shape[:-1], case.dim_v)
     assert lse.dtype == torch.float32 and tuple(lse.shape) == (case.batch, case.nheads, case.seqlen_q)
     check_close(out, ref.out, naive.out, dtype, "out")
     check_close(lse, ref.lse, naive.lse, dtype, "lse")
@@ -223,6 +240,15 @@ CASES = {
     "no_keys_at_all": Case(seqlens=(5, 9), leftpad=(5, 9), headdim=32, nheads=2, nheads_k=2),
     "many_rows_gqa": Case(seqlens=(12, 40), seqlen_q=20, nheads=8, nheads_k=2, headdim=32,
                           seqlen_new=20, causal=True),
+    # beyond FlashAttention-2: v's own head dim, sinks (rows without keys get lse = sink), MLA's qv
+    "dv128_append_rotary": Case(seqlens=(30, 61), nheads=4, nheads_k=2, headdim=192, headdim_v=128, seqlen_new=2,
+                                rotary="neox", causal=True),
+    "sinks_paged_window": Case(seqlens=(17, 40), seqlen_q=2, nheads=4, nheads_k=2, seqlen_new=2, page_size=16,
+                               window=(10, 0), sinks=True, softcap=3.0),
+    "sinks_no_keys": Case(seqlens=(0, 6, 4), seqlen_q=4, seqlen_new=2, causal=True, leftpad=(0, 6, 0), headdim=32,
+                          sinks=True),
+    "mla_qv_64_512": Case(seqlens=(21, 70), nheads=16, nheads_k=1, headdim=64, headdim_v=512, seqlen_new=1,
+                          rotary="neox", qv=True, sinks=True, leftpad=(2, 0)),
 }
 
 # Splitting the keys never changes the result beyond rounding (kernels/test_triton_decode.py).
@@ -231,4 +257,9 @@ SPLIT_CASES = {
                              page_size=16, seqlen_new=1, rotary="neox"),
     "causal_window_alibi": Case(seqlens=(90, 150), seqlen_q=3, seqlen_new=3, seqlen_cache=160, causal=True,
                                 window=(70, -1), alibi="heads", leftpad=(4, 0), headdim=32),
+    # the sink joins each row's sum once, whatever the number of splits (the combine adds it)
+    "sinks_gqa_dv": Case(seqlens=(70, 200), nheads=8, nheads_k=2, headdim=64, headdim_v=32, seqlen_cache=256,
+                         seqlen_new=1, sinks=True),
+    "mla_qv_d512": Case(seqlens=(90, 150), nheads=4, nheads_k=1, headdim=64, headdim_v=512, seqlen_cache=160,
+                        qv=True, sinks=True),
 }

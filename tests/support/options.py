@@ -37,3 +37,12 @@ def skip_unless_the_interpreter_runs() -> None:
     reason = interpret.unavailable_reason(torch.device("cpu"))
     if reason is not None:
         pytest.skip(reason)
+
+
+def backends_here() -> list[str]:
+    """Every backend that can run on the test device here (``auto`` is one of them, under its own
+    name): the property tests run each of them."""
+    from flash_attn import dispatch  # noqa: PLC0415
+
+    device = test_device()
+    return [name for name in dispatch.BACKEND_NAMES if name != "auto" and dispatch.unavailable_reason(name, device) is None]

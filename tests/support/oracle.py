@@ -15,7 +15,12 @@ masks, one formula per line:
   value vector is 0 (it only joins the denominator; a sink of ``-inf`` is none);
 * ``P = softmax(s)`` over visible keys (and the sink); ``lse = log sum exp s`` over them;
 * dropout with an explicit keep mask: ``out = (P * keep / (1 - p)) @ v``;
-* a row that sees no key: out 0, lse +inf, P 0.
+* a row that sees no key: out 0, lse +inf, P 0;
+* special values, as upstream's kernels: a NaN or +inf among a row's visible scores makes its
+  out, lse and P NaN (the row max carries it); a row whose visible scores are all -inf is a row
+  that sees no key; hidden keys never reach a row (their k and v are not read: a NaN there changes
+  nothing). Scores are computed in float64, so inputs whose products overflow float32 are
+  outside what this oracle describes.
 
 ``compute_dtype=torch.float64`` gives the oracle; ``compute_dtype=None`` gives the *naive
 low-precision* variant: the same math with every matmul, the softmax and the weighted sum done in
@@ -95,22 +100,25 @@ def attention_single(q, k, v, *, scale, causal=False, window=(-1, -1), softcap=0
         sink_column = sinks.to(cd).view(h, 1, 1).expand(h, sq, 1)
         s = torch.cat([s, sink_column], dim=-1)
         mask = torch.cat([mask, (sink_column > float("-inf")).detach()], dim=-1)
-    any_visible = mask.any(dim=-1, keepdim=True)  # (h, sq, 1)
-    s_masked = s.masked_fill(~mask, float("-inf"))
-    if s.shape[-1] > 0:
-        row_max = s_masked.amax(dim=-1, keepdim=True)
-    else:
-        row_max = torch.zeros(h, sq, 1, dtype=cd, device=q.device)
-    row_max = torch.where(any_visible, row_max, torch.zeros_like(row_max)).detach()
-    e = torch.exp(s_masked - row_max)  # exactly 0 where masked
+    s_masked = s.masked_fill(~mask, float("-inf"))  # a fill, not an addition: a hidden NaN stays hidden
+    row_max = s_masked.amax(dim=-1, keepdim=True) if s.shape[-1] > 0 else torch.zeros(h, sq, 1, dtype=cd, device=q.device)
+    # a row without visible keys (or only -inf scores) shifts by 0, so that e is 0, not NaN; a NaN
+    # or +inf row max stays and makes the row NaN
+    row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max).detach()
+    e = torch.exp(s_masked - row_max).masked_fill(~mask, 0.0)  # exactly 0 where masked
     denom = e.sum(dim=-1, keepdim=True)
-    safe_denom = torch.where(any_visible, denom, torch.ones_like(denom))
+    empty = denom == 0  # no visible key with a finite score (a NaN sum is not empty)
+    safe_denom = torch.where(empty, torch.ones_like(denom), denom)
     p = (e / safe_denom)[..., :sk]  # the sink's column holds no value: only its share of the denominator
-    lse = torch.where(any_visible, row_max + torch.log(safe_denom), torch.full_like(denom, float("inf")))
+    lse = torch.where(empty, torch.full_like(denom, float("inf")), row_max + torch.log(safe_denom))
     p_used = p
     if keep is not None:
         p_used = p * keep.to(cd) / (1.0 - dropout_p)
-    out = torch.einsum("hij,jhd->ihd", p_used, vh)
+    if torch.isfinite(vh).all():
+        out = torch.einsum("hij,jhd->ihd", p_used, vh)
+    else:  # sum over the visible keys only: a hidden key's weight 0 times its NaN would reach the row
+        terms = (p_used.unsqueeze(-1) * vh.permute(1, 0, 2).unsqueeze(1)).masked_fill(~mask[..., :sk].unsqueeze(-1), 0.0)
+        out = terms.sum(dim=2).permute(1, 0, 2)
     return out, lse.squeeze(-1), p
 
 

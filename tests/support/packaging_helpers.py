@@ -41,8 +41,9 @@ class Rendered:
 
 
 def render(platform: str, variants=None, build_platform: str | None = None, recipe_path: Path = RECIPE,
-           output: str = MAIN_OUTPUT) -> list[Rendered]:
-    """The recipe's output ``output`` (flash-attn itself unless named) rendered for ``platform`` (no
+           output: str | None = None) -> list[Rendered]:
+    """The recipe's output ``output`` (unless named, the package of the context's ``name``:
+    flash-attn itself, whatever the recipe calls it) rendered for ``platform`` (no
     solving): with conda_build_config.yaml, or the given ``VariantConfig``; built on ``platform``
     itself unless ``build_platform`` names another (cross-compiling). Skipped variants are left
     out, as rattler-build leaves them out."""
@@ -55,8 +56,13 @@ def render(platform: str, variants=None, build_platform: str | None = None, reci
     recipe = Stage0Recipe.from_file(recipe_path)
     rendered = [Rendered(dict(v.variant), v.recipe.to_dict())
                 for v in recipe.render(variants, RenderConfig(platform=platform_config))]
-    return [r for r in rendered
-            if r.recipe["package"]["name"] == output and not _skipped(r, platform, build_platform, recipe_path)]
+    return [r for r in rendered if r.recipe["package"]["name"] == (output or _name(r))
+            and not _skipped(r, platform, build_platform, recipe_path)]
+
+
+def _name(rendered: Rendered) -> str:
+    """The context's ``name``: the conda package of flash-attn itself (docs/conda-forge.md)."""
+    return rendered.recipe.get("context", {}).get("name", MAIN_OUTPUT)
 
 
 def _skipped(rendered: Rendered, platform: str, build_platform: str, recipe_path: Path = RECIPE) -> bool:
@@ -66,10 +72,7 @@ def _skipped(rendered: Rendered, platform: str, build_platform: str, recipe_path
     import jinja2
     import yaml
 
-    outputs = yaml.safe_load(recipe_path.read_text())["outputs"]
-    name = rendered.recipe["package"]["name"]
-    [output] = [o for o in outputs if o["package"]["name"].replace("${{ name }}", "flash-attn") == name]
-    conditions = output["build"].get("skip", [])
+    conditions = yaml.safe_load(recipe_path.read_text())["build"].get("skip", [])
     os_name, _, arch = platform.partition("-")
     names = {"linux": os_name == "linux", "osx": os_name == "osx", "win": os_name == "win",
              "unix": os_name in ("linux", "osx"), "x86_64": arch == "64", "aarch64": arch == "aarch64",
@@ -217,6 +220,42 @@ def run_build_script(src: Path, prefix: Path, python: Path, env: dict) -> BuildR
         raise AssertionError(f"recipe/build.sh failed ({proc.returncode}):\n{log[-6000:]}")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return BuildRun(seconds, peak, log)
+
+
+def run_test_built_packages(work: Path, packages: dict[str, list[str]], driver_cuda: str | None, task_env: dict,
+                            failing: str = "") -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """recipe/test_built_packages.sh on empty stand-ins of ``packages`` ({subdir: [file names]}) in
+    ``work``/output, with the variables ``task_env`` (what pixi's task exports) and stand-ins on PATH:
+    `rattler-build` records each call with its CONDA_OVERRIDE_CUDA and fails for a package whose
+    name contains ``failing``; `nvidia-smi` prints a driver header for CUDA ``driver_cuda`` (or is
+    absent). Returns the script's result and {package file: CONDA_OVERRIDE_CUDA it was tested with}."""
+    tools, log = work / "bin", work / "calls.log"
+    tools.mkdir(parents=True)
+    (work / "output").mkdir()
+    for subdir, names in packages.items():
+        (work / "output" / subdir).mkdir()
+        for name in names:
+            (work / "output" / subdir / name).write_bytes(b"")
+    (tools / "rattler-build").write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$* CONDA_OVERRIDE_CUDA=${{CONDA_OVERRIDE_CUDA:-}}" >> "{log}"\n'
+        f'case "$*" in *{failing or "no-such-package"}*) exit 1 ;; esac\n')
+    if driver_cuda:
+        (tools / "nvidia-smi").write_text(
+            "#!/usr/bin/env bash\n"
+            f'echo "| NVIDIA-SMI 570.00   Driver Version: 570.00   CUDA Version: {driver_cuda}     |"\n')
+    for tool in tools.iterdir():
+        tool.chmod(0o755)
+    system = ":".join(p for p in os.environ["PATH"].split(":") if not (Path(p) / "nvidia-smi").exists())
+    env = {**{k: v for k, v in os.environ.items() if k != "CONDA_OVERRIDE_CUDA"}, **task_env, "PATH": f"{tools}:{system}"}
+    result = subprocess.run(["bash", str(RECIPE.parent / "test_built_packages.sh"), "output"], cwd=work, env=env,
+                            capture_output=True, text=True)
+    calls = {}
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        command, _, override = line.rpartition(" CONDA_OVERRIDE_CUDA=")
+        assert command.startswith("test --package-file output/"), command
+        calls[Path(command.split()[-1]).name] = override
+    return result, calls
 
 
 # Compiled code on Linux, macOS and Windows (shared libraries, Python extensions, objects).

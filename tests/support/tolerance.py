@@ -70,7 +70,7 @@ def check_close(ours: torch.Tensor, ref: torch.Tensor, naive: torch.Tensor, dtyp
     )
 
 
-def backward_floor(q, k, v, dout, softmax_scale=None, probs=None, dropout_p=0.0) -> float:
+def backward_floor(q, k, v, dout, softmax_scale=None, probs=None, dropout_p=0.0, qv=None) -> float:
     """The error an exact-to-fp32 attention backward cannot avoid, as an absolute slack.
 
     The backward forms ``dS = P * (dP - D)`` with ``dP = dout . v`` and ``D = rowsum(dout * out)``;
@@ -83,19 +83,22 @@ def backward_floor(q, k, v, dout, softmax_scale=None, probs=None, dropout_p=0.0)
 
     (factor 4: the two rounded terms of ``dP - D`` and one more rounding on each side). It uses
     the fp32 epsilon because every implementation accumulates the backward in at least fp32; it
-    only matters for fp32 inputs (for fp16/bf16 it is far below ``FLOOR``).
+    only matters for fp32 inputs (for fp16/bf16 it is far below ``FLOOR``). v may have its own head
+    dim; with MLA's ``qv`` the same error reaches dqv and dv through ``dS @ v`` and ``dS^T @ qv``.
     """
     q, k, v, dout = (t.detach().double().cpu() for t in (q, k, v, dout))
     d, h = q.shape[-1], q.shape[-2]
-    hk = k.shape[-2]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    hk, dv = k.shape[-2], v.shape[-1]
+    scale = (d + (0 if qv is None else qv.shape[-1])) ** -0.5 if softmax_scale is None else softmax_scale
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    do = dout.reshape(-1, h, d)
-    vv = v.reshape(-1, hk, d)[:, torch.arange(h) // (h // hk)]
+    do = dout.reshape(-1, h, dv)
+    vv = v.reshape(-1, hk, dv)[:, torch.arange(h) // (h // hk)]
     max_dp = torch.einsum("nhd,mhd->hnm", do, vv).abs().max().item() / (1.0 - dropout_p)
     colsum = 1.0
     if probs is not None and probs.numel():
         colsum = max(1.0, probs.detach().double().sum(dim=-2).max().item())
     big = max(q.abs().max().item(), k.abs().max().item())
+    if qv is not None:
+        big = max(big, qv.detach().abs().max().item(), v.abs().max().item())
     return 4 * torch.finfo(torch.float32).eps * scale * max_dp * big * colsum

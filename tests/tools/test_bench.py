@@ -243,6 +243,25 @@ def test_gpu_mode_plumbing_with_a_fake_timer():
     assert len(calls) == 2 * len(ours)  # ours and sdpa[math]
 
 
+def test_gpu_rows_beyond_fa2():
+    """Head dim 512, v's own head dim and attention sinks: ours run them (FLOPs at q's and v's own
+    widths), SDPA runs v's own head dim and has no sinks (an ``unsupported`` row, not an error)."""
+    beyond = [{"headdim": 64, "headdim_v": 32}, {"headdim": 32, "sinks": True}]
+    config = _gpu_config(seqlens=[32], causal=[True], impls=["flash_attn[reference]", "sdpa[math]"], beyond=beyond)
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [fn(), 2.0][1:])
+    ours = {(r["headdim"], r.get("headdim_v"), bool(r.get("sinks")), r["pass"]): r for r in rows
+            if r["impl"] == "flash_attn[reference]"}
+    assert all(r["status"] == "ok" for r in ours.values()), ours
+    row = ours[(64, 32, False, "fwd_bwd")]
+    flops = common.attention_flops(row["batch"], row["heads"], 32, 32, (64 + 32) / 2, True, True)
+    assert row["tflops"] == pytest.approx(flops / 2e-3 / 1e12)
+    sdpa = [r for r in rows if r["impl"] == "sdpa[math]"]
+    assert all(r["status"] == "ok" for r in sdpa if not r.get("sinks"))
+    assert all(r["status"] == "unsupported" and "sinks" in r["note"] for r in sdpa if r.get("sinks"))
+    lines = [gpu._progress_line(r) for r in rows]
+    assert any("d=64/32" in line for line in lines) and any("d=32+sinks" in line for line in lines)
+
+
 def test_gpu_mode_reports_a_backend_that_rejects_a_case():
     rows = gpu.run(_gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False], impls=["sdpa[efficient]"]),
                    device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:])
@@ -267,10 +286,11 @@ def test_gpu_plot(tmp_path):
 
 
 def _gpu_args(tmp_path, *extra, decode=False):
-    """The training table only, unless ``decode`` (then pass the decode sizes in ``extra``)."""
+    """The training table only (no rows beyond FlashAttention-2), unless ``decode`` (then pass the
+    decode sizes in ``extra``)."""
     return cli.build_parser().parse_args(["bench", "gpu", "--out", str(tmp_path), "--seqlens", "32,64", "--headdims",
                                           "32", "--dtypes", "fp32", "--total-tokens", "64", "--hidden", "64",
-                                          "--repeats", "2", "--warmup", "0", "--no-plot",
+                                          "--repeats", "2", "--warmup", "0", "--no-plot", "--no-beyond",
                                           "--decode" if decode else "--no-decode", *extra])
 
 
@@ -354,9 +374,15 @@ def test_gpu_default_config_is_the_issue_table_plus_decode(tmp_path):
     args = cli.build_parser().parse_args(["bench", "gpu", "--out", str(tmp_path)])
     config = gpu.config_from_args(args, GPU_SEQLENS)
     assert {"sdpa[flash]", "sdpa[cudnn]", "flash_attn[aot]", "flash_attn[triton]"} <= set(config["impls"])
-    train = {(c["dtype"], c["headdim"], c["causal"], c["seqlen"], c["pass"]) for c in gpu.cases(config)}
+    train = {(c["dtype"], c["headdim"], c["causal"], c["seqlen"], c["pass"]) for c in gpu.cases(config)
+             if c["headdim"] in (64, 128, 256) and not c.get("sinks")}
     assert train == {(t, d, c, s, p) for t in ("bf16", "fp16") for d in (64, 128, 256) for c in (False, True)
                      for s in (1024, 4096, 16384) for p in ("fwd", "fwd_bwd")}
+    # beyond FlashAttention-2: head dim 512, 192/128, sinks at d64/d128 (the table's rows without them
+    # are the same shapes), every dtype, mask, length and pass
+    assert len(gpu.cases(config)) == len(train) + 4 * 2 * 2 * 3 * 2
+    assert {(c["headdim"], c.get("headdim_v"), bool(c.get("sinks"))) for c in gpu.cases(config)} >= {
+        (512, None, False), (192, 128, False), (64, None, True), (128, None, True)}
     decode = gpu.decode_cases(config)
     assert [(c["batch"], c["cachelen"]) for c in decode] == [
         (b, n) for b in (1, 4, 16, 64) for n in (4096, 16384, 65536, 131072)]
@@ -643,6 +669,8 @@ def test_overhead_repeats_one_captured_aot_launch():
 def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
     """``--profile`` writes, per case, where host time goes: the public entry point and the
     dispatcher appear with their cumulative time, at least the whole call's own time in sum."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
     status = cli.main(["bench", "overhead", "--profile", "--calls", "20", "--repeats", "1", "--out", str(tmp_path)])
     if status == 2:
         pytest.skip(capsys.readouterr().err)
@@ -651,8 +679,7 @@ def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
     assert text.startswith("20 calls")
     assert "(flash_attn/kvcache.py:" in text and "(flash_attn/dispatch.py:" in text
     assert sorted(p.name for p in tmp_path.glob("bench-overhead-profile-*.txt")) == sorted(
-        f"bench-overhead-profile-{c.replace(' ', '-').replace('+', '-')}.txt" for c in
-        ("forward", "forward+backward", "packed training", "decode step"))
+        f"bench-overhead-profile-{c.replace(' ', '-').replace('+', '-')}.txt" for c in overhead.CASES)
 
 
 # --- bench ops: the fused loss and norms against PyTorch's ops ------------------------------------

@@ -229,8 +229,17 @@ def _write_manifest(tmp_path, monkeypatch, archs) -> Path:
     manifest = folder / "manifest.json"
     kernels = [_manifest_entry(a) for a in archs]
     manifest.write_text(json.dumps({"format": 1, "archs": archs, "kernels": kernels}))
+    _write_images(folder, kernels)
     monkeypatch.setenv(aot_manifest.DIR_ENV, str(folder))
     return manifest
+
+
+def _write_images(folder: Path, kernels) -> None:
+    """A stand-in file for every entry's image (the doctor checks that they are there)."""
+    for entry in kernels:
+        if isinstance(entry, dict) and isinstance(entry.get("image"), str):
+            (folder / entry["image"]).parent.mkdir(parents=True, exist_ok=True)
+            (folder / entry["image"]).write_bytes(b"\x7fELF stand-in")
 
 
 def test_kernel_folder_set_by_the_environment(capsys, tmp_path, monkeypatch):
@@ -257,8 +266,27 @@ def _write_raw_manifest(tmp_path, monkeypatch, data) -> Path:
     folder = tmp_path / "aot"
     folder.mkdir()
     (folder / "manifest.json").write_text(json.dumps(data))
+    _write_images(folder, data.get("kernels", []) if isinstance(data, dict) else [])
     monkeypatch.setenv(aot_manifest.DIR_ENV, str(folder))
     return folder / "manifest.json"
+
+
+def test_missing_and_damaged_image_files_are_listed(capsys, tmp_path, monkeypatch):
+    """The doctor lists every image file that is gone or damaged (a call warns once, naming the
+    first it meets)."""
+    entries = [_manifest_entry("sm_80", key=f"k{i}", image=f"images/sm_80/k{i}.cubin.zlib") for i in range(4)]
+    _write_raw_manifest(tmp_path, monkeypatch, {"format": 1, "kernels": entries})
+    folder = tmp_path / "aot"
+    (folder / "images/sm_80/k0.cubin.zlib").write_bytes(__import__("zlib").compress(b"\x7fELF"))  # fine
+    (folder / "images/sm_80/k1.cubin.zlib").unlink()
+    (folder / "images/sm_80/k2.cubin.zlib").write_bytes(b"")
+    (folder / "images/sm_80/k3.cubin.zlib").write_bytes(b"garbage")
+    _, report = run_json(capsys)
+    finding = checks(report, "warning")["aot-kernels"][0]
+    assert "3 of the 4 kernel images" in finding["summary"]
+    for name, why in (("k1", "No such file"), ("k2", "empty"), ("k3", "not zlib data")):
+        assert f"images/sm_80/{name}.cubin.zlib: {why}" in finding["detail"]
+    assert "k0" not in finding["detail"] and "reinstall" in finding["fix"]
 
 
 def test_a_manifest_that_is_valid_json_but_not_a_manifest(capsys, tmp_path, monkeypatch):
@@ -521,16 +549,33 @@ def test_demangling():
 
 
 def test_op_library_that_fails_to_load(capsys, tmp_path, monkeypatch):
+    """The installed library fails to load: the loader's own words are shown, and the fix is to
+    reinstall."""
     broken = tmp_path / "libflash_attn_aot.so"
     broken.write_bytes(b"this is not an ELF file")
-    monkeypatch.setenv(op_library.LIBRARY_ENV, str(broken))
+    monkeypatch.setattr(op_library, "find_library", lambda: broken)  # the package's own copy
     monkeypatch.setattr(op_library, "_status", None)  # load afresh (restored after the test)
     status, report = run_json(capsys)
     assert status == 1
     assert report["op_library"]["loaded"] is False and report["op_library"]["installed"] is True
     finding = checks(report, "error")["op-library"][0]
     assert "fails to load" in finding["summary"] and str(broken) in finding["detail"]
+    assert "the loader says" in finding["detail"] and "too short" in finding["detail"]  # its __cause__
     assert "--force-reinstall" in finding["fix"]
+
+
+def test_op_library_set_by_the_environment_that_fails_to_load(capsys, tmp_path, monkeypatch):
+    """FLASH_ATTN_AOT_LIBRARY names a file that is not a library: the fix is that variable, not a
+    reinstall."""
+    broken = tmp_path / "libflash_attn_aot.so"
+    broken.write_bytes(b"this is not an ELF file, and longer than an ELF header would be........")
+    monkeypatch.setenv(op_library.LIBRARY_ENV, str(broken))
+    monkeypatch.setattr(op_library, "_status", None)
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["op-library"][0]
+    assert "FLASH_ATTN_AOT_LIBRARY" in finding["summary"] and "invalid ELF header" in finding["detail"]
+    assert "FLASH_ATTN_AOT_LIBRARY" in finding["fix"] and "reinstall" not in finding["fix"]
 
 
 def test_op_library_path_that_does_not_exist(capsys, tmp_path, monkeypatch):
@@ -539,6 +584,16 @@ def test_op_library_path_that_does_not_exist(capsys, tmp_path, monkeypatch):
     status, report = run_json(capsys)
     assert status == 1
     assert "FLASH_ATTN_AOT_LIBRARY" in checks(report, "error")["op-library"][0]["summary"]
+
+
+def test_op_library_path_that_is_a_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(op_library.LIBRARY_ENV, str(tmp_path))
+    monkeypatch.setattr(op_library, "_status", None)
+    status, report = run_json(capsys)
+    assert status == 1
+    finding = checks(report, "error")["op-library"][0]
+    assert "is a folder" in finding["summary"] and "does not exist" not in finding["summary"]
+    assert "points at a folder" in finding["detail"]
 
 
 def test_missing_op_library_matters_only_with_a_gpu(capsys, gpu_machine, monkeypatch):
@@ -584,7 +639,8 @@ def test_fallback_warning_once_per_cause(monkeypatch):
 
 # Command-line front ends: their output is the product.
 # utils/benchmark.py: upstream's benchmark helpers print their measurements when verbose=True (their API)
-LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "kernel_build/build.py", "kernel_build/info.py",
+LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "kernel_build/build.py", "kernel_build/amd.py",
+                                  "kernel_build/info.py",
                                   "utils/benchmark.py"}
 
 
@@ -600,3 +656,79 @@ def test_library_code_never_prints():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
                 offenders.append(f"{relative}:{node.lineno}")
     assert not offenders, f"print() in library code: {offenders}"
+
+
+# ---------------------------------------------------------------------------------------------
+# ROCm PyTorch on AMD GPUs, Intel and Apple GPUs (simulated: no such GPU is available here).
+# ---------------------------------------------------------------------------------------------
+
+MI300X = {"index": 0, "name": "AMD Instinct MI300X", "capability": [9, 4], "memory_bytes": 192 * 2**30,
+          "gcn_arch": "gfx942:sramecc+:xnack-"}
+MI250X = {"index": 0, "name": "AMD Instinct MI250X", "capability": [9, 0], "memory_bytes": 64 * 2**30,
+          "gcn_arch": "gfx90a:sramecc+:xnack-"}
+
+
+def rocm_torch(devices):
+    return {"installed": True, "version": "2.13.0+rocm7.1", "cuda": None, "hip": "7.1.25424", "cxx11_abi": True,
+            "build": "ROCm", "cuda_available": True, "devices": [dict(d) for d in devices], "mps_available": False,
+            "xpu_available": False}
+
+
+@pytest.fixture
+def rocm_machine(gpu_machine, monkeypatch):
+    """A ROCm PyTorch with one AMD GPU; the real dispatcher asks the stubbed torch.cuda."""
+
+    from flash_attn.backends import triton as triton_backend
+    from support import rocm
+
+    def setup(device, triton_installed=True):
+        rocm.simulate(monkeypatch, device["gcn_arch"])
+        dispatch.reset()
+        info = gpu_machine(rocm_torch([device]), driver([]), triton_installed)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))  # ROCm's stand-in
+        return info
+
+    yield setup
+    dispatch.reset()
+    triton_backend._device_target.cache_clear()
+
+
+def test_rocm_with_a_supported_amd_gpu_runs_the_triton_kernels(capsys, rocm_machine):
+    rocm_machine(MI300X)
+    status, report = run_json(capsys)
+    found = checks(report)
+    assert status == 0, [f for f in report["findings"] if f["severity"] == "error"]
+    assert report["gpus"][0]["auto"] == "triton" and report["gpus"][0]["arch"] == "gfx942"
+    rocm = found["torch-rocm"][0]
+    assert rocm["severity"] == "info" and "gfx942" in rocm["detail"] and "Unmeasured" in rocm["detail"]
+    backend = found["gpu-backend"][0]
+    assert backend["severity"] == "info" and "cdna3" in backend["summary"]
+    assert "arch-not-shipped" not in found  # no image is meant for AMD GPUs
+    assert all(f["severity"] == "info" for f in found.get("aot-kernels", []))
+
+
+def test_rocm_with_an_amd_gpu_of_no_family_runs_the_reference_and_says_why(capsys, rocm_machine):
+    rocm_machine(MI250X)
+    _, report = run_json(capsys)
+    backend = checks(report)["gpu-backend"][0]
+    assert report["gpus"][0]["auto"] == "reference"
+    assert backend["severity"] == "warning" and "gfx90a is in no GPU family" in backend["detail"]
+    assert "gfx942" in backend["fix"]
+
+
+def test_rocm_without_triton_says_to_install_rocms_triton(capsys, rocm_machine):
+    rocm_machine(MI300X, triton_installed=False)
+    _, report = run_json(capsys)
+    found = checks(report)
+    assert found["torch-rocm"][0]["severity"] == "warning" and "pytorch-triton-rocm" in found["torch-rocm"][0]["fix"]
+    missing = checks(report, "error")["triton-missing"][0]
+    assert "pytorch-triton-rocm" in missing["fix"]
+
+
+@pytest.mark.parametrize("kind,words", [("xpu", "triton-xpu"), ("mps", "Apple GPUs")])
+def test_intel_and_apple_gpus_run_the_reference_and_the_doctor_says_why(capsys, gpu_machine, kind, words):
+    info = dict(cpu_torch(), xpu_available=kind == "xpu", mps_available=kind == "mps")
+    gpu_machine(info, driver([]))
+    _, report = run_json(capsys)
+    finding = checks(report)["other-gpus"][0]
+    assert finding["severity"] == "info" and kind in finding["summary"] and words in finding["detail"]

@@ -2,15 +2,32 @@
 Triton on first use) and whose path on other devices is plain PyTorch."""
 
 import functools
-import importlib.util
+import warnings
 
 import torch
 
 
 @functools.cache
+def triton_modules():
+    """``(triton, triton.language)``, or ``(None, None)`` where Triton cannot be imported: not
+    installed, or an import that fails in another way (a broken or mismatched install raises
+    whatever it raises), which is warned about once. Either way every op here then runs its
+    PyTorch path, CUDA too, and importing the ops never fails because of Triton."""
+    try:
+        import triton  # noqa: PLC0415
+        import triton.language as tl  # noqa: PLC0415
+    except ImportError:
+        return None, None
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(f"flash_attn: Triton is installed but importing it fails ({type(exc).__name__}: {exc}); "
+                      f"flash_attn.ops.triton runs its PyTorch paths", UserWarning, stacklevel=2)
+        return None, None
+    return triton, tl
+
+
 def triton_available() -> bool:
-    """Whether Triton can be imported: without it every op here runs its PyTorch path, CUDA too."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton can be imported (:func:`triton_modules`)."""
+    return triton_modules()[0] is not None
 
 
 def cuda_launch(kernel, grid, **kwargs) -> None:

@@ -87,6 +87,14 @@ def norm_forward_kernel(
 
 
 @triton.jit
+def _compensated_add(total, error, value):
+    """Kahan's summation step: ``total + value`` with the rounding error carried in ``error``."""
+    value = value - error
+    new_total = total + value
+    return new_total, (new_total - total) - value
+
+
+@triton.jit
 def norm_backward_kernel(
     H, DY, DY1, DRESIDUAL, W, W1, MEAN, RSTD, ROWSCALE, SEEDS,  # inputs (H: the saved residual_out)
     DX, DX1, DRESIDUAL_IN, DW_PART, DB_PART, DW1_PART, DB1_PART,  # outputs
@@ -103,10 +111,16 @@ def norm_backward_kernel(
     w = _load_weight(W, cols, inside, ZERO_CENTERED)
     if HAS_DY1:
         w1 = _load_weight(W1, cols, inside, ZERO_CENTERED)
+    # the parameter gradients are sums over many rows (a thousand per program on a large batch):
+    # compensated sums (Kahan), each with its running rounding error, keep them exact to a few ulp
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dw1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dw_err = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db_err = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dw1_err = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db1_err = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = program * rows_per_program
     last = tl.minimum(first + rows_per_program, M)
     for row in range(first, last):
@@ -118,13 +132,13 @@ def norm_backward_kernel(
             xhat = tl.where(inside, (h - tl.load(MEAN + row)) * rstd, 0.0)
         dy = tl.load(DY + row * stride_dy + cols, mask=inside, other=0.0).to(tl.float32)
         g = dy * w  # d loss / d xhat
-        dw += dy * xhat
-        db += dy
+        dw, dw_err = _compensated_add(dw, dw_err, dy * xhat)
+        db, db_err = _compensated_add(db, db_err, dy)
         if HAS_DY1:
             dy1 = tl.load(DY1 + row * stride_dy1 + cols, mask=inside, other=0.0).to(tl.float32)
             g += dy1 * w1
-            dw1 += dy1 * xhat
-            db1 += dy1
+            dw1, dw1_err = _compensated_add(dw1, dw1_err, dy1 * xhat)
+            db1, db1_err = _compensated_add(db1, db1_err, dy1)
         # d xhat / d h: rstd * (I - xhat xhat^T / N), minus the mean's share for LayerNorm
         dh = g - xhat * (tl.sum(g * xhat, axis=0) / N)
         if not IS_RMS_NORM:

@@ -28,18 +28,16 @@ gradient 0.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from flash_attn.ops.triton import cuda_launch
+from flash_attn import validation
+from flash_attn.ops.triton import cuda_launch, triton_modules
 
-try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
 
 __all__ = ["cross_entropy_loss"]
 
@@ -283,39 +281,54 @@ class _CrossEntropy(torch.autograd.Function):
 CrossEntropyLoss = _CrossEntropy
 
 
-def _check(logits, labels, precomputed_lse, label_smoothing, logit_scale, lse_square_scale, ignore_index,
-           process_group) -> None:
-    if not isinstance(logits, Tensor) or logits.ndim != 2 or not logits.dtype.is_floating_point:
-        raise ValueError("logits must be a floating-point tensor of shape (batch, vocab_size), got "
-                         f"{getattr(logits, 'dtype', type(logits))} {tuple(getattr(logits, 'shape', ()))}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have at least one column (vocab_size >= 1)")
-    if (not isinstance(labels, Tensor) or labels.shape != logits.shape[:1]
-            or labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex()):
-        raise ValueError(f"labels must be an integer tensor of shape ({logits.shape[0]},), got "
-                         f"{getattr(labels, 'dtype', type(labels))} {tuple(getattr(labels, 'shape', ()))}")
-    if labels.device != logits.device:
-        raise ValueError(f"labels are on {labels.device} but logits on {logits.device}")
-    if precomputed_lse is not None and (not isinstance(precomputed_lse, Tensor)
-                                        or precomputed_lse.shape != logits.shape[:1]):
-        raise ValueError(f"precomputed_lse must be a tensor of shape ({logits.shape[0]},)")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not logit_scale > 0.0:
-        raise ValueError(f"logit_scale must be > 0, got {logit_scale}")
-    if not lse_square_scale >= 0.0:
-        raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
+def check_options(label_smoothing, logit_scale, lse_square_scale, ignore_index, inplace_backward,
+                  process_group) -> None:
+    """The loss's scalar options (also :class:`flash_attn.losses.cross_entropy.CrossEntropyLoss`'s)."""
+    for name, value, ok, accepted in (("label_smoothing", label_smoothing, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+                                      ("logit_scale", logit_scale, lambda v: v > 0.0, "> 0"),
+                                      ("lse_square_scale", lse_square_scale, lambda v: v >= 0.0, ">= 0")):
+        number = validation._real(value, name, f"a float {accepted}")
+        if not ok(number) or math.isinf(number):
+            raise ValueError(f"{name} must be a finite float {accepted}, got {value!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    # Out-of-range labels would silently lose their label term; checking them reads the labels on
-    # the host, which we do only where that costs no device synchronisation.
-    if labels.device.type == "cpu" and not torch.compiler.is_compiling():
-        world = _world(process_group)[0]
-        vocab = world * logits.shape[1]
-        bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-        if bool(bad.any()):
-            raise ValueError(f"labels must be in [0, {vocab}) or equal ignore_index ({ignore_index}); "
-                             f"got {labels[bad][0].item()}")
+    validation.check_flag(inplace_backward, "inplace_backward")
+    if process_group is not None and not isinstance(process_group, torch.distributed.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(process_group).__name__}")
+
+
+def _check(logits, labels, precomputed_lse, label_smoothing, logit_scale, lse_square_scale, ignore_index,
+           inplace_backward, process_group, names=("logits", "labels")) -> None:
+    """Every argument; ``names``: what the caller calls the logits and the labels."""
+    logits_name, labels_name = names
+    if not isinstance(logits, Tensor) or logits.ndim != 2 or not logits.dtype.is_floating_point:
+        raise ValueError(f"{logits_name} must be a floating-point tensor of shape (batch, vocab_size), got "
+                         f"{getattr(logits, 'dtype', type(logits))} {tuple(getattr(logits, 'shape', ()))}")
+    if logits.shape[1] == 0:
+        raise ValueError(f"{logits_name} must have at least one column (vocab_size >= 1)")
+    if (not isinstance(labels, Tensor) or labels.shape != logits.shape[:1]
+            or labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex()):
+        raise ValueError(f"{labels_name} must be an integer tensor of shape ({logits.shape[0]},), got "
+                         f"{getattr(labels, 'dtype', type(labels))} {tuple(getattr(labels, 'shape', ()))}")
+    if labels.device != logits.device:
+        raise ValueError(f"{labels_name} is on {labels.device} but {logits_name} is on {logits.device}")
+    if precomputed_lse is not None:
+        if not isinstance(precomputed_lse, Tensor) or precomputed_lse.shape != logits.shape[:1]:
+            raise ValueError(f"precomputed_lse must be a tensor of shape ({logits.shape[0]},), got "
+                             f"{validation._describe(precomputed_lse)}")
+        if not precomputed_lse.dtype.is_floating_point:
+            raise TypeError(f"precomputed_lse must be a floating-point tensor, got {precomputed_lse.dtype}")
+        if precomputed_lse.device != logits.device:
+            raise ValueError(f"precomputed_lse is on {precomputed_lse.device} but {logits_name} is on {logits.device}")
+    check_options(label_smoothing, logit_scale, lse_square_scale, ignore_index, inplace_backward, process_group)
+    # Out-of-range labels would silently lose their label term: checked on the host for CPU
+    # tensors, on the device otherwise (no synchronisation).
+    if labels.numel():
+        vocab = _world(process_group)[0] * logits.shape[1]
+        ok = ((labels == ignore_index) | ((labels >= 0) & (labels < vocab))).all()
+        validation.check_values(ok, ValueError, f"{labels_name} must be in [0, {vocab}) (0 to vocab_size - 1) or "
+                                                f"equal ignore_index ({ignore_index})")
 
 
 def cross_entropy_loss(
@@ -349,6 +362,6 @@ def cross_entropy_loss(
         includes the z-loss; ``z_losses`` is for logging and carries no gradient.
     """
     _check(logits, labels, precomputed_lse, label_smoothing, logit_scale, lse_square_scale, ignore_index,
-           process_group)
+           inplace_backward, process_group)
     return _CrossEntropy.apply(logits, labels, precomputed_lse, float(label_smoothing), float(logit_scale),
                                float(lse_square_scale), ignore_index, bool(inplace_backward), process_group)

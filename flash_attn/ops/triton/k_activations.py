@@ -25,17 +25,15 @@ import math
 from enum import Enum
 from typing import Optional
 
+from flash_attn.ops.triton import triton_modules
+
 # upstream's module constants: sqrt(2 / pi) (GELU's tanh approximation), 1 / sqrt(2) (erf GELU),
 # 1 / sqrt(2 pi) (the normal density)
 _sqrt2pi = math.sqrt(2.0 / math.pi)
 _sqrt1_2 = math.sqrt(1.0 / 2)
 _gaussian_pdf_normalization = 1.0 / math.sqrt(2 * math.pi)
 
-try:  # Triton is optional: without it the ops fall back to their PyTorch paths
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
 
 __all__ = ["Activation", "get_triton_activation_kernel", "get_triton_activation_bwd_kernel"]
 _HELPERS = (
@@ -51,6 +49,10 @@ class Activation(str, Enum):
     GeLUApprox = "gelu_approx"
     LeakyReLU = "leaky_relu"
     ReLU = "relu"
+
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"value {value!r} is not an Activation; expected one of {[a.value for a in cls]}")
 
 
 def _require_triton() -> None:

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from flash_attn import validation
 from flash_attn.ops.triton import triton_available
 
 __all__ = [
@@ -55,6 +56,9 @@ _MAX_ROW_BYTES = 65536  # upstream's limit for one row in one program (registers
 
 def _ref(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm, zero_centered_weight,
          dropout_mask, dropout_mask1, upcast, is_rms_norm):
+    _check_args(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, None, None,
+                flags=dict(prenorm=prenorm, zero_centered_weight=zero_centered_weight, upcast=upcast),
+                masks=dict(dropout_mask=dropout_mask, dropout_mask1=dropout_mask1))
     out_dtype = x.dtype
     if upcast:
         x, weight, bias, residual, x1, weight1, bias1 = (
@@ -138,13 +142,32 @@ def _check_float_tensor(t, name: str, device) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {device}")
 
 
-def _check_args(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, out, residual_out) -> None:
+def _check_args(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, out, residual_out,
+                flags: Optional[dict] = None, out_dtype=None, names=("weight", "bias"), masks: Optional[dict] = None) -> None:
+    """Every argument of a norm call: the tensors (``names``: what the caller calls weight and bias),
+    ``eps``, ``dropout_p``, the bool ``flags`` (name -> value), ``out_dtype`` and the references'
+    dropout ``masks`` (name -> value)."""
     _check_float_tensor(x, "x", x.device if isinstance(x, torch.Tensor) else None)
     if x.dim() < 1 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last (feature) dimension, got shape {tuple(x.shape)}")
+    for flag, value in (flags or {}).items():
+        validation.check_flag(value, flag)
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+        if not out_dtype.is_floating_point:
+            raise ValueError(f"out_dtype must be a floating-point dtype, got {out_dtype}")
+    for name, mask in (masks or {}).items():
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+                raise TypeError(f"{name} must be a bool tensor (True = keep), got {_describe(mask)}")
+            if mask.device != x.device:
+                raise ValueError(f"{name} is on {mask.device} but x is on {x.device}")
+            if mask.shape != x.shape:
+                raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(mask.shape)}")
     n = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1)):
-        if t is None and name != "weight":
+    for name, t in ((names[0], weight), (names[1], bias), ("weight1", weight1), ("bias1", bias1)):
+        if t is None and name != names[0]:
             continue
         _check_float_tensor(t, name, x.device)
         if tuple(t.shape) != (n,):
@@ -467,7 +490,8 @@ class LayerNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
                 rowscale=None, prenorm=False, residual_in_fp32=False, zero_centered_weight=False, is_rms_norm=False,
                 return_dropout_mask=False, out_dtype=None, out=None, residual_out=None):
-        _check_args(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, out, residual_out)
+        _check_args(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, out, residual_out,
+                    _flags(prenorm, residual_in_fp32, zero_centered_weight, is_rms_norm, return_dropout_mask), out_dtype)
         shape = x.shape
         res_dtype = _residual_dtype(x, residual, residual_in_fp32, residual_out)
         y_dtype = out.dtype if out is not None else (out_dtype or x.dtype)
@@ -530,8 +554,14 @@ def _norm(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscal
             zero_centered_weight, is_rms_norm, return_dropout_mask, out_dtype, out, residual_out)
     if isinstance(x, torch.Tensor) and x.is_cuda and triton_available():
         return LayerNormFn.apply(*args)
-    _check_args(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, out, residual_out)
+    _check_args(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, out, residual_out,
+                _flags(prenorm, residual_in_fp32, zero_centered_weight, is_rms_norm, return_dropout_mask), out_dtype)
     return _torch_norm(*args)
+
+
+def _flags(prenorm, residual_in_fp32, zero_centered_weight, is_rms_norm, return_dropout_mask) -> dict:
+    return dict(prenorm=prenorm, residual_in_fp32=residual_in_fp32, zero_centered_weight=zero_centered_weight,
+                is_rms_norm=is_rms_norm, return_dropout_mask=return_dropout_mask)
 
 
 def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
@@ -564,6 +594,14 @@ class RMSNorm(torch.nn.Module):
 
     def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0, zero_centered_weight=False, device=None, dtype=None):
         super().__init__()
+        hidden_size = validation.check_int(hidden_size, "hidden_size", minimum=1)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0.0:
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+        if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+        zero_centered_weight = validation.check_flag(zero_centered_weight, "zero_centered_weight")
+        if dtype is not None and isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
         self.eps = eps
         self.drop = torch.nn.Dropout(dropout_p) if dropout_p > 0.0 else None
         self.zero_centered_weight = zero_centered_weight
@@ -576,6 +614,8 @@ class RMSNorm(torch.nn.Module):
         torch.nn.init.zeros_(self.weight) if self.zero_centered_weight else torch.nn.init.ones_(self.weight)
 
     def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        validation.check_flag(prenorm, "prenorm")
+        validation.check_flag(residual_in_fp32, "residual_in_fp32")
         return rms_norm_fn(x, self.weight, self.bias, residual=residual, eps=self.eps,
                            dropout_p=self.drop.p if self.drop is not None and self.training else 0.0,
                            prenorm=prenorm, residual_in_fp32=residual_in_fp32,
@@ -596,11 +636,18 @@ class LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-6, prenorm=False,
                 residual_in_fp32=False, is_rms_norm=False):
-        _check_args(x, norm_weight, norm_bias, residual, None, None, None, eps, 0.0, None, None, None)
+        _check_args(x, norm_weight, norm_bias, residual, None, None, None, eps, 0.0, None, None, None,
+                    dict(prenorm=prenorm, residual_in_fp32=residual_in_fp32, is_rms_norm=is_rms_norm),
+                    names=("norm_weight", "norm_bias"))
         _check_float_tensor(linear_weight, "linear_weight", x.device)
         if linear_weight.dim() != 2 or linear_weight.shape[1] != x.shape[-1]:
             raise ValueError(f"linear_weight must have shape (out_features, {x.shape[-1]}), got "
                              f"{tuple(linear_weight.shape)}")
+        if linear_bias is not None:
+            _check_float_tensor(linear_bias, "linear_bias", x.device)
+            if tuple(linear_bias.shape) != (linear_weight.shape[0],):
+                raise ValueError(f"linear_bias must have shape ({linear_weight.shape[0]},) (out_features), got "
+                                 f"{tuple(linear_bias.shape)}")
         shape = x.shape
         with torch.no_grad():
             h = _torch_norm(x.detach(), norm_weight, norm_bias, residual, None, None, None, eps, 0.0, None, True,

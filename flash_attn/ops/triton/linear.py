@@ -18,7 +18,8 @@ Where the arithmetic runs:
 * CUDA tensors (fp16/bf16/fp32): one Triton kernel per call, compiled by Triton's JIT on first use.
   Products accumulate in fp32; the bias, the activation and its derivative are evaluated in fp32
   on the accumulator and the result is rounded once to the input dtype. fp32 inputs use TF32
-  exactly when ``torch.backends.cuda.matmul.allow_tf32`` allows it (as ``F.linear`` does).
+  exactly when ``torch.backends.cuda.matmul.allow_tf32`` allows it (as ``F.linear`` does) and the
+  GPU has it (on ROCm: CDNA3's XF32; other AMD GPUs exact fp32).
   Tiles come from a small fixed table chosen by the problem's shape and dtype (no autotuning).
 * every other device, float64, and installs without Triton: the same formulas in PyTorch, in
   float32 (float64 for float64 inputs).
@@ -35,15 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flash_attn.ops.triton import cuda_launch
+from flash_attn.backends import devices
+from flash_attn.ops.triton import cuda_launch, triton_modules
 
-try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
-    import triton
-    import triton.language as tl
-
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
+if triton is not None:
     from flash_attn.ops.triton import k_activations as ka
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
 
 __all__ = ["triton_linear_act", "triton_dgrad_act"]
 
@@ -204,10 +202,16 @@ def _kernel_applies(x: Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in _KERNEL_DTYPES
 
 
-def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+def _input_precision(x: Tensor) -> str:
+    """fp32 products: ``"tf32"`` where PyTorch allows it and Triton has it for the device (ROCm:
+    CDNA3 only, :func:`flash_attn.backends.devices.takes_tf32`), else exact. fp16/bf16 operands
+    have no choice: ``"ieee"``, which every backend accepts (Triton's AMD one refuses ``"tf32"``
+    for them too, but on CDNA3)."""
+    if x.dtype != torch.float32 or not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
-    return "tf32"  # ignored by tl.dot for fp16/bf16 operands
+    if x.is_cuda and not devices.takes_tf32(x.device):
+        return "ieee"
+    return "tf32"
 
 
 def _grid(M: int, N: int, tiles: _Tiles):
@@ -228,7 +232,7 @@ def _linear_act_triton(x2d, weight, bias, activation, save_act_input):
             stride_xm=x2d.stride(0), stride_xk=x2d.stride(1), stride_wn=weight.stride(0),
             stride_wk=weight.stride(1), stride_om=out.stride(0), HAS_BIAS=bias is not None,
             SAVE_ACT_INPUT=save_act_input, ACTIVATION=activation,
-            INPUT_PRECISION=_input_precision(x2d.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            INPUT_PRECISION=_input_precision(x2d), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out, act_input
 
@@ -245,7 +249,7 @@ def _dgrad_act_triton(g2d, weight, activation, act2d):
             stride_gm=g2d.stride(0), stride_gk=g2d.stride(1), stride_wk=weight.stride(0),
             stride_wn=weight.stride(1), stride_om=out.stride(0),
             stride_actm=act2d.stride(0) if act2d is not None else 0, ACTIVATION=activation,
-            INPUT_PRECISION=_input_precision(g2d.dtype), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            INPUT_PRECISION=_input_precision(g2d), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -281,20 +285,31 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _check_activation(activation: str) -> None:
-    _require(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _require(isinstance(activation, str) and activation in ACTIVATIONS,
+             f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
-def _check_linear_args(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+def _require_tensor(t, name: str) -> None:
+    _require(isinstance(t, Tensor), f"{name} must be a tensor, got {type(t).__name__}")
+
+
+def _check_linear_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], save_act_input=False) -> None:
+    _require_tensor(x, "x")
+    _require_tensor(weight, "weight")
+    if bias is not None:
+        _require_tensor(bias, "bias")
+    _require(isinstance(save_act_input, bool), f"save_act_input must be a bool, got {save_act_input!r}")
     _require(weight.dim() == 2, f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     _require(x.dim() >= 1, "x must have at least one dimension (in_features)")
-    _require(x.dtype == weight.dtype, f"Input and weight must have the same dtype, got {x.dtype} and {weight.dtype}")
+    _require(x.dtype == weight.dtype, f"x and weight must have the same dtype, got {x.dtype} and {weight.dtype}")
     _require(x.shape[-1] == weight.shape[1],
              f"Incompatible dimensions: x {tuple(x.shape)} - weight {tuple(weight.shape)}")
     _require(x.device == weight.device, f"x and weight must be on one device, got {x.device} and {weight.device}")
     if bias is not None:
         _require(x.dtype == bias.dtype, f"Input and bias must have the same dtype, got {x.dtype} and {bias.dtype}")
         _require(tuple(bias.shape) == (weight.shape[0],),
-                 f"Incompatible dimensions in between weight {tuple(weight.shape)} and bias {tuple(bias.shape)}")
+                 f"Incompatible dimensions in between weight {tuple(weight.shape)} and bias {tuple(bias.shape)} "
+                 f"(bias must be (out_features,))")
         _require(bias.device == x.device, f"x and bias must be on one device, got {x.device} and {bias.device}")
 
 
@@ -321,7 +336,7 @@ def triton_linear_act(
     the pair ``(output, act_input)`` where ``act_input`` is the pre-activation of the same shape.
     """
     _check_activation(activation)
-    _check_linear_args(x, weight, bias)
+    _check_linear_args(x, weight, bias, save_act_input)
     batch_shape = x.shape[:-1]
     x2d, weight = _as_rows(x), _as_rows(weight)
     bias = bias.contiguous() if bias is not None else None
@@ -334,6 +349,10 @@ def triton_linear_act(
 
 
 def _check_dgrad_args(grad_output: Tensor, weight: Tensor, activation: str, act_input: Optional[Tensor]) -> None:
+    _require_tensor(grad_output, "grad_output")
+    _require_tensor(weight, "weight")
+    if act_input is not None:
+        _require_tensor(act_input, "act_input")
     _require(weight.dim() == 2, f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
     _require(grad_output.dim() >= 1, "grad_output must have at least one dimension (out_features)")
     _require(grad_output.dtype == weight.dtype,

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from flash_attn import validation
 from flash_attn.ops.triton.linear import triton_dgrad_act, triton_linear_act
 
 __all__ = ["FusedDenseSqreluDenseFunc", "fused_dense_sqrelu_dense_function", "FusedDenseSqreluDense"]
@@ -34,8 +35,28 @@ _custom_bwd = torch.amp.custom_bwd(device_type="cuda")
 
 
 def _check_checkpoint_lvl(checkpoint_lvl) -> None:
-    if checkpoint_lvl not in CHECKPOINT_LEVELS:
+    if isinstance(checkpoint_lvl, bool) or checkpoint_lvl not in CHECKPOINT_LEVELS:
         raise AssertionError(f"checkpoint_lvl must be one of {CHECKPOINT_LEVELS}, got {checkpoint_lvl!r}")
+
+
+def _check_args(x, weight1, bias1, weight2, bias2) -> None:
+    """Upstream's AssertionError, naming the argument: tensors of x's device, ``weight1``
+    ``(hidden, in)`` and ``weight2`` ``(out, hidden)`` matrices, biases of their rows."""
+    for name, t in (("x", x), ("weight1", weight1), ("bias1", bias1), ("weight2", weight2), ("bias2", bias2)):
+        if not isinstance(t, torch.Tensor):
+            raise AssertionError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.device != x.device:
+            raise AssertionError(f"{name} is on {t.device} but x is on {x.device}")
+    for name, w, inputs in (("weight1", weight1, x.shape[-1] if x.dim() else None), ("weight2", weight2, None)):
+        if w.dim() != 2:
+            raise AssertionError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight1.shape[1]:
+        raise AssertionError(f"Incompatible dimensions: x {tuple(x.shape)} - weight1 {tuple(weight1.shape)}")
+    if weight2.shape[1] != weight1.shape[0]:
+        raise AssertionError(f"Incompatible dimensions: weight1 {tuple(weight1.shape)} - weight2 {tuple(weight2.shape)}")
+    for name, b, w in (("bias1", bias1, weight1), ("bias2", bias2, weight2)):
+        if tuple(b.shape) != (w.shape[0],):
+            raise AssertionError(f"Incompatible dimensions: {name} {tuple(b.shape)} must be ({w.shape[0]},)")
 
 
 def _first_layer(x2d, weight1, bias1, save_act_input: bool):
@@ -61,6 +82,7 @@ class FusedDenseSqreluDenseFunc(torch.autograd.Function):
     @_custom_fwd
     def forward(ctx, x, weight1, bias1, weight2, bias2, checkpoint_lvl=0):
         _check_checkpoint_lvl(checkpoint_lvl)
+        _check_args(x, weight1, bias1, weight2, bias2)
         dtype = _autocast_dtype(x.device.type)
         tensors = [x, weight1, bias1, weight2, bias2]
         if dtype is not None:
@@ -108,8 +130,13 @@ class FusedDenseSqreluDense(nn.Module):
     def __init__(self, in_features, hidden_features=None, out_features=None, bias1=True, bias2=True,
                  checkpoint_lvl=0, device=None, dtype=None):
         _check_checkpoint_lvl(checkpoint_lvl)
-        if not (bias1 and bias2):
-            raise AssertionError("DenseSqreluDense module without bias is currently not supported")
+        for name, value in (("in_features", in_features), ("hidden_features", hidden_features),
+                            ("out_features", out_features)):
+            if value is not None:
+                validation.check_int(value, name, minimum=1)
+        for name, value in (("bias1", bias1), ("bias2", bias2)):
+            if not validation.check_flag(value, name):
+                raise AssertionError(f"{name}=False: DenseSqreluDense module without bias is currently not supported")
         super().__init__()
         factory_kwargs = {"device": device, "dtype": dtype}
         out_features = out_features or in_features

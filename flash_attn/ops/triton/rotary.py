@@ -18,14 +18,11 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from flash_attn.ops.triton import cuda_launch
+from flash_attn import validation
+from flash_attn.ops.triton import cuda_launch, triton_modules
 from flash_attn.rotation import rotate_pairs
 
-try:  # Triton is optional: without it (or without CUDA) the PyTorch path runs
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on installs without Triton
-    triton = None
+triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
 
 __all__ = ["apply_rotary"]
 
@@ -131,24 +128,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_table(cos: Tensor, sin: Tensor) -> Tuple[int, int]:
-    """Validate cos/sin and return ``(seqlen_ro, rotary_dim)``."""
-    if not isinstance(cos, Tensor) or not isinstance(sin, Tensor):
-        raise ValueError("cos and sin must be tensors")
-    if cos.ndim != 2:
-        raise ValueError(f"cos must have shape (seqlen_ro, rotary_dim / 2), got {tuple(cos.shape)}")
-    if sin.shape != cos.shape:
-        raise ValueError(
-            f"sin and cos must have the same shape, got {tuple(sin.shape)} and {tuple(cos.shape)}"
-        )
-    if not (cos.dtype.is_floating_point and sin.dtype.is_floating_point):
-        raise ValueError(f"cos and sin must be floating point, got {cos.dtype} and {sin.dtype}")
+def _check_table(cos: Tensor, sin: Tensor, device=None, names: Tuple[str, str] = ("cos", "sin")) -> Tuple[int, int]:
+    """Validate cos/sin (on ``device`` when given; ``names``: what the caller calls them) and
+    return ``(seqlen_ro, rotary_dim)``."""
+    for name, table in zip(names, (cos, sin)):
+        if not isinstance(table, Tensor):
+            raise ValueError(f"{name} must be a tensor (a table of shape (seqlen_ro, rotary_dim / 2)), got "
+                             f"{type(table).__name__}")
+        if not table.dtype.is_floating_point:
+            raise ValueError(f"{name} must be floating point, got {table.dtype}")
+        if device is not None and table.device != device:
+            raise ValueError(f"{name} is on {table.device} but x is on {device}")
+        if table.ndim != 2 or table.shape != cos.shape:
+            raise ValueError(f"{name} must have shape (seqlen_ro, rotary_dim / 2), the same shape as {names[0]}, got "
+                             f"{tuple(table.shape)}")
     if cos.shape[1] == 0:
-        raise ValueError("cos and sin must have at least one column (rotary_dim >= 2)")
+        raise ValueError(f"{names[0]} and {names[1]} must have at least one column (rotary_dim >= 2)")
     return cos.shape[0], 2 * cos.shape[1]
 
 
-def _check_offsets(seqlen_offsets: Offsets, batch: int, seqlen: int, seqlen_ro: int) -> None:
+def _check_offsets(seqlen_offsets: Offsets, batch: int, seqlen: int, seqlen_ro: int, device=None) -> None:
     if isinstance(seqlen_offsets, Tensor):
         if seqlen_offsets.shape != (batch,):
             raise ValueError(
@@ -157,6 +156,10 @@ def _check_offsets(seqlen_offsets: Offsets, batch: int, seqlen: int, seqlen_ro: 
             )
         if seqlen_offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"seqlen_offsets must be int32 or int64, got {seqlen_offsets.dtype}")
+        if device is not None and seqlen_offsets.device != device:
+            raise ValueError(f"seqlen_offsets is on {seqlen_offsets.device} but x is on {device}")
+        if batch:  # positions past the table are left unrotated (upstream's kernel); negative ones are errors
+            validation.check_values(seqlen_offsets.min() >= 0, ValueError, "seqlen_offsets must be >= 0")
         if seqlen > seqlen_ro:
             raise ValueError(f"seqlen {seqlen} is longer than the cos/sin table ({seqlen_ro})")
         return
@@ -234,11 +237,12 @@ def _check_args(
     seqlen_offsets: Offsets,
     cu_seqlens: Optional[Tensor],
     max_seqlen: Optional[int],
+    table_names: Tuple[str, str] = ("cos", "sin"),
 ) -> int:
     """Validate the arguments of a rotation; return the (longest) sequence length."""
     if not isinstance(x, Tensor) or not x.dtype.is_floating_point:
         raise ValueError("x must be a floating-point tensor")
-    seqlen_ro, rotary_dim = _check_table(cos, sin)
+    seqlen_ro, rotary_dim = _check_table(cos, sin, x.device, table_names)
     if cu_seqlens is None:
         if x.ndim != 4:
             raise ValueError(
@@ -250,18 +254,29 @@ def _check_args(
             raise ValueError(
                 f"with cu_seqlens, x must have shape (total, nheads, headdim), got {tuple(x.shape)}"
             )
-        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype not in (
-            torch.int32,
-            torch.int64,
-        ):
-            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of length batch + 1")
+        if not isinstance(cu_seqlens, Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1 \
+                or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of length batch + 1, got "
+                             f"{validation._describe(cu_seqlens)}")
+        if cu_seqlens.device != x.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x is on {x.device}")
         if max_seqlen is None:
             raise ValueError("max_seqlen must be given together with cu_seqlens")
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, torch.SymInt)):
+            raise ValueError(f"max_seqlen must be an int (the longest sequence), got {max_seqlen!r}")
+        if max_seqlen < 0:
+            raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
         batch, seqlen = cu_seqlens.shape[0] - 1, int(max_seqlen)
+        if batch:
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            validation.check_values(
+                (cu_seqlens[0] == 0) & (lengths.min() >= 0) & (lengths.max() <= seqlen) & (cu_seqlens[-1] <= x.shape[0]),
+                ValueError, f"cu_seqlens must start at 0, be non-decreasing and end within x's {x.shape[0]} rows, "
+                            f"with no sequence longer than max_seqlen ({seqlen}, the longest)")
     headdim = x.shape[-1]
     if rotary_dim > headdim:
         raise ValueError(f"rotary_dim ({rotary_dim}) must be <= headdim ({headdim})")
-    _check_offsets(seqlen_offsets, batch, seqlen, seqlen_ro)
+    _check_offsets(seqlen_offsets, batch, seqlen, seqlen_ro, x.device)
     return seqlen
 
 
@@ -327,6 +342,8 @@ def apply_rotary(
         a tensor shaped like ``x`` (``x`` itself when ``inplace``).
     """
     seqlen = _check_args(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen)
+    interleaved, inplace = validation.check_flag(interleaved, "interleaved"), validation.check_flag(inplace, "inplace")
+    conjugate = validation.check_flag(conjugate, "conjugate")
     if _kernel_applies(x):
         return _rotate_triton(x, cos, sin, seqlen_offsets, cu_seqlens, seqlen, interleaved, inplace, conjugate)
     return _rotate_torch(x, cos, sin, seqlen_offsets, cu_seqlens, interleaved, inplace, conjugate)
