@@ -60,6 +60,23 @@ def _refuse(**arguments) -> None:
             raise NotImplementedError(f"flash_attn_interface: {name} ({shown}) is not supported: {reasons[name]}")
 
 
+def _hints(num_splits=0, pack_gqa=None, sm_margin=0, scheduler_metadata=None) -> None:
+    """Scheduler hints that change nothing here still have FA3's types (a cheap isinstance each:
+    a wrong one is a caller's bug worth naming, not something to ignore)."""
+    validation.check_int(num_splits, "num_splits", minimum=0)
+    validation.check_int(sm_margin, "sm_margin", minimum=0)
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None or a bool, got {pack_gqa!r}")
+    if scheduler_metadata is not None and not isinstance(scheduler_metadata, torch.Tensor):
+        raise TypeError(f"scheduler_metadata must be None or the tensor get_scheduler_metadata returns, "
+                        f"got {type(scheduler_metadata).__name__}")
+
+
+def _optional_int32(t, name: str) -> None:
+    if t is not None and (not isinstance(t, torch.Tensor) or t.dtype != torch.int32):
+        raise TypeError(f"{name} must be None or an int32 tensor, got {validation._describe(t)}")
+
+
 def _sinks(s_aux):
     """FA3 forks' ``s_aux`` as flash_attn's ``learnable_sink`` (float32, differentiable)."""
     if s_aux is None:
@@ -103,6 +120,8 @@ def flash_attn_qkvpacked_func(
 ):
     """:func:`flash_attn_func` with q, k, v stacked: qkv ``(batch, seqlen, 3, nheads, headdim)``, or
     with ``num_heads_q`` (GQA) ``(batch, seqlen, num_heads_q + 2 * nheads_k, headdim)``."""
+    if num_heads_q is not None:
+        validation.check_int(num_heads_q, "num_heads_q", minimum=1)
     if num_heads_q is None:
         validation.check_tensor(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
         if qkv.shape[2] != 3:
@@ -147,6 +166,8 @@ def flash_attn_func(
     ``sm_margin`` change nothing here.
     """
     _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    _hints(num_splits, pack_gqa, sm_margin)
+    validation.check_flag(return_attn_probs, "return_attn_probs")
     validation.check_dense_qkv(q, k, v)
     validation.check_qv(qv, q, v.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
     out, lse = _forward(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_size,
@@ -193,6 +214,8 @@ def flash_attn_varlen_func(
     softmax_lse)``: ``(nheads, total_q)`` for packed q, ``(batch, nheads, seqlen_q)`` for padded q.
     """
     _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
+    _hints(num_splits, pack_gqa, sm_margin)
+    validation.check_flag(return_attn_probs, "return_attn_probs")
     sinks = _sinks(s_aux)
     padded_q = cu_seqlens_q is None
     if padded_q and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
@@ -348,6 +371,11 @@ def flash_attn_with_kvcache(
     """
     _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk,
             rotary_seqlens=rotary_seqlens, cu_seqlens_k_new=None if cu_seqlens_q is not None else cu_seqlens_k_new)
+    _hints(num_splits, pack_gqa, sm_margin, scheduler_metadata)
+    validation.check_flag(return_softmax_lse, "return_softmax_lse")
+    if max_seqlen_q is not None:  # not needed here (the lengths are read from cu_seqlens_q), but an int
+        validation.check_int(max_seqlen_q, "max_seqlen_q", minimum=0)
+    _optional_int32(cu_seqlens_k_new, "cu_seqlens_k_new")
     call = (rotary_cos, rotary_sin, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, _sinks(s_aux))
     if cu_seqlens_q is None:
         out, lse = _kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
@@ -435,4 +463,21 @@ def get_scheduler_metadata(
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be an int32 tensor ({batch_size},), got {type(cache_seqlens).__name__}")
     _refuse(attention_chunk=attention_chunk)
+    # none of these changes the (empty) result, but each has FA3's type
+    for name, value, least in (("batch_size", batch_size, 1), ("max_seqlen_q", max_seqlen_q, 0),
+                               ("max_seqlen_k", max_seqlen_k, 0), ("num_heads_q", num_heads_q, 1),
+                               ("num_heads_kv", num_heads_kv, 1), ("headdim", headdim, 1),
+                               ("headdim_v", headdim_v, 1), ("page_size", page_size, 1),
+                               ("max_seqlen_k_new", max_seqlen_k_new, 0)):
+        if value is not None or name not in ("headdim_v", "page_size"):
+            validation.check_int(value, name, minimum=least)
+    if not isinstance(qkv_dtype, torch.dtype) or not qkv_dtype.is_floating_point:
+        raise TypeError(f"qkv_dtype must be a floating torch.dtype, got {qkv_dtype!r}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new),
+                    ("cache_leftpad", cache_leftpad)):
+        _optional_int32(t, name)
+    validation.check_flag(causal, "causal")
+    validation.check_flag(has_softcap, "has_softcap")
+    validation.check_window(window_size)
+    _hints(num_splits, pack_gqa, sm_margin)
     return torch.empty((0,), dtype=torch.int32, device=cache_seqlens.device)

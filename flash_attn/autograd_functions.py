@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from flash_attn import validation
 from flash_attn.lowlevel import (  # noqa: F401  (the fakes re-exported under upstream's names)
     _flash_attn_backward,
     _flash_attn_backward_fake,
@@ -129,10 +130,30 @@ def _grads_like(*tensors):
     return [torch.empty_like(t) for t in tensors]
 
 
+def _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax,
+             is_grad_enabled) -> tuple[int, int]:
+    """The options the low-level ops do not see as given (the window is split, the flags are read
+    here first): named errors for them, as flash_attn_func's. Returns ``window_size`` as two ints."""
+    validation.check_softmax_scale(softmax_scale)
+    window = validation.check_options(dropout_p, softcap, window_size, None, 0, 0, q.device)  # alibi: the op's
+    for value, name in ((causal, "causal"), (deterministic, "deterministic"), (return_softmax, "return_softmax"),
+                        (is_grad_enabled, "is_grad_enabled")):
+        validation.check_flag(value, name)
+    return window
+
+
+def _check_packed(t, name: str, ndim: int, dim: int, count: int, layout: str) -> None:
+    shape = validation.check_tensor(t, name, ndim, layout)
+    if shape[dim] != count:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(shape)}")
+
+
 class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled):
+        validation.check_dense_qkv(q, k, v)
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
         is_grad = is_grad_enabled and any(t.requires_grad for t in (q, k, v))
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               deterministic, return_softmax, is_grad)
@@ -149,6 +170,8 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled):
+        _check_packed(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
+        window_size = _checked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
         q, k, v = qkv.detach().unbind(dim=2)
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               deterministic, return_softmax, is_grad_enabled and qkv.requires_grad)
@@ -165,6 +188,9 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled):
+        validation.check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+        _check_packed(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
         k, v = kv.detach().unbind(dim=2)
         is_grad = is_grad_enabled and (q.requires_grad or kv.requires_grad)
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -184,6 +210,9 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                 causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table,
                 is_grad_enabled):
+        for t, name in ((q, "q"), (k, "k"), (v, "v")):
+            validation.check_tensor(t, name, 3, f"(total_{name if name == 'q' else 'k'}, nheads, headdim)")
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
         is_grad = is_grad_enabled and any(t.requires_grad for t in (q, k, v))
         return _varlen_forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -201,6 +230,8 @@ class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_softmax, is_grad_enabled):
+        _check_packed(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
+        window_size = _checked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
         q, k, v = qkv.detach().unbind(dim=1)
         return _varlen_forward(ctx, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -218,6 +249,9 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                 causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled):
+        validation.check_tensor(q, "q", 3, "(total_q, nheads, headdim)")
+        _check_packed(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
         k, v = kv.detach().unbind(dim=1)
         is_grad = is_grad_enabled and (q.requires_grad or kv.requires_grad)
         return _varlen_forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from flash_attn import validation
 from flash_attn.ops.triton.layer_norm import layer_norm_fn
 
 __all__ = [
@@ -30,6 +31,9 @@ __all__ = [
 
 def maybe_align(x, alignment_in_bytes=16):
     """``x`` itself if its data is aligned to ``alignment_in_bytes``, else an aligned copy."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"maybe_align: x must be a torch.Tensor, got {type(x).__name__}")
+    alignment_in_bytes = validation.check_int(alignment_in_bytes, "alignment_in_bytes", minimum=1)
     return x if x.data_ptr() % alignment_in_bytes == 0 else x.clone()
 
 
