@@ -77,12 +77,20 @@ def _optional_int32(t, name: str) -> None:
         raise TypeError(f"{name} must be None or an int32 tensor, got {validation._describe(t)}")
 
 
-def _sinks(s_aux):
-    """FA3 forks' ``s_aux`` as flash_attn's ``learnable_sink`` (float32, differentiable)."""
+def _sinks(s_aux, q):
+    """FA3 forks' ``s_aux`` as flash_attn's ``learnable_sink`` (float32, differentiable); its shape
+    and device checked here under its own name when q is a tensor (else q's check names q)."""
     if s_aux is None:
         return None
     if not isinstance(s_aux, torch.Tensor) or not s_aux.is_floating_point():
-        raise TypeError(f"s_aux must be a floating-point tensor (nheads,) of sink logits, got {type(s_aux).__name__}")
+        raise TypeError(f"s_aux must be a floating-point tensor (nheads,) of sink logits, got "
+                        f"{validation._describe(s_aux)}")
+    if isinstance(q, torch.Tensor) and q.dim() >= 2:
+        if tuple(s_aux.shape) != (q.shape[-2],):
+            raise ValueError(f"s_aux must have shape ({q.shape[-2]},) (one logit per query head), "
+                             f"got {tuple(s_aux.shape)}")
+        if s_aux.device != q.device:
+            raise ValueError(f"s_aux is on {s_aux.device} but q is on {q.device}")
     return s_aux.float()
 
 
@@ -171,7 +179,7 @@ def flash_attn_func(
     validation.check_dense_qkv(q, k, v)
     validation.check_qv(qv, q, v.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
     out, lse = _forward(q, k, v, None, None, q.shape[1], k.shape[1], softmax_scale, causal, window_size,
-                        softcap, deterministic, qv, _sinks(s_aux))
+                        softcap, deterministic, qv, _sinks(s_aux, q))
     return (out, lse) if return_attn_probs else out
 
 
@@ -216,11 +224,18 @@ def flash_attn_varlen_func(
     _refuse(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, attention_chunk=attention_chunk)
     _hints(num_splits, pack_gqa, sm_margin)
     validation.check_flag(return_attn_probs, "return_attn_probs")
-    sinks = _sinks(s_aux)
+    sinks = _sinks(s_aux, q)
     padded_q = cu_seqlens_q is None
     if padded_q and cu_seqlens_k is None and seqused_q is None and seqused_k is None:
         return flash_attn_func(q, k, v, softmax_scale, causal, qv, None, None, None, window_size, 0, softcap,
                                num_splits, pack_gqa, deterministic, sm_margin, return_attn_probs, s_aux=s_aux)
+    for x, name, packed in ((q, "q", not padded_q), (k, "k", cu_seqlens_k is not None),
+                            (v, "v", cu_seqlens_k is not None), (qv, "qv", not padded_q)):
+        if x is not None or name != "qv":  # each side packed (3 dims) or padded (4 dims), as its cu_seqlens say
+            side = "q" if name in ("q", "qv") else "k"
+            layout = (f"(total_{side}, nheads, headdim) with cu_seqlens_{side}" if packed
+                      else f"(batch, seqlen_{side}, nheads, headdim) without cu_seqlens_{side}")
+            validation.check_tensor(x, name, 3 if packed else 4, layout)
     batch = _batch_of(cu_seqlens_q, cu_seqlens_k, q, k, seqused_q, seqused_k)
     q_rows, cu_q, max_q = _packed(q, "q", cu_seqlens_q, max_seqlen_q, seqused_q, batch)
     k_rows, cu_k, max_k = _packed(k, "k", cu_seqlens_k, max_seqlen_k, seqused_k, batch)
@@ -248,9 +263,11 @@ def flash_attn_varlen_func(
 
 
 def _batch_of(cu_seqlens_q, cu_seqlens_k, q, k, seqused_q, seqused_k) -> int:
+    for cu, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        if cu is not None:
+            validation.check_cu_seqlens(cu, name, q.device)
     for cu in (cu_seqlens_q, cu_seqlens_k):
         if cu is not None:
-            validation.check_cu_seqlens(cu, "cu_seqlens", q.device)
             return cu.shape[0] - 1
     for used in (seqused_q, seqused_k):
         if used is not None:
@@ -297,17 +314,29 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     ``(batch, seqlen, nheads)``. A row whose splits all have lse -inf gets 0 and -inf.
     """
     for name, t, ndim in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != ndim:
-            raise TypeError(f"{name} must be a float32 tensor with {ndim} dims, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float32 tensor with {ndim} dims, got {validation._describe(t)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
         raise ValueError(f"lse_partial must have shape (num_splits, batch, seqlen, nheads) = "
                          f"{tuple(out_partial.shape[:-1])}, got {tuple(lse_partial.shape)}")
+    if lse_partial.device != out_partial.device:
+        raise ValueError(f"lse_partial is on {lse_partial.device} but out_partial is on {out_partial.device}")
     if out_partial.shape[0] == 0:
         raise ValueError("out_partial must hold at least one split")
+    if out_dtype is not None and out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype!r}")
     out_dtype = out_dtype or out_partial.dtype
-    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be None or a tensor of shape {tuple(out_partial.shape[1:])}, "
+                            f"got {validation._describe(out)}")
+        if tuple(out.shape) != tuple(out_partial.shape[1:]):
+            raise ValueError(f"out must have shape (batch, seqlen, nheads, headdim) = {tuple(out_partial.shape[1:])}, "
+                             f"got {tuple(out.shape)}")
+        if out.device != out_partial.device:
+            raise ValueError(f"out is on {out.device} but out_partial is on {out_partial.device}")
     lse = torch.logsumexp(lse_partial, dim=0)
     finite = torch.isfinite(lse)
     weights = torch.where(finite, torch.exp(lse_partial - torch.where(finite, lse, 0.0)), 0.0)
@@ -376,7 +405,10 @@ def flash_attn_with_kvcache(
     if max_seqlen_q is not None:  # not needed here (the lengths are read from cu_seqlens_q), but an int
         validation.check_int(max_seqlen_q, "max_seqlen_q", minimum=0)
     _optional_int32(cu_seqlens_k_new, "cu_seqlens_k_new")
-    call = (rotary_cos, rotary_sin, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, _sinks(s_aux))
+    _optional_int32(page_table, "page_table")  # flash_attn's block_table: checked under FA3's name
+    if page_table is not None and page_table.dim() != 2:
+        raise ValueError(f"page_table must have shape (batch_size, max_num_pages_per_seq), got {tuple(page_table.shape)}")
+    call = (rotary_cos, rotary_sin, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, _sinks(s_aux, q))
     if cu_seqlens_q is None:
         out, lse = _kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
                             *call)

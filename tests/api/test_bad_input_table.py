@@ -985,6 +985,186 @@ rows(P, "inference_params", not_a("InferenceParams", TypeError, value="params"))
 
 
 # ---------------------------------------------------------------------------------------------
+# FlashAttention-3's interface (fa3_interface/, its own distribution: loaded from its file), ids
+# ``fa3.NAME``; upstream's autograd classes (flash_attn.autograd_functions), called by ``.apply``
+
+
+def _fa3():
+    from support.fa3 import fa3_interface  # noqa: PLC0415
+
+    return fa3_interface()
+
+
+FA3 = _fa3()
+
+
+def _combine():
+    return dict(out_partial=t(3, 2, 5, 4, 32, dtype=F32), lse_partial=t(3, 2, 5, 4, dtype=F32, seed=1))
+
+
+def _scheduler():
+    return dict(batch_size=2, max_seqlen_q=1, max_seqlen_k=16, num_heads_q=4, num_heads_kv=2, headdim=32,
+                cache_seqlens=i32(3, 5))
+
+
+CONTROLS.update({
+    "fa3.flash_attn_func": Control(FA3.flash_attn_func, _attn),
+    "fa3.flash_attn_qkvpacked_func": Control(FA3.flash_attn_qkvpacked_func, _packed_dense),
+    "fa3.flash_attn_varlen_func": Control(FA3.flash_attn_varlen_func, _varlen),
+    "fa3.flash_attn_with_kvcache": Control(FA3.flash_attn_with_kvcache, _kvcache),
+    "fa3.flash_attn_combine": Control(FA3.flash_attn_combine, _combine),
+    "fa3.get_scheduler_metadata": Control(FA3.get_scheduler_metadata, _scheduler),
+})
+
+
+def fa3_options(function: str, cache: bool = False) -> None:
+    """FA3's options shared by its attention calls (``num_splits``/``pack_gqa`` where the call has them)."""
+    rows(function, "softmax_scale", not_a("float"), value(NAN, ValueError, "finite"), value(True, TypeError))
+    rows(function, "causal", not_a("bool", value="yes"))
+    rows(function, "window_size", not_a("pair", value=4), value(("a", 0), TypeError, "int"),
+         value((1, 2, 3), ValueError, "pair"), value((-2, 0), ValueError, "-1"))
+    rows(function, "softcap", not_a("float"), value(NAN, ValueError, ">= 0"), value(-1.0, ValueError, ">= 0"))
+    for p in ("q_descale", "k_descale", "v_descale"):  # FP8 is not built: any value is refused by name
+        rows(function, p, ("type", "x", NotImplementedError, "not supported"),
+             value(bad("a scale", lambda a: torch.ones(2, 2, device=dev())), NotImplementedError, "FP8"))
+    rows(function, "attention_chunk", ("type", "x", NotImplementedError, "not supported"),
+         value(4, NotImplementedError, "chunk"))
+    rows(function, "sm_margin", not_a("int", value="x"), value(-1, ValueError, ">= 0"), value(True, TypeError, "int"))
+    rows(function, "s_aux", not_a("floating-point", value="sinks"),
+         ("value", bad("int32", lambda a: torch.zeros(4, dtype=torch.int32, device=dev())), TypeError, "floating"),
+         ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
+         ("device", bad("meta", lambda a: torch.zeros(4, device="meta")), ValueError, "meta"))
+    if function != "fa3.flash_attn_qkvpacked_func":
+        rows(function, "num_splits", not_a("int", value="two"), value(-1, ValueError, ">= 0"))
+        rows(function, "pack_gqa", not_a("bool", value="yes"), value(1, TypeError, "bool"))
+    if not cache:
+        rows(function, "deterministic", not_a("bool", value="yes"))
+        rows(function, "return_attn_probs", not_a("bool", value="yes"))
+
+
+for name in ("fa3.flash_attn_func", "fa3.flash_attn_qkvpacked_func", "fa3.flash_attn_varlen_func",
+             "fa3.flash_attn_with_kvcache"):
+    fa3_options(name, cache=name.endswith("kvcache"))
+for name in ("fa3.flash_attn_func", "fa3.flash_attn_varlen_func"):
+    for p in ("q", "k", "v"):
+        attention_tensor(name, p)
+attention_tensor("fa3.flash_attn_qkvpacked_func", "qkv", device=False)
+rows("fa3.flash_attn_qkvpacked_func", "num_heads_q", not_a("int", value="four"), value(0, ValueError, ">= 1"),
+     value(3, ValueError, "num_heads_q"))
+FV = "fa3.flash_attn_varlen_func"
+cu_seqlens(FV, "cu_seqlens_q")
+cu_seqlens(FV, "cu_seqlens_k")
+max_seqlen(FV, "max_seqlen_q")
+max_seqlen(FV, "max_seqlen_k")
+for p in ("seqused_q", "seqused_k"):
+    rows(FV, p, not_a("int32", value=[3, 2]), value(bad("int64", lambda a: torch.ones(2, dtype=torch.int64)), TypeError,
+                                                    "int32"),
+         ("shape", bad("(3,)", lambda a: i32(1, 1, 1)), TypeError, "shape"),
+         ("device", bad("meta", lambda a: torch.zeros(2, dtype=torch.int32, device="meta")), ValueError, "meta"),
+         value(bad("past the length", lambda a: i32(9, 1)), ValueError, "between"))
+FK = "fa3.flash_attn_with_kvcache"
+attention_tensor(FK, "q", device=False)
+for p in ("k_cache", "v_cache", "k", "v"):
+    attention_tensor(FK, p)
+rows(FK, "k", value(None, ValueError, "together"))
+for p in ("rotary_cos", "rotary_sin"):
+    rows(FK, p, not_a("shape", ValueError, value="table"), as_dtype(p, torch.int32, TypeError, "floating"),
+         with_rank(p, lambda x: x[None], ValueError, "seqlen_ro"), on_meta(p))
+for p in ("cache_seqlens", "cache_batch_idx", "cache_leftpad"):
+    rows(FK, p, not_a("int32", value="lengths"), as_dtype(p, torch.int64, TypeError, "int32"),
+         with_rank(p, lambda x: x[None], TypeError, "shape"), on_meta(p))
+rows(FK, "cache_seqlens", value(bad("past the cache", lambda a: i32(3, 16)), ValueError, "cache"))
+rows(FK, "page_table", not_a("int32", value=[[0]]),
+     ("value", bad("fp32 table", lambda a: torch.zeros(2, 1, device=dev())), TypeError, "int32"),
+     ("shape", bad("1-D", lambda a: i32(0, 1)), ValueError, "shape"))
+rows(FK, "cu_seqlens_q", not_a("int32", value=[0, 1, 2]),
+     value(bad("int64", lambda a: torch.tensor([0, 1, 2], device=dev())), TypeError, "int32"),
+     ("shape", bad("2-D", lambda a: i32(0, 1, 2)[None]), ValueError, "batch_size + 1"),
+     ("device", bad("meta", lambda a: torch.zeros(3, dtype=torch.int32, device="meta")), ValueError, "meta"))
+rows(FK, "cu_seqlens_k_new", ("type", "x", NotImplementedError, "cu_seqlens_q"),
+     value(bad("without cu_seqlens_q", lambda a: i32(0, 1, 2)), NotImplementedError, "cu_seqlens_q"))
+rows(FK, "max_seqlen_q", not_a("int", value="four"), value(-1, ValueError, ">= 0"))
+rows(FK, "rotary_seqlens", ("type", "x", NotImplementedError, "not supported"),
+     value(bad("lengths", lambda a: i32(3, 5)), NotImplementedError, "cache_seqlens"))
+rows(FK, "rotary_interleaved", not_a("bool", value="yes"))
+rows(FK, "scheduler_metadata", not_a("tensor", value="plan"))
+rows(FK, "return_softmax_lse", not_a("bool", value="yes"))
+FC = "fa3.flash_attn_combine"
+for p, rank in (("out_partial", 5), ("lse_partial", 4)):
+    rows(FC, p, not_a("float32", value="parts"), as_dtype(p, F16, TypeError, "float32"),
+         with_rank(p, lambda x: x[None], ValueError, f"{rank} dims"), on_meta(p))
+rows(FC, "lse_partial", ("shape", bad("(3, 2, 5, 3)", lambda a: a["lse_partial"][..., :3]), ValueError, "shape"))
+rows(FC, "out", not_a("tensor", value="out"),
+     ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
+     ("device", bad("meta", lambda a: torch.zeros(2, 5, 4, 32, device="meta")), ValueError, "meta"))
+rows(FC, "out_dtype", not_a("float32", value="fp16"), value(torch.int32, TypeError, "bfloat16"))
+FS = "fa3.get_scheduler_metadata"
+for p, least in (("batch_size", 1), ("max_seqlen_q", 0), ("max_seqlen_k", 0), ("num_heads_q", 1), ("num_heads_kv", 1),
+                 ("headdim", 1), ("headdim_v", 1), ("page_size", 1), ("max_seqlen_k_new", 0), ("num_splits", 0),
+                 ("sm_margin", 0)):
+    rows(FS, p, not_a("int", value="x"), value(-1, ValueError, f">= {least}"))
+rows(FS, "cache_seqlens", not_a("int32", value=[3, 5]))
+rows(FS, "qkv_dtype", not_a("dtype", value="bf16"), value(torch.int32, TypeError, "floating"))
+for p in ("cu_seqlens_q", "cu_seqlens_k_new", "cache_leftpad"):
+    rows(FS, p, not_a("int32", value=[0, 1]), value(bad("int64", lambda a: torch.zeros(3, dtype=torch.int64)),
+                                                    TypeError, "int32"))
+rows(FS, "causal", not_a("bool", value="yes"))
+rows(FS, "has_softcap", not_a("bool", value="yes"))
+rows(FS, "window_size", not_a("pair", value=4), value((-2, 0), ValueError, "-1"))
+rows(FS, "attention_chunk", ("type", "x", NotImplementedError, "not supported"), value(4, NotImplementedError, "chunk"))
+rows(FS, "pack_gqa", not_a("bool", value="yes"))
+
+# flash_attn.autograd_functions: upstream's positional .apply (is_grad_enabled last)
+from flash_attn import autograd_functions  # noqa: E402
+
+
+def _apply_options(**tensors):
+    return dict(tensors, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, deterministic=False, return_softmax=False)
+
+
+def _apply_control(cls):
+    """A positional control in the class's forward order (its parameters, from its signature)."""
+    order = list(inspect.signature(cls.forward).parameters)[1:]
+    pools = {**_attn(), **_kv_dense(), **_packed_dense()}
+    if "cu_seqlens_q" in order or "cu_seqlens" in order:
+        pools = {**_varlen(), **_kv_varlen(), **_packed_varlen()}
+    options = _apply_options(block_table=None, is_grad_enabled=False)
+    return Control(cls.apply, lambda: {k: (pools | options)[k] for k in order}, positional=True)
+
+
+for cls_name in autograd_functions.__all__:
+    CONTROLS[cls_name] = _apply_control(getattr(autograd_functions, cls_name))
+    function, varlen = cls_name, "Varlen" in cls_name
+    parameters = list(inspect.signature(getattr(autograd_functions, cls_name).forward).parameters)[1:]
+    for p in ("q", "k", "v", "qkv", "kv"):
+        if p in parameters:
+            rows(function, p, not_a("torch.Tensor", value="x"), as_dtype(p, torch.int32, TypeError, "float16"),
+                 with_rank(p, lambda x: x.unsqueeze(0), ValueError, "shape"))
+    for p in ("k", "v"):
+        if p in parameters:
+            rows(function, p, on_meta(p))
+    rows(function, "dropout_p", not_a("float"), value(1.5, ValueError, "[0, 1)"))
+    rows(function, "softmax_scale", not_a("float"), value(NAN, ValueError, "finite"))
+    rows(function, "window_size", not_a("pair", value=4), value((-2, 0), ValueError, "-1"))
+    rows(function, "softcap", not_a("float"), value(NAN, ValueError, ">= 0"))
+    rows(function, "alibi_slopes", schema("Tensor", value="slopes"),
+         ("value", bad("fp16", lambda a: torch.ones(4, dtype=F16, device=dev())), TypeError, "float32"),
+         ("shape", bad("(3,)", lambda a: torch.ones(3, device=dev())), ValueError, "shape"))
+    for p in ("causal", "deterministic", "return_softmax", "is_grad_enabled"):
+        rows(function, p, not_a("bool", value="yes"))
+    for p in ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens"):
+        if p in parameters:
+            rows(function, p, schema("Tensor", value=[0, 3]), as_dtype(p, torch.int64, TypeError, "int32"),
+                 on_meta(p), value(bad("decreasing", lambda a, p=p: a[p].flip(0)), ValueError))
+    for p in ("max_seqlen_q", "max_seqlen_k", "max_seqlen"):
+        if p in parameters:
+            rows(function, p, schema("int", value="four"), value(-1, ValueError, "non-negative"))
+    if "block_table" in parameters:
+        rows(function, "block_table", schema("Tensor", value=[[0]]))
+
+
+# ---------------------------------------------------------------------------------------------
 # The public functions and their parameters, from their modules.
 
 
@@ -1032,6 +1212,10 @@ def public_functions() -> dict[str, list[str]]:
         found.update({name + k: v for k, v in _parameters(getattr(lowlevel, name)).items()})
     for name in entry_points.__all__:
         found.update({f"flash_attn_gpu.{name}" + k: v for k, v in _parameters(getattr(entry_points, name)).items()})
+    for name in FA3.__all__:  # FA3's names equal flash_attn's own: ids fa3.NAME
+        found.update({f"fa3.{name}" + k: v for k, v in _parameters(getattr(FA3, name)).items()})
+    for name in autograd_functions.__all__:
+        found.update({name + k: v for k, v in _parameters(getattr(autograd_functions, name)).items()})
     for module in (bert_padding, layers_rotary, ops_rotary, layer_norm, ops_cross_entropy, linear, mlp,
                    k_activations, losses_cross_entropy):
         for name in module.__all__:
@@ -1051,26 +1235,11 @@ def public_functions() -> dict[str, list[str]]:
 # yet: each module with why, and where their bad input is tested today. Not a pass: a known gap,
 # named so that it is seen (test_untabled_public_functions_are_named). A function that gets a
 # control and rows leaves its module's entry (the test refuses both at once).
-def _fa3_module():
-    from support.fa3 import fa3_interface
-
-    return fa3_interface()
-
-
 def _module(name: str):
     return lambda: __import__("importlib").import_module(name)
 
 
 UNTABLED = {
-    "fa3_interface/flash_attn_interface": (
-        _fa3_module, "FlashAttention-3's interface (FA3's argument names over flash_attn's ops): its checks are "
-        "flash_attn.validation's (the rows of flash_attn_func / varlen / with_kvcache exercise them); "
-        "tests/api/test_fa3_interface.py checks its own refusals (fp8 descales, attention_chunk, "
-        "kvcache arguments it cannot take, seqused_*, s_aux, causal/deterministic flags). TODO: rows."),
-    "flash_attn.autograd_functions": (
-        _module("flash_attn.autograd_functions"), "upstream's FlashAttn*Func classes, called by their .apply "
-        "with upstream's positional arguments; they run the low-level ops (lowlevel rows), but a "
-        "non-tensor q/k/v raises AttributeError from .shape (as upstream's do), not a named error. TODO: rows."),
     "flash_attn.ops.fused_dense": (
         _module("flash_attn.ops.fused_dense"), "upstream's fused_dense_lib API on F.linear: a non-tensor input "
         "is refused by PyTorch's own TypeError naming `input`; options by one check "
