@@ -535,6 +535,21 @@ CONTROLS.update({
 })
 
 
+def _in_forward_order(cls, args: Callable[[], dict]) -> Callable[[], dict]:
+    """An autograd class's control: ``args`` in its forward's order (for ``.apply``, by position)."""
+    order = list(inspect.signature(cls.forward).parameters)[1:]
+    return lambda: {k: args()[k] for k in order}
+
+
+# Upstream's autograd classes (outside the modules' __all__; PUBLIC_CLASSES names them)
+CONTROLS.update({
+    name: Control(getattr(layers_rotary, name).apply, _in_forward_order(getattr(layers_rotary, name),
+                                                                        CONTROLS[of].args), positional=True)
+    for name, of in (("ApplyRotaryEmb", "apply_rotary_emb"), ("ApplyRotaryEmbQKV_", "apply_rotary_emb_qkv_"),
+                     ("ApplyRotaryEmbKV_", "apply_rotary_emb_kv_"))
+})
+
+
 def table_rows(function, parameter):
     rows(function, parameter, not_a("tensor", ValueError, value="table"),
          as_dtype(parameter, torch.int32, ValueError, "floating"),
@@ -548,7 +563,7 @@ def offsets_rows(function, parameter="seqlen_offsets"):
          with_rank(parameter, lambda x: x[None], ValueError, "shape"), on_meta(parameter))
 
 
-for name in ("apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary"):
+for name in ("apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary", "ApplyRotaryEmb"):
     rows(name, "x", not_a("floating", ValueError, value="x"), as_dtype("x", torch.int32, ValueError, "floating"),
          with_rank("x", lambda x: x[None], ValueError, "shape"))
     table_rows(name, "cos")
@@ -562,18 +577,21 @@ for name in ("apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary"):
     rows(name, "interleaved", not_a("bool", TypeError, value="yes"))
     rows(name, "inplace", not_a("bool", TypeError, value="yes"))
 rows("apply_rotary", "conjugate", not_a("bool", TypeError, value="yes"))
-rows("apply_rotary_emb_qkv_", "qkv", not_a("tensor", ValueError, value="qkv"),
-     as_dtype("qkv", torch.int32, ValueError, "floating"), with_rank("qkv", lambda x: x[0], ValueError, "shape"))
-rows("apply_rotary_emb_kv_", "kv", not_a("tensor", ValueError, value="kv"),
-     as_dtype("kv", torch.int32, ValueError, "floating"), with_rank("kv", lambda x: x[0], ValueError, "shape"))
-for name, tables in (("apply_rotary_emb_qkv_", ("cos", "sin", "cos_k", "sin_k")), ("apply_rotary_emb_kv_", ("cos", "sin"))):
+for name in ("apply_rotary_emb_qkv_", "ApplyRotaryEmbQKV_"):
+    rows(name, "qkv", not_a("tensor", ValueError, value="qkv"),
+         as_dtype("qkv", torch.int32, ValueError, "floating"), with_rank("qkv", lambda x: x[0], ValueError, "shape"))
+    rows(name, "cos_k", value(None, ValueError, "together"))
+    rows(name, "num_heads_q", not_a("int", TypeError, value="four"), value(0, ValueError, "heads"))
+for name in ("apply_rotary_emb_kv_", "ApplyRotaryEmbKV_"):
+    rows(name, "kv", not_a("tensor", ValueError, value="kv"),
+         as_dtype("kv", torch.int32, ValueError, "floating"), with_rank("kv", lambda x: x[0], ValueError, "shape"))
+for name, tables in (("apply_rotary_emb_qkv_", ("cos", "sin", "cos_k", "sin_k")), ("apply_rotary_emb_kv_", ("cos", "sin")),
+                     ("ApplyRotaryEmbQKV_", ("cos", "sin", "cos_k", "sin_k")), ("ApplyRotaryEmbKV_", ("cos", "sin"))):
     for p in tables:
         table_rows(name, p)
     rows(name, "interleaved", not_a("bool", TypeError, value="yes"))
     rows(name, "seqlen_offsets", not_a("int or a tensor", ValueError, value="one"), value(-1, ValueError, ">= 0"),
          value(bad("negative tensor", lambda a: i32(-1, 0)), ValueError, ">= 0"))
-rows("apply_rotary_emb_qkv_", "cos_k", value(None, ValueError, "together"))
-rows("apply_rotary_emb_qkv_", "num_heads_q", not_a("int", TypeError, value="four"), value(0, ValueError, "heads"))
 rows("apply_rotary_emb_torch", "x", not_a("tensor", ValueError, value="x"),
      as_dtype("x", torch.int32, ValueError, "floating"), with_rank("x", lambda x: x[0, 0], ValueError, "shape"))
 for p in ("cos", "sin"):
@@ -742,21 +760,24 @@ for name in ("LayerNormLinearFn", "layer_norm_linear_fn"):
     rows(name, "eps", not_a("float", ValueError, value="tiny"), value(-1.0, ValueError, "non-negative"))
     flag_rows(name, "prenorm", "residual_in_fp32", "is_rms_norm")
 
-L = "cross_entropy_loss"
-rows(L, "logits", not_a("floating-point tensor", ValueError, value="t"),
-     as_dtype("logits", torch.int32, ValueError, "floating-point"), with_rank("logits", lambda x: x[0], ValueError, "shape"))
-rows(L, "labels", not_a("integer tensor", ValueError, value=[1]), as_dtype("labels", F32, ValueError, "integer"),
-     with_rank("labels", lambda x: x[:2], ValueError, "shape"), on_meta("labels"),
-     value(bad("out of range", lambda a: torch.tensor([1, 2, 3, 10], device=dev())), ValueError, "vocab"))
-rows(L, "precomputed_lse", not_a("tensor", ValueError, value="lse"),
-     ("value", bad("int64", lambda a: torch.zeros(4, dtype=torch.int64, device=dev())), TypeError, "floating"),
-     ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
-     ("device", bad("meta", lambda a: torch.zeros(4, device="meta")), ValueError, "meta"))
-for p, bad_value in (("label_smoothing", 1.5), ("logit_scale", 0.0), ("lse_square_scale", -1.0)):
-    rows(L, p, not_a("float", TypeError, value="some"), value(bad_value, ValueError), value(NAN, ValueError))
-rows(L, "ignore_index", not_a("int", ValueError, value="none"))
-flag_rows(L, "inplace_backward")
-rows(L, "process_group", not_a("ProcessGroup", TypeError, value="world"))
+CE = "ops.triton.cross_entropy.CrossEntropyLoss"  # the autograd class behind cross_entropy_loss
+CONTROLS[CE] = Control(ops_cross_entropy.CrossEntropyLoss.apply, _in_forward_order(
+    ops_cross_entropy.CrossEntropyLoss, lambda: _loss_args() | {"smoothing": 0.0}), positional=True)
+for L, smoothing in (("cross_entropy_loss", "label_smoothing"), (CE, "smoothing")):
+    rows(L, "logits", not_a("floating-point tensor", ValueError, value="t"),
+         as_dtype("logits", torch.int32, ValueError, "floating-point"), with_rank("logits", lambda x: x[0], ValueError, "shape"))
+    rows(L, "labels", not_a("integer tensor", ValueError, value=[1]), as_dtype("labels", F32, ValueError, "integer"),
+         with_rank("labels", lambda x: x[:2], ValueError, "shape"), on_meta("labels"),
+         value(bad("out of range", lambda a: torch.tensor([1, 2, 3, 10], device=dev())), ValueError, "vocab"))
+    rows(L, "precomputed_lse", not_a("tensor", ValueError, value="lse"),
+         ("value", bad("int64", lambda a: torch.zeros(4, dtype=torch.int64, device=dev())), TypeError, "floating"),
+         ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
+         ("device", bad("meta", lambda a: torch.zeros(4, device="meta")), ValueError, "meta"))
+    for p, bad_value in ((smoothing, 1.5), ("logit_scale", 0.0), ("lse_square_scale", -1.0)):
+        rows(L, p, not_a("float", TypeError, value="some"), value(bad_value, ValueError), value(NAN, ValueError))
+    rows(L, "ignore_index", not_a("int", ValueError, value="none"))
+    flag_rows(L, "inplace_backward")
+    rows(L, "process_group", not_a("ProcessGroup", TypeError, value="world"))
 C = "CrossEntropyLoss.__init__"
 rows(C, "ignore_index", not_a("int", ValueError, value="none"))
 rows(C, "reduction", not_a("reduction", NotImplementedError, value=3), value("max", NotImplementedError))
@@ -1203,6 +1224,13 @@ PUBLIC_MODULES = {
 }
 
 
+# Upstream's autograd classes outside the modules' __all__, under their ids here.
+PUBLIC_CLASSES = {
+    "ApplyRotaryEmb": layers_rotary.ApplyRotaryEmb, "ApplyRotaryEmbQKV_": layers_rotary.ApplyRotaryEmbQKV_,
+    "ApplyRotaryEmbKV_": layers_rotary.ApplyRotaryEmbKV_, CE: ops_cross_entropy.CrossEntropyLoss,
+}
+
+
 def public_functions() -> dict[str, list[str]]:
     """Every public callable id and its parameter names."""
     found: dict[str, list[str]] = {}
@@ -1216,6 +1244,8 @@ def public_functions() -> dict[str, list[str]]:
         found.update({f"fa3.{name}" + k: v for k, v in _parameters(getattr(FA3, name)).items()})
     for name in autograd_functions.__all__:
         found.update({name + k: v for k, v in _parameters(getattr(autograd_functions, name)).items()})
+    for name, cls in PUBLIC_CLASSES.items():
+        found.update({name + k: v for k, v in _parameters(cls).items()})
     for module in (bert_padding, layers_rotary, ops_rotary, layer_norm, ops_cross_entropy, linear, mlp,
                    k_activations, losses_cross_entropy):
         for name in module.__all__:
@@ -1252,12 +1282,6 @@ UNTABLED = {
         _module("flash_attn.ops.rms_norm"), "as flash_attn.ops.layer_norm (the same fused norm with RMSNorm). "
         "TODO: rows."),
 }
-# Upstream's names of autograd classes outside the modules' __all__ (so outside public_functions):
-# ApplyRotaryEmb is the class behind apply_rotary_emb (rows: apply_rotary_emb); the packed ones
-# run the same rotation without its checks (a non-tensor raises AttributeError); CrossEntropyLoss is
-# the class behind cross_entropy_loss (rows: cross_entropy_loss).
-UNTABLED_CLASSES = ("flash_attn.layers.rotary.ApplyRotaryEmb", "flash_attn.layers.rotary.ApplyRotaryEmbQKV_",
-                    "flash_attn.layers.rotary.ApplyRotaryEmbKV_", "flash_attn.ops.triton.cross_entropy.CrossEntropyLoss")
 
 
 # Parameters another branch adds (issue 44: attention sinks and MLA's absorbed queries): rows for
@@ -1355,7 +1379,3 @@ def test_untabled_public_functions_are_named():
         assert names and "TODO" in reason, module_name
         # tabled, their ids would carry the module's name (the FA3 names equal flash_attn's own)
         assert not [n for n in names if any(c.split(".")[0] == f"{module_name}:{n}" for c in CONTROLS)], module_name
-    for path in UNTABLED_CLASSES:
-        module_name, _, name = path.rpartition(".")
-        obj = getattr(importlib.import_module(module_name), name)
-        assert issubclass(obj, torch.autograd.Function), path
