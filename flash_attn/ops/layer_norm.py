@@ -26,7 +26,7 @@ __all__ = [
     "DropoutAddLayerNorm", "DropoutAddLayerNormFn", "DropoutAddLayerNormParallelResidualFn", "DropoutAddLayerNormSubsetFn",
     "dropout_add_layer_norm", "dropout_add_layer_norm_parallel_residual", "dropout_add_layer_norm_subset", "layer_norm",
     "maybe_align",
-]
+]  # check_module_options and the _check helpers are flash_attn.ops.rms_norm's too, not upstream's API
 
 
 def maybe_align(x, alignment_in_bytes=16):
@@ -35,6 +35,68 @@ def maybe_align(x, alignment_in_bytes=16):
         raise TypeError(f"maybe_align: x must be a torch.Tensor, got {type(x).__name__}")
     alignment_in_bytes = validation.check_int(alignment_in_bytes, "alignment_in_bytes", minimum=1)
     return x if x.data_ptr() % alignment_in_bytes == 0 else x.clone()
+
+
+def _check(inputs: dict, residual=None, features: dict = None, rowscale=None, dropout_p=0.0, epsilon=0.0,
+           flags: dict = None, subset: bool = False, residual_name: str = "residual") -> None:
+    """Upstream's arguments under upstream's names (the Triton norm underneath names its own):
+    ``inputs`` the rows to normalise (the first one sets the shape; the others may be None),
+    ``features`` per-feature tensors ``(hidden,)`` or None, ``rowscale`` one scale per row,
+    ``subset``: the residual holds the full rows (only its width is checked)."""
+    (first_name, first), *others = inputs.items()
+    _float_tensor(first, first_name)
+    if first.dim() < 1 or first.shape[-1] == 0:
+        raise ValueError(f"{first_name} must have shape (..., hidden_size) with hidden_size >= 1, got {tuple(first.shape)}")
+    hidden, rows = first.shape[-1], first.numel() // first.shape[-1]
+    for name, t in others:
+        if t is not None:
+            _float_tensor(t, name)
+            _same(t, name, first.shape, first, first_name)
+    if residual is not None:
+        _float_tensor(residual, residual_name)
+        _same(residual, residual_name, None if subset else first.shape, first, first_name)
+        if residual.dim() < 1 or residual.shape[-1] != hidden:
+            raise ValueError(f"{residual_name} must have shape (..., {hidden}), got {tuple(residual.shape)}")
+    for name, t in (features or {}).items():
+        if t is not None:
+            _float_tensor(t, name)
+            _same(t, name, (hidden,), first, first_name)
+    if rowscale is not None:
+        _float_tensor(rowscale, "rowscale")
+        _same(rowscale, "rowscale", None, first, first_name)
+        if rowscale.numel() != rows:
+            raise ValueError(f"rowscale must have one entry per row ({rows}), got shape {tuple(rowscale.shape)}")
+    if not 0.0 <= validation._real(dropout_p, "dropout_p", "a float in [0, 1)") < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if not validation._real(epsilon, "epsilon", "a float >= 0") >= 0.0:
+        raise ValueError(f"epsilon must be a float >= 0, got {epsilon!r}")
+    for name, value in (flags or {}).items():
+        validation.check_flag(value, name)
+
+
+def _float_tensor(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point tensor, got {validation._describe(t)}")
+
+
+def _same(t, name: str, shape, first, first_name: str) -> None:
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (from {first_name}'s {tuple(first.shape)}), "
+                         f"got {tuple(t.shape)}")
+    if t.device != first.device:
+        raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def _check_subsets(x0, x0_subset, out_subset, rowscale_const, out_numrows) -> None:
+    for name, t in (("x0_subset", x0_subset), ("out_subset", out_subset)):
+        if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor (batch, seqlen), got {validation._describe(t)}")
+        if t.device != x0.device:
+            raise ValueError(f"{name} is on {t.device} but x0 is on {x0.device}")
+    if x0_subset.shape != out_subset.shape:
+        raise ValueError(f"out_subset must have x0_subset's shape {tuple(x0_subset.shape)}, got {tuple(out_subset.shape)}")
+    validation._real(rowscale_const, "rowscale_const", "a float")
+    validation.check_int(out_numrows, "out_numrows", minimum=0)
 
 
 def _masks(result, dropped, return_dmask: bool):
@@ -60,6 +122,9 @@ class DropoutAddLayerNormFn:
     @staticmethod
     def apply(x0, residual, gamma, beta, rowscale, colscale, dropout_p, epsilon, residual_in_fp32=False,
               prenorm=False, is_rms_norm=False, return_dmask=False):
+        _check({"x0": x0}, residual, {"gamma": gamma, "beta": beta, "colscale": colscale}, rowscale, dropout_p,
+               epsilon, {"residual_in_fp32": residual_in_fp32, "prenorm": prenorm, "is_rms_norm": is_rms_norm,
+                         "return_dmask": return_dmask})
         result = layer_norm_fn(_scaled(x0, colscale), gamma, beta, residual, eps=epsilon, dropout_p=dropout_p,
                                rowscale=rowscale, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
                                is_rms_norm=is_rms_norm, return_dropout_mask=return_dmask)
@@ -73,6 +138,9 @@ class DropoutAddLayerNormParallelResidualFn:
     @staticmethod
     def apply(x0, x1, residual, gamma0, beta0, gamma1, beta1, dropout_p, epsilon, residual_in_fp32=False,
               prenorm=False, is_rms_norm=False, return_dmask=False):
+        _check({"x0": x0, "x1": x1}, residual, {"gamma0": gamma0, "beta0": beta0, "gamma1": gamma1, "beta1": beta1},
+               None, dropout_p, epsilon, {"residual_in_fp32": residual_in_fp32, "prenorm": prenorm,
+                                          "is_rms_norm": is_rms_norm, "return_dmask": return_dmask})
         result = layer_norm_fn(x0, gamma0, beta0, residual, x1, gamma1, beta1, eps=epsilon, dropout_p=dropout_p,
                                prenorm=prenorm, residual_in_fp32=residual_in_fp32, is_rms_norm=is_rms_norm,
                                return_dropout_mask=return_dmask)
@@ -104,6 +172,10 @@ class DropoutAddLayerNormSubsetFn:
     @staticmethod
     def apply(x0, residual, gamma, beta, colscale, x0_subset, out_subset, dropout_p, epsilon, rowscale_const,
               out_numrows, residual_in_fp32=False, prenorm=False, is_rms_norm=False, return_dmask=False):
+        _check({"x0": x0}, residual, {"gamma": gamma, "beta": beta, "colscale": colscale}, None, dropout_p, epsilon,
+               {"residual_in_fp32": residual_in_fp32, "prenorm": prenorm, "is_rms_norm": is_rms_norm,
+                "return_dmask": return_dmask}, subset=True)
+        _check_subsets(x0, x0_subset, out_subset, rowscale_const, out_numrows)
         hidden = x0.shape[-1]
         full = x0_subset.numel()
         x0_at, x0_rows = _present(x0_subset)
@@ -130,12 +202,16 @@ def dropout_add_layer_norm_subset(x0, residual, weight, bias, dropout_p, epsilon
                                   out_subset=None, rowscale_const=1.0, out_numrows=0, prenorm=False,
                                   residual_in_fp32=False, return_dropout_mask=False):
     """:func:`dropout_add_layer_norm` over a subset of rows (see :class:`DropoutAddLayerNormSubsetFn`)."""
+    _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, None, dropout_p, epsilon,
+           {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32, "return_dropout_mask": return_dropout_mask},
+           subset=True)
     return DropoutAddLayerNormSubsetFn.apply(x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p,
                                              epsilon, rowscale_const, out_numrows, residual_in_fp32, prenorm, False,
                                              return_dropout_mask)
 
 
 def layer_norm(x, weight, bias, epsilon):
+    _check({"x": x}, None, {"weight": weight, "bias": bias}, epsilon=epsilon)
     return DropoutAddLayerNormFn.apply(x, None, weight, bias, None, None, 0.0, epsilon, False)
 
 
@@ -144,6 +220,9 @@ def dropout_add_layer_norm(x0, residual, weight, bias, dropout_p, epsilon, rowsc
     """``LayerNorm(dropout(x0 * rowscale * layerscale) + residual)``; returns ``out``, with ``prenorm``
     ``(out, residual_out)``, with ``return_dropout_mask`` the uint8 mask last. residual_in_fp32
     only has an effect if residual is None."""
+    _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, rowscale, dropout_p,
+           epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
+                     "return_dropout_mask": return_dropout_mask})
     return DropoutAddLayerNormFn.apply(x0, residual, weight, bias, rowscale, layerscale, dropout_p, epsilon,
                                        residual_in_fp32, prenorm, False, return_dropout_mask)
 
@@ -153,13 +232,30 @@ def dropout_add_layer_norm_parallel_residual(x0, x1, residual, weight0, bias0, w
     """``z = dropout(x0) + dropout(x1) + residual``; returns ``(LayerNorm(z; weight0, bias0),
     LayerNorm(z; weight1, bias1) or None)``, with ``prenorm`` also ``z``, with ``return_dropout_mask``
     the masks of x0 and x1."""
+    _check({"x0": x0, "x1": x1}, residual, {"weight0": weight0, "bias0": bias0, "weight1": weight1, "bias1": bias1},
+           None, dropout_p, epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
+                                      "return_dropout_mask": return_dropout_mask})
     return DropoutAddLayerNormParallelResidualFn.apply(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p,
                                                        epsilon, residual_in_fp32, prenorm, False, return_dropout_mask)
+
+
+def check_module_options(hidden_size, eps, dtype, p=0.0, **flags) -> None:
+    """The norm modules' constructor arguments (also :mod:`flash_attn.ops.rms_norm`'s)."""
+    validation.check_int(hidden_size, "hidden_size", minimum=1)
+    if not 0.0 <= validation._real(p, "p", "a float in [0, 1)") < 1.0:
+        raise ValueError(f"p must be a dropout probability in [0, 1), got {p!r}")
+    if not validation._real(eps, "eps", "a float >= 0") >= 0.0:
+        raise ValueError(f"eps must be a float >= 0, got {eps!r}")
+    for name, value in flags.items():
+        validation.check_flag(value, name)
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
 
 
 class DropoutAddLayerNorm(torch.nn.Module):
     def __init__(self, hidden_size, prenorm=False, p=0.0, eps=1e-5, residual_in_fp32=False, device=None, dtype=None):
         super().__init__()
+        check_module_options(hidden_size, eps, dtype, p=p, prenorm=prenorm, residual_in_fp32=residual_in_fp32)
         self.prenorm, self.p, self.eps, self.residual_in_fp32 = prenorm, p, eps, residual_in_fp32
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))

@@ -11,6 +11,8 @@ from flash_attn.ops.layer_norm import (
     DropoutAddLayerNormFn,
     DropoutAddLayerNormParallelResidualFn,
     DropoutAddLayerNormSubsetFn,
+    _check,
+    check_module_options,
 )
 
 __all__ = ["DropoutAddRMSNorm", "RMSNorm", "dropout_add_rms_norm", "dropout_add_rms_norm_parallel_residual",
@@ -18,6 +20,7 @@ __all__ = ["DropoutAddRMSNorm", "RMSNorm", "dropout_add_rms_norm", "dropout_add_
 
 
 def rms_norm(x, weight, epsilon):
+    _check({"x": x}, None, {"weight": weight}, epsilon=epsilon)
     return DropoutAddLayerNormFn.apply(x, None, weight, None, None, None, 0.0, epsilon, False, False, True)
 
 
@@ -25,6 +28,9 @@ def dropout_add_rms_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscal
                          prenorm=False, residual_in_fp32=False, return_dropout_mask=False):
     """``RMSNorm(dropout(x0 * rowscale * layerscale) + residual)``, returns as
     :func:`flash_attn.ops.layer_norm.dropout_add_layer_norm`."""
+    _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, rowscale, dropout_p,
+           epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
+                     "return_dropout_mask": return_dropout_mask})
     return DropoutAddLayerNormFn.apply(x0, residual, weight, bias, rowscale, layerscale, dropout_p, epsilon,
                                        residual_in_fp32, prenorm, True, return_dropout_mask)
 
@@ -32,6 +38,9 @@ def dropout_add_rms_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscal
 def dropout_add_rms_norm_subset(x0, residual, weight, bias, dropout_p, epsilon, layerscale=None, x0_subset=None,
                                 out_subset=None, rowscale_const=1.0, out_numrows=0, prenorm=False,
                                 residual_in_fp32=False, return_dropout_mask=False):
+    _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, None, dropout_p, epsilon,
+           {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32, "return_dropout_mask": return_dropout_mask},
+           subset=True)
     return DropoutAddLayerNormSubsetFn.apply(x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p,
                                              epsilon, rowscale_const, out_numrows, residual_in_fp32, prenorm, True,
                                              return_dropout_mask)
@@ -39,6 +48,9 @@ def dropout_add_rms_norm_subset(x0, residual, weight, bias, dropout_p, epsilon, 
 
 def dropout_add_rms_norm_parallel_residual(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon,
                                            prenorm=False, residual_in_fp32=False, return_dropout_mask=False):
+    _check({"x0": x0, "x1": x1}, residual, {"weight0": weight0, "bias0": bias0, "weight1": weight1, "bias1": bias1},
+           None, dropout_p, epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
+                                      "return_dropout_mask": return_dropout_mask})
     return DropoutAddLayerNormParallelResidualFn.apply(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p,
                                                        epsilon, residual_in_fp32, prenorm, True, return_dropout_mask)
 
@@ -46,6 +58,7 @@ def dropout_add_rms_norm_parallel_residual(x0, x1, residual, weight0, bias0, wei
 class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size, eps=1e-5, device=None, dtype=None):
         super().__init__()
+        check_module_options(hidden_size, eps, dtype)
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.register_parameter("bias", None)
@@ -61,6 +74,7 @@ class RMSNorm(torch.nn.Module):
 class DropoutAddRMSNorm(torch.nn.Module):
     def __init__(self, hidden_size, prenorm=False, p=0.0, eps=1e-5, residual_in_fp32=False, device=None, dtype=None):
         super().__init__()
+        check_module_options(hidden_size, eps, dtype, p=p, prenorm=prenorm, residual_in_fp32=residual_in_fp32)
         self.prenorm, self.p, self.eps, self.residual_in_fp32 = prenorm, p, eps, residual_in_fp32
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.register_parameter("bias", None)
