@@ -87,7 +87,7 @@ def _same(t, name: str, shape, first, first_name: str) -> None:
         raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
 
 
-def _check_subsets(x0, x0_subset, out_subset, rowscale_const, out_numrows) -> None:
+def _check_subsets(x0, residual, x0_subset, out_subset, rowscale_const, out_numrows) -> None:
     for name, t in (("x0_subset", x0_subset), ("out_subset", out_subset)):
         if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise TypeError(f"{name} must be an integer tensor (batch, seqlen), got {validation._describe(t)}")
@@ -95,6 +95,9 @@ def _check_subsets(x0, x0_subset, out_subset, rowscale_const, out_numrows) -> No
             raise ValueError(f"{name} is on {t.device} but x0 is on {x0.device}")
     if x0_subset.shape != out_subset.shape:
         raise ValueError(f"out_subset must have x0_subset's shape {tuple(x0_subset.shape)}, got {tuple(out_subset.shape)}")
+    if residual is not None and residual.numel() != x0_subset.numel() * x0.shape[-1]:
+        raise ValueError(f"residual must hold the full rows ({x0_subset.numel()}, {x0.shape[-1]}) of x0_subset, "
+                         f"got shape {tuple(residual.shape)}")
     validation._real(rowscale_const, "rowscale_const", "a float")
     validation.check_int(out_numrows, "out_numrows", minimum=0)
 
@@ -175,7 +178,7 @@ class DropoutAddLayerNormSubsetFn:
         _check({"x0": x0}, residual, {"gamma": gamma, "beta": beta, "colscale": colscale}, None, dropout_p, epsilon,
                {"residual_in_fp32": residual_in_fp32, "prenorm": prenorm, "is_rms_norm": is_rms_norm,
                 "return_dmask": return_dmask}, subset=True)
-        _check_subsets(x0, x0_subset, out_subset, rowscale_const, out_numrows)
+        _check_subsets(x0, residual, x0_subset, out_subset, rowscale_const, out_numrows)
         hidden = x0.shape[-1]
         full = x0_subset.numel()
         x0_at, x0_rows = _present(x0_subset)

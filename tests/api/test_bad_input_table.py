@@ -1186,6 +1186,104 @@ for cls_name in autograd_functions.__all__:
 
 
 # ---------------------------------------------------------------------------------------------
+# ops.layer_norm, ops.rms_norm: upstream's dropout_layer_norm API (ids ops.layer_norm.NAME,
+# ops.rms_norm.NAME); controls and rows generated from the parameters' names
+
+
+from flash_attn.ops import layer_norm as ops_layer_norm  # noqa: E402
+from flash_attn.ops import rms_norm as ops_rms_norm  # noqa: E402
+
+NORM_MODULES = {"ops.layer_norm.": ops_layer_norm, "ops.rms_norm.": ops_rms_norm}
+NORM_INPUTS = ("x0", "x", "x1")
+NORM_FEATURES = ("weight", "bias", "gamma", "beta", "weight0", "bias0", "weight1", "bias1", "gamma0", "beta0",
+                 "gamma1", "beta1", "colscale", "layerscale")
+NORM_FLAGS = ("prenorm", "residual_in_fp32", "is_rms_norm", "return_dmask", "return_dropout_mask")
+
+
+def _norm_value(name: str, subset: bool, seed: int):
+    """A valid value of an upstream norm argument, by its name (4 rows of 32 features; a subset
+    call's x0 holds the 4 present rows of 6)."""
+    if name in NORM_INPUTS:
+        return t(4, 32, dtype=F32, seed=seed)
+    if name == "residual":
+        return t(6 if subset else 4, 32, dtype=F32, seed=seed)
+    if name in NORM_FEATURES:
+        return t(32, dtype=F32, seed=seed)
+    fixed = {"rowscale": lambda: t(4, dtype=F32, seed=seed), "dropout_p": 0.0, "epsilon": 1e-5, "eps": 1e-5,
+             "x0_subset": lambda: torch.tensor([[1, 2, 0], [3, 0, 4]], device=dev()),
+             "out_subset": lambda: torch.tensor([[1, 0, 2], [0, 3, 0]], device=dev()), "rowscale_const": 1.0,
+             "out_numrows": 3, "hidden_size": 32, "p": 0.0, "device": None, "dtype": None, "alignment_in_bytes": 16}
+    if name in NORM_FLAGS:
+        return False
+    value = fixed[name]
+    return value() if callable(value) else value
+
+
+def _norm_control(fn, parameters, make=None, positional=False):
+    subset = "x0_subset" in parameters
+    return Control(fn, lambda: {p: _norm_value(p, subset, seed) for seed, p in enumerate(parameters)}, make=make,
+                   positional=positional)
+
+
+def _norm_rows(function: str, parameters) -> None:
+    first = next((p for p in parameters if p in NORM_INPUTS), None)
+    for p in parameters:
+        if p in NORM_INPUTS:
+            words = ("hidden_size",) if p == first else ("shape",)
+            rows(function, p, not_a("floating-point tensor", TypeError, value="t"),
+                 as_dtype(p, torch.int32, TypeError, "floating-point"),
+                 with_rank(p, (lambda x: x[..., :0]) if p == first else (lambda x: x[:2]), ValueError, *words),
+                 on_meta(p))
+        elif p == "residual" or p in NORM_FEATURES or p == "rowscale":
+            rows(function, p, not_a("floating-point tensor", TypeError, value="t"),
+                 as_dtype(p, torch.int32, TypeError, "floating-point"),
+                 with_rank(p, lambda x: x[:3], ValueError, "row" if p == "rowscale" else "shape"), on_meta(p))
+        elif p in ("dropout_p", "p"):
+            rows(function, p, not_a("float", TypeError, value="some"), value(1.5, ValueError, "[0, 1)"))
+        elif p in ("epsilon", "eps"):
+            rows(function, p, not_a("float", TypeError, value="tiny"), value(-1.0, ValueError, ">= 0"))
+        elif p in NORM_FLAGS:
+            rows(function, p, not_a("bool", TypeError, value="yes"))
+        elif p in ("x0_subset", "out_subset"):
+            rows(function, p, not_a("integer tensor", TypeError, value="rows"),
+                 as_dtype(p, F32, TypeError, "integer"), with_rank(p, lambda x: x[:1], ValueError, "shape"),
+                 on_meta(p))
+        elif p == "rowscale_const":
+            rows(function, p, not_a("float", TypeError, value="one"))
+        elif p == "out_numrows":
+            rows(function, p, not_a("int", TypeError, value="three"), value(-1, ValueError, ">= 0"))
+        elif p == "hidden_size":
+            rows(function, p, not_a("int", TypeError, value="wide"), value(0, ValueError, ">= 1"))
+        elif p == "device":
+            rows(function, p, not_a("device", RuntimeError, value="nowhere"))
+        elif p == "dtype":
+            rows(function, p, not_a("dtype", TypeError, value="fp32"), value(torch.int32, TypeError, "floating"))
+
+
+for prefix, module in NORM_MODULES.items():
+    for name in module.__all__:
+        if name == "maybe_align":
+            continue
+        obj = getattr(module, name)
+        if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
+            init = [p for p in inspect.signature(obj).parameters]
+            CONTROLS[f"{prefix}{name}.__init__"] = _norm_control(obj, init)
+            _norm_rows(f"{prefix}{name}.__init__", init)
+            forward = list(inspect.signature(obj.forward).parameters)[1:]
+            CONTROLS[f"{prefix}{name}.forward"] = _norm_control(obj.forward, forward, make=lambda obj=obj: obj(32))
+            _norm_rows(f"{prefix}{name}.forward", forward)
+        else:
+            apply = inspect.isclass(obj)
+            parameters = list(inspect.signature(obj.apply if apply else obj).parameters)
+            CONTROLS[prefix + name] = _norm_control(obj.apply if apply else obj, parameters, positional=apply)
+            _norm_rows(prefix + name, parameters)
+MA = "ops.layer_norm.maybe_align"
+CONTROLS[MA] = Control(ops_layer_norm.maybe_align, lambda: dict(x=t(4, 32), alignment_in_bytes=16))
+rows(MA, "x", not_a("torch.Tensor", TypeError, value="x"))
+rows(MA, "alignment_in_bytes", not_a("int", TypeError, value="sixteen"), value(0, ValueError, ">= 1"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The public functions and their parameters, from their modules.
 
 
@@ -1210,6 +1308,8 @@ def _parameters(obj) -> dict[str, list[str]]:
     if getattr(obj, "__self__", None) is not None and inspect.isclass(obj.__self__) \
             and issubclass(obj.__self__, torch.autograd.Function):
         return {"": names(_apply_signature(obj))}
+    if inspect.isclass(obj) and "apply" in vars(obj) and not issubclass(obj, torch.nn.Module):
+        return {"": names(inspect.signature(obj.apply))}  # upstream's Fn class spelled with a plain apply
     if inspect.isclass(obj):
         found = {".__init__": names(inspect.signature(obj.__init__))}  # inherited ones too (nn.Linear's)
         if "forward" in obj.__dict__:
@@ -1244,6 +1344,9 @@ def public_functions() -> dict[str, list[str]]:
         found.update({f"fa3.{name}" + k: v for k, v in _parameters(getattr(FA3, name)).items()})
     for name in autograd_functions.__all__:
         found.update({name + k: v for k, v in _parameters(getattr(autograd_functions, name)).items()})
+    for prefix, module in NORM_MODULES.items():
+        for name in module.__all__:
+            found.update({prefix + name + k: v for k, v in _parameters(getattr(module, name)).items()})
     for name, cls in PUBLIC_CLASSES.items():
         found.update({name + k: v for k, v in _parameters(cls).items()})
     for module in (bert_padding, layers_rotary, ops_rotary, layer_norm, ops_cross_entropy, linear, mlp,
@@ -1274,13 +1377,6 @@ UNTABLED = {
         _module("flash_attn.ops.fused_dense"), "upstream's fused_dense_lib API on F.linear: a non-tensor input "
         "is refused by PyTorch's own TypeError naming `input`; options by one check "
         "(tests/ports/test_fused_ops.py::test_fused_mlp_module_and_bad_arguments). TODO: rows."),
-    "flash_attn.ops.layer_norm": (
-        _module("flash_attn.ops.layer_norm"), "upstream's dropout_layer_norm API on ops.triton.layer_norm, "
-        "whose parameters have rows (layer_norm_fn / rms_norm_fn); x, eps and the options are checked "
-        "by name; maybe_align (a helper taking a tensor) raises AttributeError for a non-tensor. TODO: rows."),
-    "flash_attn.ops.rms_norm": (
-        _module("flash_attn.ops.rms_norm"), "as flash_attn.ops.layer_norm (the same fused norm with RMSNorm). "
-        "TODO: rows."),
 }
 
 
