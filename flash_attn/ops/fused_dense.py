@@ -22,7 +22,14 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils.checkpoint import checkpoint
 
-from flash_attn.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear, _CopyToParallelRegion
+from flash_attn import validation
+from flash_attn.modules.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _CopyToParallelRegion,
+    check_linear,
+    check_parallel_options,
+)
 from flash_attn.utils.distributed import all_gather, all_reduce, reduce_scatter
 
 __all__ = ["ColumnParallelLinear", "FusedDense", "FusedDenseFunc", "FusedMLP", "FusedMLPFunc", "ParallelFusedMLP",
@@ -46,6 +53,9 @@ def _parallel_input(x: Tensor, process_group: Optional[ProcessGroup], sequence_p
 def fused_dense_func(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, return_residual: bool = False,
                      process_group: Optional[ProcessGroup] = None, sequence_parallel: bool = True):
     """``x @ weight.T + bias``; with ``return_residual`` also ``x`` (the input, not gathered)."""
+    check_linear(x, weight, bias, ("x", "weight", "bias"))
+    validation.check_flag(return_residual, "return_residual")
+    check_parallel_options(process_group, sequence_parallel)
     out = F.linear(_parallel_input(x, process_group, sequence_parallel), weight, bias)
     return out if not return_residual else (out, x)
 
@@ -60,6 +70,7 @@ class FusedDenseFunc:
 class FusedDense(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, return_residual: bool = False,
                  device=None, dtype=None) -> None:
+        _check_mlp_init(in_features, None, out_features, bias=bias, return_residual=return_residual)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.return_residual = return_residual
 
@@ -69,11 +80,22 @@ class FusedDense(nn.Linear):
                                 process_group=process_group)
 
 
-def _check_mlp_options(activation, checkpoint_lvl) -> None:
-    if activation not in ACTIVATIONS:
+def _check_mlp_options(activation, checkpoint_lvl, heuristic, module: bool = False) -> None:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    if checkpoint_lvl not in (0, 1, 2):
+    if isinstance(checkpoint_lvl, bool) or checkpoint_lvl not in (0, 1, 2):
         raise ValueError(f"checkpoint_lvl must be 0, 1 or 2, got {checkpoint_lvl!r}")
+    if not (module and heuristic == "auto"):  # upstream's cuBLASLt algorithm index (changes nothing here)
+        validation.check_int(heuristic, "heuristic", minimum=-1)
+
+
+def _check_mlp_init(in_features, hidden_features, out_features, **flags) -> None:
+    validation.check_int(in_features, "in_features", minimum=1)
+    for name, value in (("hidden_features", hidden_features), ("out_features", out_features)):
+        if value is not None:
+            validation.check_int(value, name, minimum=1)
+    for name, value in flags.items():
+        validation.check_flag(value, name)
 
 
 def _mlp(x, weight1, weight2, bias1, bias2, activation, checkpoint_lvl):
@@ -93,7 +115,13 @@ def fused_mlp_func(x: Tensor, weight1: Tensor, weight2: Tensor, bias1: Optional[
     """``fc2(activation(fc1(x)))`` with ``activation`` in gelu_approx (GELU, tanh approximation),
     relu, sqrelu (squared ReLU); with ``return_residual`` also ``x``. With a ``process_group`` the
     output is this rank's partial sum: the caller reduces it, as upstream's."""
-    _check_mlp_options(activation, checkpoint_lvl)
+    _check_mlp_options(activation, checkpoint_lvl, heuristic)
+    check_linear(x, weight1, bias1, ("x", "weight1", "bias1"))
+    check_linear(x.new_empty((0, weight1.shape[0])), weight2, bias2, ("the hidden activation (weight1's out_features)",
+                                                                      "weight2", "bias2"))
+    validation.check_flag(save_pre_act, "save_pre_act")
+    validation.check_flag(return_residual, "return_residual")
+    check_parallel_options(process_group, sequence_parallel)
     gathered = _parallel_input(x, process_group, sequence_parallel)
     out = _mlp(gathered, weight1, weight2, bias1, bias2, activation, checkpoint_lvl)
     return out if not return_residual else (out, x)
@@ -116,7 +144,9 @@ class FusedMLP(nn.Module):
     def __init__(self, in_features, hidden_features=None, out_features=None, bias1=True, bias2=True,
                  activation="gelu_approx", return_residual=False, checkpoint_lvl=0, heuristic="auto", device=None,
                  dtype=None):
-        _check_mlp_options(activation, checkpoint_lvl)
+        _check_mlp_options(activation, checkpoint_lvl, heuristic, module=True)
+        _check_mlp_init(in_features, hidden_features, out_features, bias1=bias1, bias2=bias2,
+                        return_residual=return_residual)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         out_features = out_features or in_features
@@ -143,7 +173,9 @@ class ParallelFusedMLP(nn.Module):
                  heuristic="auto", device=None, dtype=None):
         if process_group is None:
             raise ValueError("ParallelFusedMLP needs a process_group")
-        _check_mlp_options(activation, checkpoint_lvl)
+        check_parallel_options(process_group, sequence_parallel)
+        _check_mlp_options(activation, checkpoint_lvl, heuristic, module=True)
+        _check_mlp_init(in_features, hidden_features, out_features, bias1=bias1, bias2=bias2)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         out_features = out_features or in_features

@@ -1,13 +1,15 @@
 """The bad-input suite, generated from one table: for every parameter of every public function
 (``flash_attn_*``, the low-level API and ``flash_attn_gpu``, ``bert_padding``, ``layers.rotary``,
-``ops.triton.*``, ``losses``, ``modules.mha``) a bad type, a bad value where a value can be bad,
+``ops.triton.*``, ``losses``, ``modules.mha``, FlashAttention-3's interface ``fa3.*``, upstream's
+autograd classes ``FlashAttn*Func`` / ``ApplyRotaryEmb*`` / ``ops.triton.cross_entropy.CrossEntropyLoss``,
+``ops.layer_norm``, ``ops.rms_norm``, ``ops.fused_dense``) a bad type, a bad value where a value can be bad,
 and a bad shape or device where the parameter is a tensor, each with the exception type it must
 raise and the words its message must contain (the argument's name, what is accepted).
 
 Each function has a control: a valid call (:data:`CONTROLS`), which must run; every row of
 :data:`TABLE` is that call with one argument replaced. :func:`test_every_public_parameter_has_rows`
 enumerates the public functions from their modules (``__all__``, or the public names of
-``modules.mha``) and their parameters from their signatures: a function or a parameter without
+``modules.mha``; :data:`PUBLIC_CLASSES` for autograd classes outside an ``__all__``) and their parameters from their signatures: a function or a parameter without
 rows fails it, so a new one gets its rows (and its checks) before it ships.
 """
 
@@ -1284,6 +1286,104 @@ rows(MA, "alignment_in_bytes", not_a("int", TypeError, value="sixteen"), value(0
 
 
 # ---------------------------------------------------------------------------------------------
+# ops.fused_dense: upstream's fused_dense_lib API on F.linear (ids ops.fused_dense.NAME); its
+# ColumnParallelLinear / RowParallelLinear are modules.tensor_parallel's; rows by parameter name
+
+
+from flash_attn.ops import fused_dense as ops_fused_dense  # noqa: E402
+
+FD = "ops.fused_dense."
+
+
+def _dense_value(name: str, init: bool, seed: int):
+    """A valid value of a fused_dense argument, by its name (16 features in, 32 hidden, 8 out)."""
+    tensors = {"x": (4, 16), "weight": (8, 16), "bias": (8,), "weight1": (32, 16), "bias1": (32,),
+               "weight2": (16, 32), "bias2": (16,)}
+    if name in tensors and not (init and name in ("bias", "bias1", "bias2")):
+        return t(*tensors[name], dtype=F32, seed=seed)
+    values = {"in_features": 16, "out_features": 8, "hidden_features": None, "activation": "gelu_approx",
+              "checkpoint_lvl": 0, "heuristic": "auto" if init else 0, "multiple_of": 1, "device": None, "dtype": None,
+              "process_group": _single_rank_group, "sequence_parallel": False}
+    if name not in values:
+        return True if name in ("bias", "bias1", "bias2", "save_pre_act") else False  # flags
+    value = values[name]
+    return value() if callable(value) else value
+
+
+def _dense_needs_group(name: str) -> bool:
+    return name.startswith(("ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP"))
+
+
+def _dense_control(function: str, fn, parameters, make=None, positional=False):
+    init = function.endswith(".__init__")
+    group = _dense_needs_group(function[len(FD):])
+
+    def args():
+        a = {p: _dense_value(p, init, seed) for seed, p in enumerate(parameters)}
+        if "process_group" in a and not group:
+            a["process_group"] = None  # the single-rank group is for the parallel layers
+        return a
+
+    return Control(fn, args, make=make, positional=positional)
+
+
+def _dense_rows(function: str, parameters) -> None:
+    init = function.endswith(".__init__")
+    for p in parameters:
+        if p == "x":
+            rows(function, p, not_a("floating-point", TypeError, value="t"),
+                 as_dtype(p, torch.int32, TypeError, "floating-point"),
+                 with_rank(p, lambda x: x[:, :3], ValueError, "in_features"), on_meta(p))
+        elif p in ("weight", "weight1", "weight2"):
+            rows(function, p, not_a("floating-point", TypeError, value="w"),
+                 with_rank(p, lambda x: x[0], ValueError, "out_features"), on_meta(p))
+        elif p in ("bias", "bias1", "bias2") and not init:
+            rows(function, p, not_a("tensor", TypeError, value="b"),
+                 with_rank(p, lambda x: x[:3], ValueError, "out_features"), on_meta(p))
+        elif p in ("bias", "bias1", "bias2", "return_residual", "sequence_parallel", "save_pre_act"):
+            rows(function, p, not_a("bool", TypeError, value="yes"))
+        elif p == "activation":
+            rows(function, p, not_a("one of", ValueError, value=3), value("swish", ValueError, "one of"))
+        elif p == "checkpoint_lvl":
+            rows(function, p, not_a("0, 1 or 2", ValueError, value="none"), value(3, ValueError, "0, 1 or 2"))
+        elif p == "heuristic":
+            rows(function, p, not_a("int", TypeError, value="fast"), value(-2, ValueError, ">= -1"))
+        elif p == "process_group":
+            rows(function, p, not_a("ProcessGroup", TypeError, value="world"))
+        elif p in ("in_features", "out_features", "hidden_features", "multiple_of"):
+            rows(function, p, not_a("int", TypeError, value="wide"), value(0, ValueError, ">= 1"))
+        elif p == "device":
+            rows(function, p, not_a("device", RuntimeError, value="nowhere"))
+        elif p == "dtype":
+            rows(function, p, not_a("dtype", TypeError, value="fp32"))
+
+
+def _dense_module(cls):
+    a = {"process_group": _single_rank_group()} if _dense_needs_group(cls.__name__) else {}
+    if cls.__name__ in ("ColumnParallelLinear", "RowParallelLinear", "FusedDense"):
+        return cls(16, 8, device=dev(), **a)
+    return cls(16, device=dev(), **a)
+
+
+for name in ops_fused_dense.__all__:
+    obj = getattr(ops_fused_dense, name)
+    if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
+        init = list(inspect.signature(obj).parameters)
+        CONTROLS[f"{FD}{name}.__init__"] = _dense_control(f"{FD}{name}.__init__", obj, init)
+        _dense_rows(f"{FD}{name}.__init__", init)
+        forward = list(inspect.signature(obj.forward).parameters)[1:]
+        CONTROLS[f"{FD}{name}.forward"] = _dense_control(f"{FD}{name}.forward", obj.forward, forward,
+                                                         make=lambda obj=obj: _dense_module(obj))
+        _dense_rows(f"{FD}{name}.forward", forward)
+    else:
+        apply = inspect.isclass(obj)
+        parameters = list(inspect.signature(obj.apply if apply else obj).parameters)
+        CONTROLS[FD + name] = _dense_control(FD + name, obj.apply if apply else obj, parameters, positional=apply)
+        _dense_rows(FD + name, parameters)
+rows(f"{FD}ParallelFusedMLP.__init__", "process_group", value(None, ValueError, "needs"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The public functions and their parameters, from their modules.
 
 
@@ -1347,6 +1447,8 @@ def public_functions() -> dict[str, list[str]]:
     for prefix, module in NORM_MODULES.items():
         for name in module.__all__:
             found.update({prefix + name + k: v for k, v in _parameters(getattr(module, name)).items()})
+    for name in ops_fused_dense.__all__:
+        found.update({FD + name + k: v for k, v in _parameters(getattr(ops_fused_dense, name)).items()})
     for name, cls in PUBLIC_CLASSES.items():
         found.update({name + k: v for k, v in _parameters(cls).items()})
     for module in (bert_padding, layers_rotary, ops_rotary, layer_norm, ops_cross_entropy, linear, mlp,
@@ -1361,23 +1463,6 @@ def public_functions() -> dict[str, list[str]]:
         if getattr(obj, "__module__", None) == mha.__name__ and callable(obj):
             found.update({name + k: v for k, v in _parameters(obj).items()})
     return found
-
-
-# Public functions issue 44 items 4-5 added (the FA3 interface module, upstream's autograd classes
-# and fused-extension modules), which were merged after this table was written and have no rows
-# yet: each module with why, and where their bad input is tested today. Not a pass: a known gap,
-# named so that it is seen (test_untabled_public_functions_are_named). A function that gets a
-# control and rows leaves its module's entry (the test refuses both at once).
-def _module(name: str):
-    return lambda: __import__("importlib").import_module(name)
-
-
-UNTABLED = {
-    "flash_attn.ops.fused_dense": (
-        _module("flash_attn.ops.fused_dense"), "upstream's fused_dense_lib API on F.linear: a non-tensor input "
-        "is refused by PyTorch's own TypeError naming `input`; options by one check "
-        "(tests/ports/test_fused_ops.py::test_fused_mlp_module_and_bad_arguments). TODO: rows."),
-}
 
 
 # Parameters another branch adds (issue 44: attention sinks and MLA's absorbed queries): rows for
@@ -1462,16 +1547,3 @@ def test_every_public_parameter_has_rows():
             elif "type" not in kinds[function, parameter]:
                 missing.append(f"{function}({parameter}): no bad-type row")
     assert not missing, "\n".join(missing)
-
-
-def test_untabled_public_functions_are_named():
-    """Every public function of the modules in UNTABLED exists and has no control yet (tabled, its
-    id is ``module:name``; once it has one, the module leaves UNTABLED); each entry says why; the classes in
-    UNTABLED_CLASSES exist and are autograd Functions."""
-    import importlib
-
-    for module_name, (load, reason) in UNTABLED.items():
-        names = load().__all__
-        assert names and "TODO" in reason, module_name
-        # tabled, their ids would carry the module's name (the FA3 names equal flash_attn's own)
-        assert not [n for n in names if any(c.split(".")[0] == f"{module_name}:{n}" for c in CONTROLS)], module_name
