@@ -407,8 +407,10 @@ def flash_attn_with_kvcache(
     _optional_int32(cu_seqlens_k_new, "cu_seqlens_k_new")
     _optional_int32(page_table, "page_table")  # flash_attn's block_table: checked under FA3's name
     if page_table is not None and page_table.dim() != 2:
-        raise ValueError(f"page_table must have shape (batch_size, max_num_pages_per_seq), got {tuple(page_table.shape)}")
-    call = (rotary_cos, rotary_sin, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits, _sinks(s_aux, q))
+        raise ValueError(f"page_table must have shape (batch_size, max_num_pages_per_seq), "
+                         f"got {tuple(page_table.shape)}")
+    call = (rotary_cos, rotary_sin, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+            _sinks(s_aux, q))
     if cu_seqlens_q is None:
         out, lse = _kvcache(q, k_cache, v_cache, k, v, qv, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
                             *call)

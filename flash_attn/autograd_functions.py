@@ -153,7 +153,8 @@ class FlashAttnFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled):
         validation.check_dense_qkv(q, k, v)
-        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                               return_softmax, is_grad_enabled)
         is_grad = is_grad_enabled and any(t.requires_grad for t in (q, k, v))
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               deterministic, return_softmax, is_grad)
@@ -171,7 +172,8 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled):
         _check_packed(qkv, "qkv", 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
-        window_size = _checked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
+        window_size = _checked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                               return_softmax, is_grad_enabled)
         q, k, v = qkv.detach().unbind(dim=2)
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                               deterministic, return_softmax, is_grad_enabled and qkv.requires_grad)
@@ -190,7 +192,8 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
                 return_softmax, is_grad_enabled):
         validation.check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
         _check_packed(kv, "kv", 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
-        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                               return_softmax, is_grad_enabled)
         k, v = kv.detach().unbind(dim=2)
         is_grad = is_grad_enabled and (q.requires_grad or kv.requires_grad)
         return _dense_forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -212,7 +215,8 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
                 is_grad_enabled):
         for t, name in ((q, "q"), (k, "k"), (v, "v")):
             validation.check_tensor(t, name, 3, f"(total_{name if name == 'q' else 'k'}, nheads, headdim)")
-        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                               return_softmax, is_grad_enabled)
         is_grad = is_grad_enabled and any(t.requires_grad for t in (q, k, v))
         return _varlen_forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -231,7 +235,8 @@ class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
     def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap,
                 alibi_slopes, deterministic, return_softmax, is_grad_enabled):
         _check_packed(qkv, "qkv", 4, 1, 3, "(total, 3, nheads, headdim)")
-        window_size = _checked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
+        window_size = _checked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                               return_softmax, is_grad_enabled)
         q, k, v = qkv.detach().unbind(dim=1)
         return _varlen_forward(ctx, q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -251,7 +256,8 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
                 causal, window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled):
         validation.check_tensor(q, "q", 3, "(total_q, nheads, headdim)")
         _check_packed(kv, "kv", 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
-        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_softmax, is_grad_enabled)
+        window_size = _checked(q, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                               return_softmax, is_grad_enabled)
         k, v = kv.detach().unbind(dim=1)
         is_grad = is_grad_enabled and (q.requires_grad or kv.requires_grad)
         return _varlen_forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,

@@ -205,12 +205,19 @@ def dropout_add_layer_norm_subset(x0, residual, weight, bias, dropout_p, epsilon
                                   out_subset=None, rowscale_const=1.0, out_numrows=0, prenorm=False,
                                   residual_in_fp32=False, return_dropout_mask=False):
     """:func:`dropout_add_layer_norm` over a subset of rows (see :class:`DropoutAddLayerNormSubsetFn`)."""
+    return subset_norm(x0, residual, weight, bias, dropout_p, epsilon, layerscale, x0_subset, out_subset,
+                       rowscale_const, out_numrows, prenorm, residual_in_fp32, return_dropout_mask, False)
+
+
+def subset_norm(x0, residual, weight, bias, dropout_p, epsilon, layerscale, x0_subset, out_subset, rowscale_const,
+                out_numrows, prenorm, residual_in_fp32, return_dropout_mask, is_rms_norm):
+    """The subset functions' body (checked under the functions' names), LayerNorm or RMSNorm."""
     _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, None, dropout_p, epsilon,
            {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32, "return_dropout_mask": return_dropout_mask},
            subset=True)
     return DropoutAddLayerNormSubsetFn.apply(x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p,
-                                             epsilon, rowscale_const, out_numrows, residual_in_fp32, prenorm, False,
-                                             return_dropout_mask)
+                                             epsilon, rowscale_const, out_numrows, residual_in_fp32, prenorm,
+                                             is_rms_norm, return_dropout_mask)
 
 
 def layer_norm(x, weight, bias, epsilon):
@@ -223,11 +230,18 @@ def dropout_add_layer_norm(x0, residual, weight, bias, dropout_p, epsilon, rowsc
     """``LayerNorm(dropout(x0 * rowscale * layerscale) + residual)``; returns ``out``, with ``prenorm``
     ``(out, residual_out)``, with ``return_dropout_mask`` the uint8 mask last. residual_in_fp32
     only has an effect if residual is None."""
+    return dropout_add_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale, layerscale, prenorm,
+                            residual_in_fp32, return_dropout_mask, False)
+
+
+def dropout_add_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale, layerscale, prenorm, residual_in_fp32,
+                     return_dropout_mask, is_rms_norm):
+    """The dropout_add functions' body (checked under the functions' names), LayerNorm or RMSNorm."""
     _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, rowscale, dropout_p,
            epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
                      "return_dropout_mask": return_dropout_mask})
     return DropoutAddLayerNormFn.apply(x0, residual, weight, bias, rowscale, layerscale, dropout_p, epsilon,
-                                       residual_in_fp32, prenorm, False, return_dropout_mask)
+                                       residual_in_fp32, prenorm, is_rms_norm, return_dropout_mask)
 
 
 def dropout_add_layer_norm_parallel_residual(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon,
@@ -235,11 +249,19 @@ def dropout_add_layer_norm_parallel_residual(x0, x1, residual, weight0, bias0, w
     """``z = dropout(x0) + dropout(x1) + residual``; returns ``(LayerNorm(z; weight0, bias0),
     LayerNorm(z; weight1, bias1) or None)``, with ``prenorm`` also ``z``, with ``return_dropout_mask``
     the masks of x0 and x1."""
+    return parallel_residual_norm(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon, prenorm,
+                                  residual_in_fp32, return_dropout_mask, False)
+
+
+def parallel_residual_norm(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon, prenorm,
+                           residual_in_fp32, return_dropout_mask, is_rms_norm):
+    """The parallel-residual functions' body (checked under the functions' names), LayerNorm or RMSNorm."""
     _check({"x0": x0, "x1": x1}, residual, {"weight0": weight0, "bias0": bias0, "weight1": weight1, "bias1": bias1},
            None, dropout_p, epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
                                       "return_dropout_mask": return_dropout_mask})
     return DropoutAddLayerNormParallelResidualFn.apply(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p,
-                                                       epsilon, residual_in_fp32, prenorm, False, return_dropout_mask)
+                                                       epsilon, residual_in_fp32, prenorm, is_rms_norm,
+                                                       return_dropout_mask)
 
 
 def check_module_options(hidden_size, eps, dtype, p=0.0, **flags) -> None:

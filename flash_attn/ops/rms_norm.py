@@ -9,10 +9,11 @@ import torch
 
 from flash_attn.ops.layer_norm import (
     DropoutAddLayerNormFn,
-    DropoutAddLayerNormParallelResidualFn,
-    DropoutAddLayerNormSubsetFn,
     _check,
     check_module_options,
+    dropout_add_norm,
+    parallel_residual_norm,
+    subset_norm,
 )
 
 __all__ = ["DropoutAddRMSNorm", "RMSNorm", "dropout_add_rms_norm", "dropout_add_rms_norm_parallel_residual",
@@ -28,31 +29,21 @@ def dropout_add_rms_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscal
                          prenorm=False, residual_in_fp32=False, return_dropout_mask=False):
     """``RMSNorm(dropout(x0 * rowscale * layerscale) + residual)``, returns as
     :func:`flash_attn.ops.layer_norm.dropout_add_layer_norm`."""
-    _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, rowscale, dropout_p,
-           epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
-                     "return_dropout_mask": return_dropout_mask})
-    return DropoutAddLayerNormFn.apply(x0, residual, weight, bias, rowscale, layerscale, dropout_p, epsilon,
-                                       residual_in_fp32, prenorm, True, return_dropout_mask)
+    return dropout_add_norm(x0, residual, weight, bias, dropout_p, epsilon, rowscale, layerscale, prenorm,
+                            residual_in_fp32, return_dropout_mask, True)
 
 
 def dropout_add_rms_norm_subset(x0, residual, weight, bias, dropout_p, epsilon, layerscale=None, x0_subset=None,
                                 out_subset=None, rowscale_const=1.0, out_numrows=0, prenorm=False,
                                 residual_in_fp32=False, return_dropout_mask=False):
-    _check({"x0": x0}, residual, {"weight": weight, "bias": bias, "layerscale": layerscale}, None, dropout_p, epsilon,
-           {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32, "return_dropout_mask": return_dropout_mask},
-           subset=True)
-    return DropoutAddLayerNormSubsetFn.apply(x0, residual, weight, bias, layerscale, x0_subset, out_subset, dropout_p,
-                                             epsilon, rowscale_const, out_numrows, residual_in_fp32, prenorm, True,
-                                             return_dropout_mask)
+    return subset_norm(x0, residual, weight, bias, dropout_p, epsilon, layerscale, x0_subset, out_subset,
+                       rowscale_const, out_numrows, prenorm, residual_in_fp32, return_dropout_mask, True)
 
 
 def dropout_add_rms_norm_parallel_residual(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon,
                                            prenorm=False, residual_in_fp32=False, return_dropout_mask=False):
-    _check({"x0": x0, "x1": x1}, residual, {"weight0": weight0, "bias0": bias0, "weight1": weight1, "bias1": bias1},
-           None, dropout_p, epsilon, {"prenorm": prenorm, "residual_in_fp32": residual_in_fp32,
-                                      "return_dropout_mask": return_dropout_mask})
-    return DropoutAddLayerNormParallelResidualFn.apply(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p,
-                                                       epsilon, residual_in_fp32, prenorm, True, return_dropout_mask)
+    return parallel_residual_norm(x0, x1, residual, weight0, bias0, weight1, bias1, dropout_p, epsilon, prenorm,
+                                  residual_in_fp32, return_dropout_mask, True)
 
 
 class RMSNorm(torch.nn.Module):
