@@ -18,7 +18,8 @@ FA3's arguments here (docs/compatibility.md, "FlashAttention-3's interface"):
 * ``s_aux`` (keyword-only; the sink spelling of FA3's forks, vLLM's and Transformers' gpt-oss
   path): ``(nheads,)`` attention-sink logits, one per query head, which join every row's softmax
   denominator (flash_attn's ``learnable_sink``; cast to float32, gradients flow back);
-* scheduler hints that change nothing here: ``num_splits`` of the dense and varlen calls,
+* scheduler hints that change nothing here (but must have FA3's types: a wrong one is a
+  ``TypeError`` naming it): ``num_splits`` of the dense and varlen calls,
   ``pack_gqa``, ``sm_margin``, ``scheduler_metadata`` (``num_splits`` of the cache call is
   passed on: it never changes the result either);
 * refused with ``NotImplementedError`` naming the argument: ``q_descale``/``k_descale``/
