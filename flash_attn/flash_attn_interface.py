@@ -50,7 +50,9 @@ Beyond flash-attn 2.8, keyword-only at the end of the calls:
 Upstream's low-level API is importable from here too, for code that combines attention blocks
 itself (context parallelism): ``_flash_attn_forward``, ``_flash_attn_varlen_forward``,
 ``_flash_attn_backward``, ``_flash_attn_varlen_backward`` (:mod:`flash_attn.lowlevel`) and the
-``flash_attn_gpu`` entry points (:mod:`flash_attn.entry_points`).
+``flash_attn_gpu`` entry points (:mod:`flash_attn.entry_points`), and upstream's autograd classes
+``FlashAttnFunc``, ``FlashAttnVarlenFunc``, ... with the ``_wrapped_flash_attn_*`` custom-op handles
+(:mod:`flash_attn.autograd_functions`).
 """
 
 from __future__ import annotations
@@ -60,6 +62,30 @@ from typing import Optional, Union
 import torch
 
 from flash_attn import entry_points as flash_attn_gpu  # noqa: F401  (upstream's handle, see below)
+from flash_attn.autograd_functions import (  # noqa: F401  (upstream's autograd classes and helpers, imported from here)
+    USE_TRITON_ROCM,
+    FlashAttnFunc,
+    FlashAttnKVPackedFunc,
+    FlashAttnQKVPackedFunc,
+    FlashAttnVarlenFunc,
+    FlashAttnVarlenKVPackedFunc,
+    FlashAttnVarlenQKVPackedFunc,
+    _flash_attn_backward_fake,
+    _flash_attn_forward_fake,
+    _flash_attn_varlen_backward_fake,
+    _flash_attn_varlen_forward_fake,
+    _get_block_size_n,
+    _torch_custom_op_wrapper,
+    _torch_register_fake_wrapper,
+    _wrapped_flash_attn_backward,
+    _wrapped_flash_attn_forward,
+    _wrapped_flash_attn_varlen_backward,
+    _wrapped_flash_attn_varlen_forward,
+    maybe_contiguous,
+    noop_custom_op_wrapper,
+    noop_register_fake_wrapper,
+    round_multiple,
+)
 from flash_attn import custom_ops, kvcache, validation
 from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
     _flash_attn_backward,

@@ -144,7 +144,7 @@ def _same_device(q, **tensors) -> None:
 
 
 @_flash_attn_forward.register_fake
-def _(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
+def _flash_attn_forward_fake(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes,
       return_softmax):
     _same_device(q, k=k, v=v, alibi_slopes=alibi_slopes)
     batch, seqlen_q, nheads, _ = q.shape
@@ -260,7 +260,7 @@ def _flash_attn_varlen_forward(
 
 
 @_flash_attn_varlen_forward.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
       window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False,
       block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False, num_splits=0):
     _same_device(q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes,
@@ -365,7 +365,7 @@ def _flash_attn_backward(
 
 
 @_flash_attn_backward.register_fake
-def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
+def _flash_attn_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size_left,
       window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
     _same_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,
                  alibi_slopes=alibi_slopes, rng_state=rng_state)
@@ -429,7 +429,7 @@ def _flash_attn_varlen_backward(
 
 
 @_flash_attn_varlen_backward.register_fake
-def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def _flash_attn_varlen_backward_fake(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic,
       rng_state=None, zero_tensors=False):
     _same_device(q, dout=dout, k=k, v=v, out=out, softmax_lse=softmax_lse, dq=dq, dk=dk, dv=dv,

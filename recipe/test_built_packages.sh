@@ -43,6 +43,12 @@ fi
 
 failed=0
 for package in "${packages[@]}"; do
+    if [[ "$(basename "${package}")" == flash-attn-fa3-* ]]; then
+        # FlashAttention-3's interface (noarch): its test environment needs flash-attn of the same
+        # version, which is in OUTPUT, not on conda-forge (docs/conda-forge.md, not yet).
+        echo "== ${package}: not tested here (its test needs this flash-attn from ${output})"
+        continue
+    fi
     build=$(basename "${package}" .conda)
     build="${build##*-}"                      # e.g. cuda129_h1234567_200, cpu_h7654321_0
     kind="${build%%_*}"

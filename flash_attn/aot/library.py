@@ -47,9 +47,12 @@ _status: Optional[LibraryStatus] = None
 
 
 def package_folders() -> list[Path]:
-    """The folders of the ``flash_attn`` package (an editable install spreads it over the source
-    tree and site-packages); the package is imported before any of its modules."""
-    return [Path(folder) for folder in sys.modules[__name__.split(".")[0]].__path__]
+    """The folders of this ``flash_attn`` distribution (an editable install spreads it over the
+    source tree and site-packages), not those ``__path__`` gains from other distributions
+    (``flash_attn.cute``); the package is imported before any of its modules."""
+    package = sys.modules[__name__.split(".")[0]]
+    others = set(getattr(package, "_other_distributions", ()))
+    return [Path(folder) for folder in package.__path__ if folder not in others]
 
 
 def _find_in_package(name: str) -> Optional[Path]:

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from flash_attn.ops.fused_dense import FusedDense
+
 __all__ = ["PatchEmbed"]
 
 
@@ -17,8 +19,8 @@ class PatchEmbed(nn.Module):
 
     Each patch's features are ordered channel, row, column (``c p1 p2``), as upstream's, so a
     ``Conv2d`` weight ``(embed_dim, in_chans, p1, p2)`` reshaped to ``(embed_dim, -1)`` is ``proj``'s.
-    ``fused_bias_fc=True`` needs upstream's fused dense CUDA extension, which this package does not
-    ship: it raises ImportError, as upstream's does when the extension is missing.
+    ``fused_bias_fc=True`` makes ``proj`` upstream's ``FusedDense`` (:mod:`flash_attn.ops.fused_dense`:
+    the same linear layer).
     """
 
     def __init__(
@@ -33,16 +35,12 @@ class PatchEmbed(nn.Module):
         fused_bias_fc=False,
     ):
         super().__init__()
-        if fused_bias_fc:
-            raise ImportError("fused_dense is not installed: PatchEmbed(fused_bias_fc=True) needs upstream's "
-                              "fused_dense CUDA extension, which this package does not ship; fused_bias_fc=False "
-                              "computes the same with torch.nn.Linear")
         self.img_size = _pair(img_size)
         self.patch_size = _pair(patch_size)
         self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.flatten = flatten
-        self.proj = nn.Linear(in_chans * self.patch_size[0] * self.patch_size[1], embed_dim, bias=bias)
+        self.proj = (FusedDense if fused_bias_fc else nn.Linear)(in_chans * self.patch_size[0] * self.patch_size[1], embed_dim, bias=bias)
         self.norm = norm_layer(embed_dim) if norm_layer else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:

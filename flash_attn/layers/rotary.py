@@ -60,7 +60,7 @@ class _ApplyRotaryEmb(torch.autograd.Function):
     grad) the result is a view of ``x`` carrying the rotation's backward."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
+    def forward(ctx, x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None):
         out = _rotate_without_autograd(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved, inplace)
         offsets_tensor = seqlen_offsets if isinstance(seqlen_offsets, Tensor) else None
         ctx.save_for_backward(cos, sin, cu_seqlens, offsets_tensor)
@@ -252,14 +252,64 @@ class _RotatePackedInPlace(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+# Upstream's names of the autograd classes (code outside the package calls ``ApplyRotaryEmb.apply``).
+ApplyRotaryEmb = _ApplyRotaryEmb
+
+
+class ApplyRotaryEmbQKV_(torch.autograd.Function):
+    """Upstream's in-place rotation of q and k in a packed qkv, as an autograd class."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0, num_heads_q=None):
+        tables, names = _qkv_tables(qkv, cos, sin, cos_k, sin_k, num_heads_q)  # called directly: its checks too
+        _checked_parts(qkv, tables, seqlen_offsets, num_heads_q, names)
+        interleaved = validation.check_flag(interleaved, "interleaved")
+        return _RotatePackedInPlace.forward(ctx, qkv, tables, interleaved, seqlen_offsets, num_heads_q)
+
+    @staticmethod
+    def backward(ctx, dqkv):
+        return _RotatePackedInPlace.backward(ctx, dqkv)[0], *(None,) * 7
+
+
+class ApplyRotaryEmbKV_(torch.autograd.Function):
+    """Upstream's in-place rotation of k in a packed kv, as an autograd class."""
+
+    @staticmethod
+    def forward(ctx, kv, cos, sin, interleaved=False, seqlen_offsets=0):
+        _check_kv(kv)  # called directly: apply_rotary_emb_kv_'s checks too
+        _checked_parts(kv, ((cos, sin),), seqlen_offsets, None, (("cos", "sin"),))
+        interleaved = validation.check_flag(interleaved, "interleaved")
+        return _RotatePackedInPlace.forward(ctx, kv, ((cos, sin),), interleaved, seqlen_offsets, None)
+
+    @staticmethod
+    def backward(ctx, dkv):
+        return _RotatePackedInPlace.backward(ctx, dkv)[0], *(None,) * 4
+
+
+def _apply_rotary_emb_qkv(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, inplace=False, conjugate=False,
+                          seqlen_offsets: Offsets = 0, num_heads_q: Optional[int] = None) -> Tensor:
+    """Upstream's helper: q and k of a packed qkv rotated (``conjugate``: by minus the angle), in
+    place or into a copy; nothing recorded for autograd."""
+    out = qkv if inplace else qkv.clone()
+    tables = ((cos, sin), (cos, sin) if cos_k is None else (cos_k, sin_k))
+    _rotate_parts(_rotated_parts(out, num_heads_q), tables, interleaved, seqlen_offsets, conjugate)
+    return out
+
+
+def _checked_parts(packed, tables, seqlen_offsets, num_heads_q, table_names) -> Tuple[Tensor, ...]:
+    """The parts of ``packed`` to rotate, each checked with its tables (before any write)."""
+    parts = _rotated_parts(packed, num_heads_q)
+    for part, (cos, sin), names in zip(parts, tables, table_names):
+        _check_args(part, cos, sin, seqlen_offsets, None, None, names)
+    return parts
+
+
 def _rotate_packed(packed, tables, interleaved, seqlen_offsets, num_heads_q,
                    table_names=(("cos", "sin"), ("cos", "sin"))) -> Tensor:
     """Rotate the parts of ``packed`` in place with ``tables`` ((cos, sin) per part, named
     ``table_names``)."""
     interleaved = validation.check_flag(interleaved, "interleaved")
-    parts = _rotated_parts(packed, num_heads_q)
-    for part, (cos, sin), names in zip(parts, tables, table_names):  # bad arguments fail here, before any write
-        _check_args(part, cos, sin, seqlen_offsets, None, None, names)
+    parts = _checked_parts(packed, tables, seqlen_offsets, num_heads_q, table_names)
     recorded = torch.is_grad_enabled() and packed.requires_grad
     if recorded and packed.is_leaf and torch.compiler.is_compiling():
         # A leaf that requires grad: eagerly the result is a view of it carrying the rotation
@@ -301,6 +351,12 @@ def apply_rotary_emb_qkv_(
     ``sin_k`` when given (XPos), otherwise the same tables as q. With autograd recording a
     leaf ``qkv`` that requires grad, the result is a view of ``qkv`` (as upstream).
     """
+    tables, names = _qkv_tables(qkv, cos, sin, cos_k, sin_k, num_heads_q)
+    return _rotate_packed(qkv, tables, interleaved, seqlen_offsets, num_heads_q, names)
+
+
+def _qkv_tables(qkv, cos, sin, cos_k, sin_k, num_heads_q):
+    """A packed qkv's checks; its ((cos, sin), (cos_k, sin_k)) tables and their names."""
     if (cos_k is None) != (sin_k is None):
         raise ValueError("cos_k and sin_k must be given together")
     _check_packed(qkv, "qkv")
@@ -312,9 +368,7 @@ def apply_rotary_emb_qkv_(
         )
     _split_qk(qkv, num_heads_q)  # shape errors before anything else
     names = (("cos", "sin"), ("cos", "sin") if cos_k is None else ("cos_k", "sin_k"))
-    if cos_k is None:
-        cos_k, sin_k = cos, sin
-    return _rotate_packed(qkv, ((cos, sin), (cos_k, sin_k)), interleaved, seqlen_offsets, num_heads_q, names)
+    return ((cos, sin), (cos, sin) if cos_k is None else (cos_k, sin_k)), names
 
 
 def apply_rotary_emb_kv_(
@@ -326,12 +380,16 @@ def apply_rotary_emb_kv_(
 ) -> Tensor:
     """Rotate k of a packed kv ``(batch, seqlen, 2, nheads, headdim)`` *in place*; return ``kv``
     (a view of it for a leaf that requires grad, as upstream)."""
+    _check_kv(kv)
+    return _rotate_packed(kv, ((cos, sin),), interleaved, seqlen_offsets, None)
+
+
+def _check_kv(kv) -> None:
     _check_packed(kv, "kv")
     if kv.ndim != 5 or kv.shape[2] != 2:
         raise ValueError(
             f"kv must have shape (batch, seqlen, 2, nheads, headdim), got {tuple(kv.shape)}"
         )
-    return _rotate_packed(kv, ((cos, sin),), interleaved, seqlen_offsets, None)
 
 
 def _check_packed(packed, name: str) -> None:

@@ -10,8 +10,8 @@ through the varlen kernels; without it, attention masks the padded keys. With
 of each sequence: its attention is cross-attention from those tokens to the whole sequence.
 
 ``remap_state_dict`` / ``inv_remap_state_dict`` convert between Hugging Face's ``BertForPreTraining``
-checkpoints and this layout. Config options that need upstream's separately built CUDA extensions
-(``fused_mlp``, ``fused_bias_fc``) raise ImportError; ``fused_dropout_add_ln`` runs through
+checkpoints and this layout. ``fused_mlp`` and ``fused_bias_fc`` use upstream's fused dense API,
+:mod:`flash_attn.ops.fused_dense` (``fused_mlp``: tanh GELUs only, as upstream's); ``fused_dropout_add_ln`` runs through
 ``flash_attn.ops.triton.layer_norm`` and ``use_xentropy`` through ``flash_attn.losses``.
 Needs Hugging Face ``transformers`` (for ``BertConfig`` and the output classes).
 """
@@ -45,16 +45,14 @@ from flash_attn.modules.block import Block
 from flash_attn.modules.embedding import BertEmbeddings
 from flash_attn.modules.mha import MHA
 from flash_attn.modules.mlp import Mlp
+from flash_attn.losses.cross_entropy import CrossEntropyLoss  # noqa: F401  (upstream's names here)
+from flash_attn.ops.fused_dense import FusedDense, FusedMLP
+from flash_attn.ops.triton.layer_norm import layer_norm_fn  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 _GELU_KINDS = {"gelu": "none", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu_pytorch_tanh": "tanh"}
 
-_FUSED_DENSE_MISSING = (
-    "fused_dense is not installed: config.{option}=True needs upstream's fused_dense CUDA "
-    "extension, which this flash-attn package does not ship; set {option}=False (the same "
-    "computation with torch.nn.Linear)"
-)
 
 
 def _gelu_approximate(config):
@@ -67,10 +65,8 @@ def _gelu_approximate(config):
 
 
 def _linear_cls(config):
-    """``nn.Linear``; ``fused_bias_fc`` (upstream's FusedDense) is not available here."""
-    if getattr(config, "fused_bias_fc", False):
-        raise ImportError(_FUSED_DENSE_MISSING.format(option="fused_bias_fc"))
-    return nn.Linear
+    """``nn.Linear``, or upstream's ``FusedDense`` (the same layer) with ``fused_bias_fc``."""
+    return FusedDense if getattr(config, "fused_bias_fc", False) else nn.Linear
 
 
 def _layer_norm_fn():
@@ -104,9 +100,15 @@ def create_mixer_cls(config, cross_attn=False, return_residual=False):
 
 def create_mlp_cls(config, layer_idx=None, return_residual=False):
     """``Mlp`` with ``config.intermediate_size`` hidden features and the config's GELU."""
-    if getattr(config, "fused_mlp", False):
-        raise ImportError(_FUSED_DENSE_MISSING.format(option="fused_mlp"))
     approximate = _gelu_approximate(config)
+    if getattr(config, "fused_mlp", False):  # upstream's FusedMLP: tanh GELU only
+        if approximate != "tanh":
+            raise ValueError(f"fused_mlp needs a tanh GELU (gelu_new, gelu_fast, gelu_pytorch_tanh), got {config.hidden_act!r}")
+        checkpoint_lvl = getattr(config, "mlp_checkpoint_lvl", 0)
+        if isinstance(checkpoint_lvl, (list, tuple)):  # one per layer
+            checkpoint_lvl = checkpoint_lvl[layer_idx]
+        return partial(FusedMLP, hidden_features=config.intermediate_size, checkpoint_lvl=checkpoint_lvl,
+                       return_residual=return_residual)
     return partial(
         Mlp,
         hidden_features=config.intermediate_size,

@@ -10,7 +10,7 @@ attribute                   default     meaning
 ==========================  ==========  ==================================================
 use_flash_attn              False       this package's FlashAttention, else plain PyTorch
 fused_bias_fc               False       accepted and ignored, as upstream's MHA does
-fused_mlp                   False       needs upstream's fused_dense extension: ImportError
+fused_mlp                   False       upstream's FusedMLP / ParallelFusedMLP (ops.fused_dense)
 fused_dropout_add_ln        False       dropout + add + norm through ops.triton.layer_norm
 residual_in_fp32            False       keep the residual stream in float32
 pad_vocab_size_multiple     1           round the vocabulary up to this multiple
@@ -49,7 +49,10 @@ from flash_attn.modules.block import Block, ParallelBlock
 from flash_attn.modules.embedding import GPT2Embeddings, ParallelGPT2Embeddings
 from flash_attn.modules.mha import MHA, ParallelMHA
 from flash_attn.modules.mlp import GatedMlp, Mlp, ParallelGatedMlp, ParallelMLP
+from flash_attn.modules.tensor_parallel import ColumnParallelLinear  # noqa: F401  (upstream's names here)
 from flash_attn.ops.activations import sqrelu_fwd
+from flash_attn.ops.fused_dense import FusedMLP, ParallelFusedMLP
+from flash_attn.ops.triton.mlp import FusedDenseSqreluDense  # noqa: F401
 from flash_attn.ops.triton.layer_norm import RMSNorm, layer_norm_fn
 from flash_attn.utils.distributed import (
     all_gather,
@@ -75,11 +78,7 @@ _TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_approx", "gelu_pytorch_tanh")
 _GATED_ACTIVATIONS = {"glu": F.sigmoid, "swiglu": F.silu, "geglu": F.gelu}
 SUPPORTED_ACTIVATIONS = ("gelu",) + _TANH_GELUS + ("relu", "sqrelu") + tuple(_GATED_ACTIVATIONS)
 
-_FUSED_DENSE_MISSING = (
-    "{option}=True needs upstream's fused_dense CUDA extension (fused_dense_lib), which this "
-    "flash-attn package does not provide; leave {option} False (the MLP then uses nn.Linear: "
-    "the same computation)"
-)
+_FUSED_MLP_ACTIVATIONS = {**{name: "gelu_approx" for name in _TANH_GELUS}, "relu": "relu", "sqrelu": "sqrelu"}
 
 
 def _padded_vocab_size(config) -> int:
@@ -175,6 +174,32 @@ def _plain_activation(name):
     return partial(F.gelu, approximate="tanh" if name in _TANH_GELUS else "none")
 
 
+def _fused_mlp_cls(config, layer_idx, process_group, device, dtype):
+    """Upstream's fused MLPs (``fused_mlp``: ``ops.fused_dense.FusedMLP`` / ``ParallelFusedMLP``;
+    ``fused_dense_sqrelu_dense``: ``ops.triton.mlp.FusedDenseSqreluDense``), or None."""
+    fused_mlp = getattr(config, "fused_mlp", False)
+    sqrelu_dense = getattr(config, "fused_dense_sqrelu_dense", False)
+    if not (fused_mlp or sqrelu_dense):
+        return None
+    if fused_mlp and sqrelu_dense:
+        raise ValueError("fused_mlp and fused_dense_sqrelu_dense exclude each other")
+    checkpoint_lvl = getattr(config, "mlp_checkpoint_lvl", 0)
+    if isinstance(checkpoint_lvl, Sequence):  # one per layer
+        checkpoint_lvl = checkpoint_lvl[layer_idx]
+    factory = {"device": device, "dtype": dtype}
+    if sqrelu_dense:
+        if config.activation_function != "sqrelu" or process_group is not None:
+            raise ValueError("fused_dense_sqrelu_dense needs activation_function 'sqrelu' and no process_group")
+        return partial(FusedDenseSqreluDense, hidden_features=config.n_inner, checkpoint_lvl=checkpoint_lvl, **factory)
+    if config.activation_function not in _FUSED_MLP_ACTIVATIONS:
+        raise ValueError(f"fused_mlp needs activation_function in {sorted(_FUSED_MLP_ACTIVATIONS)}, "
+                         f"got {config.activation_function!r}")
+    return partial(FusedMLP if process_group is None else ParallelFusedMLP, hidden_features=config.n_inner,
+                   activation=_FUSED_MLP_ACTIVATIONS[config.activation_function], checkpoint_lvl=checkpoint_lvl,
+                   bias1=getattr(config, "mlp_fc1_bias", True), bias2=getattr(config, "mlp_fc2_bias", True),
+                   **_parallel_kwargs(config, process_group), **factory)
+
+
 def create_mlp_cls(config, layer_idx=None, process_group=None, device=None, dtype=None):
     """The MLP constructor of layer ``layer_idx`` (``Mlp`` / ``GatedMlp``, or their parallel
     forms with ``process_group``), as a partial that takes the hidden size."""
@@ -184,9 +209,9 @@ def create_mlp_cls(config, layer_idx=None, process_group=None, device=None, dtyp
             f"activation_function {name!r} is not supported; use one of "
             f"{', '.join(SUPPORTED_ACTIVATIONS)}"
         )
-    for option in ("fused_mlp", "fused_dense_sqrelu_dense"):
-        if getattr(config, option, False):
-            raise ImportError(_FUSED_DENSE_MISSING.format(option=option))
+    fused = _fused_mlp_cls(config, layer_idx, process_group, device, dtype)
+    if fused is not None:
+        return fused
     common = dict(
         hidden_features=config.n_inner,
         bias1=getattr(config, "mlp_fc1_bias", True),

@@ -8,8 +8,8 @@ upstream, only class-token pooling is supported, and ``forward`` computes the la
 class token alone (cross-attention from it to the whole sequence).
 
 Upstream imports timm (weight init helpers) and torchvision (stochastic depth); this module
-needs neither. ``fused_bias_fc`` and ``fused_mlp`` need upstream's fused_dense CUDA extension,
-which is not shipped here: they raise ImportError.
+needs neither. ``fused_bias_fc`` and ``fused_mlp`` use upstream's fused dense API,
+:mod:`flash_attn.ops.fused_dense` (``fused_mlp``: a tanh GELU, as upstream's).
 """
 
 import re
@@ -24,20 +24,15 @@ from flash_attn.layers.patch_embed import PatchEmbed
 from flash_attn.modules.block import Block, StochasticDepth
 from flash_attn.modules.mha import MHA
 from flash_attn.modules.mlp import Mlp
+from flash_attn.ops.fused_dense import FusedMLP
+from flash_attn.ops.triton.layer_norm import layer_norm_fn  # noqa: F401  (upstream's name here)
 
-_FUSED_DENSE_MISSING = (
-    "fused_dense is not installed: {option}=True needs upstream's fused_dense CUDA extension, "
-    "which this flash-attn package does not ship; set {option}=False (the same computation with "
-    "torch.nn.Linear)"
-)
 
 
 def create_mixer_cls(
     num_heads, qkv_bias, attn_drop, use_flash_attn, fused_bias_fc, cross_attn=False
 ):
     """Bidirectional ``MHA`` (cross-attention for the class-token-only last block)."""
-    if fused_bias_fc:
-        raise ImportError(_FUSED_DENSE_MISSING.format(option="fused_bias_fc"))
     return partial(
         MHA,
         num_heads=num_heads,
@@ -50,9 +45,10 @@ def create_mixer_cls(
 
 
 def create_mlp_cls(embed_dim, mlp_ratio, act_layer, fused_mlp):
-    """``Mlp`` with ``embed_dim * mlp_ratio`` hidden features; ``act_layer`` is a module class."""
+    """``Mlp`` with ``embed_dim * mlp_ratio`` hidden features; ``act_layer`` is a module class.
+    ``fused_mlp``: upstream's ``FusedMLP`` (tanh GELU, whatever ``act_layer``, as upstream's)."""
     if fused_mlp:
-        raise ImportError(_FUSED_DENSE_MISSING.format(option="fused_mlp"))
+        return partial(FusedMLP, hidden_features=int(embed_dim * mlp_ratio))
     return partial(Mlp, hidden_features=int(embed_dim * mlp_ratio), activation=act_layer())
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from flash_attn.modules.mha import MHA
 from flash_attn.modules.mlp import Mlp
+from flash_attn.ops.triton.layer_norm import RMSNorm, layer_norm_fn  # noqa: F401  (upstream's names here)
 
 
 class StochasticDepth(nn.Module):

@@ -23,6 +23,8 @@ from flash_attn.flash_attn_interface import (
     flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
+from flash_attn.layers.rotary import RotaryEmbedding
+from flash_attn.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from flash_attn.utils.distributed import get_dim_for_local_rank, get_start_for_local_rank
 
 
@@ -531,7 +533,6 @@ def _inner_attentions(use_flash_attn, alibi_slopes, window_size, causal, softmax
 
 
 def _make_rotary(dim, base, scale_base, interleaved, device):
-    from flash_attn.layers.rotary import RotaryEmbedding
 
     return RotaryEmbedding(dim, base=base, scale_base=scale_base, interleaved=interleaved,
                            device=device)
@@ -757,7 +758,6 @@ class ParallelMHA(_KVCacheAttention):
         device=None,
         dtype=None,
     ) -> None:
-        from flash_attn.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         factory = {"device": device, "dtype": dtype}
         super().__init__()

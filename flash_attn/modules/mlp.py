@@ -1,19 +1,16 @@
 """MLP blocks with upstream flash-attn's names and signatures: ``Mlp`` (fc1, activation, fc2),
 ``GatedMlp`` (GLU family: fc1 produces value and gate), their tensor-parallel forms, and
-``FusedMLP`` / ``ParallelFusedMLP``, which need upstream's fused dense CUDA extension and are not
-provided (constructing one raises ``ImportError``)."""
+``FusedMLP`` / ``ParallelFusedMLP`` (:mod:`flash_attn.ops.fused_dense`, upstream's fused dense
+extension's API in PyTorch)."""
 
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from flash_attn.limits import cdiv
-
-_FUSED_DENSE_MISSING = (
-    "{name} needs upstream's fused_dense CUDA extension (fused_dense_lib), which this "
-    "flash-attn package does not provide; use flash_attn.modules.mlp.Mlp (same computation with "
-    "nn.Linear) or ParallelMLP for tensor parallelism"
-)
+from flash_attn.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from flash_attn.ops.activations import swiglu
+from flash_attn.ops.fused_dense import FusedMLP, ParallelFusedMLP  # noqa: F401  (upstream's names here)
 
 
 def _hidden_gated(in_features, hidden_features, multiple_of):
@@ -27,12 +24,7 @@ def _gate(y, activation):
         return F.glu(y, dim=-1)  # the same thing, one op
     value, gate = y.chunk(2, dim=-1)
     if activation is F.silu:
-        try:
-            from flash_attn.ops.activations import swiglu  # upstream's fused SwiGLU
-        except ImportError:
-            swiglu = None
-        if swiglu is not None:
-            return swiglu(gate, value)
+        return swiglu(gate, value)  # upstream's fused SwiGLU
     return value * activation(gate)
 
 
@@ -115,7 +107,6 @@ class ParallelMLP(nn.Module):
         device=None,
         dtype=None,
     ):
-        from flash_attn.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         if process_group is None:
             raise ValueError("ParallelMLP needs a process_group")
@@ -151,7 +142,6 @@ class ParallelGatedMlp(nn.Module):
         device=None,
         dtype=None,
     ):
-        from flash_attn.modules.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -167,16 +157,3 @@ class ParallelGatedMlp(nn.Module):
     def forward(self, x):
         return self.fc2(_gate(self.fc1(x), self.activation))
 
-
-class FusedMLP(nn.Module):
-    """Not provided: needs upstream's fused_dense CUDA extension."""
-
-    def __init__(self, *args, **kwargs):
-        raise ImportError(_FUSED_DENSE_MISSING.format(name="FusedMLP"))
-
-
-class ParallelFusedMLP(nn.Module):
-    """Not provided: needs upstream's fused_dense CUDA extension."""
-
-    def __init__(self, *args, **kwargs):
-        raise ImportError(_FUSED_DENSE_MISSING.format(name="ParallelFusedMLP"))

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from flash_attn import validation
+
 from flash_attn.utils.distributed import (
     all_gather,
     all_reduce,
@@ -37,6 +39,49 @@ class _CopyToParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         return all_reduce_raw(grad_output.clone(), ctx.process_group)[0], None
+
+
+def check_linear(x, weight, bias, names=("x", "weight", "bias")) -> None:
+    """``F.linear(x, weight, bias)``'s arguments under the caller's names (PyTorch's own errors
+    name ``input`` and ``mat1``): tensors, shapes that multiply, one dtype, one device."""
+    x_name, weight_name, bias_name = names
+    for name, t in ((x_name, x), (weight_name, weight)):
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {validation._describe(t)}")
+    if weight.dim() != 2:
+        raise ValueError(f"{weight_name} must have shape (out_features, in_features), got {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{x_name} must have shape (..., in_features = {weight.shape[1]}) to match {weight_name}, "
+                         f"got {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise TypeError(f"{x_name} ({x.dtype}) and {weight_name} ({weight.dtype}) must have the same dtype")
+    if weight.device != x.device:
+        raise ValueError(f"{weight_name} is on {weight.device} but {x_name} is on {x.device}")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"{bias_name} must be None or a torch.Tensor, got {validation._describe(bias)}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{bias_name} must have shape (out_features,) = ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"{bias_name} is on {bias.device} but {x_name} is on {x.device}")
+
+
+def check_parallel_options(process_group, sequence_parallel) -> None:
+    if process_group is not None and not isinstance(process_group, ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(process_group).__name__}")
+    validation.check_flag(sequence_parallel, "sequence_parallel")
+
+
+def _check_parallel_linear(in_features, out_features, process_group, bias, sequence_parallel, multiple_of) -> None:
+    validation.check_int(in_features, "in_features", minimum=1)
+    validation.check_int(out_features, "out_features", minimum=1)
+    if not isinstance(process_group, ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}")
+    check_parallel_options(process_group, sequence_parallel)
+    validation.check_flag(bias, "bias")
+    validation.check_int(multiple_of, "multiple_of", minimum=1)
 
 
 def _local_features(total: int, multiple_of: int, what: str, process_group: ProcessGroup) -> int:
@@ -63,12 +108,14 @@ class ColumnParallelLinear(nn.Linear):
         device=None,
         dtype=None,
     ) -> None:
+        _check_parallel_linear(in_features, out_features, process_group, bias, sequence_parallel, multiple_of)
         local = _local_features(out_features, multiple_of, "out_features", process_group)
         super().__init__(in_features, local, bias=bias, device=device, dtype=dtype)
         self.process_group = process_group
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x):
+        check_linear(x, self.weight, None)
         if self.sequence_parallel:
             x = all_gather(x, self.process_group)
         else:
@@ -92,6 +139,7 @@ class RowParallelLinear(nn.Linear):
         device=None,
         dtype=None,
     ) -> None:
+        _check_parallel_linear(in_features, out_features, process_group, bias, sequence_parallel, multiple_of)
         local = _local_features(in_features, multiple_of, "in_features", process_group)
         rank = dist.get_rank(process_group)
         super().__init__(local, out_features, bias=bias and rank == 0, device=device, dtype=dtype)
@@ -99,6 +147,7 @@ class RowParallelLinear(nn.Linear):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x):
+        check_linear(x, self.weight, None)
         out = F.linear(x, self.weight, self.bias)
         reduce = reduce_scatter if self.sequence_parallel else all_reduce
         return reduce(out, self.process_group)

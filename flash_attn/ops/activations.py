@@ -119,6 +119,23 @@ def swiglu_bwd(x, y, g):
     return dx.to(x.dtype), dy.to(x.dtype)
 
 
+# Upstream's CUDA jiterator sources of the two functions above (torch.cuda.jiterator._create_jit_fn
+# and _create_multi_output_jit_fn compile them on first use); this package computes SwiGLU with the
+# PyTorch functions above on every device, the strings are for code that builds its own jiterator.
+swiglu_fwd_codestring = """
+template <typename T> T swiglu_fwd(T x, T y) {
+    return float(x) * float(y) / (1.0f + ::exp(-float(x)));
+}
+"""
+swiglu_bwd_codestring = """
+template <typename T> void swiglu_bwd(T x, T y, T g, T& dx, T& dy) {
+    float s = 1.0f / (1.0f + ::exp(-float(x)));
+    dx = s * (1.0f + float(x) * (1.0f - s)) * float(g) * float(y);
+    dy = float(x) * s * float(g);
+}
+"""
+
+
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, y):

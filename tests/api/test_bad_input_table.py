@@ -1,13 +1,15 @@
 """The bad-input suite, generated from one table: for every parameter of every public function
 (``flash_attn_*``, the low-level API and ``flash_attn_gpu``, ``bert_padding``, ``layers.rotary``,
-``ops.triton.*``, ``losses``, ``modules.mha``) a bad type, a bad value where a value can be bad,
+``ops.triton.*``, ``losses``, ``modules.mha``, FlashAttention-3's interface ``fa3.*``, upstream's
+autograd classes ``FlashAttn*Func`` / ``ApplyRotaryEmb*`` / ``ops.triton.cross_entropy.CrossEntropyLoss``,
+``ops.layer_norm``, ``ops.rms_norm``, ``ops.fused_dense``) a bad type, a bad value where a value can be bad,
 and a bad shape or device where the parameter is a tensor, each with the exception type it must
 raise and the words its message must contain (the argument's name, what is accepted).
 
 Each function has a control: a valid call (:data:`CONTROLS`), which must run; every row of
 :data:`TABLE` is that call with one argument replaced. :func:`test_every_public_parameter_has_rows`
 enumerates the public functions from their modules (``__all__``, or the public names of
-``modules.mha``) and their parameters from their signatures: a function or a parameter without
+``modules.mha``; :data:`PUBLIC_CLASSES` for autograd classes outside an ``__all__``) and their parameters from their signatures: a function or a parameter without
 rows fails it, so a new one gets its rows (and its checks) before it ships.
 """
 
@@ -535,6 +537,21 @@ CONTROLS.update({
 })
 
 
+def _in_forward_order(cls, args: Callable[[], dict]) -> Callable[[], dict]:
+    """An autograd class's control: ``args`` in its forward's order (for ``.apply``, by position)."""
+    order = list(inspect.signature(cls.forward).parameters)[1:]
+    return lambda: {k: args()[k] for k in order}
+
+
+# Upstream's autograd classes (outside the modules' __all__; PUBLIC_CLASSES names them)
+CONTROLS.update({
+    name: Control(getattr(layers_rotary, name).apply, _in_forward_order(getattr(layers_rotary, name),
+                                                                        CONTROLS[of].args), positional=True)
+    for name, of in (("ApplyRotaryEmb", "apply_rotary_emb"), ("ApplyRotaryEmbQKV_", "apply_rotary_emb_qkv_"),
+                     ("ApplyRotaryEmbKV_", "apply_rotary_emb_kv_"))
+})
+
+
 def table_rows(function, parameter):
     rows(function, parameter, not_a("tensor", ValueError, value="table"),
          as_dtype(parameter, torch.int32, ValueError, "floating"),
@@ -548,7 +565,7 @@ def offsets_rows(function, parameter="seqlen_offsets"):
          with_rank(parameter, lambda x: x[None], ValueError, "shape"), on_meta(parameter))
 
 
-for name in ("apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary"):
+for name in ("apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary", "ApplyRotaryEmb"):
     rows(name, "x", not_a("floating", ValueError, value="x"), as_dtype("x", torch.int32, ValueError, "floating"),
          with_rank("x", lambda x: x[None], ValueError, "shape"))
     table_rows(name, "cos")
@@ -562,18 +579,21 @@ for name in ("apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary"):
     rows(name, "interleaved", not_a("bool", TypeError, value="yes"))
     rows(name, "inplace", not_a("bool", TypeError, value="yes"))
 rows("apply_rotary", "conjugate", not_a("bool", TypeError, value="yes"))
-rows("apply_rotary_emb_qkv_", "qkv", not_a("tensor", ValueError, value="qkv"),
-     as_dtype("qkv", torch.int32, ValueError, "floating"), with_rank("qkv", lambda x: x[0], ValueError, "shape"))
-rows("apply_rotary_emb_kv_", "kv", not_a("tensor", ValueError, value="kv"),
-     as_dtype("kv", torch.int32, ValueError, "floating"), with_rank("kv", lambda x: x[0], ValueError, "shape"))
-for name, tables in (("apply_rotary_emb_qkv_", ("cos", "sin", "cos_k", "sin_k")), ("apply_rotary_emb_kv_", ("cos", "sin"))):
+for name in ("apply_rotary_emb_qkv_", "ApplyRotaryEmbQKV_"):
+    rows(name, "qkv", not_a("tensor", ValueError, value="qkv"),
+         as_dtype("qkv", torch.int32, ValueError, "floating"), with_rank("qkv", lambda x: x[0], ValueError, "shape"))
+    rows(name, "cos_k", value(None, ValueError, "together"))
+    rows(name, "num_heads_q", not_a("int", TypeError, value="four"), value(0, ValueError, "heads"))
+for name in ("apply_rotary_emb_kv_", "ApplyRotaryEmbKV_"):
+    rows(name, "kv", not_a("tensor", ValueError, value="kv"),
+         as_dtype("kv", torch.int32, ValueError, "floating"), with_rank("kv", lambda x: x[0], ValueError, "shape"))
+for name, tables in (("apply_rotary_emb_qkv_", ("cos", "sin", "cos_k", "sin_k")), ("apply_rotary_emb_kv_", ("cos", "sin")),
+                     ("ApplyRotaryEmbQKV_", ("cos", "sin", "cos_k", "sin_k")), ("ApplyRotaryEmbKV_", ("cos", "sin"))):
     for p in tables:
         table_rows(name, p)
     rows(name, "interleaved", not_a("bool", TypeError, value="yes"))
     rows(name, "seqlen_offsets", not_a("int or a tensor", ValueError, value="one"), value(-1, ValueError, ">= 0"),
          value(bad("negative tensor", lambda a: i32(-1, 0)), ValueError, ">= 0"))
-rows("apply_rotary_emb_qkv_", "cos_k", value(None, ValueError, "together"))
-rows("apply_rotary_emb_qkv_", "num_heads_q", not_a("int", TypeError, value="four"), value(0, ValueError, "heads"))
 rows("apply_rotary_emb_torch", "x", not_a("tensor", ValueError, value="x"),
      as_dtype("x", torch.int32, ValueError, "floating"), with_rank("x", lambda x: x[0, 0], ValueError, "shape"))
 for p in ("cos", "sin"):
@@ -742,21 +762,24 @@ for name in ("LayerNormLinearFn", "layer_norm_linear_fn"):
     rows(name, "eps", not_a("float", ValueError, value="tiny"), value(-1.0, ValueError, "non-negative"))
     flag_rows(name, "prenorm", "residual_in_fp32", "is_rms_norm")
 
-L = "cross_entropy_loss"
-rows(L, "logits", not_a("floating-point tensor", ValueError, value="t"),
-     as_dtype("logits", torch.int32, ValueError, "floating-point"), with_rank("logits", lambda x: x[0], ValueError, "shape"))
-rows(L, "labels", not_a("integer tensor", ValueError, value=[1]), as_dtype("labels", F32, ValueError, "integer"),
-     with_rank("labels", lambda x: x[:2], ValueError, "shape"), on_meta("labels"),
-     value(bad("out of range", lambda a: torch.tensor([1, 2, 3, 10], device=dev())), ValueError, "vocab"))
-rows(L, "precomputed_lse", not_a("tensor", ValueError, value="lse"),
-     ("value", bad("int64", lambda a: torch.zeros(4, dtype=torch.int64, device=dev())), TypeError, "floating"),
-     ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
-     ("device", bad("meta", lambda a: torch.zeros(4, device="meta")), ValueError, "meta"))
-for p, bad_value in (("label_smoothing", 1.5), ("logit_scale", 0.0), ("lse_square_scale", -1.0)):
-    rows(L, p, not_a("float", TypeError, value="some"), value(bad_value, ValueError), value(NAN, ValueError))
-rows(L, "ignore_index", not_a("int", ValueError, value="none"))
-flag_rows(L, "inplace_backward")
-rows(L, "process_group", not_a("ProcessGroup", TypeError, value="world"))
+CE = "ops.triton.cross_entropy.CrossEntropyLoss"  # the autograd class behind cross_entropy_loss
+CONTROLS[CE] = Control(ops_cross_entropy.CrossEntropyLoss.apply, _in_forward_order(
+    ops_cross_entropy.CrossEntropyLoss, lambda: _loss_args() | {"smoothing": 0.0}), positional=True)
+for L, smoothing in (("cross_entropy_loss", "label_smoothing"), (CE, "smoothing")):
+    rows(L, "logits", not_a("floating-point tensor", ValueError, value="t"),
+         as_dtype("logits", torch.int32, ValueError, "floating-point"), with_rank("logits", lambda x: x[0], ValueError, "shape"))
+    rows(L, "labels", not_a("integer tensor", ValueError, value=[1]), as_dtype("labels", F32, ValueError, "integer"),
+         with_rank("labels", lambda x: x[:2], ValueError, "shape"), on_meta("labels"),
+         value(bad("out of range", lambda a: torch.tensor([1, 2, 3, 10], device=dev())), ValueError, "vocab"))
+    rows(L, "precomputed_lse", not_a("tensor", ValueError, value="lse"),
+         ("value", bad("int64", lambda a: torch.zeros(4, dtype=torch.int64, device=dev())), TypeError, "floating"),
+         ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
+         ("device", bad("meta", lambda a: torch.zeros(4, device="meta")), ValueError, "meta"))
+    for p, bad_value in ((smoothing, 1.5), ("logit_scale", 0.0), ("lse_square_scale", -1.0)):
+        rows(L, p, not_a("float", TypeError, value="some"), value(bad_value, ValueError), value(NAN, ValueError))
+    rows(L, "ignore_index", not_a("int", ValueError, value="none"))
+    flag_rows(L, "inplace_backward")
+    rows(L, "process_group", not_a("ProcessGroup", TypeError, value="world"))
 C = "CrossEntropyLoss.__init__"
 rows(C, "ignore_index", not_a("int", ValueError, value="none"))
 rows(C, "reduction", not_a("reduction", NotImplementedError, value=3), value("max", NotImplementedError))
@@ -985,6 +1008,382 @@ rows(P, "inference_params", not_a("InferenceParams", TypeError, value="params"))
 
 
 # ---------------------------------------------------------------------------------------------
+# FlashAttention-3's interface (fa3_interface/, its own distribution: loaded from its file), ids
+# ``fa3.NAME``; upstream's autograd classes (flash_attn.autograd_functions), called by ``.apply``
+
+
+def _fa3():
+    from support.fa3 import fa3_interface  # noqa: PLC0415
+
+    return fa3_interface()
+
+
+FA3 = _fa3()
+
+
+def _combine():
+    return dict(out_partial=t(3, 2, 5, 4, 32, dtype=F32), lse_partial=t(3, 2, 5, 4, dtype=F32, seed=1))
+
+
+def _scheduler():
+    return dict(batch_size=2, max_seqlen_q=1, max_seqlen_k=16, num_heads_q=4, num_heads_kv=2, headdim=32,
+                cache_seqlens=i32(3, 5))
+
+
+CONTROLS.update({
+    "fa3.flash_attn_func": Control(FA3.flash_attn_func, _attn),
+    "fa3.flash_attn_qkvpacked_func": Control(FA3.flash_attn_qkvpacked_func, _packed_dense),
+    "fa3.flash_attn_varlen_func": Control(FA3.flash_attn_varlen_func, _varlen),
+    "fa3.flash_attn_with_kvcache": Control(FA3.flash_attn_with_kvcache, _kvcache),
+    "fa3.flash_attn_combine": Control(FA3.flash_attn_combine, _combine),
+    "fa3.get_scheduler_metadata": Control(FA3.get_scheduler_metadata, _scheduler),
+})
+
+
+def fa3_options(function: str, cache: bool = False) -> None:
+    """FA3's options shared by its attention calls (``num_splits``/``pack_gqa`` where the call has them)."""
+    rows(function, "softmax_scale", not_a("float"), value(NAN, ValueError, "finite"), value(True, TypeError))
+    rows(function, "causal", not_a("bool", value="yes"))
+    rows(function, "window_size", not_a("pair", value=4), value(("a", 0), TypeError, "int"),
+         value((1, 2, 3), ValueError, "pair"), value((-2, 0), ValueError, "-1"))
+    rows(function, "softcap", not_a("float"), value(NAN, ValueError, ">= 0"), value(-1.0, ValueError, ">= 0"))
+    for p in ("q_descale", "k_descale", "v_descale"):  # FP8 is not built: any value is refused by name
+        rows(function, p, ("type", "x", NotImplementedError, "not supported"),
+             value(bad("a scale", lambda a: torch.ones(2, 2, device=dev())), NotImplementedError, "FP8"))
+    rows(function, "attention_chunk", ("type", "x", NotImplementedError, "not supported"),
+         value(4, NotImplementedError, "chunk"))
+    rows(function, "sm_margin", not_a("int", value="x"), value(-1, ValueError, ">= 0"), value(True, TypeError, "int"))
+    rows(function, "s_aux", not_a("floating-point", value="sinks"),
+         ("value", bad("int32", lambda a: torch.zeros(4, dtype=torch.int32, device=dev())), TypeError, "floating"),
+         ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
+         ("device", bad("meta", lambda a: torch.zeros(4, device="meta")), ValueError, "meta"))
+    if function != "fa3.flash_attn_qkvpacked_func":
+        rows(function, "num_splits", not_a("int", value="two"), value(-1, ValueError, ">= 0"))
+        rows(function, "pack_gqa", not_a("bool", value="yes"), value(1, TypeError, "bool"))
+    if not cache:
+        rows(function, "deterministic", not_a("bool", value="yes"))
+        rows(function, "return_attn_probs", not_a("bool", value="yes"))
+
+
+for name in ("fa3.flash_attn_func", "fa3.flash_attn_qkvpacked_func", "fa3.flash_attn_varlen_func",
+             "fa3.flash_attn_with_kvcache"):
+    fa3_options(name, cache=name.endswith("kvcache"))
+for name in ("fa3.flash_attn_func", "fa3.flash_attn_varlen_func"):
+    for p in ("q", "k", "v"):
+        attention_tensor(name, p)
+attention_tensor("fa3.flash_attn_qkvpacked_func", "qkv", device=False)
+rows("fa3.flash_attn_qkvpacked_func", "num_heads_q", not_a("int", value="four"), value(0, ValueError, ">= 1"),
+     value(3, ValueError, "num_heads_q"))
+FV = "fa3.flash_attn_varlen_func"
+cu_seqlens(FV, "cu_seqlens_q")
+cu_seqlens(FV, "cu_seqlens_k")
+max_seqlen(FV, "max_seqlen_q")
+max_seqlen(FV, "max_seqlen_k")
+for p in ("seqused_q", "seqused_k"):
+    rows(FV, p, not_a("int32", value=[3, 2]), value(bad("int64", lambda a: torch.ones(2, dtype=torch.int64)), TypeError,
+                                                    "int32"),
+         ("shape", bad("(3,)", lambda a: i32(1, 1, 1)), TypeError, "shape"),
+         ("device", bad("meta", lambda a: torch.zeros(2, dtype=torch.int32, device="meta")), ValueError, "meta"),
+         value(bad("past the length", lambda a: i32(9, 1)), ValueError, "between"))
+FK = "fa3.flash_attn_with_kvcache"
+attention_tensor(FK, "q", device=False)
+for p in ("k_cache", "v_cache", "k", "v"):
+    attention_tensor(FK, p)
+rows(FK, "k", value(None, ValueError, "together"))
+for p in ("rotary_cos", "rotary_sin"):
+    rows(FK, p, not_a("shape", ValueError, value="table"), as_dtype(p, torch.int32, TypeError, "floating"),
+         with_rank(p, lambda x: x[None], ValueError, "seqlen_ro"), on_meta(p))
+for p in ("cache_seqlens", "cache_batch_idx", "cache_leftpad"):
+    rows(FK, p, not_a("int32", value="lengths"), as_dtype(p, torch.int64, TypeError, "int32"),
+         with_rank(p, lambda x: x[None], TypeError, "shape"), on_meta(p))
+rows(FK, "cache_seqlens", value(bad("past the cache", lambda a: i32(3, 16)), ValueError, "cache"))
+rows(FK, "page_table", not_a("int32", value=[[0]]),
+     ("value", bad("fp32 table", lambda a: torch.zeros(2, 1, device=dev())), TypeError, "int32"),
+     ("shape", bad("1-D", lambda a: i32(0, 1)), ValueError, "shape"))
+rows(FK, "cu_seqlens_q", not_a("int32", value=[0, 1, 2]),
+     value(bad("int64", lambda a: torch.tensor([0, 1, 2], device=dev())), TypeError, "int32"),
+     ("shape", bad("2-D", lambda a: i32(0, 1, 2)[None]), ValueError, "batch_size + 1"),
+     ("device", bad("meta", lambda a: torch.zeros(3, dtype=torch.int32, device="meta")), ValueError, "meta"))
+rows(FK, "cu_seqlens_k_new", ("type", "x", NotImplementedError, "cu_seqlens_q"),
+     value(bad("without cu_seqlens_q", lambda a: i32(0, 1, 2)), NotImplementedError, "cu_seqlens_q"))
+rows(FK, "max_seqlen_q", not_a("int", value="four"), value(-1, ValueError, ">= 0"))
+rows(FK, "rotary_seqlens", ("type", "x", NotImplementedError, "not supported"),
+     value(bad("lengths", lambda a: i32(3, 5)), NotImplementedError, "cache_seqlens"))
+rows(FK, "rotary_interleaved", not_a("bool", value="yes"))
+rows(FK, "scheduler_metadata", not_a("tensor", value="plan"))
+rows(FK, "return_softmax_lse", not_a("bool", value="yes"))
+FC = "fa3.flash_attn_combine"
+for p, rank in (("out_partial", 5), ("lse_partial", 4)):
+    rows(FC, p, not_a("float32", value="parts"), as_dtype(p, F16, TypeError, "float32"),
+         with_rank(p, lambda x: x[None], ValueError, f"{rank} dims"), on_meta(p))
+rows(FC, "lse_partial", ("shape", bad("(3, 2, 5, 3)", lambda a: a["lse_partial"][..., :3]), ValueError, "shape"))
+rows(FC, "out", not_a("tensor", value="out"),
+     ("shape", bad("(3,)", lambda a: torch.zeros(3, device=dev())), ValueError, "shape"),
+     ("device", bad("meta", lambda a: torch.zeros(2, 5, 4, 32, device="meta")), ValueError, "meta"))
+rows(FC, "out_dtype", not_a("float32", value="fp16"), value(torch.int32, TypeError, "bfloat16"))
+FS = "fa3.get_scheduler_metadata"
+for p, least in (("batch_size", 1), ("max_seqlen_q", 0), ("max_seqlen_k", 0), ("num_heads_q", 1), ("num_heads_kv", 1),
+                 ("headdim", 1), ("headdim_v", 1), ("page_size", 1), ("max_seqlen_k_new", 0), ("num_splits", 0),
+                 ("sm_margin", 0)):
+    rows(FS, p, not_a("int", value="x"), value(-1, ValueError, f">= {least}"))
+rows(FS, "cache_seqlens", not_a("int32", value=[3, 5]))
+rows(FS, "qkv_dtype", not_a("dtype", value="bf16"), value(torch.int32, TypeError, "floating"))
+for p in ("cu_seqlens_q", "cu_seqlens_k_new", "cache_leftpad"):
+    rows(FS, p, not_a("int32", value=[0, 1]), value(bad("int64", lambda a: torch.zeros(3, dtype=torch.int64)),
+                                                    TypeError, "int32"))
+rows(FS, "causal", not_a("bool", value="yes"))
+rows(FS, "has_softcap", not_a("bool", value="yes"))
+rows(FS, "window_size", not_a("pair", value=4), value((-2, 0), ValueError, "-1"))
+rows(FS, "attention_chunk", ("type", "x", NotImplementedError, "not supported"), value(4, NotImplementedError, "chunk"))
+rows(FS, "pack_gqa", not_a("bool", value="yes"))
+
+# flash_attn.autograd_functions: upstream's positional .apply (is_grad_enabled last)
+from flash_attn import autograd_functions  # noqa: E402
+
+
+def _apply_options(**tensors):
+    return dict(tensors, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                alibi_slopes=None, deterministic=False, return_softmax=False)
+
+
+def _apply_control(cls):
+    """A positional control in the class's forward order (its parameters, from its signature)."""
+    order = list(inspect.signature(cls.forward).parameters)[1:]
+    pools = {**_attn(), **_kv_dense(), **_packed_dense()}
+    if "cu_seqlens_q" in order or "cu_seqlens" in order:
+        pools = {**_varlen(), **_kv_varlen(), **_packed_varlen()}
+    options = _apply_options(block_table=None, is_grad_enabled=False)
+    return Control(cls.apply, lambda: {k: (pools | options)[k] for k in order}, positional=True)
+
+
+for cls_name in autograd_functions.__all__:
+    CONTROLS[cls_name] = _apply_control(getattr(autograd_functions, cls_name))
+    function, varlen = cls_name, "Varlen" in cls_name
+    parameters = list(inspect.signature(getattr(autograd_functions, cls_name).forward).parameters)[1:]
+    for p in ("q", "k", "v", "qkv", "kv"):
+        if p in parameters:
+            rows(function, p, not_a("torch.Tensor", value="x"), as_dtype(p, torch.int32, TypeError, "float16"),
+                 with_rank(p, lambda x: x.unsqueeze(0), ValueError, "shape"))
+    for p in ("k", "v"):
+        if p in parameters:
+            rows(function, p, on_meta(p))
+    rows(function, "dropout_p", not_a("float"), value(1.5, ValueError, "[0, 1)"))
+    rows(function, "softmax_scale", not_a("float"), value(NAN, ValueError, "finite"))
+    rows(function, "window_size", not_a("pair", value=4), value((-2, 0), ValueError, "-1"))
+    rows(function, "softcap", not_a("float"), value(NAN, ValueError, ">= 0"))
+    rows(function, "alibi_slopes", schema("Tensor", value="slopes"),
+         ("value", bad("fp16", lambda a: torch.ones(4, dtype=F16, device=dev())), TypeError, "float32"),
+         ("shape", bad("(3,)", lambda a: torch.ones(3, device=dev())), ValueError, "shape"))
+    for p in ("causal", "deterministic", "return_softmax", "is_grad_enabled"):
+        rows(function, p, not_a("bool", value="yes"))
+    for p in ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens"):
+        if p in parameters:
+            rows(function, p, schema("Tensor", value=[0, 3]), as_dtype(p, torch.int64, TypeError, "int32"),
+                 on_meta(p), value(bad("decreasing", lambda a, p=p: a[p].flip(0)), ValueError))
+    for p in ("max_seqlen_q", "max_seqlen_k", "max_seqlen"):
+        if p in parameters:
+            rows(function, p, schema("int", value="four"), value(-1, ValueError, "non-negative"))
+    if "block_table" in parameters:
+        rows(function, "block_table", schema("Tensor", value=[[0]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# ops.layer_norm, ops.rms_norm: upstream's dropout_layer_norm API (ids ops.layer_norm.NAME,
+# ops.rms_norm.NAME); controls and rows generated from the parameters' names
+
+
+from flash_attn.ops import layer_norm as ops_layer_norm  # noqa: E402
+from flash_attn.ops import rms_norm as ops_rms_norm  # noqa: E402
+
+NORM_MODULES = {"ops.layer_norm.": ops_layer_norm, "ops.rms_norm.": ops_rms_norm}
+NORM_INPUTS = ("x0", "x", "x1")
+NORM_FEATURES = ("weight", "bias", "gamma", "beta", "weight0", "bias0", "weight1", "bias1", "gamma0", "beta0",
+                 "gamma1", "beta1", "colscale", "layerscale")
+NORM_FLAGS = ("prenorm", "residual_in_fp32", "is_rms_norm", "return_dmask", "return_dropout_mask")
+
+
+def _norm_value(name: str, subset: bool, seed: int):
+    """A valid value of an upstream norm argument, by its name (4 rows of 32 features; a subset
+    call's x0 holds the 4 present rows of 6)."""
+    if name in NORM_INPUTS:
+        return t(4, 32, dtype=F32, seed=seed)
+    if name == "residual":
+        return t(6 if subset else 4, 32, dtype=F32, seed=seed)
+    if name in NORM_FEATURES:
+        return t(32, dtype=F32, seed=seed)
+    fixed = {"rowscale": lambda: t(4, dtype=F32, seed=seed), "dropout_p": 0.0, "epsilon": 1e-5, "eps": 1e-5,
+             "x0_subset": lambda: torch.tensor([[1, 2, 0], [3, 0, 4]], device=dev()),
+             "out_subset": lambda: torch.tensor([[1, 0, 2], [0, 3, 0]], device=dev()), "rowscale_const": 1.0,
+             "out_numrows": 3, "hidden_size": 32, "p": 0.0, "device": None, "dtype": None, "alignment_in_bytes": 16}
+    if name in NORM_FLAGS:
+        return False
+    value = fixed[name]
+    return value() if callable(value) else value
+
+
+def _norm_control(fn, parameters, make=None, positional=False):
+    subset = "x0_subset" in parameters
+    return Control(fn, lambda: {p: _norm_value(p, subset, seed) for seed, p in enumerate(parameters)}, make=make,
+                   positional=positional)
+
+
+def _norm_rows(function: str, parameters) -> None:
+    first = next((p for p in parameters if p in NORM_INPUTS), None)
+    for p in parameters:
+        if p in NORM_INPUTS:
+            words = ("hidden_size",) if p == first else ("shape",)
+            rows(function, p, not_a("floating-point tensor", TypeError, value="t"),
+                 as_dtype(p, torch.int32, TypeError, "floating-point"),
+                 with_rank(p, (lambda x: x[..., :0]) if p == first else (lambda x: x[:2]), ValueError, *words),
+                 on_meta(p))
+        elif p == "residual" or p in NORM_FEATURES or p == "rowscale":
+            rows(function, p, not_a("floating-point tensor", TypeError, value="t"),
+                 as_dtype(p, torch.int32, TypeError, "floating-point"),
+                 with_rank(p, lambda x: x[:3], ValueError, "row" if p == "rowscale" else "shape"), on_meta(p))
+        elif p in ("dropout_p", "p"):
+            rows(function, p, not_a("float", TypeError, value="some"), value(1.5, ValueError, "[0, 1)"))
+        elif p in ("epsilon", "eps"):
+            rows(function, p, not_a("float", TypeError, value="tiny"), value(-1.0, ValueError, ">= 0"))
+        elif p in NORM_FLAGS:
+            rows(function, p, not_a("bool", TypeError, value="yes"))
+        elif p in ("x0_subset", "out_subset"):
+            rows(function, p, not_a("integer tensor", TypeError, value="rows"),
+                 as_dtype(p, F32, TypeError, "integer"), with_rank(p, lambda x: x[:1], ValueError, "shape"),
+                 on_meta(p))
+        elif p == "rowscale_const":
+            rows(function, p, not_a("float", TypeError, value="one"))
+        elif p == "out_numrows":
+            rows(function, p, not_a("int", TypeError, value="three"), value(-1, ValueError, ">= 0"))
+        elif p == "hidden_size":
+            rows(function, p, not_a("int", TypeError, value="wide"), value(0, ValueError, ">= 1"))
+        elif p == "device":
+            rows(function, p, not_a("device", RuntimeError, value="nowhere"))
+        elif p == "dtype":
+            rows(function, p, not_a("dtype", TypeError, value="fp32"), value(torch.int32, TypeError, "floating"))
+
+
+for prefix, module in NORM_MODULES.items():
+    for name in module.__all__:
+        if name == "maybe_align":
+            continue
+        obj = getattr(module, name)
+        if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
+            init = [p for p in inspect.signature(obj).parameters]
+            CONTROLS[f"{prefix}{name}.__init__"] = _norm_control(obj, init)
+            _norm_rows(f"{prefix}{name}.__init__", init)
+            forward = list(inspect.signature(obj.forward).parameters)[1:]
+            CONTROLS[f"{prefix}{name}.forward"] = _norm_control(obj.forward, forward, make=lambda obj=obj: obj(32))
+            _norm_rows(f"{prefix}{name}.forward", forward)
+        else:
+            apply = inspect.isclass(obj)
+            parameters = list(inspect.signature(obj.apply if apply else obj).parameters)
+            CONTROLS[prefix + name] = _norm_control(obj.apply if apply else obj, parameters, positional=apply)
+            _norm_rows(prefix + name, parameters)
+MA = "ops.layer_norm.maybe_align"
+CONTROLS[MA] = Control(ops_layer_norm.maybe_align, lambda: dict(x=t(4, 32), alignment_in_bytes=16))
+rows(MA, "x", not_a("torch.Tensor", TypeError, value="x"))
+rows(MA, "alignment_in_bytes", not_a("int", TypeError, value="sixteen"), value(0, ValueError, ">= 1"))
+
+
+# ---------------------------------------------------------------------------------------------
+# ops.fused_dense: upstream's fused_dense_lib API on F.linear (ids ops.fused_dense.NAME); its
+# ColumnParallelLinear / RowParallelLinear are modules.tensor_parallel's; rows by parameter name
+
+
+from flash_attn.ops import fused_dense as ops_fused_dense  # noqa: E402
+
+FD = "ops.fused_dense."
+
+
+def _dense_value(name: str, init: bool, seed: int):
+    """A valid value of a fused_dense argument, by its name (16 features in, 32 hidden, 8 out)."""
+    tensors = {"x": (4, 16), "weight": (8, 16), "bias": (8,), "weight1": (32, 16), "bias1": (32,),
+               "weight2": (16, 32), "bias2": (16,)}
+    if name in tensors and not (init and name in ("bias", "bias1", "bias2")):
+        return t(*tensors[name], dtype=F32, seed=seed)
+    values = {"in_features": 16, "out_features": 8, "hidden_features": None, "activation": "gelu_approx",
+              "checkpoint_lvl": 0, "heuristic": "auto" if init else 0, "multiple_of": 1, "device": None, "dtype": None,
+              "process_group": _single_rank_group, "sequence_parallel": False}
+    if name not in values:
+        return True if name in ("bias", "bias1", "bias2", "save_pre_act") else False  # flags
+    value = values[name]
+    return value() if callable(value) else value
+
+
+def _dense_needs_group(name: str) -> bool:
+    return name.startswith(("ColumnParallelLinear", "RowParallelLinear", "ParallelFusedMLP"))
+
+
+def _dense_control(function: str, fn, parameters, make=None, positional=False):
+    init = function.endswith(".__init__")
+    group = _dense_needs_group(function[len(FD):])
+
+    def args():
+        a = {p: _dense_value(p, init, seed) for seed, p in enumerate(parameters)}
+        if "process_group" in a and not group:
+            a["process_group"] = None  # the single-rank group is for the parallel layers
+        return a
+
+    return Control(fn, args, make=make, positional=positional)
+
+
+def _dense_rows(function: str, parameters) -> None:
+    init = function.endswith(".__init__")
+    for p in parameters:
+        if p == "x":
+            rows(function, p, not_a("floating-point", TypeError, value="t"),
+                 as_dtype(p, torch.int32, TypeError, "floating-point"),
+                 with_rank(p, lambda x: x[:, :3], ValueError, "in_features"), on_meta(p))
+        elif p in ("weight", "weight1", "weight2"):
+            rows(function, p, not_a("floating-point", TypeError, value="w"),
+                 with_rank(p, lambda x: x[0], ValueError, "out_features"), on_meta(p))
+        elif p in ("bias", "bias1", "bias2") and not init:
+            rows(function, p, not_a("tensor", TypeError, value="b"),
+                 with_rank(p, lambda x: x[:3], ValueError, "out_features"), on_meta(p))
+        elif p in ("bias", "bias1", "bias2", "return_residual", "sequence_parallel", "save_pre_act"):
+            rows(function, p, not_a("bool", TypeError, value="yes"))
+        elif p == "activation":
+            rows(function, p, not_a("one of", ValueError, value=3), value("swish", ValueError, "one of"))
+        elif p == "checkpoint_lvl":
+            rows(function, p, not_a("0, 1 or 2", ValueError, value="none"), value(3, ValueError, "0, 1 or 2"))
+        elif p == "heuristic":
+            rows(function, p, not_a("int", TypeError, value="fast"), value(-2, ValueError, ">= -1"))
+        elif p == "process_group":
+            rows(function, p, not_a("ProcessGroup", TypeError, value="world"))
+        elif p in ("in_features", "out_features", "hidden_features", "multiple_of"):
+            rows(function, p, not_a("int", TypeError, value="wide"), value(0, ValueError, ">= 1"))
+        elif p == "device":
+            rows(function, p, not_a("device", RuntimeError, value="nowhere"))
+        elif p == "dtype":
+            rows(function, p, not_a("dtype", TypeError, value="fp32"))
+
+
+def _dense_module(cls):
+    a = {"process_group": _single_rank_group()} if _dense_needs_group(cls.__name__) else {}
+    if cls.__name__ in ("ColumnParallelLinear", "RowParallelLinear", "FusedDense"):
+        return cls(16, 8, device=dev(), **a)
+    return cls(16, device=dev(), **a)
+
+
+for name in ops_fused_dense.__all__:
+    obj = getattr(ops_fused_dense, name)
+    if inspect.isclass(obj) and issubclass(obj, torch.nn.Module):
+        init = list(inspect.signature(obj).parameters)
+        CONTROLS[f"{FD}{name}.__init__"] = _dense_control(f"{FD}{name}.__init__", obj, init)
+        _dense_rows(f"{FD}{name}.__init__", init)
+        forward = list(inspect.signature(obj.forward).parameters)[1:]
+        CONTROLS[f"{FD}{name}.forward"] = _dense_control(f"{FD}{name}.forward", obj.forward, forward,
+                                                         make=lambda obj=obj: _dense_module(obj))
+        _dense_rows(f"{FD}{name}.forward", forward)
+    else:
+        apply = inspect.isclass(obj)
+        parameters = list(inspect.signature(obj.apply if apply else obj).parameters)
+        CONTROLS[FD + name] = _dense_control(FD + name, obj.apply if apply else obj, parameters, positional=apply)
+        _dense_rows(FD + name, parameters)
+rows(f"{FD}ParallelFusedMLP.__init__", "process_group", value(None, ValueError, "needs"))
+
+
+# ---------------------------------------------------------------------------------------------
 # The public functions and their parameters, from their modules.
 
 
@@ -1009,6 +1408,8 @@ def _parameters(obj) -> dict[str, list[str]]:
     if getattr(obj, "__self__", None) is not None and inspect.isclass(obj.__self__) \
             and issubclass(obj.__self__, torch.autograd.Function):
         return {"": names(_apply_signature(obj))}
+    if inspect.isclass(obj) and "apply" in vars(obj) and not issubclass(obj, torch.nn.Module):
+        return {"": names(inspect.signature(obj.apply))}  # upstream's Fn class spelled with a plain apply
     if inspect.isclass(obj):
         found = {".__init__": names(inspect.signature(obj.__init__))}  # inherited ones too (nn.Linear's)
         if "forward" in obj.__dict__:
@@ -1023,6 +1424,13 @@ PUBLIC_MODULES = {
 }
 
 
+# Upstream's autograd classes outside the modules' __all__, under their ids here.
+PUBLIC_CLASSES = {
+    "ApplyRotaryEmb": layers_rotary.ApplyRotaryEmb, "ApplyRotaryEmbQKV_": layers_rotary.ApplyRotaryEmbQKV_,
+    "ApplyRotaryEmbKV_": layers_rotary.ApplyRotaryEmbKV_, CE: ops_cross_entropy.CrossEntropyLoss,
+}
+
+
 def public_functions() -> dict[str, list[str]]:
     """Every public callable id and its parameter names."""
     found: dict[str, list[str]] = {}
@@ -1032,6 +1440,17 @@ def public_functions() -> dict[str, list[str]]:
         found.update({name + k: v for k, v in _parameters(getattr(lowlevel, name)).items()})
     for name in entry_points.__all__:
         found.update({f"flash_attn_gpu.{name}" + k: v for k, v in _parameters(getattr(entry_points, name)).items()})
+    for name in FA3.__all__:  # FA3's names equal flash_attn's own: ids fa3.NAME
+        found.update({f"fa3.{name}" + k: v for k, v in _parameters(getattr(FA3, name)).items()})
+    for name in autograd_functions.__all__:
+        found.update({name + k: v for k, v in _parameters(getattr(autograd_functions, name)).items()})
+    for prefix, module in NORM_MODULES.items():
+        for name in module.__all__:
+            found.update({prefix + name + k: v for k, v in _parameters(getattr(module, name)).items()})
+    for name in ops_fused_dense.__all__:
+        found.update({FD + name + k: v for k, v in _parameters(getattr(ops_fused_dense, name)).items()})
+    for name, cls in PUBLIC_CLASSES.items():
+        found.update({name + k: v for k, v in _parameters(cls).items()})
     for module in (bert_padding, layers_rotary, ops_rotary, layer_norm, ops_cross_entropy, linear, mlp,
                    k_activations, losses_cross_entropy):
         for name in module.__all__:

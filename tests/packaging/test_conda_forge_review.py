@@ -148,17 +148,20 @@ def test_noarch_values_are_literals_and_the_noarch_output_is_platform_free():
     """conda-smithy lints a `build.noarch` that is not literally `python` or `generic` (R-020), so a
     CPU build that is noarch and CUDA builds that are not must be two outputs, not one output with
     a templated noarch. The noarch output is one file for every platform: none of its requirements
-    may depend on the platform (a noarch package's selectors are evaluated once, on linux-64)."""
+    may depend on the platform (a noarch package's selectors are evaluated once, on linux-64). The
+    same holds for the third output, FlashAttention-3's interface (flash-attn-fa3), noarch too."""
     platform_names = {"linux", "osx", "win", "unix", "x86_64", "aarch64", "arm64", "target_platform",
                       "build_platform", "host_platform"}
     assert "noarch" not in RECIPE_YAML["build"]
     noarch = [o for o in RECIPE_YAML["outputs"] if "noarch" in o["build"]]
-    assert [o["build"]["noarch"] for o in noarch] == ["python"]
-    conditions = [item["if"] for items in noarch[0]["requirements"].values() if isinstance(items, list)
-                  for item in items if isinstance(item, dict) and "if" in item]
-    for condition in conditions:
-        assert not platform_names & set(re.findall(r"\w+", condition)), condition
-    assert noarch[0]["build"]["skip"] == ["is_cuda"]
+    assert [(o["package"]["name"], o["build"]["noarch"]) for o in noarch] == [("${{ name }}", "python"),
+                                                                             ("${{ name }}-fa3", "python")]
+    for output in noarch:
+        conditions = [item["if"] for items in output["requirements"].values() if isinstance(items, list)
+                      for item in items if isinstance(item, dict) and "if" in item]
+        for condition in conditions:
+            assert not platform_names & set(re.findall(r"\w+", condition)), condition
+        assert output["build"]["skip"] == ["is_cuda"]
 
 
 # --- the feedstock's files -----------------------------------------------------------------------------
@@ -167,15 +170,17 @@ def test_what_replaces_the_feedstocks_files():
     """The flash-attn feedstock today has recipe/setup.py and recipe/pyproject.toml (its own build of
     upstream's CUDA extension), LICENSE_CUTLASS.txt (upstream vendors CUTLASS) and the outputs
     flash-attn-fused-dense and flash-attn-layer-norm. Here: pyproject.toml's scikit-build-core
-    build, no CUTLASS code (one license file), and one package name (the two extension modules are
-    not implemented: importing them raises ImportError naming the old packages, which stay on
-    their upstream flash-attn through their exact pin; docs/conda-forge.md)."""
+    build, no CUTLASS code (one license file), and one package name for flash-attn (the two
+    extension modules' APIs are part of it, each naming the package it replaces; the old packages
+    stay on their upstream flash-attn through their exact pin, docs/conda-forge.md step 7), beside
+    the FA3 interface's output."""
     backend = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]["build-backend"]
     assert backend == "scikit_build_core.build" and not (REPO / "setup.py").exists()
     assert RECIPE_YAML["about"]["license_file"] == "LICENSE"
     sources = [p for folder in ("flash_attn", "csrc") for p in (REPO / folder).rglob("*") if p.is_file()]
     assert not [p for p in sources if p.suffix in (".py", ".cpp", ".h", ".cu", ".txt") and "cutlass" in p.read_text().lower()]
-    assert {o["package"]["name"] for o in RECIPE_YAML["outputs"]} == {"${{ name }}"}
+    # flash-attn's two outputs, and FlashAttention-3's interface (tests/packaging/test_fa3_output.py)
+    assert {o["package"]["name"] for o in RECIPE_YAML["outputs"]} == {"${{ name }}", "${{ name }}-fa3"}
     for module, package in (("fused_dense", "flash-attn-fused-dense"), ("layer_norm", "flash-attn-layer-norm")):
         assert package in (REPO / "flash_attn" / "ops" / f"{module}.py").read_text()
 

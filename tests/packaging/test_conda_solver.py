@@ -29,9 +29,11 @@ rattler = pytest.importorskip("rattler", reason="py-rattler is not installed (pi
 pytest.importorskip("rattler_build", reason="py-rattler-build is not installed (pip install py-rattler-build)")
 
 from support import conda_channel, conda_forge_pinning as cf  # noqa: E402
-from support.packaging_helpers import RECIPE, render  # noqa: E402
+from support.packaging_helpers import FA3_OUTPUT, MAIN_OUTPUT, RECIPE, render  # noqa: E402
 
 PLATFORMS = ["linux-64", "linux-aarch64", "osx-arm64", "win-64"]
+# The noarch outputs: the CPU build and FlashAttention-3's interface, one file each for every platform.
+NOARCH = ("cpu", "fa3")
 
 
 def virtual(name: str, version: str, build: str = "0"):
@@ -81,6 +83,10 @@ SCENARIOS = {
     "CPU build asked for on a GPU machine": Scenario("linux, CUDA 13 driver", ["flash-attn * cpu*"], "cpu"),
     "linux-aarch64 without a GPU": Scenario("linux-aarch64, no GPU", ["flash-attn"], "cpu", pytorch="cpu"),
     "linux-aarch64 with a CUDA 13 driver": Scenario("linux-aarch64, CUDA 13 driver", ["flash-attn"], "cuda130", pytorch="cuda130"),
+    # FlashAttention-3's interface brings flash-attn, and the same build flash-attn alone would get
+    "FA3 interface, CUDA 13 driver": Scenario("linux, CUDA 13 driver", ["flash-attn-fa3"], "cuda130", pytorch="cuda130"),
+    "FA3 interface, macOS": Scenario("macOS", ["flash-attn-fa3"], "cpu", pytorch="cpu"),
+    "FA3 interface, Windows": Scenario("windows, CUDA 13 driver", ["flash-attn-fa3"], "cpu"),
 }
 
 
@@ -97,31 +103,36 @@ def ours(tmp_path_factory) -> dict:
     """The feedstock's builds: platform -> kind (cuda129/cuda130/cpu) -> repodata record, as
     rattler-build itself renders and solves them (``--render-only --with-solve``) over a channel
     of real packages: their ``depends`` are the recipe's run requirements plus the run_exports
-    rattler-build attached from the solved build and host environments. Every platform's "cpu" is
-    the one noarch record the feedstock publishes (built on linux-64)."""
+    rattler-build attached from the solved build and host environments. Every platform's "cpu" and
+    "fa3" are the noarch records the feedstock publishes (built on linux-64)."""
     folder = tmp_path_factory.mktemp("rattler-build")
     url = conda_channel.write_package_channel(folder / "channel", [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)])
     builds = {}
     for platform in PLATFORMS:
         variants = write_variant_file(cf.variant_config(cf.feedstock_spec(platform)), folder / f"{platform}.yaml")
         records = conda_channel.rattler_build_records(RECIPE, platform, url, [variants])
-        builds[platform] = {r["build"].split("_")[0]: r for r in records}
+        builds[platform] = {r["build"].split("_")[0]: r for r in records if r["name"] == MAIN_OUTPUT}
         # every build the feedstock renders (skipped ones left out) was solved
         assert sorted(builds[platform]) == sorted(v.recipe["build"]["string"].split("_")[0]
                                                   for v in render(platform, cf.variant_config(cf.feedstock_spec(platform))))
-    noarch = builds["linux-64"]["cpu"]
-    assert noarch["subdir"] == "noarch" and noarch["noarch"] == "python"
-    for platform in PLATFORMS:
-        # rendered anywhere, the CPU build is the same file; conda-smithy builds it on linux-64 only
-        assert builds[platform]["cpu"]["fn"] == noarch["fn"] and builds[platform]["cpu"]["depends"] == noarch["depends"]
-        builds[platform]["cpu"] = noarch
-    noarch["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
+        # FlashAttention-3's interface: one noarch package, rendered with the CPU variant
+        [builds[platform]["fa3"]] = [r for r in records if r["name"] == FA3_OUTPUT]
+        assert len(records) == len(builds[platform]), records
+    for kind in NOARCH:
+        noarch = builds["linux-64"][kind]
+        assert noarch["subdir"] == "noarch" and noarch["noarch"] == "python"
+        for platform in PLATFORMS:
+            # rendered anywhere, a noarch output is the same file; conda-smithy builds it on linux-64 only
+            assert builds[platform][kind]["fn"] == noarch["fn"] and builds[platform][kind]["depends"] == noarch["depends"]
+            builds[platform][kind] = noarch
+    builds["linux-64"]["cpu"]["timestamp"] += 3_600_000  # the CPU build is the newest (see the docstring)
     return builds
 
 
 def _channel(folder: Path, ours: dict) -> str:
     records = [r for p in PLATFORMS for r in conda_channel.conda_forge_records(p)]
-    records += [r for p in PLATFORMS for kind, r in ours[p].items() if kind != "cpu"] + [ours["linux-64"]["cpu"]]
+    records += [r for p in PLATFORMS for kind, r in ours[p].items() if kind not in NOARCH]
+    records += [ours["linux-64"][kind] for kind in NOARCH]
     return conda_channel.write_channel(folder, records)
 
 
@@ -148,6 +159,7 @@ def test_solver_picks_the_right_build(name, channel, ours):
     locked = solve(channel, scenario.machine, scenario.installed).values() if scenario.installed else ()
     env = solve(channel, scenario.machine, scenario.specs, locked)
     flash_attn, pytorch = str(env["flash-attn"].build), str(env["pytorch"].build)
+    assert ("flash-attn-fa3" in env) == ("flash-attn-fa3" in scenario.specs)  # never without asking
     assert flash_attn == ours[platform][scenario.flash_attn]["build"], f"{name}: got {flash_attn} with pytorch {pytorch}"
     assert pytorch.startswith(scenario.pytorch), pytorch
     if scenario.flash_attn != "cpu":
@@ -196,7 +208,12 @@ def test_records_carry_the_run_exports(ours):
                        for d in depends)
     assert ours["linux-64"]["cuda129"]["build_number"] == ours["linux-64"]["cuda130"]["build_number"] == 200
     assert ours["linux-64"]["cpu"]["build_number"] == 0
-    # the CUDA builds: CEP-20 (their platform's subdir, noarch python in index.json); the CPU build: noarch
+    # the CUDA builds: CEP-20 (their platform's subdir, noarch python in index.json); the CPU build
+    # and the FA3 interface: noarch
     assert all(r["noarch"] == "python" for builds in ours.values() for r in builds.values())
-    assert {r["subdir"] for builds in ours.values() for k, r in builds.items() if k != "cpu"} == {"linux-64", "linux-aarch64"}
+    assert {r["subdir"] for builds in ours.values() for k, r in builds.items() if k not in NOARCH} == {"linux-64", "linux-aarch64"}
     assert ours["osx-arm64"]["cpu"]["subdir"] == "noarch"
+    fa3 = ours["osx-arm64"]["fa3"]
+    assert fa3["subdir"] == "noarch" and fa3["build_number"] == 0
+    # python's run_export to a noarch package is `python` itself, beside the recipe's floor
+    assert set(fa3["depends"]) == {"python", "python >=3.10", f"flash-attn =={fa3['version']}"}, fa3["depends"]

@@ -103,8 +103,10 @@ def test_outputs_match_transformers(hf_model, device, use_flash_attn, padded):
         assert base.last_hidden_state[~mask.to(device)].abs().max().item() == 0.0
 
 
-def test_fused_dropout_add_ln_matches_transformers(hf_model, device):
-    model = ours_from(hf_model, device, fused_dropout_add_ln=True, use_flash_attn=True)
+@pytest.mark.parametrize("fused", [dict(fused_dropout_add_ln=True), dict(fused_bias_fc=True)],
+                         ids=["fused_dropout_add_ln", "fused_bias_fc"])
+def test_fused_options_match_transformers(hf_model, device, fused):
+    model = ours_from(hf_model, device, use_flash_attn=True, **fused)
     input_ids, token_type_ids, mask = inputs(padded=True)
     _, _, ref_logits, ref_nsp = hf_outputs(hf_model, input_ids, token_type_ids, mask)
     with torch.no_grad():
@@ -276,8 +278,7 @@ def test_from_pretrained_remaps_the_loaded_checkpoint(hf_model, monkeypatch):
 @pytest.mark.parametrize(
     "options, error, match",
     [
-        (dict(fused_mlp=True), ImportError, "fused_dense"),
-        (dict(fused_bias_fc=True), ImportError, "fused_dense"),
+        (dict(fused_mlp=True), ValueError, "tanh GELU"),  # upstream's FusedMLP: tanh GELUs only
         (dict(hidden_act="relu"), ValueError, "hidden_act"),
         (dict(last_layer_subset=True), ValueError, "dense_seq_output"),
     ],
@@ -298,3 +299,12 @@ def test_bad_input_raises():
         model(input_ids, attention_mask=mask[:, :5])
     with pytest.raises(ValueError, match="input_ids"):
         model(input_ids[0])
+
+
+def test_fused_mlp_builds_upstreams_fused_mlp():
+    from flash_attn.ops.fused_dense import FusedMLP
+
+    model = BertForPreTraining(hf_config(hidden_act="gelu_new", fused_mlp=True, mlp_checkpoint_lvl=[0, 2, 1][:LAYERS]))
+    mlps = [layer.mlp for layer in model.bert.encoder.layers]
+    assert all(isinstance(m, FusedMLP) for m in mlps)
+    assert [m.checkpoint_lvl for m in mlps] == [0, 2, 1][:LAYERS]

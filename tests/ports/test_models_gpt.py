@@ -114,9 +114,12 @@ def test_greedy_generation_equals_transformers_gpt2(device, use_flash_attn):
         {"scale_attn_by_inverse_layer_idx": True},
         {"activation_function": "relu", "n_inner": 96},
         {"activation_function": "gelu", "layer_norm_epsilon": 1e-3},
+        # upstream's fused MLP (ops.fused_dense.FusedMLP): GPT-2's tanh GELU, and relu recomputed
+        {"fused_mlp": True},
+        {"fused_mlp": True, "activation_function": "relu", "mlp_checkpoint_lvl": 1},
     ],
     ids=["fused_ln", "fused_ln_fp32_residual", "fp32_residual", "fused_bias_fc", "padded_vocab",
-         "inverse_layer_scale", "relu_n_inner", "exact_gelu_eps"],
+         "inverse_layer_scale", "relu_n_inner", "exact_gelu_eps", "fused_mlp", "fused_mlp_relu_checkpoint"],
 )
 def test_options_match_transformers_gpt2(device, extra):
     hf, ours = hf_and_ours(device, **extra)
@@ -206,8 +209,9 @@ def test_mixer_and_block_factories_follow_the_config():
         ({"n_embd": 62}, ValueError, "divisible"),
         ({"n_head_kv": 3}, ValueError, "n_head_kv"),
         ({"activation_function": "tanh"}, ValueError, "activation_function"),
-        ({"fused_mlp": True}, ImportError, "fused_dense"),
-        ({"fused_dense_sqrelu_dense": True, "activation_function": "sqrelu"}, ImportError, "fused_dense"),
+        ({"fused_mlp": True, "activation_function": "gelu"}, ValueError, "fused_mlp"),
+        ({"fused_dense_sqrelu_dense": True}, ValueError, "sqrelu"),
+        ({"fused_mlp": True, "fused_dense_sqrelu_dense": True}, ValueError, "exclude"),
         ({"parallel_block": True, "prenorm": False}, ValueError, "prenorm"),
     ],
 )

@@ -91,8 +91,9 @@ OPTIONS = [
     dict(),
     dict(use_flash_attn=True),
     dict(use_flash_attn=True, fused_dropout_add_ln=True),
+    dict(use_flash_attn=True, fused_bias_fc=True),  # upstream's FusedDense in the patch embedding
 ]
-OPTION_IDS = ["torch_attn", "flash_attn", "fused_ln"]
+OPTION_IDS = ["torch_attn", "flash_attn", "fused_ln", "fused_bias_fc"]
 
 
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
@@ -203,8 +204,6 @@ def test_named_constructors():
         (dict(weight_init="jax"), ValueError, "weight_init"),
         (dict(depth=0), ValueError, "depth"),
         (dict(num_heads=5), ValueError, "divisible"),
-        (dict(fused_mlp=True), ImportError, "fused_dense"),
-        (dict(fused_bias_fc=True), ImportError, "fused_dense"),
     ],
 )
 def test_bad_config_raises(options, error, match):
@@ -227,3 +226,17 @@ def test_bad_input_raises(hf_model):
         bad = hf_to_timm(hf_model)
         bad["pos_embed"] = bad["pos_embed"][:, :-1]
         model.load_state_dict(bad)
+
+
+def test_fused_mlp_is_upstreams_fused_dense_mlp(hf_model, device):
+    """``fused_mlp``: every block's MLP is ops.fused_dense.FusedMLP (tanh GELU, as upstream's, so
+    not transformers' exact GELU): the model equals the same model with each MLP recomputed by hand."""
+    from flash_attn.ops.fused_dense import FusedMLP
+
+    model = ours_from(hf_model, device, fused_mlp=True)
+    assert all(isinstance(block.mlp, FusedMLP) for block in model.blocks)
+    x = torch.randn(2, 5, WIDTH, generator=torch.Generator().manual_seed(3)).to(device)
+    mlp = model.blocks[0].mlp
+    close(mlp(x), mlp.fc2(torch.nn.functional.gelu(mlp.fc1(x), approximate="tanh")))
+    with torch.no_grad():
+        assert model(images().to(device)).shape == (BATCH, CLASSES)

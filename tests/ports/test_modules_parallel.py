@@ -94,8 +94,9 @@ def _mha_case(rank, world, sequence_parallel, num_heads_kv, rotary, flash=False)
     return errors
 
 
-def _mlp_case(rank, world, gated, sequence_parallel):
+def _mlp_case(rank, world, gated, sequence_parallel, fused=False):
     from flash_attn.modules.mlp import GatedMlp, Mlp, ParallelGatedMlp, ParallelMLP
+    from flash_attn.ops.fused_dense import FusedMLP, ParallelFusedMLP
 
     group = dist.group.WORLD
     torch.manual_seed(0)
@@ -107,6 +108,12 @@ def _mlp_case(rank, world, gated, sequence_parallel):
         # per rank fc1 rows are [value, gate] of its hidden slice; the full layer is [value, gate]
         h_local = hidden // world
         fc1_rows = [(rank * h_local, h_local), (hidden + rank * h_local, h_local)]
+    elif fused:  # upstream's ops.fused_dense (sqrelu: its one activation that is not Mlp's default)
+        full = FusedMLP(E, hidden_features=40, activation="sqrelu", checkpoint_lvl=1).double()
+        par = ParallelFusedMLP(E, hidden_features=40, activation="sqrelu", process_group=group,
+                               sequence_parallel=sequence_parallel, checkpoint_lvl=1).double()
+        h_local = 40 // world
+        fc1_rows = [(rank * h_local, h_local)]
     else:
         full = Mlp(E, hidden_features=40).double()
         par = ParallelMLP(E, hidden_features=40, process_group=group,
@@ -215,6 +222,8 @@ CASES = {
     "mlp_seqpar": lambda r, w: _mlp_case(r, w, False, True),
     "mlp": lambda r, w: _mlp_case(r, w, False, False),
     "gated_mlp_seqpar": lambda r, w: _mlp_case(r, w, True, True),
+    "fused_mlp_seqpar": lambda r, w: _mlp_case(r, w, False, True, fused=True),
+    "fused_mlp": lambda r, w: _mlp_case(r, w, False, False, fused=True),
     "embeddings_seqpar": lambda r, w: _embedding_case(r, w, True),
     "embeddings": lambda r, w: _embedding_case(r, w, False),
     "collectives": _collectives_case,

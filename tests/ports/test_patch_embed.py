@@ -59,5 +59,9 @@ def test_wrong_image_size_and_fused_bias_fc_raise_as_upstream():
         m(torch.randn(1, 3, 32, 16))
     with pytest.raises(ValueError, match="not a whole number of 8x8 patches"):
         PatchEmbed(30, 8, 3, embed_dim=4)(torch.randn(1, 3, 30, 30))
-    with pytest.raises(ImportError, match="fused_dense is not installed"):
-        PatchEmbed(32, 8, fused_bias_fc=True)
+    # fused_bias_fc: upstream's FusedDense as proj, the same function of the same weights
+    fused, plain = PatchEmbed(32, 8, 3, embed_dim=4, fused_bias_fc=True), PatchEmbed(32, 8, 3, embed_dim=4)
+    plain.load_state_dict(fused.state_dict())
+    image = torch.randn(2, 3, 32, 32)
+    assert type(fused.proj).__name__ == "FusedDense"
+    torch.testing.assert_close(fused(image), plain(image), rtol=0, atol=0)

@@ -223,6 +223,7 @@ def build_tool_records(platform: str) -> list[dict]:
     cuda-cudart-static: none), and the Python build tools (none)."""
     records = [_record("cmake", "4.1.2", "h_0", 0, [], [], platform), _record("ninja", "1.13.1", "h_0", 0, [], [], platform),
                _record("pip", "25.3", "pyh_0", 0, ["python >=3.10"], [], "noarch", "python"),
+               _record("setuptools", "80.9.0", "pyh_0", 0, ["python >=3.9"], [], "noarch", "python"),
                _record("scikit-build-core", "0.11.6", "pyh_0", 0, ["python >=3.10", "packaging", "pathspec"], [], "noarch", "python"),
                _record("packaging", "25.0", "pyh_0", 0, ["python >=3.8"], [], "noarch", "python"),
                _record("pathspec", "0.12.1", "pyh_0", 0, ["python >=3.8"], [], "noarch", "python")]

@@ -20,6 +20,8 @@ from pathlib import Path
 from support import REPO
 
 RECIPE = REPO / "recipe" / "recipe.yaml"
+# The recipe's outputs: flash-attn itself, and FlashAttention-3's interface on it (fa3_interface/).
+MAIN_OUTPUT, FA3_OUTPUT = "flash-attn", "flash-attn-fa3"
 BUILD_SCRIPT = REPO / "recipe" / "build.sh"
 BUILD_BAT = REPO / "recipe" / "build.bat"
 VARIANTS = REPO / "conda_build_config.yaml"
@@ -38,10 +40,13 @@ class Rendered:
         return str(self.variant.get("cuda_compiler_version", "None"))
 
 
-def render(platform: str, variants=None, build_platform: str | None = None, recipe_path: Path = RECIPE) -> list[Rendered]:
-    """The recipe rendered for ``platform`` (no solving): with conda_build_config.yaml, or the given
-    ``VariantConfig``; built on ``platform`` itself unless ``build_platform`` names another
-    (cross-compiling). Skipped variants are left out, as rattler-build leaves them out."""
+def render(platform: str, variants=None, build_platform: str | None = None, recipe_path: Path = RECIPE,
+           output: str | None = None) -> list[Rendered]:
+    """The recipe's output ``output`` (unless named, the package of the context's ``name``:
+    flash-attn itself, whatever the recipe calls it) rendered for ``platform`` (no
+    solving): with conda_build_config.yaml, or the given ``VariantConfig``; built on ``platform``
+    itself unless ``build_platform`` names another (cross-compiling). Skipped variants are left
+    out, as rattler-build leaves them out."""
     from rattler_build import JinjaConfig, PlatformConfig, RenderConfig, Stage0Recipe, VariantConfig
 
     build_platform = build_platform or platform
@@ -51,7 +56,13 @@ def render(platform: str, variants=None, build_platform: str | None = None, reci
     recipe = Stage0Recipe.from_file(recipe_path)
     rendered = [Rendered(dict(v.variant), v.recipe.to_dict())
                 for v in recipe.render(variants, RenderConfig(platform=platform_config))]
-    return [r for r in rendered if not _skipped(r, platform, build_platform, recipe_path)]
+    return [r for r in rendered if r.recipe["package"]["name"] == (output or _name(r))
+            and not _skipped(r, platform, build_platform, recipe_path)]
+
+
+def _name(rendered: Rendered) -> str:
+    """The context's ``name``: the conda package of flash-attn itself (docs/conda-forge.md)."""
+    return rendered.recipe.get("context", {}).get("name", MAIN_OUTPUT)
 
 
 def _skipped(rendered: Rendered, platform: str, build_platform: str, recipe_path: Path = RECIPE) -> bool:

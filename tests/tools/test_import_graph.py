@@ -26,7 +26,9 @@ LAYERS = (
     ("tools", ("flash_attn.__main__", "flash_attn.doctor", "flash_attn.bench", "flash_attn.integrations",
                "flash_attn.kernel_build")),
     # upstream's model-building packages: layers, blocks, whole models, losses, generation helpers
-    ("modules", ("flash_attn.modules", "flash_attn.models", "flash_attn.losses", "flash_attn.utils")),
+    # (upstream's ops.fused_dense holds its tensor-parallel layers: it sits with modules.tensor_parallel)
+    ("modules", ("flash_attn.modules", "flash_attn.models", "flash_attn.losses", "flash_attn.utils",
+                 "flash_attn.ops.fused_dense", "flash_attn.layers.patch_embed")),
     # the public API
     ("api", ("flash_attn", "flash_attn.flash_attn_interface", "flash_attn.lowlevel", "flash_attn.entry_points",
              "flash_attn.kvcache", "flash_attn.bert_padding", "flash_attn.layers")),

@@ -228,6 +228,12 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, precomputed_lse, smoothing, logit_scale, lse_square_scale,
                 ignore_index, inplace_backward, process_group):
+        # every argument checked here, so that upstream's CrossEntropyLoss.apply gets
+        # cross_entropy_loss's errors (which calls only this)
+        _check(logits, labels, precomputed_lse, smoothing, logit_scale, lse_square_scale, ignore_index,
+               inplace_backward, process_group)
+        smoothing, logit_scale, lse_square_scale = float(smoothing), float(logit_scale), float(lse_square_scale)
+        inplace_backward = bool(inplace_backward)
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         labels = labels.contiguous()  # the kernels read label i at labels + i
@@ -274,6 +280,11 @@ class _CrossEntropy(torch.autograd.Function):
         else:
             _grad_torch(dlogits, logits, labels, lse, row_grad, *ctx.args, local_lse=local_lse)
         return dlogits, None, None, None, None, None, None, None, None
+
+
+# Upstream's name of the autograd class (same ``apply`` arguments: logits, labels, precomputed_lse,
+# smoothing, logit_scale, lse_square_scale, ignore_index, inplace_backward, process_group).
+CrossEntropyLoss = _CrossEntropy
 
 
 def check_options(label_smoothing, logit_scale, lse_square_scale, ignore_index, inplace_backward,
@@ -356,7 +367,5 @@ def cross_entropy_loss(
         ``(losses, z_losses)``, both ``(batch,)`` float32 (float64 for float64 logits); ``losses``
         includes the z-loss; ``z_losses`` is for logging and carries no gradient.
     """
-    _check(logits, labels, precomputed_lse, label_smoothing, logit_scale, lse_square_scale, ignore_index,
-           inplace_backward, process_group)
-    return _CrossEntropy.apply(logits, labels, precomputed_lse, float(label_smoothing), float(logit_scale),
-                               float(lse_square_scale), ignore_index, bool(inplace_backward), process_group)
+    return _CrossEntropy.apply(logits, labels, precomputed_lse, label_smoothing, logit_scale, lse_square_scale,
+                               ignore_index, inplace_backward, process_group)  # its forward checks them

@@ -27,6 +27,12 @@ from typing import Optional
 
 from flash_attn.ops.triton import triton_modules
 
+# upstream's module constants: sqrt(2 / pi) (GELU's tanh approximation), 1 / sqrt(2) (erf GELU),
+# 1 / sqrt(2 pi) (the normal density)
+_sqrt2pi = math.sqrt(2.0 / math.pi)
+_sqrt1_2 = math.sqrt(1.0 / 2)
+_gaussian_pdf_normalization = 1.0 / math.sqrt(2 * math.pi)
+
 triton, tl = triton_modules()  # Triton is optional: without it (or without CUDA) the PyTorch path runs
 
 __all__ = ["Activation", "get_triton_activation_kernel", "get_triton_activation_bwd_kernel"]

@@ -119,6 +119,16 @@ def rms_norm_ref(x, weight, bias, residual=None, x1=None, weight1=None, bias1=No
 # ----------------------------------------------------------------------------------------------
 
 
+def maybe_contiguous(x):
+    """Upstream's helper: ``x`` contiguous in memory (``None`` stays ``None``)."""
+    return x.contiguous() if x is not None and not x.is_contiguous() else x
+
+
+def maybe_contiguous_lastdim(x):
+    """Upstream's helper: ``x`` with a contiguous last dimension (``None`` stays ``None``)."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
 def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
