@@ -547,6 +547,8 @@ _TCGEN05_BACKWARD_FACTOR = 1.25
 _TCGEN05_FUSED_BACKWARD_FACTOR = 1.08
 # the barriers of a warp-specialised forward's buffer ring (measured: 384-576 B on sm90)
 _WS_BARRIER_BYTES = 1024
+# the barriers of the forward's K/V stages by TMA (measured: 32 B on sm90, d256 in two stages)
+_TMA_BARRIER_BYTES = 1024
 
 
 def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str = "sm80",
@@ -557,16 +559,23 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     Operand tiles that stay resident are counted once, tiles streamed through the software
     pipeline ``num_stages`` times (one buffer per stage), plus one fp16/bf16 probability tile
     (``BLOCK_M x BLOCK_N``) staged for the second matmul (two in the fused backward: dS^T too, for
-    dQ); on tcgen05 families (sm100) a margin for its operand staging. Compiled kernels use at most this (checked against the compiler's ``metadata.shared``
-    for every entry when the table was made, and for a few entries in the tests); usually less.
+    dQ); on tcgen05 families (sm100) a margin for its operand staging. The forward as the compiler
+    builds it: on mma.sync one buffer fewer (the pipeline's last stage is read into registers, at
+    least one buffer), on wgmma and tcgen05 no probability tile (it feeds the second product from
+    registers or tensor memory) but the barriers of K/V by TMA. Compiled kernels use at most this
+    (checked against the compiler's ``metadata.shared`` for every entry when the table was made,
+    and for a few entries in the tests); usually less.
     """
     d = padded_headdim(headdim)
     dv = d if headdim_v is None else padded_headdim(headdim_v)
     bm, bn, stages = config.block_m, config.block_n, max(config.num_stages, 1)
     row_stats = 0
+    mma = families.mma(family)
     if kind == "fwd":
         resident = bm * d  # Q
         streamed = bn * (d + output_columns(dv))  # K, this program's columns of V
+        if mma == "mma.sync":
+            stages = max(stages - 1, 1)
     elif kind == "bwd_dq":
         resident = bm * (d + dv)  # Q, dO
         streamed = bn * (d + dv)  # K, V
@@ -577,6 +586,8 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
     else:
         raise ValueError(f"unknown kernel kind {kind!r}")
     staged = bm * bn * (2 if kind == "bwd_fused" else 1)  # the fused backward also stages dS^T for dQ
+    if kind == "fwd" and mma in ("wgmma", "tcgen05"):
+        staged = _TMA_BARRIER_BYTES // elem_bytes if uses_tma(kind, family, config) else 0
     if uses_dq_tma(kind, family, config):
         staged += bm * gradient_columns(kind, family, d, dv) * 4 // elem_bytes  # the fp32 dQ tile for TMA
     if uses_ws(kind, family, config):
@@ -584,7 +595,7 @@ def estimate_shared_memory(kind: str, config: Config, headdim: int, family: str 
         # columns and its barriers (measured with the compiler for every "-ws" sweep candidate)
         staged = bm // 2 * max(d, 128) + _WS_BARRIER_BYTES // elem_bytes
     estimate = elem_bytes * (resident + stages * streamed + staged) + stages * row_stats
-    if families.mma(family) == "tcgen05":
+    if mma == "tcgen05":
         if kind == "fwd":
             return estimate + _TCGEN05_BARRIER_BYTES
         return int(estimate * (_TCGEN05_FUSED_BACKWARD_FACTOR if kind == "bwd_fused" else _TCGEN05_BACKWARD_FACTOR))

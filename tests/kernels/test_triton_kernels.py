@@ -887,7 +887,8 @@ def test_kernels_compile_for_the_gpu_with_every_feature(name):
     assert "mma" in compiled.asm["ptx"] or name == "bwd_preprocess"
 
 
-@pytest.mark.parametrize("name,capability,headdim", [("fwd", (8, 0), 128), ("bwd_dkdv", (8, 6), 128),
+@pytest.mark.parametrize("name,capability,headdim", [("fwd", (8, 0), 128), ("fwd", (8, 0), 512), ("fwd", (9, 0), 512),
+                                                     ("fwd", (10, 0), 512), ("bwd_dkdv", (8, 6), 128),
                                                      ("bwd_fused", (9, 0), 64), ("bwd_fused", (9, 0), 256),
                                                      ("bwd_fused", (10, 0), 128), ("bwd_fused", (10, 0), 256)])
 def test_compiled_shared_memory_within_estimate_and_loads_pipelined(name, capability, headdim):

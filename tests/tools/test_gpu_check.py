@@ -215,11 +215,13 @@ def test_the_designed_refusals_are_the_planners_words():
     import torch
 
     from conftest import DESIGNED_REFUSALS
+    from flash_attn import limits
     from flash_attn.planning import launches
 
     aot = launches.Target("sm90", 132, aot=True)
+    too_wide = limits.MAX_HEADDIM + limits.AOT_HEADDIM_MULTIPLE  # past the widest bucket, else well-formed
     reasons = [launches.kernel_refusal(torch.float32, 64, aot), launches.kernel_refusal(torch.float16, 59, aot),
-               launches.kernel_refusal(torch.float16, 512, aot)]
+               launches.kernel_refusal(torch.float16, too_wide, aot)]
     for why in reasons:
         assert why and DESIGNED_REFUSALS.search(f"the aot backend (FLASH_ATTN_BACKEND=aot) refused this forward: {why}")
     missing = "attn_fwd_kernel.bf16.d128.m128n64w8s2.1 is not in the sm_90a image set of this installation"
