@@ -1149,11 +1149,15 @@ def _apply_options(**tensors):
 def _apply_control(cls):
     """A positional control in the class's forward order (its parameters, from its signature)."""
     order = list(inspect.signature(cls.forward).parameters)[1:]
-    pools = {**_attn(), **_kv_dense(), **_packed_dense()}
-    if "cu_seqlens_q" in order or "cu_seqlens" in order:
-        pools = {**_varlen(), **_kv_varlen(), **_packed_varlen()}
+    varlen = "cu_seqlens_q" in order or "cu_seqlens" in order
     options = _apply_options(block_table=None, is_grad_enabled=False)
-    return Control(cls.apply, lambda: {k: (pools | options)[k] for k in order}, positional=True)
+
+    def arguments():  # tensors made when a row runs, not at import (collection must not touch the device)
+        pools = ({**_varlen(), **_kv_varlen(), **_packed_varlen()} if varlen
+                 else {**_attn(), **_kv_dense(), **_packed_dense()})
+        return {k: (pools | options)[k] for k in order}
+
+    return Control(cls.apply, arguments, positional=True)
 
 
 for cls_name in autograd_functions.__all__:
