@@ -18,7 +18,8 @@ from flash_attn import limits
 from flash_attn.limits import cdiv
 from flash_attn.params import cache_capacity
 from flash_attn.planning import configs, decode_configs as dc
-from flash_attn.planning.launches import Launch, Planned, Refusal, Target, finish, kernel_refusal, launch, named
+from flash_attn.planning.launches import (Launch, Planned, Refusal, Target, finish, head_dim_refusal, kernel_refusal,
+                                         launch, named)
 from flash_attn.planning.layouts import Layouts, alibi_batch_stride, effective_strides, fits
 from flash_attn.planning.shapes import KVCacheShape, Scalars, Slot, is_local
 
@@ -84,13 +85,7 @@ def _kvcache_refusal(s: KVCacheShape, target: Target) -> Optional[Refusal]:
             superset = dc.superset_refusal(target.family, head_dim, head_dim_v, s.qv is not None)
             why = Refusal(superset) if superset is not None else _cache_refusal(s)
         return why
-    for name, dim in (("head dimension", head_dim), ("head dimension of v", head_dim_v)):
-        if dim > limits.MAX_HEADDIM:
-            return Refusal(f"{name} {dim} > {limits.MAX_HEADDIM}")
-        why = configs.refusal(dim, target.family)
-        if why is not None:
-            return Refusal(f"{name} {dim} on {target.family}: {why}")
-    return None
+    return head_dim_refusal(head_dim, target, head_dim_v)
 
 
 class _CacheAddress(NamedTuple):

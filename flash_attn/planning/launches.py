@@ -19,7 +19,7 @@ from flash_attn.planning.layouts import Layouts
 from flash_attn.planning.shapes import K_ROWS, Q_ROWS, Slot
 
 __all__ = ["Target", "Launch", "Plan", "Refusal", "Planned", "PLANNER", "IMAGES", "DRIVER", "launch", "named",
-           "kernel_refusal", "image_refusal", "finish"]
+           "kernel_refusal", "head_dim_refusal", "image_refusal", "finish"]
 
 
 class Target(NamedTuple):
@@ -107,6 +107,13 @@ def kernel_refusal(dtype, head_dim: int, target: Target, head_dim_v: Optional[in
     q/k's ``head_dim`` and v's ``head_dim_v`` (default ``head_dim``)."""
     if str(dtype) not in limits.KERNEL_DTYPES:
         return Refusal(f"{dtype} inputs (the kernels take fp16/bf16)")
+    return head_dim_refusal(head_dim, target, head_dim_v)
+
+
+def head_dim_refusal(head_dim: int, target: Target, head_dim_v: Optional[int] = None) -> Optional[Refusal]:
+    """Why the kernels (or, for ``target.aot``, their images) cannot take q/k's ``head_dim`` and
+    v's ``head_dim_v`` on ``target``'s family: the widest bucket, the family's refused buckets,
+    the images' head-dim multiple."""
     for name, dim in (("head dimension", head_dim), ("head dimension of v", head_dim_v)):
         if dim is None:
             continue
