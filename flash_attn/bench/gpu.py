@@ -964,7 +964,9 @@ def measure_interleaved(timings: list, reasons: dict, config: dict, device,
                     medians[id(t)].append(statistics.median(got))
                     return got
 
-                _measure(t.row, t.impl, reasons[t.impl.name], t.call, per_round, recording, device)
+                # the host's time per call once, in the last round
+                _measure(t.row, t.impl, reasons[t.impl.name], t.call, per_round, recording, device,
+                         host=index == len(orders) - 1)
             if index == len(orders) - 1:
                 _summarize_rounds(t.row, times[id(t)], medians[id(t)])
                 done(t)
@@ -981,8 +983,10 @@ def _summarize_rounds(row: dict, times: list, medians: list) -> None:
         row["host_bound"] = row["host_ms"] >= HOST_BOUND_SHARE * row["time_ms"]
 
 
-def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device) -> None:
-    """Time ``call`` under ``impl``'s context into ``row`` (status, times or note)."""
+def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device,
+             host: bool = True) -> None:
+    """Time ``call`` under ``impl``'s context into ``row`` (status, times or note; ``host``: and the
+    host's CPU time per call)."""
     import torch  # noqa: PLC0415
 
     from flash_attn import dispatch  # noqa: PLC0415
@@ -996,8 +1000,10 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
         with impl.context():
             times = timer(call, config["warmup"], config["repeats"])
             # a graph replay's host side is one launch: not measured
-            host = None if row.get("pass") == "decode_graph" else host_ms(call, device)
-        row.update(summarize(times), status="ok", host_ms=host)
+            if host:
+                row["host_ms"] = None if row.get("pass") == "decode_graph" else host_ms(call, device)
+        row.update(summarize(times), status="ok")
+        host = row.get("host_ms")
         row["host_bound"] = None if host is None else host >= HOST_BOUND_SHARE * row["time_ms"]
         elsewhere = _ran_elsewhere(impl, device.type)
         if elsewhere:
