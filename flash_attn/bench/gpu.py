@@ -56,7 +56,8 @@ from typing import Callable, ContextManager, Optional
 from flash_attn.bench import common
 from flash_attn.bench.common import attention_flops, summarize
 
-DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "upstream")
+DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "flex",
+                 "upstream")
 Timer = Callable[[Callable[[], None], int, int], list]
 
 # The rows beyond FlashAttention-2: head dims (v's where it differs) and attention sinks
@@ -221,6 +222,68 @@ def sdpa_decode_step(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_tab
     return out.reshape(batch, 1, heads, headdim)
 
 
+# flex_attention compiled by torch.compile (what it is timed as); False: eager flex (the CPU tests'
+# stand-in for the plumbing: the same semantics without inductor)
+FLEX_COMPILE = True
+# distinct (shape, mask) compiles one run makes: above dynamo's default limit (8), which would
+# otherwise fall back to eager flex and time that
+FLEX_RECOMPILES = 256
+
+
+def flex_unavailable(device) -> Optional[str]:
+    """Why PyTorch's ``flex_attention`` cannot run on ``device`` at all (None: it can try; what it
+    refuses for a case, e.g. a head dim, is learnt by trying: an ``unsupported`` row)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401, PLC0415
+    except ImportError:
+        return "this PyTorch has no flex_attention"
+    if getattr(device, "type", device) == "cuda" and FLEX_COMPILE:
+        try:
+            import triton  # noqa: F401, PLC0415
+        except ImportError:
+            return "flex_attention compiles Triton kernels on CUDA: triton is not installed"
+    return None
+
+
+def _flex() -> Implementation:
+    """PyTorch's ``flex_attention``, compiled (Triton kernels that inductor generates): the Triton
+    peer baseline. Causal as a block mask (bottom-right aligned, as flash_attn's; one per lengths
+    and device, built before timing), GQA by ``enable_gqa``; no sinks, no decode call here."""
+    import functools  # noqa: PLC0415
+
+    @functools.lru_cache(maxsize=None)
+    def flex():
+        import torch  # noqa: PLC0415
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+        return torch.compile(flex_attention, dynamic=False) if FLEX_COMPILE else flex_attention
+
+    @functools.lru_cache(maxsize=32)
+    def causal_mask(seqlen_q: int, seqlen_k: int, device: str):
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
+
+        offset = seqlen_k - seqlen_q
+        return create_block_mask(lambda b, h, i, j: i + offset >= j, None, None, seqlen_q, seqlen_k, device=device)
+
+    def forward(q, k, v, causal, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("flex_attention here has no attention sinks")
+        mask = causal_mask(q.shape[1], k.shape[1], str(q.device)) if causal else None
+        gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+        out = flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, **gqa)
+        return out.transpose(1, 2)
+
+    @contextlib.contextmanager
+    def context():
+        import torch._dynamo.config as dynamo  # noqa: PLC0415
+
+        name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+        with dynamo.patch(**{name: FLEX_RECOMPILES}):
+            yield
+
+    return Implementation("flex", flex_unavailable, _autograd_run(forward), context, forward=forward)
+
+
 def _upstream() -> Implementation:
     """Upstream flash-attn 2.6+'s extension, called directly (its Python package is also named
     ``flash_attn``, so only the extension can live next to this package)."""
@@ -271,6 +334,7 @@ WHAT = {
     "sdpa[cudnn]": "PyTorch SDPA cuDNN",
     "sdpa[math]": "PyTorch SDPA math (unfused)",
     "upstream": "flash-attn 2 CUDA extension (flash_attn_2_cuda)",
+    "flex": "PyTorch flex_attention, compiled (inductor's Triton kernels): a Triton peer",
 }
 
 # Shapes the launch configs were not tuned on (the table is 1k/4k/16k tokens, hidden 2048, heads of
@@ -368,6 +432,7 @@ def implementations(names) -> list[Implementation]:
         "sdpa[cudnn]": lambda: _sdpa("cudnn", "CUDNN_ATTENTION"),
         "sdpa[math]": lambda: _sdpa("math", "MATH"),
         "upstream": _upstream,
+        "flex": _flex,
     }
     unknown = [n for n in names if n not in makers]
     if unknown:

@@ -273,3 +273,45 @@ def test_proxy_ratios_pair_each_case_with_sdpa_flash():
     (ratio,) = gpu.proxy_ratios(rows)
     assert ratio["ratio"] == 1.5 and ratio["spread_pct"] == 2.5 and ratio["family"] == "sm80"
     assert "| 1.5" in gpu.proxy_markdown(rows, "sm80")
+
+
+# --- flex_attention as the Triton peer -----------------------------------------------------------
+
+
+def test_flex_is_a_named_baseline_checked_like_the_others(monkeypatch):
+    """flex_attention's rows (eager flex standing in for the compiled one: the same semantics, the
+    plumbing; what it cannot show is inductor's kernels, nor its CUDA backward) are checked against
+    the float32 reference before timing, causal and not, with GQA; what it does not run is an
+    ``unsupported`` row: its backward on the CPU (PyTorch's refusal), attention sinks."""
+    monkeypatch.setattr(gpu, "FLEX_COMPILE", False)
+    monkeypatch.setattr(gpu, "HELD_OUT", ((40, 1, 4, 2, 16),))
+    monkeypatch.setattr(gpu, "BEYOND_CASES", ({"headdim": 16, "sinks": True},))
+    config = _config(impls=["flex"], causal=[False, True], backward=[False, True], held_out=True,
+                     beyond=list(gpu.BEYOND_CASES))
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:] * r)
+    plain = [r for r in rows if not r.get("sinks")]
+    assert len(plain) == 4 + 4 and any(r.get("kv_heads") == 2 and r["pass"] == "fwd" for r in plain)
+    for r in plain:
+        assert r["what"] == gpu.WHAT["flex"] and "Triton peer" in r["what"]
+        if r["pass"] == "fwd":
+            assert r["status"] == "ok" and r["check"] == "ok" and r["err_out"] < 1e-5, r
+        else:
+            assert r["status"] == "unsupported" and "backward" in r["note"] and "time_ms" not in r, r
+    sinks = [r for r in rows if r.get("sinks")]
+    assert sinks and all(r["status"] == "unsupported" and "sinks" in r["note"] for r in sinks)
+    assert "flex" in gpu.DEFAULT_IMPLS
+
+
+def test_flex_unavailable_without_triton_on_cuda(monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):
+        if name == "triton":
+            raise ImportError("no triton")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    assert "triton is not installed" in gpu.flex_unavailable(torch.device("cuda"))
+    assert gpu.flex_unavailable(torch.device("cpu")) is None
