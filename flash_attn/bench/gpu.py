@@ -36,6 +36,17 @@ process by a large device-to-device copy (bytes read + written over its time) an
 figure of the device (:data:`NOMINAL_BANDWIDTH`). A size that does not fit in the free GPU memory
 is a ``skipped`` row, not an error.
 
+Method (issue 42): each case is timed in ``config["rounds"]`` rounds with the implementations in a
+rotated order (:func:`round_orders`), the repeats split over the rounds; each row has the median of
+all its times and ``spread_pct``, the range of its round medians. Decode also runs as a real step
+(:func:`decode_step_cases`: the new token's k/v appended at each sequence's ``cache_seqlens``, a
+contiguous and a paged cache), checked against :func:`decode_step_reference` before it is timed.
+PyTorch's ``flex_attention``, compiled, is the Triton peer (``flex``).
+
+The mma.sync proxy (issue 48, ``config["family"]``, ``--family``): our ``aot`` images with the
+planner's family forced (:mod:`flash_attn.aot.forced`) beside SDPA flash; rows say the family and
+what the proxy is (:func:`proxy_note`), and :func:`proxy_ratios` pairs each case with SDPA flash.
+
 The timer, the device and the free-memory probe are parameters, so the plumbing runs on a CPU in
 the tests.
 """
