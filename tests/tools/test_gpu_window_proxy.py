@@ -64,6 +64,15 @@ def test_the_proxy_step_runs_both_families_on_the_proxy_images(tmp_path):
         assert call.startswith(f"-m flash_attn bench gpu --family {family} --out {out}/{family} --repeats 9")
         assert f"AOT_DIR={carry}/proxy STRICT=1 LIB={carry}/lib/libflash_attn_aot.so" in call
     assert (out / "proxy-summary.txt").read_text().splitlines() == ["verify rc=0", "sm80 rc=0", "sm86 rc=0"]
+    # the command the step runs is the proxy's table in the real command line
+    from flash_attn import __main__ as cli
+    from flash_attn.bench import gpu
+
+    argv = sm86.split(" | ")[0].split()
+    assert argv[:2] == ["-m", "flash_attn"]
+    config = gpu.config_from_args(cli.build_parser().parse_args(argv[2:]))
+    assert (config["family"], config["impls"], config["seqlens"], config["dtypes"], config["repeats"], config["rounds"]) \
+        == ("sm86", list(gpu.PROXY_IMPLS), [4096, 16384], ["bf16"], 9, 3)
 
 
 def test_a_family_that_hangs_costs_only_its_limit(tmp_path):
