@@ -17,7 +17,7 @@ in ``bf16`` at the benchmark's head dims. :func:`verify` reads every built image
 it to what the proxy claims.
 
     python -m flash_attn.kernel_build.proxy build OUT [--jobs N]
-    python -m flash_attn.kernel_build.proxy verify OUT
+    python -m flash_attn.kernel_build.proxy verify OUT [--sass]
 """
 
 from __future__ import annotations
@@ -74,21 +74,47 @@ def image_facts(ptx: str) -> dict:
             "cp_async": "cp.async" in ptx, "later": [name for name in _NOT_AMPERE if name in ptx]}
 
 
-def verify(out_dir: Path) -> tuple[dict, list[str]]:
+def assembled(ptx: str, arch: str) -> dict:
+    """The PTX assembled by ptxas for ``arch`` (``sm_90``: what the H200's driver does with it, by
+    the toolkit's ptxas rather than the driver's): registers, stack and local bytes (spills), and
+    the SASS MMA families (``HMMA``: mma.sync; ``HGMMA`` would be wgmma)."""
+    import tempfile  # noqa: PLC0415
+
+    from flash_attn.kernel_build import build as kernel_build  # noqa: PLC0415
+
+    cubin = kernel_build.assemble(ptx, arch, 80)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        usage = kernel_build.resource_usage(path, kernel_build.cuobjdump_path())
+    usage.pop("_sass", None)
+    return {k: usage.get(k) for k in ("reg", "stack", "local", "shared", "sass_mma")}
+
+
+def verify(out_dir: Path, sass: bool = False) -> tuple[dict, list[str]]:
     """Reads every image of the proxy folder back: ``(summary, problems)``. Every image must be
     ``compute_80`` PTX for ``.target sm_80`` with no instruction of a later GPU; every kernel that
     multiplies tiles must hold mma.sync; every family the image carries must have its forward,
-    dK/dV (or fused) and dQ images at each head dim."""
+    dK/dV (or fused) and dQ images at each head dim. With ``sass``, each image is also assembled
+    for sm_80 (what A100/RTX 30xx users run) and sm_90 (:func:`assembled`): the summary's
+    ``assembled`` lists both per image, and an sm_90 assembly without HMMA, or with HGMMA, is a
+    problem."""
     out_dir = Path(out_dir)
     manifest = json.loads((out_dir / "manifest.json").read_text())
-    problems, by_kernel, total = [], {}, 0
+    problems, by_kernel, total, assembly = [], {}, 0, {}
     keys = {e["key"] for e in manifest["kernels"]}
     for entry in manifest["kernels"]:
         path = out_dir / entry["image"]
         total += path.stat().st_size
-        facts = image_facts(op_library.read_image(path).decode())
+        ptx = op_library.read_image(path).decode()
+        facts = image_facts(ptx)
         by_kernel.setdefault(entry["kernel"], []).append(facts)
         where = f"{entry['key']} ({entry['arch']})"
+        if sass:
+            assembly[entry["key"]] = {arch: assembled(ptx, arch) for arch in ("sm_80", "sm_90")}
+            mma = assembly[entry["key"]]["sm_90"]["sass_mma"] or []
+            if "HGMMA" in mma or (_is_product_kernel(entry["kernel"]) and "HMMA" not in mma):
+                problems.append(f"{where}: its sm_90 assembly has {mma or 'no MMA'}, not HMMA alone")
         if entry["arch"] != ARCH or not entry["image"].endswith(".ptx" + op_library.COMPRESSED_SUFFIX):
             problems.append(f"{where}: not {ARCH} PTX")
         if facts["target"] != "sm_80":
@@ -105,6 +131,8 @@ def verify(out_dir: Path) -> tuple[dict, list[str]]:
                "bytes": total, "kernels": {k: {"images": len(v), "mma.sync": sum(f["mma_sync"] for f in v),
                                                "cp.async": sum(f["cp_async"] for f in v)}
                                            for k, v in sorted(by_kernel.items())}}
+    if sass:
+        summary["assembled"] = assembly
     return summary, problems
 
 
@@ -113,13 +141,16 @@ def main(argv=None) -> int:
     parser.add_argument("step", choices=("build", "verify"))
     parser.add_argument("out", type=Path, help="the proxy's image folder (FLASH_ATTN_AOT_DIR on the GPU)")
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compiles (default: $MAX_JOBS or CPUs)")
+    parser.add_argument("--sass", action="store_true",
+                        help="also assemble each image for sm_80 and sm_90 (ptxas; a few seconds an image): registers, "
+                             "spills and SASS MMA of what A100 users run and of what the H200 runs")
     args = parser.parse_args(argv)
     if args.step == "build":
         report = build(args.out, args.jobs)
         t = report["totals"]
         print(f"proxy images: {t['kernels']} {ARCH} PTX for {'/'.join(proxy_families())} into {args.out}: "
               f"{t['bytes'] / 1e6:.2f} MB, {t['wall_seconds']:.0f} s wall, {t['compile_cpu_seconds']:.0f} s compile")
-    summary, problems = verify(args.out)
+    summary, problems = verify(args.out, args.sass)
     print(json.dumps(summary, indent=1))
     for problem in problems:
         print(f"proxy image problem: {problem}", file=sys.stderr)

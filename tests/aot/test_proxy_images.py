@@ -84,7 +84,7 @@ def test_image_facts_flag_what_ampere_cannot_run():
 def test_built_proxy_images_are_sm80_ptx_with_mma_sync(tmp_path):
     """Two proxy images compiled here (the sm86 d64 forward and its preprocess: ~10 s) and read
     back by :func:`proxy.verify`: compute_80 PTX, ``.target sm_80``, mma.sync in the forward, no
-    wgmma/TMA; every other image of the set is reported missing."""
+    wgmma/TMA, HMMA in its SASS for sm_80 and sm_90; every other image of the set is reported missing."""
     pytest.importorskip("triton")
     from flash_attn.kernel_build import build
 
@@ -92,7 +92,12 @@ def test_built_proxy_images_are_sm80_ptx_with_mma_sync(tmp_path):
               and s.key in {x.key for x in S.attention_specs("sm86", "bf16", (64,), with_features=False)}][:2]
     assert len(wanted) == 2
     build.build(tmp_path, proxy.ARCH, jobs=1, quiet=True, specs=lambda cap: wanted)
-    summary, problems = proxy.verify(tmp_path)
+    summary, problems = proxy.verify(tmp_path, sass=True)
+    # assembled as the H200 runs it (sm_90) and as A100 users do (sm_80): mma.sync's HMMA, no wgmma
+    (forward,) = [k for k in summary["assembled"] if k.startswith("attn_fwd_kernel")]
+    for arch in ("sm_80", "sm_90"):
+        assert summary["assembled"][forward][arch]["sass_mma"] == ["HMMA"]
+        assert 0 < summary["assembled"][forward][arch]["reg"] <= 255
     assert summary["images"] == 2 and summary["families"] == ["sm80", "sm86"]
     assert summary["kernels"]["attn_fwd_kernel"]["mma.sync"] == 1
     assert all(p.endswith("is missing (rebuild: the tables changed since)") for p in problems), problems

@@ -49,7 +49,7 @@ def test_prepare_proxy_adds_to_the_carry(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (carry / "aot" / "manifest.json").is_file() and (carry / "lib" / "libflash_attn_aot.so").is_file()
     (call,) = (tmp_path / "calls.log").read_text().splitlines()
-    assert call.startswith(f"-m flash_attn.kernel_build.proxy build {carry}/proxy --jobs 2")
+    assert call.startswith(f"-m flash_attn.kernel_build.proxy build {carry}/proxy --jobs 2 --sass")
     assert '"images": 22' in (carry / "proxy-verify.json").read_text()
 
 
