@@ -272,6 +272,9 @@ def test_proxy_ratios_pair_each_case_with_sdpa_flash():
              "seqlen": 4096, "time_ms": 3.0}]
     (ratio,) = gpu.proxy_ratios(rows)
     assert ratio["ratio"] == 1.5 and ratio["spread_pct"] == 2.5 and ratio["family"] == "sm80"
+    assert ratio["target"] == 1.0 and ratio["meets"] is True
+    assert [gpu.proxy_target({"pass": p, "headdim": d}) for p, d in
+            (("fwd", 256), ("fwd_bwd", 64), ("fwd_bwd", 128), ("fwd_bwd", 256))] == [1.0, 0.9, 0.9, 0.8]
     assert "| 1.5" in gpu.proxy_markdown(rows, "sm80")
 
 
