@@ -5,10 +5,11 @@ driver compiles for itself. With ``FLASH_ATTN_FORCE_FAMILY=sm80`` or ``sm86``
 (:mod:`flash_attn.aot.forced`) the ``aot`` backend then plans with that family's tiles and runs
 them from these images: ``bench gpu --family`` and ``.ci/gpu-window prepare-proxy`` / ``proxy``.
 
-Why PTX and not an sm_90 cubin: Triton compiles capability 9.0 for ``sm_90a`` with wgmma, TMA and
-its Hopper pipelining (and has no switch that keeps the Ampere code there); the sm_80 PTX is the
-very code A100 and RTX 30xx/40xx users run (their cubin is ptxas's assembly of it), only the last
-step, PTX to SASS, is the H200 driver's instead of ptxas's for sm_80/sm_86.
+Why PTX and not an sm_90 cubin: Triton compiles capability 9.0 for ``sm_90a`` with wgmma; its
+``DISABLE_MMA_V3=1`` switch keeps mma.sync there, but the rest of the compile stays Hopper's (another
+PTX ISA, the code reordered). The sm_80 PTX is the very code A100 and RTX 30xx/40xx users run
+(their cubin is ptxas's assembly of it); only the last step, PTX to SASS, is the H200 driver's
+instead of ptxas's for sm_80/sm_86 (``benchmarks/README.md``, "The mma.sync proxy on the H200").
 
 The set is derived from the tables, never copied: per family the image carries
 (:func:`~flash_attn.planning.families.families_for` of 8.0), the lean attention kernels (and the
