@@ -784,7 +784,8 @@ def _run_decode_step(case, config, device, timer, impls, reasons, emit, free_mem
 def _check_step(row: dict, impl: Implementation, call, expected, dtype: str) -> None:
     """A decode step's output against the reference, into ``row`` (``err_out``, ``check``): a
     wrong result of ours is an ``error``; a call the implementation does not have is
-    ``unsupported`` (NotImplementedError), any other failure of another implementation too."""
+    ``unsupported`` (NotImplementedError); any other failure is left to the timing, which reports
+    it (an ``error`` for ours, ``unsupported`` for the others)."""
     try:
         with impl.context():
             out = call()
