@@ -160,11 +160,12 @@ class Manifest:
                     need = found
         return need
 
-    def image_for(self, capability: tuple[int, int], driver: Optional[tuple[int, int]] = None) -> archs.ImageChoice:
+    def image_for(self, capability: tuple[int, int], driver: Optional[tuple[int, int]] = None,
+                  among: Optional[list] = None) -> archs.ImageChoice:
         """The image a device of ``capability`` runs, among those a driver of release ``driver``
-        (``None``: unknown) can load."""
+        (``None``: unknown) can load (and, given ``among``, of those architectures only)."""
         loadable, refused = [], []
-        for arch in self.archs:
+        for arch in self.archs if among is None else [a for a in self.archs if a in among]:
             need = self.requirement(arch)
             if driver is not None and need is not None and not _driver_loads(driver, need, arch):
                 refused.append(f"{arch} needs a driver for CUDA >= {need[0]}.{need[1]}")

@@ -29,15 +29,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from flash_attn import limits
-from flash_attn.aot import library as op_library, specializations as S
-from flash_attn.aot.archs import config_capability
+from flash_attn.aot import forced, library as op_library, specializations as S
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
 from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, ready, slots
 from flash_attn.backends.contract import nvidia_cuda_reason
-from flash_attn.planning import families, plan as P
+from flash_attn.planning import plan as P
 from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
 
-__all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache"]
+__all__ = ["BACKEND", "unavailable_reason", "device_image", "forward", "backward", "forward_kvcache"]
 
 _NAME = "aot"
 
@@ -55,10 +54,8 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
         return why
     if not torch.cuda.is_available():
         return "no CUDA device is available"
-    choice = m.image_for(torch.cuda.get_device_capability(device), driver_release())
-    if not choice.supported:
-        return choice.reason
-    return None
+    chosen = forced.choose(m, torch.cuda.get_device_capability(device), driver_release(), forced.forced_family())
+    return chosen if isinstance(chosen, str) else None
 
 
 # --- the device's images --------------------------------------------------------------------------
@@ -104,13 +101,19 @@ def _make_device_images(index: int) -> _DeviceImages | Refusal:
     m, why = manifest()
     if m is None:
         return Refusal(why, IMAGES)
-    capability = torch.cuda.get_device_capability(index)
-    choice = m.image_for(capability, driver_release())
-    if not choice.supported:
-        return Refusal(choice.reason, IMAGES)
-    family = families.arch_family(config_capability(capability, choice))
+    # the image and whose configs it runs: the device's own, or FLASH_ATTN_FORCE_FAMILY's (a diagnostic)
+    chosen = forced.choose(m, torch.cuda.get_device_capability(index), driver_release(), forced.forced_family())
+    if isinstance(chosen, str):
+        return Refusal(chosen, IMAGES)
+    choice, family = chosen
     sms = torch.cuda.get_device_properties(index).multi_processor_count
     return _DeviceImages(m, choice.arch.name, P.Target(family, sms, aot=True))
+
+
+def device_image(device) -> tuple[str, str] | str:
+    """``(image architecture, family whose configs it runs)`` on CUDA ``device``, or why it has none."""
+    images = _device_images(torch.device(device))
+    return images.reason if isinstance(images, Refusal) else (images.arch, images.target.family)
 
 
 def _target(device: torch.device) -> P.Target | Refusal:

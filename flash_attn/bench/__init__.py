@@ -89,6 +89,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="gpu: also time shapes the launch configs were not tuned on (2k, 8k, 3001 tokens, GQA 8:1, "
                      "heads x headdim 4096 and 5120, batch 1 x 32k; gpu.HELD_OUT)")
     gpu.add_argument("--decode-cachelens", type=_ints, help="gpu: decode KV cache lengths (default 4096,16384,65536,131072)")
+    gpu.add_argument("--decode-steps", action=argparse.BooleanOptionalAction, default=True,
+                     help="gpu: also time decode as a real step (the new token's k/v appended, cache_seqlens per "
+                     "sequence), with a contiguous and a paged cache (default: on)")
+    gpu.add_argument("--rounds", type=int, default=None,
+                     help="gpu: timing rounds per case, the implementations in a rotated order each round, the "
+                     "repeats split over them; rows give the spread of the round medians (default 3; 1 with --quick)")
+    gpu.add_argument("--family", choices=("sm80", "sm86"), default=None,
+                     help="gpu: the mma.sync proxy: this package's aot images with the planner's family forced "
+                     "(FLASH_ATTN_FORCE_FAMILY; images from `.ci/gpu-window prepare-proxy`) beside SDPA flash; "
+                     "defaults to bf16, d64/128/256, 4k/16k, no decode, no beyond-FA2 rows")
     overhead = parser.add_argument_group("overhead mode")
     overhead.add_argument("--device", choices=("stubbed", "cuda"), default="stubbed",
                           help="stubbed: launches replaced by a no-op, any machine (default); cuda: real calls on a GPU")

@@ -36,6 +36,17 @@ process by a large device-to-device copy (bytes read + written over its time) an
 figure of the device (:data:`NOMINAL_BANDWIDTH`). A size that does not fit in the free GPU memory
 is a ``skipped`` row, not an error.
 
+Method (issue 42): each case is timed in ``config["rounds"]`` rounds with the implementations in a
+rotated order (:func:`round_orders`), the repeats split over the rounds; each row has the median of
+all its times and ``spread_pct``, the range of its round medians. Decode also runs as a real step
+(:func:`decode_step_cases`: the new token's k/v appended at each sequence's ``cache_seqlens``, a
+contiguous and a paged cache), checked against :func:`decode_step_reference` before it is timed.
+PyTorch's ``flex_attention``, compiled, is the Triton peer (``flex``).
+
+The mma.sync proxy (issue 48, ``config["family"]``, ``--family``): our ``aot`` images with the
+planner's family forced (:mod:`flash_attn.aot.forced`) beside SDPA flash; rows say the family and
+what the proxy is (:func:`proxy_note`), and :func:`proxy_ratios` pairs each case with SDPA flash.
+
 The timer, the device and the free-memory probe are parameters, so the plumbing runs on a CPU in
 the tests.
 """
@@ -47,6 +58,7 @@ import csv
 import itertools
 import json
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +67,8 @@ from typing import Callable, ContextManager, Optional
 from flash_attn.bench import common
 from flash_attn.bench.common import attention_flops, summarize
 
-DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "upstream")
+DEFAULT_IMPLS = ("flash_attn[aot]", "flash_attn[triton]", "sdpa[flash]", "sdpa[efficient]", "sdpa[cudnn]", "flex",
+                 "upstream")
 Timer = Callable[[Callable[[], None], int, int], list]
 
 # The rows beyond FlashAttention-2: head dims (v's where it differs) and attention sinks
@@ -68,7 +81,9 @@ DECODE_SHAPE = {"heads": 32, "kv_heads": 8, "headdim": 128, "dtype": "bf16"}
 # a decode call captured in a CUDA graph is timed over this many back-to-back replays: one replay's
 # host cost (a few us) then overlaps the GPU's work, as in a server's decode loop
 GRAPH_REPLAYS = 20
-DECODE_PASSES = ("decode", "decode_graph")  # the rows of an eager decode call, and of one in a CUDA graph
+# the rows of an eager decode call, of one in a CUDA graph, and of a decode step (new k/v appended;
+# contiguous and paged cache)
+DECODE_PASSES = ("decode", "decode_graph", "decode_step", "decode_step_paged")
 COPY_BYTES = 2 << 30  # the bandwidth probe copies 2 GiB (4 GiB moved): long enough to hide launch cost
 # left free beside a decode case's tensors: split-KV partial results, SDPA's workspace, allocator rounding
 DECODE_HEADROOM = 1 << 30
@@ -98,6 +113,10 @@ class Implementation:
     # forward(q, k, v, causal, sinks=None) -> out, for the check against the reference before timing (None: not
     # checked); raises NotImplementedError for sinks where the implementation has none
     forward: Optional[Callable] = None
+    # decode_step(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -> out: the new token's k/v
+    # appended at cache_seqlens per sequence, then attention over the updated cache (None: no such call;
+    # raises NotImplementedError for a paged cache where it has none)
+    decode_step: Optional[Callable] = None
 
 
 @contextlib.contextmanager
@@ -139,6 +158,8 @@ def _ours(backend: str) -> Implementation:
         backend,
         decode=lambda q, k_cache, v_cache: flash_attn_with_kvcache(q, k_cache, v_cache),
         forward=forward,
+        decode_step=lambda q, k_cache, v_cache, k_new, v_new, seqlens, block_table: flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=seqlens, block_table=block_table),
     )
 
 
@@ -171,7 +192,7 @@ def _sdpa(label: str, backend_name: str) -> Implementation:
         return sdpa_kernel(getattr(SDPBackend, backend_name))
 
     return Implementation(f"sdpa[{label}]", unavailable, _autograd_run(sdpa_forward), context, decode=sdpa_decode,
-                          forward=sdpa_forward)
+                          forward=sdpa_forward, decode_step=sdpa_decode_step)
 
 
 def sdpa_decode(q, k_cache, v_cache):
@@ -187,6 +208,91 @@ def sdpa_decode(q, k_cache, v_cache):
     q_rows = q.reshape(batch, kv_heads, heads // kv_heads, headdim)
     out = F.scaled_dot_product_attention(q_rows, k_cache.transpose(1, 2), v_cache.transpose(1, 2))
     return out.reshape(batch, 1, heads, headdim)
+
+
+def sdpa_decode_step(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table=None):
+    """A decode step through SDPA as a PyTorch model without flash-attn does it: the new k/v
+    written into the cache at each sequence's length (``index_put_``), then :func:`sdpa_decode`'s
+    grouped query over the cache with a mask of each sequence's keys (so only SDPA backends that
+    take a mask run it: flash does not). No paged cache: SDPA has none."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    if block_table is not None:
+        raise NotImplementedError("SDPA has no paged KV cache")
+    batch, _, heads, headdim = q.shape
+    kv_heads = k_cache.shape[2]
+    rows = torch.arange(batch, device=q.device)
+    positions = cache_seqlens.long()
+    k_cache.index_put_((rows, positions), k_new[:, 0])
+    v_cache.index_put_((rows, positions), v_new[:, 0])
+    keys = torch.arange(k_cache.shape[1], device=q.device)
+    mask = (keys[None, :] <= positions[:, None]).view(batch, 1, 1, -1)  # each sequence's keys, the new one included
+    q_rows = q.reshape(batch, kv_heads, heads // kv_heads, headdim)
+    out = F.scaled_dot_product_attention(q_rows, k_cache.transpose(1, 2), v_cache.transpose(1, 2), attn_mask=mask)
+    return out.reshape(batch, 1, heads, headdim)
+
+
+# flex_attention compiled by torch.compile (what it is timed as); False: eager flex (the CPU tests'
+# stand-in for the plumbing: the same semantics without inductor)
+FLEX_COMPILE = True
+# distinct (shape, mask) compiles one run makes: above dynamo's default limit (8), which would
+# otherwise fall back to eager flex and time that
+FLEX_RECOMPILES = 256
+
+
+def flex_unavailable(device) -> Optional[str]:
+    """Why PyTorch's ``flex_attention`` cannot run on ``device`` at all (None: it can try; what it
+    refuses for a case, e.g. a head dim, is learnt by trying: an ``unsupported`` row)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401, PLC0415
+    except ImportError:
+        return "this PyTorch has no flex_attention"
+    if getattr(device, "type", device) == "cuda" and FLEX_COMPILE:
+        try:
+            import triton  # noqa: F401, PLC0415
+        except ImportError:
+            return "flex_attention compiles Triton kernels on CUDA: triton is not installed"
+    return None
+
+
+def _flex() -> Implementation:
+    """PyTorch's ``flex_attention``, compiled (Triton kernels that inductor generates): the Triton
+    peer baseline. Causal as a block mask (bottom-right aligned, as flash_attn's; one per lengths
+    and device, built before timing), GQA by ``enable_gqa``; no sinks, no decode call here."""
+    import functools  # noqa: PLC0415
+
+    @functools.lru_cache(maxsize=None)
+    def flex():
+        import torch  # noqa: PLC0415
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: PLC0415
+
+        return torch.compile(flex_attention, dynamic=False) if FLEX_COMPILE else flex_attention
+
+    @functools.lru_cache(maxsize=32)
+    def causal_mask(seqlen_q: int, seqlen_k: int, device: str):
+        from torch.nn.attention.flex_attention import create_block_mask  # noqa: PLC0415
+
+        offset = seqlen_k - seqlen_q
+        return create_block_mask(lambda b, h, i, j: i + offset >= j, None, None, seqlen_q, seqlen_k, device=device)
+
+    def forward(q, k, v, causal, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("flex_attention here has no attention sinks")
+        mask = causal_mask(q.shape[1], k.shape[1], str(q.device)) if causal else None
+        gqa = {"enable_gqa": True} if k.shape[2] != q.shape[2] else {}
+        out = flex()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, **gqa)
+        return out.transpose(1, 2)
+
+    @contextlib.contextmanager
+    def context():
+        import torch._dynamo.config as dynamo  # noqa: PLC0415
+
+        name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+        with dynamo.patch(**{name: FLEX_RECOMPILES}):
+            yield
+
+    return Implementation("flex", flex_unavailable, _autograd_run(forward), context, forward=forward)
 
 
 def _upstream() -> Implementation:
@@ -221,7 +327,12 @@ def _upstream() -> Implementation:
         return ext.fwd_kvcache(q, k_cache, v_cache, None, None, None, None, None, None, None, None, None, None,
                                q.shape[-1] ** -0.5, False, -1, -1, 0.0, True, 0)[0]
 
-    return Implementation("upstream", unavailable, run, decode=decode)
+    def decode_step(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table):
+        ext = state["ext"]
+        return ext.fwd_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, None, None, None, None, block_table,
+                               None, None, q.shape[-1] ** -0.5, False, -1, -1, 0.0, True, 0)[0]
+
+    return Implementation("upstream", unavailable, run, decode=decode, decode_step=decode_step)
 
 
 # What each implementation is, in the rows ("what"): the baselines named for what they run.
@@ -234,6 +345,7 @@ WHAT = {
     "sdpa[cudnn]": "PyTorch SDPA cuDNN",
     "sdpa[math]": "PyTorch SDPA math (unfused)",
     "upstream": "flash-attn 2 CUDA extension (flash_attn_2_cuda)",
+    "flex": "PyTorch flex_attention, compiled (inductor's Triton kernels): a Triton peer",
 }
 
 # Shapes the launch configs were not tuned on (the table is 1k/4k/16k tokens, hidden 2048, heads of
@@ -247,6 +359,80 @@ HELD_OUT = (
 )
 
 
+# `--family`: the mma.sync proxy (flash_attn.aot.forced): our images under the forced family beside
+# FA2 as PyTorch ships it, at the shapes of issue 48's targets
+PROXY_IMPLS = ("flash_attn[aot]", "sdpa[flash]")
+PROXY_SEQLENS = (4096, 16384)
+PROXY_DTYPES = ("bf16",)
+
+
+def proxy_note(arch: str, family: str, gpu: Optional[str]) -> str:
+    """What a row of our images under forced ``family`` measures (the ``proxy`` column)."""
+    from flash_attn.planning import families  # noqa: PLC0415
+
+    how = "PTX, compiled by the driver" if arch.startswith("compute_") else "cubin"
+    return (f"proxy: the {family} tables ({families.get(family).gpus}) as {arch} {how} on {gpu or 'this GPU'}; "
+            f"its clocks, SMs, shared memory, L2 and HBM, not those GPUs'")
+
+
+# the baseline's side of the proxy: FA2 picks its own tiles for the GPU it runs on
+PROXY_BASELINE_NOTE = "FA2's own tiles for this GPU (on Hopper: its sm80 ones)"
+
+
+@contextlib.contextmanager
+def _forced_family(family: Optional[str]):
+    """``FLASH_ATTN_FORCE_FAMILY`` set to ``family`` for the run (nothing without one)."""
+    from flash_attn.aot import forced  # noqa: PLC0415
+
+    if family is None:
+        yield
+        return
+    old = os.environ.get(forced.FORCE_ENV)
+    os.environ[forced.FORCE_ENV] = family
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(forced.FORCE_ENV, None)
+        else:
+            os.environ[forced.FORCE_ENV] = old
+
+
+def _aot_device_image(device):
+    from flash_attn.backends import aot  # noqa: PLC0415
+
+    return aot.device_image(device)
+
+
+def proxy_fields(config: dict, impls, reasons: dict, device, image_of=None) -> dict:
+    """Per implementation, the ``family``/``proxy`` fields of its rows under ``config["family"]``
+    (empty without one). Our aot images must run the forced family: where they do not (no image
+    carries it, the GPU's shared memory is too small), that is the implementation's reason not to run."""
+    family = config.get("family")
+    if family is None:
+        return {impl.name: {} for impl in impls}
+    gpu = common.machine().get("gpu")
+    out = {}
+    for impl in impls:
+        if impl.backend != "aot":
+            out[impl.name] = {"family": None, "proxy": PROXY_BASELINE_NOTE}
+            continue
+        out[impl.name] = {"family": family}
+        if reasons[impl.name] is not None:
+            continue
+        try:
+            found = (image_of or _aot_device_image)(device)
+        except Exception as exc:  # noqa: BLE001  (no CUDA device: the reason, not a crash)
+            found = f"{type(exc).__name__}: {exc}"
+        if isinstance(found, str):
+            reasons[impl.name] = found
+        elif found[1] != family:
+            reasons[impl.name] = f"the aot backend runs the {found[1]} configs here, not the forced {family}"
+        else:
+            out[impl.name]["proxy"] = proxy_note(found[0], family, gpu)
+    return out
+
+
 def implementations(names) -> list[Implementation]:
     makers = {
         "flash_attn[aot]": lambda: _ours("aot"),
@@ -257,6 +443,7 @@ def implementations(names) -> list[Implementation]:
         "sdpa[cudnn]": lambda: _sdpa("cudnn", "CUDNN_ATTENTION"),
         "sdpa[math]": lambda: _sdpa("math", "MATH"),
         "upstream": _upstream,
+        "flex": _flex,
     }
     unknown = [n for n in names if n not in makers]
     if unknown:
@@ -328,6 +515,88 @@ def decode_cases(config: dict) -> list[dict]:
             for batch in d["batches"] for cachelen in d["cachelens"]]
 
 
+# the decode step's cache: pages of this many tokens in the paged rows (FA2's paged KV cache takes
+# multiples of 256), in a shuffled order, so that the pages of a sequence are not contiguous
+PAGE_SIZE = 256
+STEP_PASSES = ("decode_step", "decode_step_paged")
+
+
+def decode_step_cases(config: dict) -> list[dict]:
+    """``config["decode"]["steps"]``: per (batch, cache length), a decode step with a contiguous
+    and with a paged cache; the sequences' lengths differ (:func:`step_seqlens`)."""
+    d = config["decode"]
+    if not d.get("steps"):
+        return []
+    return [{**case, "pass": pass_, **({"page_size": PAGE_SIZE} if pass_ == "decode_step_paged" else {})}
+            for case in decode_cases(config) for pass_ in STEP_PASSES]
+
+
+def step_seqlens(batch: int, cachelen: int) -> list[int]:
+    """Each sequence's cached tokens before the step: from ``cachelen - 1`` (the last one fills the
+    cache) down towards half of it, so that a batch is ragged as in serving."""
+    return [cachelen - 1 - (i * (cachelen // 2)) // max(1, batch) for i in range(batch)]
+
+
+def decode_step_inputs(case: dict, device, dtype, generator) -> dict:
+    """The tensors of one decode step: ``q``, the caches (paged: ``(pages, PAGE_SIZE, kv_heads,
+    headdim)`` with a shuffled ``block_table``; else ``(batch, cachelen, kv_heads, headdim)``), the
+    new token's ``k_new``/``v_new`` and ``cache_seqlens`` (int32, :func:`step_seqlens`)."""
+    import torch  # noqa: PLC0415
+
+    batch, cachelen, kv_heads, headdim = case["batch"], case["cachelen"], case["kv_heads"], case["headdim"]
+    page = case.get("page_size")
+    block_table = None
+    if page:
+        per_sequence = -(-cachelen // page)
+        cache_shape = (batch * per_sequence, page, kv_heads, headdim)
+        block_table = torch.randperm(batch * per_sequence, generator=torch.Generator().manual_seed(0)).view(
+            batch, per_sequence).to(device=device, dtype=torch.int32)
+    else:
+        cache_shape = (batch, cachelen, kv_heads, headdim)
+
+    def randn(*shape):
+        return torch.randn(shape, device=device, dtype=dtype, generator=generator)
+
+    return {"q": randn(batch, 1, case["heads"], headdim), "k_cache": randn(*cache_shape), "v_cache": randn(*cache_shape),
+            "k_new": randn(batch, 1, kv_heads, headdim), "v_new": randn(batch, 1, kv_heads, headdim),
+            "cache_seqlens": torch.tensor(step_seqlens(batch, cachelen), dtype=torch.int32, device=device),
+            "block_table": block_table}
+
+
+def decode_step_reference(inputs: dict):
+    """The step's output in float32, from the inputs alone: per sequence, its cached keys (through
+    the block table when paged) and the new one, the query heads grouped on their KV heads."""
+    import torch  # noqa: PLC0415
+
+    q, k_cache, v_cache = inputs["q"], inputs["k_cache"], inputs["v_cache"]
+    block_table = inputs["block_table"]
+    heads, headdim = q.shape[2], q.shape[3]
+    outs = []
+    for b, length in enumerate(inputs["cache_seqlens"].tolist()):
+        if block_table is None:
+            k, v = k_cache[b, :length], v_cache[b, :length]
+        else:  # the sequence's pages in table order, cut at its length
+            k = k_cache[block_table[b].long()].flatten(0, 1)[:length]
+            v = v_cache[block_table[b].long()].flatten(0, 1)[:length]
+        k = torch.cat([k, inputs["k_new"][b]]).float()  # (length + 1, kv_heads, headdim)
+        v = torch.cat([v, inputs["v_new"][b]]).float()
+        # query head h reads KV head h // group: the query heads as (kv_heads, group) rows
+        rows = q[b, 0].float().view(k.shape[1], heads // k.shape[1], headdim)
+        scores = torch.einsum("kgd,lkd->kgl", rows, k) * headdim ** -0.5
+        outs.append(torch.einsum("kgl,lkd->kgd", scores.softmax(-1), v).reshape(heads, headdim))
+    return torch.stack(outs).unsqueeze(1)
+
+
+def decode_step_bytes(case: dict) -> int:
+    """Bytes a decode step must move at least: each sequence's cached K and V read (its length and
+    the new token), the new k/v written, q read and out written."""
+    elt = DTYPE_BYTES[case["dtype"]]
+    row = case["kv_heads"] * case["headdim"] * elt
+    keys = sum(length + 1 for length in step_seqlens(case["batch"], case["cachelen"]))
+    q_and_out = 2 * case["batch"] * case["heads"] * case["headdim"] * elt
+    return 2 * keys * row + 2 * case["batch"] * row + q_and_out
+
+
 def decode_bytes(case: dict) -> int:
     """Bytes a decode call must move at least: the K and V cache read once, q read, out written."""
     elt = DTYPE_BYTES[case["dtype"]]
@@ -357,23 +626,19 @@ def nominal_bandwidth(device_name: Optional[str]) -> Optional[tuple[str, float]]
 def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambda s: None,
         on_row: Callable[[dict], None] = lambda row: None,
         free_memory: Optional[Callable[[], Optional[int]]] = None,
-        capture: Optional[Callable[[Callable[[], None]], Callable[[], None]]] = None) -> list[dict]:
+        capture: Optional[Callable[[Callable[[], None]], Callable[[], None]]] = None,
+        image_of: Optional[Callable] = None) -> list[dict]:
     """Measure every case with every implementation, then (``config["decode"]``) the memory
     bandwidth and the decode cases; ``on_row(row)`` as each row is done. ``free_memory()``: free
     bytes on the device (default: CUDA's count, or the host's available memory on a CPU).
     ``capture(call)``: ``call`` captured, as a callable that replays it (default: a CUDA graph;
-    for the ``decode_graph`` rows of ``config["decode"]["graphs"]``)."""
+    for the ``decode_graph`` rows of ``config["decode"]["graphs"]``). ``image_of(device)``: the aot
+    backend's ``(image arch, family)`` there (default :func:`flash_attn.backends.aot.device_image`;
+    read under ``config["family"]``, the proxy)."""
     import torch  # noqa: PLC0415
 
     device = torch.device(device or "cuda")
     timer = timer or (cuda_event_timer if device.type == "cuda" else wall_timer)
-    impls = implementations(config["impls"])
-    reasons = {}
-    for impl in impls:
-        try:
-            reasons[impl.name] = impl.unavailable(device)
-        except Exception as exc:  # noqa: BLE001
-            reasons[impl.name] = f"{type(exc).__name__}: {exc}"
     rows = []
 
     def emit(row):
@@ -381,14 +646,23 @@ def run(config: dict, device=None, timer: Optional[Timer] = None, progress=lambd
         on_row(row)
         rows.append(row)
 
-    _run_training(config, device, timer, impls, reasons, emit)
-    if config.get("decode"):
-        _run_decode(config, device, timer, impls, reasons, emit, free_memory or _free_memory_probe(device),
-                    capture or (cuda_graph if device.type == "cuda" else None))
+    with _forced_family(config.get("family")):
+        impls = implementations(config["impls"])
+        reasons = {}
+        for impl in impls:
+            try:
+                reasons[impl.name] = impl.unavailable(device)
+            except Exception as exc:  # noqa: BLE001
+                reasons[impl.name] = f"{type(exc).__name__}: {exc}"
+        fields = proxy_fields(config, impls, reasons, device, image_of)
+        _run_training(config, device, timer, impls, reasons, fields, emit)
+        if config.get("decode"):
+            _run_decode(config, device, timer, impls, reasons, emit, free_memory or _free_memory_probe(device),
+                        capture or (cuda_graph if device.type == "cuda" else None))
     return rows
 
 
-def _run_training(config, device, timer, impls, reasons, emit) -> None:
+def _run_training(config, device, timer, impls, reasons, fields, emit) -> None:
     import torch  # noqa: PLC0415
 
     for case in cases(config):
@@ -408,17 +682,20 @@ def _run_training(config, device, timer, impls, reasons, emit) -> None:
         flops = attention_flops(case["batch"], case["heads"], case["seqlen"], case["seqlen"],
                                 (case["headdim"] + shape_v[-1]) / 2, case["causal"], backward)
         expected = _once(lambda: reference(q, k, v, dout, case["causal"], sinks))
+        timed = []
         for impl in impls:
-            row = dict(case, impl=impl.name, what=WHAT.get(impl.name))
+            row = dict(case, impl=impl.name, what=WHAT.get(impl.name), **fields[impl.name])
             _check_row(row, impl, reasons[impl.name], q, k, v, dout, sinks, case, expected)
-            if row.get("status") == "error":  # a wrong result is not timed
-                emit(row)
-                continue
-            _measure(row, impl, reasons[impl.name], lambda: impl.run(q, k, v, dout, case["causal"], sinks), config,
-                     timer, device)
-            if "time_ms" in row:
-                row["tflops"] = flops / (row["time_ms"] * 1e-3) / 1e12
-            emit(row)
+            # a wrong result is not timed
+            timed.append(Timing(row, impl, (lambda impl=impl: impl.run(q, k, v, dout, case["causal"], sinks)), timer,
+                                row.get("status") != "error"))
+
+        def done(t, flops=flops):
+            if "time_ms" in t.row:
+                t.row["tflops"] = flops / (t.row["time_ms"] * 1e-3) / 1e12
+            emit(t.row)
+
+        measure_interleaved(timed, reasons, config, device, done)
 
 
 def _run_decode(config, device, timer, impls, reasons, emit, free_memory, capture) -> None:
@@ -439,6 +716,7 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory, captur
             cache_shape = (case["batch"], case["cachelen"], case["kv_heads"], case["headdim"])
             q = torch.randn((case["batch"], 1, case["heads"], case["headdim"]), device=device, dtype=dtype, generator=g)
             tensors = (q, *(torch.randn(cache_shape, device=device, dtype=dtype, generator=g) for _ in range(2)))
+        timed = []
         for impl, graphed in itertools.product(impls, (False, True) if d.get("graphs") else (False,)):
             row = dict(case, impl=impl.name, gbytes=needed / 1e9, **({"pass": "decode_graph"} if graphed else {}))
             if skipped is not None:
@@ -448,17 +726,80 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory, captur
             elif graphed and capture is None:
                 row.update(status="unsupported", note="CUDA graphs need a CUDA device")
             elif graphed:
-                call = _Replayed(lambda: impl.decode(*tensors), capture)
-                _measure(row, impl, reasons[impl.name], call, config, call.per_replay(timer), device)
+                call = _Replayed(lambda impl=impl: impl.decode(*tensors), capture)
+                timed.append(Timing(row, impl, call, call.per_replay(timer)))
+                continue
             else:
-                _measure(row, impl, reasons[impl.name], lambda: impl.decode(*tensors), config, timer, device)
-            if "time_ms" in row:
-                row["gbps"] = needed / (row["time_ms"] * 1e-3) / 1e9
-                row["bw_pct"] = 100 * row["gbps"] / measured if measured else None
-                row["nominal_pct"] = 100 * row["gbps"] / nominal if nominal else None
-            emit(row)
+                timed.append(Timing(row, impl, lambda impl=impl: impl.decode(*tensors), timer))
+                continue
+            timed.append(Timing(row, impl, None, timer, False))
+        measure_interleaved(timed, reasons, config, device,
+                            lambda t, needed=needed: emit(_bandwidth_fields(t.row, needed, measured, nominal)))
         del tensors  # before the next case allocates its cache (and counts free memory)
         _empty_cache(device)
+    for case in decode_step_cases(config):
+        _run_decode_step(case, config, device, timer, impls, reasons, emit, free_memory, measured, nominal)
+
+
+def _bandwidth_fields(row: dict, needed: int, measured, nominal) -> dict:
+    """``row`` with its GB/s and their share of the measured and nominal bandwidth (timed rows)."""
+    if "time_ms" in row:
+        row["gbps"] = needed / (row["time_ms"] * 1e-3) / 1e9
+        row["bw_pct"] = 100 * row["gbps"] / measured if measured else None
+        row["nominal_pct"] = 100 * row["gbps"] / nominal if nominal else None
+    return row
+
+
+def _run_decode_step(case, config, device, timer, impls, reasons, emit, free_memory, measured, nominal) -> None:
+    """One decode step case: each implementation's output checked against
+    :func:`decode_step_reference` before it is timed (a wrong result of ours is an error row),
+    then timed interleaved; GB/s from :func:`decode_step_bytes`."""
+    import torch  # noqa: PLC0415
+
+    needed = decode_step_bytes(case)
+    skipped = skip_reason(needed, free_memory())
+    inputs, expected = {}, None
+    if skipped is None:
+        g = torch.Generator(device=device).manual_seed(0)
+        inputs = decode_step_inputs(case, device, _torch_dtype(case["dtype"]), g)
+        expected = decode_step_reference(inputs)  # before any call writes into the caches
+    args = [inputs.get(name) for name in ("q", "k_cache", "v_cache", "k_new", "v_new", "cache_seqlens", "block_table")]
+    timed = []
+    for impl in impls:
+        row = dict(case, impl=impl.name, gbytes=needed / 1e9)
+        call = (lambda impl=impl: impl.decode_step(*args))
+        if skipped is not None:
+            row.update(status="skipped", note=skipped)
+        elif impl.decode_step is None:
+            row.update(status="unsupported", note=f"{impl.name} has no decode step call here")
+        elif reasons[impl.name] is None:
+            _check_step(row, impl, call, expected, case["dtype"])
+        timed.append(Timing(row, impl, call, timer, row.get("status") is None))
+    measure_interleaved(timed, reasons, config, device,
+                        lambda t: emit(_bandwidth_fields(t.row, needed, measured, nominal)))
+    inputs.clear()
+    _empty_cache(device)
+
+
+def _check_step(row: dict, impl: Implementation, call, expected, dtype: str) -> None:
+    """A decode step's output against the reference, into ``row`` (``err_out``, ``check``): a
+    wrong result of ours is an ``error``; a call the implementation does not have is
+    ``unsupported`` (NotImplementedError); any other failure is left to the timing, which reports
+    it (an ``error`` for ours, ``unsupported`` for the others)."""
+    try:
+        with impl.context():
+            out = call()
+    except NotImplementedError as exc:
+        row.update(status="unsupported", note=str(exc))
+        return
+    except Exception as exc:  # noqa: BLE001  (timing reports the implementation's own refusal)
+        row["check"] = f"not checked: {type(exc).__name__}"
+        return
+    row["err_out"] = relative_error(out.detach(), expected)
+    row["check"] = "ok" if row["err_out"] <= CHECK_TOLERANCE[dtype] else "mismatch"
+    if row["check"] == "mismatch" and impl.backend is not None:
+        row.update(status="error", note=f"wrong result: out {row['err_out']:.2g} (relative; tolerance "
+                                        f"{CHECK_TOLERANCE[dtype]})")
 
 
 def cuda_graph(call: Callable[[], None]) -> Callable[[], None]:
@@ -655,8 +996,74 @@ def host_ms(call: Callable[[], None], device) -> float:
     return common.host_and_gpu(call, HOST_CALLS, sync)["host_us"] / 1e3
 
 
-def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device) -> None:
-    """Time ``call`` under ``impl``'s context into ``row`` (status, times or note)."""
+@dataclass
+class Timing:
+    """One row to time: its implementation, the call and the timer (``timed``: False for a row
+    settled before timing, e.g. a wrong result)."""
+
+    row: dict
+    impl: Implementation
+    call: Callable[[], None]
+    timer: Timer
+    timed: bool = True
+
+
+def round_orders(count: int, rounds: int) -> list[list[int]]:
+    """The order of ``count`` implementations in each of ``rounds`` rounds: rotated by one each
+    round, so that none always runs first (a cold clock, a fresh cache) or right after the same one."""
+    return [[(start + i) % count for i in range(count)] for start in range(rounds)] if count else [[]] * rounds
+
+
+def round_repeats(repeats: int, rounds: int) -> int:
+    """Timed calls per round: the run's repeats split over the rounds (the same budget as one round)."""
+    return max(1, -(-repeats // rounds))
+
+
+def measure_interleaved(timings: list, reasons: dict, config: dict, device,
+                        done: Callable[["Timing"], None] = lambda t: None) -> None:
+    """Time the rows of one case in ``config["rounds"]`` rounds (default 1), the implementations in
+    :func:`round_orders`; each row's times are those of every round (``time_ms`` their median),
+    ``round_ms`` the median of each round and ``spread_pct`` their range over the median: how far
+    one run's answer may move. The warm-up is done in the first round only. ``done(timing)`` as
+    each row is final (in the last round's order; a row not timed there too)."""
+    rounds = max(1, int(config.get("rounds", 1)))
+    times = {id(t): [] for t in timings}
+    medians = {id(t): [] for t in timings}
+    orders = round_orders(len(timings), rounds)
+    for index, order in enumerate(orders):
+        per_round = dict(config, repeats=round_repeats(config["repeats"], rounds),
+                         warmup=config["warmup"] if index == 0 else 0)
+        for t in (timings[i] for i in order):
+            if t.timed and t.row.get("status") in (None, "ok"):
+                def recording(fn, warmup, repeats, t=t):
+                    got = t.timer(fn, warmup, repeats)
+                    times[id(t)].extend(got)
+                    medians[id(t)].append(statistics.median(got))
+                    return got
+
+                # the host's time per call once, in the last round
+                _measure(t.row, t.impl, reasons[t.impl.name], t.call, per_round, recording, device,
+                         host=index == len(orders) - 1)
+            if index == len(orders) - 1:
+                _summarize_rounds(t.row, times[id(t)], medians[id(t)])
+                done(t)
+
+
+def _summarize_rounds(row: dict, times: list, medians: list) -> None:
+    if row.get("status") != "ok" or not times:
+        return
+    row.update(summarize(times))
+    row["round_ms"] = medians
+    spread = (max(medians) - min(medians)) / row["time_ms"] if row["time_ms"] else 0.0
+    row["spread_pct"] = 100 * spread if len(medians) > 1 else None
+    if row.get("host_ms") is not None:
+        row["host_bound"] = row["host_ms"] >= HOST_BOUND_SHARE * row["time_ms"]
+
+
+def _measure(row: dict, impl: Implementation, reason: Optional[str], call, config, timer, device,
+             host: bool = True) -> None:
+    """Time ``call`` under ``impl``'s context into ``row`` (status, times or note; ``host``: and the
+    host's CPU time per call)."""
     import torch  # noqa: PLC0415
 
     from flash_attn import dispatch  # noqa: PLC0415
@@ -670,8 +1077,10 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
         with impl.context():
             times = timer(call, config["warmup"], config["repeats"])
             # a graph replay's host side is one launch: not measured
-            host = None if row.get("pass") == "decode_graph" else host_ms(call, device)
-        row.update(summarize(times), status="ok", host_ms=host)
+            if host:
+                row["host_ms"] = None if row.get("pass") == "decode_graph" else host_ms(call, device)
+        row.update(summarize(times), status="ok")
+        host = row.get("host_ms")
         row["host_bound"] = None if host is None else host >= HOST_BOUND_SHARE * row["time_ms"]
         elsewhere = _ran_elsewhere(impl, device.type)
         if elsewhere:
@@ -741,7 +1150,7 @@ def _progress_line(row: dict) -> str:
             return f"  memory bandwidth (device copy): {row['status']}: {row.get('note', '')}"
         return f"  memory bandwidth (device copy of {row['gbytes'] / 2:.1f} GB): {row['gbps']:.0f} GB/s{nominal}"
     if row["pass"] in DECODE_PASSES:
-        call = "graph " if row["pass"] == "decode_graph" else "decode"
+        call = {"decode_graph": "graph ", "decode_step": "step  ", "decode_step_paged": "paged "}.get(row["pass"], "decode")
         head = f"  {row['dtype']} {call} b={row['batch']:<3} cache={row['cachelen']:<7} {row['impl']:<20}"
         if row.get("status") != "ok":
             return f"{head} {row['status']}: {row.get('note', '')}"
@@ -755,7 +1164,8 @@ def _progress_line(row: dict) -> str:
     if row.get("status") != "ok":
         return f"{head} {row['status']}: {row.get('note', '')}"
     bound = " (host-bound: the time is the host's)" if row.get("host_bound") else ""
-    return f"{head} {row['time_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s{bound}"
+    spread = f" spread {row['spread_pct']:.1f} %" if row.get("spread_pct") is not None else ""
+    return f"{head} {row['time_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s{spread}{bound}"
 
 
 def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
@@ -805,8 +1215,8 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
     return written
 
 
-COLUMNS = ("impl", "what", "held_out", "dtype", "headdim", "headdim_v", "sinks", "causal", "pass", "seqlen", "cachelen", "batch",
-           "heads", "kv_heads", "time_ms", "time_ms_min", "repeats", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct",
+COLUMNS = ("impl", "what", "family", "proxy", "held_out", "dtype", "headdim", "headdim_v", "sinks", "causal", "pass", "seqlen", "cachelen", "batch",
+           "heads", "kv_heads", "time_ms", "time_ms_min", "repeats", "spread_pct", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct",
            "host_ms", "host_bound", "check", "err_out", "err_grad", "status", "note")
 
 
@@ -847,13 +1257,32 @@ def config_from_args(args, default_seqlens=()) -> dict:
         "repeats": args.repeats or (3 if args.quick else 30), "warmup": args.warmup or (1 if args.quick else 5),
         "decode": None, "held_out": bool(getattr(args, "held_out", False)),
         "beyond": list(BEYOND_CASES) if args.beyond and not args.quick else [],
+        "rounds": (1 if args.quick else 3) if getattr(args, "rounds", None) is None else args.rounds,
+        "family": getattr(args, "family", None),
     }
-    if args.decode:
+    if config["rounds"] < 1:
+        raise ValueError(f"--rounds must be at least 1, got {config['rounds']}")
+    if args.decode and not config["family"]:
         config["decode"] = dict(DECODE_SHAPE, copy_bytes=COPY_BYTES,
                                 batches=args.decode_batches or ([1, 4] if args.quick else list(DECODE_BATCHES)),
                                 cachelens=args.decode_cachelens or ([4096] if args.quick else list(DECODE_CACHELENS)),
-                                graphs=args.decode_graphs)
+                                graphs=args.decode_graphs, steps=getattr(args, "decode_steps", True))
+    if config["family"]:
+        _proxy_config(config, args)
     return config
+
+
+def _proxy_config(config: dict, args) -> None:
+    """``--family``: the proxy's defaults where the command line names none (the proxy images hold
+    the lean attention kernels only: no decode, no beyond-FA2 rows), and only our aot images."""
+    config["seqlens"] = args.seqlens or list(PROXY_SEQLENS)
+    config["dtypes"] = args.dtypes or list(PROXY_DTYPES)
+    config["impls"] = args.impls or list(PROXY_IMPLS)
+    config["beyond"] = []
+    ours = [name for name in config["impls"] if name.startswith("flash_attn[")]
+    if ours != ["flash_attn[aot]"]:
+        raise ValueError(f"--family {config['family']} measures this package's aot images (the planner's family "
+                         f"forced): --impls must name flash_attn[aot] and no other backend of ours, got {ours}")
 
 
 def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None,
@@ -867,7 +1296,11 @@ def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None,
         print("gpu mode needs a CUDA device (this PyTorch sees none); `python -m flash_attn bench cpu` runs here",
               file=sys.stderr)
         return 2
-    config = config_from_args(args, default_seqlens)
+    try:
+        config = config_from_args(args, default_seqlens)
+    except ValueError as exc:
+        print(f"bench gpu: {exc}", file=sys.stderr)
+        return 2
     meta = {"mode": "gpu", "config": config, "machine": common.machine()}
     writer = RowWriter(args.out, "bench-gpu", meta)
     try:
@@ -882,8 +1315,10 @@ def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None,
     ok = [r for r in rows if r.get("status") == "ok" and r["pass"] in ("fwd", "fwd_bwd")]
     print(common.markdown_table(ok, [("dtype", "dtype"), ("headdim", "d"), ("headdim_v", "d_v"), ("sinks", "sinks"),
                                      ("causal", "causal"), ("pass", "pass"),
-                                     ("seqlen", "seqlen"), ("impl", "implementation"), ("time_ms", "ms"),
-                                     ("tflops", "TFLOP/s")]))
+                                     ("seqlen", "seqlen"), ("impl", "implementation"), ("family", "family"),
+                                     ("time_ms", "ms"), ("spread_pct", "spread %"), ("tflops", "TFLOP/s")]))
+    if config.get("family"):
+        print("\n" + proxy_markdown(rows, config["family"]))
     if config["decode"]:
         print("\n" + decode_markdown(rows, config["decode"]))
     print("\n" + "\n".join(f"{kind}: {path}" for kind, path in paths.items()))
@@ -891,6 +1326,41 @@ def main(args, default_seqlens=(), device=None, timer: Optional[Timer] = None,
     for r in errors:
         print(f"error: {_progress_line(r).strip()}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def proxy_target(case: dict) -> float:
+    """Issue 48's target for the proxy's ratio to SDPA flash: forward 1.0x, forward + backward 0.9x
+    at head dims up to 128 and 0.8x above."""
+    if case["pass"] == "fwd":
+        return 1.0
+    return 0.9 if case["headdim"] <= 128 else 0.8
+
+
+def proxy_ratios(rows: list[dict], baseline: str = "sdpa[flash]") -> list[dict]:
+    """Per training case, our aot row's speed against ``baseline``'s in the same run (``ratio``:
+    the baseline's time over ours, > 1 faster), with :func:`proxy_target` and whether it is met."""
+    keys = ("dtype", "headdim", "causal", "pass", "seqlen", "held_out")
+    theirs = {tuple(r.get(k) for k in keys): r for r in rows if r["impl"] == baseline and r.get("status") == "ok"}
+    out = []
+    for r in rows:
+        other = theirs.get(tuple(r.get(k) for k in keys))
+        if r["impl"] == "flash_attn[aot]" and r.get("status") == "ok" and other is not None:
+            out.append({**{k: r.get(k) for k in keys}, "family": r.get("family"), "ours_ms": r["time_ms"],
+                        "baseline_ms": other["time_ms"], "ratio": other["time_ms"] / r["time_ms"],
+                        "spread_pct": max(r.get("spread_pct") or 0.0, other.get("spread_pct") or 0.0),
+                        "target": proxy_target(r)})
+            out[-1]["meets"] = out[-1]["ratio"] >= out[-1]["target"]
+    return out
+
+
+def proxy_markdown(rows: list[dict], family: str) -> str:
+    """The proxy's table: our images under ``family``'s tables against SDPA flash, per case."""
+    proxy = next((r["proxy"] for r in rows if r.get("family") == family and r.get("proxy")), "not run")
+    table = common.markdown_table(proxy_ratios(rows), [
+        ("dtype", "dtype"), ("headdim", "d"), ("causal", "causal"), ("pass", "pass"), ("seqlen", "seqlen"),
+        ("ours_ms", f"ours ({family}) ms"), ("baseline_ms", "SDPA flash ms"), ("ratio", "x SDPA flash"),
+        ("target", "target"), ("meets", "meets"), ("spread_pct", "spread %")])
+    return f"### The {family} proxy: {proxy}\n\n{table}"
 
 
 def decode_markdown(rows: list[dict], decode: dict) -> str:

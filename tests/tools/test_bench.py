@@ -359,11 +359,11 @@ def test_gpu_plot(tmp_path):
 
 def _gpu_args(tmp_path, *extra, decode=False):
     """The training table only (no rows beyond FlashAttention-2), unless ``decode`` (then pass the
-    decode sizes in ``extra``)."""
+    decode sizes in ``extra``; no decode steps); one timing round per row."""
     return cli.build_parser().parse_args(["bench", "gpu", "--out", str(tmp_path), "--seqlens", "32,64", "--headdims",
                                           "32", "--dtypes", "fp32", "--total-tokens", "64", "--hidden", "64",
-                                          "--repeats", "2", "--warmup", "0", "--no-plot", "--no-beyond",
-                                          "--decode" if decode else "--no-decode", *extra])
+                                          "--repeats", "2", "--warmup", "0", "--no-plot", "--no-beyond", "--rounds", "1",
+                                          "--no-decode-steps", "--decode" if decode else "--no-decode", *extra])
 
 
 def test_gpu_main_writes_each_row_as_it_goes(tmp_path):
