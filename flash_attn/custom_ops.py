@@ -116,7 +116,8 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                  softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None,
                  qv=None, sinks=None, call=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
-    else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls);
+    else the unused ``rng_state`` may be a shared placeholder and an unrequested ``s_dmask`` is
+    ``None`` (the direct calls);
     ``call``: the public function's checked signature (:attr:`AttentionParams.call`)."""
     varlen = None if cu_seqlens_q is None else \
         varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
@@ -133,7 +134,7 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         **extras,
     )
     if s_dmask is None:
-        s_dmask = _empty_softmax(q) if fresh else placeholder(torch.float32, q.device, (0,))
+        s_dmask = _empty_softmax(q) if fresh else None
     else:
         s_dmask = s_dmask.contiguous()
     return out.contiguous(), lse.contiguous(), s_dmask, rng_state
@@ -215,23 +216,26 @@ def _backward_body(
     sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dqv, dsinks)``; ``dqv``/``dsinks`` empty when the call has no qv / sinks."""
-    return _backward_run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q,
-                         max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, rng_state,
-                         deterministic, qv, sinks)
+    dq, dk, dv, dqv, dsinks = _backward_run(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+        softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, deterministic, qv, sinks)
+    dqv = q.new_empty((0,)) if qv is None else dqv
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else dsinks
+    return dq, dk, dv, dqv, dsinks
 
 
 def _backward_run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q,
                   max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, deterministic,
                   qv=None, sinks=None, call=None):
-    """The backward (:func:`_backward_body`'s arguments); ``call``: its forward's checked signature."""
+    """The backward (:func:`_backward_body`'s arguments); ``call``: its forward's checked signature.
+    ``dqv``/``dsinks`` are ``None`` when the call has no qv / sinks (nothing made for them)."""
     varlen = None
     if cu_seqlens_q is not None:
         varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    dqv = q.new_empty((0,)) if qv is None else None
-    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else None
+    dqv = dsinks = None
     if q.numel() == 0 or k.numel() == 0:
-        dqv = dqv if qv is None else qv.new_zeros(qv.shape)
-        dsinks = dsinks if sinks is None else sinks.new_zeros(sinks.shape)
+        dqv = None if qv is None else qv.new_zeros(qv.shape)
+        dsinks = None if sinks is None else sinks.new_zeros(sinks.shape)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dqv, dsinks
     params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
     extras = {} if qv is None else dict(qv=qv)
@@ -292,7 +296,8 @@ def _backward(ctx, dout, *unused_grads):
 
 
 _NO_GRADS = (None,) * (len(_FORWARD_INPUTS) - 5)
-assert _FORWARD_INPUTS[:3] == ("q", "k", "v") and _FORWARD_INPUTS[-2:] == ("qv", "sinks")
+assert _FORWARD_INPUTS[:3] == ("q", "k", "v") and _FORWARD_INPUTS[6] == "alibi_slopes"
+assert _FORWARD_INPUTS[-2:] == ("qv", "sinks")
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -413,15 +418,18 @@ def direct_call_ok(tensors) -> bool:
 class _Attention(torch.autograd.Function):
     """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls.
 
-    Its inputs are the op's tensors (qv and sinks after the first seven) and one tuple of its
-    scalars, its one output ``out``: the non-differentiable results (lse, S_dmask, rng_state)
-    leave through ``extra``, a list the caller passes, not as outputs autograd would wrap and
-    mark (each input and output costs the autograd machinery about a microsecond per call)."""
+    Its inputs are the op's floating-point tensors (q, k, v, alibi_slopes, qv, sinks) and one
+    tuple of the rest (the integer tensors, which have no gradient, the op's scalars, ``extra``
+    and the call's signature), its one output ``out``: the non-differentiable results (lse,
+    S_dmask, rng_state) leave through ``extra``, a list the caller passes, not as outputs autograd
+    would wrap and mark (each input and output costs the autograd machinery a fraction of a
+    microsecond to a microsecond per call)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, qv, sinks, scalars, extra, call):
+    def forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest):
+        cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call = rest
         tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
-        # not an op's outputs: the unused rng_state/S_dmask may be shared placeholders
+        # not an op's outputs: an unused rng_state may be a shared placeholder, an unrequested S_dmask None
         output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
         _setup_context(ctx, (*tensors, *scalars, None, qv, sinks), output)
         ctx.call = call  # the backward's plan is found by it too
@@ -431,7 +439,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         grads = _backward(ctx, dout)  # the op's: the op's 7 tensors first, qv and sinks last
-        return (*grads[:7], *grads[-2:], None, None, None)
+        return (*grads[:3], grads[6], *grads[-2:], None)
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars, qv=None, sinks=None,
@@ -458,7 +466,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
         return attention_forward(*tensors, *scalars, seed, qv, sinks)
     if record:
         extra: list = []
-        return (_Attention.apply(*tensors, qv, sinks, scalars, extra, call), *extra)
+        return (_Attention.apply(q, k, v, alibi_slopes, qv, sinks,
+                                 (cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call)), *extra)
     return _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
 
 

@@ -418,19 +418,25 @@ def signature(tensors: tuple, scalars: tuple) -> tuple:
     and ``1.0`` are equal but told apart), a tuple among them only when it holds plain ints.
     Raises ``TypeError`` for anything else (a tensor subclass, a number in ``tensors``, a list):
     those calls are checked every time."""
-    key = [tuple(map(type, scalars)), scalars]
+    types = tuple(map(type, scalars))
+    key = [types, scalars]
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is torch.Tensor:
+        elif type(t) is _Tensor:
             key += (t.shape, t.stride(), t.dtype, t.device)
         else:
             raise TypeError("not a plain tensor")
-    if tuple in key[0]:
+    if tuple in types:
         for s in scalars:
-            if type(s) is tuple and any(type(e) is not int for e in s):
-                raise TypeError("a tuple of other than ints")
+            if type(s) is tuple:
+                for e in s:
+                    if type(e) is not int:
+                        raise TypeError("a tuple of other than ints")
     return tuple(key)
+
+
+_Tensor = torch.Tensor
 
 
 def checked_call(tag: str, tensors: tuple, scalars: tuple, check) -> tuple:

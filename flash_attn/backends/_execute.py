@@ -225,7 +225,8 @@ class KernelBackend:
             executable = cache.get(key, lambda: self._make(planner, shape, target, device))
         else:
             # one lookup per call signature; a new one is described and shares the shape's plan
-            executable = cache.get((planner, call, target), lambda: self._prepare_shape(planner, shape(), target, device))
+            executable = cache.get((planner, call, target),
+                                   lambda: self._prepare_shape(planner, shape(), target, device))
         if isinstance(executable, Refusal):
             return executable
         return lambda: self.run(executable, inputs, device)
@@ -263,11 +264,11 @@ class KernelBackend:
             shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
                                         return_delta, qv)
             return self._prepare(P.plan_backward, shape, inputs, q.device)
-        # the forward's signature holds q, k, v and the options; the gradient and the forward's
-        # results are laid out by the caller and the forward's backend
+        # the forward's signature holds q, k, v and the options, and so the layouts of out and lse
+        # (the forward returns them contiguous) and the gradient's shape and dtype (autograd's
+        # engine makes them out's); the gradient's strides are the caller's
         call = _call_key(params, (dout, q, k, v, out, lse, alibi_slopes, qv),
-                         (dout.shape, dout.stride(), dout.dtype, out.shape, out.stride(), out.dtype, lse.shape,
-                          lse.stride(), lse.dtype, bool(deterministic), bool(return_delta)))
+                         (dout.stride(), bool(deterministic), bool(return_delta)))
         return self._prepare(
             P.plan_backward,
             lambda: P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
