@@ -114,9 +114,11 @@ def forward_body(
 
 def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
                  softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None,
-                 qv=None, sinks=None):
+                 qv=None, sinks=None, call=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
-    else the unused ``rng_state``/``s_dmask`` may be shared placeholders (the direct calls)."""
+    else the unused ``rng_state`` may be a shared placeholder and an unrequested ``s_dmask`` is
+    ``None`` (the direct calls);
+    ``call``: the public function's checked signature (:attr:`AttentionParams.call`)."""
     varlen = None if cu_seqlens_q is None else \
         varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
@@ -125,14 +127,14 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
     else:
         rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
     extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
     out, lse, s_dmask = dispatch.run(
         "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax,
         **extras,
     )
     if s_dmask is None:
-        s_dmask = _empty_softmax(q) if fresh else placeholder(torch.float32, q.device, (0,))
+        s_dmask = _empty_softmax(q) if fresh else None
     else:
         s_dmask = s_dmask.contiguous()
     return out.contiguous(), lse.contiguous(), s_dmask, rng_state
@@ -214,16 +216,28 @@ def _backward_body(
     sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dqv, dsinks)``; ``dqv``/``dsinks`` empty when the call has no qv / sinks."""
+    dq, dk, dv, dqv, dsinks = _backward_run(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q, max_seqlen_k,
+        softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, deterministic, qv, sinks)
+    dqv = q.new_empty((0,)) if qv is None else dqv
+    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else dsinks
+    return dq, dk, dv, dqv, dsinks
+
+
+def _backward_run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, max_seqlen_q,
+                  max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, deterministic,
+                  qv=None, sinks=None, call=None):
+    """The backward (:func:`_backward_body`'s arguments); ``call``: its forward's checked signature.
+    ``dqv``/``dsinks`` are ``None`` when the call has no qv / sinks (nothing made for them)."""
     varlen = None
     if cu_seqlens_q is not None:
         varlen = VarlenLayout(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    dqv = q.new_empty((0,)) if qv is None else None
-    dsinks = q.new_empty((0,), dtype=torch.float32) if sinks is None else None
+    dqv = dsinks = None
     if q.numel() == 0 or k.numel() == 0:
-        dqv = dqv if qv is None else qv.new_zeros(qv.shape)
-        dsinks = dsinks if sinks is None else sinks.new_zeros(sinks.shape)
+        dqv = None if qv is None else qv.new_zeros(qv.shape)
+        dsinks = None if sinks is None else sinks.new_zeros(sinks.shape)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dqv, dsinks
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
     extras = {} if qv is None else dict(qv=qv)
     grads = dispatch.run(
         "backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes,
@@ -265,23 +279,25 @@ def _setup_context(ctx, inputs, output):
                           sinks)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, dropout_p)
     ctx.deterministic = deterministic
+    ctx.call = None  # the forward's checked signature: set by eager calls (_Attention)
 
 
 def _backward(ctx, dout, *unused_grads):
     q, k, v, out, lse, cu_q, cu_k, block_table, alibi, rng_state, qv, sinks = ctx.saved_tensors
     max_sq, max_sk, scale, left, right, softcap, dropout_p = ctx.scalars
-    op = _backward_body if direct_call_ok((dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, qv, sinks)) \
-        else attention_backward
-    dq, dk, dv, dqv, dsinks = op(
-        dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left,
-        right, softcap, dropout_p, rng_state, ctx.deterministic, qv, sinks,
-    )
+    args = (dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left, right, softcap,
+            dropout_p, rng_state, ctx.deterministic, qv, sinks)
+    if direct_call_ok((dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, qv, sinks)):
+        dq, dk, dv, dqv, dsinks = _backward_run(*args, ctx.call)
+    else:
+        dq, dk, dv, dqv, dsinks = attention_backward(*args)
     # one gradient per _FORWARD_INPUTS: q, k, v, none for the metadata and scalars, qv, sinks
     return (dq, dk, dv, *_NO_GRADS, dqv if qv is not None else None, dsinks if sinks is not None else None)
 
 
 _NO_GRADS = (None,) * (len(_FORWARD_INPUTS) - 5)
-assert _FORWARD_INPUTS[:3] == ("q", "k", "v") and _FORWARD_INPUTS[-2:] == ("qv", "sinks")
+assert _FORWARD_INPUTS[:3] == ("q", "k", "v") and _FORWARD_INPUTS[6] == "alibi_slopes"
+assert _FORWARD_INPUTS[-2:] == ("qv", "sinks")
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -309,11 +325,20 @@ def _kvcache_body(
     qv: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
+    return _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                        rotary_cos, rotary_sin, alibi_slopes, softmax_scale, window_left, window_right, softcap,
+                        rotary_interleaved, num_splits, qv, sinks)
+
+
+def _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos,
+                 rotary_sin, alibi_slopes, softmax_scale, window_left, window_right, softcap, rotary_interleaved,
+                 num_splits, qv=None, sinks=None, call=None):
+    """The KV-cache call (:func:`_kvcache_body`'s arguments); ``call``: the public function's checked signature."""
     if _checks_values(q):
         _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
     if q.shape[0] == 0:  # no sequence: nothing to append, nothing to attend
         return _kvcache_fake(q, k_cache, v_cache)
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap)
+    params = AttentionParams(softmax_scale, window_left, window_right, softcap, call=call)
     cache = KVCacheInputs(
         k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits,
@@ -393,31 +418,37 @@ def direct_call_ok(tensors) -> bool:
 class _Attention(torch.autograd.Function):
     """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls.
 
-    Its inputs are the op's tensors (qv and sinks after the first seven) and one tuple of its
-    scalars, its one output ``out``: the non-differentiable results (lse, S_dmask, rng_state)
-    leave through ``extra``, a list the caller passes, not as outputs autograd would wrap and
-    mark (each input and output costs the autograd machinery about a microsecond per call)."""
+    Its inputs are the op's floating-point tensors (q, k, v, alibi_slopes, qv, sinks) and one
+    tuple of the rest (the integer tensors, which have no gradient, the op's scalars, ``extra``
+    and the call's signature), its one output ``out``: the non-differentiable results (lse,
+    S_dmask, rng_state) leave through ``extra``, a list the caller passes, not as outputs autograd
+    would wrap and mark (each input and output costs the autograd machinery a fraction of a
+    microsecond to a microsecond per call)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, qv, sinks, scalars, extra):
+    def forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest):
+        cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call = rest
         tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
-        # not an op's outputs: the unused rng_state/S_dmask may be shared placeholders
-        output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks)
+        # not an op's outputs: an unused rng_state may be a shared placeholder, an unrequested S_dmask None
+        output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
         _setup_context(ctx, (*tensors, *scalars, None, qv, sinks), output)
+        ctx.call = call  # the backward's plan is found by it too
         extra.extend(output[1:])
         return output[0]
 
     @staticmethod
     def backward(ctx, dout):
         grads = _backward(ctx, dout)  # the op's: the op's 7 tensors first, qv and sinks last
-        return (*grads[:7], *grads[-2:], None, None)
+        return (*grads[:3], grads[6], *grads[-2:], None)
 
 
-def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars, qv=None, sinks=None):
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars, qv=None, sinks=None,
+            call=None):
     """``flash_attn::forward`` (arguments as the op's, ``qv`` and ``sinks`` by keyword): through the
     op, or in eager calls (:func:`eager_call`) the backend's own route when it takes the call
     (:func:`flash_attn.dispatch.run_direct`; calls without qv and sinks), else the op's body
-    directly, with autograd's record where needed."""
+    directly, with autograd's record where needed. ``call``: the public function's checked
+    signature (:func:`flash_attn.validation.checked_call`), handed to the backends in eager calls."""
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
     record = eager_call((*tensors, qv, sinks))
     plain = qv is None and sinks is None
@@ -435,17 +466,19 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
         return attention_forward(*tensors, *scalars, seed, qv, sinks)
     if record:
         extra: list = []
-        return (_Attention.apply(*tensors, qv, sinks, scalars, extra), *extra)
-    return _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks)
+        return (_Attention.apply(q, k, v, alibi_slopes, qv, sinks,
+                                 (cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call)), *extra)
+    return _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
 
 
-def forward_kvcache(q, k_cache, v_cache, *args):
-    """``flash_attn::forward_kvcache`` (arguments as the op's), directly when :func:`direct_call_ok`;
-    then the caches' version counters are bumped here, as the op's registration does."""
+def forward_kvcache(q, k_cache, v_cache, *args, call=None):
+    """``flash_attn::forward_kvcache`` (arguments as the op's), directly when :func:`direct_call_ok`
+    (with ``call``, the public function's checked signature); then the caches' version counters
+    are bumped here, as the op's registration does."""
     tensors = (q, k_cache, v_cache, *args[:9], *args[15:])  # the tensors: before the scalars, then qv, sinks
     if not direct_call_ok(tensors):
         return attention_forward_kvcache(q, k_cache, v_cache, *args)
-    result = _kvcache_body(q, k_cache, v_cache, *args)
+    result = _kvcache_run(q, k_cache, v_cache, *args, call=call)
     for cache in (k_cache, v_cache):
         if not cache.is_inference():
             torch.autograd.graph.increment_version(cache)

@@ -139,13 +139,14 @@ def _scaled_features(q, qv) -> int:
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, options,
-               qv, learnable_sink):
-    """Shared tail of the dense and varlen functions (inputs checked, ``options`` from :func:`_options`)."""
+               qv, learnable_sink, call=None):
+    """Shared tail of the dense and varlen functions (inputs checked, ``options`` from :func:`_options`;
+    ``call``: the dense call's checked signature, :func:`flash_attn.validation.checked_call`)."""
     scale, left, right, softcap, dropout_p, return_attn_probs, deterministic = options
     out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         max_seqlen_q, max_seqlen_k, scale, left, right, softcap, dropout_p, return_attn_probs, deterministic,
-        qv=qv, sinks=learnable_sink,
+        qv=qv, sinks=learnable_sink, call=call,
     )
     return (out, lse, s_dmask) if return_attn_probs else out
 
@@ -195,10 +196,11 @@ def flash_attn_func(
         of the scaled scores) and S_dmask float32 ``(batch, nheads, seqlen_q, seqlen_k)``: the
         softmax probabilities, negative where dropout dropped the entry.
     """
-    options = validation.checked("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink),
-                                 (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                  return_attn_probs), _dense_checks)
-    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink)
+    options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink),
+                                            (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                             return_attn_probs), _dense_checks)
+    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
+                      call)
 
 
 def flash_attn_qkvpacked_func(

@@ -14,7 +14,7 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             qv=None, sinks=None):
     """``(out, lse)`` of :func:`flash_attn.flash_attn_with_kvcache` (same arguments; ``sinks`` is
     its ``learnable_sink``)."""
-    scale, left, right, softcap, rotary_interleaved, num_splits = validation.checked(
+    (scale, left, right, softcap, rotary_interleaved, num_splits), call = validation.checked_call(
         "flash_attn_with_kvcache",
         (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
          alibi_slopes, qv, sinks),
@@ -25,7 +25,7 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     return custom_ops.forward_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, rotary_cos, rotary_sin, alibi_slopes, scale, left, right, softcap, rotary_interleaved, num_splits,
-        qv, sinks,
+        qv, sinks, call=call,
     )
 
 

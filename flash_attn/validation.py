@@ -418,38 +418,51 @@ def signature(tensors: tuple, scalars: tuple) -> tuple:
     and ``1.0`` are equal but told apart), a tuple among them only when it holds plain ints.
     Raises ``TypeError`` for anything else (a tensor subclass, a number in ``tensors``, a list):
     those calls are checked every time."""
-    key = [tuple(map(type, scalars)), scalars]
+    types = tuple(map(type, scalars))
+    key = [types, scalars]
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is torch.Tensor:
+        elif type(t) is _Tensor:
             key += (t.shape, t.stride(), t.dtype, t.device)
         else:
             raise TypeError("not a plain tensor")
-    if tuple in key[0]:
+    if tuple in types:
         for s in scalars:
-            if type(s) is tuple and any(type(e) is not int for e in s):
-                raise TypeError("a tuple of other than ints")
+            if type(s) is tuple:
+                for e in s:
+                    if type(e) is not int:
+                        raise TypeError("a tuple of other than ints")
     return tuple(key)
 
 
-def checked(tag: str, tensors: tuple, scalars: tuple, check):
-    """``check(*tensors, *scalars)`` (metadata checks that return the call's normalised values),
-    run once per :func:`signature` under ``tag`` (the function checking them): a later call with
-    the same signature gets the first call's result without the checks. A call that fails its
-    checks is never remembered; arguments without a signature, and calls while torch.compile
-    traces (the tracer must see the checks), are checked every time."""
+_Tensor = torch.Tensor
+
+
+def checked_call(tag: str, tensors: tuple, scalars: tuple, check) -> tuple:
+    """``(result, key)``: ``check(*tensors, *scalars)`` (metadata checks that return the call's
+    normalised values), run once per :func:`signature` under ``tag`` (the function checking them):
+    a later call with the same signature gets the first call's result without the checks. ``key``
+    is ``(tag, signature)``, the call's description for the layers below (the kernel backends'
+    plan key: :attr:`flash_attn.params.AttentionParams.call`), or ``None`` when the call has none.
+    A call that fails its checks is never remembered; arguments without a signature, and calls
+    while torch.compile traces (the tracer must see the checks), are checked every time."""
     if torch.compiler.is_compiling():
-        return check(*tensors, *scalars)
+        return check(*tensors, *scalars), None
     try:
         key = (tag, signature(tensors, scalars))
-        return _checked[key]
+        return _checked[key], key
     except KeyError:
         pass
     except (TypeError, RuntimeError):  # no signature, an unhashable scalar (a list), a tensor without strides
-        return check(*tensors, *scalars)
+        return check(*tensors, *scalars), None
     result = check(*tensors, *scalars)
     if len(_checked) >= CHECKED_LIMIT:
         _checked.clear()
     _checked[key] = result
-    return result
+    return result, key
+
+
+def checked(tag: str, tensors: tuple, scalars: tuple, check):
+    """The result of :func:`checked_call` alone."""
+    return checked_call(tag, tensors, scalars, check)[0]

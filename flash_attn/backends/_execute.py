@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from flash_attn import limits
 from flash_attn.backends.contract import Backend
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
@@ -211,15 +212,27 @@ class KernelBackend:
     def run(self, executable, inputs: dict, device) -> tuple:
         return execute(executable, inputs, device, self.run_launch)
 
-    def _prepare(self, planner: Callable, shape, inputs: dict, device):
+    def _prepare(self, planner: Callable, shape, inputs: dict, device, call: Optional[tuple] = None):
+        """The runner of a call, or the refusal. ``call``: a key that decides ``shape`` (the public
+        function's checked signature and what the layers below add to it, :func:`_call_key`); then
+        ``shape`` is a function that describes the call, run only when ``call`` is new."""
         target = self.target(device)
         if isinstance(target, Refusal):
             return target
-        key = (planner, shape, target)  # plans do not depend on the device (its target aside)
-        executable = self.plan_cache(device).get(key, lambda: self._make(planner, shape, target, device))
+        cache = self.plan_cache(device)
+        if call is None:
+            key = (planner, shape, target)  # plans do not depend on the device (its target aside)
+            executable = cache.get(key, lambda: self._make(planner, shape, target, device))
+        else:
+            # one lookup per call signature; a new one is described and shares the shape's plan
+            executable = cache.get((planner, call, target),
+                                   lambda: self._prepare_shape(planner, shape(), target, device))
         if isinstance(executable, Refusal):
             return executable
         return lambda: self.run(executable, inputs, device)
+
+    def _prepare_shape(self, planner, shape, target, device):
+        return self.plan_cache(device).get((planner, shape, target), lambda: self._make(planner, shape, target, device))
 
     def _make(self, planner, shape, target, device):
         plan = planner(shape, target)
@@ -229,9 +242,15 @@ class KernelBackend:
 
     def prepare_forward(self, q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False, sinks=None,
                         qv=None):
-        shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
-        runner = self._prepare(P.plan_forward, shape, forward_inputs(q, k, v, params, varlen, alibi_slopes, sinks, qv),
-                               q.device)
+        inputs = forward_inputs(q, k, v, params, varlen, alibi_slopes, sinks, qv)
+        if params.call is None or varlen is not None:
+            shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
+            runner = self._prepare(P.plan_forward, shape, inputs, q.device)
+        else:  # the call's signature holds every layout and option of the shape, but the pointers'
+            runner = self._prepare(
+                P.plan_forward,
+                lambda: P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv),
+                inputs, q.device, _call_key(params, (q, k, v, alibi_slopes, sinks, qv)))
         if isinstance(runner, Refusal) or return_softmax:
             return runner
         return lambda: (*runner(), None)
@@ -240,14 +259,29 @@ class KernelBackend:
                          deterministic=False, grads=None, return_delta=False, qv=None):
         # deterministic: the split kernels (no atomics) instead of the fused one; grads: the
         # caller's (dq, dk, dv), written in place where laid out as the kernels write; qv: refused
-        shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
-                                    return_delta, qv)
-        return self._prepare(P.plan_backward, shape,
-                             backward_inputs(dout, q, k, v, out, lse, params, varlen, alibi_slopes, grads), q.device)
+        inputs = backward_inputs(dout, q, k, v, out, lse, params, varlen, alibi_slopes, grads)
+        if params.call is None or varlen is not None or grads is not None:
+            shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
+                                        return_delta, qv)
+            return self._prepare(P.plan_backward, shape, inputs, q.device)
+        # the forward's signature holds q, k, v and the options, and so the layouts of out and lse
+        # (the forward returns them contiguous) and the gradient's shape and dtype (autograd's
+        # engine makes them out's); the gradient's strides are the caller's
+        call = _call_key(params, (dout, q, k, v, out, lse, alibi_slopes, qv),
+                         (dout.stride(), bool(deterministic), bool(return_delta)))
+        return self._prepare(
+            P.plan_backward,
+            lambda: P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
+                                        return_delta, qv),
+            inputs, q.device, call)
 
     def prepare_forward_kvcache(self, q, params, cache, *, alibi_slopes=None, sinks=None, qv=None):
-        shape = P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv)
-        return self._prepare(P.plan_kvcache, shape, kvcache_inputs(q, cache, alibi_slopes, sinks, qv), q.device)
+        inputs = kvcache_inputs(q, cache, alibi_slopes, sinks, qv)
+        if params.call is None:
+            return self._prepare(P.plan_kvcache, P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv), inputs,
+                                 q.device)
+        return self._prepare(P.plan_kvcache, lambda: P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv),
+                             inputs, q.device, _call_key(params, tuple(inputs.values())))
 
     def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
         """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its
@@ -265,6 +299,22 @@ class KernelBackend:
 
     def forward_kvcache(self, *args, **kwargs):
         return _run_or_raise(self.name, "forward_kvcache", self.prepare_forward_kvcache(*args, **kwargs))
+
+
+def _call_key(params, tensors: tuple, more: tuple = ()) -> tuple:
+    """The plan key of a call with a checked signature (``params.call``): the signature, what the
+    layers below add (``more``; the dropout seed's layout is fixed, only its pointer varies) and
+    the data pointers' alignment, the one thing a plan reads that the signature does not hold:
+    ``True`` when every tensor is aligned (one test), else each one's."""
+    seed = params.dropout_seed if params.dropout_p and isinstance(params.dropout_seed, torch.Tensor) else None
+    pointers = 0 if seed is None else seed.data_ptr()
+    for t in tensors:
+        if t is not None:
+            pointers |= t.data_ptr()
+    if pointers % limits.POINTER_ALIGNMENT == 0:
+        return params.call, more, True
+    aligned = tuple(t is None or t.data_ptr() % limits.POINTER_ALIGNMENT == 0 for t in (*tensors, seed))
+    return params.call, more, aligned
 
 
 class KernelsCannotRun(RuntimeError):

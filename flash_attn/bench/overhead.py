@@ -214,12 +214,14 @@ def _stage_functions() -> list[tuple]:
     from flash_attn import custom_ops, kvcache, validation  # noqa: PLC0415
 
     stages = [
+        ("metadata checks", validation, "checked_call"),
         ("metadata checks", validation, "checked"),
         ("metadata checks: q, k, v", validation, "check_dense_qkv"),
         ("metadata checks: options", validation, "check_options"),
         ("metadata checks: the kv cache", kvcache, "_check_kvcache"),
         ("custom op entry", custom_ops, "forward"),
         ("custom op entry (kv cache)", custom_ops, "forward_kvcache"),
+        ("backward op body", custom_ops, "_backward_run"),
         ("backward op body", custom_ops, "_backward_body"),
         ("host value checks (CPU tensors)", custom_ops, "_check_varlen_values"),
         ("host value checks (CPU tensors)", custom_ops, "_check_kvcache_values"),

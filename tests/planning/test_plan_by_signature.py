@@ -1,0 +1,157 @@
+"""The kernel backends find a public call's plan by its checked signature
+(:attr:`flash_attn.params.AttentionParams.call`), describing the call only the first time: every
+call must still run the very plan that describing it afresh gives (the planner's own answer, the
+oracle here), and an input the signature cannot see (a pointer's alignment, the gradient's
+layout) or a changed setting gets its own plan or backend.
+
+The triton backend plans for an H100 with CPU tensors and records its launches instead of running
+them: what is checked is which launches a call makes, not their results (the kernels' numbers are
+tested elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache, validation
+from flash_attn.backends import triton as triton_backend
+from flash_attn.backends._execute import PlanCache
+from flash_attn.planning import plan as P
+
+H100 = P.Target("sm90", 132)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """``FLASH_ATTN_BACKEND=triton`` planning for an H100 on CPU tensors; the launches of each call."""
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setattr(dispatch, "_failed", {})
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "triton")
+    monkeypatch.delenv(dispatch.STRICT_ENV, raising=False)
+    monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(triton_backend._backend, "target", lambda device: H100)
+    monkeypatch.setattr(triton_backend._backend, "plans", PlanCache())
+    monkeypatch.setattr(validation, "_checked", {})
+    made: list = []
+
+    def run_launch(launch, tensors, device):
+        # a plan copies a misaligned input before its launches: a wrong plan would pass it on
+        pointers = [tensors[value] for _, value in launch.args if isinstance(value, P.Slot)]
+        assert all(t.data_ptr() % 16 == 0 for t in pointers if isinstance(t, torch.Tensor)), launch.kernel
+        made.append(launch)
+
+    monkeypatch.setattr(triton_backend._backend, "run_launch", run_launch)
+    return made
+
+
+def _described(monkeypatch) -> list:
+    """The call shapes described from now on (the signature's lookup describes none)."""
+    seen: list = []
+    for name in ("describe_forward", "describe_backward", "describe_kvcache"):
+        real = getattr(P, name)
+        monkeypatch.setattr(P, name, lambda *a, _real=real, **kw: seen.append(1) or _real(*a, **kw))
+    return seen
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor of the same shape, strides and dtype whose data starts 2 bytes
+    past a 16-byte boundary: the same signature, another alignment."""
+    base = torch.empty(t.numel() + 8, dtype=t.dtype)
+    view = base[1:1 + t.numel()].view(t.shape)
+    view.copy_(t)
+    assert view.stride() == t.stride() and view.data_ptr() % 16 != 0
+    return view
+
+
+def _qkv(*shape):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*shape, generator=g).half() for _ in range(3)]
+
+
+def _forward_plan(q, k, v, causal=True):
+    from flash_attn.params import AttentionParams  # noqa: PLC0415
+
+    params = AttentionParams(q.shape[-1] ** -0.5, -1, 0 if causal else -1)
+    return P.plan_forward(P.describe_forward(q, k, v, params), H100)
+
+
+def test_a_repeated_call_describes_nothing_and_runs_the_described_plan(launches, monkeypatch):
+    q, k, v = _qkv(2, 64, 4, 64)
+    flash_attn_func(q, k, v, causal=True)
+    first = list(launches)
+    assert first == list(_forward_plan(q, k, v).launches)
+    described = _described(monkeypatch)
+    launches.clear()
+    flash_attn_func(q, k, v, causal=True)
+    assert described == [] and launches == first
+
+
+def test_a_misaligned_pointer_with_the_same_signature_gets_its_own_plan(launches):
+    q, k, v = _qkv(2, 64, 4, 64)
+    flash_attn_func(q, k, v, causal=True)
+    aligned = list(launches)
+    bad_q = _misaligned(q)
+    assert validation.signature((bad_q,), ()) == validation.signature((q,), ())
+    expected = _forward_plan(bad_q, k, v)
+    assert expected != _forward_plan(q, k, v)  # the planner tells them apart: so must the lookup
+    for _ in range(2):
+        launches.clear()
+        flash_attn_func(bad_q, k, v, causal=True)
+        assert launches == list(expected.launches)
+    launches.clear()
+    flash_attn_func(q, k, v, causal=True)  # and the aligned call keeps its own
+    assert launches == aligned
+
+
+def test_the_backward_follows_the_gradients_layout(launches):
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 64, 4, 64))
+    out = flash_attn_func(q, k, v, causal=True)
+    lse = torch.empty(2, 4, 64, dtype=torch.float32)
+    from flash_attn.params import AttentionParams  # noqa: PLC0415
+
+    params = AttentionParams(64 ** -0.5, -1, 0)
+
+    def backward_plan(dout):
+        return list(P.plan_backward(P.describe_backward(dout, q, k, v, out.detach(), lse, params), H100).launches)
+
+    plain = torch.randn(2, 64, 4, 64).half()
+    strided = torch.randn(2, 4, 64, 64).half().transpose(1, 2)  # same shape, other strides: another plan
+    assert backward_plan(plain) != backward_plan(strided)
+    for dout in (plain, strided, plain, _misaligned(plain)):
+        for t in (q, k, v):
+            t.grad = None
+        out = flash_attn_func(q, k, v, causal=True)
+        launches.clear()
+        out.backward(dout)
+        assert launches == backward_plan(dout)
+
+
+def test_a_decode_step_with_a_misaligned_input_gets_its_own_plan(launches):
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).half() for _ in range(2))
+    q = torch.randn(2, 1, 4, 64, generator=g).half()
+    seqlens = torch.tensor([5, 9], dtype=torch.int32)
+    from flash_attn.params import AttentionParams, KVCacheInputs  # noqa: PLC0415
+
+    def plan(q):
+        cache = KVCacheInputs(k_cache, v_cache, seqlens, None, None, None, None, None, None, None, False, 0)
+        return P.plan_kvcache(P.describe_kvcache(q, AttentionParams(64 ** -0.5, -1, 0), cache), H100)
+
+    assert plan(q).prepare == () and plan(_misaligned(q)).prepare  # a misaligned q is copied first
+    for step_q in (q, q, _misaligned(q), _misaligned(q), q):
+        launches.clear()
+        flash_attn_with_kvcache(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        assert launches == list(plan(step_q).launches)  # and the launches see it aligned (the fixture)
+
+
+def test_a_changed_backend_setting_is_read_on_every_call(launches, monkeypatch):
+    q, k, v = _qkv(1, 32, 2, 64)
+    flash_attn_func(q, k, v)
+    assert launches
+    launches.clear()
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
+    out = flash_attn_func(q, k, v)
+    assert launches == []  # the reference backend ran it
+    want = torch.softmax(q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2) / 8.0, -1) \
+        @ v.double().transpose(1, 2)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=2e-3, atol=2e-3)
