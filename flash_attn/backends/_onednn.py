@@ -8,13 +8,15 @@ twice as fast there, with the same largest error against float64 (benchmarks/REA
 
 :func:`forward` and :func:`backward` compute exactly the contract of
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward for what
-:mod:`._cpu_fused` asks of them: ``(B, h, s, d)`` fp32 inputs, GQA (query head ``j`` reads key
+:mod:`._cpu_fused` asks of them: ``(B, h, s, d)`` fp32 inputs (bf16 ones converted block by block
+or head by head, computed in fp32), GQA (query head ``j`` reads key
 head ``j // (h // hk)``), the top-left causal mask, the natural-log log-sum-exp, and a backward
 that takes the caller's ``out`` and ``lse``. Per query head, blocks of 128-256 rows meet blocks
 of 2048 keys (a score tile of 1-2 MiB; the sizes are the tuning's ``onednn_*``:
 :class:`._reference_core.Tuning`); the softmax runs online across key blocks; causal rows
 skip the key blocks they cannot see and mask only the block on their diagonal. The scale is
-folded into q in base 2, so a tile's probabilities are one subtraction and one ``exp2``.
+folded into q in base 2, so a tile's probabilities are one subtraction and one ``exp2``. The
+backward's dQ product runs on PyTorch's BLAS, which reads the transposed tile without a copy.
 
 Whether this runs is measured, not guessed (:func:`faster_here`): where the two libraries tie
 (expected where MKL runs at the CPU's full width, as on Intel CPUs, or the CPU has no AVX-512; not
