@@ -94,8 +94,9 @@ def supports(problem: core.Problem, params: AttentionParams, tuning: Tuning = DE
 
 def _softcap_on_onednn(problem: core.Problem, params: AttentionParams, tuning: Tuning, features: "Features") -> bool:
     """Whether :mod:`._onednn` computes every call of the plan, forward and backward (the backward
-    of half precision converted to fp32): then the plan runs softcap, faster than the tiled
-    engine (oneDNN's fp32 products are the quicker ones where it applies)."""
+    in fp32: bf16 converted head by head there, fp16 as a whole problem first): then the plan
+    runs softcap, faster than the tiled engine (oneDNN's fp32 products are the quicker ones where
+    it applies)."""
     dtype = problem.q.dtype
     if dtype == torch.float16 and features.native_fp16():
         return False  # computed in fp16 by PyTorch's kernels, which cannot softcap
@@ -433,10 +434,10 @@ def onednn_takes(dtype: torch.dtype, rows: int, cols: int, tuning: Tuning, featu
 
 
 def _onednn_applies(problem: core.Problem, call: _Call, tuning: Tuning, features: Features,
-                    backward: bool = False) -> bool:
-    """A call of ``problem`` that :func:`onednn_takes`."""
+                    backward: bool = False, dtype: Optional[torch.dtype] = None) -> bool:
+    """A call of ``problem`` that :func:`onednn_takes`, computed in ``dtype`` (None: the problem's)."""
     return (not call.masked and problem.alibi_slopes is None
-            and onednn_takes(problem.q.dtype, call.i1 - call.i0, call.c1 - call.c0, tuning, features, backward))
+            and onednn_takes(dtype or problem.q.dtype, call.i1 - call.i0, call.c1 - call.c0, tuning, features, backward))
 
 
 def _tree_applies(problem: core.Problem, call: _Call, tuning: Tuning) -> bool:
@@ -510,12 +511,11 @@ def attention_backward(
     q = problem.q
     B, sq, h, d = q.shape
     groups = plan(problem, params, True, tuning)
-    # softcap runs on oneDNN's fp32 backward (_softcap_on_onednn)
-    if _runs_in_fp32(problem, groups, True, tuning, features) or (params.softcap and q.dtype != torch.float32):
+    if _runs_in_fp32(problem, groups, True, tuning, features):
         return attention_backward(_in_fp32(problem), params, dout.float(), out.float(), lse, tuning, features)
     calls = [call for group in groups for call in group]
     if len(calls) == 1 and (calls[0].i0, calls[0].i1, calls[0].c0, calls[0].c1) == (0, sq, 0, problem.n_cols):
-        return _run_backward(problem, params, calls[0], dout, out, lse, tuning, features)
+        return _run_backward(problem, params, calls[0], dout, out, lse, tuning, features, q.dtype)
     dq = torch.zeros(B, sq, h, d, dtype=torch.float32, device=q.device)
     dk = torch.zeros(B, problem.n_cols, problem.nheads_k, d, dtype=torch.float32, device=q.device)
     dv = torch.zeros(B, problem.n_cols, problem.nheads_k, problem.head_dim_v, dtype=torch.float32, device=q.device)
@@ -527,15 +527,18 @@ def attention_backward(
     return dq, dk, dv
 
 
-def _run_backward(problem, params, call, dout, out, lse, tuning, features):
-    """``(dq rows, dk cols, dv cols)`` of one call, ``(B, n, heads, d)``."""
+def _run_backward(problem, params, call, dout, out, lse, tuning, features, grad_dtype=torch.float32):
+    """``(dq rows, dk cols, dv cols)`` of one call, ``(B, n, heads, d)``; :mod:`._onednn`'s in
+    ``grad_dtype``, the fused kernel's in the dtype it computes in."""
     _, backward = OPS
     rows = slice(call.i0, call.i1)
     k, v = problem.load_kv(call.c0, call.c1)
     lse_c = lse[:, :, rows]
-    if _onednn_applies(problem, call, tuning, features, backward=True):
+    # softcap's backward: on oneDNN's fp32 products, bf16 converted head by head (_softcap_on_onednn)
+    compute = torch.float32 if params.softcap else problem.q.dtype
+    if _onednn_applies(problem, call, tuning, features, backward=True, dtype=compute):
         backward = functools.partial(_onednn.backward, softcap=params.softcap, tuning=tuning,
-                                     linear=features.onednn_linear)
+                                     linear=features.onednn_linear, grad_dtype=grad_dtype)
     elif params.softcap:
         raise AssertionError(f"{call} of a softcap problem is not a oneDNN call")  # supports() said it is
     elif _tree_applies(problem, call, tuning):

@@ -8,13 +8,15 @@ twice as fast there, with the same largest error against float64 (benchmarks/REA
 
 :func:`forward` and :func:`backward` compute exactly the contract of
 ``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward for what
-:mod:`._cpu_fused` asks of them: ``(B, h, s, d)`` fp32 inputs, GQA (query head ``j`` reads key
+:mod:`._cpu_fused` asks of them: ``(B, h, s, d)`` fp32 inputs (bf16 ones converted block by block
+or head by head, computed in fp32), GQA (query head ``j`` reads key
 head ``j // (h // hk)``), the top-left causal mask, the natural-log log-sum-exp, and a backward
 that takes the caller's ``out`` and ``lse``. Per query head, blocks of 128-256 rows meet blocks
 of 2048 keys (a score tile of 1-2 MiB; the sizes are the tuning's ``onednn_*``:
 :class:`._reference_core.Tuning`); the softmax runs online across key blocks; causal rows
 skip the key blocks they cannot see and mask only the block on their diagonal. The scale is
-folded into q in base 2, so a tile's probabilities are one subtraction and one ``exp2``.
+folded into q in base 2, so a tile's probabilities are one subtraction and one ``exp2``. The
+backward's dQ product runs on PyTorch's BLAS, which reads the transposed tile without a copy.
 
 Whether this runs is measured, not guessed (:func:`faster_here`): where the two libraries tie
 (expected where MKL runs at the CPU's full width, as on Intel CPUs, or the CPU has no AVX-512; not
@@ -300,39 +302,47 @@ def forward(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, is_causal: 
 def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, logsumexp: Tensor,
              dropout_p: float = 0.0, is_causal: bool = False, *, attn_mask: Optional[Tensor] = None,
              scale: Optional[float] = None, softcap: float = 0.0, tuning: Tuning = DEFAULT_TUNING,
-             linear=LINEAR) -> tuple[Tensor, Tensor, Tensor]:
+             linear=LINEAR, grad_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` as the fused kernel's backward: the probabilities come from the given
-    ``logsumexp`` and the correction term from the given ``out``. fp32 only (PyTorch's bf16
-    backward kernel is the quicker one for bf16). ``softcap``, ``tuning`` and ``linear`` as
-    :func:`forward`'s."""
-    _check(q, k, v, dropout_p, attn_mask, (torch.float32,))
+    ``logsumexp`` and the correction term from the given ``out``. bf16 inputs are converted head
+    by head and computed as their fp32 values are (PyTorch's bf16 backward kernel is the quicker
+    one without softcap); the gradients are summed in fp32 and rounded once to ``grad_dtype``.
+    ``softcap``, ``tuning`` and ``linear`` as :func:`forward`'s."""
+    _check(q, k, v, dropout_p, attn_mask, (torch.float32, torch.bfloat16))
     B, h, sq, d = q.shape
-    hk, sk = k.shape[1], k.shape[2]
+    hk, sk, dv_dim = k.shape[1], k.shape[2], v.shape[-1]
     group = h // hk
     scale = d ** -0.5 if scale is None else scale
     capped = _Softcap(softcap, scale, q, k) if softcap > 0 else None
     c = capped.q_scale if capped else scale * _LOG2E
-    dq = torch.zeros(B, sq, h, d, dtype=torch.float32).transpose(1, 2)
-    dk = torch.zeros(B, sk, hk, d, dtype=torch.float32).transpose(1, 2)
-    dv = torch.zeros(B, sk, hk, v.shape[-1], dtype=torch.float32).transpose(1, 2)
-    delta = (grad_out * out).sum(-1)  # rowsum(dO * O): (B, h, sq)
+    grad_scale = scale * (capped.derivative_scale if capped else 1.0)
+    dq = torch.empty(B, sq, h, d, dtype=grad_dtype).transpose(1, 2)
+    dk = torch.empty(B, sk, hk, d, dtype=grad_dtype).transpose(1, 2)
+    dv = torch.empty(B, sk, hk, dv_dim, dtype=grad_dtype).transpose(1, 2)
+    # one head's fp32 sums, reused from head to head
+    dq_head, dk_head, dv_head = torch.empty(sq, d), torch.empty(sk, d), torch.empty(sk, dv_dim)
     neg_lse2 = logsumexp * -_LOG2E - (capped.shift if capped else 0.0)  # in the scores' units
     rows, block = tuning.onednn_rows, tuning.onednn_cols
     for b in range(B):
         for jk in range(hk):
-            k_head, v_head = k[b, jk].contiguous(), v[b, jk].contiguous()
-            k_cols = _TransposedBlocks(k_head, block)  # dS @ K is linear(dS, K^T)
+            k_head, v_head = _fp32_copy(k[b, jk]), _fp32_copy(v[b, jk])
+            dk_head.zero_()
+            dv_head.zero_()
             for j in range(jk * group, (jk + 1) * group):
-                q_scaled = q[b, j] * c
+                q_head, do_head = _fp32_copy(q[b, j]), _fp32_copy(grad_out[b, j])
+                q_scaled = q_head * c
+                delta = (do_head * out[b, j]).sum(-1)  # rowsum(dO * O) in fp32
+                dq_head.zero_()
                 for i0 in range(0, sq, rows):
                     i1 = min(sq, i0 + rows)
-                    q_cols = q[b, j, i0:i1].t().contiguous()
-                    do_rows = grad_out[b, j, i0:i1].contiguous()
+                    q_cols = q_head[i0:i1].t().contiguous()
+                    do_rows = do_head[i0:i1]
                     do_cols = do_rows.t().contiguous()
-                    neg_lse2_row, delta_row = neg_lse2[b, j, i0:i1].view(1, -1), delta[b, j, i0:i1].view(1, -1)
+                    neg_lse2_row, delta_row = neg_lse2[b, j, i0:i1].view(1, -1), delta[i0:i1].view(1, -1)
                     for c0, c1, masked in _key_blocks(i0, i1, sk, is_causal, block):
-                        # the tile transposed, (keys, rows): dV and dK take it as it is, only dQ
-                        # takes a transposed copy (oneDNN copies a strided operand anyway)
+                        # the tile transposed, (keys, rows): dV and dK take it as it is, and dQ
+                        # from the BLAS, which reads it transposed without a copy (oneDNN copies a
+                        # strided operand, and K^T's columns of a causal tile too: measured slower)
                         s = _mm(linear, k_head[c0:c1], q_scaled[i0:i1])
                         derivative, factor = None, 1.0
                         if capped:
@@ -340,11 +350,13 @@ def backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, log
                         p = torch.add(neg_lse2_row, s, alpha=factor, out=s).exp2_()
                         if masked:
                             p[i0 - c0:].masked_fill_(_below_diagonal(c1 - i0, i1 - i0, rows), 0.0)
-                        dv[b, jk, c0:c1] += _mm(linear, p, do_cols)
+                        dv_head[c0:c1] += _mm(linear, p, do_cols)
                         ds = _mm(linear, v_head[c0:c1], do_rows).sub_(delta_row).mul_(p)
                         if derivative is not None:
                             ds.mul_(derivative)  # d(c tanh(x / c)) / dx
-                        dk[b, jk, c0:c1] += _mm(linear, ds, q_cols)
-                        dq[b, j, i0:i1] += _mm(linear, ds.t(), k_cols[c0, c1])
-    scale *= capped.derivative_scale if capped else 1.0
-    return dq.mul_(scale), dk.mul_(scale), dv
+                        dk_head[c0:c1] += _mm(linear, ds, q_cols)
+                        dq_head[i0:i1].addmm_(ds.t(), k_head[c0:c1])
+                dq[b, j] = dq_head.mul_(grad_scale)
+            dk[b, jk] = dk_head.mul_(grad_scale)
+            dv[b, jk] = dv_head
+    return dq, dk, dv
