@@ -270,14 +270,15 @@ def ships_exact(family: str) -> bool:
     return family in declarations.EXACT_IMAGE_FAMILIES
 
 
-def aot_variants(family: str) -> list[tuple[str, dict, Config]]:
+def aot_variants(family: str, buckets: tuple = IMAGE_BUCKETS) -> list[tuple[str, dict, Config]]:
     """Every ``(kernel name, constexprs, launch config)`` that superset mode launches on GPU
     architecture family ``family`` (:data:`FAMILIES`) for an fp16 or bf16 call (the list is the
-    same for both dtypes, which are a separate axis). No duplicates."""
+    same for both dtypes, which are a separate axis), for the head-dim ``buckets`` (default: those
+    of the shipped images; a JIT's report takes every bucket). No duplicates."""
     if family not in FAMILIES:
         raise ValueError(f"unknown architecture family {family!r}; expected one of {tuple(FAMILIES)}")
     out: list[tuple[str, dict, Config]] = []
-    for bucket in IMAGE_BUCKETS:
+    for bucket in buckets:
         for config in dict.fromkeys(bucket_configs(family, bucket)):  # decode, many-rows (deduplicated)
             out.append(("split_kv_kernel", split_kv_constexprs(config, bucket, SPLIT_KV_SUPERSET), config))
         if ships_exact(family):
