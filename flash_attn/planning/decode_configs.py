@@ -100,9 +100,12 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     ("cdna3", 64): (_C(16, 128, 4, 2), _C(64, 64, 4, 2)),
     ("cdna3", 128): (_C(16, 64, 4, 2), _C(64, 64, 4, 2)),
     ("cdna3", 256): (_C(16, 64, 4, 1), _C(32, 32, 4, 1)),
+    # d512: no scratch on CDNA (many rows: 64 x 16, no product repeated); RDNA's least (~0.7 / 0.9 KB)
+    ("cdna3", 512): (_C(16, 64, 4, 1), _C(64, 16, 4, 1)),
     ("rdna3", 64): (_C(16, 64, 4, 2), _C(64, 32, 4, 2)),
     ("rdna3", 128): (_C(16, 64, 4, 2), _C(32, 32, 4, 2)),
     ("rdna3", 256): (_C(16, 32, 4, 1), _C(32, 32, 4, 1)),
+    ("rdna3", 512): (_C(16, 16, 4, 1), _C(32, 16, 4, 1)),
     # Triton's interpreter: small key blocks so that the tests cross several blocks and pages
     ("interpret", 64): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
     ("interpret", 128): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
