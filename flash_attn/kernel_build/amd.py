@@ -88,8 +88,8 @@ def jobs_for(family: str, dtypes=S.DTYPES, subset: bool = False) -> list[dict]:
         launches = S.attention_launches(family, dtype, jit=True)
         launches += [_probs_launch(family, dtype, d) for d in configs.HEADDIM_BUCKETS
                      if configs.refusal(d, family) is None]
-        launches += [(S.Spec.of(kernel, dtype, constexprs, config), config)
-                     for kernel, constexprs, config in decode_configs.aot_variants(family, decode_configs.HEADDIM_BUCKETS)
+        decode = decode_configs.aot_variants(family, decode_configs.HEADDIM_BUCKETS)
+        launches += [(S.Spec.of(kernel, dtype, constexprs, config), config) for kernel, constexprs, config in decode
                      if configs.refusal(constexprs["BLOCK_D"], family) is None]
         jobs += [_spec_job(family, spec, config) for spec, config in launches]
         jobs += [{"family": family, "source": "ops", "kernel": name, "dtype": dtype, "block_d": None,

@@ -341,7 +341,8 @@ def test_beyond_fa2_kernels_match_oracle(backend, case, recwarn):
 # the interpreter, causal GQA with partial tiles; the split kernels through deterministic=True without
 # the fused kernel's splits.
 AMD_512_TILES = sorted({(kind, config.block_m, config.block_n) for family in families.of_vendor("amd")
-                        for kind in configs.KINDS for config in [configs.pick(kind, 512, family)] if config is not None})
+                        for kind in configs.KINDS for config in [configs.pick(kind, 512, family)]
+                        if config is not None})
 AMD_512_CASE = Case(F16, 512, 2, 1, seqlen_q=80, seqlen_k=72, window=(-1, 0))
 
 
