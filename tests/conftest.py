@@ -71,7 +71,6 @@ DESIGNED_REFUSALS = re.compile(
     r"|the backward of paged K/V"
     r"|head dimension( of v)? \d+ > \d+"
     r"|head dimension( of v)? \d+ \(the ahead-of-time kernels need a multiple of \d+\)"
-    r"|head dimension( of v)? \d+ on \w+: .*"
     r"|head dimension \d+ with softcap, ALiBi or dropout \(its images are of plain calls only\)"
     r"|head dimension \d+ on \w+ \(compiled ahead of time for .*\)"
     r"|head dimension \d+ in the KV-cache call \(compiled ahead of time up to \d+\)"

@@ -109,11 +109,15 @@ def attention_spec(kernel: str, dtype: str, block_d: int, config: configs.Config
     return Spec.of(kernel, dtype, {**flags, **decl.tile_constexprs(block_d, config, family, block_dv)}, config)
 
 
-def head_dim_pairs(family: str, features: bool, block_ds: Sequence[int] = BLOCK_DS) -> list[tuple[int, int]]:
+def head_dim_pairs(family: str, features: bool, block_ds: Sequence[int] = BLOCK_DS,
+                   jit: bool = False) -> list[tuple[int, int]]:
     """The ``(BLOCK_D, BLOCK_DV)`` pairs of ``family``'s attention images (of the score-features
     variant where ``features``): the square ones of the buckets it ships, then the declared pairs
-    (:func:`~flash_attn.planning.declarations.ships_head_dims`), within ``block_ds``."""
+    (:func:`~flash_attn.planning.declarations.ships_head_dims`), within ``block_ds``. ``jit``: the
+    square ones of every bucket, shipped or not (what a JIT compiles: AMD's report)."""
     squares = [(d, d) for d in (FEATURE_BLOCK_DS if features else BLOCK_DS) if d in block_ds]
+    if jit:
+        return squares
     pairs = [pair for pair in declarations.HEAD_DIM_PAIR_IMAGES if pair[0] in block_ds]
     return [pair for pair in squares + pairs if declarations.ships_head_dims(family, *pair, features)]
 
@@ -129,15 +133,16 @@ def attention_specs(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
 
 
 def attention_launches(family: str, dtype: str, block_ds: Sequence[int] = BLOCK_DS,
-                       with_features: bool = True) -> list[tuple[Spec, configs.Config]]:
+                       with_features: bool = True, jit: bool = False) -> list[tuple[Spec, configs.Config]]:
     """:func:`attention_specs` with the launch config of each (its compiler options beyond
-    ``num_warps`` and ``num_stages``: :func:`flash_attn.planning.configs.compiler_options`)."""
+    ``num_warps`` and ``num_stages``: :func:`flash_attn.planning.configs.compiler_options`);
+    ``jit``: every square head-dim bucket, as :func:`head_dim_pairs`."""
     out = []
     block_ds = [d for d in block_ds if configs.refusal(d, family) is None]  # a bucket the family does not run
     for kernel in ATTENTION_KERNELS:
         decl = declarations.get(kernel)
         for features in (False, True) if decl.has_features and with_features else (False,):
-            for block_d, block_dv in head_dim_pairs(family, features, block_ds):
+            for block_d, block_dv in head_dim_pairs(family, features, block_ds, jit):
                 widest = max(block_d, block_dv)
                 fused = any(configs.fused_backward(widest, family, f) for f in (False, True))
                 if kernel == "attn_bwd_dq_convert_kernel" and not fused:

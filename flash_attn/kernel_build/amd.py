@@ -6,10 +6,13 @@ time for AMD). This command compiles, for each AMD family of :mod:`flash_attn.pl
 (its first ``gcnArchName`` processor, ``GPUTarget("hip", "gfx942", 64)`` and so on), what the
 JIT would compile there:
 
-* every attention kernel x dtype x head-dim bucket, lean and with the score features, in the
-  family's launch config (:func:`flash_attn.aot.specializations.attention_launches`: the folded
-  flags, a superset of what one call compiles), and the ``return_attn_probs`` kernel;
-* every KV-cache kernel's superset variants (:func:`flash_attn.planning.decode_configs.aot_variants`);
+* every attention kernel x dtype x head-dim bucket the family runs (q, k and v of one head dim,
+  head dim 512 too, which the CUDA images ship for some families only), lean and with the score
+  features, in the family's launch config (:func:`flash_attn.aot.specializations.attention_launches`
+  with ``jit``: the folded flags, a superset of what one call compiles), and the
+  ``return_attn_probs`` kernel;
+* every KV-cache kernel's superset variants at every head-dim bucket
+  (:func:`flash_attn.planning.decode_configs.aot_variants`);
 * the ``flash_attn.ops.triton`` kernels (norms, loss, rotary, fused linear), each through its own
   launch code on a representative call (:func:`ops_launches`), compiled the way Triton's JIT
   compiles that call on the target (:func:`compile_launch`).
@@ -17,6 +20,8 @@ JIT would compile there:
 Each compile's ``amdgcn`` and TTGIR are read by :mod:`flash_attn.kernel_build.amd_report`; the
 report (``amd-report.json``) has one row per compile in the build report's style and a summary per
 family, with the targets each row misses (:func:`flash_attn.kernel_build.amd_report.target_misses`).
+Each row names its launch (``key``) and the kernel source it was compiled from
+(``source_digest``): ``--reuse`` keeps an earlier report's row only where both are unchanged.
 ``--subset`` compiles each kernel once per family (bf16, head dim 128): what ``.ci/run`` runs
 (``tests/kernel_build/test_amd_kernels.py``). No AMD GPU has run these kernels; this is what can be
 shown without one.
@@ -30,16 +35,15 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Optional
 
 from flash_attn.aot import specializations as S
-from flash_attn.kernel_build import amd_report
+from flash_attn.kernel_build import amd_report, pool
 from flash_attn.planning import configs, declarations, decode_configs, families
 
-__all__ = ["AMD_FAMILIES", "jobs_for", "compile_spec", "compile_launch", "ops_launches", "run_job",
-           "build", "summary", "REPORT"]
+__all__ = ["AMD_FAMILIES", "jobs_for", "source_digest", "compile_spec", "compile_launch", "ops_launches", "run_job",
+           "reusable", "build", "summary", "REPORT"]
 
 AMD_FAMILIES = families.of_vendor("amd")
 REPORT = "amd-report.json"
@@ -63,7 +67,7 @@ def _spec_job(family: str, spec: S.Spec, config: configs.Config) -> dict:
                     if getattr(config, name) != default)
     return {"family": family, "source": "spec", "kernel": spec.kernel, "dtype": spec.dtype, "block_d": spec.block_d,
             "features": declarations.get(spec.kernel).has_features and bool(dict(spec.flags).get("HAS_SOFTCAP")),
-            "key": spec.key + knobs,
+            "key": spec.key + knobs, "source_digest": source_digest(S.kernel_function(spec.kernel)),
             "spec": {**asdict(spec), "flags": [list(x) for x in spec.flags]}, "config": list(config)}
 
 
@@ -81,16 +85,17 @@ def jobs_for(family: str, dtypes=S.DTYPES, subset: bool = False) -> list[dict]:
     kernel once, bf16, head dim 128, lean)."""
     jobs = []
     for dtype in dtypes:
-        launches = S.attention_launches(family, dtype)
+        launches = S.attention_launches(family, dtype, jit=True)
         launches += [_probs_launch(family, dtype, d) for d in configs.HEADDIM_BUCKETS
                      if configs.refusal(d, family) is None]
-        launches += [(S.Spec.of(kernel, dtype, constexprs, config), config)
-                     for kernel, constexprs, config in decode_configs.aot_variants(family)
+        decode = decode_configs.aot_variants(family, decode_configs.HEADDIM_BUCKETS)
+        launches += [(S.Spec.of(kernel, dtype, constexprs, config), config) for kernel, constexprs, config in decode
                      if configs.refusal(constexprs["BLOCK_D"], family) is None]
         jobs += [_spec_job(family, spec, config) for spec, config in launches]
         jobs += [{"family": family, "source": "ops", "kernel": name, "dtype": dtype, "block_d": None,
-                  "features": False, "key": f"{name}.{dtype}.{_launch_digest(kwargs)}"}
-                 for name, (_, kwargs) in ops_launches(dtype).items()]
+                  "features": False, "key": f"{name}.{dtype}.{_launch_digest(kwargs)}",
+                  "source_digest": source_digest(kernel)}
+                 for name, (kernel, kwargs) in ops_launches(dtype).items()]
     if subset:
         jobs = _subset(jobs)
     return jobs
@@ -182,6 +187,16 @@ def _linear_launches(dtype):
 _OPS_GROUPS = (_norm_launches, _loss_launches, _rotary_launches, _linear_launches)
 
 
+def source_digest(kernel) -> str:
+    """A digest of what a jitted kernel is compiled from: its source, the source of every jitted
+    function it calls and the constexpr globals it reads (Triton's own cache key of the function,
+    which also names its first line). A job's key names the launch; this names the code, so that
+    ``--reuse`` compiles a changed kernel again."""
+    while not hasattr(kernel, "cache_key") and hasattr(kernel, "fn"):  # autotuner / heuristics wrappers
+        kernel = kernel.fn
+    return kernel.cache_key[:16]
+
+
 def _launch_digest(kwargs: dict) -> str:
     """A short digest of what a recorded launch compiles from: its tensors' dtypes and every other
     argument's value (the sizes and strides among them: Triton specialises on their divisibility),
@@ -242,11 +257,15 @@ def compile_launch(kernel, kwargs: dict, family: str):
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+# what a report row repeats of its job
+_JOB_FIELDS = ("family", "kernel", "dtype", "block_d", "features", "key", "source", "source_digest")
+
+
 def _row(job: dict, compiled, seconds: float) -> dict:
     family = families.get(job["family"])
     kind = declarations.KERNELS[job["kernel"]].config_kind if job["kernel"] in declarations.KERNELS else None
     block_n = job["spec"]["block_n"] if job["source"] == "spec" else 0
-    row = {k: job[k] for k in ("family", "kernel", "dtype", "block_d", "features", "key", "source")}
+    row = {k: job[k] for k in _JOB_FIELDS}
     row.update(arch=families.triton_target(job["family"])[1], compile_seconds=round(seconds, 2),
                num_warps=int(compiled.metadata.num_warps), num_stages=int(compiled.metadata.num_stages))
     row["config"] = _config(job)
@@ -279,7 +298,7 @@ def run_job(job: dict) -> dict:
             kernel, kwargs = ops_launches(job["dtype"])[job["kernel"]]
             compiled = compile_launch(kernel, kwargs, job["family"])
     except Exception as exc:  # noqa: BLE001
-        row = {k: job[k] for k in ("family", "kernel", "dtype", "block_d", "features", "key", "source")}
+        row = {k: job[k] for k in _JOB_FIELDS}
         message = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         return {**row, "error": message[:500], "misses": [f"does not compile: {message[:300]}"]}
     return _row(job, compiled, time.perf_counter() - start)
@@ -291,23 +310,19 @@ def run_job(job: dict) -> dict:
 def build(family_names=AMD_FAMILIES, dtypes=S.DTYPES, subset: bool = False, jobs: Optional[int] = None,
           quiet: bool = False, fresh_cache: bool = True, reuse: Optional[dict] = None) -> dict:
     """Compile every job of ``family_names`` in ``jobs`` processes; the report (rows and summary).
-    ``reuse``: an earlier report of the same Triton, whose rows of the same jobs (family and key)
-    are kept instead of compiled again (after a change of a few launch configs)."""
+    ``reuse``: an earlier report of the same Triton, whose rows of the same jobs (family, key and
+    kernel source: :func:`reusable`) are kept instead of compiled again."""
     import triton  # noqa: PLC0415
 
-    from flash_attn.kernel_build.build import _Progress, _fresh_triton_cache  # noqa: PLC0415
+    from flash_attn.kernel_build.build import _fresh_triton_cache  # noqa: PLC0415
 
     work = [job for family in family_names for job in jobs_for(family, dtypes, subset)]
-    kept = {}
-    if reuse is not None and reuse.get("triton") == triton.__version__:
-        earlier = {(r["family"], r["key"]): r for r in reuse["kernels"] if "error" not in r}
-        kept = {(j["family"], j["key"]): earlier[(j["family"], j["key"])] for j in work
-                if (j["family"], j["key"]) in earlier and earlier[(j["family"], j["key"])].get("config") == _config(j)}
-        work = [j for j in work if (j["family"], j["key"]) not in kept]
+    kept = reusable(work, reuse, triton.__version__) if reuse is not None else {}
+    work = [j for j in work if (j["family"], j["key"]) not in kept]
     workers = int(jobs or os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
     start = time.time()
     with _fresh_triton_cache(fresh_cache):
-        progress = _Progress(len(work), quiet)
+        progress = pool.Progress(len(work), quiet, desc="amd-kernels")
         try:
             rows = _run(work, workers, progress)
         finally:
@@ -318,25 +333,27 @@ def build(family_names=AMD_FAMILIES, dtypes=S.DTYPES, subset: bool = False, jobs
             "wall_seconds": round(time.time() - start, 1), "families": summary(rows), "kernels": rows}
 
 
-def _run(work: list, workers: int, progress) -> list:
-    import multiprocessing  # noqa: PLC0415
+def reusable(work: list, earlier: dict, triton_version: str) -> dict:
+    """``(family, key) -> row`` of the rows of ``earlier`` (a report) that ``work``'s jobs may keep
+    instead of compiling again: compiled without error by the same Triton, for the same launch (key
+    and config) of the same kernel source (:func:`source_digest`)."""
+    if earlier.get("triton") != triton_version:
+        return {}
+    rows = {(r["family"], r["key"]): r for r in earlier["kernels"] if "error" not in r}
+    kept = {}
+    for job in work:
+        row = rows.get((job["family"], job["key"]))
+        if row is not None and row.get("config") == _config(job) and row.get("source_digest") == job["source_digest"]:
+            kept[(job["family"], job["key"])] = row
+    return kept
 
-    if workers <= 1:
-        rows = []
-        for job in work:
-            rows.append(run_job(job))
-            progress.update(f"{job['kernel']} {job['dtype']} {job['family']}")
-        return rows
-    rows = []
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pending = {pool.submit(run_job, job): job for job in work}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                job = pending.pop(future)
-                rows.append(future.result())
-                progress.update(f"{job['kernel']} {job['dtype']} d{job['block_d']} {job['family']}")
-    return rows
+
+def _run(work: list, workers: int, progress: pool.Progress) -> list:
+    return [row for _, row in pool.completed(run_job, work, workers, progress, _label, in_process=True)]
+
+
+def _label(job: dict) -> str:
+    return f"{job['kernel']} {job['dtype']} d{job['block_d']} {job['family']}"
 
 
 def summary(rows: list) -> dict:

@@ -38,14 +38,14 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 from flash_attn import limits
 from flash_attn.aot import library as op_library, specializations as S
 from flash_attn.aot.archs import Arch, default_cuda_archs, parse_arch_list
-from flash_attn.kernel_build import kernel_report
+from flash_attn.kernel_build import kernel_report, pool
+from flash_attn.kernel_build.pool import Progress
 from flash_attn.planning import configs, declarations
 
 ARCHS_ENV = "FLASH_ATTN_CUDA_ARCHS"
@@ -383,38 +383,6 @@ def plan(cubins: list, ptxs: list, specs=None) -> list[dict]:
     return jobs
 
 
-class _Progress:
-    """tqdm when installed, else one line per completed job with counts and ETA."""
-
-    def __init__(self, total: int, quiet: bool):
-        self.total, self.done, self.start, self.quiet = total, 0, time.time(), quiet
-        self.bar = None
-        if not quiet:
-            try:
-                from tqdm import tqdm  # noqa: PLC0415
-
-                self.bar = tqdm(total=total, unit="kernel", desc="build-kernels", file=sys.stderr)
-            except ImportError:
-                pass
-
-    def update(self, label: str) -> None:
-        self.done += 1
-        if self.quiet:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
-            self.bar.update(1)
-            return
-        elapsed = time.time() - self.start
-        eta = elapsed / self.done * (self.total - self.done)
-        print(f"[{self.done}/{self.total}] {elapsed:5.0f}s elapsed, ETA {eta:4.0f}s  {label}", file=sys.stderr,
-              flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _tree_rss_mb(root: int) -> float:
     """Resident memory (MB) of ``root`` and all its descendants, from /proc."""
     total = 0
@@ -526,7 +494,7 @@ def _compile_all(work: list, jobs: int, quiet: bool, fresh_cache: bool) -> _Comp
     """Runs the compile jobs, timed and memory-sampled."""
     with _fresh_triton_cache(fresh_cache), _peak_rss() as peak:
         start = time.time()
-        progress = _Progress(len(work), quiet)
+        progress = Progress(len(work), quiet)
         try:
             manifest_rows, report_rows, worker_rss = _run_jobs(work, jobs, progress)
         finally:
@@ -537,32 +505,23 @@ def _compile_all(work: list, jobs: int, quiet: bool, fresh_cache: bool) -> _Comp
     return _Compiled(manifest_rows, report_rows, wall, peak[0], worker_rss)
 
 
-def _run_jobs(work: list, jobs: int, progress: _Progress) -> tuple[list, list, int]:
+def _run_jobs(work: list, jobs: int, progress: Progress) -> tuple[list, list, int]:
     """:func:`compile_job` for each job in ``jobs`` spawned processes; the first failure cancels
     the rest and raises. Returns the manifest entries, the report rows and the largest worker RSS."""
-    import multiprocessing  # noqa: PLC0415
-
     manifest_rows, report_rows, worker_rss = [], [], 0
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pending = {pool.submit(compile_job, job): job for job in work}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in done:
-                job = pending.pop(future)
-                label = f"{job['spec']['kernel']} {job['spec']['dtype']} d{job['spec']['block_d']} sm_{job['cap']}"
-                try:
-                    result = future.result()
-                except Exception as exc:  # noqa: BLE001
-                    for other in pending:
-                        other.cancel()
-                    progress.close()
-                    raise RuntimeError(f"build-kernels: {label}: {exc}") from None
-                for entry, row in result["rows"]:
-                    manifest_rows.append(entry)
-                    report_rows.append(row)
-                worker_rss = max(worker_rss, result["worker_rss_mb"])
-                progress.update(label)
+    try:
+        for _, result in pool.completed(compile_job, work, jobs, progress, _label):
+            for entry, row in result["rows"]:
+                manifest_rows.append(entry)
+                report_rows.append(row)
+            worker_rss = max(worker_rss, result["worker_rss_mb"])
+    except pool.JobFailed as exc:
+        raise RuntimeError(f"build-kernels: {exc}") from None
     return manifest_rows, report_rows, worker_rss
+
+
+def _label(job: dict) -> str:
+    return f"{job['spec']['kernel']} {job['spec']['dtype']} d{job['spec']['block_d']} sm_{job['cap']}"
 
 
 def _manifest(compiled: _Compiled, triton_version: str) -> dict:

@@ -168,8 +168,17 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
 # instructions and the LDS within the workgroup's limit; on CDNA no scratch at head dims <= 128,
 # on RDNA the least scratch any tile reaches; then at least two waves per SIMD (waves_per_eu=2)
 # where the registers allow it; then the largest tiles.
+#
+# Head dim 512 (issue 44; the sweep in benchmarks/README.md "AMD", head dim 512): NVIDIA's design,
+# the forward's output columns over two programs (OUTPUT_COLUMNS) and the backward's gradient
+# columns over four (gradient_columns). On CDNA3 a 128-row forward or a 128-key dK/dV tile takes
+# 128 KB of LDS (64 KB allowed), 32 rows on 4 waves repeat products: 64 x 16 with no scratch at two
+# waves per SIMD, the backward on 16 x 64 (dK/dV, fused) and 64 x 16 (dQ), none with scratch (MI350's
+# 160 KB would hold 128 x 32, at one wave per SIMD: its parent's row). RDNA's WMMA keeps 16 rows
+# a wave and dQ's 16 x 512 fp32 accumulator alone takes 256 registers of a 32-lane wave: every tile
+# spills; the least scratch tried (RDNA3 ~1.9 / 2.5 / 5.0 KB forward / dK/dV / dQ, RDNA4 52 B /
+# 472 B / 1.4 KB).
 _A, _WF = Config, WithFeatures
-_AMD_512 = Refused("head dim 512 has no AMD launch config yet (none compiled and read by `amd-kernels`)")
 _AMD: dict[str, dict[int, object]] = {
     # MI300 (gfx942; MI350, gfx950, its child): 4 waves of 64 = 256 threads per program; fused
     # backward (native fp32 atomics), 128 keys per dK/dV program up to d128. Each entry the
@@ -183,7 +192,7 @@ _AMD: dict[str, dict[int, object]] = {
         128: (_WF(_A(128, 32, 4, 2, waves_per_eu=2), _A(128, 32, 4, 2)), _A(16, 128, 4, 1),
               _WF(_A(128, 64, 4, 1), _A(128, 32, 4, 1)), _A(16, 128, 4, 1)),
         256: (_A(128, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 32, 4, 1), _A(16, 128, 4, 1)),
-        512: _AMD_512,
+        512: (_A(64, 16, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), _A(16, 64, 4, 1)),
     },
     # RX 7000 (gfx1100/1101): 32-thread waves, WMMA on 16-row tiles per wave, whose operands take
     # twice the registers of RDNA4's: the backward spills with every tile (the least the sweep
@@ -194,7 +203,7 @@ _AMD: dict[str, dict[int, object]] = {
         64: (_WF(_A(128, 32, 8, 2), _A(128, 16, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
         128: (_A(64, 16, 4, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
         256: (_A(64, 16, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
-        512: _AMD_512,
+        512: (_A(64, 16, 8, 1), _A(16, 32, 8, 1), _A(64, 16, 8, 1), None),
     },
     # RX 9000 (gfx1201/1200): none of its lean images spills up to d64; d128's dK/dV keeps 276 B.
     # Native float atomics, but the fused backward spills where the split kernels do not.
@@ -203,7 +212,7 @@ _AMD: dict[str, dict[int, object]] = {
         64: (_WF(_A(128, 64, 8, 2), _A(128, 32, 8, 2)), _A(16, 128, 8, 1), _A(128, 32, 8, 1), None),
         128: (_A(128, 32, 8, 2), _A(16, 128, 8, 1), _A(128, 16, 8, 1), None),
         256: (_A(64, 32, 4, 2), _A(16, 64, 4, 1), _A(64, 16, 4, 1), None),
-        512: _AMD_512,
+        512: (_A(32, 16, 4, 1), _A(16, 32, 8, 1), _A(64, 16, 8, 1), None),
     },
 }
 

@@ -100,9 +100,12 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     ("cdna3", 64): (_C(16, 128, 4, 2), _C(64, 64, 4, 2)),
     ("cdna3", 128): (_C(16, 64, 4, 2), _C(64, 64, 4, 2)),
     ("cdna3", 256): (_C(16, 64, 4, 1), _C(32, 32, 4, 1)),
+    # d512: no scratch on CDNA (many rows: 64 x 16, no product repeated); RDNA's least (~0.7 / 0.9 KB)
+    ("cdna3", 512): (_C(16, 64, 4, 1), _C(64, 16, 4, 1)),
     ("rdna3", 64): (_C(16, 64, 4, 2), _C(64, 32, 4, 2)),
     ("rdna3", 128): (_C(16, 64, 4, 2), _C(32, 32, 4, 2)),
     ("rdna3", 256): (_C(16, 32, 4, 1), _C(32, 32, 4, 1)),
+    ("rdna3", 512): (_C(16, 16, 4, 1), _C(32, 16, 4, 1)),
     # Triton's interpreter: small key blocks so that the tests cross several blocks and pages
     ("interpret", 64): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
     ("interpret", 128): (_C(16, 32, 1, 1), _C(64, 32, 1, 1)),
@@ -270,14 +273,15 @@ def ships_exact(family: str) -> bool:
     return family in declarations.EXACT_IMAGE_FAMILIES
 
 
-def aot_variants(family: str) -> list[tuple[str, dict, Config]]:
+def aot_variants(family: str, buckets: tuple = IMAGE_BUCKETS) -> list[tuple[str, dict, Config]]:
     """Every ``(kernel name, constexprs, launch config)`` that superset mode launches on GPU
     architecture family ``family`` (:data:`FAMILIES`) for an fp16 or bf16 call (the list is the
-    same for both dtypes, which are a separate axis). No duplicates."""
+    same for both dtypes, which are a separate axis), for the head-dim ``buckets`` (default: those
+    of the shipped images; a JIT's report takes every bucket). No duplicates."""
     if family not in FAMILIES:
         raise ValueError(f"unknown architecture family {family!r}; expected one of {tuple(FAMILIES)}")
     out: list[tuple[str, dict, Config]] = []
-    for bucket in IMAGE_BUCKETS:
+    for bucket in buckets:
         for config in dict.fromkeys(bucket_configs(family, bucket)):  # decode, many-rows (deduplicated)
             out.append(("split_kv_kernel", split_kv_constexprs(config, bucket, SPLIT_KV_SUPERSET), config))
         if ships_exact(family):

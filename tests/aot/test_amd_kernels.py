@@ -113,6 +113,65 @@ def test_rdna_scratch_is_recorded_and_bounded(full_report):
 # The most scratch (bytes) of any RDNA image per head-dim bucket (0: the ops kernels, which have
 # none), as the report of 2026-11-29 found them with the tables' tiles: the least the sweep reached
 # for the images that spill most (benchmarks/README.md); regenerated after issue 44's kernels (v's own
-# head dim and the sinks add a few live values: +8 B at d128, +12-16 B at d64/d256).
-RDNA_MOST_SCRATCH = {"rdna3": {0: 20, 32: 0, 64: 720, 128: 932, 256: 2644},
-                     "rdna4": {0: 0, 32: 0, 64: 128, 128: 368, 256: 1464}}
+# head dim and the sinks add a few live values: +8 B at d128, +12-16 B at d64/d256). Head dim 512
+# (issue 44, every tile tried spills on RDNA; the most: the score-features dQ, whose 16 x 512 fp32
+# accumulator alone fills a 32-lane wave's registers).
+RDNA_MOST_SCRATCH = {"rdna3": {0: 20, 32: 0, 64: 720, 128: 932, 256: 2644, 512: 7236},
+                     "rdna4": {0: 0, 32: 0, 64: 128, 128: 368, 256: 1464, 512: 1996}}
+
+
+_KERNEL_MODULE = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _step(x):
+    return x + {step}
+
+
+@triton.jit
+def kernel(X):
+    tl.store(X, _step(tl.load(X)))
+'''
+
+
+def _jitted(tmp_path, name: str, step: int):
+    """``kernel`` of a module written with its callee adding ``step`` (a kernel whose source changed
+    in a function it calls, not in its own body)."""
+    import importlib.util  # noqa: PLC0415
+
+    pytest.importorskip("triton")
+    path = tmp_path / f"{name}.py"
+    path.write_text(_KERNEL_MODULE.format(step=step))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kernel
+
+
+def test_the_source_digest_follows_the_kernel_and_its_callees(tmp_path):
+    same = amd.source_digest(_jitted(tmp_path, "kernel_a", 1)), amd.source_digest(_jitted(tmp_path, "kernel_b", 1))
+    changed = amd.source_digest(_jitted(tmp_path, "kernel_c", 2))
+    assert same[0] == same[1]  # the same source, the same digest
+    assert changed != same[0]  # a changed callee, another digest
+
+
+def test_reuse_keeps_only_rows_of_the_same_launch_and_kernel_source():
+    """``amd-kernels --reuse``: an earlier row is kept for a job of the same family, key, config and
+    kernel source; a row compiled from another source of the kernel (same launch) is compiled again."""
+    pytest.importorskip("triton")
+    work = amd.jobs_for("cdna3", ("bf16",), subset=True)
+    spec_job = next(j for j in work if j["source"] == "spec")
+    ops_job = next(j for j in work if j["source"] == "ops")
+    rows = [{**{k: j[k] for k in amd._JOB_FIELDS}, "config": amd._config(j)} for j in work]
+    for row in rows:
+        if row["key"] in (spec_job["key"], ops_job["key"]):
+            row["source_digest"] = "0" * 16  # compiled before its kernel's source changed
+    earlier = {"triton": "3.9.0", "kernels": rows}
+    kept = amd.reusable(work, earlier, "3.9.0")
+    changed = {("cdna3", spec_job["key"]), ("cdna3", ops_job["key"])}
+    assert set(kept) == {(j["family"], j["key"]) for j in work} - changed
+    assert amd.reusable(work, earlier, "3.8.0") == {}  # another Triton: nothing kept
+    unrecorded = [{k: v for k, v in row.items() if k != "source_digest"} for row in rows]
+    assert amd.reusable(work, {"triton": "3.9.0", "kernels": unrecorded}, "3.9.0") == {}  # a report without digests

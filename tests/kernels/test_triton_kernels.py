@@ -29,7 +29,7 @@ from support.tolerance import check_close
 from flash_attn import dispatch
 from flash_attn.dropout import keep_mask
 from flash_attn.params import AttentionParams, VarlenLayout
-from flash_attn.planning import configs, declarations
+from flash_attn.planning import configs, declarations, families
 
 HAS_CUDA = torch.cuda.is_available()
 BACKENDS = [
@@ -334,6 +334,24 @@ BEYOND_FA2_CASES = [
 @pytest.mark.parametrize("case", BEYOND_FA2_CASES, ids=str)
 def test_beyond_fa2_kernels_match_oracle(backend, case, recwarn):
     check_case(backend, case)
+
+
+# The AMD families' head-dim-512 tiles (configs._AMD; compiled for their GPUs by `amd-kernels`, run on
+# none): each distinct tile of a kind (warps and stages are the compiler's, not the interpreter's) in
+# the interpreter, causal GQA with partial tiles; the split kernels through deterministic=True without
+# the fused kernel's splits.
+AMD_512_TILES = sorted({(kind, config.block_m, config.block_n) for family in families.of_vendor("amd")
+                        for kind in configs.KINDS for config in [configs.pick(kind, 512, family)]
+                        if config is not None})
+AMD_512_CASE = Case(F16, 512, 2, 1, seqlen_q=80, seqlen_k=72, window=(-1, 0))
+
+
+@pytest.mark.parametrize("kind,block_m,block_n", AMD_512_TILES, ids=[f"{k}-{m}x{n}" for k, m, n in AMD_512_TILES])
+def test_amd_head_dim_512_tiles_match_oracle(backend, kind, block_m, block_n, recwarn):
+    split = kind in configs.SPLIT_BACKWARD_KINDS
+    case = dataclasses.replace(AMD_512_CASE, grads=kind != "fwd")
+    with configs.overridden({("deterministic_splits", "interpret"): 0}):
+        check_case_with(backend, case, kind, configs.Config(block_m, block_n, 1, 1), deterministic=split)
 
 
 def test_qv_backward_runs_on_the_reference_with_one_warning(backend, monkeypatch):

@@ -242,6 +242,38 @@ def test_planner_choices_on_each_simulated_family(rocm_device, monkeypatch, gcn_
     assert split.config == dc.bucket_configs(family, 64)[0] and sms == [rocm.DEVICES[gcn_arch][1]]
 
 
+@pytest.mark.parametrize("gcn_arch,family", list(DEVICES.items()))
+def test_head_dim_512_is_planned_on_each_family_with_its_row(rocm_device, monkeypatch, gcn_arch, family):
+    """Issue 44's head dim 512 on AMD (no longer refused): forward, backward and KV cache planned on
+    the family's d512 row, NVIDIA's design: the forward's output columns over two programs, the
+    backward's dK/dV columns over four (q/k's 128 each), the decode kernel on its 512 configs."""
+    target = rocm_device(gcn_arch)._target(torch.device("cuda", 0))
+    params = AttentionParams(512 ** -0.5, -1, 0)
+    q = torch.empty(2, 300, 4, 512, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(2, 300, 2, 512, dtype=torch.bfloat16, device="meta")
+    fwd = P.plan_forward(P.describe_forward(q, kv, kv, params), target)
+    (launch,) = fwd.launches
+    assert launch.config == configs.pick("fwd", 512, family) and launch.constexprs["BLOCK_DVOUT"] == 256
+    lse = torch.empty(2, 4, 300, dtype=torch.float32, device="meta")
+    for deterministic in (False, True):
+        bwd = P.plan_backward(P.describe_backward(q, q, kv, kv, q, lse, params, None, None, deterministic, None, False),
+                              target)
+        by_kernel = {launch.kernel: launch for launch in bwd.launches}
+        fused = configs.fused_backward(512, family)
+        dkdv = by_kernel["attn_bwd_kernel" if fused is not None and not deterministic else "attn_bwd_dkdv_kernel"]
+        assert dkdv.config == (fused if dkdv.kernel == "attn_bwd_kernel" else configs.pick("bwd_dkdv", 512, family))
+        assert dkdv.constexprs["BLOCK_DOUT"] == 128
+        if dkdv.kernel == "attn_bwd_dkdv_kernel":
+            assert by_kernel["attn_bwd_dq_kernel"].config == configs.pick("bwd_dq", 512, family)
+    cache = KVCacheInputs(torch.empty(2, 1024, 2, 512, dtype=torch.bfloat16, device="meta"),
+                          torch.empty(2, 1024, 2, 512, dtype=torch.bfloat16, device="meta"),
+                          torch.empty(2, dtype=torch.int32, device="meta"))
+    step = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16, device="meta")
+    dec = P.plan_kvcache(P.describe_kvcache(step, params, cache), target)
+    split = next(launch for launch in dec.launches if launch.kernel == "split_kv_kernel")
+    assert split.config == dc.bucket_configs(family, 512)[0]
+
+
 def test_an_unsupported_amd_gpu_runs_the_reference_with_the_reason(rocm_device):
     from flash_attn import dispatch
 

@@ -92,7 +92,7 @@ def test_devices_map_to_their_family(capability, family):
 
 def test_every_family_has_every_config():
     """Each family finds a launch config for every kind and head-dim bucket it does not refuse
-    (``configs.refusal``: AMD's head dim 512), and decode configs for every such decode bucket
+    (``configs.refusal``: none refused today), and decode configs for every such decode bucket
     (its own rows or its parent's)."""
     for family in families.FAMILIES:
         for kind in configs.KINDS:
