@@ -38,12 +38,10 @@ def _checks_values(t: Tensor) -> bool:
 def _draw_dropout_seed(dropout_p: float, device, fresh: bool = True) -> Tensor:
     """The forward's ``rng_state``: an int64 seed drawn by ``device``'s generator on the device,
     which ``torch.manual_seed`` reproduces and a CUDA graph replay draws anew (PyTorch advances
-    the generator's offset per replay). Without dropout nothing reads it: left uninitialised, and
-    unless ``fresh`` (an op's output must be) a shared :func:`~flash_attn.placeholders.placeholder`."""
+    the generator's offset per replay). Without dropout nothing reads it: left uninitialised if
+    ``fresh`` (an op's output must be a tensor), else ``None`` (the eager calls: no allocation)."""
     if dropout_p == 0.0:
-        if fresh:
-            return torch.empty((1,), dtype=torch.int64, device=device)
-        return placeholder(torch.int64, device, (1,))
+        return torch.empty((1,), dtype=torch.int64, device=device) if fresh else None
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
@@ -116,8 +114,8 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
                  softmax_scale, window_left, window_right, softcap, dropout_p, return_softmax, fresh, seed=None,
                  qv=None, sinks=None, call=None):
     """The forward; ``fresh``: every returned tensor newly made (as an op's outputs must be),
-    else the unused ``rng_state`` may be a shared placeholder and an unrequested ``s_dmask`` is
-    ``None`` (the direct calls);
+    else the unused ``rng_state`` (no dropout) and an unrequested ``s_dmask`` are ``None`` (the
+    direct calls);
     ``call``: the public function's checked signature (:attr:`AttentionParams.call`)."""
     varlen = None if cu_seqlens_q is None else \
         varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
@@ -290,6 +288,8 @@ def _backward(ctx, dout, *unused_grads):
     if direct_call_ok((dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, qv, sinks)):
         dq, dk, dv, dqv, dsinks = _backward_run(*args, ctx.call)
     else:
+        if rng_state is None:  # an eager forward without dropout kept none; the op takes a tensor
+            args = (*args[:17], placeholder(torch.int64, q.device, (1,)), *args[18:])
         dq, dk, dv, dqv, dsinks = attention_backward(*args)
     # one gradient per _FORWARD_INPUTS: q, k, v, none for the metadata and scalars, qv, sinks
     return (dq, dk, dv, *_NO_GRADS, dqv if qv is not None else None, dsinks if sinks is not None else None)

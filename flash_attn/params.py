@@ -30,10 +30,11 @@ class AttentionParams(NamedTuple):
     # ``rng_state``, a one-element int64 tensor) and handed to the backward, which regenerates the
     # very same mask from it. A plain int works too (tests, direct backend calls).
     dropout_seed: Union[int, torch.Tensor] = 0
-    # The public function's checked call signature (:func:`flash_attn.validation.checked_call`),
-    # when it made one: everything but the data pointers that decides this call's plan, so the
-    # kernel backends find the plan by it without describing the call again. ``None``: describe.
-    call: Optional[tuple] = None
+    # The public function's checked call signature (:func:`flash_attn.validation.checked_call`'s
+    # int for it), when it made one: everything but the data pointers that decides this call's
+    # plan, so the kernel backends find the plan by it without describing the call again.
+    # ``None``: describe.
+    call: Optional[int] = None
 
     @property
     def is_local(self) -> bool:

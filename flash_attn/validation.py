@@ -8,6 +8,8 @@ the compiler), so they never cause a graph break.
 
 from __future__ import annotations
 
+import itertools
+
 import math
 import operator
 import os
@@ -443,15 +445,16 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check) -> tuple:
     """``(result, key)``: ``check(*tensors, *scalars)`` (metadata checks that return the call's
     normalised values), run once per :func:`signature` under ``tag`` (the function checking them):
     a later call with the same signature gets the first call's result without the checks. ``key``
-    is ``(tag, signature)``, the call's description for the layers below (the kernel backends'
-    plan key: :attr:`flash_attn.params.AttentionParams.call`), or ``None`` when the call has none.
+    stands for ``(tag, signature)``: an int given to it when it was first checked, never given to
+    another in this process (the layers below hash and compare it per call: the kernel backends'
+    plan key, :attr:`flash_attn.params.AttentionParams.call`), or ``None`` when the call has none.
     A call that fails its checks is never remembered; arguments without a signature, and calls
     while torch.compile traces (the tracer must see the checks), are checked every time."""
     if torch.compiler.is_compiling():
         return check(*tensors, *scalars), None
     try:
         key = (tag, signature(tensors, scalars))
-        return _checked[key], key
+        return _checked[key]
     except KeyError:
         pass
     except (TypeError, RuntimeError):  # no signature, an unhashable scalar (a list), a tensor without strides
@@ -459,8 +462,11 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check) -> tuple:
     result = check(*tensors, *scalars)
     if len(_checked) >= CHECKED_LIMIT:
         _checked.clear()
-    _checked[key] = result
-    return result, key
+    found = _checked[key] = (result, next(_tokens))
+    return found
+
+
+_tokens = itertools.count()
 
 
 def checked(tag: str, tensors: tuple, scalars: tuple, check):

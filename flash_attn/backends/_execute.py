@@ -130,33 +130,43 @@ def _allocator(buffer: P.Buffer):
 
 class Ready(NamedTuple):
     """A plan made ready to run once per call shape: its buffers' allocators, and its launches in
-    whatever form the backend runs them (the plan's own, or the ``aot`` backend's packed ones)."""
+    whatever form the backend runs them (the plan's own, or the ``aot`` backend's packed ones).
+    ``fixed``: the plan reads no row count and no seed of the call and prepares no input (then a
+    call's tensors are its inputs and the buffers)."""
 
     plan: P.Plan
     buffers: tuple  # (slot, device -> tensor)
     launches: tuple
+    fixed: bool = False
 
 
 def ready(plan: P.Plan, launches: Optional[tuple] = None) -> Ready:
     return Ready(plan, tuple((b.slot, _allocator(b)) for b in plan.buffers),
-                 plan.launches if launches is None else launches)
+                 plan.launches if launches is None else launches,
+                 not (plan.rows or plan.needs_seed or plan.prepare))
 
 
 def slots(run: Ready, inputs: dict, device) -> dict:
     """The call's tensors by slot (``inputs`` is extended in place): the inputs, prepared where the
     plan asks, and the plan's buffers."""
     tensors = inputs
-    for rows in run.plan.rows:  # packed row counts: sizes of this call, not of the plan
-        tensors[rows] = tensors[rows.slot].shape[0]
-    if run.plan.needs_seed and not isinstance(tensors.get("seed"), torch.Tensor):
-        # a plain int seed from a direct backend call (the public API draws one on the device):
-        # a fill on the device, no copy from the host
-        tensors["seed"] = torch.full((1,), int(tensors.get("seed") or 0), dtype=torch.int64, device=device)
-    for prep in run.plan.prepare:
-        tensors[prep.slot] = _PREPARE[prep.how](tensors[prep.source or prep.slot])
+    if not run.fixed:
+        _per_call(run.plan, tensors, device)
     for slot, make in run.buffers:
         tensors[slot] = make(tensors, device)
     return tensors
+
+
+def _per_call(plan: P.Plan, tensors: dict, device) -> None:
+    """What a plan works out per call before its buffers: row counts, the seed, prepared inputs."""
+    for rows in plan.rows:  # packed row counts: sizes of this call, not of the plan
+        tensors[rows] = tensors[rows.slot].shape[0]
+    if plan.needs_seed and not isinstance(tensors.get("seed"), torch.Tensor):
+        # a plain int seed from a direct backend call (the public API draws one on the device):
+        # a fill on the device, no copy from the host
+        tensors["seed"] = torch.full((1,), int(tensors.get("seed") or 0), dtype=torch.int64, device=device)
+    for prep in plan.prepare:
+        tensors[prep.slot] = _PREPARE[prep.how](tensors[prep.source or prep.slot])
 
 
 def execute(run: Ready, inputs: dict, device, run_launch: Callable) -> tuple:
@@ -164,7 +174,7 @@ def execute(run: Ready, inputs: dict, device, run_launch: Callable) -> tuple:
     tensors = slots(run, inputs, device)
     for launch in run.launches:
         run_launch(launch, tensors, device)
-    return tuple(tensors[slot] for slot in run.plan.results)
+    return tuple([tensors[slot] for slot in run.plan.results])
 
 
 def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
@@ -205,6 +215,12 @@ class KernelBackend:
     def plan_cache(self, device) -> PlanCache:
         return self.plans
 
+    def target_and_plans(self, device) -> tuple[P.Target, PlanCache] | Refusal:
+        """``device``'s target and plan cache (one lookup per call on the hit path), or why the
+        backend cannot run there."""
+        target = self.target(device)
+        return target if isinstance(target, Refusal) else (target, self.plan_cache(device))
+
     def forget_plans(self) -> None:
         """Drop every cached plan (after the launch configs changed: the tuning sweep)."""
         self.plans.clear()
@@ -212,14 +228,16 @@ class KernelBackend:
     def run(self, executable, inputs: dict, device) -> tuple:
         return execute(executable, inputs, device, self.run_launch)
 
-    def _prepare(self, planner: Callable, shape, inputs: dict, device, call: Optional[tuple] = None):
+    def _prepare(self, planner: Callable, shape, inputs: dict, device, call: Optional[tuple] = None,
+                 tail: tuple = ()):
         """The runner of a call, or the refusal. ``call``: a key that decides ``shape`` (the public
         function's checked signature and what the layers below add to it, :func:`_call_key`); then
-        ``shape`` is a function that describes the call, run only when ``call`` is new."""
-        target = self.target(device)
-        if isinstance(target, Refusal):
-            return target
-        cache = self.plan_cache(device)
+        ``shape`` is a function that describes the call, run only when ``call`` is new. ``tail``:
+        added to the runner's results (the forward's absent S_dmask)."""
+        found = self.target_and_plans(device)
+        if isinstance(found, Refusal):
+            return found
+        target, cache = found
         if call is None:
             key = (planner, shape, target)  # plans do not depend on the device (its target aside)
             executable = cache.get(key, lambda: self._make(planner, shape, target, device))
@@ -229,7 +247,10 @@ class KernelBackend:
                                    lambda: self._prepare_shape(planner, shape(), target, device))
         if isinstance(executable, Refusal):
             return executable
-        return lambda: self.run(executable, inputs, device)
+        run = self.run
+        if tail:
+            return lambda: run(executable, inputs, device) + tail
+        return lambda: run(executable, inputs, device)
 
     def _prepare_shape(self, planner, shape, target, device):
         return self.plan_cache(device).get((planner, shape, target), lambda: self._make(planner, shape, target, device))
@@ -243,17 +264,15 @@ class KernelBackend:
     def prepare_forward(self, q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False, sinks=None,
                         qv=None):
         inputs = forward_inputs(q, k, v, params, varlen, alibi_slopes, sinks, qv)
+        tail = () if return_softmax else (None,)  # the plan returns S_dmask only when asked for
         if params.call is None or varlen is not None:
             shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
-            runner = self._prepare(P.plan_forward, shape, inputs, q.device)
-        else:  # the call's signature holds every layout and option of the shape, but the pointers'
-            runner = self._prepare(
-                P.plan_forward,
-                lambda: P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv),
-                inputs, q.device, _call_key(params, (q, k, v, alibi_slopes, sinks, qv)))
-        if isinstance(runner, Refusal) or return_softmax:
-            return runner
-        return lambda: (*runner(), None)
+            return self._prepare(P.plan_forward, shape, inputs, q.device, tail=tail)
+        # the call's signature holds every layout and option of the shape, but the pointers'
+        return self._prepare(
+            P.plan_forward,
+            lambda: P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv),
+            inputs, q.device, _call_key(params, (q, k, v, alibi_slopes, sinks, qv)), tail)
 
     def prepare_backward(self, dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
                          deterministic=False, grads=None, return_delta=False, qv=None):

@@ -179,6 +179,10 @@ class _AotBackend(KernelBackend):
     def plan_cache(self, device) -> PlanCache:
         return _device_images(device).plans
 
+    def target_and_plans(self, device):
+        images = _device_images(device)
+        return images if isinstance(images, Refusal) else (images.target, images.plans)
+
     def forget_plans(self) -> None:
         for images in list(_devices.values()):
             if not isinstance(images, Refusal):
@@ -208,7 +212,7 @@ class _AotBackend(KernelBackend):
         for p in run.launches:
             ints = [tensors[i] if isinstance(i, P.Rows) else i for i in p.ints] if p.per_call else p.ints
             launch(p.kernel, p.grid, [tensors[name] for name in p.slots], ints, p.floats)
-        return tuple(tensors[slot] for slot in run.plan.results)
+        return tuple([tensors[slot] for slot in run.plan.results])
 
 
 def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:
