@@ -640,7 +640,8 @@ def test_fallback_warning_once_per_cause(monkeypatch):
 # Command-line front ends: their output is the product.
 # utils/benchmark.py: upstream's benchmark helpers print their measurements when verbose=True (their API)
 LIBRARY_MODULES_THAT_MAY_PRINT = {"__main__.py", "doctor/cli.py", "kernel_build/build.py", "kernel_build/amd.py",
-                                  "kernel_build/info.py",
+                                  "kernel_build/info.py", "kernel_build/proxy.py",
+                                  "kernel_build/pool.py",  # the build commands' progress line without tqdm
                                   "utils/benchmark.py"}
 
 

@@ -26,6 +26,7 @@ RUNTIME_SETTINGS = {
     "FLASH_ATTN_DEBUG": ["1", "0"],
     "FLASH_ATTN_AOT_DIR": ["{missing}"],
     "FLASH_ATTN_AOT_LIBRARY": ["{missing}", "{folder}"],
+    "FLASH_ATTN_FORCE_FAMILY": ["sm80", "sm86", "", "bogus"],  # the aot backend's (GPU) diagnostic
 }
 # Read by the build only (CMakeLists.txt, the kernel build): nothing at run time depends on them.
 BUILD_SETTINGS = ("FLASH_ATTN_CUDA_ARCHS", "FLASH_ATTN_CPU_ONLY")
