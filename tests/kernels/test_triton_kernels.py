@@ -549,6 +549,45 @@ def test_deterministic_dkdv_kernel_the_hopper_way_matches_oracle(backend, case, 
         backend.module._backend.forget_plans()
 
 
+@pytest.mark.parametrize("case", [CASES[5], CASES[6]], ids=str)
+def test_deterministic_dkdv_kernel_with_split_columns_the_ampere_way_matches_oracle(backend, case, recwarn,
+                                                                                   monkeypatch):
+    """``deterministic=True`` on the mma.sync families (sm80, sm86, sm120): at head dims over 128
+    the dK/dV kernel splits the gradient columns over two programs with pointer loads (no tensor
+    descriptors). Causal d256 + softcap, split d200 + dropout."""
+    if backend.name != "interpret":
+        pytest.skip("interpreter only: the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
+    monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
+    backend.module._backend.forget_plans()
+    try:
+        decl = declarations.get("attn_bwd_dkdv_kernel")
+        blocks = decl.tile_constexprs(256, configs.pick("bwd_dkdv", 256, "interpret"), "interpret")
+        assert (blocks["TMA"], blocks["BLOCK_DOUT"]) == (False, 128)
+        with configs.overridden({("deterministic_splits", "interpret"): 0}):
+            check_case(backend, case, deterministic=True)
+    finally:
+        backend.module._backend.forget_plans()
+
+
+# The mma.sync tables' tiles (sm80, sm86, sm120; their static floors: tests/aot/test_mma_sync_floors.py)
+# at sequence lengths that straddle them: 128 x 64 forward steps, 128 keys per dK/dV program over
+# 32 or 16 queries a step, the fused backward over 128 keys with pointer loads (sm80 at d128).
+MMA_SYNC_CASES = [
+    Case(B16, 128, 2, 1, seqlen_q=150, seqlen_k=140, window=(-1, 0)),
+    Case(F16, 64, 2, 2, lens=((70, 0, 133), (140, 9, 60)), softcap=3.0, dropout_p=0.2),
+]
+
+
+@pytest.mark.parametrize("case", MMA_SYNC_CASES, ids=str)
+@pytest.mark.parametrize("kind,config", [("fwd", configs.Config(128, 64, 1, 1)),
+                                         ("bwd_dkdv", configs.Config(32, 128, 1, 1)),
+                                         ("bwd_dkdv", configs.Config(16, 128, 1, 1)),
+                                         ("bwd_fused", configs.Config(16, 128, 1, 1, tma=False))], ids=str)
+def test_mma_sync_tiles_match_oracle(backend, case, kind, config, recwarn):
+    with configs.overridden({("deterministic_splits", "interpret"): 0}):  # dK/dV: the split kernels
+        check_case_with(backend, case, kind, config, deterministic=kind == "bwd_dkdv")
+
+
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[16], CASES[19]], ids=str)
 def test_forward_through_tensor_descriptors_matches_oracle(backend, case, recwarn):
     """The forward with ``tma=True`` (the sweep's "-tma" candidates): K and V through tensor
