@@ -126,12 +126,13 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # per dK/dV program, 128 x 64 forward steps), then the fewest spills in the loops; none run on a
     # GPU yet (benchmarks/README.md, "The mma.sync families"). Where both families take one entry,
     # the sm_80 image holds one kernel for both. d256's dK/dV splits its columns over two programs
-    # (SPLIT_COLUMN_FAMILIES): 128 keys on 8 warps (sm80), 64 on 4 (sm86).
+    # (SPLIT_COLUMN_FAMILIES): 128 keys on 8 warps (sm80); on 99 KB 32 on 2 warps (64 on 4 pass
+    # its shared memory with 32 queries a step and compute S and dP twice with 16).
     ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2), _C(64, 32, 4, 2), _C(64, 32, 4, 2)),
-    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(32, 128, 8, 2), _C(16, 128, 8, 2), _C(16, 32, 2, 2)),
+    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(32, 128, 8, 2), _C(16, 128, 8, 1), _C(16, 32, 2, 2)),
     ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(32, 32, 4, 2), _C(32, 16, 2, 1)),
     ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2), _C(64, 32, 4, 2), _C(32, 16, 2, 2)),
-    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(32, 128, 8, 2), _C(32, 64, 4, 1), _C(16, 32, 2, 1)),
+    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 128, 8, 2), _C(16, 32, 2, 2), _C(16, 32, 2, 1)),
     ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2), _C(32, 16, 2, 1)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims; the H200 sweep of
     # 2026-11-27 chose d64's 64 rows on one warpgroup and d256's K/V by TMA.
