@@ -11,7 +11,8 @@ reports per image:
   backward does 5 per (query tile, key block) pair, 7 half-width ones with its head dim split over
   two programs; the split dK/dV + dQ kernels 4 + 3);
 * ``spill_ops_in_loops``: register spill loads/stores (``LDL``/``STL``) inside SASS loops, where
-  they cost on every step (a spill outside loops is paid once);
+  they cost on every step (a spill outside loops is paid once), and ``spill_bytes_in_loops``, the
+  bytes a thread moves with them per pass;
 * ``ctas_per_sm`` from registers x threads (every warp the image runs: a warp-specialised one's
   partitions too) and shared memory; TMA (``cp.async.bulk.tensor``) and TMA reductions
   (``cp.reduce.async.bulk.tensor``: the fused backward's dQ with ``dq_tma``);
@@ -20,7 +21,9 @@ reports per image:
 * ``warp_specialized``: Triton split the kernel into producer and consumer warp groups
   (``ttg.warp_specialize``; ``requested_registers``: the registers each partition asks for).
 
-These are necessary conditions for speed, not proof of it: only a GPU says how fast. Pure text
+Targets: :func:`target_misses` holds the training images of sm_90a and sm_100a to theirs,
+:func:`mma_sync_misses` those of the mma.sync families (sm80, sm86, sm120) to FlashAttention-2's
+tiles (:data:`MMA_SYNC_FLOORS`). These are necessary conditions for speed, not proof of it: only a GPU says how fast. Pure text
 parsing (no triton, no torch; the launch-config table and the kernel declarations for what
 the design computes).
 """
