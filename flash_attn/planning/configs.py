@@ -259,10 +259,11 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # computed twice (8 warps: twice) and no Triton spills (241-244 registers)
     # mma.sync: 128 keys on 8 warps, 16 queries a step (d128 in one stage: the lean 32 x 128 keeps
     # 2 KB of stack with the features' tiles, 16 x 128 in two stages 376 B and 43 spill instructions
-    # in its loop, in one 88 B and none); dQ on 4 warps (8 computed its 64 rows twice)
+    # in its loop, in one 88 B and none); sm86's dQ on 128 rows in one stage (64 x 32 computed its
+    # 64 rows twice on 8 warps and keeps 16 B of stack on 4)
     ("bwd_dkdv", "sm80"): (None, _C(16, 128, 8, 1), _C(16, 128, 8, 1), None, None),
     ("bwd_dkdv", "sm86"): (None, _C(16, 128, 8, 1), _C(16, 128, 8, 1), None, None),
-    ("bwd_dq", "sm86"): (None, None, _C(64, 32, 4, 2), None, None),
+    ("bwd_dq", "sm86"): (None, None, _C(128, 32, 8, 1), None, None),
     ("bwd_fused", "sm80"): (None, None, _C(16, 128, 8, 1), None, None),  # s2 spills 223 instructions in its loop
     ("fwd", "sm90"): (None, _F, _F, None, None),
     ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None, None),

@@ -152,11 +152,9 @@ def test_beyond_fa2_images_meet_the_static_targets(report):
     """The images beyond FlashAttention-2, as built: head dim 512 (forward with its output columns
     split over two programs, backward with its gradient columns split over four) and the 256/128
     pair (192/128 calls), on sm_80 and sm_90a, fp16 and bf16, every training and backward kernel:
-    every main product on tensor cores (mma.sync on sm_80, wgmma on sm_90a) and, but for sm_80's
-    256/128 pair, no product computed twice; on sm_90a every other target of ``target_misses`` too.
-    sm_80's pair images take sm_80's head-dim-256 tiles, which repeat products across warps as its
-    square images do (its table predates the targets, held on sm_90a and sm_100 only): they
-    replace the square images for those calls, with half the width of V. What no report can show:
+    every main product on tensor cores (mma.sync on sm_80, wgmma on sm_90a) and no product
+    computed twice (sm_80's pair images take its head-dim-256 tiles, which since issue 48 repeat
+    none either); on sm_90a every other target of ``target_misses`` too. What no report can show:
     their speed (unmeasured) and their spills (the backward's at head dim 512: 0.8-2 KB)."""
     kernels = (*R.TRAINING_KERNELS, *R.DETERMINISTIC_KERNELS)
     rows = [r for r in report["kernels"] if r["image"] == "cubin" and r["kernel"] in kernels
@@ -166,13 +164,7 @@ def test_beyond_fa2_images_meet_the_static_targets(report):
     expected |= {("sm_90a", k, d, dv) for k in kernels for d, dv in ((512, 512), (256, 128))}
     assert expected <= built, sorted(expected - built)
 
-    def misses(r):
-        found = R.tensor_core_misses(r)
-        if r["arch"] == "sm_80" and r["block_d"] == 256:
-            found = [m for m in found if not m.startswith("replicated work")]
-        return found
-
-    held = {r["key"] + "@" + r["arch"]: misses(r) for r in rows}
+    held = {r["key"] + "@" + r["arch"]: R.tensor_core_misses(r) for r in rows}
     assert not {k: v for k, v in held.items() if v}, json.dumps(held, indent=1)
     assert all("mma.sync" in {d["family"] for d in r["dots"] if d["in_loop"]} for r in rows if r["arch"] == "sm_80")
     hopper = {r["key"]: R.target_misses(r) for r in rows if r["arch"] == "sm_90a"}
