@@ -529,24 +529,33 @@ def test_fused_backward_with_dq_by_tma_reductions_matches_oracle(backend, case, 
     check_case_with(backend, case, "bwd_fused", config)
 
 
+def _check_dkdv_column_split(backend, case, monkeypatch, tma: bool, overrides: dict):
+    """``deterministic=True`` with the interpreter's dK/dV kernel splitting the gradient columns
+    at head dims over 128 (and streaming Q and dO through tensor descriptors where ``tma``), within
+    ``configs.overridden(overrides)``."""
+    if backend.name != "interpret":
+        pytest.skip("interpreter only: the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
+    if tma:
+        monkeypatch.setitem(configs.TMA_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
+    monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
+    backend.module._backend.forget_plans()
+    try:
+        decl = declarations.get("attn_bwd_dkdv_kernel")
+        blocks = decl.tile_constexprs(256, configs.pick("bwd_dkdv", 256, "interpret"), "interpret")
+        assert (blocks["TMA"], blocks["BLOCK_DOUT"]) == (tma, 128)
+        with configs.overridden(overrides):
+            check_case(backend, case, deterministic=True)
+    finally:
+        backend.module._backend.forget_plans()
+
+
 @pytest.mark.parametrize("case", [CASES[4], CASES[5], CASES[6], CASES[16]], ids=str)
 def test_deterministic_dkdv_kernel_the_hopper_way_matches_oracle(backend, case, recwarn, monkeypatch):
     """``deterministic=True`` on Hopper: the dK/dV kernel streams Q and dO through tensor
     descriptors and, at head dims over 128, splits the gradient columns over two programs (as the
     fused backward does); the interpreter's own family runs the Ampere way (pointers, whole rows).
     Windowed d128, causal d256 + softcap, split d200 + dropout, varlen + window + dropout."""
-    if backend.name != "interpret":
-        pytest.skip("interpreter only: the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
-    monkeypatch.setitem(configs.TMA_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
-    monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
-    backend.module._backend.forget_plans()
-    try:
-        decl = declarations.get("attn_bwd_dkdv_kernel")
-        blocks = decl.tile_constexprs(256, configs.pick("bwd_dkdv", 256, "interpret"), "interpret")
-        assert (blocks["TMA"], blocks["BLOCK_DOUT"]) == (True, 128)
-        check_case(backend, case, deterministic=True)
-    finally:
-        backend.module._backend.forget_plans()
+    _check_dkdv_column_split(backend, case, monkeypatch, True, {})
 
 
 @pytest.mark.parametrize("case", [CASES[5], CASES[6]], ids=str)
@@ -554,19 +563,9 @@ def test_deterministic_dkdv_kernel_with_split_columns_the_ampere_way_matches_ora
                                                                                    monkeypatch):
     """``deterministic=True`` on the mma.sync families (sm80, sm86, sm120): at head dims over 128
     the dK/dV kernel splits the gradient columns over two programs with pointer loads (no tensor
-    descriptors). Causal d256 + softcap, split d200 + dropout."""
-    if backend.name != "interpret":
-        pytest.skip("interpreter only: the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
-    monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
-    backend.module._backend.forget_plans()
-    try:
-        decl = declarations.get("attn_bwd_dkdv_kernel")
-        blocks = decl.tile_constexprs(256, configs.pick("bwd_dkdv", 256, "interpret"), "interpret")
-        assert (blocks["TMA"], blocks["BLOCK_DOUT"]) == (False, 128)
-        with configs.overridden({("deterministic_splits", "interpret"): 0}):
-            check_case(backend, case, deterministic=True)
-    finally:
-        backend.module._backend.forget_plans()
+    descriptors), through the split kernels (no fused splits). Causal d256 + softcap, split d200
+    + dropout."""
+    _check_dkdv_column_split(backend, case, monkeypatch, False, {("deterministic_splits", "interpret"): 0})
 
 
 # The mma.sync tables' tiles (sm80, sm86, sm120; their static floors: tests/aot/test_mma_sync_floors.py)
