@@ -254,12 +254,10 @@ _TABLE.update(_AMD_TABLE)
 # on the 64 kernels: FEATURE_BUCKETS). A family without a row takes its config parent's.
 _F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    # d64: 16x64 on 4 warps, not 8 (2026-11-29): v's own head-dim mask took the last of 8 warps'
-    # 255 registers and the oldest Triton allowed (3.7) spilled 8 B; on 4 warps no product is
-    # computed twice (8 warps: twice) and no Triton spills (241-244 registers)
-    # mma.sync: 128 keys on 8 warps, 16 queries a step (d128 in one stage: the lean 32 x 128 keeps
-    # 2 KB of stack with the features' tiles, 16 x 128 in two stages 376 B and 43 spill instructions
-    # in its loop, in one 88 B and none); sm86's dQ on 128 rows in one stage (64 x 32 computed its
+    # mma.sync: 128 keys on 8 warps, 16 queries a step (d64: 238 registers with Triton 3.9, where
+    # 16 x 64 on 8 warps spilled 8 B with 3.7 and computed S twice; d128 in one stage: the lean
+    # 32 x 128 keeps 2 KB of stack with the features' tiles, 16 x 128 in two stages 376 B and 43
+    # spill instructions in its loop, in one 88 B and none); sm86's dQ on 128 rows in one stage (64 x 32 computed its
     # 64 rows twice on 8 warps and keeps 16 B of stack on 4)
     ("bwd_dkdv", "sm80"): (None, _C(16, 128, 8, 1), _C(16, 128, 8, 1), None, None),
     ("bwd_dkdv", "sm86"): (None, _C(16, 128, 8, 1), _C(16, 128, 8, 1), None, None),

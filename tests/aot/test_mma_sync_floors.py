@@ -125,7 +125,8 @@ def test_the_old_tiles_miss_the_floors():
     but not sm80's; a tile spilling 300 B a thread in its loop ships only measured."""
     old = R.mma_sync_misses(_planted("attn_bwd_dkdv_kernel", 16, 64, replication=4), "sm80")
     assert any("replicated work" in m for m in old) and any("keys per dK/dV program" in m for m in old), old
-    assert any("forward steps of 128 x 32" in m for m in R.mma_sync_misses(_planted("attn_fwd_kernel", 128, 32), "sm80"))
+    narrow = R.mma_sync_misses(_planted("attn_fwd_kernel", 128, 32), "sm80")
+    assert any("forward steps of 128 x 32" in m for m in narrow), narrow
     assert R.mma_sync_misses(_planted("attn_fwd_kernel", 128, 32), "sm120") == []
     assert R.mma_sync_misses(_planted("attn_fwd_kernel", 64, 64), "sm86") == []  # FA2's causal tile there
     assert R.mma_sync_misses(_planted("attn_bwd_dkdv_kernel", 16, 64), "sm120") == []
