@@ -24,9 +24,8 @@ reports per image:
 Targets: :func:`target_misses` holds the training images of sm_90a and sm_100a to theirs,
 :func:`mma_sync_misses` those of the mma.sync families (sm80, sm86, sm120) to FlashAttention-2's
 tiles (:data:`MMA_SYNC_FLOORS`). These are necessary conditions for speed, not proof of it: only a
-GPU says how fast. Pure text
-parsing (no triton, no torch; the launch-config table and the kernel declarations for what
-the design computes).
+GPU says how fast. Pure text parsing (no triton, no torch; the launch-config table and the kernel
+declarations for what the design computes).
 """
 
 from __future__ import annotations
