@@ -570,7 +570,8 @@ def test_deterministic_dkdv_kernel_with_split_columns_the_ampere_way_matches_ora
 
 # The mma.sync tables' tiles (sm80, sm86, sm120; their static floors: tests/aot/test_mma_sync_floors.py)
 # at sequence lengths that straddle them: 128 x 64 forward steps, 128 keys per dK/dV program over
-# 32 or 16 queries a step, the fused backward over 128 keys with pointer loads (sm80 at d128).
+# 32 or 16 queries a step, dQ over 128 queries, the fused backward over 128 keys with pointer
+# loads (sm80 at d128).
 MMA_SYNC_CASES = [
     Case(B16, 128, 2, 1, seqlen_q=150, seqlen_k=140, window=(-1, 0)),
     Case(F16, 64, 2, 2, lens=((70, 0, 133), (140, 9, 60)), softcap=3.0, dropout_p=0.2),
@@ -581,10 +582,11 @@ MMA_SYNC_CASES = [
 @pytest.mark.parametrize("kind,config", [("fwd", configs.Config(128, 64, 1, 1)),
                                          ("bwd_dkdv", configs.Config(32, 128, 1, 1)),
                                          ("bwd_dkdv", configs.Config(16, 128, 1, 1)),
+                                         ("bwd_dq", configs.Config(128, 32, 1, 1)),
                                          ("bwd_fused", configs.Config(16, 128, 1, 1, tma=False))], ids=str)
 def test_mma_sync_tiles_match_oracle(backend, case, kind, config, recwarn):
-    with configs.overridden({("deterministic_splits", "interpret"): 0}):  # dK/dV: the split kernels
-        check_case_with(backend, case, kind, config, deterministic=kind == "bwd_dkdv")
+    with configs.overridden({("deterministic_splits", "interpret"): 0}):  # dK/dV, dQ: the split kernels
+        check_case_with(backend, case, kind, config, deterministic=kind in configs.SPLIT_BACKWARD_KINDS)
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[16], CASES[19]], ids=str)
