@@ -43,7 +43,7 @@ from typing import NamedTuple, Optional
 
 from flash_attn import limits
 from flash_attn.aot import library as op_library, specializations as S
-from flash_attn.aot.archs import Arch, default_cuda_archs, parse_arch_list
+from flash_attn.aot.archs import Arch, default_cuda_archs, parse_arch, parse_arch_list
 from flash_attn.kernel_build import kernel_report, pool
 from flash_attn.kernel_build.pool import Progress
 from flash_attn.planning import configs, declarations
@@ -204,9 +204,9 @@ def static_report(spec, compiled, usage: dict, cap: int, products: list) -> dict
     family = configs.arch_family((cap // 10, cap % 10))
     return kernel_report.analyse(
         compiled.asm.get("ttgir", ""), compiled.asm.get("ptx", ""), usage.get("_sass", ""), kind=decl.config_kind,
-        block_n=spec.block_n, num_warps=int(compiled.metadata.num_warps), shared=int(compiled.metadata.shared),
-        regs=usage.get("reg"), stack=usage.get("stack"), shared_limit=configs.SHARED_MEMORY_LIMIT[family],
-        found=products)
+        block_m=spec.block_m, block_n=spec.block_n, num_warps=int(compiled.metadata.num_warps),
+        shared=int(compiled.metadata.shared), regs=usage.get("reg"), stack=usage.get("stack"),
+        shared_limit=configs.SHARED_MEMORY_LIMIT[family], found=products)
 
 
 def _write_image(path: Path, data: bytes) -> Path:
@@ -362,6 +362,16 @@ def compile_job(job: dict) -> dict:
                       "raw_bytes": len(ptx.encode()), "compile_seconds": round(seconds, 2)}))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return {"rows": rows, "worker_rss_mb": rss}
+
+
+def report_row(spec: S.Spec, arch: str) -> dict:
+    """The build-report row of ``spec``'s cubin for ``arch`` (``"sm_80"``, ``"sm_120f"``, ...),
+    compiled into a scratch folder as the build compiles it: one candidate's static report
+    without the whole build (sweeps, the static tests)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = compile_job({"spec": job_spec(spec), "cap": triton_capability(parse_arch(arch)), "out": tmp,
+                              "cubins": [arch], "ptx": [], "cuobjdump": cuobjdump_path()})
+    return result["rows"][0][1]
 
 
 # --- the build ------------------------------------------------------------------------------------

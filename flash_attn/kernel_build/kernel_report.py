@@ -11,7 +11,8 @@ reports per image:
   backward does 5 per (query tile, key block) pair, 7 half-width ones with its head dim split over
   two programs; the split dK/dV + dQ kernels 4 + 3);
 * ``spill_ops_in_loops``: register spill loads/stores (``LDL``/``STL``) inside SASS loops, where
-  they cost on every step (a spill outside loops is paid once);
+  they cost on every step (a spill outside loops is paid once), and ``spill_bytes_in_loops``, the
+  bytes a thread moves with them per pass;
 * ``ctas_per_sm`` from registers x threads (every warp the image runs: a warp-specialised one's
   partitions too) and shared memory; TMA (``cp.async.bulk.tensor``) and TMA reductions
   (``cp.reduce.async.bulk.tensor``: the fused backward's dQ with ``dq_tma``);
@@ -20,21 +21,24 @@ reports per image:
 * ``warp_specialized``: Triton split the kernel into producer and consumer warp groups
   (``ttg.warp_specialize``; ``requested_registers``: the registers each partition asks for).
 
-These are necessary conditions for speed, not proof of it: only a GPU says how fast. Pure text
-parsing (no triton, no torch; the launch-config table and the kernel declarations for what
-the design computes).
+Targets: :func:`target_misses` holds the training images of sm_90a and sm_100a to theirs,
+:func:`mma_sync_misses` those of the mma.sync families (sm80, sm86, sm120) to FlashAttention-2's
+tiles (:data:`MMA_SYNC_FLOORS`). These are necessary conditions for speed, not proof of it: only a
+GPU says how fast. Pure text parsing (no triton, no torch; the launch-config table and the kernel
+declarations for what the design computes).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from flash_attn.aot import archs
-from flash_attn.planning import configs, declarations
+from flash_attn.planning import configs, declarations, families
 
-__all__ = ["analyse", "dots", "layouts", "replication", "sass_loop_spills", "STEP_KERNEL_KINDS"]
+__all__ = ["analyse", "dots", "layouts", "MMA_SYNC_FLOORS", "mma_sync_misses", "replication", "sass_loop_spill_bytes",
+           "sass_loop_spills", "STEP_KERNEL_KINDS"]
 
 # kernels whose programs own a block of keys and walk query tiles: ``BLOCK_N`` keys per program
 STEP_KERNEL_KINDS = frozenset({"bwd_dkdv", "bwd_fused"})
@@ -191,9 +195,14 @@ def products_per_step(found: list[dict], ttgir: str) -> int:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 
 
-def sass_loop_spills(sass: str) -> int:
-    """``LDL``/``STL`` instructions inside an innermost loop of the SASS (the range of a backward
-    branch that holds no other): paid on every step of the main loops."""
+_SPILL_OP = re.compile(r"\b(?:LDL|STL)(\.\w+)*")
+# bytes a thread moves with one LDL/STL of this width suffix (none: 32 bits)
+_SPILL_WIDTH = {".64": 8, ".128": 16, ".U8": 1, ".S8": 1, ".U16": 2, ".S16": 2}
+
+
+def _loop_spill_ops(sass: str) -> list[str]:
+    """The ``LDL``/``STL`` instructions inside an innermost loop of the SASS (the range of a
+    backward branch that holds no other)."""
     rows = [(int(addr, 16), text) for addr, text in _SASS_LINE.findall(sass)]
     loops = []
     for addr, text in rows:
@@ -201,8 +210,24 @@ def sass_loop_spills(sass: str) -> int:
         if branch and int(branch.group(1), 16) <= addr:
             loops.append((int(branch.group(1), 16), addr))
     innermost = [(lo, hi) for lo, hi in loops if not any(lo < a and b < hi for a, b in loops)]
-    spills = [addr for addr, text in rows if re.search(r"\b(LDL|STL)\b", text)]
-    return sum(1 for addr in spills if any(lo <= addr <= hi for lo, hi in innermost))
+    return [text for addr, text in rows
+            if _SPILL_OP.search(text) and any(lo <= addr <= hi for lo, hi in innermost)]
+
+
+def sass_loop_spills(sass: str) -> int:
+    """``LDL``/``STL`` instructions inside an innermost loop of the SASS: paid on every step of
+    the main loops."""
+    return len(_loop_spill_ops(sass))
+
+
+def sass_loop_spill_bytes(sass: str) -> int:
+    """The bytes one thread moves to and from its spill stack in one pass through the innermost
+    loops of the SASS (each ``LDL``/``STL`` by its width: ``.64`` 8, ``.128`` 16, plain 4)."""
+    total = 0
+    for text in _loop_spill_ops(sass):
+        suffixes = _SPILL_OP.search(text).group(0).split(".")[1:]
+        total += next((_SPILL_WIDTH["." + s] for s in suffixes if "." + s in _SPILL_WIDTH), 4)
+    return total
 
 
 def ctas_per_sm(regs: Optional[int], threads: int, shared: int, shared_limit: int) -> Optional[int]:
@@ -215,7 +240,8 @@ def ctas_per_sm(regs: Optional[int], threads: int, shared: int, shared_limit: in
 
 
 def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: int, num_warps: int, shared: int,
-            regs: Optional[int], stack: Optional[int], shared_limit: int, found: Optional[list] = None) -> dict:
+            regs: Optional[int], stack: Optional[int], shared_limit: int, found: Optional[list] = None,
+            block_m: Optional[int] = None) -> dict:
     """The static report of one image (see the module docstring); ``found``: :func:`dots` of the
     TTGIR when the caller has them already (every image of one compile shares its TTGIR)."""
     found = dots(ttgir) if found is None else found
@@ -234,6 +260,9 @@ def analyse(ttgir: str, ptx: str, sass: str, *, kind: Optional[str], block_n: in
         "spill_bytes": stack,
         # no stack frame, no spill instruction: the SASS is only read for kernels with one
         "spill_ops_in_loops": sass_loop_spills(sass) if sass else (0 if stack == 0 else None),
+        "spill_bytes_in_loops": sass_loop_spill_bytes(sass) if sass else (0 if stack == 0 else None),
+        "block_m": block_m,
+        "block_n": block_n,
         "threads": threads,
         "regs_x_threads": regs * threads if regs else None,
         "dynamic_shared": shared,
@@ -347,3 +376,64 @@ def tensor_core_misses(row: dict) -> list[str]:
 def _dot_text(d: dict) -> str:
     m, n, k = d["shape"]
     return f"{d['family']} {m}x{n}x{k} (N {d.get('instr_n')}, x{d['replication']})"
+
+
+# --- the floors of the mma.sync families (A100; RTX 30/40/50, A10/A40, L4/L40S) ------------------
+
+
+class MmaSyncFloor(NamedTuple):
+    """FlashAttention-2's tiles on one mma.sync family, the least its training images at head dims
+    <= :data:`FLOOR_HEAD_DIM` may have (with no product computed by two warps)."""
+
+    dkdv_keys: int  # keys per dK/dV program (the deterministic dK/dV kernel and the fused backward)
+    forward_keys: int  # keys per forward step
+    forward_tile: int  # query rows x keys of a forward step
+
+
+# FA2: A100 (163 KB of shared memory) 128 x 64 forward steps and 128 keys per dK/dV program at d128;
+# its 99 KB variants (sm86, sm89; here sm120 too, families.lineage) 128 x 32 forward steps (64 x 64
+# causal: the same area) and 64 keys per dK/dV program
+MMA_SYNC_FLOORS = {"sm80": MmaSyncFloor(128, 64, 128 * 64), "sm86": MmaSyncFloor(64, 32, 128 * 32)}
+FLOOR_HEAD_DIM = 128
+# bytes one thread may move to and from its spill stack per pass through the inner loops
+# (spill_bytes_in_loops) in an entry no GPU has measured (configs.SPILLS_MEASURED)
+MAX_LOOP_SPILL_BYTES = 256
+
+
+def mma_sync_floor(family: str) -> Optional[MmaSyncFloor]:
+    """The floors of ``family`` (its own, else its nearest config parent's); ``None``: no mma.sync family."""
+    return next((MMA_SYNC_FLOORS[name] for name in families.lineage(family) if name in MMA_SYNC_FLOORS), None)
+
+
+def mma_sync_misses(row: dict, family: str, spills_measured: bool = False) -> list[str]:
+    """Why one build-report row of a training image (forward, dK/dV, dQ, fused backward) that
+    ``family``'s devices run misses its floors; empty when it meets them:
+
+    * every main product on mma.sync, none computed by more than one warp (:func:`tensor_core_misses`);
+    * at head dims <= :data:`FLOOR_HEAD_DIM`: the family's keys per dK/dV program and forward
+      step and its forward tile (:data:`MMA_SYNC_FLOORS`);
+    * at most :data:`MAX_LOOP_SPILL_BYTES` of spill traffic a thread in the inner loops, unless
+      ``spills_measured`` (a GPU measured the entry: ``configs.SPILLS_MEASURED``); unknown counts
+      as too many.
+    """
+    floor = mma_sync_floor(family)
+    if floor is None:
+        raise ValueError(f"{family} is no mma.sync family with floors ({', '.join(MMA_SYNC_FLOORS)})")
+    misses = tensor_core_misses(row)
+    other = [d for d in _main_products(row) if d["family"] != "mma.sync"] if row.get("dots") else []
+    if other:
+        misses.append(f"main products not on mma.sync: {', '.join(_dot_text(d) for d in other)}")
+    kind = declarations.get(row["kernel"]).config_kind
+    if max(row["block_d"], row.get("block_dv") or 0) <= FLOOR_HEAD_DIM:
+        keys = row.get("block_n")
+        if kind in STEP_KERNEL_KINDS and (keys or 0) < floor.dkdv_keys:
+            misses.append(f"{keys} keys per dK/dV program (< {floor.dkdv_keys} on {family})")
+        if kind == "fwd":
+            tile = (row.get("block_m") or 0) * (keys or 0)
+            if (keys or 0) < floor.forward_keys or tile < floor.forward_tile:
+                misses.append(f"forward steps of {row.get('block_m')} x {keys} (< {floor.forward_keys} keys or "
+                              f"< {floor.forward_tile} rows x keys on {family})")
+    spilled = row.get("spill_bytes_in_loops")
+    if not spills_measured and (spilled is None or spilled > MAX_LOOP_SPILL_BYTES):
+        misses.append(f"{spilled} B of spills a thread in the inner loops (> {MAX_LOOP_SPILL_BYTES}, unmeasured)")
+    return misses

@@ -119,13 +119,20 @@ _C = Config
 # rows of Q and dO or K and V feed the scores): the smallest tiles that fit, fewest spills in the
 # loops of those tried.
 _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining.
-    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 3), _C(64, 32, 8, 2), _C(64, 32, 4, 2)),
-    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2), _C(16, 32, 2, 2)),
-    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(64, 32, 8, 2), _C(32, 16, 2, 1)),
-    # Consumer Ampere / Ada (sm86, sm87, sm89) and consumer Blackwell (sm120, its parent): 99 KB.
-    ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 32, 8, 2), _C(64, 32, 8, 1), _C(32, 16, 2, 2)),
-    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 64, 8, 2), _C(16, 32, 8, 2), _C(16, 32, 2, 1)),
+    # Ampere datacenter (A100): 163 KB; mma.sync with cp.async pipelining. Consumer Ampere / Ada
+    # (sm86, sm87, sm89) and consumer Blackwell (sm120, its child): 99 KB. No product computed by
+    # two warps (16 rows a warp and up: the dK/dV programs' keys, the forward's and dQ's queries),
+    # FlashAttention-2's tiles or wider at head dims <= 128 (kernel_report.MMA_SYNC_FLOORS: 128 keys
+    # per dK/dV program, 128 x 64 forward steps), then the fewest spills in the loops; none run on a
+    # GPU yet (benchmarks/README.md, "The mma.sync families"). Where both families take one entry,
+    # the sm_80 image holds one kernel for both. d256's dK/dV splits its columns over two programs
+    # (SPLIT_COLUMN_FAMILIES): 128 keys on 8 warps (sm80); on 99 KB 32 on 2 warps (64 on 4 pass
+    # its shared memory with 32 queries a step and compute S and dP twice with 16).
+    ("fwd", "sm80"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2), _C(64, 32, 4, 2), _C(64, 32, 4, 2)),
+    ("bwd_dkdv", "sm80"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(32, 128, 8, 2), _C(16, 128, 8, 1), _C(16, 32, 2, 2)),
+    ("bwd_dq", "sm80"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 64, 8, 2), _C(32, 32, 4, 2), _C(32, 16, 2, 1)),
+    ("fwd", "sm86"): (_C(128, 64, 8, 3), _C(128, 64, 8, 3), _C(128, 64, 8, 2), _C(64, 32, 4, 2), _C(32, 16, 2, 2)),
+    ("bwd_dkdv", "sm86"): (_C(32, 128, 8, 2), _C(32, 128, 8, 1), _C(16, 128, 8, 2), _C(16, 32, 2, 2), _C(16, 32, 2, 1)),
     ("bwd_dq", "sm86"): (_C(128, 64, 8, 2), _C(128, 32, 8, 2), _C(64, 32, 4, 2), _C(32, 32, 4, 2), _C(32, 16, 2, 1)),
     # Hopper (H100/H200): 227 KB; wgmma. Larger key tiles for small head dims; the H200 sweep of
     # 2026-11-27 chose d64's 64 rows on one warpgroup and d256's K/V by TMA.
@@ -143,7 +150,12 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # d128 in three stages (the H200 sweep). d256 splits the head dim over two programs
     # (GRADIENT_COLUMNS): 32 queries a step in two stages is the tile whose operands still fit the
     # 227 KB of shared memory; its dQ shares added by TMA reductions (the H200 sweep).
-    ("bwd_fused", "sm80"): (None, None, None, None, None),
+    # mma.sync (unmeasured, chosen from the compiled kernels): on sm80 at d128, 128 keys on 8 warps
+    # walking 16 queries a step (FlashAttention-2's design: 5 products a step against the split
+    # kernels' 7, none replicated, its spills outside the loop); at d32/d64 its dQ^T product (head
+    # dim x queries) is replicated on 8 warps and at d256 its operands pass 163 KB; on 99 KB (sm86,
+    # sm120) its 64-key tile on 4 warps spills 1.5 KB (128 keys do not fit): the split kernels there.
+    ("bwd_fused", "sm80"): (None, None, _C(16, 128, 8, 2), None, None),
     ("bwd_fused", "sm86"): (None, None, None, None, None),
     ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True),
                              _C(16, 64, 4, 1)),
@@ -251,12 +263,15 @@ _TABLE.update(_AMD_TABLE)
 # on the 64 kernels: FEATURE_BUCKETS). A family without a row takes its config parent's.
 _F = Config(128, 64, 8, 2)
 _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
-    # d64: 16x64 on 4 warps, not 8 (2026-11-29): v's own head-dim mask took the last of 8 warps'
-    # 255 registers and the oldest Triton allowed (3.7) spilled 8 B; on 4 warps no product is
-    # computed twice (8 warps: twice) and no Triton spills (241-244 registers)
-    ("bwd_dkdv", "sm80"): (None, _C(16, 64, 4, 1), _C(16, 32, 8, 2), None, None),
-    ("bwd_dkdv", "sm86"): (None, _C(16, 64, 4, 1), _C(16, 32, 8, 2), None, None),
-    ("bwd_dq", "sm86"): (None, None, _C(64, 32, 8, 2), None, None),
+    # mma.sync: 128 keys on 8 warps, 16 queries a step (d64: 238 registers with Triton 3.9, where
+    # 16 x 64 on 8 warps spilled 8 B with 3.7 and computed S twice; d128 in one stage: the lean
+    # 32 x 128 keeps 2 KB of stack with the features' tiles, 16 x 128 in two stages 376 B and 43
+    # spill instructions in its loop, in one 88 B and none); sm86's dQ on 128 rows in one stage (64 x 32 computed its
+    # 64 rows twice on 8 warps and keeps 16 B of stack on 4)
+    ("bwd_dkdv", "sm80"): (None, _C(16, 128, 8, 1), _C(16, 128, 8, 1), None, None),
+    ("bwd_dkdv", "sm86"): (None, _C(16, 128, 8, 1), _C(16, 128, 8, 1), None, None),
+    ("bwd_dq", "sm86"): (None, None, _C(128, 32, 8, 1), None, None),
+    ("bwd_fused", "sm80"): (None, None, _C(16, 128, 8, 1), None, None),  # s2 spills 223 instructions in its loop
     ("fwd", "sm90"): (None, _F, _F, None, None),
     ("bwd_dkdv", "sm90"): (None, None, _C(32, 128, 8, 2), None, None),
     ("bwd_dq", "sm90"): (None, None, _C(128, 32, 8, 2), None, None),
@@ -272,9 +287,6 @@ _FEATURES_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # with the features' tiles, spill instructions in the loop: d64 the lean 64x128 80, 32x128 6;
     # d256 the lean 32x128 90, 16x128 s3 none
     ("bwd_fused", "sm100"): (None, _C(32, 128, 8, 2), None, _C(16, 128, 8, 3), None),
-    # sm120 = sm86 (as in the lean table): a GPU running the sm_80 PTX finds the same kernels
-    ("bwd_dkdv", "sm120"): (None, _C(16, 64, 8, 1), _C(16, 64, 8, 1), None, None),
-    ("bwd_dq", "sm120"): (None, None, _C(64, 32, 8, 2), None, None),
 }
 _FEATURES_TABLE.update(_AMD_FEATURES)  # AMD: in its rows above (WithFeatures)
 
@@ -291,6 +303,11 @@ _EXACT_TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     ("fwd", "sm100"): (None, None, None, None, None),
     ("bwd_fused", "sm100"): (None, None, None, None, None),
 }
+
+# The mma.sync entries (kind, family, head-dim bucket, variant) whose spills in the inner loops
+# beyond kernel_report.MAX_LOOP_SPILL_BYTES a GPU measured faster than a tile that spills less:
+# only these may ship such spills (tests/aot/test_mma_sync_floors.py). None: no GPU has run them.
+SPILLS_MEASURED: frozenset = frozenset()
 
 # The interpreter runs every program one after the other on the CPU: small blocks keep the numpy
 # work per tile small while still exercising several tiles per sequence (and tiles that straddle
@@ -462,10 +479,11 @@ def deterministic_splits(family: str) -> int:
 # and v's columns alike (at 512 four programs, each computing the scores and dP from whole rows:
 # with two, their dK and dV tiles alone take 256 registers a thread and spilled 2-3 KB; the build
 # report). Where: the fused backward everywhere, the deterministic dK/dV kernel on the families
-# listed (Hopper; elsewhere it keeps whole rows on its small tiles, as measured before the split
-# existed) and everywhere beyond WHOLE_ROWS columns.
+# listed (Hopper; the mma.sync families, whose 128 or 64 keys a program keep no d256 rows in
+# registers; Blackwell keeps whole rows on its small tiles, as measured before the split existed)
+# and everywhere beyond WHOLE_ROWS columns.
 GRADIENT_COLUMNS = 128
-SPLIT_COLUMN_FAMILIES = {"bwd_dkdv": frozenset({"sm90"})}
+SPLIT_COLUMN_FAMILIES = {"bwd_dkdv": frozenset({"sm90", "sm80", "sm86"})}  # and who takes their rows
 WHOLE_ROWS = 256
 
 
@@ -473,7 +491,9 @@ def gradient_parts(kind: str, family: str, block_d: int, block_dv: Optional[int]
     """The programs one key block's dK/dV columns are split over (1, 2 or 4) in the dK/dV program
     sized by ``kind`` on ``family`` for ``BLOCK_D`` (q/k) and ``BLOCK_DV`` (v; default ``BLOCK_D``)."""
     widest = max(block_d, block_d if block_dv is None else block_dv)
-    splits = kind == "bwd_fused" or family in SPLIT_COLUMN_FAMILIES.get(kind, ()) or widest > WHOLE_ROWS
+    # the family whose row sizes the program decides (its tiles were chosen for its split)
+    owner = next((name for name in families.lineage(family) if (kind, name) in _TABLE), family)
+    splits = kind == "bwd_fused" or owner in SPLIT_COLUMN_FAMILIES.get(kind, ()) or widest > WHOLE_ROWS
     return widest // GRADIENT_COLUMNS if splits and widest > GRADIENT_COLUMNS else 1
 
 

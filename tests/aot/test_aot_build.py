@@ -370,12 +370,16 @@ def test_build_report_tensor_cores_and_spills(report):
       accumulators fill all 512 tensor-memory columns (Triton 3.9 then emits an empty kernel),
       so that config keeps 32 key rows;
     * no ``LOCAL`` memory anywhere, and no stack frame (no spills) in any kernel with head dim
-      <= 128 but the fused backward and, on sm_90a, the dK/dV kernel that walks its tiles. Head
-      dim 256 may spill. The fused backward (128 keys x head dim of dK and dV, 128 registers a
-      thread, plus S, dP and dQ) spills on sm_90a by design, measured with ptxas 13.0: d64
-      184 B, d128 552 B (score features 1128 B), and the sm_90a dK/dV kernel on the same tiles
-      24-176 B; kept under 1.5 KB at head dims <= 128 (what the tuning sweep weighs against
-      smaller tiles).
+      <= 128 but the fused backward, on sm_90a the dK/dV kernel that walks its tiles, and the
+      mma.sync training images (sm_80: forward and dK/dV) whose FlashAttention-2 tiles keep a
+      few spills (issue 48: their floors and the bound on spills in their loops are
+      tests/aot/test_mma_sync_floors.py's; ptxas 13.0: the d128 forward 128x64 40 B, dK/dV
+      32x128 304 B, 8 spill instructions in either loop). Head dim 256 may spill. The fused
+      backward (128 keys x head dim of dK and dV, 128 registers a thread, plus S, dP and dQ)
+      spills by design, measured with ptxas 13.0 on sm_90a: d64 184 B, d128 552 B (score
+      features 1128 B), and the sm_90a dK/dV kernel on the same tiles 24-176 B; on sm_80 (d128)
+      616 B, none in its loop; kept under 1.5 KB at head dims <= 128 (what the tuning sweep
+      weighs against smaller tiles).
     """
     rows = [r for r in report["kernels"] if r["image"] == "cubin"]
     big = [r for r in rows if r["kernel"] in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")]
@@ -394,7 +398,8 @@ def test_build_report_tensor_cores_and_spills(report):
     assert not problems, problems
     assert all(r["local"] == 0 for r in rows)
     fused_tiles = lambda r: r["kernel"] == "attn_bwd_kernel" or (  # noqa: E731
-        r["kernel"] == "attn_bwd_dkdv_kernel" and r["arch"] == "sm_90a")
+        r["kernel"] == "attn_bwd_dkdv_kernel" and r["arch"] == "sm_90a") or (
+        r["kernel"] in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel") and r["arch"] == "sm_80")
     spills = [(r["arch"], r["key"], r["reg"], r["stack"]) for r in rows
               if r["block_d"] <= 128 and r["stack"] != 0 and not fused_tiles(r)]
     assert not spills, spills

@@ -547,24 +547,64 @@ def test_fused_backward_with_dq_by_tma_reductions_matches_oracle(backend, case, 
     check_case_with(backend, case, "bwd_fused", config)
 
 
+def _check_dkdv_column_split(backend, case, monkeypatch, tma: bool, overrides: dict):
+    """``deterministic=True`` with the interpreter's dK/dV kernel splitting the gradient columns
+    at head dims over 128 (and streaming Q and dO through tensor descriptors where ``tma``), within
+    ``configs.overridden(overrides)``."""
+    if backend.name != "interpret":
+        pytest.skip("interpreter only: the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
+    if tma:
+        monkeypatch.setitem(configs.TMA_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
+    monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
+    backend.module._backend.forget_plans()
+    try:
+        decl = declarations.get("attn_bwd_dkdv_kernel")
+        blocks = decl.tile_constexprs(256, configs.pick("bwd_dkdv", 256, "interpret"), "interpret")
+        assert (blocks["TMA"], blocks["BLOCK_DOUT"]) == (tma, 128)
+        with configs.overridden(overrides):
+            check_case(backend, case, deterministic=True)
+    finally:
+        backend.module._backend.forget_plans()
+
+
 @pytest.mark.parametrize("case", [CASES[4], CASES[5], CASES[6], CASES[16]], ids=str)
 def test_deterministic_dkdv_kernel_the_hopper_way_matches_oracle(backend, case, recwarn, monkeypatch):
     """``deterministic=True`` on Hopper: the dK/dV kernel streams Q and dO through tensor
     descriptors and, at head dims over 128, splits the gradient columns over two programs (as the
     fused backward does); the interpreter's own family runs the Ampere way (pointers, whole rows).
     Windowed d128, causal d256 + softcap, split d200 + dropout, varlen + window + dropout."""
-    if backend.name != "interpret":
-        pytest.skip("interpreter only: the GPU runs its own family's way (test_deterministic_kernels_match_oracle)")
-    monkeypatch.setitem(configs.TMA_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
-    monkeypatch.setitem(configs.SPLIT_COLUMN_FAMILIES, "bwd_dkdv", frozenset({"interpret"}))
-    backend.module._backend.forget_plans()
-    try:
-        decl = declarations.get("attn_bwd_dkdv_kernel")
-        blocks = decl.tile_constexprs(256, configs.pick("bwd_dkdv", 256, "interpret"), "interpret")
-        assert (blocks["TMA"], blocks["BLOCK_DOUT"]) == (True, 128)
-        check_case(backend, case, deterministic=True)
-    finally:
-        backend.module._backend.forget_plans()
+    _check_dkdv_column_split(backend, case, monkeypatch, True, {})
+
+
+@pytest.mark.parametrize("case", [CASES[5], CASES[6]], ids=str)
+def test_deterministic_dkdv_kernel_with_split_columns_the_ampere_way_matches_oracle(backend, case, recwarn,
+                                                                                   monkeypatch):
+    """``deterministic=True`` on the mma.sync families (sm80, sm86, sm120): at head dims over 128
+    the dK/dV kernel splits the gradient columns over two programs with pointer loads (no tensor
+    descriptors), through the split kernels (no fused splits). Causal d256 + softcap, split d200
+    + dropout."""
+    _check_dkdv_column_split(backend, case, monkeypatch, False, {("deterministic_splits", "interpret"): 0})
+
+
+# The mma.sync tables' tiles (sm80, sm86, sm120; their static floors: tests/aot/test_mma_sync_floors.py)
+# at sequence lengths that straddle them: 128 x 64 forward steps, 128 keys per dK/dV program over
+# 32 or 16 queries a step, dQ over 128 queries, the fused backward over 128 keys with pointer
+# loads (sm80 at d128).
+MMA_SYNC_CASES = [
+    Case(B16, 128, 2, 1, seqlen_q=150, seqlen_k=140, window=(-1, 0)),
+    Case(F16, 64, 2, 2, lens=((70, 0, 133), (140, 9, 60)), softcap=3.0, dropout_p=0.2),
+]
+
+
+@pytest.mark.parametrize("case", MMA_SYNC_CASES, ids=str)
+@pytest.mark.parametrize("kind,config", [("fwd", configs.Config(128, 64, 1, 1)),
+                                         ("bwd_dkdv", configs.Config(32, 128, 1, 1)),
+                                         ("bwd_dkdv", configs.Config(16, 128, 1, 1)),
+                                         ("bwd_dq", configs.Config(128, 32, 1, 1)),
+                                         ("bwd_fused", configs.Config(16, 128, 1, 1, tma=False))], ids=str)
+def test_mma_sync_tiles_match_oracle(backend, case, kind, config, recwarn):
+    with configs.overridden({("deterministic_splits", "interpret"): 0}):  # dK/dV, dQ: the split kernels
+        check_case_with(backend, case, kind, config, deterministic=kind in configs.SPLIT_BACKWARD_KINDS)
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[16], CASES[19]], ids=str)
@@ -848,8 +888,10 @@ def test_every_picked_config_fits_its_architecture(capability, family):
                     assert kind == "bwd_fused" and configs.pick_config("bwd_dkdv", headdim, capability, features)
                     continue
                 assert config.block_m % 16 == 0 and config.block_n % 16 == 0, (kind, headdim, config)
-                # 2 warps: head dim 512's tiles of 16 rows a warp where shared memory holds no more
-                assert config.num_warps in ((2, 4, 8) if headdim > 256 else (4, 8)) and config.num_stages >= 1
+                # 2 warps: tiles of 16 rows a warp where shared memory holds no more (head dim 512;
+                # 256 on 99 KB: the dK/dV kernel's 32 keys, each warp its own rows)
+                assert config.num_warps in ((2, 4, 8) if headdim > 256 or (headdim > 128 and limit < 100 * 1024)
+                                            else (4, 8)) and config.num_stages >= 1
                 padded = configs.padded_headdim(headdim)
                 estimate = configs.estimate_shared_memory(kind, config, padded, family)
                 assert estimate <= limit, f"{kind} d={headdim} features={features} {config}: ~{estimate} B > {limit} B"

@@ -231,12 +231,14 @@ def test_deterministic_backward_keeps_the_split_kernels_where_splits_cannot_serv
             assert _backward_plan(target, *sizes).launches[1].kernel == "attn_bwd_kernel"
 
 
-@pytest.mark.parametrize("family, columns, tma", [("sm90", 128, True), ("sm80", 256, False), ("sm100", 256, False)])
+@pytest.mark.parametrize("family, columns, tma", [("sm90", 128, True), ("sm80", 128, False), ("sm86", 128, False),
+                                                  ("sm120", 128, False), ("sm100", 256, False)])
 def test_the_deterministic_dkdv_kernel_splits_and_streams_on_hopper(family, columns, tma):
     """``deterministic=True`` at head dim 256 through the split kernels: on Hopper the dK/dV
     kernel splits its gradient columns over two programs per key block (the grid's second axis
-    doubles) and streams Q and dO by TMA, as the fused backward does; elsewhere it keeps whole
-    rows and pointer loads."""
+    doubles) and streams Q and dO by TMA, as the fused backward does; the mma.sync families split
+    them too (their 128 or 64 keys a program hold no whole d256 rows without replicating work),
+    with pointer loads; Blackwell keeps whole rows and pointer loads."""
     q, k = meta(2, 300, 8, 256, dtype=torch.bfloat16), meta(2, 300, 2, 256, dtype=torch.bfloat16)
     lse = meta(2, 8, 300, dtype=torch.float32)
     for aot in (False, True):
