@@ -84,7 +84,7 @@ class Kernel:
         """Whether an exact-call image of this kernel ships for ``family``, ``block_d`` (and v's
         ``block_dv``: the exact images are square, q, k and v of one head dim) and ``dtype`` (a
         ``torch.dtype`` or its name)."""
-        return (bool(self.exact) and family in EXACT_IMAGE_FAMILIES and block_d in EXACT_IMAGE_BLOCK_DS
+        return (bool(self.exact) and listed(family, EXACT_IMAGE_FAMILIES) and block_d in EXACT_IMAGE_BLOCK_DS
                 and block_dv in (None, block_d) and dtype_name(dtype) in EXACT_IMAGE_DTYPES)
 
     def serves_exactly(self, flags: Mapping[str, object]) -> bool:
@@ -156,9 +156,13 @@ _ATTENTION_FLOATS = _names("softmax_scale softcap dropout_p")
 # Full attention with an unpadded head dim: no mask code and no head-dim masks at all (the JIT,
 # which specialises exactly, ran 10-30 % faster than the folded images on an H100 at 16k tokens).
 _EXACT = MappingProxyType(dict(IS_LOCAL=False, PAD_HEADDIM=False))
-# Where the exact-call images ship: the families and head dims (each costs a compile per head dim
-# and dtype, and the build has a 10-minute budget).
-EXACT_IMAGE_FAMILIES = frozenset({"sm90"})
+# Where the exact-call images ship: family -> whether it does (a family not listed takes its nearest
+# config parent's answer, :func:`listed`), and the head dims (each costs a compile per head dim and
+# dtype, and the build has a 10-minute budget). Hopper measured them faster; the mma.sync families
+# (A100, RTX 30-50) take them by the same design, read from compiles (not measured); Blackwell's
+# JIT runs exact calls on its lean tiles.
+EXACT_IMAGE_FAMILIES: Mapping[str, bool] = MappingProxyType({"sm80": True, "sm86": True, "sm90": True,
+                                                              "sm100": False})
 # d256 too: the fused backward's exact image has a quarter less code and 74 spill instructions in
 # its loop against the folded one's 89 (benchmarks/README.md), for ~3 s of compile per image
 EXACT_IMAGE_BLOCK_DS = frozenset({64, 128, 256})

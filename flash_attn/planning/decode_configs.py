@@ -270,7 +270,7 @@ def combine_constexprs(block_d: int) -> dict:
 def ships_exact(family: str) -> bool:
     """Whether ``family``'s images include :data:`SPLIT_KV_EXACT` (where the attention kernels'
     exact-call images ship: :data:`flash_attn.planning.declarations.EXACT_IMAGE_FAMILIES`)."""
-    return family in declarations.EXACT_IMAGE_FAMILIES
+    return declarations.listed(family, declarations.EXACT_IMAGE_FAMILIES)
 
 
 def aot_variants(family: str, buckets: tuple = IMAGE_BUCKETS) -> list[tuple[str, dict, Config]]:

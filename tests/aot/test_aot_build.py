@@ -84,18 +84,25 @@ def test_spec_set_size_is_deliberate():
     # sm_90a: + the fused backward, its dQ convert, and the exact-call forward and fused backward
     # at head dims 64, 128 and 256 in both dtypes, + the plain decoding step's exact split-KV image
     # (2 dtypes x 3 buckets); Blackwell: + the fused backward and its dQ convert (no exact-call
-    # images); sm_120: the split kernels only. Beyond FlashAttention-2 (sm_80 and sm_90a, lean, 2
+    # images); sm_120: the split kernels, + the exact-call forward (3 head dims x 2 dtypes) and the
+    # exact split-KV image (2 dtypes x 3 buckets); sm_80: + the exact-call forward and (at head dim
+    # 128, the only bucket with a fused backward there) fused backward, and the exact split-KV
+    # images of its two tables (sm80 and sm86: 2 x 6). Beyond FlashAttention-2 (sm_80 and sm_90a, lean, 2
     # dtypes): head dim 512 (forward, preprocess, dK/dV, dQ; on sm_90a the fused backward and its
     # convert too) and the 256/128 pair (the same kernels, the convert being d256's); MLA decoding
     # on sm_90a (2 split-KV + 3 append + 1 combine)
     assert counts((9, 0)) == (32 + 8 + 8 + 12 + 12 + 10, 18 + 6, 60 + 6 + 12)
     assert counts((10, 0)) == (32 + 8 + 8, 18 + 6, 60)
-    assert counts((12, 0)) == (32, 18, 60)
+    assert counts((12, 0)) == (32 + 6, 18, 60 + 6)
     lean, features, decode = counts((8, 0))
-    assert 32 + 8 + 8 < lean <= 48 + 8 + 8 and 18 <= features <= 36 and 60 < decode <= 72
+    assert 32 + 8 + 8 + 8 < lean <= 48 + 8 + 8 + 8 and 18 <= features <= 36 and 60 + 12 < decode <= 72 + 12
     for spec in (s for s in S.specs_for_capability((8, 0)) if s.kernel not in S.DECODE_KERNELS):
         flags = dict(spec.flags)
-        assert flags.get("IS_LOCAL", True) and flags.get("PAD_HEADDIM", True) and not flags.get("IS_PAGED")
+        if not flags.get("IS_LOCAL", True):  # an exact-call image: full attention, unpadded, lean
+            assert not flags["PAD_HEADDIM"] and not _is_features(spec) and spec.block_d in (64, 128, 256)
+            assert spec.kernel in ("attn_fwd_kernel", "attn_bwd_kernel")
+            continue
+        assert flags.get("PAD_HEADDIM", True) and not flags.get("IS_PAGED")
         # a variant has all three score features or none
         assert len({flags.get(f, False) for f in ("HAS_SOFTCAP", "HAS_ALIBI", "HAS_DROPOUT")}) == 1
         if _is_features(spec):
