@@ -43,11 +43,16 @@ class PlanCache:
         except KeyError:
             pass
         value = make()
-        with self._lock:
-            while len(self._values) >= self.limit:
-                self._values.pop(next(iter(self._values)))
-            self._values[key] = value
+        if self.keeps(value):
+            with self._lock:
+                while len(self._values) >= self.limit:
+                    self._values.pop(next(iter(self._values)))
+                self._values[key] = value
         return value
+
+    def keeps(self, value) -> bool:
+        """Whether a value just made is remembered (every one here)."""
+        return True
 
     def clear(self) -> None:
         with self._lock:

@@ -64,16 +64,8 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
 class _Plans(PlanCache):
     """The plan cache of one device, which forgets a refusal that may pass (``Refusal.retry``)."""
 
-    def get(self, key, make):
-        try:
-            return self._values[key]  # a refusal that may pass is never kept
-        except KeyError:
-            pass
-        value = super().get(key, make)
-        if isinstance(value, Refusal) and value.retry:
-            with self._lock:
-                self._values.pop(key, None)
-        return value
+    def keeps(self, value) -> bool:
+        return not (isinstance(value, Refusal) and value.retry)
 
 
 @dataclass
