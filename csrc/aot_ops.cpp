@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -360,6 +361,13 @@ Scratch allocate_scratch(const KernelSpec& spec, const Tensor& like, int64_t pro
   return scratch;
 }
 
+// Measuring the host's cost without a GPU (`python -m flash_attn bench overhead`): while switched
+// on, launches whose tensors are CPU tensors (standing in for device memory) go through every
+// check, the packing and the scratch allocation and are counted instead of refused; only the CUDA
+// launch itself is left out. CUDA tensors are launched as always.
+std::atomic<bool> g_count_cpu_launches{false};
+std::atomic<int64_t> g_counted_launches{0};
+
 // Checks everything in this order (tests/aot/test_aot_library.py): kernel id, grid, counts, tensors,
 // ints and pointers (while packing), then that the tensors are CUDA tensors. With `meta_only`
 // (fake/meta tensors, used when tracing), stops before anything that needs real memory or a GPU.
@@ -372,6 +380,12 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
   PackedLaunch launch(spec.args.size());
   pack(spec, tensors, ints, floats, meta_only || device.type == aoti_torch_device_type_meta(), launch);
   if (meta_only) return;
+  const int64_t programs = g[0] * g[1] * g[2];  // < 2^63 within the grid limits
+  if (device.type == aoti_torch_device_type_cpu() && g_count_cpu_launches.load(std::memory_order_relaxed)) {
+    const Scratch scratch = allocate_scratch(spec, tensors[0], programs, launch);
+    g_counted_launches.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   // Last, the device: on a machine without a usable GPU, require_cuda() says why.
   if (device.type != aoti_torch_device_type_cuda()) {
     require_cuda();
@@ -381,10 +395,87 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
   if (g[0] == 0 || g[1] == 0 || g[2] == 0) return;
   launch.device = device.index;
   std::copy(g.begin(), g.end(), launch.grid);
-  const int64_t programs = g[0] * g[1] * g[2];  // < 2^63 within the grid limits
   const Scratch scratch = allocate_scratch(spec, tensors[0], programs, launch);
   launch.stream = current_cuda_stream(launch.device);
   flash_attn_aot::launch(spec, launch);
+}
+
+// ------------------------------------------------------------------------------------------
+// aot_run: every launch of one call in one op call. The caller describes the launches once (per
+// call shape) in `plan`, a 1-D int64 CPU tensor, and passes the call's tensors and its per-call
+// row counts; each launch is then checked and launched exactly as aot_launch does. Layout, per
+// launch after the launch count:
+//   kernel, grid0, grid1, grid2,
+//   n_tensors, n_tensors indices into `tensors`,
+//   n_ints, n_ints values,
+//   n_rows, n_rows pairs (index into this launch's ints, index into `rows`): that int is the row count,
+//   n_floats, n_floats IEEE doubles (their bit patterns).
+// ------------------------------------------------------------------------------------------
+class PlanReader {
+ public:
+  explicit PlanReader(const Tensor& plan) {
+    int32_t device_type = 0, dtype = 0;
+    shim_check(aoti_torch_get_device_type(plan.get(), &device_type), "aoti_torch_get_device_type");
+    shim_check(aoti_torch_get_dtype(plan.get(), &dtype), "aoti_torch_get_dtype");
+    if (device_type != aoti_torch_device_type_cpu() || dtype != aoti_torch_dtype_int64() || plan.dim() != 1 ||
+        !plan.is_contiguous()) {
+      throw AotError("plan must be a 1-D contiguous int64 CPU tensor (flash_attn/backends/aot.py writes it)");
+    }
+    data_ = static_cast<const int64_t*>(plan.data_ptr());
+    size_ = plan.numel();
+  }
+
+  int64_t next(const char* what) {
+    if (pos_ >= size_) {
+      throw AotError("plan ends at entry " + std::to_string(pos_) + " where " + what + " was expected");
+    }
+    return data_[pos_++];
+  }
+
+  // A count or index in [0, bound).
+  int64_t index(const char* what, int64_t bound) {
+    const int64_t at = pos_;
+    const int64_t v = next(what);
+    if (v < 0 || v >= bound) {
+      throw AotError("plan entry " + std::to_string(at) + " (" + what + ") is " + std::to_string(v) +
+                     ", outside 0.." + std::to_string(bound - 1));
+    }
+    return v;
+  }
+
+  bool done() const { return pos_ == size_; }
+
+ private:
+  const int64_t* data_ = nullptr;
+  int64_t size_ = 0, pos_ = 0;
+};
+
+void run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std::vector<int64_t>& rows,
+              bool meta_only) {
+  PlanReader read(plan);
+  constexpr int64_t kMaxItems = 4096;  // far above any kernel's parameter count
+  const int64_t launches = read.index("the launch count", kMaxItems);
+  for (int64_t l = 0; l < launches; ++l) {
+    const int64_t kernel = read.next("a kernel id");
+    std::vector<int64_t> grid(3);
+    for (int64_t& g : grid) g = read.next("a grid dimension");
+    std::vector<Tensor> launch_tensors(size_t(read.index("a tensor count", kMaxItems)));
+    for (Tensor& t : launch_tensors) t = tensors[read.index("a tensor index", int64_t(tensors.size()))];
+    std::vector<int64_t> ints(size_t(read.index("an int count", kMaxItems)));
+    for (int64_t& v : ints) v = read.next("an int");
+    const int64_t n_rows = read.index("a row count", kMaxItems);
+    for (int64_t r = 0; r < n_rows; ++r) {
+      const int64_t at = read.index("an int index", int64_t(ints.size()));
+      ints[at] = rows[read.index("a row index", int64_t(rows.size()))];
+    }
+    std::vector<double> floats(size_t(read.index("a float count", kMaxItems)));
+    for (double& f : floats) {
+      const int64_t bits = read.next("a float");
+      std::memcpy(&f, &bits, sizeof f);
+    }
+    check_and_launch(kernel, grid, launch_tensors, ints, floats, meta_only);
+  }
+  if (!read.done()) throw AotError("plan has entries after its " + std::to_string(launches) + " launches");
 }
 
 // ---- boxed entry points -----------------------------------------------------------------
@@ -450,6 +541,18 @@ void aot_launch_meta(int64_t kernel, std::vector<int64_t> grid, std::vector<Tens
   with_op_name("aot_launch", [&] { check_and_launch(kernel, grid, tensors, ints, floats, /*meta_only=*/true); });
 }
 
+void aot_run(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
+  with_op_name("aot_run", [&] { run_plan(plan, tensors, rows, /*meta_only=*/false); });
+}
+
+void aot_run_meta(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
+  with_op_name("aot_run", [&] { run_plan(plan, tensors, rows, /*meta_only=*/true); });
+}
+
+void aot_count_cpu_launches(bool enable) { g_count_cpu_launches.store(enable, std::memory_order_relaxed); }
+
+int64_t aot_counted_launches() { return g_counted_launches.load(std::memory_order_relaxed); }
+
 std::vector<int64_t> aot_kernel_attributes(int64_t kernel, int64_t device) {
   return with_op_name("aot_kernel_attributes", [&] {
     const KernelSpec& spec = spec_for(kernel);
@@ -477,6 +580,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
       "int shared_bytes, int global_scratch_bytes=0, int global_scratch_align=1, int profile_scratch_bytes=0, "
       "int profile_scratch_align=1, bool launch_cooperative_grid=False, bool launch_pdl=False, Tensor? image=None) -> int");
   m.def("aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()");
+  m.def("aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> ()");
+  m.def("aot_count_cpu_launches(bool enable) -> ()");
+  m.def("aot_counted_launches() -> int");
   m.def("aot_kernel_attributes(int kernel, int device) -> int[]");
   m.def("aot_cuda_info() -> (int, int, int, str)");
 }
@@ -487,6 +593,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
 STABLE_TORCH_LIBRARY_IMPL(flash_attn, CompositeExplicitAutograd, m) {
   m.impl("aot_register_kernel", &flash_attn_aot::boxed_register_kernel);
   m.impl("aot_launch", TORCH_BOX(&flash_attn_aot::aot_launch));
+  m.impl("aot_run", TORCH_BOX(&flash_attn_aot::aot_run));
+  m.impl("aot_count_cpu_launches", TORCH_BOX(&flash_attn_aot::aot_count_cpu_launches));
+  m.impl("aot_counted_launches", TORCH_BOX(&flash_attn_aot::aot_counted_launches));
   m.impl("aot_kernel_attributes", TORCH_BOX(&flash_attn_aot::aot_kernel_attributes));
   m.impl("aot_cuda_info", TORCH_BOX(&flash_attn_aot::aot_cuda_info));
 }
@@ -494,4 +603,5 @@ STABLE_TORCH_LIBRARY_IMPL(flash_attn, CompositeExplicitAutograd, m) {
 // Meta (fake tensors while tracing): the same checks, no launch.
 STABLE_TORCH_LIBRARY_IMPL(flash_attn, Meta, m) {
   m.impl("aot_launch", TORCH_BOX(&flash_attn_aot::aot_launch_meta));
+  m.impl("aot_run", TORCH_BOX(&flash_attn_aot::aot_run_meta));
 }

@@ -5,7 +5,8 @@ A call is planned for the device's image (``Target(aot=True)``: only the shipped
 :mod:`flash_attn.planning.plan`); the first call of each shape then turns the plan into packed
 launches: for each, the manifest entry of its specialisation, the kernel registered and loaded on
 the device, the integer and float arguments checked against the image's signature and stored.
-Every later call of that shape fills in its tensors and calls ``torch.ops.flash_attn.aot_launch``.
+Every later call of that shape fills in its tensors and calls ``torch.ops.flash_attn.aot_run`` once
+with all of the call's launches.
 All of it happens before the first launch of the call, so a call the images cannot serve (no
 such specialisation, a value outside int32, an image the driver refuses) is refused before
 anything runs or is written, and the dispatcher runs it elsewhere.
@@ -23,6 +24,7 @@ nothing: the call is refused and the image tried again on a later call.
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -121,12 +123,41 @@ def _target(device: torch.device) -> P.Target | Refusal:
 
 
 class _Packed(NamedTuple):
+    """One launch's arguments in the image's signature order: tensors by slot name, the ints (a
+    :class:`~flash_attn.planning.plan.Rows` where the call's row count goes) and the floats."""
+
     kernel: int
     grid: list
     slots: list  # tensor arguments, by slot, in signature order
     ints: list
     floats: list
-    per_call: bool = False  # ints holds row counts (plan.Rows) read from the call's tensors
+
+
+class _Launches(NamedTuple):
+    """A plan's launches as the op library runs them, in one ``aot_run`` call per attention call:
+    ``plan`` (int64, the layout csrc/aot_ops.cpp's ``run_plan`` reads), the slots whose tensors the
+    call passes, in the order ``plan`` indexes them, and the row counts it reads per call."""
+
+    plan: torch.Tensor
+    names: tuple
+    rows: tuple
+    packed: tuple  # the _Packed launches ``plan`` was written from
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _launches(packed: tuple) -> _Launches:
+    names, rows, plan = {}, {}, [len(packed)]
+    for p in packed:
+        plan += [p.kernel, *p.grid, *[1] * (3 - len(p.grid)), len(p.slots)]
+        plan += [names.setdefault(name, len(names)) for name in p.slots]
+        per_call = [(i, rows.setdefault(v, len(rows))) for i, v in enumerate(p.ints) if isinstance(v, P.Rows)]
+        plan += [len(p.ints), *[0 if isinstance(v, P.Rows) else v for v in p.ints], len(per_call)]
+        plan += [n for pair in per_call for n in pair]
+        plan += [len(p.floats), *map(_float_bits, p.floats)]
+    return _Launches(torch.tensor(plan, dtype=torch.int64), tuple(names), tuple(rows), packed)
 
 
 _registered: dict[tuple, int] = {}
@@ -164,7 +195,7 @@ def pack(launch: P.Launch, entry: dict) -> _Packed | Refusal:
             if kind == "i32" and not -limits.INT32_MAX - 1 <= value <= limits.INT32_MAX:
                 return Refusal(f"argument {name} = {value} does not fit the kernels' int32", IMAGES)
             ints.append(value)
-    return _Packed(0, list(launch.grid), names, ints, floats, any(isinstance(i, P.Rows) for i in ints))
+    return _Packed(0, list(launch.grid), names, ints, floats)
 
 
 class _AotBackend(KernelBackend):
@@ -196,15 +227,17 @@ class _AotBackend(KernelBackend):
             if isinstance(kid, Refusal):
                 return kid
             packed.append(p._replace(kernel=kid))
-        return ready(plan, tuple(packed))
+        return ready(plan, _launches(tuple(packed)))
 
     def run(self, run: Ready, inputs: dict, device) -> tuple:
         tensors = slots(run, inputs, device)
-        launch = _launch_op()
-        for p in run.launches:
-            ints = [tensors[i] if isinstance(i, P.Rows) else i for i in p.ints] if p.per_call else p.ints
-            launch(p.kernel, p.grid, [tensors[name] for name in p.slots], ints, p.floats)
+        _launch(run.launches, tensors)
         return tuple([tensors[slot] for slot in run.plan.results])
+
+
+def _launch(launches: _Launches, tensors: dict) -> None:
+    """Every launch of a call: one op call (its checks, then the launches on the current stream)."""
+    _run_op()(launches.plan, [tensors[name] for name in launches.names], [tensors[r] for r in launches.rows])
 
 
 def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:
@@ -284,10 +317,10 @@ def _first_line(exc: Exception) -> str:
 _op = None
 
 
-def _launch_op():
+def _run_op():
     global _op
     if _op is None:
-        _op = op_library.ops().aot_launch.default
+        _op = op_library.ops().aot_run.default
     return _op
 
 

@@ -4,11 +4,13 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
 
 * ``stubbed`` (the default; any machine): the public functions on the ``aot`` path as an H100
   runs it (the sm_90a images of this installation, or the newest shipped), with CPU tensors
-  standing in for GPU memory and the op library's launch replaced by a no-op that only counts.
-  What remains is this package's own work per call: validation, the custom op, dispatch, the
-  plan lookup, buffer allocation, the argument lists. What it cannot show: the op library's
-  argument checks and ``cuLaunchKernel`` (a few microseconds per launch), and the CUDA caching
-  allocator (CPU allocations stand in for it; CPU placeholders are kept, CUDA ones made per call).
+  standing in for GPU memory and only the CUDA launch left out: the op library takes the CPU
+  tensors through its checks, its packing and its scratch allocation and counts the launch
+  (``flash_attn::aot_count_cpu_launches``). What remains is this package's own work per call:
+  validation, the custom op, dispatch, the plan lookup, buffer allocation, the op library's call.
+  What it cannot show: ``cudaLaunchKernelExC`` and the current stream's lookup (a few
+  microseconds per launch), and the CUDA caching allocator (CPU allocations stand in for it; CPU
+  placeholders are kept, CUDA ones made per call).
   ``--profile`` adds, per case, cProfile's view and a per-stage breakdown
   (:func:`stage_breakdown`: each stage replayed alone).
 * ``device`` (a CUDA GPU): the same calls for real, and PyTorch SDPA's flash and cuDNN backends
@@ -113,24 +115,23 @@ def _calls(device) -> dict[str, Callable[[], object]]:
 
 
 def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
-    """``(launch, args)``: the op library's launch and the arguments of the last launch ``call``
-    made through it (on the ``aot`` backend), to repeat that launch alone."""
-    launch = aot._launch_op()
+    """``(launch, args)``: the op library's ``aot_run`` and the arguments of the last one ``call``
+    made (on the ``aot`` backend), to repeat those launches alone."""
     captured = []
+    saved = aot._launch
 
-    def recording(*args):
-        captured.append(args)
-        return launch(*args)
+    def recording(launches, tensors):
+        captured.append((launches.plan, [tensors[n] for n in launches.names], [tensors[r] for r in launches.rows]))
+        return saved(launches, tensors)
 
-    saved = aot._launch_op
-    aot._launch_op = lambda: recording
+    aot._launch = recording
     try:
         call()
     finally:
-        aot._launch_op = saved
+        aot._launch = saved
     if not captured:
         raise RuntimeError("the call launched nothing through the aot backend's op library (FLASH_ATTN_BACKEND=aot?)")
-    return launch, captured[-1]
+    return aot._run_op(), captured[-1]
 
 
 def _launch_calls(device) -> dict[str, Callable[[], object]]:
@@ -145,7 +146,8 @@ def _launch_calls(device) -> dict[str, Callable[[], object]]:
 
 @contextlib.contextmanager
 def stubbed_aot():
-    """The ``aot`` backend of an H100 for CPU tensors, launches counted instead of run."""
+    """The ``aot`` backend of an H100 for CPU tensors, launches counted instead of run (by the op
+    library, after its checks); yields a function that returns the launches counted so far."""
     manifest, why = aot_manifest.manifest()
     if manifest is None or not aot.op_library.status().loaded:
         raise RuntimeError(f"the stubbed benchmark runs the installed aot backend: {why or aot.op_library.status().reason}")
@@ -156,19 +158,16 @@ def stubbed_aot():
         choice = manifest.image_for(capability)
     family = configs.arch_family(archs.config_capability(capability, choice))
     images = aot._DeviceImages(manifest, choice.arch.name, Target(family, 132, aot=True))
-    launches = [0]
-
-    def no_launch(*args):
-        launches[0] += 1
-
-    saved = (dispatch.chain, aot._device_images, aot._launch_op)
+    ops = aot.op_library.ops()
+    saved = (dispatch.chain, aot._device_images)
     dispatch.chain = lambda device: ("aot",)
     aot._device_images = lambda device: images
-    aot._launch_op = lambda: no_launch
+    ops.aot_count_cpu_launches(True)
     try:
-        yield launches
+        yield ops.aot_counted_launches
     finally:
-        dispatch.chain, aot._device_images, aot._launch_op = saved
+        ops.aot_count_cpu_launches(False)
+        dispatch.chain, aot._device_images = saved
 
 
 def _time(fn: Callable, calls: int, repeats: int, sync: Callable[[], None], clock=time.perf_counter) -> list[float]:
@@ -227,7 +226,7 @@ def _stage_functions() -> list[tuple]:
         ("host value checks (CPU tensors)", custom_ops, "_check_kvcache_values"),
         ("dispatch", dispatch, "run"),
         ("allocation (inputs prepared, buffers)", aot, "slots"),
-        ("the launch (stubbed: a count)", aot, "_launch_op"),
+        ("the op library's call (the CUDA launch stubbed)", aot, "_launch"),
     ]
     return [(label, module, name) for label, module, name in stages if hasattr(module, name)]
 
@@ -468,9 +467,9 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
         plans = aot._device_images(torch.device("cpu")).plans
         for name, fn in _calls(torch.device("cpu")).items():
             fn()
-            before = launches[0]
+            before = launches()
             fn()
-            per_call = launches[0] - before
+            per_call = launches() - before
             planned = len(plans)
             times = _time(fn, calls, repeats, lambda: None, clock=time.process_time)
             rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),

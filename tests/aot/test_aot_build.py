@@ -327,16 +327,16 @@ def test_every_image_registers(manifest, arch):
 
 @pytest.fixture
 def launched(monkeypatch) -> list:
-    """Kernel ids launched by the ``aot`` backend, through ``aot_launch``'s real checks on meta
+    """Kernel ids launched by the ``aot`` backend, through ``aot_run``'s real checks on meta
     tensors (argument count, dtypes, int ranges, declared divisibility; no GPU, nothing executed)."""
     ids = []
-    real = aot._launch_op()
+    real = aot._launch
 
-    def checked(kid, grid, tensors, ints, floats):
-        real(kid, grid, tensors, ints, floats)
-        ids.append(kid)
+    def checked(launches, tensors):
+        real(launches, tensors)
+        ids.extend(p.kernel for p in launches.packed)
 
-    monkeypatch.setattr(aot, "_launch_op", lambda: checked)
+    monkeypatch.setattr(aot, "_launch", checked)
     return ids
 
 

@@ -105,7 +105,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(aot, "_registered", {})
     monkeypatch.setattr(aot, "_loaded", set())
     launched = []
-    monkeypatch.setattr(aot, "_launch_op", lambda: lambda *args: launched.append(args))
+    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: launched.extend(launches.packed))
     monkeypatch.setattr(dispatch, "chain", lambda device: ("aot", "reference"))
     monkeypatch.setattr(dispatch, "_warned", set())
     return images, launched

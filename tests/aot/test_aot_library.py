@@ -95,10 +95,14 @@ def test_library_loads_in_this_pytorch(library):
 
 
 def test_schemas(library):
-    schemas = {op: str(getattr(torch.ops.flash_attn, op).default._schema) for op in ("aot_launch", "aot_cuda_info")}
+    schemas = {op: str(getattr(torch.ops.flash_attn, op).default._schema)
+               for op in ("aot_launch", "aot_run", "aot_count_cpu_launches", "aot_counted_launches", "aot_cuda_info")}
     assert schemas["aot_launch"] == (
         "flash_attn::aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()"
     )
+    assert schemas["aot_run"] == "flash_attn::aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> ()"
+    assert schemas["aot_count_cpu_launches"] == "flash_attn::aot_count_cpu_launches(bool enable) -> ()"
+    assert schemas["aot_counted_launches"] == "flash_attn::aot_counted_launches() -> int"
     assert schemas["aot_cuda_info"] == "flash_attn::aot_cuda_info() -> (int, int, int, str)"
 
 
@@ -316,6 +320,109 @@ def test_launch_limits_are_those_of_limits_py(ops, toy, toy_ptx):
     ops.aot_launch(toy, [1], meta, [top], [1.0])
     with pytest.raises(RuntimeError, match=re.escape(f"(range {-limits.INT32_MAX - 1} to {limits.INT32_MAX})")):
         ops.aot_launch(toy, [1], meta, [top + 16], [1.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# aot_run: a call's launches described once (flash_attn/backends/aot.py writes the plan), run by
+# one op call with the same checks as aot_launch
+# ---------------------------------------------------------------------------------------------
+
+
+def _plan(*packed):
+    """The plan the aot backend writes for these launches (its own encoder, read by the library)."""
+    from flash_attn.backends import aot as aot_backend  # noqa: PLC0415
+
+    return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed))
+
+
+def _read_plan(plan: torch.Tensor) -> list[dict]:
+    """The layout csrc/aot_ops.cpp documents, read independently of both implementations."""
+    import struct  # noqa: PLC0415
+
+    values, launches = iter(plan.tolist()), []
+    for _ in range(next(values)):
+        launch = {"kernel": next(values), "grid": [next(values) for _ in range(3)]}
+        launch["tensors"] = [next(values) for _ in range(next(values))]
+        launch["ints"] = [next(values) for _ in range(next(values))]
+        launch["rows"] = [(next(values), next(values)) for _ in range(next(values))]
+        launch["floats"] = [struct.unpack("<d", struct.pack("<q", next(values)))[0] for _ in range(next(values))]
+        launches.append(launch)
+    assert next(values, None) is None
+    return launches
+
+
+def test_run_plan_layout(toy):
+    from flash_attn.planning.plan import K_ROWS, Q_ROWS  # noqa: PLC0415
+
+    written = _plan((toy, [4, 2], ["out"], [16], [0.1]), (toy, [3], ["acc"], [Q_ROWS], [-2.5]),
+                    (toy, [1, 1, 1], ["out"], [K_ROWS], [1e300]))
+    assert written.names == ("out", "acc") and written.rows == (Q_ROWS, K_ROWS)
+    assert _read_plan(written.plan) == [
+        {"kernel": toy, "grid": [4, 2, 1], "tensors": [0], "ints": [16], "rows": [], "floats": [0.1]},
+        {"kernel": toy, "grid": [3, 1, 1], "tensors": [1], "ints": [0], "rows": [(0, 0)], "floats": [-2.5]},
+        {"kernel": toy, "grid": [1, 1, 1], "tensors": [0], "ints": [0], "rows": [(0, 1)], "floats": [1e300]},
+    ]
+
+
+def test_run_checks_each_launch_as_aot_launch_does(ops, toy):
+    from flash_attn.planning.plan import Q_ROWS  # noqa: PLC0415
+
+    meta = OUT.to("meta")
+    good = _plan((toy, [4, 2], ["out"], [32], [0.5]), (toy, [1], ["out"], [Q_ROWS], [1.0]))
+    ops.aot_run(good.plan, [meta], [48])  # the Meta kernel: both launches checked, nothing run
+    with pytest.raises(RuntimeError, match=re.escape("ints[0] = 24 must be divisible by 16")) as info:
+        ops.aot_run(good.plan, [meta], [24])  # the per-call row count reaches the second launch
+    assert str(info.value).startswith("flash_attn::aot_run: ")
+    with pytest.raises(RuntimeError, match=re.escape("tensors[0] has dtype torch.float64 but kernel 'toy' expects")):
+        ops.aot_run(good.plan, [OUT.double()], [48])
+    with pytest.raises(RuntimeError, match="is not 16-byte aligned"):
+        ops.aot_run(good.plan, [OUT[1:]], [48])
+    with pytest.raises(RuntimeError, match=r"unknown kernel id 123456"):
+        ops.aot_run(_plan((123456, [1], ["out"], [16], [1.0])).plan, [OUT], [])
+
+
+@pytest.mark.parametrize(
+    "plan, tensors, rows, message",
+    [
+        (torch.zeros(1), 1, 0, "plan must be a 1-D contiguous int64 CPU tensor"),
+        (torch.zeros(4, dtype=torch.int64)[::2], 1, 0, "plan must be a 1-D contiguous int64 CPU tensor"),
+        ([], 1, 0, "plan ends at entry 0 where the launch count was expected"),
+        ([1], 1, 0, "plan ends at entry 1 where a kernel id was expected"),
+        ([-1], 1, 0, "plan entry 0 (the launch count) is -1, outside 0..4095"),
+        ([1, "toy", 1, 1, 1, 1, 5], 1, 0, "plan entry 6 (a tensor index) is 5, outside 0..0"),
+        ([1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 1, 0], 1, 0, "plan entry 10 (an int index) is 1, outside 0..0"),
+        ([1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 0, 0], 1, 0, "plan entry 11 (a row index) is 0, outside 0..-1"),
+        ([0, 7], 1, 0, "plan has entries after its 0 launches"),
+    ],
+)
+def test_run_rejects_a_malformed_plan(ops, toy, plan, tensors, rows, message):
+    if isinstance(plan, list):
+        plan = torch.tensor([toy if v == "toy" else v for v in plan], dtype=torch.int64)
+    with pytest.raises(RuntimeError, match=re.escape(message)) as info:
+        ops.aot_run(plan, [OUT.to("meta")] * tensors, [16] * rows)
+    assert str(info.value).startswith("flash_attn::aot_run: ")
+
+
+def test_counted_cpu_launches_stand_in_for_the_gpu(ops, toy):
+    """``bench overhead`` on a machine without a GPU: switched on, CPU tensors go through every check
+    and are counted, not launched; a call the checks refuse is not counted; switched off, CPU tensors
+    are refused again."""
+    plan = _plan((toy, [4, 2], ["out"], [32], [0.5]), (toy, [1], ["out"], [16], [1.0])).plan
+    ops.aot_count_cpu_launches(True)
+    try:
+        before = ops.aot_counted_launches()
+        ops.aot_run(plan, [OUT], [])
+        ops.aot_launch(toy, [1], [OUT], [16], [1.0])
+        assert ops.aot_counted_launches() == before + 3
+        with pytest.raises(RuntimeError, match="is not 16-byte aligned"):
+            ops.aot_run(plan, [OUT[1:]], [])
+        assert ops.aot_counted_launches() == before + 3
+    finally:
+        ops.aot_count_cpu_launches(False)
+    if not HAS_GPU:
+        with pytest.raises(RuntimeError, match="no CUDA device is available"):
+            ops.aot_run(plan, [OUT], [])
+    assert ops.aot_counted_launches() == before + 3
 
 
 def test_csrc_takes_its_limits_from_limits_py():

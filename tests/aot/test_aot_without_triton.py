@@ -124,8 +124,13 @@ AOT_SETUP = f"    TESTS = {str(TESTS)!r}\n" + """
         launched.append({"key": key, "grid": [int(g) for g in grid], "tensors": len(tensors),
                          "ints": len(ints), "floats": len(floats)})
 
+    def launch_all(launches, tensors):  # where torch.ops.flash_attn.aot_run would run
+        for p in launches.packed:
+            ints = [tensors[i] if isinstance(i, plan.Rows) else i for i in p.ints]
+            launch(p.kernel, p.grid, [tensors[name] for name in p.slots], ints, p.floats)
+
     op_library.register_kernel = register_kernel
-    aot._launch_op = lambda: launch
+    aot._launch = launch_all
     params = AttentionParams(softmax_scale=0.125, window_left=-1, window_right=0, softcap=0.0, dropout_p=0.0,
                              dropout_seed=0)
 """

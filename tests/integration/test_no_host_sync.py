@@ -79,9 +79,9 @@ def gpu_on_meta(monkeypatch, custom_op_bodies):
     images = _images_for_h100()
     monkeypatch.setattr(aot.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
-    real = aot._launch_op()
-    monkeypatch.setattr(aot, "_launch_op",
-                        lambda: lambda kid, grid, *a: (real(kid, grid, *a), launched["aot"].append(kid)))
+    real = aot._launch
+    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: (
+        real(launches, tensors), launched["aot"].extend(p.kernel for p in launches.packed)))
     monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(triton_backend._backend, "target", lambda device: P.Target("sm90", 132))
     monkeypatch.setattr(triton_backend._backend, "run_launch", lambda launch, tensors, device: launched[

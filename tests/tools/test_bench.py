@@ -712,9 +712,10 @@ def test_overhead_packed_training_finds_its_plans():
 
 
 def test_overhead_repeats_one_captured_aot_launch():
-    """Device mode's "one aot launch" row repeats a forward's launch alone: here, with the launch
-    stubbed (no GPU), the captured arguments are the forward's (its kernel id, grid, tensors
-    out/lse among them) and repeating them reaches the op library's launch each time."""
+    """Device mode's "one aot launch" row repeats a forward's op library call alone: here, with the
+    CUDA launch stubbed (no GPU), the captured arguments are the forward's (its plan of one launch,
+    its tensors, out/lse among them) and repeating them reaches the op library's launch each time,
+    through its checks (a misaligned tensor is refused)."""
     from flash_attn import flash_attn_func  # noqa: PLC0415
     from flash_attn.bench import overhead  # noqa: PLC0415
 
@@ -725,13 +726,15 @@ def test_overhead_repeats_one_captured_aot_launch():
         pytest.skip(str(exc))
     try:
         q = torch.randn(1, 128, 16, 128).to(torch.bfloat16)
-        launch, (kernel, grid, tensors, ints, floats) = overhead._captured_launch(
-            lambda: flash_attn_func(q, q, q, causal=True))
-        assert isinstance(kernel, int) and len(grid) == 3 and len(tensors) >= 5 and ints and floats
-        before = launches[0]
+        launch, (plan, tensors, rows) = overhead._captured_launch(lambda: flash_attn_func(q, q, q, causal=True))
+        assert plan.dtype == torch.int64 and plan[0] == 1 and len(tensors) >= 5 and rows == []
+        before = launches()
         for _ in range(3):
-            launch(kernel, grid, tensors, ints, floats)
-        assert launches[0] == before + 3
+            launch(plan, tensors, rows)
+        assert launches() == before + 3
+        with pytest.raises(RuntimeError, match="aligned"):
+            launch(plan, [t.view(-1)[1:] if t.dtype == torch.bfloat16 else t for t in tensors], rows)
+        assert launches() == before + 3
         with pytest.raises(RuntimeError, match="launched nothing"):
             overhead._captured_launch(lambda: None)
     finally:
