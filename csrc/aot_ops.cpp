@@ -455,20 +455,24 @@ void run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std:
   PlanReader read(plan);
   constexpr int64_t kMaxItems = 4096;  // far above any kernel's parameter count
   const int64_t launches = read.index("the launch count", kMaxItems);
+  // Reused from launch to launch; tensors copied in, never default-made (each would be a new handle).
+  std::vector<int64_t> grid(3), ints;
+  std::vector<Tensor> launch_tensors;
+  std::vector<double> floats;
   for (int64_t l = 0; l < launches; ++l) {
     const int64_t kernel = read.next("a kernel id");
-    std::vector<int64_t> grid(3);
     for (int64_t& g : grid) g = read.next("a grid dimension");
-    std::vector<Tensor> launch_tensors(size_t(read.index("a tensor count", kMaxItems)));
-    for (Tensor& t : launch_tensors) t = tensors[read.index("a tensor index", int64_t(tensors.size()))];
-    std::vector<int64_t> ints(size_t(read.index("an int count", kMaxItems)));
+    launch_tensors.clear();
+    for (int64_t n = read.index("a tensor count", kMaxItems); n > 0; --n) {
+      launch_tensors.push_back(tensors[read.index("a tensor index", int64_t(tensors.size()))]);
+    }
+    ints.resize(size_t(read.index("an int count", kMaxItems)));
     for (int64_t& v : ints) v = read.next("an int");
-    const int64_t n_rows = read.index("a row count", kMaxItems);
-    for (int64_t r = 0; r < n_rows; ++r) {
+    for (int64_t r = read.index("a row count", kMaxItems); r > 0; --r) {
       const int64_t at = read.index("an int index", int64_t(ints.size()));
       ints[at] = rows[read.index("a row index", int64_t(rows.size()))];
     }
-    std::vector<double> floats(size_t(read.index("a float count", kMaxItems)));
+    floats.resize(size_t(read.index("a float count", kMaxItems)));
     for (double& f : floats) {
       const int64_t bits = read.next("a float");
       std::memcpy(&f, &bits, sizeof f);

@@ -16,7 +16,6 @@ Python between the public function and the kernel is a large part of a short cal
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -32,7 +31,7 @@ DEBUG_ENV = validation.DEBUG_ENV
 def _checks_values(t: Tensor) -> bool:
     """Whether to check argument values on the host: always for CPU tensors; for others (reading
     them waits for the device and breaks CUDA-graph capture) only with ``FLASH_ATTN_DEBUG=1``."""
-    return t.device.type == "cpu" or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return t.device.type == "cpu" or validation.debug_checks()
 
 
 def _draw_dropout_seed(dropout_p: float, device, fresh: bool = True) -> Tensor:

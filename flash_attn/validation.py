@@ -200,7 +200,12 @@ def host_reads_values(t: torch.Tensor) -> bool:
     ``FLASH_ATTN_DEBUG=1``; never for meta or fake tensors, nor while torch.compile traces."""
     if t.device.type == "meta" or torch.compiler.is_compiling():
         return False
-    return t.device.type == "cpu" or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return t.device.type == "cpu" or debug_checks()
+
+
+def debug_checks() -> bool:
+    """Whether ``FLASH_ATTN_DEBUG`` asks for host value checks on device tensors (read per call)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def check_values(ok: torch.Tensor, exc_type: type[Exception], message: str) -> None:

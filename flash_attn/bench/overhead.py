@@ -10,7 +10,8 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   validation, the custom op, dispatch, the plan lookup, buffer allocation, the op library's call.
   What it cannot show: ``cudaLaunchKernelExC`` and the current stream's lookup (a few
   microseconds per launch), and the CUDA caching allocator (CPU allocations stand in for it; CPU
-  placeholders are kept, CUDA ones made per call).
+  placeholders are kept, CUDA ones made per call). The host value checks run as for device
+  tensors: only with ``FLASH_ATTN_DEBUG=1`` (a GPU call never reads its tensors' values).
   ``--profile`` adds, per case, cProfile's view and a per-stage breakdown
   (:func:`stage_breakdown`: each stage replayed alone).
 * ``device`` (a CUDA GPU): the same calls for real, and PyTorch SDPA's flash and cuDNN backends
@@ -39,7 +40,7 @@ from typing import Callable, Optional
 
 import torch
 
-from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn import custom_ops, dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, validation
 from flash_attn.aot import archs, manifest as aot_manifest
 from flash_attn.bench.common import host_and_gpu
 from flash_attn.backends import aot
@@ -159,15 +160,16 @@ def stubbed_aot():
     family = configs.arch_family(archs.config_capability(capability, choice))
     images = aot._DeviceImages(manifest, choice.arch.name, Target(family, 132, aot=True))
     ops = aot.op_library.ops()
-    saved = (dispatch.chain, aot._device_images)
+    saved = (dispatch.chain, aot._device_images, custom_ops._checks_values)
     dispatch.chain = lambda device: ("aot",)
     aot._device_images = lambda device: images
+    custom_ops._checks_values = lambda t: validation.debug_checks()  # the rule for device tensors
     ops.aot_count_cpu_launches(True)
     try:
         yield ops.aot_counted_launches
     finally:
         ops.aot_count_cpu_launches(False)
-        dispatch.chain, aot._device_images = saved
+        dispatch.chain, aot._device_images, custom_ops._checks_values = saved
 
 
 def _time(fn: Callable, calls: int, repeats: int, sync: Callable[[], None], clock=time.perf_counter) -> list[float]:
