@@ -157,7 +157,8 @@ def _launches(packed: tuple) -> _Launches:
         plan += [len(p.ints), *[0 if isinstance(v, P.Rows) else v for v in p.ints], len(per_call)]
         plan += [n for pair in per_call for n in pair]
         plan += [len(p.floats), *map(_float_bits, p.floats)]
-    return _Launches(torch.tensor(plan, dtype=torch.int64), tuple(names), tuple(rows), packed)
+    # the device said: a default device set by the caller (torch.set_default_device) must not move it
+    return _Launches(torch.tensor(plan, dtype=torch.int64, device="cpu"), tuple(names), tuple(rows), packed)
 
 
 _registered: dict[tuple, int] = {}

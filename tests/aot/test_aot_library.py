@@ -364,6 +364,14 @@ def test_run_plan_layout(toy):
     ]
 
 
+def test_run_plan_stays_on_the_cpu_under_a_default_device(toy):
+    """A caller's default device (``torch.set_default_device("cuda")`` in a training script) does
+    not move the plan: the library reads it on the host."""
+    with torch.device("meta"):
+        written = _plan((toy, [1], ["out"], [16], [1.0]))
+    assert written.plan.device.type == "cpu" and _read_plan(written.plan)[0]["ints"] == [16]
+
+
 def test_run_checks_each_launch_as_aot_launch_does(ops, toy):
     from flash_attn.planning.plan import Q_ROWS  # noqa: PLC0415
 
