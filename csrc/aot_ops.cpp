@@ -243,36 +243,43 @@ void check_counts(const KernelSpec& spec, size_t tensors, size_t ints, size_t fl
   }
 }
 
+// Each tensor of the signature's dtype, all on one device: returns that device and the first
+// tensor. An undefined tensor (aot_run's index -1) is a pointer the kernel does not read: null.
 struct Device {
   int32_t type, index;
+  size_t first;  // index of the first defined tensor
 };
 
-// Each tensor defined, of the signature's dtype, all on one device: returns that device.
 Device check_tensors(const KernelSpec& spec, const std::vector<Tensor>& tensors) {
-  Device first{0, 0};
+  Device first{0, 0, tensors.size()};
   size_t t = 0;
   for (const ArgSpec& a : spec.args) {
     if (a.kind != ArgKind::Pointer) continue;
     const Tensor& x = tensors[t];
-    if (!x.defined()) throw AotError("tensors[" + std::to_string(t) + "] ('" + a.token + "') is an undefined tensor");
-    Device d{0, 0};
-    int32_t dtype = 0;
-    shim_check(aoti_torch_get_device_type(x.get(), &d.type), "aoti_torch_get_device_type");
-    shim_check(aoti_torch_get_device_index(x.get(), &d.index), "aoti_torch_get_device_index");
+    if (!x.defined()) {
+      ++t;
+      continue;
+    }
+    int32_t type = 0, index = 0, dtype = 0;
+    shim_check(aoti_torch_get_device_type(x.get(), &type), "aoti_torch_get_device_type");
+    shim_check(aoti_torch_get_device_index(x.get(), &index), "aoti_torch_get_device_index");
     shim_check(aoti_torch_get_dtype(x.get(), &dtype), "aoti_torch_get_dtype");
     if (dtype != a.torch_dtype) {
       throw AotError("tensors[" + std::to_string(t) + "] has dtype " + dtype_name(dtype) + " but " + kernel_text(spec) +
                      " expects " + dtype_name(a.torch_dtype) + " ('" + a.token + "')");
     }
-    if (t == 0) {
-      first = d;
-    } else if (d.type != first.type || d.index != first.index) {
-      throw AotError("tensors[" + std::to_string(t) + "] is on " + device_name(d.type, d.index) + " but tensors[0] is on " +
-                     device_name(first.type, first.index) + "; all must be on the same CUDA device");
+    if (first.first == tensors.size()) {
+      first = Device{type, index, t};
+    } else if (type != first.type || index != first.index) {
+      throw AotError("tensors[" + std::to_string(t) + "] is on " + device_name(type, index) + " but tensors[" +
+                     std::to_string(first.first) + "] is on " + device_name(first.type, first.index) +
+                     "; all must be on the same CUDA device");
     }
     ++t;
   }
-  if (tensors.empty()) throw AotError(kernel_text(spec) + " takes no tensor, so there is no device to launch it on");
+  if (first.first == tensors.size()) {
+    throw AotError(kernel_text(spec) + " takes no tensor, so there is no device to launch it on");
+  }
   return first;
 }
 
@@ -299,7 +306,7 @@ void pack(const KernelSpec& spec, const std::vector<Tensor>& tensors, const std:
     switch (a.kind) {
       case ArgKind::Pointer: {
         const size_t index = ti++;
-        if (no_data) break;
+        if (no_data || !tensors[index].defined()) break;  // undefined: null
         const auto address = reinterpret_cast<uint64_t>(tensors[index].data_ptr());
         if (a.divisor > 1 && address % uint64_t(a.divisor) != 0) {
           char hex[32];
@@ -382,7 +389,7 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
   if (meta_only) return;
   const int64_t programs = g[0] * g[1] * g[2];  // < 2^63 within the grid limits
   if (device.type == aoti_torch_device_type_cpu() && g_count_cpu_launches.load(std::memory_order_relaxed)) {
-    const Scratch scratch = allocate_scratch(spec, tensors[0], programs, launch);
+    const Scratch scratch = allocate_scratch(spec, tensors[device.first], programs, launch);
     g_counted_launches.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -395,7 +402,7 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
   if (g[0] == 0 || g[1] == 0 || g[2] == 0) return;
   launch.device = device.index;
   std::copy(g.begin(), g.end(), launch.grid);
-  const Scratch scratch = allocate_scratch(spec, tensors[0], programs, launch);
+  const Scratch scratch = allocate_scratch(spec, tensors[device.first], programs, launch);
   launch.stream = current_cuda_stream(launch.device);
   flash_attn_aot::launch(spec, launch);
 }
@@ -406,7 +413,7 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
 // row counts; each launch is then checked and launched exactly as aot_launch does. Layout, per
 // launch after the launch count:
 //   kernel, grid0, grid1, grid2,
-//   n_tensors, n_tensors indices into `tensors`,
+//   n_tensors, n_tensors indices into `tensors` (-1: a pointer the kernel does not read, passed null),
 //   n_ints, n_ints values,
 //   n_rows, n_rows pairs (index into this launch's ints, index into `rows`): that int is the row count,
 //   n_floats, n_floats IEEE doubles (their bit patterns).
@@ -432,11 +439,11 @@ class PlanReader {
     return data_[pos_++];
   }
 
-  // A count or index in [0, bound).
-  int64_t index(const char* what, int64_t bound) {
+  // A count or index in [0, bound); -1 too with `none`.
+  int64_t index(const char* what, int64_t bound, bool none = false) {
     const int64_t at = pos_;
     const int64_t v = next(what);
-    if (v < 0 || v >= bound) {
+    if ((v < 0 && !(none && v == -1)) || v >= bound) {
       throw AotError("plan entry " + std::to_string(at) + " (" + what + ") is " + std::to_string(v) +
                      ", outside 0.." + std::to_string(bound - 1));
     }
@@ -459,12 +466,15 @@ void run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std:
   std::vector<int64_t> grid(3), ints;
   std::vector<Tensor> launch_tensors;
   std::vector<double> floats;
+  std::optional<Tensor> none;
   for (int64_t l = 0; l < launches; ++l) {
     const int64_t kernel = read.next("a kernel id");
     for (int64_t& g : grid) g = read.next("a grid dimension");
     launch_tensors.clear();
     for (int64_t n = read.index("a tensor count", kMaxItems); n > 0; --n) {
-      launch_tensors.push_back(tensors[read.index("a tensor index", int64_t(tensors.size()))]);
+      const int64_t t = read.index("a tensor index", int64_t(tensors.size()), /*none=*/true);
+      if (t < 0 && !none) none.emplace();  // an undefined tensor
+      launch_tensors.push_back(t < 0 ? *none : tensors[t]);
     }
     ints.resize(size_t(read.index("an int count", kMaxItems)));
     for (int64_t& v : ints) v = read.next("an int");

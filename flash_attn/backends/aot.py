@@ -136,7 +136,8 @@ class _Packed(NamedTuple):
 class _Launches(NamedTuple):
     """A plan's launches as the op library runs them, in one ``aot_run`` call per attention call:
     ``plan`` (int64, the layout csrc/aot_ops.cpp's ``run_plan`` reads), the slots whose tensors the
-    call passes, in the order ``plan`` indexes them, and the row counts it reads per call."""
+    call passes, in the order ``plan`` indexes them (a pointer no kernel reads is passed null: no
+    tensor), and the row counts it reads per call."""
 
     plan: torch.Tensor
     names: tuple
@@ -148,11 +149,12 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
-def _launches(packed: tuple) -> _Launches:
+def _launches(packed: tuple, unused: frozenset = frozenset()) -> _Launches:
+    """``packed`` written as a plan; the slots in ``unused`` (pointers no kernel reads) passed null."""
     names, rows, plan = {}, {}, [len(packed)]
     for p in packed:
         plan += [p.kernel, *p.grid, *[1] * (3 - len(p.grid)), len(p.slots)]
-        plan += [names.setdefault(name, len(names)) for name in p.slots]
+        plan += [-1 if name in unused else names.setdefault(name, len(names)) for name in p.slots]
         per_call = [(i, rows.setdefault(v, len(rows))) for i, v in enumerate(p.ints) if isinstance(v, P.Rows)]
         plan += [len(p.ints), *[0 if isinstance(v, P.Rows) else v for v in p.ints], len(per_call)]
         plan += [n for pair in per_call for n in pair]
@@ -228,7 +230,9 @@ class _AotBackend(KernelBackend):
             if isinstance(kid, Refusal):
                 return kid
             packed.append(p._replace(kernel=kid))
-        return ready(plan, _launches(tuple(packed)))
+        unused = frozenset(b.slot for b in plan.buffers if b.unused)
+        run = ready(plan, _launches(tuple(packed), unused))
+        return run._replace(buffers=tuple(b for b in run.buffers if b[0] not in unused))  # none made for them
 
     def run(self, run: Ready, inputs: dict, device) -> tuple:
         tensors = slots(run, inputs, device)

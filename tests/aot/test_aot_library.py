@@ -328,11 +328,12 @@ def test_launch_limits_are_those_of_limits_py(ops, toy, toy_ptx):
 # ---------------------------------------------------------------------------------------------
 
 
-def _plan(*packed):
-    """The plan the aot backend writes for these launches (its own encoder, read by the library)."""
+def _plan(*packed, unused=()):
+    """The plan the aot backend writes for these launches (its own encoder, read by the library);
+    ``unused``: slots no kernel reads."""
     from flash_attn.backends import aot as aot_backend  # noqa: PLC0415
 
-    return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed))
+    return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed), frozenset(unused))
 
 
 def _read_plan(plan: torch.Tensor) -> list[dict]:
@@ -387,6 +388,31 @@ def test_run_checks_each_launch_as_aot_launch_does(ops, toy):
         ops.aot_run(good.plan, [OUT[1:]], [48])
     with pytest.raises(RuntimeError, match=r"unknown kernel id 123456"):
         ops.aot_run(_plan((123456, [1], ["out"], [16], [1.0])).plan, [OUT], [])
+
+
+def test_run_passes_a_pointer_no_kernel_reads_as_null(ops, toy, tmp_path):
+    """A slot the plan marks unused (the dense calls' absent cu_seqlens) is no tensor at all: index
+    -1, checked as nothing and packed as a null pointer; a launch needs one real tensor still."""
+    two = tmp_path / "two.ptx"
+    two.write_text(TOY_PTX.replace("\t.param .u32 toy_param_1,",
+                                   "\t.param .u64 .ptr .global .align 1 toy_param_1b,\n\t.param .u32 toy_param_1,"))
+    kernel = ops.aot_register_kernel(str(two), "toy", "*fp32, *i32, i32, fp32, global_scratch, profile_scratch", 4, 1, 0)
+    launch = (kernel, [1], ["out", "no_cu"], [16], [1.0])
+    assert _plan(launch).names == ("out", "no_cu")
+    null = _plan(launch, unused={"no_cu"})
+    assert null.names == ("out",) and _read_plan(null.plan)[0]["tensors"] == [0, -1]
+    ops.aot_run(null.plan, [OUT.to("meta")], [])  # the Meta kernel: checked without the second tensor
+    ops.aot_count_cpu_launches(True)
+    try:
+        before = ops.aot_counted_launches()
+        ops.aot_run(null.plan, [OUT], [])
+        assert ops.aot_counted_launches() == before + 1
+    finally:
+        ops.aot_count_cpu_launches(False)
+    with pytest.raises(RuntimeError, match="takes no tensor, so there is no device"):
+        ops.aot_run(_plan(launch, unused={"out", "no_cu"}).plan, [], [])
+    with pytest.raises(RuntimeError, match=re.escape("plan entry 6 (a tensor index) is -2")):
+        ops.aot_run(torch.tensor([1, kernel, 1, 1, 1, 2, -2], dtype=torch.int64), [OUT], [])
 
 
 @pytest.mark.parametrize(
