@@ -397,16 +397,22 @@ def eager_call(tensors) -> Optional[bool]:
     for the forward op, and 100 us or more where its generated autograd and mutation bookkeeping
     walk the ops' 16-19 arguments quadratically.
     """
-    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()):
+    if _is_compiling() or _function_mode() or _dispatch_modes() or _functorch_transforms():
         return None
-    grad, record = torch.is_grad_enabled(), False
+    grad, record = _grad_enabled(), False
     for t in tensors:
         if t is not None:
             if type(t) is not Tensor or t.is_meta:
                 return None
-            record = record or (grad and t.requires_grad)
+            if grad and not record:
+                record = t.requires_grad
     return record
+
+
+# eager_call's probes, looked up once (each attribute path costs a few tens of ns per call)
+_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
+_function_mode, _dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+_functorch_transforms = torch._C._are_functorch_transforms_active
 
 
 def direct_call_ok(tensors) -> bool:
