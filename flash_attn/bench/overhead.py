@@ -160,8 +160,10 @@ def stubbed_aot():
     family = configs.arch_family(archs.config_capability(capability, choice))
     images = aot._DeviceImages(manifest, choice.arch.name, Target(family, 132, aot=True))
     ops = aot.op_library.ops()
-    saved = (dispatch.chain, aot._device_images, custom_ops._checks_values)
-    dispatch.chain = lambda device: ("aot",)
+    # the dispatcher's own chain lookup runs (settings read, cache hit), deciding "aot" for the CPU
+    saved = (dispatch.route, dispatch._chains, aot._device_images, custom_ops._checks_values)
+    dispatch.route = lambda device: dispatch.Route(torch.device(device), ("aot",))
+    dispatch._chains = {}
     aot._device_images = lambda device: images
     custom_ops._checks_values = lambda t: validation.debug_checks()  # the rule for device tensors
     ops.aot_count_cpu_launches(True)
@@ -169,7 +171,7 @@ def stubbed_aot():
         yield ops.aot_counted_launches
     finally:
         ops.aot_count_cpu_launches(False)
-        dispatch.chain, aot._device_images, custom_ops._checks_values = saved
+        dispatch.route, dispatch._chains, aot._device_images, custom_ops._checks_values = saved
 
 
 def _time(fn: Callable, calls: int, repeats: int, sync: Callable[[], None], clock=time.perf_counter) -> list[float]:
