@@ -423,28 +423,45 @@ def direct_call_ok(tensors) -> bool:
 class _Attention(torch.autograd.Function):
     """The forward op's autograd formula (``_setup_context``, ``_backward``) for eager calls.
 
-    Its inputs are the op's floating-point tensors (q, k, v, alibi_slopes, qv, sinks) and one
-    tuple of the rest (the integer tensors, which have no gradient, the op's scalars, ``extra``
-    and the call's signature), its one output ``out``: the non-differentiable results (lse,
-    S_dmask, rng_state) leave through ``extra``, a list the caller passes, not as outputs autograd
-    would wrap and mark (each input and output costs the autograd machinery a fraction of a
-    microsecond to a microsecond per call)."""
+    Its inputs are q, k, v and one tuple of the rest (the integer tensors, which have no
+    gradient, the op's scalars, ``extra`` and the call's signature), its one output ``out``: the
+    non-differentiable results (lse, S_dmask, rng_state) leave through ``extra``, a list the caller
+    passes, not as outputs autograd would wrap and mark (each input and output costs the autograd
+    machinery a fraction of a microsecond to a microsecond per call). Calls with ALiBi slopes, qv
+    or sinks: :class:`_AttentionWithExtras`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rest):
+        return _recorded_forward(ctx, q, k, v, None, None, None, rest)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (*_backward(ctx, dout)[:3], None)  # the op's gradients: q, k, v first
+
+
+class _AttentionWithExtras(torch.autograd.Function):
+    """:class:`_Attention` with the ALiBi slopes (no gradient, as upstream's autograd input), MLA's
+    ``qv`` and the sinks as inputs too."""
 
     @staticmethod
     def forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest):
-        cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call = rest
-        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
-        # not an op's outputs: an unused rng_state may be a shared placeholder, an unrequested S_dmask None
-        output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
-        _setup_context(ctx, (*tensors, *scalars, None, qv, sinks), output)
-        ctx.call = call  # the backward's plan is found by it too
-        extra.extend(output[1:])
-        return output[0]
+        return _recorded_forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest)
 
     @staticmethod
     def backward(ctx, dout):
         grads = _backward(ctx, dout)  # the op's: the op's 7 tensors first, qv and sinks last
         return (*grads[:3], grads[6], *grads[-2:], None)
+
+
+def _recorded_forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest):
+    cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call = rest
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
+    # not an op's outputs: an unused rng_state may be a shared placeholder, an unrequested S_dmask None
+    output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
+    _setup_context(ctx, (*tensors, *scalars, None, qv, sinks), output)
+    ctx.call = call  # the backward's plan is found by it too
+    extra.extend(output[1:])
+    return output[0]
 
 
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars, qv=None, sinks=None,
@@ -471,8 +488,12 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
         return attention_forward(*tensors, *scalars, seed, qv, sinks)
     if record:
         extra: list = []
-        return (_Attention.apply(q, k, v, alibi_slopes, qv, sinks,
-                                 (cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call)), *extra)
+        rest = (cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call)
+        if plain and alibi_slopes is None:
+            out = _Attention.apply(q, k, v, rest)
+        else:
+            out = _AttentionWithExtras.apply(q, k, v, alibi_slopes, qv, sinks, rest)
+        return (out, *extra)
     return _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
 
 
