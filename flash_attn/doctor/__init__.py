@@ -33,6 +33,8 @@ check                      problem
                            PTX, Triton or only the reference backend covers it)
 ``triton-missing``         Triton is not installed although a GPU needs it
 ``gpu-backend``            a GPU that runs on the (slow) reference backend or only on Triton
+``forced-family``          ``FLASH_ATTN_FORCE_FAMILY`` is set: a GPU runs another family's launch
+                           configs (a measuring aid), or the aot backend refuses it there
 ``backend-env``            every call on a device raises with the environment as set: an invalid
                            ``FLASH_ATTN_BACKEND``, ``FLASH_ATTN_STRICT_BACKEND`` or
                            ``FLASH_ATTN_CPU_ONEDNN``, or a named backend that cannot run there

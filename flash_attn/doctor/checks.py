@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from flash_attn import dispatch, limits
+from flash_attn.aot import forced
 from flash_attn.aot.library import LIBRARY_ENV, LIBRARY_NAME, is_cpu_only_build
 from flash_attn.aot.manifest import DIR_ENV
 from flash_attn.doctor.facts import collect
@@ -430,6 +431,25 @@ def gpu_backend(facts: dict) -> list[Finding]:
     return [f for f in found if f is not None]
 
 
+def forced_family(facts: dict) -> list[Finding]:
+    """``FLASH_ATTN_FORCE_FAMILY`` is set: an NVIDIA GPU's calls are planned with another family's
+    launch configs (a measuring aid, :mod:`flash_attn.aot.forced`), or the aot backend refuses it."""
+    findings = []
+    for gpu in _gpus_torch_uses(facts):
+        name = gpu.get("forced_family")
+        if not name:
+            continue
+        if gpu.get("auto") == "aot":
+            detail = (f"the aot backend plans this GPU's calls with the {name} family's launch configs, from the "
+                      "installed image that carries them: the results are right, the speed is that of another GPU's "
+                      "tables on this one")
+        else:
+            detail = "the aot backend does not run here: " + ("; ".join(gpu.get("why_not_aot") or []) or "see above")
+        findings.append(Finding("forced-family", "warning", f"{_label(gpu)}: {forced.FORCE_ENV}={name} is set",
+                                detail, f"unset {forced.FORCE_ENV} outside such measurements"))
+    return findings
+
+
 def _settings_fix(error: str) -> str:
     if "cannot run on" in error:
         return f"unset {dispatch.BACKEND_ENV} (auto runs what can run on each device), or name a backend that runs there"
@@ -534,6 +554,7 @@ CHECKS: dict[str, Callable[[dict], list[Finding]]] = {
     "arch-not-shipped": arch_not_shipped,
     "triton-missing": triton_missing,
     "gpu-backend": gpu_backend,
+    "forced-family": forced_family,
     "backend-env": backend_env,
     "fused-ops": fused_ops,
     "other-gpus": other_gpus,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from flash_attn.aot import forced
 from flash_attn.aot.archs import select_image
 from flash_attn.doctor import probes
 from flash_attn.planning.families import gcn_processor
@@ -47,6 +48,8 @@ def merge_gpus(facts: dict) -> list[dict]:
                 choice = select_image((cap[0], cap[1]), shipped)
                 gpu["image"] = {"kind": choice.kind, "arch": choice.arch.name if choice.arch else None,
                                 "reason": choice.reason}
+            if forced.forced_family():
+                gpu["forced_family"] = forced.forced_family()
         backend = by_index.get(device["index"])
         if backend is not None:
             gpu["auto"] = backend["auto"]

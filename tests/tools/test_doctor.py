@@ -733,3 +733,31 @@ def test_intel_and_apple_gpus_run_the_reference_and_the_doctor_says_why(capsys, 
     _, report = run_json(capsys)
     finding = checks(report)["other-gpus"][0]
     assert finding["severity"] == "info" and kind in finding["summary"] and words in finding["detail"]
+
+
+# ---------------------------------------------------------------------------------------------
+# FLASH_ATTN_FORCE_FAMILY: a measuring aid the doctor names.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_forced_family_is_named_per_gpu(capsys, gpu_machine, monkeypatch):
+    """Set, every NVIDIA GPU gets a warning naming it; where the aot backend does not run (these
+    simulated GPUs never get it) the finding says so and why."""
+    gpu_machine(cuda_torch([A100]), driver([A100]))
+    status, report = run_json(capsys)
+    assert "forced-family" not in checks(report) and "forced_family" not in report["gpus"][0]
+    monkeypatch.setenv("FLASH_ATTN_FORCE_FAMILY", "sm86")
+    status, report = run_json(capsys)
+    (finding,) = checks(report, "warning")["forced-family"]
+    assert "FLASH_ATTN_FORCE_FAMILY=sm86" in finding["summary"] and "A100" in finding["summary"]
+    assert finding["detail"].startswith("the aot backend does not run here: ")
+    assert "unset FLASH_ATTN_FORCE_FAMILY" in finding["fix"] and report["gpus"][0]["forced_family"] == "sm86"
+
+
+def test_a_forced_family_that_runs_says_whose_tables_run():
+    from flash_attn.doctor import checks as doctor_checks  # noqa: PLC0415
+
+    gpu = {"index": 0, "name": "NVIDIA H200", "capability": [9, 0], "arch": "sm_90", "seen_by": "torch",
+           "auto": "aot", "why_not_aot": [], "forced_family": "sm80"}
+    (finding,) = doctor_checks.forced_family({"gpus": [gpu], "torch": cuda_torch([gpu])})
+    assert finding.severity == "warning" and "sm80 family's launch configs" in finding.detail
