@@ -253,7 +253,10 @@ def route(device: torch.device) -> Route:
 def chain(device: torch.device) -> tuple[str, ...]:
     """The backends a call on ``device`` may run on, in order (:func:`route`, worked out once
     per process and setting)."""
-    key = (_raw_setting(BACKEND_ENV), _raw_setting(STRICT_ENV), device)  # the raw settings: read on a miss
+    if _environ_bytes is not None:  # the raw settings (a cache key; read as settings on a miss)
+        key = (_environ_bytes.get(_BACKEND_KEY), _environ_bytes.get(_STRICT_KEY), device)
+    else:
+        key = (os.environ.get(BACKEND_ENV), os.environ.get(STRICT_ENV), device)
     found = _chains.get(key)
     if found is None:
         decided = route(device)
@@ -266,15 +269,8 @@ def chain(device: torch.device) -> tuple[str, ...]:
 
 # Read on every call: ``os.environ.get`` costs ~0.5 us (a Mapping method and a key encoding), the
 # process environment's own dict (bytes keys on POSIX) a tenth of that; the same values either way.
-_environ_data = getattr(os.environ, "_data", None)
-_ENCODED = {name: os.fsencode(name) for name in (BACKEND_ENV, STRICT_ENV)}
-
-
-def _raw_setting(name: str):
-    """``name``'s raw value in the environment, encoded or not (a cache key, not a setting)."""
-    if _environ_data is not None and os.name == "posix":
-        return _environ_data.get(_ENCODED[name])
-    return os.environ.get(name)
+_environ_bytes = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_BACKEND_KEY, _STRICT_KEY = os.fsencode(BACKEND_ENV), os.fsencode(STRICT_ENV)
 
 
 def reset() -> None:
