@@ -454,6 +454,7 @@ class _AttentionWithExtras(torch.autograd.Function):
 
 
 def _recorded_forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest):
+    """Both records' forward: the op's body, its autograd context, the other results into ``extra``."""
     cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call = rest
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
     # not an op's outputs: an unused rng_state may be a shared placeholder, an unrequested S_dmask None

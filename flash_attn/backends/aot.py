@@ -159,7 +159,7 @@ def _launches(packed: tuple, unused: frozenset = frozenset()) -> _Launches:
         plan += [len(p.ints), *[0 if isinstance(v, P.Rows) else v for v in p.ints], len(per_call)]
         plan += [n for pair in per_call for n in pair]
         plan += [len(p.floats), *map(_float_bits, p.floats)]
-    # the device said: a default device set by the caller (torch.set_default_device) must not move it
+    # on the CPU whatever the caller's default device (torch.set_default_device): the library reads it on the host
     return _Launches(torch.tensor(plan, dtype=torch.int64, device="cpu"), tuple(names), tuple(rows), packed)
 
 
