@@ -457,7 +457,7 @@ def _recorded_forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest):
     """Both records' forward: the op's body, its autograd context, the other results into ``extra``."""
     cu_seqlens_q, cu_seqlens_k, block_table, scalars, extra, call = rest
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
-    # not an op's outputs: an unused rng_state may be a shared placeholder, an unrequested S_dmask None
+    # not an op's outputs: an unused rng_state (no dropout) and an unrequested S_dmask are None
     output = _forward_run(*tensors, *scalars[:-1], False, None, qv, sinks, call)
     _setup_context(ctx, (*tensors, *scalars, None, qv, sinks), output)
     ctx.call = call  # the backward's plan is found by it too

@@ -9,7 +9,6 @@ the compiler), so they never cause a graph break.
 from __future__ import annotations
 
 import itertools
-
 import math
 import operator
 import os

@@ -244,12 +244,11 @@ class KernelBackend:
             return found
         target, cache = found
         if call is None:
-            key = (planner, shape, target)  # plans do not depend on the device (its target aside)
-            executable = cache.get(key, lambda: self._make(planner, shape, target, device))
+            executable = self._by_shape(cache, planner, shape, target, device)
         else:
             # one lookup per call signature; a new one is described and shares the shape's plan
             executable = cache.get((planner, call, target),
-                                   lambda: self._prepare_shape(planner, shape(), target, device))
+                                   lambda: self._by_shape(cache, planner, shape(), target, device))
         if isinstance(executable, Refusal):
             return executable
         run = self.run
@@ -257,8 +256,9 @@ class KernelBackend:
             return lambda: run(executable, inputs, device) + tail
         return lambda: run(executable, inputs, device)
 
-    def _prepare_shape(self, planner, shape, target, device):
-        return self.plan_cache(device).get((planner, shape, target), lambda: self._make(planner, shape, target, device))
+    def _by_shape(self, cache: PlanCache, planner, shape, target, device):
+        # plans do not depend on the device (its target aside)
+        return cache.get((planner, shape, target), lambda: self._make(planner, shape, target, device))
 
     def _make(self, planner, shape, target, device):
         plan = planner(shape, target)
