@@ -120,16 +120,21 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax, sinks)
-    if seed is None or dropout_p == 0.0:
+    if dropout_p == 0.0 and not fresh:
+        rng_state = None
+    elif seed is None or dropout_p == 0.0:
         rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
     else:
         rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
-    extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
-    out, lse, s_dmask = dispatch.run(
-        "forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes, return_softmax=return_softmax,
-        **extras,
-    )
+    found = None
+    if call is not None and varlen is None and dropout_p == 0.0:
+        found = dispatch.run_known("forward", q.device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax)
+    if found is None:
+        params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
+        extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
+        found = dispatch.run("forward", q.device, q, k, v, params, varlen=varlen, alibi_slopes=alibi_slopes,
+                             return_softmax=return_softmax, **extras)
+    out, lse, s_dmask = found
     if s_dmask is None:
         s_dmask = _empty_softmax(q) if fresh else None
     else:
@@ -234,12 +239,16 @@ def _backward_run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_tab
         dqv = None if qv is None else qv.new_zeros(qv.shape)
         dsinks = None if sinks is None else sinks.new_zeros(sinks.shape)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dqv, dsinks
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
-    extras = {} if qv is None else dict(qv=qv)
-    grads = dispatch.run(
-        "backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen, alibi_slopes=alibi_slopes,
-        deterministic=deterministic, return_delta=sinks is not None, **extras,
-    )
+    grads = None
+    if call is not None and varlen is None and dropout_p == 0.0:
+        grads = dispatch.run_known("backward", q.device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic,
+                                   sinks is not None)
+    if grads is None:
+        params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
+        extras = {} if qv is None else dict(qv=qv)
+        grads = dispatch.run("backward", q.device, dout, q, k, v, out, lse, params, varlen=varlen,
+                             alibi_slopes=alibi_slopes, deterministic=deterministic, return_delta=sinks is not None,
+                             **extras)
     dq, dk, dv = grads[:3]
     if qv is not None:
         dqv = grads[3].contiguous()
@@ -337,13 +346,17 @@ def _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cach
         _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
     if q.shape[0] == 0:  # no sequence: nothing to append, nothing to attend
         return _kvcache_fake(q, k_cache, v_cache)
-    params = AttentionParams(softmax_scale, window_left, window_right, softcap, call=call)
     cache = KVCacheInputs(
         k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
         rotary_cos, rotary_sin, rotary_interleaved, num_splits,
     )
-    extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
-    out, lse = dispatch.run("forward_kvcache", q.device, q, params, cache, alibi_slopes=alibi_slopes, **extras)
+    found = None if call is None else dispatch.run_known("forward_kvcache", q.device, call, q, cache, alibi_slopes,
+                                                         sinks, qv)
+    if found is None:
+        params = AttentionParams(softmax_scale, window_left, window_right, softcap, call=call)
+        extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
+        found = dispatch.run("forward_kvcache", q.device, q, params, cache, alibi_slopes=alibi_slopes, **extras)
+    out, lse = found
     return out.contiguous(), lse.contiguous()
 
 

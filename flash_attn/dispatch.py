@@ -279,9 +279,18 @@ def reset() -> None:
     _chains.clear()
     _warned.clear()
     _failed.clear()
+    _routes.clear()
 
 
-_routes: dict[tuple[str, str], Optional[Callable]] = {}
+_routes: dict[tuple[str, str, str], Optional[Callable]] = {}
+
+
+def _route(name: str, kind: str, op: str) -> Optional[Callable]:
+    """Backend ``name``'s ``direct`` or ``known`` route of ``op`` (``None``: it has none)."""
+    route = _routes.get((name, kind, op), _routes)
+    if route is _routes:
+        route = _routes[name, kind, op] = getattr(_load(name)[0], kind).get(op)
+    return route
 
 
 def run_direct(op: str, device: torch.device, *args):
@@ -290,12 +299,36 @@ def run_direct(op: str, device: torch.device, *args):
     such route or its route does not take this call (then the caller runs the op). Callers make
     sure the call is eager (nothing traces it); the backend decides everything else."""
     name = chain(device)[0]
-    route = _routes.get((name, op), _routes)
-    if route is _routes:
-        route = _routes[name, op] = _load(name)[0].direct.get(op)
+    route = _route(name, "direct", op)
     if route is None or name in _failed:
         return None
     result = route(*args)
+    if result is not None:
+        _thread.backend = name
+    return result
+
+
+def run_known(op: str, device: torch.device, call: int, *args):
+    """``op``'s results from the first backend of ``device``'s chain when it already holds the plan
+    of this call (its ``Backend.known[op]``: the kernel backends, for the checked signature
+    ``call`` and the pointers' alignment), else ``None``: then the caller takes :func:`run`, which
+    also tells and fails over when the backend fails on the call (a failure here is left to it).
+    Only for eager calls without dropout and without packed sequences; ``args`` per op:
+
+    - ``forward``: q, k, v, alibi_slopes, sinks, qv, return_softmax -> (out, lse, s_dmask);
+    - ``backward``: dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta;
+    - ``forward_kvcache``: q, cache (:class:`~flash_attn.params.KVCacheInputs`), alibi_slopes, sinks, qv.
+    """
+    name = chain(device)[0]
+    route = _route(name, "known", op)
+    if route is None or name in _failed:
+        return None
+    try:
+        result = route(device, call, *args)
+    except Exception as exc:
+        if _backend_failure(name, exc) is None:
+            raise
+        return None
     if result is not None:
         _thread.backend = name
     return result

@@ -15,6 +15,7 @@ run in order, its result slots returned. Nothing reads a tensor value on the hos
 from __future__ import annotations
 
 import threading
+from operator import itemgetter
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -50,6 +51,10 @@ class PlanCache:
                 self._values[key] = value
         return value
 
+    def peek(self, key):
+        """The value held for ``key``, or ``None`` (nothing made)."""
+        return self._values.get(key)
+
     def keeps(self, value) -> bool:
         """Whether a value just made is remembered (every one here)."""
         return True
@@ -66,15 +71,15 @@ class PlanCache:
 # The call's tensors, by slot name
 
 
-def forward_inputs(q, k, v, params, varlen=None, alibi_slopes=None, sinks=None, qv=None) -> dict:
-    inputs = dict(q=q, k=k, v=v, alibi=alibi_slopes, seed=params.dropout_seed, sinks=sinks, qv=qv)
+def forward_inputs(q, k, v, seed, varlen=None, alibi_slopes=None, sinks=None, qv=None) -> dict:
+    inputs = dict(q=q, k=k, v=v, alibi=alibi_slopes, seed=seed, sinks=sinks, qv=qv)
     if varlen is not None:
         inputs.update(cu_q=varlen.cu_seqlens_q, cu_k=varlen.cu_seqlens_k, block_table=varlen.block_table)
     return inputs
 
 
-def backward_inputs(dout, q, k, v, out, lse, params, varlen=None, alibi_slopes=None, grads=None) -> dict:
-    inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi=alibi_slopes, seed=params.dropout_seed)
+def backward_inputs(dout, q, k, v, out, lse, seed, varlen=None, alibi_slopes=None, grads=None) -> dict:
+    inputs = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, alibi=alibi_slopes, seed=seed)
     if varlen is not None:
         inputs.update(cu_q=varlen.cu_seqlens_q, cu_k=varlen.cu_seqlens_k)
     if grads is not None:
@@ -143,12 +148,21 @@ class Ready(NamedTuple):
     buffers: tuple  # (slot, device -> tensor)
     launches: tuple
     fixed: bool = False
+    results: Callable[[dict], tuple] = None  # the call's tensors by slot -> the plan's results
 
 
 def ready(plan: P.Plan, launches: Optional[tuple] = None) -> Ready:
     return Ready(plan, tuple((b.slot, _allocator(b)) for b in plan.buffers),
                  plan.launches if launches is None else launches,
-                 not (plan.rows or plan.needs_seed or plan.prepare))
+                 not (plan.rows or plan.needs_seed or plan.prepare), picker(plan.results))
+
+
+def picker(names: tuple) -> Callable[[dict], tuple]:
+    """``mapping -> tuple`` of the values of ``names``, in order (one C call: ``itemgetter``)."""
+    if len(names) == 1:
+        one = itemgetter(names[0])
+        return lambda mapping: (one(mapping),)
+    return itemgetter(*names) if names else lambda mapping: ()
 
 
 def slots(run: Ready, inputs: dict, device) -> dict:
@@ -179,7 +193,7 @@ def execute(run: Ready, inputs: dict, device, run_launch: Callable) -> tuple:
     tensors = slots(run, inputs, device)
     for launch in run.launches:
         run_launch(launch, tensors, device)
-    return tuple([tensors[slot] for slot in run.plan.results])
+    return run.results(tensors)
 
 
 def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
@@ -268,7 +282,7 @@ class KernelBackend:
 
     def prepare_forward(self, q, k, v, params, *, varlen=None, alibi_slopes=None, return_softmax=False, sinks=None,
                         qv=None):
-        inputs = forward_inputs(q, k, v, params, varlen, alibi_slopes, sinks, qv)
+        inputs = forward_inputs(q, k, v, params.dropout_seed, varlen, alibi_slopes, sinks, qv)
         tail = () if return_softmax else (None,)  # the plan returns S_dmask only when asked for
         if params.call is None or varlen is not None:
             shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
@@ -283,7 +297,7 @@ class KernelBackend:
                          deterministic=False, grads=None, return_delta=False, qv=None):
         # deterministic: the split kernels (no atomics) instead of the fused one; grads: the
         # caller's (dq, dk, dv), written in place where laid out as the kernels write; qv: refused
-        inputs = backward_inputs(dout, q, k, v, out, lse, params, varlen, alibi_slopes, grads)
+        inputs = backward_inputs(dout, q, k, v, out, lse, params.dropout_seed, varlen, alibi_slopes, grads)
         if params.call is None or varlen is not None or grads is not None:
             shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
                                         return_delta, qv)
@@ -307,13 +321,48 @@ class KernelBackend:
         return self._prepare(P.plan_kvcache, lambda: P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv),
                              inputs, q.device, _call_key(params, tuple(inputs.values())))
 
+    # --- calls whose plan is held: an eager call with a checked signature, without dropout -------
+    # (what :meth:`_prepare` would find by the same key, run without the dispatcher's preparation)
+
+    def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax):
+        inputs = forward_inputs(q, k, v, None, None, alibi_slopes, sinks, qv)
+        executable = self._held(device, P.plan_forward, _plan_key(call, (q, k, v, alibi_slopes, sinks, qv)))
+        if executable is None:
+            return None
+        results = self.run(executable, inputs, device)
+        return results if return_softmax else (*results, None)
+
+    def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta):
+        key = _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv),
+                        (dout.stride(), bool(deterministic), bool(return_delta)))
+        executable = self._held(device, P.plan_backward, key)
+        if executable is None:
+            return None
+        return self.run(executable, backward_inputs(dout, q, k, v, out, lse, None, None, alibi_slopes), device)
+
+    def known_forward_kvcache(self, device, call, q, cache, alibi_slopes, sinks, qv):
+        inputs = kvcache_inputs(q, cache, alibi_slopes, sinks, qv)
+        executable = self._held(device, P.plan_kvcache, _plan_key(call, tuple(inputs.values())))
+        return None if executable is None else self.run(executable, inputs, device)
+
+    def _held(self, device, planner, key: tuple):
+        """The executable :meth:`_prepare` holds for ``planner`` and the call ``key``, or ``None``."""
+        found = self.target_and_plans(device)
+        if isinstance(found, Refusal):
+            return None
+        target, cache = found
+        executable = cache.peek((planner, key, target))
+        return None if isinstance(executable, Refusal) else executable
+
     def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
         """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its
         plans or images do not serve (its plain ``forward``/``backward``/``forward_kvcache``
-        raise :class:`KernelsCannotRun` for those instead)."""
+        raise :class:`KernelsCannotRun` for those instead), and its ``known_*`` routes."""
         return Backend(self.name, unavailable_reason,
                        {"forward": self.prepare_forward, "backward": self.prepare_backward,
-                        "forward_kvcache": self.prepare_forward_kvcache}, failure=failure)
+                        "forward_kvcache": self.prepare_forward_kvcache}, failure=failure,
+                       known={"forward": self.known_forward, "backward": self.known_backward,
+                              "forward_kvcache": self.known_forward_kvcache})
 
     def forward(self, *args, **kwargs):
         return _run_or_raise(self.name, "forward", self.prepare_forward(*args, **kwargs))
@@ -326,19 +375,23 @@ class KernelBackend:
 
 
 def _call_key(params, tensors: tuple, more: tuple = ()) -> tuple:
-    """The plan key of a call with a checked signature (``params.call``): the signature, what the
-    layers below add (``more``; the dropout seed's layout is fixed, only its pointer varies) and
-    the data pointers' alignment, the one thing a plan reads that the signature does not hold:
-    ``True`` when every tensor is aligned (one test), else each one's."""
+    """:func:`_plan_key` of ``params.call`` (the dropout seed's layout is fixed, only its pointer varies)."""
     seed = params.dropout_seed if params.dropout_p and isinstance(params.dropout_seed, torch.Tensor) else None
+    return _plan_key(params.call, tensors, more, seed)
+
+
+def _plan_key(call, tensors: tuple, more: tuple = (), seed: Optional[torch.Tensor] = None) -> tuple:
+    """The plan key of a call with a checked signature (``call``): the signature, what the layers
+    below add (``more``) and the data pointers' alignment, the one thing a plan reads that the
+    signature does not hold: ``True`` when every tensor is aligned (one test), else each one's."""
     pointers = 0 if seed is None else seed.data_ptr()
     for t in tensors:
         if t is not None:
             pointers |= t.data_ptr()
     if pointers % limits.POINTER_ALIGNMENT == 0:
-        return params.call, more, True
+        return call, more, True
     aligned = tuple(t is None or t.data_ptr() % limits.POINTER_ALIGNMENT == 0 for t in (*tensors, seed))
-    return params.call, more, aligned
+    return call, more, aligned
 
 
 class KernelsCannotRun(RuntimeError):

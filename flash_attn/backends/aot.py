@@ -26,14 +26,14 @@ from __future__ import annotations
 import re
 import struct
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from flash_attn import limits
 from flash_attn.aot import forced, library as op_library, specializations as S
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
-from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, ready, slots
+from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, picker, ready, slots
 from flash_attn.backends.contract import nvidia_cuda_reason
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
@@ -143,6 +143,8 @@ class _Launches(NamedTuple):
     names: tuple
     rows: tuple
     packed: tuple  # the _Packed launches ``plan`` was written from
+    tensors: Callable[[dict], tuple]  # the call's tensors by slot -> the ones ``plan`` indexes, in order
+    row_counts: Callable[[dict], tuple]  # ... -> the row counts
 
 
 def _float_bits(value: float) -> int:
@@ -160,7 +162,8 @@ def _launches(packed: tuple, unused: frozenset = frozenset()) -> _Launches:
         plan += [n for pair in per_call for n in pair]
         plan += [len(p.floats), *map(_float_bits, p.floats)]
     # on the CPU whatever the caller's default device (torch.set_default_device): the library reads it on the host
-    return _Launches(torch.tensor(plan, dtype=torch.int64, device="cpu"), tuple(names), tuple(rows), packed)
+    return _Launches(torch.tensor(plan, dtype=torch.int64, device="cpu"), tuple(names), tuple(rows), packed,
+                     picker(tuple(names)), picker(tuple(rows)))
 
 
 _registered: dict[tuple, int] = {}
@@ -237,13 +240,12 @@ class _AotBackend(KernelBackend):
     def run(self, run: Ready, inputs: dict, device) -> tuple:
         tensors = slots(run, inputs, device)
         _launch(run.launches, tensors)
-        return tuple([tensors[slot] for slot in run.plan.results])
+        return run.results(tensors)
 
 
 def _launch(launches: _Launches, tensors: dict) -> None:
     """Every launch of a call: one op call (its checks, then the launches on the current stream)."""
-    rows = [tensors[r] for r in launches.rows] if launches.rows else ()
-    _run_op()(launches.plan, [tensors[name] for name in launches.names], rows)
+    (_op or _run_op())(launches.plan, launches.tensors(tensors), launches.row_counts(tensors))
 
 
 def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:

@@ -48,6 +48,9 @@ Runner = Callable[[], tuple]
 Prepare = Callable[..., Union[Runner, Refusal]]
 # direct(*args of the flash_attn::<op> custom op) -> the op's outputs, or None: the call is not taken.
 Direct = Callable[..., Optional[tuple]]
+# known(device, call, *tensors and options) -> the op's results, or None: no plan held for the call
+# (see :func:`flash_attn.dispatch.run_known` for the arguments of each op).
+Known = Callable[..., Optional[tuple]]
 
 
 @dataclass(slots=True)
@@ -57,7 +60,9 @@ class Backend:
     ``unavailable_reason(device)``: ``None`` when the backend can run tensors on ``device``, else a
     sentence saying why not. ``prepare``: one :data:`Prepare` per op of :data:`OPS`. ``direct``:
     optional eager routes around the custom op (only the ``cpu`` backend has one, for the plain
-    forward calls it takes; see :func:`flash_attn.dispatch.run_direct`). ``failure``: the
+    forward calls it takes; see :func:`flash_attn.dispatch.run_direct`). ``known``: optional
+    routes for eager calls whose checked signature the backend already holds a plan for (the kernel
+    backends; :func:`flash_attn.dispatch.run_known`). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
     the next backend. ``settings_error()``: why the backend's own environment settings are invalid
@@ -71,13 +76,15 @@ class Backend:
     direct: Mapping[str, Direct] = field(default_factory=lambda: MappingProxyType({}))
     failure: Optional[type[BaseException]] = None
     settings_error: Callable[[], Optional[str]] = lambda: None
+    known: Mapping[str, Known] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self):
-        if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS):
-            raise ValueError(f"backend {self.name!r}: prepare must name exactly {OPS}, direct a subset "
-                             f"(got {sorted(self.prepare)}, {sorted(self.direct)})")
+        if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS) or not set(self.known) <= set(OPS):
+            raise ValueError(f"backend {self.name!r}: prepare must name exactly {OPS}, direct and known a subset "
+                             f"(got {sorted(self.prepare)}, {sorted(self.direct)}, {sorted(self.known)})")
         self.prepare = MappingProxyType(dict(self.prepare))
         self.direct = MappingProxyType(dict(self.direct))
+        self.known = MappingProxyType(dict(self.known))
 
 
 def runs_every_call(name: str, unavailable_reason, forward, backward, forward_kvcache,
