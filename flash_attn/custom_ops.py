@@ -11,7 +11,9 @@ and for CUDA tensors only with ``FLASH_ATTN_DEBUG=1``.
 Eager calls go around PyTorch's dispatcher (:func:`eager_call`), and an eager forward first
 offers itself to the chosen backend's own route (:func:`flash_attn.dispatch.run_direct`: the cpu
 backend's plain calls, one fused-kernel call with PyTorch's own autograd formula): on the CPU the
-Python between the public function and the kernel is a large part of a short call.
+Python between the public function and the kernel is a large part of a short call. The op bodies
+of eager calls with a checked signature (``call``) first ask for the plan the backend holds for it
+(:func:`flash_attn.dispatch.run_known`), then take the general route.
 """
 
 from __future__ import annotations

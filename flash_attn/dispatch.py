@@ -28,7 +28,10 @@ backend and leave it unchanged).
 
 Eager calls (:func:`flash_attn.custom_ops.eager_call`) may first take the chosen backend's own
 route around the op and the general plan (:func:`run_direct`; the ``cpu`` backend's plain calls):
-the backend decides which calls it takes.
+the backend decides which calls it takes. An eager call whose checked signature the first backend
+already holds a plan for (the kernel backends' second and later calls of a shape) runs that plan
+without the general route's preparation (:func:`run_known`); a failure there goes to the general
+route, which tells and fails over as always.
 
 CUDA-graph capture: the reference backend reads tensor values on the host, which capture
 forbids. A CUDA call that would run on it while the stream is capturing raises

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache, validation
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, validation
 from flash_attn.backends import triton as triton_backend
 from flash_attn.backends._execute import PlanCache
 from flash_attn.planning import plan as P
@@ -155,3 +155,126 @@ def test_a_changed_backend_setting_is_read_on_every_call(launches, monkeypatch):
     want = torch.softmax(q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2) / 8.0, -1) \
         @ v.double().transpose(1, 2)
     torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The known route (dispatch.run_known): an eager call whose plan the first backend already holds
+# runs it without the dispatcher's general route; anything else takes that route.
+
+
+@pytest.fixture
+def general_route(monkeypatch) -> list:
+    """The ops that took the dispatcher's general route (``dispatch.run``) from now on."""
+    taken: list = []
+    real = dispatch.run
+    monkeypatch.setattr(dispatch, "run", lambda op, *a, **kw: taken.append(op) or real(op, *a, **kw))
+    return taken
+
+
+def _decode_step(g):
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).half() for _ in range(2))
+    q = torch.randn(2, 1, 4, 64, generator=g).half()
+    return q, k_cache, v_cache, torch.tensor([5, 9], dtype=torch.int32)
+
+
+def test_a_held_plan_runs_without_the_general_route(launches, general_route):
+    """The second call of a signature (forward, its backward, a decode step) takes the known route
+    and makes the very launches the first one made (the described plan's, checked above)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 64, 4, 64))
+    dout = torch.randn(2, 64, 4, 64).half()
+    step = _decode_step(torch.Generator().manual_seed(2))
+    made = []
+    for _ in range(2):
+        launches.clear()
+        flash_attn_func(q, k, v, causal=True).backward(dout)
+        flash_attn_with_kvcache(step[0], step[1], step[2], cache_seqlens=step[3], causal=True)
+        made.append(list(launches))
+        assert dispatch.last_backend() == "triton"
+    assert general_route == ["forward", "backward", "forward_kvcache"]  # the first calls only
+    assert made[0] == made[1] and made[0]
+
+
+def test_forgotten_plans_are_made_again_on_the_general_route(launches, general_route, monkeypatch):
+    q, k, v = _qkv(2, 64, 4, 64)
+    flash_attn_func(q, k, v, causal=True)
+    triton_backend._backend.forget_plans()  # the tuning sweep's: the launch configs changed
+    described = _described(monkeypatch)
+    flash_attn_func(q, k, v, causal=True)
+    assert general_route == ["forward", "forward"] and described == [1]
+
+
+def test_dropout_and_packed_calls_take_the_general_route(launches, general_route):
+    q, k, v = _qkv(2, 64, 4, 64)
+    for _ in range(2):
+        flash_attn_func(q, k, v, dropout_p=0.1)  # the seed is drawn per call
+    cu = torch.tensor([0, 50, 128], dtype=torch.int32)
+    packed = [t.reshape(128, 4, 64) for t in (q, k, v)]
+    for _ in range(2):
+        flash_attn_varlen_func(*packed, cu, cu, 78, 78)
+    assert general_route == ["forward"] * 4
+
+
+def test_a_backend_failure_on_the_known_route_fails_over_as_the_general_route_does(launches, monkeypatch):
+    """A backend that fails on a later call of a held plan: the call is run by the next backend
+    with the same warning as on the general route, and later calls go there."""
+    q, k, v = _qkv(1, 32, 2, 64)
+    flash_attn_func(q, k, v)
+    assert launches
+
+    def broken(launch, tensors, device):
+        raise triton_backend.BackendFailed("Triton cannot write its cache directory (read-only)", "set TRITON_CACHE_DIR",
+                                           "backend")
+
+    monkeypatch.setattr(triton_backend._backend, "run_launch", broken)
+    with pytest.warns(UserWarning, match="the triton backend failed on first use: Triton cannot write its cache"):
+        out = flash_attn_func(q, k, v)
+    assert dispatch.last_backend() == "reference"
+    want = torch.softmax(q.double().transpose(1, 2) @ k.double().permute(0, 2, 3, 1) / 8.0, -1) @ v.double().transpose(1, 2)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=2e-3, atol=2e-3)
+    flash_attn_func(q, k, v)
+    assert dispatch.last_backend() == "reference"
+
+
+def test_an_error_that_is_not_a_backend_failure_is_raised_from_the_known_route(launches, monkeypatch):
+    q, k, v = _qkv(1, 32, 2, 64)
+    flash_attn_func(q, k, v)
+
+    def broken(launch, tensors, device):
+        raise MemoryError("no memory for the launch")
+
+    monkeypatch.setattr(triton_backend._backend, "run_launch", broken)
+    with pytest.raises(MemoryError, match="no memory for the launch"):
+        flash_attn_func(q, k, v)
+
+
+def test_the_known_route_computes_what_the_oracle_does(general_route, monkeypatch):
+    """The Triton kernels in Triton's interpreter: the second forward + backward and decode step of
+    a signature (the known route) against the float64 oracle."""
+    from support.oracle import attention_ref, kvcache_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import backward_floor, check_close  # noqa: PLC0415
+
+    reason = dispatch.unavailable_reason("interpret", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"interpret backend unavailable: {reason}")
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 24, 2, 32, generator=g).half() for _ in range(4))
+    ref, ref_grads, naive, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, causal=True)
+    floor = backward_floor(q, k, v, dout, probs=ref.probs)
+    step_q, k_cache, v_cache = (torch.randn(2, 1, 2, 32, generator=g).half(),
+                                *(torch.randn(2, 40, 1, 32, generator=g).half() for _ in range(2)))
+    seqlens = torch.tensor([7, 33], dtype=torch.int32)
+    step_ref = kvcache_ref(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    step_naive = kvcache_ref(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, compute_dtype=None)
+    for _ in range(2):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = flash_attn_func(qg, kg, vg, causal=True)
+        out.backward(dout)
+        check_close(out, ref.out, naive.out, torch.float16, "out")
+        for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
+            check_close(t.grad, want, approx, torch.float16, name, grad=True, floor=floor)
+        step_out = flash_attn_with_kvcache(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        check_close(step_out, step_ref.out, step_naive.out, torch.float16, "decode out")
+        assert dispatch.last_backend() == "interpret"
+    assert general_route == ["forward", "backward", "forward_kvcache"]
