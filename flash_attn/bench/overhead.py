@@ -229,6 +229,7 @@ def _stage_functions() -> list[tuple]:
         ("host value checks (CPU tensors)", custom_ops, "_check_varlen_values"),
         ("host value checks (CPU tensors)", custom_ops, "_check_kvcache_values"),
         ("dispatch", dispatch, "run"),
+        ("dispatch, the plan held for the signature", dispatch, "run_known"),
         ("allocation (inputs prepared, buffers)", aot, "slots"),
         ("the op library's call (the CUDA launch stubbed)", aot, "_launch"),
     ]
@@ -246,13 +247,14 @@ class _Stage:
 def _record_stages(fn: Callable) -> list[_Stage]:
     """One call of ``fn`` with the stage functions wrapped: each stage's first arguments, how
     often it runs per call, and the stage it runs inside. ``dispatch.run`` adds two stages of its
-    own per op: the backend's plan lookup (describe the call, find its plan) and the execution."""
+    own per op: the backend's plan lookup (describe the call, find its plan) and the execution
+    (``dispatch.run_known``, the route of a held plan, is one stage: its own time is the lookup)."""
     stages: dict[tuple, _Stage] = {}
     stack: list[_Stage] = []
     saved = []
 
     def wrap(label, module, name, original):
-        is_dispatch = module is dispatch and name == "run"
+        is_dispatch = module is dispatch and name in ("run", "run_known")
         def recording(*args, **kwargs):
             op = f" ({args[0]})" if is_dispatch else ""
             key = (label + op, stack[-1].label if stack else None)

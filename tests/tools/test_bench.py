@@ -863,8 +863,9 @@ def test_overhead_device_mode_needs_a_gpu(tmp_path, capsys):
 
 def test_overhead_stage_breakdown_nests_the_stages():
     """The per-stage breakdown of a forward and a decode step (stubbed aot): the stages a call
-    runs, nested as they run, the dispatcher split into plan lookup and execution, and no stage
-    dearer than the whole call it is part of (with slack for timing noise on a shared machine)."""
+    runs, nested as they run (a repeated call: the dispatcher's route of the plan held for its
+    signature), and no stage dearer than the whole call it is part of (with slack for timing noise
+    on a shared machine)."""
     from flash_attn.bench import overhead  # noqa: PLC0415
 
     try:
@@ -880,12 +881,19 @@ def test_overhead_stage_breakdown_nests_the_stages():
             names = [(r["depth"], r["stage"]) for r in rows]
             op = "forward" if case == "forward" else "forward_kvcache"
             assert names[:3] == [(0, "the whole call"), (1, "metadata checks"), (1, entry)]
-            assert (2, f"dispatch ({op})") in names
-            assert (3, f"plan lookup ({op}: describe the call, find its plan)") in names
-            assert (4, "allocation (inputs prepared, buffers)") in names
+            assert (2, f"dispatch, the plan held for the signature ({op})") in names
+            assert (3, "allocation (inputs prepared, buffers)") in names
+            assert (3, "the op library's call (the CUDA launch stubbed)") in names
+            assert not any("plan lookup" in name for _, name in names)  # the general route not taken
             assert all(r["us"] >= 0 and r["count"] >= 1 for r in rows)  # the stubbed launch may round to 0
             assert rows[0]["us"] > 0 and all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
             text = overhead.stages_text(rows)
-            assert "plan lookup" in text and text.count("\n") == len(rows) + 1
+            assert "the plan held" in text and text.count("\n") == len(rows) + 1
+        # packed sequences take the general route every call: the dispatcher split into plan lookup and execution
+        rows = overhead.stage_breakdown(calls["packed training"], calls=20, repeats=3)
+        names = [(r["depth"], r["stage"]) for r in rows]
+        assert (2, "dispatch (forward)") in names and (2, "dispatch (backward)") in names
+        assert (3, "plan lookup (forward: describe the call, find its plan)") in names
+        assert (4, "allocation (inputs prepared, buffers)") in names
     finally:
         stub.__exit__(None, None, None)
