@@ -272,11 +272,29 @@ class KernelBackend:
 
     def _by_shape(self, cache: PlanCache, planner, shape, target, device):
         # plans do not depend on the device (its target aside)
-        return cache.get((planner, shape, target), lambda: self._make(planner, shape, target, device))
+        return cache.get((planner, shape, target), lambda: self._make(cache, planner, shape, target, device))
 
-    def _make(self, planner, shape, target, device):
+    def _make(self, cache: PlanCache, planner, shape, target, device):
+        """The executable of ``shape``: made from the template of its shared key where the planner
+        has one (:data:`flash_attn.planning.plan.SHARED_KEYS`; a new key length is neither planned
+        nor made ready again), else planned."""
+        shared = P.SHARED_KEYS.get(planner)
+        key = None if shared is None else shared[0](shape)
+        if key is None:
+            plan = planner(shape, target)
+            return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
+        template = cache.get((planner, "template", key, target),
+                             lambda: self._template(planner, shape, target, device, shared[1]))
+        return template if isinstance(template, Refusal) else self.filled(template, shape)
+
+    def _template(self, planner, shape, target, device, extents: dict):
         plan = planner(shape, target)
-        return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
+        return plan if isinstance(plan, Refusal) else self.executable(P.template(plan, extents, shape), target, device)
+
+    def filled(self, template, shape):
+        """The executable of ``shape`` from ``template``, the :meth:`executable` of its shared key's
+        template plan (:func:`flash_attn.planning.plan.filled`)."""
+        return ready(P.filled(template.plan, shape))
 
     # --- the contract ---------------------------------------------------------------------------
 

@@ -147,23 +147,40 @@ class _Launches(NamedTuple):
     row_counts: Callable[[dict], tuple]  # ... -> the row counts
 
 
+class _Template(NamedTuple):
+    """A template plan's launches (:mod:`flash_attn.planning.extents`): ``plan`` as a list, 0 where
+    each extent goes (``extents``: its index in ``plan``, its launch, its place among the ints)."""
+
+    launches: _Launches  # its plan tensor written per call shape (AotBackend.filled)
+    plan: list
+    extents: tuple
+
+
 def _float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
-def _launches(packed: tuple, unused: frozenset = frozenset()) -> _Launches:
-    """``packed`` written as a plan; the slots in ``unused`` (pointers no kernel reads) passed null."""
-    names, rows, plan = {}, {}, [len(packed)]
-    for p in packed:
+def _launches(packed: tuple, unused: frozenset = frozenset()) -> _Launches | _Template:
+    """``packed`` written as a plan; the slots in ``unused`` (pointers no kernel reads) passed null.
+    A template's (extents among its ints) is written once they are known."""
+    names, rows, plan, extents = {}, {}, [len(packed)], []
+    for n, p in enumerate(packed):
         plan += [p.kernel, *p.grid, *[1] * (3 - len(p.grid)), len(p.slots)]
         plan += [-1 if name in unused else names.setdefault(name, len(names)) for name in p.slots]
         per_call = [(i, rows.setdefault(v, len(rows))) for i, v in enumerate(p.ints) if isinstance(v, P.Rows)]
-        plan += [len(p.ints), *[0 if isinstance(v, P.Rows) else v for v in p.ints], len(per_call)]
-        plan += [n for pair in per_call for n in pair]
+        plan.append(len(p.ints))
+        extents += [(len(plan) + i, n, i, v) for i, v in enumerate(p.ints) if isinstance(v, P.Extent)]
+        plan += [0 if isinstance(v, (P.Rows, P.Extent)) else v for v in p.ints]
+        plan += [len(per_call), *[n for pair in per_call for n in pair]]
         plan += [len(p.floats), *map(_float_bits, p.floats)]
     # on the CPU whatever the caller's default device (torch.set_default_device): the library reads it on the host
-    return _Launches(torch.tensor(plan, dtype=torch.int64, device="cpu"), tuple(names), tuple(rows), packed,
-                     picker(tuple(names)), picker(tuple(rows)))
+    launches = _Launches(None if extents else _plan_tensor(plan), tuple(names), tuple(rows), packed,
+                         picker(tuple(names)), picker(tuple(rows)))
+    return _Template(launches, plan, tuple(extents)) if extents else launches
+
+
+def _plan_tensor(plan: list) -> torch.Tensor:
+    return torch.tensor(plan, dtype=torch.int64, device="cpu")
 
 
 _registered: dict[tuple, int] = {}
@@ -194,7 +211,7 @@ def pack(launch: P.Launch, entry: dict) -> _Packed | Refusal:
             names.append(str(value))
         elif kind.startswith("fp"):
             floats.append(float(value))
-        elif isinstance(value, P.Rows):  # a packed row count (the planner keeps it within int32)
+        elif isinstance(value, (P.Rows, P.Extent)):  # known per call (the planner keeps it within int32)
             ints.append(value)
         else:
             value = int(value)
@@ -236,6 +253,13 @@ class _AotBackend(KernelBackend):
         unused = frozenset(b.slot for b in plan.buffers if b.unused)
         run = ready(plan, _launches(tuple(packed), unused))
         return run._replace(buffers=tuple(b for b in run.buffers if b[0] not in unused))  # none made for them
+
+    def filled(self, template: Ready, shape) -> Ready:
+        written = template.launches
+        plan, packed = list(written.plan), [p._replace(ints=list(p.ints)) for p in written.launches.packed]
+        for at, launch, arg, extent in written.extents:
+            plan[at] = packed[launch].ints[arg] = extent.of(shape)
+        return template._replace(launches=written.launches._replace(plan=_plan_tensor(plan), packed=tuple(packed)))
 
     def run(self, run: Ready, inputs: dict, device) -> tuple:
         tensors = slots(run, inputs, device)

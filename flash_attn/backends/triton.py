@@ -32,7 +32,7 @@ import torch
 from flash_attn.backends import devices
 from flash_attn.backends._execute import KernelBackend, capturing, execute, launch_kwargs, ready
 from flash_attn.backends.contract import cuda_tensor_reason
-from flash_attn.planning import configs, registry
+from flash_attn.planning import configs, plan as P, registry
 from flash_attn.planning.plan import Target
 
 __all__ = ["BACKEND", "unavailable_reason", "forward", "backward", "forward_kvcache", "BackendFailed", "diagnose"]
@@ -174,6 +174,9 @@ class _Jitted:
 class _TritonBackend(KernelBackend):
     def executable(self, plan, target, device):
         return _Jitted(plan)
+
+    def filled(self, template: _Jitted, shape):
+        return _Jitted(P.filled(template.ready.plan, shape))
 
     def run(self, jitted: _Jitted, inputs: dict, device) -> tuple:
         if jitted.ran:

@@ -5,16 +5,40 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
+from flash_attn import limits
 from flash_attn.limits import cdiv
 from flash_attn.planning import configs, declarations
 from flash_attn.planning.attention import (attention_constexprs, block_dims, call_slots, runs_exact_image,
                                            score_flags, shared_args, sizes)
 from flash_attn.planning.launches import (Launch, Planned, Refusal, Target, finish, image_refusal, kernel_refusal, launch,
                                          named)
-from flash_attn.planning.layouts import Layouts
+from flash_attn.planning.extents import Extent
+from flash_attn.planning.layouts import Layouts, fits
 from flash_attn.planning.shapes import ForwardShape, Slot
 
-__all__ = ["plan_forward"]
+__all__ = ["plan_forward", "KEY_EXTENTS", "shared_by_key_lengths"]
+
+# What a dense forward's plan reads of its k and v beyond the shared key: the key length and their
+# leading strides, as arguments of its one launch (planned from k and v where they lie, unprepared).
+KEY_EXTENTS = {
+    "seqlen_k": Extent("k", 1),
+    **{f"stride_{t}{d}": Extent(t, i, stride=True) for t in "kv" for i, d in enumerate("bsh")},
+}
+
+
+def shared_by_key_lengths(s: ForwardShape) -> Optional[tuple]:
+    """The key of a plan that serves every key length and k/v strides of ``s`` (its extents filled
+    in per call, :mod:`flash_attn.planning.extents`), or ``None``: packed calls (shared already)
+    and ``return_softmax`` (sized by the key length), k or v copied into the kernels' layout first
+    (the copy's strides come from the plan), a number beyond the kernels' int32."""
+    if s.varlen is not None or s.return_softmax or not (fits(s.k, "rows") and fits(s.v, "rows")):
+        return None
+    k, v = s.k, s.v
+    if max(k.shape[1], *k.strides, *v.strides) > limits.INT32_MAX:
+        return None
+    return s.q, (k.shape[0], k.shape[2:], k.dtype), (v.shape[0], v.shape[2:], v.dtype), s[3:]
 
 
 def _refusal(s: ForwardShape, head_dim: int, head_dim_v: int, paged: bool, target: Target):

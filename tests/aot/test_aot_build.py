@@ -365,6 +365,26 @@ def test_every_call_passes_the_launch_checks(manifest, monkeypatch, launched, ca
             assert len(launched) > before, (name, op)
 
 
+def test_a_new_key_length_is_written_from_its_template(manifest, monkeypatch):
+    """A decode loop's growing cache (Hugging Face's layout: ``(b, hk, s, d)`` transposed): the
+    ``aot`` backend writes each key length's launches from one template, and they are exactly the
+    launches it packs from the planner's own plan of that call."""
+    _library_or_skip()
+    images = images_for(monkeypatch, manifest, (9, 0))
+    backend = aot._backend
+    q = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16, device="meta")
+    for length in (1000, 1001, 4097, 1, 1000):
+        k = v = torch.empty(1, 8, length, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+        shape = P.describe_forward(q, k, v, _params(causal=True))
+        got = backend._by_shape(images.plans, P.plan_forward, shape, images.target, q.device)
+        want = backend.executable(P.plan_forward(shape, images.target), images.target, q.device)
+        assert torch.equal(got.launches.plan, want.launches.plan), length
+        assert (got.launches.packed, got.launches.names, got.launches.rows) == \
+            (want.launches.packed, want.launches.names, want.launches.rows)
+        assert not any(isinstance(v, P.Extent) for p in got.launches.packed for v in p.ints)
+    assert sum(1 for key in images.plans._values if "template" in key) == 1
+
+
 def test_build_report_tensor_cores_and_spills(report):
     """What the build report says about the machine code, stated as measured (Triton 3.9):
 

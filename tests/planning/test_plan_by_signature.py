@@ -278,3 +278,51 @@ def test_the_known_route_computes_what_the_oracle_does(general_route, monkeypatc
         check_close(step_out, step_ref.out, step_naive.out, torch.float16, "decode out")
         assert dispatch.last_backend() == "interpret"
     assert general_route == ["forward", "backward", "forward_kvcache"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A new key length (a decode loop's growing cache): filled in from its layout's template
+# (flash_attn.planning.extents), not planned again.
+
+
+def _growing(layout: str, length: int, g) -> list:
+    """q of one token and k, v of ``length`` keys as a decode loop passes them: contiguous, or
+    Hugging Face's cache ``(b, hk, s, d)`` transposed."""
+    q = torch.randn(1, 1, 4, 64, generator=g).half()
+    if layout == "hf":
+        return [q, *(torch.randn(1, 2, length, 64, generator=g).half().transpose(1, 2) for _ in range(2))]
+    return [q, *(torch.randn(1, length, 2, 64, generator=g).half() for _ in range(2))]
+
+
+def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, monkeypatch):
+    made = []
+    real = P.template
+    monkeypatch.setattr(P, "template", lambda *a: made.append(1) or real(*a))
+    g = torch.Generator().manual_seed(4)
+    for layout in ("contiguous", "hf"):
+        for length in (40, 57, 1, 300, 57):
+            q, k, v = _growing(layout, length, g)
+            launches.clear()
+            flash_attn_func(q, k, v, causal=True)
+            assert launches == list(_forward_plan(q, k, v).launches), (layout, length)
+    assert made == [1]  # one template for both layouts (strides are filled in too), every length filled in
+
+
+def test_new_key_lengths_compute_what_the_oracle_does(monkeypatch):
+    """Through Triton's interpreter: each step of a growing cache against the float64 oracle."""
+    from support.oracle import attention_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import check_close  # noqa: PLC0415
+
+    reason = dispatch.unavailable_reason("interpret", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"interpret backend unavailable: {reason}")
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+    g = torch.Generator().manual_seed(5)
+    for layout in ("contiguous", "hf"):
+        for length in (9, 23, 24):
+            q, k, v = _growing(layout, length, g)
+            out = flash_attn_func(q, k, v, causal=True)
+            assert dispatch.last_backend() == "interpret"
+            ref, _, naive, _ = oracle_pair(attention_ref, [q, k, v], causal=True)
+            check_close(out, ref.out, naive.out, torch.float16, f"out ({layout}, {length} keys)")

@@ -1,0 +1,65 @@
+"""Plans shared by calls that differ only in one input's length and strides.
+
+A decode loop that keeps its KV cache as growing tensors (Hugging Face's ``generate()`` calls
+``flash_attn_func`` with the whole cache every step) makes a call whose key length, and so its
+k/v strides, no earlier call had. Planning it afresh costs far more than running it, yet the plan
+differs from the last step's only in the launch arguments that carry those numbers. A planner that
+knows which arguments those are (:data:`flash_attn.planning.forward.KEY_EXTENTS`) offers a shared
+key without them (:func:`flash_attn.planning.forward.shared_by_key_lengths`); the backends keep
+one *template* per shared key (:func:`template`: the plan with an :class:`Extent` where each such
+argument was) and fill in each call's numbers (:func:`filled`), which gives the very plan the
+planner would make (tested against it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from flash_attn.planning.launches import Plan
+
+__all__ = ["Extent", "template", "filled"]
+
+
+class Extent(NamedTuple):
+    """A number of the call's tensor ``slot`` (a field of its shape): the size of dimension ``dim``,
+    or its stride as the kernels use it (``stride``: 0 where the size is 1, as
+    :func:`~flash_attn.planning.layouts.effective_strides` gives it)."""
+
+    slot: str
+    dim: int
+    stride: bool = False
+
+    def of(self, shape) -> int:
+        info = getattr(shape, self.slot)
+        size = info.shape[self.dim]
+        if not self.stride:
+            return size
+        return 0 if size == 1 else info.strides[self.dim]  # as effective_strides gives it
+
+
+def template(plan: Plan, extents: dict, shape) -> Plan:
+    """``plan`` (made for ``shape``) with the launch arguments named in ``extents`` (name ->
+    :class:`Extent`) left to each call. Each must hold what its extent reads from ``shape``:
+    otherwise the planner derived it some other way and no template may stand for it."""
+    def generic(launch):
+        args = []
+        for name, value in launch.args:
+            extent = extents.get(name)
+            if extent is not None:
+                if value != extent.of(shape):
+                    raise AssertionError(f"{launch.kernel}: {name} = {value} is not {extent} of the call")
+                value = extent
+            args.append((name, value))
+        return dataclasses.replace(launch, args=tuple(args))
+
+    return dataclasses.replace(plan, launches=tuple(generic(launch) for launch in plan.launches))
+
+
+def filled(plan: Plan, shape) -> Plan:
+    """A :func:`template` with ``shape``'s numbers in place of its extents."""
+    def concrete(launch):
+        args = tuple((name, value.of(shape) if isinstance(value, Extent) else value) for name, value in launch.args)
+        return dataclasses.replace(launch, args=args)
+
+    return dataclasses.replace(plan, launches=tuple(concrete(launch) for launch in plan.launches))
