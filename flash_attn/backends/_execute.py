@@ -250,7 +250,7 @@ class KernelBackend:
     def _prepare(self, planner: Callable, shape, inputs: dict, device, call: Optional[tuple] = None,
                  tail: tuple = ()):
         """The runner of a call, or the refusal. ``call``: a key that decides ``shape`` (the public
-        function's checked signature and what the layers below add to it, :func:`_call_key`); then
+        function's checked signature and what the layers below add to it, :func:`_plan_key`); then
         ``shape`` is a function that describes the call, run only when ``call`` is new. ``tail``:
         added to the runner's results (the forward's absent S_dmask)."""
         found = self.target_and_plans(device)
@@ -309,7 +309,7 @@ class KernelBackend:
         return self._prepare(
             P.plan_forward,
             lambda: P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv),
-            inputs, q.device, _call_key(params, (q, k, v, alibi_slopes, sinks, qv)), tail)
+            inputs, q.device, _forward_key(params.call, q, k, v, alibi_slopes, sinks, qv, _key_seed(params)), tail)
 
     def prepare_backward(self, dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
                          deterministic=False, grads=None, return_delta=False, qv=None):
@@ -323,8 +323,8 @@ class KernelBackend:
         # the forward's signature holds q, k, v and the options, and so the layouts of out and lse
         # (the forward returns them contiguous) and the gradient's shape and dtype (autograd's
         # engine makes them out's); the gradient's strides are the caller's
-        call = _call_key(params, (dout, q, k, v, out, lse, alibi_slopes, qv),
-                         (dout.stride(), bool(deterministic), bool(return_delta)))
+        call = _backward_key(params.call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta,
+                             _key_seed(params))
         return self._prepare(
             P.plan_backward,
             lambda: P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
@@ -337,22 +337,21 @@ class KernelBackend:
             return self._prepare(P.plan_kvcache, P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv), inputs,
                                  q.device)
         return self._prepare(P.plan_kvcache, lambda: P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv),
-                             inputs, q.device, _call_key(params, tuple(inputs.values())))
+                             inputs, q.device, _kvcache_key(params.call, inputs))
 
     # --- calls whose plan is held: an eager call with a checked signature, without dropout -------
     # (what :meth:`_prepare` would find by the same key, run without the dispatcher's preparation)
 
     def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax):
         inputs = forward_inputs(q, k, v, None, None, alibi_slopes, sinks, qv)
-        executable = self._held(device, P.plan_forward, _plan_key(call, (q, k, v, alibi_slopes, sinks, qv)))
+        executable = self._held(device, P.plan_forward, _forward_key(call, q, k, v, alibi_slopes, sinks, qv))
         if executable is None:
             return None
         results = self.run(executable, inputs, device)
         return results if return_softmax else (*results, None)
 
     def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta):
-        key = _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv),
-                        (dout.stride(), bool(deterministic), bool(return_delta)))
+        key = _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta)
         executable = self._held(device, P.plan_backward, key)
         if executable is None:
             return None
@@ -360,7 +359,7 @@ class KernelBackend:
 
     def known_forward_kvcache(self, device, call, q, cache, alibi_slopes, sinks, qv):
         inputs = kvcache_inputs(q, cache, alibi_slopes, sinks, qv)
-        executable = self._held(device, P.plan_kvcache, _plan_key(call, tuple(inputs.values())))
+        executable = self._held(device, P.plan_kvcache, _kvcache_key(call, inputs))
         return None if executable is None else self.run(executable, inputs, device)
 
     def _held(self, device, planner, key: tuple):
@@ -392,10 +391,25 @@ class KernelBackend:
         return _run_or_raise(self.name, "forward_kvcache", self.prepare_forward_kvcache(*args, **kwargs))
 
 
-def _call_key(params, tensors: tuple, more: tuple = ()) -> tuple:
-    """:func:`_plan_key` of ``params.call`` (the dropout seed's layout is fixed, only its pointer varies)."""
-    seed = params.dropout_seed if params.dropout_p and isinstance(params.dropout_seed, torch.Tensor) else None
-    return _plan_key(params.call, tensors, more, seed)
+# The plan key of each op's calls (:func:`_plan_key`): the tensors whose alignment it holds, and
+# what it adds to the checked signature (the backward: the gradient's strides, the options).
+
+def _forward_key(call, q, k, v, alibi_slopes, sinks, qv, seed=None) -> tuple:
+    return _plan_key(call, (q, k, v, alibi_slopes, sinks, qv), (), seed)
+
+
+def _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, seed=None) -> tuple:
+    return _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv),
+                     (dout.stride(), bool(deterministic), bool(return_delta)), seed)
+
+
+def _kvcache_key(call, inputs: dict) -> tuple:
+    return _plan_key(call, tuple(inputs.values()))
+
+
+def _key_seed(params) -> Optional[torch.Tensor]:
+    """The dropout seed a plan key holds the alignment of (its layout is fixed, only its pointer varies)."""
+    return params.dropout_seed if params.dropout_p and isinstance(params.dropout_seed, torch.Tensor) else None
 
 
 def _plan_key(call, tensors: tuple, more: tuple = (), seed: Optional[torch.Tensor] = None) -> tuple:

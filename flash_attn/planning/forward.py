@@ -3,9 +3,9 @@ testing feature, not compiled ahead of time) ``attn_probs_kernel`` writing the p
 
 from __future__ import annotations
 
-import torch
-
 from typing import Optional
+
+import torch
 
 from flash_attn import limits
 from flash_attn.limits import cdiv
