@@ -48,7 +48,12 @@ from flash_attn.layers.rotary import apply_rotary_emb
 from flash_attn.planning import configs
 from flash_attn.planning.plan import Target
 
-CASES = ("forward", "forward+backward", "packed training", "decode step", "rotary step")
+CASES = ("forward", "forward+backward", "packed training", "decode step", "growing cache decode", "rotary step")
+# cases whose every call has a new signature: no stage breakdown (it replays one recorded call)
+NEW_EVERY_CALL = ("growing cache decode",)
+# the growing cache's first length and how many lengths follow (then they repeat): more than the
+# warm-up, timed and profiled calls of the defaults (20 + 5 x 200 + 200)
+GROWING_FROM, GROWING_LENGTHS = 2000, 2048
 LAUNCH_CASES = ("one aot launch", "one PyTorch launch")  # device mode only
 
 # packed batches: distinct totals, so that no two calls of a timing run have the same lengths
@@ -76,9 +81,12 @@ def _calls(device) -> dict[str, Callable[[], object]]:
     """The measured calls: a short forward (inference), a training step's attention (forward and
     backward through autograd), the same for packed sequences whose lengths change every call
     (padding-free training: ``flash_attn_varlen_func``), one decode step with a KV cache (append +
-    attend), and a decode step's rotary (a model's q rotated in place at each sequence's own
-    position: its argument checks, including the offsets' values, on the device for device
-    tensors; in stubbed mode its PyTorch path, checked on the host)."""
+    attend), one decode step over a cache kept as growing tensors (Hugging Face's ``generate()``:
+    ``flash_attn_func`` over its ``(b, hk, s, d)`` cache transposed, one key more every call, so
+    every call has a new signature; in a model only the first layer's call of a step is new), and a
+    decode step's rotary (a model's q rotated in place at each sequence's own position: its
+    argument checks, including the offsets' values, on the device for device tensors; in stubbed
+    mode its PyTorch path, checked on the host)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
     q, k, v = rnd(1, 128, 16, 128), rnd(1, 128, 16, 128), rnd(1, 128, 16, 128)
@@ -105,12 +113,21 @@ def _calls(device) -> dict[str, Callable[[], object]]:
         q, k, v = (t[:total].requires_grad_() for t in (packed_q, packed_k, packed_v))
         flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).backward(packed_dout[:total])
 
+    grow_q = rnd(1, 1, heads, 128)
+    grow_k, grow_v = (rnd(1, heads_k, GROWING_FROM + GROWING_LENGTHS, 128) for _ in range(2))
+    lengths = itertools.cycle(range(GROWING_FROM, GROWING_FROM + GROWING_LENGTHS))
+
+    def growing_step():
+        n = next(lengths)
+        return flash_attn_func(grow_q, grow_k[:, :, :n].transpose(1, 2), grow_v[:, :, :n].transpose(1, 2), causal=True)
+
     return {
         "forward": lambda: flash_attn_func(q, k, v, causal=True),
         "forward+backward": training,
         "packed training": packed_training,
         "decode step": lambda: flash_attn_with_kvcache(step_q, k_cache, v_cache, step_k, step_v,
                                                        cache_seqlens=seqlens, causal=True),
+        "growing cache decode": growing_step,
         "rotary step": lambda: apply_rotary_emb(step_q, cos, sin, inplace=True, seqlen_offsets=seqlens),
     }
 
@@ -347,8 +364,9 @@ DEVICE_COLUMNS = ("mode", "case", "impl", "us_per_call", "us_min", "us_max", "ho
 def _sdpa_calls(device) -> dict[str, Callable[[], object]]:
     """SDPA on the calls of :func:`_calls` that it has (no packed sequences, no rotary): the same
     shapes, its own ``(batch, heads, seqlen, headdim)`` layout; the decode step appends the new
-    token's k/v to the cache (two copies) and attends over the filled rows
-    (:func:`flash_attn.bench.gpu.sdpa_decode`: query heads grouped by their KV head)."""
+    token's k/v to the cache (two copies) and attends over the filled rows, the growing cache's
+    step over the same views as ours (:func:`flash_attn.bench.gpu.sdpa_decode`: query heads
+    grouped by their KV head)."""
     import torch.nn.functional as F  # noqa: PLC0415
 
     from flash_attn.bench.gpu import sdpa_decode  # noqa: PLC0415
@@ -372,10 +390,19 @@ def _sdpa_calls(device) -> dict[str, Callable[[], object]]:
         v_cache[:, filled:filled + 1] = step_v
         return sdpa_decode(step_q, k_cache[:, :filled + 1], v_cache[:, :filled + 1])
 
+    grow_q = rnd(1, 1, heads, 128)
+    grow_k, grow_v = (rnd(1, heads_k, GROWING_FROM + GROWING_LENGTHS, 128) for _ in range(2))
+    lengths = itertools.cycle(range(GROWING_FROM, GROWING_FROM + GROWING_LENGTHS))
+
+    def growing_step():
+        n = next(lengths)
+        return sdpa_decode(grow_q, grow_k[:, :, :n].transpose(1, 2), grow_v[:, :, :n].transpose(1, 2))
+
     return {
         "forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "forward+backward": training,
         "decode step": decode_step,
+        "growing cache decode": growing_step,
     }
 
 
@@ -482,6 +509,6 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
                          "us_min": min(times), "us_max": max(times), "launches_per_call": per_call,
                          "plans_per_call": (len(plans) - planned) / (calls * repeats + max(3, calls // 10))})
             if profiles is not None:
-                stages = stages_text(stage_breakdown(fn, calls))
-                profiles[name] = profile_text(fn, calls, lambda: None) + "\nby stage\n" + stages
+                stages = "" if name in NEW_EVERY_CALL else "\nby stage\n" + stages_text(stage_breakdown(fn, calls))
+                profiles[name] = profile_text(fn, calls, lambda: None) + stages
     return rows

@@ -711,6 +711,32 @@ def test_overhead_packed_training_finds_its_plans():
     assert all(by_case[case]["plans_per_call"] == 0 for case in ("forward", "forward+backward", "decode step"))
 
 
+def test_overhead_growing_cache_has_a_new_signature_every_call_and_one_template(monkeypatch):
+    """The growing cache's decode step (Hugging Face's ``generate()`` without a static cache): every
+    call has a key length no call had, and the aot backend plans its layout once: every later
+    length is filled in from that template (:mod:`flash_attn.planning.extents`)."""
+    from flash_attn import validation  # noqa: PLC0415
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    try:
+        stub = overhead.stubbed_aot()
+        launches = stub.__enter__()
+    except RuntimeError as exc:  # no aot installation (manifest, op library) to stub
+        pytest.skip(str(exc))
+    try:
+        step = overhead._calls(torch.device("cpu"))["growing cache decode"]
+        plans = overhead.aot._device_images(torch.device("cpu")).plans
+        monkeypatch.setattr(validation, "_checked", {})  # (earlier benchmarks in this process checked these lengths)
+        before = launches()
+        for _ in range(30):
+            step()
+        assert launches() == before + 30
+        assert len(validation._checked) == 30  # a new signature every call
+        assert sum(1 for key in plans._values if "template" in key) == 1
+    finally:
+        stub.__exit__(None, None, None)
+
+
 def test_overhead_repeats_one_captured_aot_launch():
     """Device mode's "one aot launch" row repeats a forward's op library call alone: here, with the
     CUDA launch stubbed (no GPU), the captured arguments are the forward's (its plan of one launch,
