@@ -122,9 +122,7 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
     if _nothing_to_attend(q, k, varlen):
         return _forward_without_keys(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax, sinks)
-    if dropout_p == 0.0 and not fresh:
-        rng_state = None
-    elif seed is None or dropout_p == 0.0:
+    if seed is None or dropout_p == 0.0:
         rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
     else:
         rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
