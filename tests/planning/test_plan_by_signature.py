@@ -171,6 +171,16 @@ def general_route(monkeypatch) -> list:
     return taken
 
 
+@pytest.fixture
+def interpreter(monkeypatch):
+    """``FLASH_ATTN_BACKEND=interpret``: the Triton kernels in Triton's interpreter, computing."""
+    reason = dispatch.unavailable_reason("interpret", torch.device("cpu"))
+    if reason is not None:
+        pytest.skip(f"interpret backend unavailable: {reason}")
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
+
+
 def _decode_step(g):
     k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).half() for _ in range(2))
     q = torch.randn(2, 1, 4, 64, generator=g).half()
@@ -247,17 +257,12 @@ def test_an_error_that_is_not_a_backend_failure_is_raised_from_the_known_route(l
         flash_attn_func(q, k, v)
 
 
-def test_the_known_route_computes_what_the_oracle_does(general_route, monkeypatch):
+def test_the_known_route_computes_what_the_oracle_does(general_route, interpreter):
     """The Triton kernels in Triton's interpreter: the second forward + backward and decode step of
     a signature (the known route) against the float64 oracle."""
     from support.oracle import attention_ref, kvcache_ref, oracle_pair  # noqa: PLC0415
     from support.tolerance import backward_floor, check_close  # noqa: PLC0415
 
-    reason = dispatch.unavailable_reason("interpret", torch.device("cpu"))
-    if reason is not None:
-        pytest.skip(f"interpret backend unavailable: {reason}")
-    monkeypatch.setattr(dispatch, "_chains", {})
-    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(1, 24, 2, 32, generator=g).half() for _ in range(4))
     ref, ref_grads, naive, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, causal=True)
@@ -308,16 +313,11 @@ def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, monke
     assert made == [1]  # one template for both layouts (strides are filled in too), every length filled in
 
 
-def test_new_key_lengths_compute_what_the_oracle_does(monkeypatch):
+def test_new_key_lengths_compute_what_the_oracle_does(interpreter):
     """Through Triton's interpreter: each step of a growing cache against the float64 oracle."""
     from support.oracle import attention_ref, oracle_pair  # noqa: PLC0415
     from support.tolerance import check_close  # noqa: PLC0415
 
-    reason = dispatch.unavailable_reason("interpret", torch.device("cpu"))
-    if reason is not None:
-        pytest.skip(f"interpret backend unavailable: {reason}")
-    monkeypatch.setattr(dispatch, "_chains", {})
-    monkeypatch.setenv("FLASH_ATTN_BACKEND", "interpret")
     g = torch.Generator().manual_seed(5)
     for layout in ("contiguous", "hf"):
         for length in (9, 23, 24):

@@ -711,33 +711,42 @@ def test_overhead_packed_training_finds_its_plans():
     assert all(by_case[case]["plans_per_call"] == 0 for case in ("forward", "forward+backward", "decode step"))
 
 
-def test_overhead_growing_cache_has_a_new_signature_every_call_and_one_template(monkeypatch):
+@pytest.fixture
+def stubbed_launches():
+    """``bench overhead``'s stub (:func:`flash_attn.bench.overhead.stubbed_aot`) for the test: its
+    function counting the launches; skipped without an aot installation (manifest, op library)."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    try:
+        stub = overhead.stubbed_aot()
+        launches = stub.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield launches
+    finally:
+        stub.__exit__(None, None, None)
+
+
+def test_overhead_growing_cache_has_a_new_signature_every_call_and_one_template(stubbed_launches, monkeypatch):
     """The growing cache's decode step (Hugging Face's ``generate()`` without a static cache): every
     call has a key length no call had, and the aot backend plans its layout once: every later
     length is filled in from that template (:mod:`flash_attn.planning.extents`)."""
     from flash_attn import validation  # noqa: PLC0415
     from flash_attn.bench import overhead  # noqa: PLC0415
 
-    try:
-        stub = overhead.stubbed_aot()
-        launches = stub.__enter__()
-    except RuntimeError as exc:  # no aot installation (manifest, op library) to stub
-        pytest.skip(str(exc))
-    try:
-        step = overhead._calls(torch.device("cpu"))["growing cache decode"]
-        plans = overhead.aot._device_images(torch.device("cpu")).plans
-        monkeypatch.setattr(validation, "_checked", {})  # (earlier benchmarks in this process checked these lengths)
-        before = launches()
-        for _ in range(30):
-            step()
-        assert launches() == before + 30
-        assert len(validation._checked) == 30  # a new signature every call
-        assert sum(1 for key in plans._values if "template" in key) == 1
-    finally:
-        stub.__exit__(None, None, None)
+    step = overhead._calls(torch.device("cpu"))["growing cache decode"]
+    plans = overhead.aot._device_images(torch.device("cpu")).plans
+    monkeypatch.setattr(validation, "_checked", {})  # (earlier benchmarks in this process checked these lengths)
+    before = stubbed_launches()
+    for _ in range(30):
+        step()
+    assert stubbed_launches() == before + 30
+    assert len(validation._checked) == 30  # a new signature every call
+    assert sum(1 for key in plans._values if "template" in key) == 1
 
 
-def test_overhead_repeats_one_captured_aot_launch():
+def test_overhead_repeats_one_captured_aot_launch(stubbed_launches):
     """Device mode's "one aot launch" row repeats a forward's op library call alone: here, with the
     CUDA launch stubbed (no GPU), the captured arguments are the forward's (its plan of one launch,
     its tensors, out/lse among them) and repeating them reaches the op library's launch each time,
@@ -745,26 +754,18 @@ def test_overhead_repeats_one_captured_aot_launch():
     from flash_attn import flash_attn_func  # noqa: PLC0415
     from flash_attn.bench import overhead  # noqa: PLC0415
 
-    try:
-        stub = overhead.stubbed_aot()
-        launches = stub.__enter__()
-    except RuntimeError as exc:  # no aot installation (manifest, op library) to stub
-        pytest.skip(str(exc))
-    try:
-        q = torch.randn(1, 128, 16, 128).to(torch.bfloat16)
-        launch, (plan, tensors, rows) = overhead._captured_launch(lambda: flash_attn_func(q, q, q, causal=True))
-        assert plan.dtype == torch.int64 and plan[0] == 1 and len(tensors) >= 5 and rows == []
-        before = launches()
-        for _ in range(3):
-            launch(plan, tensors, rows)
-        assert launches() == before + 3
-        with pytest.raises(RuntimeError, match="aligned"):
-            launch(plan, [t.view(-1)[1:] if t.dtype == torch.bfloat16 else t for t in tensors], rows)
-        assert launches() == before + 3
-        with pytest.raises(RuntimeError, match="launched nothing"):
-            overhead._captured_launch(lambda: None)
-    finally:
-        stub.__exit__(None, None, None)
+    q = torch.randn(1, 128, 16, 128).to(torch.bfloat16)
+    launch, (plan, tensors, rows) = overhead._captured_launch(lambda: flash_attn_func(q, q, q, causal=True))
+    assert plan.dtype == torch.int64 and plan[0] == 1 and len(tensors) >= 5 and rows == []
+    before = stubbed_launches()
+    for _ in range(3):
+        launch(plan, tensors, rows)
+    assert stubbed_launches() == before + 3
+    with pytest.raises(RuntimeError, match="aligned"):
+        launch(plan, [t.view(-1)[1:] if t.dtype == torch.bfloat16 else t for t in tensors], rows)
+    assert stubbed_launches() == before + 3
+    with pytest.raises(RuntimeError, match="launched nothing"):
+        overhead._captured_launch(lambda: None)
 
 
 def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
@@ -887,39 +888,31 @@ def test_overhead_device_mode_needs_a_gpu(tmp_path, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_overhead_stage_breakdown_nests_the_stages():
+def test_overhead_stage_breakdown_nests_the_stages(stubbed_launches):
     """The per-stage breakdown of a forward and a decode step (stubbed aot): the stages a call
     runs, nested as they run (a repeated call: the dispatcher's route of the plan held for its
     signature), and no stage dearer than the whole call it is part of (with slack for timing noise
     on a shared machine)."""
     from flash_attn.bench import overhead  # noqa: PLC0415
 
-    try:
-        stub = overhead.stubbed_aot()
-        stub.__enter__()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    try:
-        calls = overhead._calls(torch.device("cpu"))
-        for case, entry in (("forward", "custom op entry"), ("decode step", "custom op entry (kv cache)")):
-            calls[case]()
-            rows = overhead.stage_breakdown(calls[case], calls=100, repeats=3)
-            names = [(r["depth"], r["stage"]) for r in rows]
-            op = "forward" if case == "forward" else "forward_kvcache"
-            assert names[:3] == [(0, "the whole call"), (1, "metadata checks"), (1, entry)]
-            assert (2, f"dispatch, the plan held for the signature ({op})") in names
-            assert (3, "allocation (inputs prepared, buffers)") in names
-            assert (3, "the op library's call (the CUDA launch stubbed)") in names
-            assert not any("plan lookup" in name for _, name in names)  # the general route not taken
-            assert all(r["us"] >= 0 and r["count"] >= 1 for r in rows)  # the stubbed launch may round to 0
-            assert rows[0]["us"] > 0 and all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
-            text = overhead.stages_text(rows)
-            assert "the plan held" in text and text.count("\n") == len(rows) + 1
-        # packed sequences take the general route every call: the dispatcher split into plan lookup and execution
-        rows = overhead.stage_breakdown(calls["packed training"], calls=20, repeats=3)
+    calls = overhead._calls(torch.device("cpu"))
+    for case, entry in (("forward", "custom op entry"), ("decode step", "custom op entry (kv cache)")):
+        calls[case]()
+        rows = overhead.stage_breakdown(calls[case], calls=100, repeats=3)
         names = [(r["depth"], r["stage"]) for r in rows]
-        assert (2, "dispatch (forward)") in names and (2, "dispatch (backward)") in names
-        assert (3, "plan lookup (forward: describe the call, find its plan)") in names
-        assert (4, "allocation (inputs prepared, buffers)") in names
-    finally:
-        stub.__exit__(None, None, None)
+        op = "forward" if case == "forward" else "forward_kvcache"
+        assert names[:3] == [(0, "the whole call"), (1, "metadata checks"), (1, entry)]
+        assert (2, f"dispatch, the plan held for the signature ({op})") in names
+        assert (3, "allocation (inputs prepared, buffers)") in names
+        assert (3, "the op library's call (the CUDA launch stubbed)") in names
+        assert not any("plan lookup" in name for _, name in names)  # the general route not taken
+        assert all(r["us"] >= 0 and r["count"] >= 1 for r in rows)  # the stubbed launch may round to 0
+        assert rows[0]["us"] > 0 and all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
+        text = overhead.stages_text(rows)
+        assert "the plan held" in text and text.count("\n") == len(rows) + 1
+    # packed sequences take the general route every call: the dispatcher split into plan lookup and execution
+    rows = overhead.stage_breakdown(calls["packed training"], calls=20, repeats=3)
+    names = [(r["depth"], r["stage"]) for r in rows]
+    assert (2, "dispatch (forward)") in names and (2, "dispatch (backward)") in names
+    assert (3, "plan lookup (forward: describe the call, find its plan)") in names
+    assert (4, "allocation (inputs prepared, buffers)") in names
