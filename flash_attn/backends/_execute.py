@@ -285,11 +285,17 @@ class KernelBackend:
             return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
         template = cache.get((planner, "template", key, target),
                              lambda: self._template(planner, shape, target, device, shared[1]))
+        if template is None:  # the key's plans are not shared: planned one by one
+            plan = planner(shape, target)
+            return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
         return template if isinstance(template, Refusal) else self.filled(template, shape)
 
     def _template(self, planner, shape, target, device, extents: dict):
         plan = planner(shape, target)
-        return plan if isinstance(plan, Refusal) else self.executable(P.template(plan, extents, shape), target, device)
+        if isinstance(plan, Refusal):
+            return plan
+        template = P.template(plan, extents, shape)
+        return None if template is None else self.executable(template, target, device)
 
     def filled(self, template, shape):
         """The executable of ``shape`` from ``template``, the :meth:`executable` of its shared key's

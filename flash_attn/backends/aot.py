@@ -256,6 +256,8 @@ class _AotBackend(KernelBackend):
 
     def filled(self, template: Ready, shape) -> Ready:
         written = template.launches
+        if not isinstance(written, _Template):  # no extent among its arguments: it serves as it is
+            return template
         plan, packed = list(written.plan), [p._replace(ints=list(p.ints)) for p in written.launches.packed]
         for at, launch, arg, extent in written.extents:
             plan[at] = packed[launch].ints[arg] = extent.of(shape)

@@ -99,12 +99,32 @@ def test_what_is_not_shared():
     assert shared(P.describe_forward(q, other_heads, other_heads, params)) != shared(P.describe_forward(q, k, v, params))
 
 
-def test_a_template_refuses_an_argument_it_does_not_read_from_the_call():
-    """The template checks that each argument it leaves to the call holds what the call's extent
-    says: a planner that derived one some other way fails loudly instead of sharing a wrong plan."""
+def test_no_template_stands_for_an_argument_the_call_does_not_hold(monkeypatch):
+    """A template leaves an argument to the call only where it holds what the call's extent says:
+    otherwise (a planner that derived it some other way) there is none, and the backends plan each
+    call of that key by itself (the triton backend planning for an H100, launches recorded)."""
+    from flash_attn import dispatch, flash_attn_func  # noqa: PLC0415
+    from flash_attn.backends import triton as triton_backend  # noqa: PLC0415
+    from flash_attn.backends._execute import PlanCache  # noqa: PLC0415
+
     q = torch.empty(1, 8, 4, 64, dtype=torch.float16)
     k = v = torch.empty(1, 100, 4, 64, dtype=torch.float16)
     s = P.describe_forward(q, k, v, AttentionParams(0.125))
     plan = P.plan_forward(s, P.Target("sm90", 132))
-    with pytest.raises(AssertionError, match="seqlen_q"):
-        P.template(plan, {"seqlen_q": P.Extent("k", 1)}, s)
+    assert P.template(plan, {"seqlen_q": P.Extent("k", 1)}, s) is None  # seqlen_q (8) is not k's length
+    assert P.template(plan, P.KEY_EXTENTS, s) is not None
+
+    monkeypatch.setitem(P.SHARED_KEYS, P.plan_forward, (P.shared_by_key_lengths, {"seqlen_q": P.Extent("k", 1)}))
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "triton")
+    monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(triton_backend._backend, "target", lambda device: P.Target("sm90", 132))
+    monkeypatch.setattr(triton_backend._backend, "plans", PlanCache())
+    made: list = []
+    monkeypatch.setattr(triton_backend._backend, "run_launch", lambda launch, tensors, device: made.append(launch))
+    g = torch.Generator().manual_seed(0)
+    for length in (100, 120):
+        q, k, v = (torch.randn(1, n, 4, 64, generator=g).half() for n in (8, length, length))
+        made.clear()
+        flash_attn_func(q, k, v)
+        assert made == list(P.plan_forward(P.describe_forward(q, k, v, AttentionParams(0.125)), P.Target("sm90", 132)).launches)
