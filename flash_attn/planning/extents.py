@@ -1,4 +1,4 @@
-"""Plans shared by calls that differ only in one input's length and strides.
+"""Plans shared by calls that differ only in their key length and k/v strides.
 
 A decode loop that keeps its KV cache as growing tensors (Hugging Face's ``generate()`` calls
 ``flash_attn_func`` with the whole cache every step) makes a call whose key length, and so its
