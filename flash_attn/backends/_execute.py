@@ -280,12 +280,9 @@ class KernelBackend:
         nor made ready again), else planned."""
         shared = P.SHARED_KEYS.get(planner)
         key = None if shared is None else shared[0](shape)
-        if key is None:
-            plan = planner(shape, target)
-            return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
-        template = cache.get((planner, "template", key, target),
-                             lambda: self._template(planner, shape, target, device, shared[1]))
-        if template is None:  # the key's plans are not shared: planned one by one
+        template = None if key is None else cache.get(
+            (planner, "template", key, target), lambda: self._template(planner, shape, target, device, shared[1]))
+        if template is None:  # no shared key, or its plans are not shared: planned one by one
             plan = planner(shape, target)
             return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
         return template if isinstance(template, Refusal) else self.filled(template, shape)
