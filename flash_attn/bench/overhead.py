@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import functools
 import itertools
 import pstats
 import statistics
@@ -113,13 +114,7 @@ def _calls(device) -> dict[str, Callable[[], object]]:
         q, k, v = (t[:total].requires_grad_() for t in (packed_q, packed_k, packed_v))
         flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).backward(packed_dout[:total])
 
-    grow_q = rnd(1, 1, heads, 128)
-    grow_k, grow_v = (rnd(1, heads_k, GROWING_FROM + GROWING_LENGTHS, 128) for _ in range(2))
-    lengths = itertools.cycle(range(GROWING_FROM, GROWING_FROM + GROWING_LENGTHS))
-
-    def growing_step():
-        n = next(lengths)
-        return flash_attn_func(grow_q, grow_k[:, :, :n].transpose(1, 2), grow_v[:, :, :n].transpose(1, 2), causal=True)
+    growing_step = _growing_cache_step(rnd, heads, heads_k, functools.partial(flash_attn_func, causal=True))
 
     return {
         "forward": lambda: flash_attn_func(q, k, v, causal=True),
@@ -130,6 +125,22 @@ def _calls(device) -> dict[str, Callable[[], object]]:
         "growing cache decode": growing_step,
         "rotary step": lambda: apply_rotary_emb(step_q, cos, sin, inplace=True, seqlen_offsets=seqlens),
     }
+
+
+def _growing_cache_step(rnd: Callable, heads: int, heads_k: int, attend: Callable) -> Callable[[], object]:
+    """A decode step over a cache kept as growing tensors, as Hugging Face's ``generate()`` passes
+    it: ``attend(q, k, v)`` with one query token and k, v views ``(1, n, heads_k, 128)`` of a
+    ``(1, heads_k, s, 128)`` cache (transposed), n one more every call (from :data:`GROWING_FROM`,
+    repeating after :data:`GROWING_LENGTHS`)."""
+    q = rnd(1, 1, heads, 128)
+    k, v = (rnd(1, heads_k, GROWING_FROM + GROWING_LENGTHS, 128) for _ in range(2))
+    lengths = itertools.cycle(range(GROWING_FROM, GROWING_FROM + GROWING_LENGTHS))
+
+    def step():
+        n = next(lengths)
+        return attend(q, k[:, :, :n].transpose(1, 2), v[:, :, :n].transpose(1, 2))
+
+    return step
 
 
 def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
@@ -390,13 +401,7 @@ def _sdpa_calls(device) -> dict[str, Callable[[], object]]:
         v_cache[:, filled:filled + 1] = step_v
         return sdpa_decode(step_q, k_cache[:, :filled + 1], v_cache[:, :filled + 1])
 
-    grow_q = rnd(1, 1, heads, 128)
-    grow_k, grow_v = (rnd(1, heads_k, GROWING_FROM + GROWING_LENGTHS, 128) for _ in range(2))
-    lengths = itertools.cycle(range(GROWING_FROM, GROWING_FROM + GROWING_LENGTHS))
-
-    def growing_step():
-        n = next(lengths)
-        return sdpa_decode(grow_q, grow_k[:, :, :n].transpose(1, 2), grow_v[:, :, :n].transpose(1, 2))
+    growing_step = _growing_cache_step(rnd, heads, heads_k, sdpa_decode)
 
     return {
         "forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
