@@ -346,11 +346,10 @@ class KernelBackend:
     # (what :meth:`_prepare` would find by the same key, run without the dispatcher's preparation)
 
     def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax):
-        inputs = forward_inputs(q, k, v, None, None, alibi_slopes, sinks, qv)
         executable = self._held(device, P.plan_forward, _forward_key(call, q, k, v, alibi_slopes, sinks, qv))
         if executable is None:
             return None
-        results = self.run(executable, inputs, device)
+        results = self.run(executable, forward_inputs(q, k, v, None, None, alibi_slopes, sinks, qv), device)
         return results if return_softmax else (*results, None)
 
     def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta):
