@@ -127,8 +127,8 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
     else:
         rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
     found = None
-    if call is not None and varlen is None and dropout_p == 0.0:
-        found = dispatch.run_known("forward", q.device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax)
+    if call is not None and dropout_p == 0.0:
+        found = dispatch.run_known("forward", q.device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen)
     if found is None:
         params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
         extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
@@ -240,9 +240,9 @@ def _backward_run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_tab
         dsinks = None if sinks is None else sinks.new_zeros(sinks.shape)
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape), dqv, dsinks
     grads = None
-    if call is not None and varlen is None and dropout_p == 0.0:
+    if call is not None and dropout_p == 0.0:
         grads = dispatch.run_known("backward", q.device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic,
-                                   sinks is not None)
+                                   sinks is not None, varlen)
     if grads is None:
         params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
         extras = {} if qv is None else dict(qv=qv)

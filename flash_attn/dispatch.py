@@ -29,7 +29,7 @@ backend and leave it unchanged).
 Eager calls (:func:`flash_attn.custom_ops.eager_call`) may first take the chosen backend's own
 route around the op and the general plan (:func:`run_direct`; the ``cpu`` backend's plain calls):
 the backend decides which calls it takes. An eager call whose checked signature the first backend
-already holds a plan for (the kernel backends' second and later calls of a shape) runs that plan
+already holds a plan for (the kernel backends' second and later calls of a shape, dense or packed) runs that plan
 without the general route's preparation (:func:`run_known`); a failure there goes to the general
 route, which tells and fails over as always.
 
@@ -316,10 +316,11 @@ def run_known(op: str, device: torch.device, call: int, *args):
     of this call (its ``Backend.known[op]``: the kernel backends, for the checked signature
     ``call`` and the pointers' alignment), else ``None``: then the caller takes :func:`run`, which
     also tells and fails over when the backend fails on the call (a failure here is left to it).
-    Only for eager calls without dropout and without packed sequences; ``args`` per op:
+    Only for eager calls without dropout; ``args`` per op (``varlen``: the packed call's
+    :class:`~flash_attn.params.VarlenLayout`, or ``None``):
 
-    - ``forward``: q, k, v, alibi_slopes, sinks, qv, return_softmax -> (out, lse, s_dmask);
-    - ``backward``: dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta;
+    - ``forward``: q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen -> (out, lse, s_dmask);
+    - ``backward``: dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen;
     - ``forward_kvcache``: q, cache (:class:`~flash_attn.params.KVCacheInputs`), alibi_slopes, sinks, qv.
     """
     name = chain(device)[0]

@@ -127,8 +127,19 @@ def _dense_checks(q, k, v, qv, alibi_slopes, learnable_sink, dropout_p, softmax_
                     deterministic, return_attn_probs, q.shape[0], q.shape[-2], _scaled_features(q, qv), q.device)
 
 
-def _varlen_options(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
-                    deterministic, return_attn_probs, batch, nheads, headdim, device) -> tuple:
+def _varlen_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, qv, alibi_slopes, learnable_sink, max_seqlen_q,
+                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                   return_attn_probs) -> tuple:
+    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    validation.check_qv(qv, q, v.shape[-1], "(total_q, nheads, headdim_v)")
+    # a new packed batch is a new signature, its options (the same every batch) are not: checked once
+    return validation.checked("varlen options", (alibi_slopes, learnable_sink),
+                              (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                               cu_seqlens_q.shape[0] - 1, q.shape[-2], _scaled_features(q, qv), q.device), _options_of)
+
+
+def _options_of(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                return_attn_probs, batch, nheads, headdim, device) -> tuple:
     return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
                     deterministic, return_attn_probs, batch, nheads, headdim, device)
 
@@ -141,7 +152,7 @@ def _scaled_features(q, qv) -> int:
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, options,
                qv, learnable_sink, call=None):
     """Shared tail of the dense and varlen functions (inputs checked, ``options`` from :func:`_options`;
-    ``call``: the dense call's checked signature, :func:`flash_attn.validation.checked_call`)."""
+    ``call``: the call's checked signature, :func:`flash_attn.validation.checked_call`)."""
     scale, left, right, softcap, dropout_p, return_attn_probs, deterministic = options
     out, lse, s_dmask, _ = custom_ops.forward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
@@ -291,16 +302,14 @@ def flash_attn_varlen_func(
     """
     max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
                                                                exact=bool(return_attn_probs))
-    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    validation.check_qv(qv, q, v.shape[-1], "(total_q, nheads, headdim_v)")
-    # the tensors' shapes change with every packed batch: only the options are checked once per signature
-    options = validation.checked("varlen options", (alibi_slopes, learnable_sink),
-                                 (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                  return_attn_probs, cu_seqlens_q.shape[0] - 1, q.shape[-2], _scaled_features(q, qv),
-                                  q.device),
-                                 _varlen_options)
+    # the longest lengths as ints first (a 0-d tensor's value is no signature): a packed batch's
+    # signature (its totals, its longest lengths) is new per batch and then the same in every layer
+    options, call = validation.checked_call(
+        "flash_attn_varlen_func", (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, qv, alibi_slopes, learnable_sink),
+        (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+         return_attn_probs), _varlen_checks)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-                      options, qv, learnable_sink)
+                      options, qv, learnable_sink, call)
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -29,6 +29,9 @@ from flash_attn.planning.plan import Refusal
 __all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
 
 
+_MISSING = object()
+
+
 class PlanCache:
     """``key -> value``, made once per key; the oldest entries go past ``limit`` (a plan holds no
     device memory, so forgetting one only costs planning it again)."""
@@ -39,10 +42,9 @@ class PlanCache:
         self._lock = threading.Lock()
 
     def get(self, key, make: Callable):
-        try:
-            return self._values[key]
-        except KeyError:
-            pass
+        value = self._values.get(key, _MISSING)  # (a new call signature misses: no exception raised for it)
+        if value is not _MISSING:
+            return value
         value = make()
         if self.keeps(value):
             with self._lock:
@@ -65,6 +67,10 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def distinct(self) -> int:
+        """How many values were made and are held (keys may share one: a call's signature and its shape)."""
+        return len({id(value) for value in list(self._values.values())})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,21 +311,22 @@ class KernelBackend:
                         qv=None):
         inputs = forward_inputs(q, k, v, params.dropout_seed, varlen, alibi_slopes, sinks, qv)
         tail = () if return_softmax else (None,)  # the plan returns S_dmask only when asked for
-        if params.call is None or varlen is not None:
+        if params.call is None:
             shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
             return self._prepare(P.plan_forward, shape, inputs, q.device, tail=tail)
         # the call's signature holds every layout and option of the shape, but the pointers'
         return self._prepare(
             P.plan_forward,
             lambda: P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv),
-            inputs, q.device, _forward_key(params.call, q, k, v, alibi_slopes, sinks, qv, _key_seed(params)), tail)
+            inputs, q.device, _forward_key(params.call, q, k, v, alibi_slopes, sinks, qv, varlen, _key_seed(params)),
+            tail)
 
     def prepare_backward(self, dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
                          deterministic=False, grads=None, return_delta=False, qv=None):
         # deterministic: the split kernels (no atomics) instead of the fused one; grads: the
         # caller's (dq, dk, dv), written in place where laid out as the kernels write; qv: refused
         inputs = backward_inputs(dout, q, k, v, out, lse, params.dropout_seed, varlen, alibi_slopes, grads)
-        if params.call is None or varlen is not None or grads is not None:
+        if params.call is None or grads is not None:
             shape = P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
                                         return_delta, qv)
             return self._prepare(P.plan_backward, shape, inputs, q.device)
@@ -327,7 +334,7 @@ class KernelBackend:
         # (the forward returns them contiguous) and the gradient's shape and dtype (autograd's
         # engine makes them out's); the gradient's strides are the caller's
         call = _backward_key(params.call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta,
-                             _key_seed(params))
+                             varlen, _key_seed(params))
         return self._prepare(
             P.plan_backward,
             lambda: P.describe_backward(dout, q, k, v, out, lse, params, varlen, alibi_slopes, deterministic, grads,
@@ -345,19 +352,20 @@ class KernelBackend:
     # --- calls whose plan is held: an eager call with a checked signature, without dropout -------
     # (what :meth:`_prepare` would find by the same key, run without the dispatcher's preparation)
 
-    def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax):
-        executable = self._held(device, P.plan_forward, _forward_key(call, q, k, v, alibi_slopes, sinks, qv))
+    def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen):
+        executable = self._held(device, P.plan_forward, _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen))
         if executable is None:
             return None
-        results = self.run(executable, forward_inputs(q, k, v, None, None, alibi_slopes, sinks, qv), device)
+        results = self.run(executable, forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv), device)
         return results if return_softmax else (*results, None)
 
-    def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta):
-        key = _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta)
+    def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta,
+                       varlen):
+        key = _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen)
         executable = self._held(device, P.plan_backward, key)
         if executable is None:
             return None
-        return self.run(executable, backward_inputs(dout, q, k, v, out, lse, None, None, alibi_slopes), device)
+        return self.run(executable, backward_inputs(dout, q, k, v, out, lse, None, varlen, alibi_slopes), device)
 
     def known_forward_kvcache(self, device, call, q, cache, alibi_slopes, sinks, qv):
         inputs = kvcache_inputs(q, cache, alibi_slopes, sinks, qv)
@@ -396,13 +404,18 @@ class KernelBackend:
 # The plan key of each op's calls (:func:`_plan_key`): the tensors whose alignment it holds, and
 # what it adds to the checked signature (the backward: the gradient's strides, the options).
 
-def _forward_key(call, q, k, v, alibi_slopes, sinks, qv, seed=None) -> tuple:
-    return _plan_key(call, (q, k, v, alibi_slopes, sinks, qv), (), seed)
+def _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen=None, seed=None) -> tuple:
+    return _plan_key(call, (q, k, v, alibi_slopes, sinks, qv, *_varlen_tensors(varlen)), (), seed)
 
 
-def _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, seed=None) -> tuple:
-    return _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv),
+def _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen=None,
+                  seed=None) -> tuple:
+    return _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv, *_varlen_tensors(varlen)),
                      (dout.stride(), bool(deterministic), bool(return_delta)), seed)
+
+
+def _varlen_tensors(varlen) -> tuple:
+    return () if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.block_table)
 
 
 def _kvcache_key(call, inputs: dict) -> tuple:

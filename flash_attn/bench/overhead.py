@@ -25,7 +25,8 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
 Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
 time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
 nothing waits for a device). ``plans_per_call`` (stubbed mode, in the JSON): launch plans made
-per timed call, 0 when every call finds its plan in the cache.
+per timed call (plans the cache holds under a call's signature and under its shape count once), 0
+when every call finds its plan in the cache.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ from flash_attn.layers.rotary import apply_rotary_emb
 from flash_attn.planning import configs
 from flash_attn.planning.plan import Target
 
-CASES = ("forward", "forward+backward", "packed training", "decode step", "growing cache decode", "rotary step")
+CASES = ("forward", "forward+backward", "packed training", "packed training, later layer", "decode step",
+         "growing cache decode", "rotary step")
 # cases whose every call has a new signature: no stage breakdown (it replays one recorded call)
 NEW_EVERY_CALL = ("growing cache decode",)
 # the growing cache's first length and how many lengths follow (then they repeat): more than the
@@ -81,7 +83,8 @@ def _packed_batches(n: int, sequences: int, device) -> list[tuple[torch.Tensor, 
 def _calls(device) -> dict[str, Callable[[], object]]:
     """The measured calls: a short forward (inference), a training step's attention (forward and
     backward through autograd), the same for packed sequences whose lengths change every call
-    (padding-free training: ``flash_attn_varlen_func``), one decode step with a KV cache (append +
+    (padding-free training: ``flash_attn_varlen_func``; a model's first layer of a step) and for one
+    packed batch again and again (its later layers: the same lengths), one decode step with a KV cache (append +
     attend), one decode step over a cache kept as growing tensors (Hugging Face's ``generate()``:
     ``flash_attn_func`` over its ``(b, hk, s, d)`` cache transposed, one key more every call, so
     every call has a new signature; in a model only the first layer's call of a step is new), and a
@@ -114,12 +117,20 @@ def _calls(device) -> dict[str, Callable[[], object]]:
         q, k, v = (t[:total].requires_grad_() for t in (packed_q, packed_k, packed_v))
         flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).backward(packed_dout[:total])
 
+    layer_cu, layer_longest, layer_total = _packed_batches(1, 4, device)[0]
+
+    def packed_later_layer():
+        q, k, v = (t[:layer_total].requires_grad_() for t in (packed_q, packed_k, packed_v))
+        flash_attn_varlen_func(q, k, v, layer_cu, layer_cu, layer_longest, layer_longest,
+                               causal=True).backward(packed_dout[:layer_total])
+
     growing_step = _growing_cache_step(rnd, heads, heads_k, functools.partial(flash_attn_func, causal=True))
 
     return {
         "forward": lambda: flash_attn_func(q, k, v, causal=True),
         "forward+backward": training,
         "packed training": packed_training,
+        "packed training, later layer": packed_later_layer,
         "decode step": lambda: flash_attn_with_kvcache(step_q, k_cache, v_cache, step_k, step_v,
                                                        cache_seqlens=seqlens, causal=True),
         "growing cache decode": growing_step,
@@ -508,11 +519,11 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
             before = launches()
             fn()
             per_call = launches() - before
-            planned = len(plans)
+            planned = plans.distinct()
             times = _time(fn, calls, repeats, lambda: None, clock=time.process_time)
             rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times),
                          "us_min": min(times), "us_max": max(times), "launches_per_call": per_call,
-                         "plans_per_call": (len(plans) - planned) / (calls * repeats + max(3, calls // 10))})
+                         "plans_per_call": (plans.distinct() - planned) / (calls * repeats + max(3, calls // 10))})
             if profiles is not None:
                 stages = "" if name in NEW_EVERY_CALL else "\nby stage\n" + stages_text(stage_breakdown(fn, calls))
                 profiles[name] = profile_text(fn, calls, lambda: None) + stages

@@ -213,15 +213,87 @@ def test_forgotten_plans_are_made_again_on_the_general_route(launches, general_r
     assert general_route == ["forward", "forward"] and described == [1]
 
 
-def test_dropout_and_packed_calls_take_the_general_route(launches, general_route):
+def test_dropout_calls_take_the_general_route(launches, general_route):
     q, k, v = _qkv(2, 64, 4, 64)
-    for _ in range(2):
-        flash_attn_func(q, k, v, dropout_p=0.1)  # the seed is drawn per call
     cu = torch.tensor([0, 50, 128], dtype=torch.int32)
     packed = [t.reshape(128, 4, 64) for t in (q, k, v)]
     for _ in range(2):
-        flash_attn_varlen_func(*packed, cu, cu, 78, 78)
+        flash_attn_func(q, k, v, dropout_p=0.1)  # the seed is drawn per call
+        flash_attn_varlen_func(*packed, cu, cu, 78, 78, dropout_p=0.1)
     assert general_route == ["forward"] * 4
+
+
+# Packed batches (padding-free training): a batch's signature holds its totals and longest
+# lengths, not cu_seqlens' values; every layer of a step repeats it.
+
+def _packed(total: int, cuts: list, g, grad: bool = False) -> tuple:
+    """q, k, v of ``total`` packed rows (2 query heads, 1 kv head) and cu_seqlens cut at ``cuts``."""
+    q, k, v = (torch.randn(total, heads, 32, generator=g).half().requires_grad_(grad) for heads in (2, 1, 1))
+    bounds = [0, *cuts, total]
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    return q, k, v, torch.tensor(bounds, dtype=torch.int32), longest
+
+
+def _packed_plans(q, k, v, cu, longest, dout=None):
+    """The planner's launches of a packed call's forward (and backward): the oracle of which launches run."""
+    from flash_attn.params import AttentionParams, VarlenLayout  # noqa: PLC0415
+
+    params, varlen = AttentionParams(32 ** -0.5, -1, 0), VarlenLayout(cu, cu, longest, longest)
+    launches = list(P.plan_forward(P.describe_forward(q, k, v, params, varlen), H100).launches)
+    if dout is not None:
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        out = torch.empty_like(q)
+        launches += P.plan_backward(P.describe_backward(dout, q, k, v, out, lse, params, varlen), H100).launches
+    return launches
+
+
+def test_a_packed_batch_in_every_layer_runs_its_held_plan(launches, general_route, monkeypatch):
+    """The same packed batch again (the next layer of a step): the held forward and backward, the
+    very launches the planner gives; then other sequence bounds with the same totals and longest
+    length (the same signature: the kernels read cu_seqlens per call) are held too."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v, cu, longest = _packed(96, [40, 70], g, grad=True)
+    dout = torch.randn(96, 2, 32, generator=g).half()
+    expected = _packed_plans(q, k, v, cu, longest, dout)
+    made = []
+    for _ in range(2):
+        launches.clear()
+        flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).backward(dout)
+        made.append(list(launches))
+    assert made == [expected, expected]
+    assert general_route == ["forward", "backward"]  # the first layer's only
+    described = _described(monkeypatch)
+    other_cu = torch.tensor([0, 30, 70, 96], dtype=torch.int32)  # longest 40 too
+    launches.clear()
+    flash_attn_varlen_func(q, k, v, other_cu, other_cu, longest, longest, causal=True).backward(dout)
+    assert described == [] and general_route == ["forward", "backward"] and launches == expected
+
+
+def test_a_new_packed_batch_shares_the_plan_of_its_bucket(launches, general_route, monkeypatch):
+    """A batch with new totals is a new signature (its checks and the general route) but not a new
+    plan: the row counts are the call's, the longest length is bucketed."""
+    g = torch.Generator().manual_seed(7)
+    batches = [_packed(total, cuts, g) for total, cuts in ((96, [40, 70]), (101, [30, 70]), (90, [20, 45]))]
+    expected = [_packed_plans(*batch) for batch in batches]
+    planned = []
+    real = P.plan_forward
+    monkeypatch.setattr(P, "plan_forward", lambda *a: planned.append(1) or real(*a))
+    for (q, k, v, cu, longest), want in zip(batches, expected):
+        launches.clear()
+        flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+        assert launches == want
+    assert general_route == ["forward"] * 3 and planned == [1]
+
+
+def test_a_misaligned_cu_seqlens_with_the_same_signature_gets_its_own_key(launches):
+    g = torch.Generator().manual_seed(8)
+    q, k, v, cu, longest = _packed(96, [40, 70], g)
+    bad_cu = _misaligned(cu)
+    assert validation.signature((bad_cu,), ()) == validation.signature((cu,), ())
+    for c in (cu, bad_cu, bad_cu, cu):
+        launches.clear()
+        flash_attn_varlen_func(q, k, v, c, c, longest, longest, causal=True)
+        assert launches == _packed_plans(q, k, v, c, longest)
 
 
 def test_a_backend_failure_on_the_known_route_fails_over_as_the_general_route_does(launches, monkeypatch):
@@ -283,6 +355,43 @@ def test_the_known_route_computes_what_the_oracle_does(general_route, interprete
         check_close(step_out, step_ref.out, step_naive.out, torch.float16, "decode out")
         assert dispatch.last_backend() == "interpret"
     assert general_route == ["forward", "backward", "forward_kvcache"]
+
+
+def test_a_held_packed_signature_still_checks_each_calls_bounds(launches, general_route):
+    """cu_seqlens' values are no part of a signature: a later call of a held one whose bounds do
+    not fit its longest length is refused as the first call would be (CPU tensors: read on the host)."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v, cu, longest = _packed(96, [40, 70], g)
+    flash_attn_varlen_func(q, k, v, cu, cu, longest, longest)
+    too_long = torch.tensor([0, 41, 70, 96], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen_q \(40\) is smaller than the longest sequence"):
+        flash_attn_varlen_func(q, k, v, too_long, too_long, longest, longest)
+    assert general_route == ["forward"]
+
+
+def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpreter):
+    """Through Triton's interpreter: a packed batch's forward + backward in two layers, then other
+    sequence bounds under the same signature (the held plan with other cu_seqlens), against the
+    float64 oracle."""
+    from support.oracle import attention_varlen_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import backward_floor, check_close  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v, _, longest = _packed(40, [17, 30], g)
+    dout = torch.randn(40, 2, 32, generator=g).half()
+    for bounds in ([0, 17, 30, 40], [0, 17, 30, 40], [0, 6, 23, 40]):  # longest 17 every time
+        ref, ref_grads, naive, naive_grads = oracle_pair(attention_varlen_ref, [q, k, v], dout, cu_q=bounds,
+                                                         cu_k=bounds, causal=True)
+        floor = backward_floor(q, k, v, dout)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = flash_attn_varlen_func(qg, kg, vg, cu, cu, longest, longest, causal=True)
+        out.backward(dout)
+        assert dispatch.last_backend() == "interpret"
+        check_close(out, ref.out, naive.out, torch.float16, f"out {bounds}")
+        for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
+            check_close(t.grad, want, approx, torch.float16, f"{name} {bounds}", grad=True, floor=floor)
+    assert general_route == ["forward", "backward"]
 
 
 # ---------------------------------------------------------------------------------------------

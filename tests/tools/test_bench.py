@@ -708,7 +708,9 @@ def test_overhead_packed_training_finds_its_plans():
     assert list(by_case) == list(overhead.CASES)
     assert by_case["packed training"]["launches_per_call"] == 4
     assert by_case["packed training"]["plans_per_call"] < 0.5
-    assert all(by_case[case]["plans_per_call"] == 0 for case in ("forward", "forward+backward", "decode step"))
+    assert by_case["packed training, later layer"]["launches_per_call"] == 4
+    assert all(by_case[case]["plans_per_call"] == 0
+               for case in ("forward", "forward+backward", "packed training, later layer", "decode step"))
 
 
 @pytest.fixture
@@ -910,9 +912,16 @@ def test_overhead_stage_breakdown_nests_the_stages(stubbed_launches):
         assert rows[0]["us"] > 0 and all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
         text = overhead.stages_text(rows)
         assert "the plan held" in text and text.count("\n") == len(rows) + 1
-    # packed sequences take the general route every call: the dispatcher split into plan lookup and execution
+    # a new packed batch every call takes the general route: the dispatcher split into plan lookup and execution
     rows = overhead.stage_breakdown(calls["packed training"], calls=20, repeats=3)
     names = [(r["depth"], r["stage"]) for r in rows]
     assert (2, "dispatch (forward)") in names and (2, "dispatch (backward)") in names
     assert (3, "plan lookup (forward: describe the call, find its plan)") in names
     assert (4, "allocation (inputs prepared, buffers)") in names
+    # the same batch in a later layer: both ops on the route of the plan held for the signature
+    calls["packed training, later layer"]()
+    rows = overhead.stage_breakdown(calls["packed training, later layer"], calls=20, repeats=3)
+    names = [(r["depth"], r["stage"]) for r in rows]
+    assert (2, "dispatch, the plan held for the signature (forward)") in names
+    assert any(stage == "dispatch, the plan held for the signature (backward)" for _, stage in names)
+    assert not any("plan lookup" in name for _, name in names)
