@@ -50,6 +50,7 @@ from typing import Callable, Optional
 
 import torch
 
+from flash_attn import environ
 from flash_attn.backends.contract import Backend
 from flash_attn.planning.plan import Refusal
 
@@ -256,10 +257,7 @@ def route(device: torch.device) -> Route:
 def chain(device: torch.device) -> tuple[str, ...]:
     """The backends a call on ``device`` may run on, in order (:func:`route`, worked out once
     per process and setting)."""
-    if _environ_bytes is not None:  # the raw settings (a cache key; read as settings on a miss)
-        key = (_environ_bytes.get(_BACKEND_KEY), _environ_bytes.get(_STRICT_KEY), device)
-    else:
-        key = (os.environ.get(BACKEND_ENV), os.environ.get(STRICT_ENV), device)
+    key = (_backend_setting(), _strict_setting(), device)  # the raw settings (read as settings on a miss)
     found = _chains.get(key)
     if found is None:
         decided = route(device)
@@ -270,10 +268,7 @@ def chain(device: torch.device) -> tuple[str, ...]:
     return found
 
 
-# Read on every call: ``os.environ.get`` costs ~0.5 us (a Mapping method and a key encoding), the
-# process environment's own dict (bytes keys on POSIX) a tenth of that; the same values either way.
-_environ_bytes = getattr(os.environ, "_data", None) if os.name == "posix" else None
-_BACKEND_KEY, _STRICT_KEY = os.fsencode(BACKEND_ENV), os.fsencode(STRICT_ENV)
+_backend_setting, _strict_setting = environ.raw_getter(BACKEND_ENV), environ.raw_getter(STRICT_ENV)
 
 
 def reset() -> None:

@@ -6,7 +6,6 @@ re-derives defaults (softmax scale, causal-as-window, ...) and all backends agre
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -46,9 +45,9 @@ def window_applies(window_left: int, window_right: int) -> bool:
     return window_left >= 0 or window_right >= 0
 
 
-@dataclass(frozen=True)
-class VarlenLayout:
-    """Sequences packed along dim 0: sequence ``b`` is rows ``cu[b]:cu[b+1]``.
+class VarlenLayout(NamedTuple):
+    """Sequences packed along dim 0: sequence ``b`` is rows ``cu[b]:cu[b+1]`` (a named tuple: made
+    by every packed forward and backward).
 
     With a ``block_table`` (paged K/V), ``k``/``v`` are ``(num_blocks, page_size, nheads_k, d)``
     and sequence ``b``'s keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` rows of the

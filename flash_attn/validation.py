@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-import os
 from typing import Optional, Sequence
 
 import torch
 
+from flash_attn import environ
 from flash_attn.limits import MAX_HEADDIM, cdiv
 from flash_attn.params import cache_capacity
 
@@ -204,7 +204,11 @@ def host_reads_values(t: torch.Tensor) -> bool:
 
 def debug_checks() -> bool:
     """Whether ``FLASH_ATTN_DEBUG`` asks for host value checks on device tensors (read per call)."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    return _debug_setting() not in _OFF
+
+
+_debug_setting = environ.raw_getter(DEBUG_ENV)
+_OFF = (None, "", "0", b"", b"0")
 
 
 def check_values(ok: torch.Tensor, exc_type: type[Exception], message: str) -> None:
