@@ -12,8 +12,9 @@ Eager calls go around PyTorch's dispatcher (:func:`eager_call`), and an eager fo
 offers itself to the chosen backend's own route (:func:`flash_attn.dispatch.run_direct`: the cpu
 backend's plain calls, one fused-kernel call with PyTorch's own autograd formula): on the CPU the
 Python between the public function and the kernel is a large part of a short call. The op bodies
-of eager calls with a checked signature (``call``) first ask for the plan the backend holds for it
-(:func:`flash_attn.dispatch.run_known`), then take the general route.
+of eager calls with a checked signature (``call``) without dropout run the plan the backend holds
+for the signature, or makes and holds on its first call (:func:`flash_attn.dispatch.run_known`);
+the general route takes the rest, and the calls the backend refuses.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
         rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
     found = None
     if call is not None and dropout_p == 0.0:
-        found = dispatch.run_known("forward", q.device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen)
+        found = dispatch.run_known("forward", q.device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen,
+                                   (softmax_scale, window_left, window_right, softcap))
     if found is None:
         params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
         extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
@@ -242,7 +244,7 @@ def _backward_run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_tab
     grads = None
     if call is not None and dropout_p == 0.0:
         grads = dispatch.run_known("backward", q.device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic,
-                                   sinks is not None, varlen)
+                                   sinks is not None, varlen, (softmax_scale, window_left, window_right, softcap))
     if grads is None:
         params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
         extras = {} if qv is None else dict(qv=qv)
@@ -351,7 +353,7 @@ def _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cach
         rotary_cos, rotary_sin, rotary_interleaved, num_splits,
     )
     found = None if call is None else dispatch.run_known("forward_kvcache", q.device, call, q, cache, alibi_slopes,
-                                                         sinks, qv)
+                                                         sinks, qv, (softmax_scale, window_left, window_right, softcap))
     if found is None:
         params = AttentionParams(softmax_scale, window_left, window_right, softcap, call=call)
         extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)

@@ -28,10 +28,10 @@ backend and leave it unchanged).
 
 Eager calls (:func:`flash_attn.custom_ops.eager_call`) may first take the chosen backend's own
 route around the op and the general plan (:func:`run_direct`; the ``cpu`` backend's plain calls):
-the backend decides which calls it takes. An eager call whose checked signature the first backend
-already holds a plan for (the kernel backends' second and later calls of a shape, dense or packed) runs that plan
-without the general route's preparation (:func:`run_known`); a failure there goes to the general
-route, which tells and fails over as always.
+the backend decides which calls it takes. An eager call with a checked signature (dense or packed,
+without dropout) runs the plan the first backend holds for the signature, made and held on the
+signature's first call (:func:`run_known`), without the general route's preparation; a refusal or
+a failure there goes to the general route, which tells and fails over as always.
 
 CUDA-graph capture: the reference backend reads tensor values on the host, which capture
 forbids. A CUDA call that would run on it while the stream is capturing raises
@@ -307,16 +307,18 @@ def run_direct(op: str, device: torch.device, *args):
 
 
 def run_known(op: str, device: torch.device, call: int, *args):
-    """``op``'s results from the first backend of ``device``'s chain when it already holds the plan
-    of this call (its ``Backend.known[op]``: the kernel backends, for the checked signature
-    ``call`` and the pointers' alignment), else ``None``: then the caller takes :func:`run`, which
-    also tells and fails over when the backend fails on the call (a failure here is left to it).
-    Only for eager calls without dropout; ``args`` per op (``varlen``: the packed call's
-    :class:`~flash_attn.params.VarlenLayout`, or ``None``):
+    """``op``'s results from the first backend of ``device``'s chain by the call's checked signature
+    ``call`` (its ``Backend.known[op]``, the kernel backends': the plan held for the signature and
+    the pointers' alignment, made and held on its first call), or ``None``: the backend has no such
+    route or refuses the call; then the caller takes :func:`run`, which also tells and fails over
+    when the backend fails on the call (a failure here is left to it). Only for eager calls without
+    dropout; ``args`` per op (``varlen``: the packed call's :class:`~flash_attn.params.VarlenLayout`
+    or ``None``; ``scalars``: softmax_scale, window_left, window_right, softcap):
 
-    - ``forward``: q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen -> (out, lse, s_dmask);
-    - ``backward``: dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen;
-    - ``forward_kvcache``: q, cache (:class:`~flash_attn.params.KVCacheInputs`), alibi_slopes, sinks, qv.
+    - ``forward``: q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars -> (out, lse, s_dmask);
+    - ``backward``: dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen, scalars;
+    - ``forward_kvcache``: q, cache (:class:`~flash_attn.params.KVCacheInputs`), alibi_slopes, sinks, qv,
+      scalars.
     """
     name = chain(device)[0]
     route = _route(name, "known", op)

@@ -22,6 +22,7 @@ import torch
 
 from flash_attn import limits
 from flash_attn.backends.contract import Backend
+from flash_attn.params import AttentionParams
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import Refusal
@@ -349,36 +350,61 @@ class KernelBackend:
         return self._prepare(P.plan_kvcache, lambda: P.describe_kvcache(q, params, cache, alibi_slopes, sinks, qv),
                              inputs, q.device, _kvcache_key(params.call, inputs))
 
-    # --- calls whose plan is held: an eager call with a checked signature, without dropout -------
-    # (what :meth:`_prepare` would find by the same key, run without the dispatcher's preparation)
+    # --- eager calls with a checked signature, without dropout: the plan held for the signature,
+    # or on its first call the plan :meth:`_prepare` would find, described and remembered under the
+    # same key; ``None`` where the backend refuses the call (the dispatcher's general route then
+    # finds the refusal under that key, tells and moves on). ``scalars``: softmax_scale,
+    # window_left, window_right, softcap (read only to describe a first call).
 
-    def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen):
-        executable = self._held(device, P.plan_forward, _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen))
+    def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars):
+        key = _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen)
+        executable = self._held(device, P.plan_forward, key)
+        if executable is _MISSING:
+            shape = P.describe_forward(q, k, v, _eager_params(scalars, call), varlen, alibi_slopes, return_softmax,
+                                       sinks, qv)
+            executable = self._remember(device, P.plan_forward, key, shape)
         if executable is None:
             return None
         results = self.run(executable, forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv), device)
         return results if return_softmax else (*results, None)
 
     def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta,
-                       varlen):
+                       varlen, scalars):
         key = _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen)
         executable = self._held(device, P.plan_backward, key)
+        if executable is _MISSING:
+            shape = P.describe_backward(dout, q, k, v, out, lse, _eager_params(scalars, call), varlen, alibi_slopes,
+                                        deterministic, None, return_delta, qv)
+            executable = self._remember(device, P.plan_backward, key, shape)
         if executable is None:
             return None
         return self.run(executable, backward_inputs(dout, q, k, v, out, lse, None, varlen, alibi_slopes), device)
 
-    def known_forward_kvcache(self, device, call, q, cache, alibi_slopes, sinks, qv):
+    def known_forward_kvcache(self, device, call, q, cache, alibi_slopes, sinks, qv, scalars):
         inputs = kvcache_inputs(q, cache, alibi_slopes, sinks, qv)
-        executable = self._held(device, P.plan_kvcache, _kvcache_key(call, inputs))
+        key = _kvcache_key(call, inputs)
+        executable = self._held(device, P.plan_kvcache, key)
+        if executable is _MISSING:
+            shape = P.describe_kvcache(q, _eager_params(scalars, call), cache, alibi_slopes, sinks, qv)
+            executable = self._remember(device, P.plan_kvcache, key, shape)
         return None if executable is None else self.run(executable, inputs, device)
 
     def _held(self, device, planner, key: tuple):
-        """The executable :meth:`_prepare` holds for ``planner`` and the call ``key``, or ``None``."""
+        """The executable :meth:`_prepare` holds for ``planner`` and the call ``key``; ``None`` where
+        the backend refuses it; ``_MISSING``: nothing held yet."""
         found = self.target_and_plans(device)
         if isinstance(found, Refusal):
             return None
-        target, cache = found
-        executable = cache.peek((planner, key, target))
+        executable = found[1].peek((planner, key, found[0]))
+        if executable is None:
+            return _MISSING
+        return None if isinstance(executable, Refusal) else executable
+
+    def _remember(self, device, planner, key: tuple, shape):
+        """The executable of a new call ``key`` of ``shape`` (its shape's, planned if new), held
+        under ``key`` as :meth:`_prepare` holds it; ``None`` where the backend refuses it."""
+        target, cache = self.target_and_plans(device)
+        executable = cache.get((planner, key, target), lambda: self._by_shape(cache, planner, shape, target, device))
         return None if isinstance(executable, Refusal) else executable
 
     def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
@@ -425,6 +451,12 @@ def _kvcache_key(call, inputs: dict) -> tuple:
 def _key_seed(params) -> Optional[torch.Tensor]:
     """The dropout seed a plan key holds the alignment of (its layout is fixed, only its pointer varies)."""
     return params.dropout_seed if params.dropout_p and isinstance(params.dropout_seed, torch.Tensor) else None
+
+
+def _eager_params(scalars: tuple, call) -> AttentionParams:
+    """The parameters of an eager call without dropout from its ``scalars`` (softmax_scale,
+    window_left, window_right, softcap) and signature."""
+    return AttentionParams(*scalars, call=call)
 
 
 def _plan_key(call, tensors: tuple, more: tuple = (), seed: Optional[torch.Tensor] = None) -> tuple:

@@ -48,8 +48,8 @@ Runner = Callable[[], tuple]
 Prepare = Callable[..., Union[Runner, Refusal]]
 # direct(*args of the flash_attn::<op> custom op) -> the op's outputs, or None: the call is not taken.
 Direct = Callable[..., Optional[tuple]]
-# known(device, call, *tensors and options) -> the op's results, or None: no plan held for the call
-# (see :func:`flash_attn.dispatch.run_known` for the arguments of each op).
+# known(device, call, *tensors and options) -> the op's results by the call's checked signature, or
+# None: the backend refuses the call (see :func:`flash_attn.dispatch.run_known` for the arguments).
 Known = Callable[..., Optional[tuple]]
 
 
@@ -61,8 +61,8 @@ class Backend:
     sentence saying why not. ``prepare``: one :data:`Prepare` per op of :data:`OPS`. ``direct``:
     optional eager routes around the custom op (only the ``cpu`` backend has one, for the plain
     forward calls it takes; see :func:`flash_attn.dispatch.run_direct`). ``known``: optional
-    routes for eager calls whose checked signature the backend already holds a plan for (the kernel
-    backends; :func:`flash_attn.dispatch.run_known`). ``failure``: the
+    routes for eager calls with a checked signature, by the plan the backend holds for it (the
+    kernel backends; :func:`flash_attn.dispatch.run_known`). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
     the next backend. ``settings_error()``: why the backend's own environment settings are invalid

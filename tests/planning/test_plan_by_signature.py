@@ -158,8 +158,9 @@ def test_a_changed_backend_setting_is_read_on_every_call(launches, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# The known route (dispatch.run_known): an eager call whose plan the first backend already holds
-# runs it without the dispatcher's general route; anything else takes that route.
+# The signature's route (dispatch.run_known): an eager call with a checked signature runs the plan
+# the first backend holds for it (made and held on its first call) without the dispatcher's general
+# route; dropout and the calls the backend refuses take that route.
 
 
 @pytest.fixture
@@ -187,12 +188,14 @@ def _decode_step(g):
     return q, k_cache, v_cache, torch.tensor([5, 9], dtype=torch.int32)
 
 
-def test_a_held_plan_runs_without_the_general_route(launches, general_route):
-    """The second call of a signature (forward, its backward, a decode step) takes the known route
-    and makes the very launches the first one made (the described plan's, checked above)."""
+def test_a_signature_is_described_once_and_its_plan_held(launches, general_route, monkeypatch):
+    """A signature's first call (forward, its backward, a decode step) is described and planned on
+    the signature's route, its second runs the held plan: the very launches of the first (the
+    described plan's, checked above); neither takes the general route."""
     q, k, v = (t.requires_grad_() for t in _qkv(2, 64, 4, 64))
     dout = torch.randn(2, 64, 4, 64).half()
     step = _decode_step(torch.Generator().manual_seed(2))
+    described = _described(monkeypatch)
     made = []
     for _ in range(2):
         launches.clear()
@@ -200,17 +203,33 @@ def test_a_held_plan_runs_without_the_general_route(launches, general_route):
         flash_attn_with_kvcache(step[0], step[1], step[2], cache_seqlens=step[3], causal=True)
         made.append(list(launches))
         assert dispatch.last_backend() == "triton"
-    assert general_route == ["forward", "backward", "forward_kvcache"]  # the first calls only
+    assert described == [1, 1, 1] and general_route == []  # the first calls described, nothing else
     assert made[0] == made[1] and made[0]
 
 
-def test_forgotten_plans_are_made_again_on_the_general_route(launches, general_route, monkeypatch):
+def test_a_refused_call_takes_the_general_route_to_the_next_backend(launches, general_route, monkeypatch):
+    """fp32 inputs (the kernels take fp16/bf16): the signature's route finds the refusal, the
+    general route tells (once) and runs the call on the next backend, every time."""
+    monkeypatch.setattr(dispatch, "_warned", set())
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 32, 2, 64, generator=g) for _ in range(3))
+    with pytest.warns(UserWarning, match=r"triton backend cannot run this forward \(torch.float32 inputs"):
+        flash_attn_func(q, k, v)
+    for _ in range(2):
+        out = flash_attn_func(q, k, v)
+        assert dispatch.last_backend() == "reference" and launches == []
+    assert general_route == ["forward"] * 3
+    want = torch.softmax(q.double().transpose(1, 2) @ k.double().permute(0, 2, 3, 1) / 8.0, -1) @ v.double().transpose(1, 2)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_forgotten_plans_are_made_again(launches, general_route, monkeypatch):
     q, k, v = _qkv(2, 64, 4, 64)
     flash_attn_func(q, k, v, causal=True)
     triton_backend._backend.forget_plans()  # the tuning sweep's: the launch configs changed
     described = _described(monkeypatch)
     flash_attn_func(q, k, v, causal=True)
-    assert general_route == ["forward", "forward"] and described == [1]
+    assert general_route == [] and described == [1]
 
 
 def test_dropout_calls_take_the_general_route(launches, general_route):
@@ -260,17 +279,16 @@ def test_a_packed_batch_in_every_layer_runs_its_held_plan(launches, general_rout
         launches.clear()
         flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True).backward(dout)
         made.append(list(launches))
-    assert made == [expected, expected]
-    assert general_route == ["forward", "backward"]  # the first layer's only
+    assert made == [expected, expected] and general_route == []
     described = _described(monkeypatch)
     other_cu = torch.tensor([0, 30, 70, 96], dtype=torch.int32)  # longest 40 too
     launches.clear()
     flash_attn_varlen_func(q, k, v, other_cu, other_cu, longest, longest, causal=True).backward(dout)
-    assert described == [] and general_route == ["forward", "backward"] and launches == expected
+    assert described == [] and launches == expected
 
 
 def test_a_new_packed_batch_shares_the_plan_of_its_bucket(launches, general_route, monkeypatch):
-    """A batch with new totals is a new signature (its checks and the general route) but not a new
+    """A batch with new totals is a new signature (its checks, its call described) but not a new
     plan: the row counts are the call's, the longest length is bucketed."""
     g = torch.Generator().manual_seed(7)
     batches = [_packed(total, cuts, g) for total, cuts in ((96, [40, 70]), (101, [30, 70]), (90, [20, 45]))]
@@ -282,7 +300,7 @@ def test_a_new_packed_batch_shares_the_plan_of_its_bucket(launches, general_rout
         launches.clear()
         flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
         assert launches == want
-    assert general_route == ["forward"] * 3 and planned == [1]
+    assert general_route == [] and planned == [1]
 
 
 def test_a_misaligned_cu_seqlens_with_the_same_signature_gets_its_own_key(launches):
@@ -354,7 +372,7 @@ def test_the_known_route_computes_what_the_oracle_does(general_route, interprete
         step_out = flash_attn_with_kvcache(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
         check_close(step_out, step_ref.out, step_naive.out, torch.float16, "decode out")
         assert dispatch.last_backend() == "interpret"
-    assert general_route == ["forward", "backward", "forward_kvcache"]
+    assert general_route == []
 
 
 def test_a_held_packed_signature_still_checks_each_calls_bounds(launches, general_route):
@@ -366,7 +384,7 @@ def test_a_held_packed_signature_still_checks_each_calls_bounds(launches, genera
     too_long = torch.tensor([0, 41, 70, 96], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"max_seqlen_q \(40\) is smaller than the longest sequence"):
         flash_attn_varlen_func(q, k, v, too_long, too_long, longest, longest)
-    assert general_route == ["forward"]
+    assert general_route == []
 
 
 def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpreter):
@@ -391,7 +409,7 @@ def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpr
         check_close(out, ref.out, naive.out, torch.float16, f"out {bounds}")
         for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, torch.float16, f"{name} {bounds}", grad=True, floor=floor)
-    assert general_route == ["forward", "backward"]
+    assert general_route == []
 
 
 # ---------------------------------------------------------------------------------------------

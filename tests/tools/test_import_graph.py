@@ -41,7 +41,7 @@ LAYERS = (
     ("planning", ("flash_attn.planning",)),  # call -> launches, configs (no Triton, no device)
     ("kernels", ("flash_attn.kernels",)),  # Triton source only
     ("core", ("flash_attn.params", "flash_attn.limits", "flash_attn.dropout", "flash_attn.placeholders",
-              "flash_attn.rotation", "flash_attn._version")),
+              "flash_attn.rotation", "flash_attn.environ", "flash_attn._version")),
 )
 
 
