@@ -202,8 +202,8 @@ def _to(x, device):
     if x is None:
         return None
     if isinstance(x, VarlenLayout):
-        return dataclasses.replace(x, cu_seqlens_q=x.cu_seqlens_q.to(device), cu_seqlens_k=x.cu_seqlens_k.to(device),
-                                   block_table=_to(x.block_table, device))
+        return x._replace(cu_seqlens_q=x.cu_seqlens_q.to(device), cu_seqlens_k=x.cu_seqlens_k.to(device),
+                          block_table=_to(x.block_table, device))
     return x.to(device)
 
 
