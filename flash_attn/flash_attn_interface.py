@@ -135,10 +135,11 @@ def _varlen_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, qv, alibi_s
     # a new packed batch is a new signature, its options (the same every batch) are not: checked once
     return validation.checked("varlen options", (alibi_slopes, learnable_sink),
                               (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-                               cu_seqlens_q.shape[0] - 1, q.shape[-2], _scaled_features(q, qv), q.device), _options_of)
+                               cu_seqlens_q.shape[0] - 1, q.shape[-2], _scaled_features(q, qv), q.device),
+                              _varlen_options)
 
 
-def _options_of(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+def _varlen_options(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                 return_attn_probs, batch, nheads, headdim, device) -> tuple:
     return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
                     deterministic, return_attn_probs, batch, nheads, headdim, device)

@@ -395,7 +395,8 @@ class KernelBackend:
         found = self.target_and_plans(device)
         if isinstance(found, Refusal):
             return None
-        executable = found[1].peek((planner, key, found[0]))
+        target, cache = found
+        executable = cache.peek((planner, key, target))
         if executable is None:
             return _MISSING
         return None if isinstance(executable, Refusal) else executable
