@@ -123,8 +123,8 @@ def _dense_checks(q, k, v, qv, alibi_slopes, learnable_sink, dropout_p, softmax_
                   deterministic, return_attn_probs) -> tuple:
     validation.check_dense_qkv(q, k, v)
     validation.check_qv(qv, q, v.shape[-1], "(batch, seqlen_q, nheads, headdim_v)")
-    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
-                    deterministic, return_attn_probs, q.shape[0], q.shape[-2], _scaled_features(q, qv), q.device)
+    return _checked_options(q, qv, q.shape[0], alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal,
+                            window_size, softcap, deterministic, return_attn_probs)
 
 
 def _varlen_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, qv, alibi_slopes, learnable_sink, max_seqlen_q,
@@ -132,15 +132,21 @@ def _varlen_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, qv, alibi_s
                    return_attn_probs) -> tuple:
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
     validation.check_qv(qv, q, v.shape[-1], "(total_q, nheads, headdim_v)")
-    # a new packed batch is a new signature, its options (the same every batch) are not: checked once
-    return validation.checked("varlen options", (alibi_slopes, learnable_sink),
+    return _checked_options(q, qv, cu_seqlens_q.shape[0] - 1, alibi_slopes, learnable_sink, dropout_p, softmax_scale,
+                            causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def _checked_options(q, qv, batch, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
+                     deterministic, return_attn_probs) -> tuple:
+    """:func:`_options`, checked once per signature of their own: a new shape (a packed batch, a
+    growing cache's key length) is a new call signature, its options mostly the last call's."""
+    return validation.checked("attention options", (alibi_slopes, learnable_sink),
                               (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-                               cu_seqlens_q.shape[0] - 1, q.shape[-2], _scaled_features(q, qv), q.device),
-                              _varlen_options)
+                               batch, q.shape[-2], _scaled_features(q, qv), q.device), _options_in_checked_order)
 
 
-def _varlen_options(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                return_attn_probs, batch, nheads, headdim, device) -> tuple:
+def _options_in_checked_order(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
+                              deterministic, return_attn_probs, batch, nheads, headdim, device) -> tuple:
     return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
                     deterministic, return_attn_probs, batch, nheads, headdim, device)
 
