@@ -154,3 +154,31 @@ def test_qv_and_learnable_sink_are_part_of_the_signature():
     logits = torch.cat([scores, sinks.double().view(1, 2, 1, 1).expand(1, 2, 8, 1)], dim=-1)
     want = (logits.softmax(-1)[..., :-1] @ vd).transpose(1, 2)
     torch.testing.assert_close(flash_attn_func(q, k, v, learnable_sink=sinks).double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_packed_batch_is_checked_once_and_a_new_batch_not_its_options(monkeypatch):
+    """A packed batch's tensors are checked once per signature (every layer of a step repeats
+    it); a new batch is a new signature whose options are not checked again; a bad packed call
+    that looks like a good one apart from a shape is still refused."""
+    q, k, v = (torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(1)) for _ in range(3))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    seen = {"qkv": 0, "options": 0}
+    real_qkv, real_options = validation.check_varlen_qkv, validation.check_options
+    monkeypatch.setattr(validation, "check_varlen_qkv",
+                        lambda *a: seen.__setitem__("qkv", seen["qkv"] + 1) or real_qkv(*a))
+    monkeypatch.setattr(validation, "check_options",
+                        lambda *a: seen.__setitem__("options", seen["options"] + 1) or real_options(*a))
+    for _ in range(2):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
+    assert seen == {"qkv": 1, "options": 1}
+    six = torch.tensor([0, 2, 6], dtype=torch.int32)
+    flash_attn_varlen_func(q[:6], k[:6], v[:6], six, six, 4, 4, causal=True)  # a new batch
+    assert seen == {"qkv": 2, "options": 1}
+    # the longest lengths as 0-d tensors (transformers passes them): read as ints, the same signature
+    flash_attn_varlen_func(q, k, v, cu, cu, torch.tensor(5), torch.tensor(5), causal=True)
+    assert seen["qkv"] == 2
+    for b, (s, e) in enumerate([(0, 3), (3, 8)]):
+        want = _naive(q[None, s:e], k[None, s:e], v[None, s:e], True)[0]
+        torch.testing.assert_close(out[s:e].double(), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        flash_attn_varlen_func(q, k, v[:6], cu, cu, 5, 5, causal=True)
