@@ -105,11 +105,12 @@ __all__ = [
 ]
 
 
-def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink, deterministic,
+def _options(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
              return_attn_probs, batch, nheads, headdim, device) -> tuple:
     """The scalar options checked and normalised: ``(softmax_scale, window_left, window_right,
     softcap, dropout_p, return_attn_probs, deterministic)``; ``headdim``: the features the default
-    scale counts (q's, plus qv's when given)."""
+    scale counts (q's, plus qv's when given). Arguments in :func:`_checked_options`' order (the
+    tensors first, as :func:`flash_attn.validation.checked` passes them)."""
     window_size = validation.check_options(dropout_p, softcap, window_size, alibi_slopes, batch, nheads, device)
     validation.check_sinks(learnable_sink, nheads, device)
     left, right = validation.causal_window(validation.check_flag(causal, "causal"), window_size)
@@ -142,13 +143,7 @@ def _checked_options(q, qv, batch, alibi_slopes, learnable_sink, dropout_p, soft
     growing cache's key length) is a new call signature, its options mostly the last call's."""
     return validation.checked("attention options", (alibi_slopes, learnable_sink),
                               (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
-                               batch, q.shape[-2], _scaled_features(q, qv), q.device), _options_in_checked_order)
-
-
-def _options_in_checked_order(alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
-                              deterministic, return_attn_probs, batch, nheads, headdim, device) -> tuple:
-    return _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, learnable_sink,
-                    deterministic, return_attn_probs, batch, nheads, headdim, device)
+                               batch, q.shape[-2], _scaled_features(q, qv), q.device), _options)
 
 
 def _scaled_features(q, qv) -> int:
