@@ -7,6 +7,10 @@ runs with ``FLASH_ATTN_BACKEND=NAME`` (set per test by an autouse fixture), so t
 the Triton / AOT GPU backends (and, with ``reference``, the exact tiled definition alone).
 ``--flash-device DEV`` (default ``cpu``): the device the tests put their tensors on
 (``--flash-device cuda`` runs the same tests on a GPU).
+``--flash-poison {auto,on,off}``: ``torch.empty`` and its kin return NaN-filled tensors in every
+test (``support/poison.py``), so a result read from memory nobody wrote fails on every run; ``auto``
+(the default) poisons on the CPU only (on a GPU it adds a fill per allocation to what the GPU tests
+count and time: ``on`` asks for it there).
 ``--flash-no-skip`` (for ``.ci/gpu-check``): a skipped test fails, unless its reason is one of
 :data:`EXPECTED_SKIPS` (right on a GPU machine), so a backend or device that was unavailable
 cannot pass as a skip.
@@ -28,7 +32,7 @@ import re
 import pytest
 import torch
 
-from support import options
+from support import options, poison
 
 
 def pytest_addoption(parser):
@@ -39,6 +43,9 @@ def pytest_addoption(parser):
                     help="device the tests create their tensors on (default: cpu; e.g. cuda)")
     group.addoption("--flash-no-skip", action="store_true",
                     help="a skip fails unless its reason is expected on a GPU machine (.ci/gpu-check)")
+    group.addoption("--flash-poison", choices=("auto", "on", "off"), default="auto",
+                    help="torch.empty and its kin return NaN-filled tensors in every test (support/poison.py): "
+                         "auto (the default) on the CPU only")
 
 
 # Skips that are right on a GPU machine, which --flash-no-skip lets pass: tests of the behaviour
@@ -122,6 +129,17 @@ def _flash_backend_env(monkeypatch):
     monkeypatch.setenv("FLASH_ATTN_BACKEND", options.backend_name())
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_empty(request):
+    """Uninitialised memory poisoned in every test (``--flash-poison``)."""
+    setting = request.config.getoption("--flash-poison")
+    if setting == "off" or (setting == "auto" and options.test_device().type != "cpu"):
+        yield
+        return
+    with poison.poisoned_empty():
+        yield
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from support import gloo_ranks
 from support.options import skip_unless_the_interpreter_runs
+from support.poison import poisoned_empty
 from flash_attn.backends import _interpreter
 from flash_attn.losses.cross_entropy import CrossEntropyLoss
 from flash_attn.ops.triton import cross_entropy as ce
@@ -184,7 +185,8 @@ def test_bad_input_raises_naming_the_argument(kwargs, match):
 
 @pytest.fixture
 def interpreted_kernels(monkeypatch):
-    """Route the loss through its Triton kernels, run by the interpreter on CPU tensors; the
+    """Route the loss through its Triton kernels, run by the interpreter on CPU tensors, with
+    uninitialised memory poisoned (an output the kernels leave unwritten shows on every run); the
     names of the kernels launched, checked after the test."""
     skip_unless_the_interpreter_runs()
     launched = []
@@ -195,7 +197,8 @@ def interpreted_kernels(monkeypatch):
 
     monkeypatch.setattr(ce, "_launch", launch)
     monkeypatch.setattr(ce, "_kernels_apply", lambda logits: logits.dtype != torch.float64)
-    yield
+    with poisoned_empty():
+        yield
     assert launched.count("_row_stats_kernel") == 1 and launched.count("_grad_kernel") == 1, launched
 
 

@@ -54,8 +54,8 @@ if triton is not None:
     def _row_stats_kernel(logits_ptr, labels_ptr, lse_ptr, sum_ptr, label_logit_ptr,
                           n_cols, row_stride, class_start, logit_scale,
                           BLOCK: tl.constexpr, WANT_LSE: tl.constexpr, WANT_SUM: tl.constexpr):
-        """One program per row: an online logsumexp over column blocks, the row sum and the
-        label's logit (0 when the label is not among this rank's columns)."""
+        """One program per row: an online logsumexp over column blocks, the row sum (0 without
+        WANT_SUM) and the label's logit (0 when the label is not among this rank's columns)."""
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * row_stride
         if WANT_LSE:
@@ -74,8 +74,7 @@ if triton is not None:
                 running_max = new_max
         if WANT_LSE:
             tl.store(lse_ptr + row, running_max + tl.log(running_sum))
-        if WANT_SUM:
-            tl.store(sum_ptr + row, total)
+        tl.store(sum_ptr + row, total)  # 0 without WANT_SUM: the loss adds 0 * total
         label = tl.load(labels_ptr + row).to(tl.int64) - class_start
         ours = (label >= 0) & (label < n_cols)
         z_label = tl.load(base + tl.where(ours, label, 0)).to(tl.float32) * logit_scale
