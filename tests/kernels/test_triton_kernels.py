@@ -24,6 +24,7 @@ import torch
 from support import oracle
 from support.inputs import gen
 from support.oracle import oracle_pair
+from support.poison import poisoned_empty
 from support.tolerance import check_close
 
 from flash_attn import dispatch
@@ -371,14 +372,8 @@ def uninitialized_memory_is_nan():
     """Every ``torch.empty`` filled with NaN (integers: their largest value), PyTorch's own switch
     for finding reads of memory nothing wrote (it needs deterministic algorithms on), on the CPU
     and on CUDA alike. The planner allocates the backward's buffers empty, the dQ sums included."""
-    was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
+    with poisoned_empty():
         yield
-    finally:
-        torch.use_deterministic_algorithms(was[0])
-        torch.utils.deterministic.fill_uninitialized_memory = was[1]
 
 
 ALL_FAMILIES = (*configs.FAMILY_CAPABILITY, "interpret")

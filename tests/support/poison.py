@@ -1,45 +1,34 @@
-"""Uninitialised memory made visible: :func:`poisoned_empty` makes ``torch.empty`` and its kin hand
-back tensors filled with NaN (floating point) or the dtype's largest value (integers), so that a
-result that reads an element nobody wrote is wrong on every run instead of on some.
+"""Uninitialised memory made visible: inside :func:`poisoned_empty`, ``torch.empty`` and its kin
+(``empty_like``, ``empty_strided``, ``new_empty``, a resize) fill what they hand back with NaN
+(floating point) or the dtype's largest value (integers), so that a result that reads an element
+nobody wrote is wrong on every run instead of on some.
+
+This is PyTorch's own switch (``torch.utils.deterministic.fill_uninitialized_memory``, which acts
+under ``torch.use_deterministic_algorithms``), so it reaches allocations made in C++ and inside a
+graph torch.compile traces. ``warn_only``: an op without a deterministic implementation (CUDA
+ones, mostly) warns instead of raising; what the tests compute is unchanged.
 
 What it stands in for: the allocator's reused blocks, whose old contents are whatever an earlier
 tensor left there (on a GPU, and on the CPU once memory is recycled). It cannot show a read of
-memory outside a tensor, nor an empty tensor made in C++ (PyTorch's own ops), which it does not
-reach; the code of this package allocates from Python. Nor a graph torch.compile traces (its
-allocations are the compiled graph's).
+memory outside a tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
-
-
-def _poison(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
-        tensor.fill_(float("nan"))
-    elif tensor.dtype != torch.bool:
-        tensor.fill_(torch.iinfo(tensor.dtype).max)
-    return tensor
-
-
-def _poisoning(allocate):
-    def allocate_poisoned(*args, **kwargs):
-        if torch.compiler.is_compiling():  # what torch.compile traces: the graph's own allocation
-            return allocate(*args, **kwargs)
-        return _poison(allocate(*args, **kwargs))
-
-    return allocate_poisoned
 
 
 @contextlib.contextmanager
 def poisoned_empty():
-    """``torch.empty``, ``empty_like``, ``empty_strided`` and ``Tensor.new_empty`` return poisoned
-    tensors inside the block."""
-    with pytest.MonkeyPatch.context() as patch:
-        for owner, name in ((torch, "empty"), (torch, "empty_like"), (torch, "empty_strided"),
-                            (torch.Tensor, "new_empty")):
-            patch.setattr(owner, name, _poisoning(getattr(owner, name)))
+    """Fresh tensors poisoned inside the block (the previous settings restored after it)."""
+    was = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+           torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
         yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        torch.utils.deterministic.fill_uninitialized_memory = was[2]
