@@ -249,7 +249,7 @@ def flash_attn_varlen_func(
     if k_rows is not None:
         k_used, v_used = k_used.index_select(0, k_rows), v_used.index_select(0, k_rows)
     max_q, max_k = validation.varlen_max_seqlens(q_used, k_used, None, max_q, max_k)
-    validation.check_varlen_qkv(q_used, k_used, v_used, cu_q, cu_k, max_q, max_k, None)
+    validation.check_varlen_qkv(q_used, k_used, v_used, cu_q, cu_k, None)
     validation.check_qv(qv_used, q_used, v_used.shape[-1], "(total_q, nheads, headdim_v)")
     out, lse = _forward(q_used, k_used, v_used, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size,
                         softcap, deterministic, qv_used, sinks)

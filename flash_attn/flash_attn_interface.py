@@ -87,6 +87,7 @@ from flash_attn.autograd_functions import (  # noqa: F401  (upstream's autograd 
     round_multiple,
 )
 from flash_attn import custom_ops, kvcache, validation
+from flash_attn.planning.shapes import bucket_seqlen
 from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
     _flash_attn_backward,
     _flash_attn_forward,
@@ -128,13 +129,35 @@ def _dense_checks(q, k, v, qv, alibi_slopes, learnable_sink, dropout_p, softmax_
                             window_size, softcap, deterministic, return_attn_probs)
 
 
-def _varlen_checks(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, qv, alibi_slopes, learnable_sink, max_seqlen_q,
-                   max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+_VARLEN_QV = "(total_q, nheads, headdim_v)"
+
+
+def _varlen_checks(q, qv, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink, _longest_q,
+                   _longest_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                    return_attn_probs) -> tuple:
-    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
-    validation.check_qv(qv, q, v.shape[-1], "(total_q, nheads, headdim_v)")
+    # the longest lengths are only in the signature (the values are checked per call, against cu_seqlens)
+    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
+    validation.check_qv(qv, q, v.shape[-1], _VARLEN_QV)
     return _checked_options(q, qv, cu_seqlens_q.shape[0] - 1, alibi_slopes, learnable_sink, dropout_p, softmax_scale,
                             causal, window_size, softcap, deterministic, return_attn_probs)
+
+
+def _signature_lengths(max_seqlen_q, max_seqlen_k, exact: bool) -> tuple:
+    """A packed call's longest lengths as its signature holds them: in their plan's buckets, or
+    exact where they size an output. Not while torch.compile traces (no signature then: bucketing
+    a SymInt would specialise it)."""
+    if exact or torch.compiler.is_compiling():
+        return max_seqlen_q, max_seqlen_k
+    return bucket_seqlen(max_seqlen_q), bucket_seqlen(max_seqlen_k)
+
+
+def _check_packed_totals(q, qv, k, v, block_table) -> None:
+    """The row counts a packed signature does not hold but its checks compare: qv's and q's, v's
+    and k's (unless paged). A call whose counts differ is checked in full (which tells it)."""
+    if block_table is None and v.shape[0] != k.shape[0]:
+        validation.check_kv_shapes(k, v)
+    if qv is not None and qv.shape[0] != q.shape[0]:
+        validation.check_qv(qv, q, v.shape[-1], _VARLEN_QV)
 
 
 def _checked_options(q, qv, batch, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -302,14 +325,18 @@ def flash_attn_varlen_func(
         out ``(total_q, nheads, headdim_v)``; with ``return_attn_probs`` also softmax_lse float32
         ``(nheads, total_q)`` and S_dmask float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)``.
     """
+    exact = bool(return_attn_probs)
     max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
-                                                               exact=bool(return_attn_probs))
-    # the longest lengths as ints first (a 0-d tensor's value is no signature): a packed batch's
-    # signature (its totals, its longest lengths) is new per batch and then the same in every layer
+                                                               exact=exact)
+    # A packed batch's signature holds what its plan does: the row counts' class and the longest
+    # lengths' buckets (exact where they size an output), so that the batches of a bucket share it;
+    # q and qv are packed rows, and k and v unless paged. What the checks compare of the totals is
+    # compared per call (_check_packed_totals).
     options, call = validation.checked_call(
-        "flash_attn_varlen_func", (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, qv, alibi_slopes, learnable_sink),
-        (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-         return_attn_probs), _varlen_checks)
+        "flash_attn_varlen_func", (q, qv, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
+        (*_signature_lengths(max_seqlen_q, max_seqlen_k, exact), dropout_p, softmax_scale, causal, window_size,
+         softcap, deterministic, return_attn_probs), _varlen_checks, 0 if exact else 2 if block_table is not None else 4)
+    _check_packed_totals(q, qv, k, v, block_table)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
                       options, qv, learnable_sink, call)
 

@@ -246,7 +246,7 @@ def _flash_attn_varlen_forward(
     q, k, v = _last_dim_contiguous(q, k, v)
     max_seqlen_q = validation.as_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = validation.as_max_seqlen(max_seqlen_k, "max_seqlen_k")
-    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table)
+    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
     batch = cu_seqlens_q.shape[0] - 1
     scale, left, right, softcap = _options(dropout_p, softmax_scale, causal, window_size_left, window_size_right,
                                            softcap, alibi_slopes, batch, q.shape[1], max_seqlen_k, q.device)
@@ -407,7 +407,7 @@ def _flash_attn_varlen_backward(
     dout, q, k, v, out = _last_dim_contiguous(dout, q, k, v, out)
     max_seqlen_q = validation.as_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = validation.as_max_seqlen(max_seqlen_k, "max_seqlen_k")
-    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None)
+    validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, None)
     total_q, nheads, _ = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     _check_backward_inputs(dout, q, k, v, out, softmax_lse, dq, dk, dv, (nheads, total_q))

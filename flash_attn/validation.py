@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from flash_attn import environ
-from flash_attn.limits import MAX_HEADDIM, cdiv
+from flash_attn.limits import INT32_MAX, MAX_HEADDIM, cdiv
 from flash_attn.params import cache_capacity
 
 # With FLASH_ATTN_DEBUG=1 the values of device tensors are checked on the host too (reading them
@@ -150,7 +150,7 @@ def varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k, exact: boo
     return as_max_seqlen(max_seqlen_q, "max_seqlen_q", bound_q), as_max_seqlen(max_seqlen_k, "max_seqlen_k", bound_k)
 
 
-def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table) -> None:
+def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table) -> None:
     """q ``(total_q, h, d)``; k/v ``(total_k, hk, d / dv)`` or pages ``(blocks, page, hk, d / dv)``."""
     if block_table is not None and not _is_block_table(block_table):  # it decides k and v's layout
         _fail(TypeError, f"block_table must be an int32 tensor of shape (batch_size, max_num_blocks_per_seq), got "
@@ -160,8 +160,7 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     check_tensor(k, "k", kv_rank, kv_layout)
     check_tensor(v, "v", kv_rank, kv_layout.replace("headdim)", "headdim_v)"))
     check_same(("q", q), ("k", k), ("v", v))
-    if k.shape[:-1] != v.shape[:-1]:
-        _fail(ValueError, f"k and v must have the same shape except headdim, got {tuple(k.shape)} and {tuple(v.shape)}")
+    check_kv_shapes(k, v)
     check_heads(q.shape[1], k.shape[-2], q.shape[2], k.shape[-1], v.shape[-1])
     check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.device)
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q.device)
@@ -169,6 +168,12 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         _fail(ValueError, f"cu_seqlens_q and cu_seqlens_k must both have batch_size + 1 entries, got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     if block_table is not None:
         check_block_table(block_table, cu_seqlens_q.shape[0] - 1, q.device)
+
+
+def check_kv_shapes(k, v) -> None:
+    """Packed or paged k and v: the same shape but the head dim."""
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(ValueError, f"k and v must have the same shape except headdim, got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
 def _is_block_table(block_table) -> bool:
@@ -422,15 +427,27 @@ _checked: dict = {}
 CHECKED_LIMIT = 4096  # signatures kept (then forgotten all at once: a new shape costs one full check)
 
 
-def signature(tensors: tuple, scalars: tuple) -> tuple:
+def signature(tensors: tuple, scalars: tuple, packed: int = 0) -> tuple:
     """The arguments as the metadata checks see them: each of ``tensors`` (plain tensors or
     ``None``) by shape, strides, dtype and device; ``scalars`` by value and type (``True``, ``1``
     and ``1.0`` are equal but told apart), a tuple among them only when it holds plain ints.
+    The first ``packed`` tensors are packed rows ``(total, ...)``, held by :func:`packed_rows`
+    instead of their row count: what their checks read of it (whether it is 0) and what a plan
+    does (whether it takes it per call), so that packed batches of other totals share one
+    signature (the caller checks per call what the checks compare of totals).
     Raises ``TypeError`` for anything else (a tensor subclass, a number in ``tensors``, a list):
     those calls are checked every time."""
     types = tuple(map(type, scalars))
     key = [types, scalars]
-    for t in tensors:
+    for t in tensors[:packed]:
+        if t is None:
+            key.append(None)
+        elif type(t) is _Tensor:
+            shape = t.shape
+            key += (packed_rows(shape[0]), shape[1:], t.stride(), t.dtype, t.device)
+        else:
+            raise TypeError("not a plain tensor")
+    for t in tensors[packed:]:
         if t is None:
             key.append(None)
         elif type(t) is _Tensor:
@@ -449,9 +466,17 @@ def signature(tensors: tuple, scalars: tuple) -> tuple:
 _Tensor = torch.Tensor
 
 
-def checked_call(tag: str, tensors: tuple, scalars: tuple, check) -> tuple:
+def packed_rows(total: int) -> int:
+    """A packed tensor's row count as a signature holds it: 0 (no rows: the layout checks skip an
+    empty tensor), ``total`` beyond int32 (the kernels then take it as a plan constant), else -1:
+    any count, taken per call."""
+    return -1 if 0 < total <= INT32_MAX else total
+
+
+def checked_call(tag: str, tensors: tuple, scalars: tuple, check, packed: int = 0) -> tuple:
     """``(result, key)``: ``check(*tensors, *scalars)`` (metadata checks that return the call's
-    normalised values), run once per :func:`signature` under ``tag`` (the function checking them):
+    normalised values), run once per :func:`signature` under ``tag`` (the function checking them;
+    ``packed``: its first packed tensors):
     a later call with the same signature gets the first call's result without the checks. ``key``
     stands for ``(tag, signature)``: an int given to it when it was first checked, never given to
     another in this process (the layers below hash and compare it per call: the kernel backends'
@@ -461,7 +486,7 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check) -> tuple:
     if torch.compiler.is_compiling():
         return check(*tensors, *scalars), None
     try:
-        key = (tag, signature(tensors, scalars))
+        key = (tag, signature(tensors, scalars, packed))
         return _checked[key]
     except KeyError:
         pass

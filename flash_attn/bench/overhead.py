@@ -60,7 +60,8 @@ GROWING_FROM, GROWING_LENGTHS = 2000, 2048
 LAUNCH_CASES = ("one aot launch", "one PyTorch launch")  # device mode only
 
 # packed batches: distinct totals, so that no two calls of a timing run have the same lengths
-# (more than the warm-up and timed calls of the defaults: 20 + 5 x 200)
+# (more than the warm-up and timed calls of the defaults: 20 + 5 x 200); their signatures hold the
+# longest lengths' buckets, not the totals: ~10 signatures, all met in the warm-up
 PACKED_BATCHES = 1100
 
 
@@ -83,8 +84,9 @@ def _packed_batches(n: int, sequences: int, device) -> list[tuple[torch.Tensor, 
 def _calls(device) -> dict[str, Callable[[], object]]:
     """The measured calls: a short forward (inference), a training step's attention (forward and
     backward through autograd), the same for packed sequences whose lengths change every call
-    (padding-free training: ``flash_attn_varlen_func``; a model's first layer of a step) and for one
-    packed batch again and again (its later layers: the same lengths), one decode step with a KV cache (append +
+    (padding-free training: ``flash_attn_varlen_func``; a model's first layer of a step: a new batch,
+    whose signature an earlier batch with the same number of sequences and longest lengths in the
+    same buckets made) and for one packed batch again and again (its later layers: the same lengths), one decode step with a KV cache (append +
     attend), one decode step over a cache kept as growing tensors (Hugging Face's ``generate()``:
     ``flash_attn_func`` over its ``(b, hk, s, d)`` cache transposed, one key more every call, so
     every call has a new signature; in a model only the first layer's call of a step is new), and a

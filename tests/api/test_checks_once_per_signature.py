@@ -158,9 +158,10 @@ def test_qv_and_learnable_sink_are_part_of_the_signature():
 
 def test_a_packed_batch_is_checked_once_and_a_new_batch_not_its_options(monkeypatch):
     """A packed batch's tensors are checked once per signature (every layer of a step repeats
-    it); a new batch is a new signature whose options are not checked again; a bad packed call
-    that looks like a good one apart from a shape is still refused."""
-    q, k, v = (torch.randn(8, 2, 16, generator=torch.Generator().manual_seed(1)) for _ in range(3))
+    it, and so does a new batch with other totals whose longest lengths fall in the same
+    buckets); a batch in another bucket is a new signature whose options are not checked again; a
+    bad packed call that looks like a good one apart from a row count is still refused."""
+    q, k, v = (torch.randn(300, 2, 16, generator=torch.Generator().manual_seed(1))[:8] for _ in range(3))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     seen = {"qkv": 0, "options": 0}
     real_qkv, real_options = validation.check_varlen_qkv, validation.check_options
@@ -172,13 +173,25 @@ def test_a_packed_batch_is_checked_once_and_a_new_batch_not_its_options(monkeypa
         out = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True)
     assert seen == {"qkv": 1, "options": 1}
     six = torch.tensor([0, 2, 6], dtype=torch.int32)
-    flash_attn_varlen_func(q[:6], k[:6], v[:6], six, six, 4, 4, causal=True)  # a new batch
+    small = flash_attn_varlen_func(q[:6], k[:6], v[:6], six, six, 4, 4, causal=True)  # a new batch, the same buckets
+    assert seen == {"qkv": 1, "options": 1}
+    whole = [t._base for t in (q, k, v)]  # 300 rows, a sequence of 200: the longest lengths' next bucket
+    long_cu = torch.tensor([0, 200, 300], dtype=torch.int32)
+    long = flash_attn_varlen_func(*whole, long_cu, long_cu, 200, 200, causal=True)
     assert seen == {"qkv": 2, "options": 1}
     # the longest lengths as 0-d tensors (transformers passes them): read as ints, the same signature
     flash_attn_varlen_func(q, k, v, cu, cu, torch.tensor(5), torch.tensor(5), causal=True)
     assert seen["qkv"] == 2
-    for b, (s, e) in enumerate([(0, 3), (3, 8)]):
-        want = _naive(q[None, s:e], k[None, s:e], v[None, s:e], True)[0]
-        torch.testing.assert_close(out[s:e].double(), want, rtol=1e-4, atol=1e-5)
+    for got, rows, bounds in ((out, (q, k, v), [0, 3, 8]), (small, (q, k, v), [0, 2, 6]), (long, whole, [0, 200, 300])):
+        for s, e in zip(bounds, bounds[1:]):
+            want = _naive(*(t[None, s:e] for t in rows), True)[0]
+            torch.testing.assert_close(got[s:e].double(), want, rtol=1e-4, atol=1e-5)
+    # row counts the signature does not hold, compared per call: refused on a held signature too
+    qv = torch.randn(300, 2, 16)
+    flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, qv=qv[:8])
+    checked = seen["qkv"]
     with pytest.raises(ValueError, match="k and v must have the same shape"):
-        flash_attn_varlen_func(q, k, v[:6], cu, cu, 5, 5, causal=True)
+        flash_attn_varlen_func(q, k, v._base[:7], cu, cu, 5, 5, causal=True)
+    with pytest.raises(ValueError, match=r"qv must have shape \(total_q, nheads, headdim_v\)"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, qv=qv[:7])
+    assert seen["qkv"] == checked  # neither checked in full: the per-call comparison refused them

@@ -246,8 +246,9 @@ def test_dropout_calls_take_the_general_route(launches, general_route):
     assert general_route == ["forward"] * 4
 
 
-# Packed batches (padding-free training): a batch's signature holds its totals and longest
-# lengths, not cu_seqlens' values; every layer of a step repeats it.
+# Packed batches (padding-free training): a batch's signature holds what its plan does: the
+# longest lengths' buckets and whether the row counts are taken per call, not the totals nor
+# cu_seqlens' values; every layer of a step repeats it, and so does a new batch of the same buckets.
 
 def _packed(total: int, cuts: list, g, grad: bool = False) -> tuple:
     """q, k, v of ``total`` packed rows (2 query heads, 1 kv head) and cu_seqlens cut at ``cuts``."""
@@ -291,12 +292,17 @@ def test_a_packed_batch_in_every_layer_runs_its_held_plan(launches, general_rout
     assert described == [] and launches == expected
 
 
-def test_a_new_packed_batch_shares_the_plan_of_its_bucket(launches, general_route, monkeypatch):
-    """A batch with new totals is a new signature (its checks, its call described) but not a new
-    plan: the row counts are the call's, the longest length is bucketed."""
+def test_a_new_packed_batch_of_the_same_buckets_runs_the_held_plan(launches, general_route, monkeypatch):
+    """Batches with new totals and longest lengths in the same bucket share the first batch's
+    signature: neither described nor planned again, and each runs the launches the planner gives
+    it (the row counts are the call's); a batch whose longest length is in the next bucket is a new
+    signature and a new plan."""
     g = torch.Generator().manual_seed(7)
-    batches = [_packed(total, cuts, g) for total, cuts in ((96, [40, 70]), (101, [30, 70]), (90, [20, 45]))]
+    batches = [_packed(total, cuts, g) for total, cuts in ((96, [40, 70]), (101, [30, 70]), (90, [20, 45]),
+                                                            (300, [200]))]
+    assert [b[-1] for b in batches] == [40, 40, 45, 200]  # buckets: 128 three times, then 256
     expected = [_packed_plans(*batch) for batch in batches]
+    described = _described(monkeypatch)
     planned = []
     real = P.plan_forward
     monkeypatch.setattr(P, "plan_forward", lambda *a: planned.append(1) or real(*a))
@@ -304,7 +310,26 @@ def test_a_new_packed_batch_shares_the_plan_of_its_bucket(launches, general_rout
         launches.clear()
         flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
         assert launches == want
-    assert general_route == [] and planned == [1]
+    assert general_route == [] and described == [1, 1] and planned == [1, 1]
+
+
+def test_a_packed_signature_holds_the_row_counts_class_and_the_longest_lengths_bucket():
+    """What a packed call's signature holds of its row counts (:func:`validation.packed_rows`) and
+    longest lengths, against the planner's own description of the calls: two calls share a
+    signature only where their descriptions are equal."""
+    from flash_attn.flash_attn_interface import _signature_lengths  # noqa: PLC0415
+    from flash_attn.limits import INT32_MAX  # noqa: PLC0415
+
+    assert [validation.packed_rows(n) for n in (0, 1, 4096, INT32_MAX, INT32_MAX + 1)] == [0, -1, -1, -1, INT32_MAX + 1]
+    rows = torch.empty(300, 2, 32)
+    sig = lambda total: validation.signature((rows[:total],), (), packed=1)  # noqa: E731
+    assert sig(1) == sig(96) == sig(300) != sig(0)
+    assert validation.signature((rows[:96],), ()) != validation.signature((rows[:90],), ())  # not packed: whole shapes
+    assert _signature_lengths(40, 45, False) == _signature_lengths(128, 1, False) == (128, 128)
+    assert _signature_lengths(129, 40, False) == (256, 128)
+    assert _signature_lengths(40, 45, True) == (40, 45)  # exact: S_dmask is sized by them
+    for a, b in ((40, 128), (129, 256), (1100, 1280), (1281, 1536)):
+        assert _signature_lengths(a, a, False) == (b, b) == (P.bucket_seqlen(a),) * 2
 
 
 def test_a_misaligned_cu_seqlens_with_the_same_signature_gets_its_own_key(launches):
@@ -390,17 +415,22 @@ def test_a_held_packed_signature_still_checks_each_calls_bounds(launches, genera
     assert general_route == []
 
 
-def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpreter):
+def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpreter, monkeypatch):
     """Through Triton's interpreter: a packed batch's forward + backward in two layers, then other
-    sequence bounds under the same signature (the held plan with other cu_seqlens), against the
-    float64 oracle."""
+    sequence bounds and another total under the same signature (the held plan with other
+    cu_seqlens and row counts), against the float64 oracle."""
+    monkeypatch.setattr(validation, "_checked", {})
     from support.oracle import attention_varlen_ref, oracle_pair  # noqa: PLC0415
     from support.tolerance import backward_floor, check_close  # noqa: PLC0415
 
     g = torch.Generator().manual_seed(9)
-    q, k, v, _, longest = _packed(40, [17, 30], g)
-    dout = torch.randn(40, 2, 32, generator=g).half()
-    for bounds in ([0, 17, 30, 40], [0, 17, 30, 40], [0, 6, 23, 40]):  # longest 17 every time
+    q_all, k_all, v_all, _, _ = _packed(40, [17, 30], g)
+    dout_all = torch.randn(40, 2, 32, generator=g).half()
+    # the same signature every time: the longest lengths (17, 17, 17, 12) in one bucket; the last
+    # batch has another total (the held plan takes the row counts per call)
+    for bounds in ([0, 17, 30, 40], [0, 17, 30, 40], [0, 6, 23, 40], [0, 12, 21, 33]):
+        total, longest = bounds[-1], max(b - a for a, b in zip(bounds, bounds[1:]))
+        q, k, v, dout = (t[:total] for t in (q_all, k_all, v_all, dout_all))
         ref, ref_grads, naive, naive_grads = oracle_pair(attention_varlen_ref, [q, k, v], dout, cu_q=bounds,
                                                          cu_k=bounds, causal=True)
         floor = backward_floor(q, k, v, dout)
@@ -412,7 +442,8 @@ def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpr
         check_close(out, ref.out, naive.out, torch.float16, f"out {bounds}")
         for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, torch.float16, f"{name} {bounds}", grad=True, floor=floor)
-    assert general_route == []
+    assert general_route == [] and len(validation._checked) == 2  # the call's signature and its options'
+
 
 
 # ---------------------------------------------------------------------------------------------
