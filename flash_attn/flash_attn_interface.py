@@ -129,35 +129,29 @@ def _dense_checks(q, k, v, qv, alibi_slopes, learnable_sink, dropout_p, softmax_
                             window_size, softcap, deterministic, return_attn_probs)
 
 
-_VARLEN_QV = "(total_q, nheads, headdim_v)"
-
-
-def _varlen_checks(q, qv, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink, _longest_q,
-                   _longest_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+def _varlen_checks(q, qv, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink, _max_seqlen_q,
+                   _max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                    return_attn_probs) -> tuple:
-    # the longest lengths are only in the signature (the values are checked per call, against cu_seqlens)
+    # the longest lengths' values are checked per call, against cu_seqlens (custom_ops.varlen_layout)
     validation.check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
-    validation.check_qv(qv, q, v.shape[-1], _VARLEN_QV)
+    validation.check_qv(qv, q, v.shape[-1], "(total_q, nheads, headdim_v)")
     return _checked_options(q, qv, cu_seqlens_q.shape[0] - 1, alibi_slopes, learnable_sink, dropout_p, softmax_scale,
                             causal, window_size, softcap, deterministic, return_attn_probs)
 
 
-def _signature_lengths(max_seqlen_q, max_seqlen_k, exact: bool) -> tuple:
-    """A packed call's longest lengths as its signature holds them: in their plan's buckets, or
-    exact where they size an output. Not while torch.compile traces (no signature then: bucketing
-    a SymInt would specialise it)."""
-    if exact or torch.compiler.is_compiling():
-        return max_seqlen_q, max_seqlen_k
-    return bucket_seqlen(max_seqlen_q), bucket_seqlen(max_seqlen_k)
-
-
-def _check_packed_totals(q, qv, k, v, block_table) -> None:
-    """The row counts a packed signature does not hold but its checks compare: qv's and q's, v's
-    and k's (unless paged). A call whose counts differ is checked in full (which tells it)."""
-    if block_table is None and v.shape[0] != k.shape[0]:
-        validation.check_kv_shapes(k, v)
-    if qv is not None and qv.shape[0] != q.shape[0]:
-        validation.check_qv(qv, q, v.shape[-1], _VARLEN_QV)
+def _batch_signature(tensors: tuple, scalars: tuple) -> Optional[tuple]:
+    """The signature a packed call shares with other batches of its class: its row counts' class
+    (:func:`flash_attn.validation.packed_rows`) and its longest lengths' buckets, what its plan
+    holds (:func:`flash_attn.planning.shapes.describe_forward`); q and qv are packed rows, and k
+    and v unless paged. ``None`` (checked on its own) where the row counts that the checks compare
+    differ: qv's and q's, v's and k's."""
+    q, qv, k, v, _, _, block_table, _, _ = tensors
+    if q is None or k is None or v is None or (qv is not None and qv.shape[0] != q.shape[0]) or \
+            (block_table is None and v.shape[0] != k.shape[0]):
+        return None
+    max_seqlen_q, max_seqlen_k, *options = scalars
+    return validation.signature(tensors, (bucket_seqlen(max_seqlen_q), bucket_seqlen(max_seqlen_k), *options),
+                                packed=2 if block_table is not None else 4)
 
 
 def _checked_options(q, qv, batch, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -328,15 +322,13 @@ def flash_attn_varlen_func(
     exact = bool(return_attn_probs)
     max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
                                                                exact=exact)
-    # A packed batch's signature holds what its plan does: the row counts' class and the longest
-    # lengths' buckets (exact where they size an output), so that the batches of a bucket share it;
-    # q and qv are packed rows, and k and v unless paged. What the checks compare of the totals is
-    # compared per call (_check_packed_totals).
+    # the longest lengths as ints first (a 0-d tensor's value is no signature). A packed batch's
+    # signature (its totals, its longest lengths) is new per batch, then the same in every layer;
+    # a new one shares its class's (_batch_signature) unless S_dmask is sized by the exact lengths
     options, call = validation.checked_call(
         "flash_attn_varlen_func", (q, qv, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
-        (*_signature_lengths(max_seqlen_q, max_seqlen_k, exact), dropout_p, softmax_scale, causal, window_size,
-         softcap, deterministic, return_attn_probs), _varlen_checks, 0 if exact else 2 if block_table is not None else 4)
-    _check_packed_totals(q, qv, k, v, block_table)
+        (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+         return_attn_probs), _varlen_checks, None if exact else _batch_signature)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
                       options, qv, learnable_sink, call)
 

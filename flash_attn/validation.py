@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -160,7 +160,8 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table) -> None:
     check_tensor(k, "k", kv_rank, kv_layout)
     check_tensor(v, "v", kv_rank, kv_layout.replace("headdim)", "headdim_v)"))
     check_same(("q", q), ("k", k), ("v", v))
-    check_kv_shapes(k, v)
+    if k.shape[:-1] != v.shape[:-1]:
+        _fail(ValueError, f"k and v must have the same shape except headdim, got {tuple(k.shape)} and {tuple(v.shape)}")
     check_heads(q.shape[1], k.shape[-2], q.shape[2], k.shape[-1], v.shape[-1])
     check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.device)
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q.device)
@@ -168,12 +169,6 @@ def check_varlen_qkv(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table) -> None:
         _fail(ValueError, f"cu_seqlens_q and cu_seqlens_k must both have batch_size + 1 entries, got {cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     if block_table is not None:
         check_block_table(block_table, cu_seqlens_q.shape[0] - 1, q.device)
-
-
-def check_kv_shapes(k, v) -> None:
-    """Packed or paged k and v: the same shape but the head dim."""
-    if k.shape[:-1] != v.shape[:-1]:
-        _fail(ValueError, f"k and v must have the same shape except headdim, got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
 def _is_block_table(block_table) -> bool:
@@ -434,7 +429,8 @@ def signature(tensors: tuple, scalars: tuple, packed: int = 0) -> tuple:
     The first ``packed`` tensors are packed rows ``(total, ...)``, held by :func:`packed_rows`
     instead of their row count: what their checks read of it (whether it is 0) and what a plan
     does (whether it takes it per call), so that packed batches of other totals share one
-    signature (the caller checks per call what the checks compare of totals).
+    signature (a class of calls, :func:`checked_call`'s ``shared``, whose caller compares what the
+    checks compare of the totals).
     Raises ``TypeError`` for anything else (a tensor subclass, a number in ``tensors``, a list):
     those calls are checked every time."""
     types = tuple(map(type, scalars))
@@ -473,30 +469,49 @@ def packed_rows(total: int) -> int:
     return -1 if 0 < total <= INT32_MAX else total
 
 
-def checked_call(tag: str, tensors: tuple, scalars: tuple, check, packed: int = 0) -> tuple:
+def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Optional[Callable] = None) -> tuple:
     """``(result, key)``: ``check(*tensors, *scalars)`` (metadata checks that return the call's
-    normalised values), run once per :func:`signature` under ``tag`` (the function checking them;
-    ``packed``: its first packed tensors):
+    normalised values), run once per :func:`signature` under ``tag`` (the function checking them):
     a later call with the same signature gets the first call's result without the checks. ``key``
     stands for ``(tag, signature)``: an int given to it when it was first checked, never given to
     another in this process (the layers below hash and compare it per call: the kernel backends'
     plan key, :attr:`flash_attn.params.AttentionParams.call`), or ``None`` when the call has none.
+
+    ``shared(tensors, scalars)``, asked only for a new signature: the signature of a class of
+    calls that the checks (and the layers below) treat alike, or ``None`` where this call is not in
+    one; a new signature of a known class gets the class's result and key unchecked (a packed
+    batch's: its totals left out). A repeated call finds its own signature, as any call does.
+
     A call that fails its checks is never remembered; arguments without a signature, and calls
     while torch.compile traces (the tracer must see the checks), are checked every time."""
     if torch.compiler.is_compiling():
         return check(*tensors, *scalars), None
     try:
-        key = (tag, signature(tensors, scalars, packed))
+        key = (tag, signature(tensors, scalars))
         return _checked[key]
     except KeyError:
         pass
     except (TypeError, RuntimeError):  # no signature, an unhashable scalar (a list), a tensor without strides
         return check(*tensors, *scalars), None
-    result = check(*tensors, *scalars)
-    if len(_checked) >= CHECKED_LIMIT:
+    class_key = None if shared is None else _class_key(tag, shared, tensors, scalars)
+    found = None if class_key is None else _checked.get(class_key)
+    if found is None:
+        found = (check(*tensors, *scalars), next(_tokens))
+    if len(_checked) >= CHECKED_LIMIT - 1:
         _checked.clear()
-    found = _checked[key] = (result, next(_tokens))
+    _checked[key] = found
+    if class_key is not None:
+        _checked[class_key] = found
     return found
+
+
+def _class_key(tag: str, shared: Callable, tensors: tuple, scalars: tuple) -> Optional[tuple]:
+    # three items: never equal to a call's own key
+    try:
+        signature_of_class = shared(tensors, scalars)
+    except (TypeError, RuntimeError):
+        return None
+    return None if signature_of_class is None else (tag, "class", signature_of_class)
 
 
 _tokens = itertools.count()

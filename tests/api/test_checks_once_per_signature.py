@@ -186,12 +186,10 @@ def test_a_packed_batch_is_checked_once_and_a_new_batch_not_its_options(monkeypa
         for s, e in zip(bounds, bounds[1:]):
             want = _naive(*(t[None, s:e] for t in rows), True)[0]
             torch.testing.assert_close(got[s:e].double(), want, rtol=1e-4, atol=1e-5)
-    # row counts the signature does not hold, compared per call: refused on a held signature too
+    # row counts that a batch's class does not hold but the checks compare: a known class, still refused
     qv = torch.randn(300, 2, 16)
     flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, qv=qv[:8])
-    checked = seen["qkv"]
     with pytest.raises(ValueError, match="k and v must have the same shape"):
         flash_attn_varlen_func(q, k, v._base[:7], cu, cu, 5, 5, causal=True)
     with pytest.raises(ValueError, match=r"qv must have shape \(total_q, nheads, headdim_v\)"):
         flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, qv=qv[:7])
-    assert seen["qkv"] == checked  # neither checked in full: the per-call comparison refused them

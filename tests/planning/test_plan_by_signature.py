@@ -313,23 +313,41 @@ def test_a_new_packed_batch_of_the_same_buckets_runs_the_held_plan(launches, gen
     assert general_route == [] and described == [1, 1] and planned == [1, 1]
 
 
-def test_a_packed_signature_holds_the_row_counts_class_and_the_longest_lengths_bucket():
-    """What a packed call's signature holds of its row counts (:func:`validation.packed_rows`) and
-    longest lengths, against the planner's own description of the calls: two calls share a
-    signature only where their descriptions are equal."""
-    from flash_attn.flash_attn_interface import _signature_lengths  # noqa: PLC0415
+def test_a_packed_batch_class_holds_the_row_counts_class_and_the_longest_lengths_bucket():
+    """What the signature a packed batch shares with its class holds of its row counts
+    (:func:`validation.packed_rows`) and longest lengths: their classes where the planner's own
+    description of the calls is equal (the row counts left to the call, the longest lengths
+    bucketed), not where it differs; ``None`` where the row counts the checks compare differ."""
+    from flash_attn.flash_attn_interface import _batch_signature  # noqa: PLC0415
     from flash_attn.limits import INT32_MAX  # noqa: PLC0415
 
     assert [validation.packed_rows(n) for n in (0, 1, 4096, INT32_MAX, INT32_MAX + 1)] == [0, -1, -1, -1, INT32_MAX + 1]
-    rows = torch.empty(300, 2, 32)
-    sig = lambda total: validation.signature((rows[:total],), (), packed=1)  # noqa: E731
-    assert sig(1) == sig(96) == sig(300) != sig(0)
-    assert validation.signature((rows[:96],), ()) != validation.signature((rows[:90],), ())  # not packed: whole shapes
-    assert _signature_lengths(40, 45, False) == _signature_lengths(128, 1, False) == (128, 128)
-    assert _signature_lengths(129, 40, False) == (256, 128)
-    assert _signature_lengths(40, 45, True) == (40, 45)  # exact: S_dmask is sized by them
-    for a, b in ((40, 128), (129, 256), (1100, 1280), (1281, 1536)):
-        assert _signature_lengths(a, a, False) == (b, b) == (P.bucket_seqlen(a),) * 2
+    rows = torch.empty(300, 2, 32).half()
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    options = (0.0, None, True, (-1, -1), 0.0, False, False)
+
+    def shared(total, longest, total_v=None, qv=None, block_table=None, kv=None):
+        k, v = kv or (rows[:total], rows[:total if total_v is None else total_v])
+        return _batch_signature((rows[:total], qv, k, v, cu, cu, block_table, None, None), (longest, longest, *options))
+
+    def described(total, longest):
+        from flash_attn.params import AttentionParams, VarlenLayout  # noqa: PLC0415
+
+        q = rows[:total]
+        return P.describe_forward(q, q, q, AttentionParams(32 ** -0.5, -1, 0), VarlenLayout(cu, cu, longest, longest))
+
+    same = [(9, 5), (96, 40), (300, 128)]  # one bucket (128), other totals
+    assert len({shared(*c) for c in same}) == 1 and len({described(*c) for c in same}) == 1
+    assert shared(300, 129) != shared(9, 5) and described(300, 129) != described(9, 5)  # the next bucket
+    assert shared(0, 5) != shared(9, 5)  # no rows: the checks skip an empty tensor's layout
+    assert shared(96, 40, total_v=95) is None and shared(96, 40, qv=rows[:95]) is None
+    assert shared(96, 40, qv=rows[:96]) == shared(9, 5, qv=rows[:9])
+    pages = [torch.empty(n, 16, 2, 32).half() for n in (4, 5)]  # paged: the page pools' shapes are held
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    assert shared(9, 5, block_table=table, kv=(pages[0], pages[0])) == shared(96, 40, block_table=table,
+                                                                              kv=(pages[0], pages[0]))
+    assert shared(9, 5, block_table=table, kv=(pages[0], pages[0])) != shared(9, 5, block_table=table,
+                                                                              kv=(pages[1], pages[1]))
 
 
 def test_a_misaligned_cu_seqlens_with_the_same_signature_gets_its_own_key(launches):
@@ -442,7 +460,8 @@ def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpr
         check_close(out, ref.out, naive.out, torch.float16, f"out {bounds}")
         for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, torch.float16, f"{name} {bounds}", grad=True, floor=floor)
-    assert general_route == [] and len(validation._checked) == 2  # the call's signature and its options'
+    # one checked result per class: the batches' and their options'
+    assert general_route == [] and len({key for _, key in validation._checked.values()}) == 2
 
 
 
