@@ -85,11 +85,11 @@ def _calls(device) -> dict[str, Callable[[], object]]:
     """The measured calls: a short forward (inference), a training step's attention (forward and
     backward through autograd), the same for packed sequences whose lengths change every call
     (padding-free training: ``flash_attn_varlen_func``; a model's first layer of a step: a new batch,
-    whose signature an earlier batch with the same number of sequences and longest lengths in the
-    same buckets made) and for one packed batch again and again (its later layers: the same lengths), one decode step with a KV cache (append +
-    attend), one decode step over a cache kept as growing tensors (Hugging Face's ``generate()``:
-    ``flash_attn_func`` over its ``(b, hk, s, d)`` cache transposed, one key more every call, so
-    every call has a new signature; in a model only the first layer's call of a step is new), and a
+    in the class of the earlier batches with as many sequences and longest lengths in the same
+    buckets) and for one packed batch again and again (its later layers: the same lengths), one
+    decode step with a KV cache (append + attend), one decode step over a cache kept as growing
+    tensors (Hugging Face's ``generate()``: ``flash_attn_func`` over its ``(b, hk, s, d)`` cache
+    transposed, one key more every call, so every call has a new signature; in a model only the first layer's call of a step is new), and a
     decode step's rotary (a model's q rotated in place at each sequence's own position: its
     argument checks, including the offsets' values, on the device for device tensors; in stubbed
     mode its PyTorch path, checked on the host)."""
