@@ -291,6 +291,23 @@ def _cache_loader(cache: KVCacheInputs, batch: int) -> core.KVLoader:
     return load
 
 
+def _attended_rows_only(load: core.KVLoader, starts: list, ends: list) -> core.KVLoader:
+    """``load`` with the rows outside each batch entry's ``[start, end)`` set to 0 where a chunk
+    holds any: every batch entry's chunk spans the longest sequence's columns, and rows nobody
+    wrote (past a shorter sequence's end, before its left padding) may hold anything, NaN included
+    (a cache made by ``torch.empty``): their scores are masked, but ``0 * NaN`` in ``p @ v`` is not 0."""
+    def load_attended(c0: int, c1: int) -> tuple[Tensor, Tensor]:
+        k, v = load(c0, c1)
+        if all(start <= c0 and c1 <= end for start, end in zip(starts, ends)):
+            return k, v
+        columns = torch.arange(c0, c1, device=k.device)
+        keep = ((columns >= torch.tensor(starts, device=k.device)[:, None])
+                & (columns < torch.tensor(ends, device=k.device)[:, None]))[:, :, None, None]
+        return k.where(keep, 0), v.where(keep, 0)
+
+    return load_attended
+
+
 @torch.no_grad()
 def forward_kvcache(
     engine: Engine, q: Tensor, params: AttentionParams, cache: KVCacheInputs, *,
@@ -328,14 +345,15 @@ def forward_kvcache(
     starts = torch.zeros_like(ends)
     if cache.cache_leftpad is not None:
         starts = cache.cache_leftpad.to(device=device, dtype=torch.int64)
+    key_start, key_end = starts.tolist(), ends.tolist()
     problem = core.Problem(
         q=q,
-        load_kv=_cache_loader(cache, B),
-        n_cols=int(ends.max().item()) if B > 0 else 0,
+        load_kv=_attended_rows_only(_cache_loader(cache, B), key_start, key_end),
+        n_cols=max(key_end, default=0),
         nheads_k=cache.k_cache.shape[-2],
         head_dim_v=cache.v_cache.shape[-1],
-        key_start=starts.tolist(),
-        key_len=(ends - starts).tolist(),
+        key_start=key_start,
+        key_len=[end - start for start, end in zip(key_start, key_end)],
         alibi_slopes=_slopes_for(alibi_slopes),
         qv=qv,
         sinks=sinks,

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from flash_attn import (
+    dispatch,
     flash_attn_func,
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -28,7 +29,7 @@ from flash_attn import (
 )
 
 from support.inputs import cu_from_lens, gen, make_slopes, randn
-from support.options import test_device
+from support.options import backends_here, test_device
 from support.oracle import attention_ref, attention_varlen_ref, kvcache_ref, oracle_pair
 from support.tolerance import DTYPE_IDS, backward_floor, check_close
 
@@ -618,6 +619,53 @@ def test_kvcache_vs_oracle(name, over):
             assert torch.equal(kc[written], expected_k.to(dtype)), "appended k rows differ from k"
         else:
             check_close(kc[written], expected_k, expected_k.to(dtype), dtype, "rotated k in cache")
+
+
+def _attended(k_cache, kw, batch: int, appended: int) -> torch.Tensor:
+    """bool over the cache's rows (``(cache batch, row)``, or ``(page, row)`` when paged): the
+    rows some batch entry attends, ``[cache_leftpad[b], cache_seqlens[b] + appended)``."""
+    seqlens, leftpad = kw["cache_seqlens"], kw["cache_leftpad"]
+    ends = [int(n) + appended for n in (seqlens.tolist() if isinstance(seqlens, torch.Tensor) else [seqlens] * batch)]
+    starts = [0] * batch if leftpad is None else leftpad.tolist()
+    attended = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, (start, end) in enumerate(zip(starts, ends)):
+        if kw["block_table"] is not None:
+            page = k_cache.shape[1]
+            for row in range(start, end):
+                attended[int(kw["block_table"][b, row // page]), row % page] = True
+        else:
+            attended[b if kw["cache_batch_idx"] is None else int(kw["cache_batch_idx"][b]), start:end] = True
+    return attended
+
+
+@pytest.mark.parametrize("name,over", [c for c in KVCACHE_CASES if not c[1].get("seqlens_none")],
+                         ids=[c[0] for c in KVCACHE_CASES if not c[1].get("seqlens_none")])
+def test_kvcache_reads_no_row_it_does_not_attend(name, over, monkeypatch):
+    """The cache rows a call does not attend (past a sequence's end, before its left padding, other
+    cache entries and pages) may hold anything, as in a cache made by ``torch.empty``: with NaN
+    there, every backend here gives the oracle's answer over the finite cache."""
+    q, k_cache, v_cache, k_new, v_new, kw = _kvcache_setup(**over)
+    ref, naive = _kvcache_oracles(q, k_cache.clone(), v_cache.clone(), k_new, v_new, kw)
+    unattended = ~_attended(k_cache, kw, q.shape[0], 0 if k_new is None else k_new.shape[1]).to(k_cache.device)
+    assert unattended.any()
+    monkeypatch.setenv("FLASH_ATTN_STRICT_BACKEND", "1")
+    ran = []
+    for backend in backends_here():
+        if backend == "interpret" and q.dtype == BF16:
+            continue  # Triton's interpreter computes bf16 arithmetic wrongly (its fp16 and fp32 run)
+        monkeypatch.setenv("FLASH_ATTN_BACKEND", backend)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        kc[unattended], vc[unattended] = float("nan"), float("nan")
+        try:
+            out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, return_softmax_lse=True, **kw)
+        except dispatch.BackendRefusedError as exc:
+            if "inputs (the kernels take fp16/bf16)" in str(exc) or "not compiled ahead of time" in str(exc):
+                continue
+            raise
+        ran.append(backend)
+        check_close(out, ref.out, naive.out, q.dtype, f"{backend} out")
+        check_close(lse, ref.lse, naive.lse, FP32, f"{backend} softmax_lse")
+    assert ran
 
 
 def test_kvcache_num_splits_never_changes_the_result():
