@@ -143,15 +143,21 @@ def _batch_signature(tensors: tuple, scalars: tuple) -> Optional[tuple]:
     """The signature a packed call shares with other batches of its class: its row counts' class
     (:func:`flash_attn.validation.packed_rows`) and its longest lengths' buckets, what its plan
     holds (:func:`flash_attn.planning.shapes.describe_forward`); q and qv are packed rows, and k
-    and v unless paged. ``None`` (checked on its own) where the row counts that the checks compare
-    differ: qv's and q's, v's and k's."""
+    and v unless paged. ``None`` (checked on its own) where those are not packed rows (absent, or
+    without a first dimension) or the row counts that the checks compare differ: qv's and q's, v's
+    and k's."""
     q, qv, k, v, _, _, block_table, _, _ = tensors
-    if q is None or k is None or v is None or (qv is not None and qv.shape[0] != q.shape[0]) or \
-            (block_table is None and v.shape[0] != k.shape[0]):
+    if q is None or k is None or v is None:
         return None
     max_seqlen_q, max_seqlen_k, *options = scalars
-    return validation.signature(tensors, (bucket_seqlen(max_seqlen_q), bucket_seqlen(max_seqlen_k), *options),
-                                packed=2 if block_table is not None else 4)
+    try:
+        shared = validation.signature(tensors, (bucket_seqlen(max_seqlen_q), bucket_seqlen(max_seqlen_k), *options),
+                                      packed=2 if block_table is not None else 4)
+    except TypeError:
+        return None
+    if (qv is not None and qv.shape[0] != q.shape[0]) or (block_table is None and v.shape[0] != k.shape[0]):
+        return None
+    return shared
 
 
 def _checked_options(q, qv, batch, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,

@@ -438,11 +438,11 @@ def signature(tensors: tuple, scalars: tuple, packed: int = 0) -> tuple:
     for t in tensors[:packed]:
         if t is None:
             key.append(None)
-        elif type(t) is _Tensor:
+        elif type(t) is _Tensor and t.dim():
             shape = t.shape
             key += (packed_rows(shape[0]), shape[1:], t.stride(), t.dtype, t.device)
         else:
-            raise TypeError("not a plain tensor")
+            raise TypeError("not packed rows (a plain tensor with a first dimension)")
     for t in tensors[packed:]:
         if t is None:
             key.append(None)
@@ -493,7 +493,8 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Option
         pass
     except (TypeError, RuntimeError):  # no signature, an unhashable scalar (a list), a tensor without strides
         return check(*tensors, *scalars), None
-    class_key = None if shared is None else _class_key(tag, shared, tensors, scalars)
+    class_signature = None if shared is None else shared(tensors, scalars)
+    class_key = None if class_signature is None else (tag, "class", class_signature)  # never a call's own key
     found = None if class_key is None else _checked.get(class_key)
     if found is None:
         found = (check(*tensors, *scalars), next(_tokens))
@@ -503,15 +504,6 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Option
     if class_key is not None:
         _checked[class_key] = found
     return found
-
-
-def _class_key(tag: str, shared: Callable, tensors: tuple, scalars: tuple) -> Optional[tuple]:
-    # three items: never equal to a call's own key
-    try:
-        signature_of_class = shared(tensors, scalars)
-    except (TypeError, RuntimeError):
-        return None
-    return None if signature_of_class is None else (tag, "class", signature_of_class)
 
 
 _tokens = itertools.count()

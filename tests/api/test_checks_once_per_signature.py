@@ -193,3 +193,17 @@ def test_a_packed_batch_is_checked_once_and_a_new_batch_not_its_options(monkeypa
         flash_attn_varlen_func(q, k, v._base[:7], cu, cu, 5, 5, causal=True)
     with pytest.raises(ValueError, match=r"qv must have shape \(total_q, nheads, headdim_v\)"):
         flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, qv=qv[:7])
+
+
+@pytest.mark.parametrize("bad", ["q", "k", "v", "qv"])
+def test_a_packed_tensor_without_rows_is_refused_when_its_class_is_known(bad):
+    """A 0-d tensor where packed rows belong (no class of batches: it has no row count) gets the
+    checks' error, before and after a good batch made the class it would otherwise join."""
+    q, k, v, qv = (torch.randn(8, 2, 16) for _ in range(4))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    args = dict(q=q, k=k, v=v, qv=qv)
+    args[bad] = torch.tensor(1.0)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"{bad} must have shape"):
+            flash_attn_varlen_func(args["q"], args["k"], args["v"], cu, cu, 5, 5, qv=args["qv"])
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, qv=qv)
