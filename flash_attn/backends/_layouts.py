@@ -291,18 +291,22 @@ def _cache_loader(cache: KVCacheInputs, batch: int) -> core.KVLoader:
     return load
 
 
-def _attended_rows_only(load: core.KVLoader, starts: list, ends: list) -> core.KVLoader:
+def _attended_rows_only(load: core.KVLoader, starts: list, ends: list, device) -> core.KVLoader:
     """``load`` with the rows outside each batch entry's ``[start, end)`` set to 0 where a chunk
     holds any: every batch entry's chunk spans the longest sequence's columns, and rows nobody
     wrote (past a shorter sequence's end, before its left padding) may hold anything, NaN included
     (a cache made by ``torch.empty``): their scores are masked, but ``0 * NaN`` in ``p @ v`` is not 0."""
+    first, last = max(starts, default=0), min(ends, default=0)  # the columns every batch entry attends
+    if first == 0 and last == max(ends, default=0):
+        return load  # no chunk holds a row to hide
+    lower, upper = (torch.tensor(bound, device=device)[:, None] for bound in (starts, ends))
+
     def load_attended(c0: int, c1: int) -> tuple[Tensor, Tensor]:
         k, v = load(c0, c1)
-        if all(start <= c0 and c1 <= end for start, end in zip(starts, ends)):
+        if first <= c0 and c1 <= last:
             return k, v
-        columns = torch.arange(c0, c1, device=k.device)
-        keep = ((columns >= torch.tensor(starts, device=k.device)[:, None])
-                & (columns < torch.tensor(ends, device=k.device)[:, None]))[:, :, None, None]
+        columns = torch.arange(c0, c1, device=device)
+        keep = ((columns >= lower) & (columns < upper))[:, :, None, None]
         return k.where(keep, 0), v.where(keep, 0)
 
     return load_attended
@@ -348,7 +352,7 @@ def forward_kvcache(
     key_start, key_end = starts.tolist(), ends.tolist()
     problem = core.Problem(
         q=q,
-        load_kv=_attended_rows_only(_cache_loader(cache, B), key_start, key_end),
+        load_kv=_attended_rows_only(_cache_loader(cache, B), key_start, key_end, device),
         n_cols=max(key_end, default=0),
         nheads_k=cache.k_cache.shape[-2],
         head_dim_v=cache.v_cache.shape[-1],
