@@ -89,10 +89,10 @@ def _calls(device) -> dict[str, Callable[[], object]]:
     buckets) and for one packed batch again and again (its later layers: the same lengths), one
     decode step with a KV cache (append + attend), one decode step over a cache kept as growing
     tensors (Hugging Face's ``generate()``: ``flash_attn_func`` over its ``(b, hk, s, d)`` cache
-    transposed, one key more every call, so every call has a new signature; in a model only the first layer's call of a step is new), and a
-    decode step's rotary (a model's q rotated in place at each sequence's own position: its
-    argument checks, including the offsets' values, on the device for device tensors; in stubbed
-    mode its PyTorch path, checked on the host)."""
+    transposed, one key more every call, so every call has a new signature; in a model only the
+    first layer's call of a step is new), and a decode step's rotary (a model's q rotated in place
+    at each sequence's own position: its argument checks, including the offsets' values, on the
+    device for device tensors; in stubbed mode its PyTorch path, checked on the host)."""
     g = torch.Generator().manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
     q, k, v = rnd(1, 128, 16, 128), rnd(1, 128, 16, 128), rnd(1, 128, 16, 128)
