@@ -435,15 +435,17 @@ def signature(tensors: tuple, scalars: tuple, packed: int = 0) -> tuple:
     those calls are checked every time."""
     types = tuple(map(type, scalars))
     key = [types, scalars]
-    for t in tensors[:packed]:
-        if t is None:
-            key.append(None)
-        elif type(t) is _Tensor and t.dim():
-            shape = t.shape
-            key += (packed_rows(shape[0]), shape[1:], t.stride(), t.dtype, t.device)
-        else:
-            raise TypeError("not packed rows (a plain tensor with a first dimension)")
-    for t in tensors[packed:]:
+    if packed:  # (no slicing on the calls without: every dense call computes its signature)
+        for t in tensors[:packed]:
+            if t is None:
+                key.append(None)
+            elif type(t) is _Tensor and t.dim():
+                shape = t.shape
+                key += (packed_rows(shape[0]), shape[1:], t.stride(), t.dtype, t.device)
+            else:
+                raise TypeError("not packed rows (a plain tensor with a first dimension)")
+        tensors = tensors[packed:]
+    for t in tensors:
         if t is None:
             key.append(None)
         elif type(t) is _Tensor:
