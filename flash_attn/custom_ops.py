@@ -37,13 +37,13 @@ def _checks_values(t: Tensor) -> bool:
     return t.device.type == "cpu" or validation.debug_checks()
 
 
-def _draw_dropout_seed(dropout_p: float, device, fresh: bool = True) -> Tensor:
+def _draw_dropout_seed(dropout_p: float, device) -> Tensor:
     """The forward's ``rng_state``: an int64 seed drawn by ``device``'s generator on the device,
     which ``torch.manual_seed`` reproduces and a CUDA graph replay draws anew (PyTorch advances
-    the generator's offset per replay). Without dropout nothing reads it: left uninitialised if
-    ``fresh`` (an op's output must be a tensor), else ``None`` (the eager calls: no allocation)."""
+    the generator's offset per replay). Without dropout nothing reads it: left uninitialised (an
+    op's output must be a tensor; the eager calls keep ``None`` instead: no allocation)."""
     if dropout_p == 0.0:
-        return torch.empty((1,), dtype=torch.int64, device=device) if fresh else None
+        return torch.empty((1,), dtype=torch.int64, device=device)
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
@@ -121,16 +121,18 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
     ``call``: the public function's checked signature (:attr:`AttentionParams.call`)."""
     varlen = None if cu_seqlens_q is None else \
         varlen_layout(q, k, cu_seqlens_q, cu_seqlens_k, block_table, max_seqlen_q, max_seqlen_k)
-    if _nothing_to_attend(q, k, varlen):
+    if q.numel() == 0 or (varlen is None and k.shape[1] == 0):  # nothing to attend: the answer needs no backend
         return _forward_without_keys(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax, sinks)
-    if seed is None or dropout_p == 0.0:
-        rng_state = _draw_dropout_seed(dropout_p, q.device, fresh)
+    found = None
+    if dropout_p == 0.0:
+        rng_state = _draw_dropout_seed(0.0, q.device) if fresh else None
+        if call is not None:
+            found = dispatch.run_known("forward", q.device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax,
+                                       varlen, (softmax_scale, window_left, window_right, softcap))
+    elif seed is None:
+        rng_state = _draw_dropout_seed(dropout_p, q.device)
     else:
         rng_state = seed.reshape(1).to(torch.int64, copy=True)  # an op's output may not alias its input
-    found = None
-    if call is not None and dropout_p == 0.0:
-        found = dispatch.run_known("forward", q.device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen,
-                                   (softmax_scale, window_left, window_right, softcap))
     if found is None:
         params = AttentionParams(softmax_scale, window_left, window_right, softcap, dropout_p, rng_state, call)
         extras = {} if qv is None and sinks is None else dict(qv=qv, sinks=sinks)
@@ -145,11 +147,6 @@ def _forward_run(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes,
 
 
 attention_forward = torch.library.custom_op("flash_attn::forward", mutates_args=())(forward_body)
-
-
-def _nothing_to_attend(q: Tensor, k: Tensor, varlen: Optional[VarlenLayout]) -> bool:
-    """Empty queries, or (dense) no keys at all: the answer is known without a backend."""
-    return q.numel() == 0 or (varlen is None and k.shape[1] == 0)
 
 
 def _forward_without_keys(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, return_softmax, sinks=None):
@@ -491,7 +488,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
     record = eager_call((*tensors, qv, sinks))
     plain = qv is None and sinks is None
     if record is not None and plain:
-        direct = dispatch.run_direct("forward", q.device, *tensors, *scalars)
+        direct = dispatch.run_direct("forward", q.device, tensors, scalars)
         if direct is not None:
             return direct
     if record is None:
@@ -521,7 +518,5 @@ def forward_kvcache(q, k_cache, v_cache, *args, call=None):
     if not direct_call_ok(tensors):
         return attention_forward_kvcache(q, k_cache, v_cache, *args)
     result = _kvcache_run(q, k_cache, v_cache, *args, call=call)
-    for cache in (k_cache, v_cache):
-        if not cache.is_inference():
-            torch.autograd.graph.increment_version(cache)
+    torch.autograd.graph.increment_version((k_cache, v_cache))  # (inference tensors have no counter: left alone)
     return result

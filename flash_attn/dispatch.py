@@ -107,7 +107,7 @@ _IMPORTERS: dict[str, Callable[[], Backend]] = {
     "reference": _import_reference,
 }
 _warned: set[str] = set()
-_chains: dict[tuple, tuple] = {}
+_chains: dict[tuple, tuple] = {}  # settings and device -> the chain; with a route kind and op -> _first_route
 _failed: dict[str, "_Skip"] = {}  # backend -> how it failed for good on this machine (first use)
 _thread = threading.local()
 
@@ -291,16 +291,27 @@ def _route(name: str, kind: str, op: str) -> Optional[Callable]:
     return route
 
 
-def run_direct(op: str, device: torch.device, *args):
+def _first_route(device: torch.device, kind: str, op: str) -> tuple[str, Optional[Callable]]:
+    """The first backend of ``device``'s chain and its ``kind`` route of ``op`` (:func:`_route`),
+    held beside the chain, under the same settings (one lookup per eager call)."""
+    key = (_backend_setting(), _strict_setting(), device, kind, op)
+    found = _chains.get(key)
+    if found is None:
+        name = chain(device)[0]
+        found = _chains[key] = (name, _route(name, kind, op))
+    return found
+
+
+def run_direct(op: str, device: torch.device, tensors: tuple, scalars: tuple):
     """The result of the first backend of ``device``'s chain on its own route for an eager call
-    of ``op`` (its ``Backend.direct[op]``, given the op's arguments), or ``None`` when it has no
-    such route or its route does not take this call (then the caller runs the op). Callers make
-    sure the call is eager (nothing traces it); the backend decides everything else."""
-    name = chain(device)[0]
-    route = _route(name, "direct", op)
+    of ``op`` (its ``Backend.direct[op]``, given the op's arguments: its ``tensors``, then its
+    ``scalars``), or ``None`` when it has no such route or its route does not take this call (then
+    the caller runs the op). Callers make sure the call is eager (nothing traces it); the backend
+    decides everything else."""
+    name, route = _first_route(device, "direct", op)
     if route is None or name in _failed:
         return None
-    result = route(*args)
+    result = route(*tensors, *scalars)
     if result is not None:
         _thread.backend = name
     return result
@@ -320,8 +331,7 @@ def run_known(op: str, device: torch.device, call: int, *args):
     - ``forward_kvcache``: q, cache (:class:`~flash_attn.params.KVCacheInputs`), alibi_slopes, sinks, qv,
       scalars.
     """
-    name = chain(device)[0]
-    route = _route(name, "known", op)
+    name, route = _first_route(device, "known", op)
     if route is None or name in _failed:
         return None
     try:
