@@ -13,8 +13,10 @@ offers itself to the chosen backend's own route (:func:`flash_attn.dispatch.run_
 backend's plain calls, one fused-kernel call with PyTorch's own autograd formula): on the CPU the
 Python between the public function and the kernel is a large part of a short call. The op bodies
 of eager calls with a checked signature (``call``) without dropout run the plan the backend holds
-for the signature, or makes and holds on its first call (:func:`flash_attn.dispatch.run_known`);
-the general route takes the rest, and the calls the backend refuses.
+for the signature, or makes and holds on its first call (:func:`flash_attn.dispatch.run_known`),
+its later calls by the signature's lane (:func:`flash_attn.dispatch.run_lane`: the held plan's
+launches with nothing looked up; an eager dense forward with nothing to record takes it straight
+from :func:`forward`); the general route takes the rest, and the calls the backend refuses.
 """
 
 from __future__ import annotations
@@ -303,6 +305,9 @@ def _backward(ctx, dout, *unused_grads):
 
 
 _NO_GRADS = (None,) * (len(_FORWARD_INPUTS) - 5)
+# where the forward's scalars (its inputs after the tensors) hold dropout_p and return_softmax
+_DROPOUT, _RETURN_SOFTMAX = (_FORWARD_INPUTS.index(name) - _FORWARD_INPUTS.index("max_seqlen_q")
+                              for name in ("dropout_p", "return_softmax"))
 assert _FORWARD_INPUTS[:3] == ("q", "k", "v") and _FORWARD_INPUTS[6] == "alibi_slopes"
 assert _FORWARD_INPUTS[-2:] == ("qv", "sinks")
 
@@ -480,12 +485,21 @@ def _recorded_forward(ctx, q, k, v, alibi_slopes, qv, sinks, rest):
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *scalars, qv=None, sinks=None,
             call=None):
     """``flash_attn::forward`` (arguments as the op's, ``qv`` and ``sinks`` by keyword): through the
-    op, or in eager calls (:func:`eager_call`) the backend's own route when it takes the call
-    (:func:`flash_attn.dispatch.run_direct`; calls without qv and sinks), else the op's body
-    directly, with autograd's record where needed. ``call``: the public function's checked
-    signature (:func:`flash_attn.validation.checked_call`), handed to the backends in eager calls."""
+    op, or in eager calls (:func:`eager_call`) the lane of the call's signature when it has one
+    (:func:`flash_attn.dispatch.run_lane`: dense calls without dropout, nothing to record), else
+    the backend's own route when it takes the call (:func:`flash_attn.dispatch.run_direct`; calls
+    without qv and sinks), else the op's body directly, with autograd's record where needed.
+    ``call``: the public function's checked signature (:func:`flash_attn.validation.checked_call`),
+    handed to the backends in eager calls."""
     tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
     record = eager_call((*tensors, qv, sinks))
+    if record is False and call is not None and cu_seqlens_q is None and scalars[_DROPOUT] == 0.0:
+        # (a lane reads no scalar; packed calls take theirs after their values are checked, in _forward_run)
+        found = dispatch.run_lane("forward", call, q, k, v, alibi_slopes, sinks, qv, scalars[_RETURN_SOFTMAX], None,
+                                  None)
+        if found is not None:
+            out, lse, s_dmask = found
+            return out.contiguous(), lse.contiguous(), None if s_dmask is None else s_dmask.contiguous(), None
     plain = qv is None and sinks is None
     if record is not None and plain:
         direct = dispatch.run_direct("forward", q.device, tensors, scalars)
@@ -496,7 +510,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
         # PyTorch, so the compiler's CSE merged two identical dropout calls into one mask when the
         # op drew it (the CSE spares only aten's random ops; a nondeterministic_seeded tag on the
         # op does not help in torch 2.13).
-        dropout_p = scalars[_FORWARD_INPUTS.index("dropout_p") - len(tensors)]
+        dropout_p = scalars[_DROPOUT]
         seed = _draw_dropout_seed(dropout_p, q.device) if dropout_p != 0.0 else None
         return attention_forward(*tensors, *scalars, seed, qv, sinks)
     if record:

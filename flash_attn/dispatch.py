@@ -51,7 +51,8 @@ from typing import Callable, Optional
 import torch
 
 from flash_attn import environ
-from flash_attn.backends.contract import Backend
+from flash_attn.validation import CHECKED_LIMIT
+from flash_attn.backends.contract import LANE_OPS, Backend
 from flash_attn.planning.plan import Refusal
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
@@ -322,15 +323,22 @@ def run_known(op: str, device: torch.device, call: int, *args):
     ``call`` (its ``Backend.known[op]``, the kernel backends': the plan held for the signature and
     the pointers' alignment, made and held on its first call), or ``None``: the backend has no such
     route or refuses the call; then the caller takes :func:`run`, which also tells and fails over
-    when the backend fails on the call (a failure here is left to it). Only for eager calls without
-    dropout; ``args`` per op (``varlen``: the packed call's :class:`~flash_attn.params.VarlenLayout`
-    or ``None``; ``scalars``: softmax_scale, window_left, window_right, softcap):
+    when the backend fails on the call (a failure here is left to it). The signature's lane runs
+    the call where it has one (:func:`run_lane`); after the known route, the lane is held. Only
+    for eager calls without dropout; ``args`` per op (``varlen``: the packed call's
+    :class:`~flash_attn.params.VarlenLayout` or ``None``; ``scalars``: softmax_scale, window_left,
+    window_right, softcap):
 
     - ``forward``: q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars -> (out, lse, s_dmask);
     - ``backward``: dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen, scalars;
     - ``forward_kvcache``: q, cache (:class:`~flash_attn.params.KVCacheInputs`), alibi_slopes, sinks, qv,
       scalars.
     """
+    laned = op in LANE_OPS
+    if laned:
+        result = run_lane(op, call, *args)
+        if result is not None:
+            return result
     name, route = _first_route(device, "known", op)
     if route is None or name in _failed:
         return None
@@ -342,7 +350,59 @@ def run_known(op: str, device: torch.device, call: int, *args):
         return None
     if result is not None:
         _thread.backend = name
+    if laned:
+        _hold_lane(op, device, call, name)
     return result
+
+
+def run_lane(op: str, call: int, *args):
+    """``op``'s results by the lane of checked signature ``call``, as :func:`run_known` gives them
+    (same ``args``), or ``None``: no lane under the current settings and chain, or the lane does not
+    take the call (pointers not aligned, the backend refuses the signature, its plans forgotten).
+    A lane (``Backend.lane``, the kernel backends') is the known route's hit path held for one
+    signature: the call's tensors to the held plan's launches, nothing looked up or described. It
+    is held once the known route has run the signature with aligned pointers
+    (:func:`run_known`). The caller makes sure what :func:`run_known` asks: an eager call without
+    dropout, its values checked where they are. A backend failure is left to the usual route."""
+    lanes = _chains.get((_backend_setting(), _strict_setting(), "lanes"))
+    lane = None if lanes is None else lanes.get((op, call))
+    if lane is None:
+        return None
+    name, run = lane
+    if name in _failed:
+        return None
+    try:
+        result = run(*args)
+    except Exception as exc:
+        if _backend_failure(name, exc) is None:
+            raise
+        return None
+    if result is not None:
+        _thread.backend = name
+    return result
+
+
+def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
+    """After the known route of backend ``name`` ran a call of ``op``'s signature ``call`` (so its
+    lane, if any, did not take it): hold the backend's lane of the signature, made anew from the
+    plans it holds now, or forget the lane while it holds none for aligned pointers (the next call
+    asks again). Lanes are held beside the chain, under the same settings (:func:`reset` and a new
+    chain forget them), at most :data:`~flash_attn.validation.CHECKED_LIMIT` (then forgotten all at
+    once)."""
+    make = _load(name)[0].lane
+    if make is None:
+        return
+    key = (_backend_setting(), _strict_setting(), "lanes")
+    lanes = _chains.get(key)
+    if lanes is None:
+        lanes = _chains[key] = {}
+    run = make(op, device, call)
+    if run is None:
+        lanes.pop((op, call), None)
+        return
+    if len(lanes) >= CHECKED_LIMIT:
+        lanes.clear()
+    lanes[op, call] = (name, run)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
-from flash_attn.backends.contract import Backend
+from flash_attn.backends.contract import LANE_OPS, Backend
 from flash_attn.params import AttentionParams
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
@@ -41,6 +41,7 @@ class PlanCache:
         self.limit = limit
         self._values: dict = {}
         self._lock = threading.Lock()
+        self.generation = 0  # counts the clears (a lane made from an earlier generation runs no more)
 
     def get(self, key, make: Callable):
         value = self._values.get(key, _MISSING)  # (a new call signature misses: no exception raised for it)
@@ -65,6 +66,7 @@ class PlanCache:
     def clear(self) -> None:
         with self._lock:
             self._values.clear()
+            self.generation += 1
 
     def __len__(self) -> int:
         return len(self._values)
@@ -408,6 +410,43 @@ class KernelBackend:
         executable = cache.get((planner, key, target), lambda: self._by_shape(cache, planner, shape, target, device))
         return None if isinstance(executable, Refusal) else executable
 
+    def lane(self, op: str, device, call: int) -> Optional[Callable[..., Optional[tuple]]]:
+        """The lane of ``op``'s eager calls of checked signature ``call`` on ``device``
+        (:func:`flash_attn.dispatch.run_lane`): the known route's arguments -> its results, by the
+        executable held for the signature with aligned pointers, with nothing else looked up or
+        described; ``None`` while none is held (the call has not run on the known route with
+        aligned pointers). The lane gives ``None`` for a call whose pointers are not all aligned,
+        for every call where the backend refuses the signature, and once the plans it came from
+        are forgotten or replaced."""
+        planner, slots_of = _LANES[op]
+        found = self.target_and_plans(device)
+        if isinstance(found, Refusal):
+            return None
+        target, cache = found
+        executable = cache.peek((planner, (call, (), True), target))  # the key of _plan_key's aligned calls
+        if executable is None:
+            return None
+        if isinstance(executable, Refusal):
+            return _refused_lane
+        generation, plans_now, run, alignment = cache.generation, self.target_and_plans, self.run, \
+            limits.POINTER_ALIGNMENT
+
+        def run_lane(*args) -> Optional[tuple]:
+            now = plans_now(device)
+            if type(now) is not tuple or now[1] is not cache or cache.generation != generation:
+                return None
+            inputs, no_s_dmask = slots_of(*args)
+            pointers = 0
+            for t in inputs.values():
+                if t is not None:
+                    pointers |= t.data_ptr()
+            if pointers % alignment:
+                return None
+            results = run(executable, inputs, device)
+            return (*results, None) if no_s_dmask else results
+
+        return run_lane
+
     def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
         """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its
         plans or images do not serve (its plain ``forward``/``backward``/``forward_kvcache``
@@ -416,7 +455,7 @@ class KernelBackend:
                        {"forward": self.prepare_forward, "backward": self.prepare_backward,
                         "forward_kvcache": self.prepare_forward_kvcache}, failure=failure,
                        known={"forward": self.known_forward, "backward": self.known_backward,
-                              "forward_kvcache": self.known_forward_kvcache})
+                              "forward_kvcache": self.known_forward_kvcache}, lane=self.lane)
 
     def forward(self, *args, **kwargs):
         return _run_or_raise(self.name, "forward", self.prepare_forward(*args, **kwargs))
@@ -472,6 +511,26 @@ def _plan_key(call, tensors: tuple, more: tuple = (), seed: Optional[torch.Tenso
         return call, more, True
     aligned = tuple(t is None or t.data_ptr() % limits.POINTER_ALIGNMENT == 0 for t in (*tensors, seed))
     return call, more, aligned
+
+
+def _refused_lane(*args) -> None:
+    return None
+
+
+# The lanes (:meth:`KernelBackend.lane`) of the ops that have them (the contract's ``LANE_OPS``:
+# those whose plan key adds nothing to the checked signature but the pointers' alignment): their
+# planner, and the known route's arguments -> the call's tensors by slot, and whether the results
+# lack the S_dmask the plan makes only when asked for.
+def _forward_slots(q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars) -> tuple[dict, bool]:
+    return forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv), not return_softmax
+
+
+def _kvcache_slots(q, cache, alibi_slopes, sinks, qv, scalars) -> tuple[dict, bool]:
+    return kvcache_inputs(q, cache, alibi_slopes, sinks, qv), False
+
+
+_LANES = {"forward": (P.plan_forward, _forward_slots), "forward_kvcache": (P.plan_kvcache, _kvcache_slots)}
+assert set(_LANES) == set(LANE_OPS)
 
 
 class KernelsCannotRun(RuntimeError):

@@ -41,6 +41,10 @@ import torch
 from flash_attn.planning.plan import Refusal
 
 OPS = ("forward", "backward", "forward_kvcache")
+# the ops whose eager calls of a held signature may take a lane (``Backend.lane``): those whose
+# plan key adds nothing to the checked signature but the pointers' alignment (the backward's adds
+# the gradient's strides and options)
+LANE_OPS = ("forward", "forward_kvcache")
 
 Runner = Callable[[], tuple]
 # prepare(*op_args, **op_kwargs) -> a runner that computes the call, or a Refusal saying who refused
@@ -51,6 +55,9 @@ Direct = Callable[..., Optional[tuple]]
 # known(device, call, *tensors and options) -> the op's results by the call's checked signature, or
 # None: the backend refuses the call (see :func:`flash_attn.dispatch.run_known` for the arguments).
 Known = Callable[..., Optional[tuple]]
+# lane(op, device, call) -> (the known route's arguments -> its results, or None: the lane does not
+# take the call), or None: no lane for the signature yet (see :func:`flash_attn.dispatch.run_lane`).
+Lane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
 
 
 @dataclass(slots=True)
@@ -62,7 +69,9 @@ class Backend:
     optional eager routes around the custom op (only the ``cpu`` backend has one, for the plain
     forward calls it takes; see :func:`flash_attn.dispatch.run_direct`). ``known``: optional
     routes for eager calls with a checked signature, by the plan the backend holds for it (the
-    kernel backends; :func:`flash_attn.dispatch.run_known`). ``failure``: the
+    kernel backends; :func:`flash_attn.dispatch.run_known`). ``lane``: optional, the lane of a
+    signature's later eager calls once the known route has run one (the kernel backends;
+    :func:`flash_attn.dispatch.run_lane`). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
     the next backend. ``settings_error()``: why the backend's own environment settings are invalid
@@ -77,6 +86,7 @@ class Backend:
     failure: Optional[type[BaseException]] = None
     settings_error: Callable[[], Optional[str]] = lambda: None
     known: Mapping[str, Known] = field(default_factory=lambda: MappingProxyType({}))
+    lane: Optional[Lane] = None
 
     def __post_init__(self):
         if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS) or not set(self.known) <= set(OPS):

@@ -271,6 +271,7 @@ def _stage_functions() -> list[tuple]:
         ("host value checks (CPU tensors)", custom_ops, "_check_kvcache_values"),
         ("dispatch", dispatch, "run"),
         ("dispatch, the plan held for the signature", dispatch, "run_known"),
+        ("dispatch, the signature's lane", dispatch, "run_lane"),
         ("allocation (inputs prepared, buffers)", aot, "slots"),
         ("the op library's call (the CUDA launch stubbed)", aot, "_launch"),
     ]
@@ -289,13 +290,14 @@ def _record_stages(fn: Callable) -> list[_Stage]:
     """One call of ``fn`` with the stage functions wrapped: each stage's first arguments, how
     often it runs per call, and the stage it runs inside. ``dispatch.run`` adds two stages of its
     own per op: the backend's plan lookup (describe the call, find its plan) and the execution
-    (``dispatch.run_known``, the route of a held plan, is one stage: its own time is the lookup)."""
+    (``dispatch.run_known``, the route of a held plan, and ``dispatch.run_lane``, a signature's
+    lane, are one stage each: their own time is the lookup)."""
     stages: dict[tuple, _Stage] = {}
     stack: list[_Stage] = []
     saved = []
 
     def wrap(label, module, name, original):
-        is_dispatch = module is dispatch and name in ("run", "run_known")
+        is_dispatch = module is dispatch and name in ("run", "run_known", "run_lane")
         def recording(*args, **kwargs):
             op = f" ({args[0]})" if is_dispatch else ""
             key = (label + op, stack[-1].label if stack else None)

@@ -466,6 +466,144 @@ def test_held_packed_batches_compute_what_the_oracle_does(general_route, interpr
 
 
 # ---------------------------------------------------------------------------------------------
+# A signature's lane (dispatch.run_lane): once the known route has run a signature with aligned
+# pointers, its later eager calls (a dense forward without dropout and nothing to record straight
+# from the custom op's entry; the rest inside the known route) run the held plan with nothing
+# looked up; a changed setting, a new chain, forgotten plans, a failed backend or a misaligned
+# pointer (the tests above) close it for the call.
+
+
+@pytest.fixture
+def known_lookups(monkeypatch) -> list:
+    """The known routes looked up from now on (a lane's call looks up none)."""
+    looked: list = []
+    real = dispatch._first_route
+
+    def first_route(device, kind, op):
+        if kind == "known":
+            looked.append(op)
+        return real(device, kind, op)
+
+    monkeypatch.setattr(dispatch, "_first_route", first_route)
+    return looked
+
+
+def test_a_signatures_later_calls_take_its_lane(launches, general_route, known_lookups):
+    """The second no-grad forward, decode step and packed forward of a signature run on the lane:
+    no known route looked up, the very launches the planner gives, on the triton backend."""
+    q, k, v = _qkv(2, 64, 4, 64)
+    step = _decode_step(torch.Generator().manual_seed(12))
+    packed = _packed(96, [40, 70], torch.Generator().manual_seed(13))
+    expected = (list(_forward_plan(q, k, v).launches), None, _packed_plans(*packed))
+    for n in range(3):
+        known_lookups.clear()
+        made = []
+        for call in (lambda: flash_attn_func(q, k, v, causal=True),
+                     lambda: flash_attn_with_kvcache(step[0], step[1], step[2], cache_seqlens=step[3], causal=True),
+                     lambda: flash_attn_varlen_func(*packed[:3], packed[3], packed[3], packed[4], packed[4],
+                                                    causal=True)):
+            launches.clear()
+            call()
+            made.append(list(launches))
+            assert dispatch.last_backend() == "triton"
+        assert known_lookups == ([] if n else ["forward", "forward_kvcache", "forward"])
+        assert made[0] == expected[0] and made[2] == expected[2] and made[1]
+        if n:
+            assert made[1] == first_step
+        first_step = made[1]
+    assert general_route == []
+
+
+def test_a_lane_follows_the_backend_setting_and_the_chain(launches, known_lookups, monkeypatch):
+    """A held lane serves only the settings and chain it was held under: another backend setting
+    runs that backend (then the lane serves again once the setting is back), and a chain worked
+    out anew (what dispatch.reset() and a changed installation give) holds its own lanes."""
+    q, k, v = _qkv(1, 32, 2, 64)
+    for _ in range(2):
+        flash_attn_func(q, k, v)
+    launches.clear()
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "reference")
+    out = flash_attn_func(q, k, v)
+    assert launches == [] and dispatch.last_backend() == "reference"
+    torch.testing.assert_close(out.double(), _plain_attention(q, k, v), rtol=2e-3, atol=2e-3)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "triton")
+    known_lookups.clear()
+    flash_attn_func(q, k, v)
+    assert launches and known_lookups == [] and dispatch.last_backend() == "triton"
+    monkeypatch.setattr(dispatch, "_chains", {})
+    flash_attn_func(q, k, v)
+    assert known_lookups == ["forward"]  # the new chain's first call: the known route, then its lane
+
+
+def test_forgotten_or_replaced_plans_close_the_lane(launches, known_lookups, monkeypatch):
+    """Forgotten plans (the tuning sweep's) and a plan cache replaced (the aot backend's images of
+    another installation) close the lane: the next call is described and planned again, and the
+    one after it takes the lane of the new plan."""
+    q, k, v = _qkv(2, 64, 4, 64)
+    expected = list(_forward_plan(q, k, v).launches)
+    for _ in range(2):
+        flash_attn_func(q, k, v, causal=True)
+    described = _described(monkeypatch)
+    for forget in (triton_backend._backend.forget_plans,
+                   lambda: monkeypatch.setattr(triton_backend._backend, "plans", PlanCache())):
+        forget()
+        described.clear()
+        known_lookups.clear()
+        for _ in range(2):
+            launches.clear()
+            flash_attn_func(q, k, v, causal=True)
+            assert launches == expected
+        assert described == [1] and known_lookups == ["forward"]
+
+
+def test_a_decode_step_on_its_lane_still_checks_the_cache_lengths(launches):
+    """cache_seqlens' values are no part of a signature: on the lane too a step whose lengths do not
+    fit the cache is refused (CPU tensors: read on the host), as the first call would be."""
+    q, k_cache, v_cache, seqlens = _decode_step(torch.Generator().manual_seed(14))
+    k_new = torch.randn(2, 1, 2, 64).half()
+    for _ in range(2):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=seqlens, causal=True)
+    with pytest.raises(ValueError, match="kv cache too small for the append"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new, cache_seqlens=torch.tensor([5, 64], dtype=torch.int32),
+                                causal=True)
+
+
+def test_lanes_compute_what_the_oracle_does(general_route, interpreter, known_lookups):
+    """Through Triton's interpreter: no-grad forwards of one signature (with the probabilities asked
+    for, and with sinks) and decode steps, the second and third on their lanes, against the float64
+    oracle."""
+    from support.oracle import attention_ref, kvcache_ref  # noqa: PLC0415
+    from support.tolerance import check_close  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(1, 24, 2, 32, generator=g).half() for _ in range(3))
+    sinks = torch.randn(2, generator=g)
+    want = {name: (attention_ref(q, k, v, causal=True, sinks=s), attention_ref(q, k, v, causal=True, sinks=s,
+                                                                                 compute_dtype=None))
+            for name, s in (("plain", None), ("sinks", sinks))}
+    step_q, k_cache, v_cache = (torch.randn(2, 1, 2, 32, generator=g).half(),
+                                *(torch.randn(2, 40, 1, 32, generator=g).half() for _ in range(2)))
+    seqlens = torch.tensor([7, 33], dtype=torch.int32)
+    step_ref = kvcache_ref(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+    step_naive = kvcache_ref(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, compute_dtype=None)
+    for n in range(3):
+        known_lookups.clear()
+        out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        ref, naive = want["plain"]
+        check_close(out, ref.out, naive.out, torch.float16, f"out, call {n}")
+        torch.testing.assert_close(lse.double(), ref.lse, rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(probs.double(), ref.probs, rtol=0, atol=2e-3)
+        out = flash_attn_func(q, k, v, causal=True, learnable_sink=sinks)
+        ref, naive = want["sinks"]
+        check_close(out, ref.out, naive.out, torch.float16, f"out with sinks, call {n}")
+        step_out = flash_attn_with_kvcache(step_q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        check_close(step_out, step_ref.out, step_naive.out, torch.float16, f"decode out, call {n}")
+        assert dispatch.last_backend() == "interpret"
+        assert known_lookups == ([] if n else ["forward", "forward", "forward_kvcache"])
+    assert general_route == []
+
+
+# ---------------------------------------------------------------------------------------------
 # A new key length (a decode loop's growing cache): filled in from its layout's template
 # (flash_attn.planning.extents), not planned again.
 
