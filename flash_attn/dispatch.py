@@ -384,11 +384,12 @@ def run_lane(op: str, call: int, *args):
 
 def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
     """After the known route of backend ``name`` ran a call of ``op``'s signature ``call`` (so its
-    lane, if any, did not take it): hold the backend's lane of the signature, made anew from the
-    plans it holds now, or forget the lane while it holds none for aligned pointers (the next call
-    asks again). Lanes are held beside the chain, under the same settings (:func:`reset` and a new
-    chain forget them), at most :data:`~flash_attn.validation.CHECKED_LIMIT` (then forgotten all at
-    once)."""
+    lane, if any, did not take it): from the signature's second such call, hold the backend's lane
+    of it, made anew from the plans it holds now, or forget the lane while it holds none for aligned
+    pointers (the next call asks again). A signature met once (a growing cache's new key length in
+    a model's first layer) makes none. Lanes are held beside the chain, under the same settings
+    (:func:`reset` and a new chain forget them), at most
+    :data:`~flash_attn.validation.CHECKED_LIMIT` signatures (then forgotten all at once)."""
     make = _load(name)[0].lane
     if make is None:
         return
@@ -396,12 +397,15 @@ def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
     lanes = _chains.get(key)
     if lanes is None:
         lanes = _chains[key] = {}
+    if len(lanes) >= CHECKED_LIMIT:
+        lanes.clear()
+    if (op, call) not in lanes:
+        lanes[op, call] = None  # met once
+        return
     run = make(op, device, call)
     if run is None:
         lanes.pop((op, call), None)
         return
-    if len(lanes) >= CHECKED_LIMIT:
-        lanes.clear()
     lanes[op, call] = (name, run)
 
 
