@@ -668,6 +668,51 @@ def test_kvcache_reads_no_row_it_does_not_attend(name, over, monkeypatch):
     assert ran
 
 
+def _misaligned_like(t):
+    """``t``'s values in a view whose data starts one element past an allocation's start (the same
+    shape, strides and dtype: the same call signature, another pointer alignment)."""
+    base = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = base[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_repeated_calls_of_one_signature_match_the_oracle(monkeypatch):
+    """A signature's later calls run its held plan, from the third on its lane
+    (:func:`flash_attn.dispatch.run_lane`): each round new values of the same signature (a no-grad
+    dense forward, and a decode step appending to its cache), one round with q misaligned (which no
+    lane takes), against the oracle every time: on the kernel backends here whose lanes run
+    without a JIT (``aot`` on a GPU, ``interpret`` on the CPU; triton's compiles would cost a GPU
+    window more than the rest of this file), and the others (``cpu``, ``reference``: no lanes)."""
+    monkeypatch.setenv("FLASH_ATTN_STRICT_BACKEND", "1")
+    ran = []
+    backends = [b for b in backends_here() if b != "triton"]
+    if not {"aot", "interpret"} & set(backends):
+        pytest.skip(f"no kernel backend with lanes runs here without a JIT (backends here: {backends_here()})")
+    for backend in backends:
+        monkeypatch.setenv("FLASH_ATTN_BACKEND", backend)
+        for n in range(5):
+            g = gen(60 + n)
+            q, k, v = randn((2, 33, 4, 32), FP16, g), randn((2, 33, 2, 32), FP16, g), randn((2, 33, 2, 32), FP16, g)
+            step = _kvcache_setup(dtype=FP16, b=2, sq=1, h=4, hk=2, d=32, cap=48, sn=1, causal=True, seed=70 + n)
+            ref, _, naive, _ = oracle_pair(attention_ref, [q, k, v], causal=True)
+            step_ref, step_naive = _kvcache_oracles(step[0], step[1].clone(), step[2].clone(), step[3], step[4], step[5])
+            if n == 3:
+                q, step = _misaligned_like(q), (_misaligned_like(step[0]), *step[1:])
+            try:
+                out = flash_attn_func(q, k, v, causal=True)
+                step_out = flash_attn_with_kvcache(*step[:5], **step[5])
+            except dispatch.BackendRefusedError as exc:
+                if "inputs (the kernels take fp16/bf16)" in str(exc) or "not compiled ahead of time" in str(exc):
+                    break
+                raise
+            check_close(out, ref.out, naive.out, FP16, f"{backend} out, round {n}")
+            check_close(step_out, step_ref.out, step_naive.out, FP16, f"{backend} decode out, round {n}")
+        else:
+            ran.append(backend)
+    assert {"aot", "interpret"} & set(ran)
+
+
 def test_kvcache_num_splits_never_changes_the_result():
     results = []
     for splits in (0, 1, 3):
