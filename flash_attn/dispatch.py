@@ -51,9 +51,9 @@ from typing import Callable, Optional
 import torch
 
 from flash_attn import environ
-from flash_attn.validation import CHECKED_LIMIT
 from flash_attn.backends.contract import LANE_OPS, Backend
 from flash_attn.planning.plan import Refusal
+from flash_attn.validation import CHECKED_LIMIT
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
 STRICT_ENV = "FLASH_ATTN_STRICT_BACKEND"
@@ -108,7 +108,9 @@ _IMPORTERS: dict[str, Callable[[], Backend]] = {
     "reference": _import_reference,
 }
 _warned: set[str] = set()
-_chains: dict[tuple, tuple] = {}  # settings and device -> the chain; with a route kind and op -> _first_route
+# settings and device -> the chain; with a route kind and op -> _first_route's; settings and "lanes" ->
+# the signatures' lanes (_hold_lane)
+_chains: dict[tuple, tuple | dict] = {}
 _failed: dict[str, "_Skip"] = {}  # backend -> how it failed for good on this machine (first use)
 _thread = threading.local()
 
@@ -342,14 +344,7 @@ def run_known(op: str, device: torch.device, call: int, *args):
     name, route = _first_route(device, "known", op)
     if route is None or name in _failed:
         return None
-    try:
-        result = route(device, call, *args)
-    except Exception as exc:
-        if _backend_failure(name, exc) is None:
-            raise
-        return None
-    if result is not None:
-        _thread.backend = name
+    result = _ran_on(name, route, device, call, *args)
     if laned:
         _hold_lane(op, device, call, name)
     return result
@@ -369,8 +364,13 @@ def run_lane(op: str, call: int, *args):
     if lane is None:
         return None
     name, run = lane
-    if name in _failed:
-        return None
+    return None if name in _failed else _ran_on(name, run, *args)
+
+
+def _ran_on(name: str, run: Callable, *args):
+    """``run(*args)``, a route of backend ``name``: its result (the thread's last backend, where it
+    gave one), or ``None`` where the backend failed on the call (its own failure, which the general
+    route tells and fails over from; any other error is raised)."""
     try:
         result = run(*args)
     except Exception as exc:
