@@ -428,19 +428,14 @@ class KernelBackend:
             return None
         if isinstance(executable, Refusal):
             return _refused_lane
-        generation, plans_now, run, alignment = cache.generation, self.target_and_plans, self.run, \
-            limits.POINTER_ALIGNMENT
+        generation, plans_now, run = cache.generation, self.target_and_plans, self.run
 
         def run_lane(*args) -> Optional[tuple]:
             now = plans_now(device)
             if type(now) is not tuple or now[1] is not cache or cache.generation != generation:
                 return None
             inputs, no_s_dmask = slots_of(*args)
-            pointers = 0
-            for t in inputs.values():
-                if t is not None:
-                    pointers |= t.data_ptr()
-            if pointers % alignment:
+            if not _all_aligned(inputs.values()):
                 return None
             results = run(executable, inputs, device)
             return (*results, None) if no_s_dmask else results
@@ -503,14 +498,20 @@ def _plan_key(call, tensors: tuple, more: tuple = (), seed: Optional[torch.Tenso
     """The plan key of a call with a checked signature (``call``): the signature, what the layers
     below add (``more``) and the data pointers' alignment, the one thing a plan reads that the
     signature does not hold: ``True`` when every tensor is aligned (one test), else each one's."""
-    pointers = 0 if seed is None else seed.data_ptr()
-    for t in tensors:
-        if t is not None:
-            pointers |= t.data_ptr()
-    if pointers % limits.POINTER_ALIGNMENT == 0:
+    if _all_aligned(tensors) and (seed is None or seed.data_ptr() % limits.POINTER_ALIGNMENT == 0):
         return call, more, True
     aligned = tuple(t is None or t.data_ptr() % limits.POINTER_ALIGNMENT == 0 for t in (*tensors, seed))
     return call, more, aligned
+
+
+def _all_aligned(tensors) -> bool:
+    """Whether every tensor among ``tensors`` (``None`` skipped) starts at an aligned address (one
+    test of all the pointers together)."""
+    pointers = 0
+    for t in tensors:
+        if t is not None:
+            pointers |= t.data_ptr()
+    return pointers % limits.POINTER_ALIGNMENT == 0
 
 
 def _refused_lane(*args) -> None:

@@ -291,15 +291,18 @@ def _cache_loader(cache: KVCacheInputs, batch: int) -> core.KVLoader:
     return load
 
 
-def _attended_rows_only(load: core.KVLoader, starts: list, ends: list, device) -> core.KVLoader:
+def _attended_rows_only(load: core.KVLoader, starts: Tensor, ends: Tensor, key_start: list,
+                        key_end: list) -> core.KVLoader:
     """``load`` with the rows outside each batch entry's ``[start, end)`` set to 0 where a chunk
     holds any: every batch entry's chunk spans the longest sequence's columns, and rows nobody
     wrote (past a shorter sequence's end, before its left padding) may hold anything, NaN included
-    (a cache made by ``torch.empty``): their scores are masked, but ``0 * NaN`` in ``p @ v`` is not 0."""
-    first, last = max(starts, default=0), min(ends, default=0)  # the columns every batch entry attends
-    if first == 0 and last == max(ends, default=0):
+    (a cache made by ``torch.empty``): their scores are masked, but ``0 * NaN`` in ``p @ v`` is not 0.
+    ``starts``/``ends``: the bounds per batch entry on the cache's device; ``key_start``/``key_end``:
+    the same, read on the host."""
+    first, last = max(key_start, default=0), min(key_end, default=0)  # the columns every batch entry attends
+    if first == 0 and last == max(key_end, default=0):
         return load  # no chunk holds a row to hide
-    lower, upper = (torch.tensor(bound, device=device)[:, None] for bound in (starts, ends))
+    device, lower, upper = starts.device, starts[:, None], ends[:, None]
 
     def load_attended(c0: int, c1: int) -> tuple[Tensor, Tensor]:
         k, v = load(c0, c1)
@@ -352,7 +355,7 @@ def forward_kvcache(
     key_start, key_end = starts.tolist(), ends.tolist()
     problem = core.Problem(
         q=q,
-        load_kv=_attended_rows_only(_cache_loader(cache, B), key_start, key_end, device),
+        load_kv=_attended_rows_only(_cache_loader(cache, B), starts, ends, key_start, key_end),
         n_cols=max(key_end, default=0),
         nheads_k=cache.k_cache.shape[-2],
         head_dim_v=cache.v_cache.shape[-1],
