@@ -11,7 +11,9 @@ one program per (batch, head) would leave most of the GPU idle. :func:`split_kv_
   program, each producing a normalised partial output (fp32) and its logsumexp;
 
 and :func:`combine_splits_kernel` merges the partial results by their logsumexp. With a single
-split the attention kernel writes the final output directly and no combine runs.
+split the attention kernel writes the final output directly and no combine runs. Without rotary
+the attention kernel also appends the call's few new keys and values to the cache
+(``seqlen_append``), so a decoding step is one or two launches.
 
 Keys of batch entry ``b`` are cache rows ``cache_leftpad[b] : cache_seqlens[b] + seqlen_new``
 (``sk`` of them) of cache sequence ``cache_batch_idx[b]`` or of the pages ``block_table[b]``; key
@@ -247,9 +249,48 @@ def _store_lse(Lse, lse, b, split, row_pos, head, m_mask, stride_lx, stride_lb, 
 
 
 @triton.jit
+def _append_rows(K, V, K_new, V_new, b, kv_head, m_block, split, start, end, seqlen_k, seqlen_append, Seqlens, seq,
+                 bt_row, page_size, identity_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh, offs_d, d_mask, offs_dv,
+                 dv_mask, BLOCK_N: tl.constexpr, BLOCK_NEW: tl.constexpr, PAGED: tl.constexpr):
+    """The fused append: new rows ``t`` of this (batch entry, kv head) copied from ``K_new``/``V_new``
+    to cache rows ``cache_seqlens[b] + t`` (keys ``seqlen_k - seqlen_append + t``).
+
+    Each program copies the new keys of its own share of key blocks ``[start, end)`` and then
+    waits for its threads (a CTA barrier orders their global writes before its reads), so it reads
+    them from the cache as the rest; the first row block's first split copies every new row, also
+    those no program's share holds (keys no query row sees). Programs that copy the same row write
+    the same bytes: whatever order they run in, every read of a new row finds its new value.
+    """
+    new_start = seqlen_k - seqlen_append
+    own_lo = tl.minimum(tl.maximum(start * BLOCK_N - new_start, 0), seqlen_append)
+    own_hi = tl.maximum(tl.minimum(end * BLOCK_N - new_start, seqlen_append), own_lo)
+    first = (m_block == 0) & (split == 0)
+    lo = tl.where(first, 0, own_lo)
+    hi = tl.where(first, seqlen_append, own_hi)
+    row0 = tl.load(Seqlens + b)
+    k_head = kv_head.to(tl.int64) * stride_kh
+    v_head = kv_head.to(tl.int64) * stride_vh
+    k_src = K_new + b.to(tl.int64) * stride_knb + kv_head.to(tl.int64) * stride_knh
+    v_src = V_new + b.to(tl.int64) * stride_vnb + kv_head.to(tl.int64) * stride_vnh
+    for t0 in range(lo, hi, BLOCK_NEW):
+        offs_t = t0 + tl.arange(0, BLOCK_NEW)
+        t_mask = offs_t < hi
+        slot, row = _cache_rows(row0 + offs_t, t_mask, seq, bt_row, page_size, identity_table, PAGED)
+        src = offs_t.to(tl.int64)
+        k_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_src + (src * stride_kns)[:, None] + offs_d[None, :], mask=k_mask)
+        tl.store(K + (slot * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :], k, mask=k_mask)
+        v_mask = t_mask[:, None] & dv_mask[None, :]
+        v = tl.load(v_src + (src * stride_vns)[:, None] + offs_dv[None, :], mask=v_mask)
+        tl.store(V + (slot * stride_vb + row * stride_vs + v_head)[:, None] + offs_dv[None, :], v, mask=v_mask)
+    tl.debug_barrier()
+
+
+@triton.jit
 def split_kv_kernel(
     Q, K, V, Out, OutPart, Lse,
-    Seqlens, Leftpad, BatchIdx, BlockTable, Alibi, Sinks, QV,
+    Seqlens, Leftpad, BatchIdx, BlockTable, Alibi, Sinks, QV, K_new, V_new,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -257,11 +298,14 @@ def split_kv_kernel(
     stride_px, stride_pb, stride_ps, stride_ph,
     stride_lx, stride_lb, stride_ls, stride_lh,
     stride_qvb, stride_qvs, stride_qvh,
+    stride_knb, stride_kns, stride_knh,
+    stride_vnb, stride_vns, stride_vnh,
     stride_btb, stride_ab,
-    nheads_k, seqlen_q, seqlen_new, group, head_dim, head_dim_v, page_size,
+    nheads_k, seqlen_q, seqlen_new, seqlen_append, group, head_dim, head_dim_v, page_size,
     use_leftpad, use_alibi, use_sinks, identity_table,
     softmax_scale, softcap, window_left, window_right, empty_lse,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_NEW: tl.constexpr,
     IS_LOCAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_QV: tl.constexpr,
 ):
@@ -279,6 +323,12 @@ def split_kv_kernel(
     ``QV`` (``HAS_QV``): MLA's absorbed queries, like q with ``head_dim_v`` columns. The attention
     sinks (``use_sinks``) join the row sums here when there is one split, else in the combine (once
     per row, not per split).
+
+    ``seqlen_append`` (0: none) fuses the append: the call's last ``seqlen_append`` keys are
+    copied from ``K_new``/``V_new`` (``(batch, seqlen_new, nheads_k, d or dv)``, strides
+    ``stride_kn*``/``stride_vn*``) to cache rows ``cache_seqlens[b] + t`` (:func:`_append_rows`)
+    before the program reads its keys from the cache. With 0 the new keys (if any: ``seqlen_new``)
+    are in the cache already: an append kernel wrote them before.
     """
     b, kv_head, m_block, split, num_splits = _program_tile(seqlen_q, group, nheads_k, BLOCK_M)
     first_row, seqlen_k, seq, bt_row = _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new,
@@ -296,6 +346,10 @@ def split_kv_kernel(
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
     start, end = _split_share(m_block, split, num_splits, seqlen_q, group, seqlen_k, window_left, window_right,
                               BLOCK_M, BLOCK_N, IS_LOCAL)
+    _append_rows(K, V, K_new, V_new, b, kv_head, m_block, split, start, end, seqlen_k, seqlen_append, Seqlens, seq,
+                 bt_row, page_size, identity_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh, offs_d, d_mask, offs_dv,
+                 dv_mask, BLOCK_N, BLOCK_NEW, PAGED)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = _row_sinks_log2(Sinks, head, m_mask, use_sinks * (num_splits == 1))  # else the combine adds them

@@ -232,11 +232,12 @@ _DECLARED = (
     # The KV-cache kernels ship one "superset" variant (every feature compiled in, switched at run
     # time; plain caches addressed as one page per sequence): flash_attn.planning.decode_configs.
     Kernel("split_kv_kernel", "flash_attn.kernels.decode", None,
-           _pointers(dt="Q K V Out QV", fp32="OutPart Lse Alibi Sinks", i32="Seqlens Leftpad BatchIdx BlockTable"),
+           _pointers(dt="Q K V Out QV K_new V_new", fp32="OutPart Lse Alibi Sinks",
+                     i32="Seqlens Leftpad BatchIdx BlockTable"),
            _names("softmax_scale softcap empty_lse"),
            _names("stride_qb stride_qs stride_qh stride_kb stride_ks stride_kh stride_vb stride_vs stride_vh "
                   "stride_ob stride_os stride_oh stride_px stride_pb stride_ps stride_ph stride_qvb stride_qvs "
-                  "stride_qvh head_dim head_dim_v"),
+                  "stride_qvh stride_knb stride_kns stride_knh stride_vnb stride_vns stride_vnh head_dim head_dim_v"),
            folded=MappingProxyType(dict(IS_LOCAL=True, HAS_SOFTCAP=True, HAS_ALIBI=True, PAGED=True,
                                         HAS_BATCH_IDX=False, HAS_LEFTPAD=True))),
     Kernel("combine_splits_kernel", "flash_attn.kernels.decode", None,

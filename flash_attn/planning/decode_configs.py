@@ -17,7 +17,9 @@ every call it serves (only dead work differs):
                          (loads and stores mask the run-time head dim).
                          On families that ship exact-call images, also :data:`SPLIT_KV_EXACT`
                          for the plain decoding step (the decode config of each bucket).
-``append_kv_kernel``     paged the same way, ``(HAS_ROTARY, INTERLEAVED)`` as the call needs.
+``append_kv_kernel``     paged the same way, ``(HAS_ROTARY, INTERLEAVED)`` as the call needs
+                         (without rotary ``split_kv_kernel`` appends up to
+                         :data:`FUSED_APPEND_ROWS` rows itself; this one the others).
 ``rotary_q_kernel``      ``PER_ROW_POSITION`` x ``INTERLEAVED`` as the call needs.
 ``combine_splits_kernel`` as it is.
 
@@ -37,6 +39,7 @@ from flash_attn.planning import configs, declarations, families
 __all__ = [
     "DECODE_CONFIGS",
     "APPEND_BLOCK_T",
+    "FUSED_APPEND_ROWS",
     "COMBINE_BLOCK_R",
     "MAX_SPLITS",
     "SPLIT_PROGRAMS_PER_SM",
@@ -113,6 +116,10 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     ("interpret", 512): (_C(16, 16, 1, 1), _C(32, 16, 1, 1)),
 }
 
+# The most new rows split_kv_kernel appends itself (a call without rotary; more: append_kv_kernel
+# first): decoding's one token, speculative decoding's few. It copies them in tiles of this many
+# rows, and the first program of each kv head copies them all: many rows would run serially there.
+FUSED_APPEND_ROWS = 16
 # Rows per program of the append / rotary kernels and of the combine kernel.
 APPEND_BLOCK_T = 16
 COMBINE_BLOCK_R = 16
@@ -243,10 +250,11 @@ def block_dims(head_dim: int, head_dim_v: int, superset: bool, qv: bool = False)
 
 def split_kv_constexprs(config: Config, block_d: int, features: dict, block_dv: int | None = None) -> dict:
     """Every constexpr of ``split_kv_kernel``: the tile sizes (``block_dv``: v's head-dim block,
-    default ``block_d``) and the feature flags ``features`` (``IS_LOCAL``, ``HAS_SOFTCAP``,
-    ``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``, ``HAS_LEFTPAD``, ``HAS_QV``)."""
+    default ``block_d``; ``BLOCK_NEW``: :data:`FUSED_APPEND_ROWS`) and the feature flags
+    ``features`` (``IS_LOCAL``, ``HAS_SOFTCAP``, ``HAS_ALIBI``, ``PAGED``, ``HAS_BATCH_IDX``,
+    ``HAS_LEFTPAD``, ``HAS_QV``)."""
     return dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-                BLOCK_DV=block_d if block_dv is None else block_dv, **features)
+                BLOCK_DV=block_d if block_dv is None else block_dv, BLOCK_NEW=FUSED_APPEND_ROWS, **features)
 
 
 def append_constexprs(block_d: int, paged: bool, batch_idx: bool, rotary: bool, interleaved: bool,

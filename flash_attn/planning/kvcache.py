@@ -1,5 +1,6 @@
 """The KV-cache call's plan (``flash_attn_with_kvcache``): append the new keys and values to the
-cache (rotated, with rotary), rotate q, attend over the cache in key splits, combine the splits.
+cache (rotated, with rotary; else inside the attention kernel), rotate q, attend over the cache in
+key splits, combine the splits.
 
 For the ahead-of-time images (``Target(aot=True)``) every launch is one of the shipped superset
 variants (:mod:`flash_attn.planning.decode_configs`): a plain cache is addressed as one page per
@@ -290,14 +291,27 @@ def _split_kv_features(kv: _KVCall, config: configs.Config, target: Target) -> d
                 HAS_QV=s.qv is not None)
 
 
+def _new_rows(kv: _KVCall, fused: bool, q: Slot) -> dict:
+    """The split kernel's new-rows arguments: ``k_new``/``v_new`` when it appends them itself
+    (``fused``), else a pointer it does not read (``q``) and no rows."""
+    if not fused:
+        return dict(K_new=q, V_new=q, **named("stride_kn", "bsh", (0, 0, 0)), **named("stride_vn", "bsh", (0, 0, 0)),
+                    seqlen_append=0)
+    lay, s = kv.lay, kv.s
+    k_new, v_new = lay.input("k_new", s.k_new, kv.rows), lay.input("v_new", s.v_new, kv.rows)
+    return dict(K_new=k_new, V_new=v_new, **named("stride_kn", "bsh", lay.rows("k_new")),
+                **named("stride_vn", "bsh", lay.rows("v_new")), seqlen_append=kv.seqlen_new)
+
+
 def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int, parts: _Partials,
-                     target: Target) -> Launch:
-    """Attention of q (``q``: rotated or not) over the cache, its keys in ``parts.splits`` splits."""
+                     target: Target, fused: bool) -> Launch:
+    """Attention of q (``q``: rotated or not) over the cache, its keys in ``parts.splits`` splits;
+    ``fused``: the kernel first appends the new keys and values itself."""
     s, lay, cache, sc = kv.s, kv.lay, kv.cache, kv.s.scalars
     return launch("split_kv_kernel", (kv.batch * kv.nheads_k * m_blocks, parts.splits), dict(
         Q=q, K=Slot("k_cache"), V=Slot("v_cache"), Out=kv.out, OutPart=parts.out, Lse=parts.lse,
         Seqlens=kv.seqlens, Leftpad=kv.leftpad, BatchIdx=kv.batch_idx, BlockTable=cache.block_table, Alibi=kv.alibi,
-        Sinks=kv.sinks, QV=kv.qv if kv.qv is not None else q,
+        Sinks=kv.sinks, QV=kv.qv if kv.qv is not None else q, **_new_rows(kv, fused, q),
         **named("stride_qv", "bsh", lay.rows(kv.qv) if kv.qv is not None else (0, 0, 0)),
         **named("stride_q", "bsh", lay.rows(q)), **named("stride_k", "bsh", lay.strides["k_cache"][:3]),
         **named("stride_v", "bsh", lay.strides["v_cache"][:3]), **named("stride_o", "bsh", lay.rows(kv.out)),
@@ -325,15 +339,21 @@ def _combine_launch(kv: _KVCall, parts: _Partials) -> Launch:
 
 def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
     """Append the new keys/values (:func:`_append_launch`), rotate q (:func:`_rotary_q_launch`),
-    attend over the cache in key splits (:func:`_split_kv_launch`), combine them (:func:`_combine_launch`)."""
+    attend over the cache in key splits (:func:`_split_kv_launch`), combine them (:func:`_combine_launch`).
+
+    Without rotary, up to :data:`~decode_configs.FUSED_APPEND_ROWS` new rows are appended by the
+    attention kernel itself (one launch fewer: a decoding step is two launches, or one without
+    splits); with rotary the append kernel rotates k first."""
     why = _kvcache_refusal(s, target)
     if why is not None:
         return why
     kv = _kv_call(s, target)
     launches = []
-    if s.k_new is not None and kv.seqlen_new > 0 and kv.batch * kv.nheads_k > 0:
-        launches.append(_append_launch(kv))
     queries = kv.batch * kv.nheads * kv.seqlen_q
+    appends = s.k_new is not None and kv.seqlen_new > 0 and kv.batch * kv.nheads_k > 0
+    fused = appends and queries > 0 and s.cos is None and kv.seqlen_new <= dc.FUSED_APPEND_ROWS
+    if appends and not fused:
+        launches.append(_append_launch(kv))
     q = kv.q
     if s.cos is not None and queries > 0:
         q = kv.lay.buffer("q_rot", s.q.shape, s.q.dtype, padded=kv.superset)
@@ -341,7 +361,7 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
     if queries > 0:
         config, m_blocks, splits = _kv_splits(kv, target)
         parts = _kv_partials(kv, splits)
-        launches.append(_split_kv_launch(kv, q, config, m_blocks, parts, target))
+        launches.append(_split_kv_launch(kv, q, config, m_blocks, parts, target, fused))
         if splits > 1:
             launches.append(_combine_launch(kv, parts))
     return finish(s.q.dtype, kv.lay, launches, ("out", "lse"))

@@ -229,14 +229,21 @@ def test_aot_features_and_kvcache_launch_without_triton():
                                   k_new=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16),
                                   v_new=torch.randn(2, 1, 2, 64, dtype=torch.bfloat16), num_splits=2)
             aot.forward_kvcache(torch.randn(2, 1, 4, 64, dtype=torch.bfloat16), params, cache)
+            plain = list(launched)
+            launched.clear()
+            angles = torch.arange(320.0)[:, None] * torch.rand(32)[None, :]
+            rotary = cache._replace(rotary_cos=angles.cos(), rotary_sin=angles.sin())
+            aot.forward_kvcache(torch.randn(2, 1, 4, 64, dtype=torch.bfloat16), params, rotary)
         assert_no_triton()
-        print(json.dumps({"features": features, "kvcache": launched}))
+        print(json.dumps({"features": features, "kvcache": plain, "rotary": launched}))
     """)
     kernels = [row["key"].split(".")[0] for row in got["features"]]
     assert kernels == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_kernel", "attn_bwd_dq_convert_kernel"]
-    assert [row["key"].split(".")[0] for row in got["kvcache"]] == [
-        "append_kv_kernel", "split_kv_kernel", "combine_splits_kernel"]
-    assert all(".bf16.d64." in row["key"] for row in got["kvcache"])
+    # without rotary the attention kernel appends the new rows itself; with it, the append kernel rotates them
+    assert [row["key"].split(".")[0] for row in got["kvcache"]] == ["split_kv_kernel", "combine_splits_kernel"]
+    assert [row["key"].split(".")[0] for row in got["rotary"]] == [
+        "append_kv_kernel", "rotary_q_kernel", "split_kv_kernel", "combine_splits_kernel"]
+    assert all(".bf16.d64." in row["key"] for row in got["kvcache"] + got["rotary"])
 
 
 def test_kernel_names_resolve_like_the_jit_functions():

@@ -87,6 +87,30 @@ def test_num_splits_agree(name, dtype, mode, monkeypatch):
         assert (lse[finite] - lse1[finite]).abs().max().item() <= 1e-5, f"num_splits={n}"
 
 
+@pytest.mark.parametrize("name", ["long_append_paged", "sinks_gqa_dv", "unseen_new_rows", "gqa_append_d32"])
+def test_results_do_not_depend_on_the_order_programs_run_in(name, monkeypatch):
+    """The interpreter with its programs run in reverse order (last grid index first).
+
+    A GPU runs the programs of a launch in any order, concurrently; the interpreter runs them one
+    after another, first grid index first. The fused append relies on no order: each program
+    copies the new rows it reads itself, the first program also those nobody reads. Reversed, a
+    program that read a new row before another copied it would read the stale cache. What this
+    cannot show: that a program's own copies are visible to its threads on a GPU (the CTA barrier
+    after them; the ``triton`` mode of these tests and ``.ci/gpu-check`` run that)."""
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    in_order = builder.set_grid_idx
+
+    def reversed_grid_idx(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        in_order(nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    monkeypatch.setattr(builder, "set_grid_idx", reversed_grid_idx)
+    case = {**CASES, **SPLIT_CASES}[name]
+    check_case(case, torch.float16, "interpret", num_splits=3)
+
+
 def test_split_heuristic():
     choose = plan.choose_num_splits
     assert choose(1, programs=1, key_blocks=100, sms=108) == 1  # 1 = no split

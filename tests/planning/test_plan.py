@@ -14,7 +14,7 @@ import torch
 from flash_attn import limits
 from flash_attn.backends._execute import KernelBackend
 from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
-from flash_attn.planning import configs, declarations, plan as P, registry, shapes
+from flash_attn.planning import configs, declarations, decode_configs as dc, plan as P, registry, shapes
 
 H100 = P.Target("sm90", 132)
 H100_AOT = P.Target("sm90", 132, aot=True)
@@ -29,17 +29,49 @@ def _within_limits(plan: P.Plan) -> None:
         assert all(0 <= n <= limit for n, limit in zip(launch.grid, limits.GRID_LIMITS)), (launch.kernel, launch.grid)
 
 
+def _rotary_tables(rows: int, d: int) -> dict:
+    return dict(rotary_cos=meta(rows, d // 2, dtype=torch.float32), rotary_sin=meta(rows, d // 2, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
 def test_decode_grid_fits_any_batch_times_heads(target):
     """batch 1024 x 64 kv heads = 65536 (kernel) programs: axis 0 (up to 2**31 - 1) takes them."""
     b, h, hk, d = 1024, 64, 64, 128
     cache = KVCacheInputs(meta(b, 256, hk, d), meta(b, 256, hk, d), meta(b, dtype=torch.int32), meta(b, 1, hk, d),
-                          meta(b, 1, hk, d))
+                          meta(b, 1, hk, d), **_rotary_tables(256, d))  # rotary: the append kernel runs too
     plan = P.plan_kvcache(P.describe_kvcache(meta(b, 1, h, d), AttentionParams(0.1, -1, 0), cache), target)
     assert isinstance(plan, P.Plan), plan
     _within_limits(plan)
     grids = {launch.kernel: launch.grid for launch in plan.launches}
     assert grids["split_kv_kernel"][0] >= b * hk > 65535 and grids["append_kv_kernel"][0] >= b * hk
+
+
+@pytest.mark.parametrize("target", [H100, H100_AOT], ids=["jit", "aot"])
+@pytest.mark.parametrize("cache_len", [4096, 256])
+def test_a_decoding_step_appends_inside_the_attention_kernel(target, cache_len):
+    """Without rotary the new rows are appended by the attention kernel (it reads them from k/v,
+    not from the cache): a step is the attention and the split combine (batch 1 x 4k: split), or
+    the attention alone (batch 64 x 256: one split). With rotary k is rotated by the append kernel
+    first, and the attention kernel appends nothing."""
+    b = 1 if cache_len == 4096 else 64
+    hk, d = 8, 128
+    q = meta(b, 1, 32, d)
+
+    def launches(new_rows=1, **rotary):
+        cache = KVCacheInputs(meta(b, cache_len, hk, d), meta(b, cache_len, hk, d), meta(b, dtype=torch.int32),
+                              meta(b, new_rows, hk, d), meta(b, new_rows, hk, d), **rotary)
+        query = q if new_rows == 1 else meta(b, new_rows, 32, d)
+        plan = P.plan_kvcache(P.describe_kvcache(query, AttentionParams(0.1, -1, 0), cache), target)
+        assert isinstance(plan, P.Plan), plan
+        return [(launch.kernel, dict(launch.args).get("seqlen_append")) for launch in plan.launches]
+
+    plain = [("split_kv_kernel", 1)] + ([("combine_splits_kernel", None)] if b == 1 else [])
+    assert launches() == plain
+    assert launches(**_rotary_tables(cache_len, d)) == [
+        ("append_kv_kernel", None), ("rotary_q_kernel", None), ("split_kv_kernel", 0)] + plain[1:]
+    # more new rows than the attention kernel's programs copy well: the append kernel first
+    assert launches(new_rows=dc.FUSED_APPEND_ROWS)[0] == ("split_kv_kernel", dc.FUSED_APPEND_ROWS)
+    assert launches(new_rows=dc.FUSED_APPEND_ROWS + 1)[:2] == [("append_kv_kernel", None), ("split_kv_kernel", 0)]
 
 
 def test_decode_with_more_than_65535_programs_runs_through_a_backend():
@@ -50,7 +82,8 @@ def test_decode_with_more_than_65535_programs_runs_through_a_backend():
     cache = KVCacheInputs(meta(b, 256, hk, d), meta(b, 256, hk, d), meta(b, dtype=torch.int32), meta(b, 1, hk, d),
                           meta(b, 1, hk, d))
     out, lse = backend.forward_kvcache(meta(b, 1, h, d), AttentionParams(0.1, -1, 0), cache)
-    assert out.shape == (b, 1, h, d) and lse.shape == (b, h, 1) and len(seen) >= 2
+    assert out.shape == (b, 1, h, d) and lse.shape == (b, h, 1)
+    assert len(seen) == 1 and seen[0][0] >= b * hk  # the attention, appending the new rows itself (one split)
 
 
 def test_attention_grid_fits_a_huge_varlen_batch():

@@ -249,6 +249,15 @@ CASES = {
                           sinks=True),
     "mla_qv_64_512": Case(seqlens=(21, 70), nheads=16, nheads_k=1, headdim=64, headdim_v=512, seqlen_new=1,
                           rotary="neox", qv=True, sinks=True, leftpad=(2, 0)),
+    # without rotary the attention kernel appends the new rows itself, reading them from k / v
+    "batch_idx_append": Case(seqlens=(30, 50), nheads=4, nheads_k=2, seqlen_new=2, batch_idx=True, leftpad=(7, 0),
+                             causal=True),
+    # one query row seeing the last 2 keys: the first 2 of the 4 new rows lie in a key block no
+    # program attends (the interpreter's 32-key blocks: rows 62, 63 of entry 0, 30, 31 of entry 1),
+    # yet they are appended
+    "unseen_new_rows": Case(seqlens=(62, 30), seqlen_new=4, window=(1, 0), nheads=2, nheads_k=1, headdim=32),
+    "mla_qv_append": Case(seqlens=(21, 70), nheads=16, nheads_k=1, headdim=64, headdim_v=512, seqlen_new=2,
+                          qv=True, leftpad=(2, 0)),
 }
 
 # Splitting the keys never changes the result beyond rounding (kernels/test_triton_decode.py).
@@ -262,4 +271,8 @@ SPLIT_CASES = {
                          seqlen_new=1, sinks=True),
     "mla_qv_d512": Case(seqlens=(90, 150), nheads=4, nheads_k=1, headdim=64, headdim_v=512, seqlen_cache=160,
                         qv=True, sinks=True),
+    # 16 new rows appended by the attention kernel (its most): they cross pages (entry 1), key
+    # blocks (entry 0) and splits, and the rows of the kv head span two row blocks
+    "long_append_paged": Case(seqlens=(20, 47), seqlen_q=16, seqlen_new=16, nheads=8, nheads_k=1, headdim=32,
+                              seqlen_cache=96, page_size=16, causal=True),
 }
