@@ -261,6 +261,8 @@ def _append_rows(K, V, K_new, V_new, b, kv_head, m_block, split, start, end, seq
     them from the cache as the rest; the first row block's first split copies every new row, also
     those no program's share holds (keys no query row sees). Programs that copy the same row write
     the same bytes: whatever order they run in, every read of a new row finds its new value.
+    ``seqlen_append <= BLOCK_NEW``: one tile, no loop (a loop here cost the attention loop
+    registers on sm86: 3 -> 2 CTAs per SM at head dim 128).
     """
     new_start = seqlen_k - seqlen_append
     own_lo = tl.minimum(tl.maximum(start * BLOCK_N - new_start, 0), seqlen_append)
@@ -273,17 +275,16 @@ def _append_rows(K, V, K_new, V_new, b, kv_head, m_block, split, start, end, seq
     v_head = kv_head.to(tl.int64) * stride_vh
     k_src = K_new + b.to(tl.int64) * stride_knb + kv_head.to(tl.int64) * stride_knh
     v_src = V_new + b.to(tl.int64) * stride_vnb + kv_head.to(tl.int64) * stride_vnh
-    for t0 in range(lo, hi, BLOCK_NEW):
-        offs_t = t0 + tl.arange(0, BLOCK_NEW)
-        t_mask = offs_t < hi
-        slot, row = _cache_rows(row0 + offs_t, t_mask, seq, bt_row, page_size, identity_table, PAGED)
-        src = offs_t.to(tl.int64)
-        k_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_src + (src * stride_kns)[:, None] + offs_d[None, :], mask=k_mask)
-        tl.store(K + (slot * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :], k, mask=k_mask)
-        v_mask = t_mask[:, None] & dv_mask[None, :]
-        v = tl.load(v_src + (src * stride_vns)[:, None] + offs_dv[None, :], mask=v_mask)
-        tl.store(V + (slot * stride_vb + row * stride_vs + v_head)[:, None] + offs_dv[None, :], v, mask=v_mask)
+    offs_t = lo + tl.arange(0, BLOCK_NEW)  # seqlen_append <= BLOCK_NEW: one tile
+    t_mask = offs_t < hi
+    slot, row = _cache_rows(row0 + offs_t, t_mask, seq, bt_row, page_size, identity_table, PAGED)
+    src = offs_t.to(tl.int64)
+    k_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_src + (src * stride_kns)[:, None] + offs_d[None, :], mask=k_mask)
+    tl.store(K + (slot * stride_kb + row * stride_ks + k_head)[:, None] + offs_d[None, :], k, mask=k_mask)
+    v_mask = t_mask[:, None] & dv_mask[None, :]
+    v = tl.load(v_src + (src * stride_vns)[:, None] + offs_dv[None, :], mask=v_mask)
+    tl.store(V + (slot * stride_vb + row * stride_vs + v_head)[:, None] + offs_dv[None, :], v, mask=v_mask)
     tl.debug_barrier()
 
 
@@ -324,32 +325,33 @@ def split_kv_kernel(
     sinks (``use_sinks``) join the row sums here when there is one split, else in the combine (once
     per row, not per split).
 
-    ``seqlen_append`` (0: none) fuses the append: the call's last ``seqlen_append`` keys are
-    copied from ``K_new``/``V_new`` (``(batch, seqlen_new, nheads_k, d or dv)``, strides
-    ``stride_kn*``/``stride_vn*``) to cache rows ``cache_seqlens[b] + t`` (:func:`_append_rows`)
-    before the program reads its keys from the cache. With 0 the new keys (if any: ``seqlen_new``)
+    ``seqlen_append`` (0: none; at most ``BLOCK_NEW``) fuses the append: the call's last
+    ``seqlen_append`` keys are copied from ``K_new``/``V_new`` (``(batch, seqlen_new, nheads_k, d or
+    dv)``, strides ``stride_kn*``/``stride_vn*``) to cache rows ``cache_seqlens[b] + t``
+    (:func:`_append_rows`) before the program reads its keys from the cache. With 0 the new keys (if any: ``seqlen_new``)
     are in the cache already: an append kernel wrote them before.
     """
     b, kv_head, m_block, split, num_splits = _program_tile(seqlen_q, group, nheads_k, BLOCK_M)
     first_row, seqlen_k, seq, bt_row = _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new,
                                                        use_leftpad, stride_btb, PAGED, HAS_BATCH_IDX, HAS_LEFTPAD)
-    row_pos, head, m_mask = _packed_rows(m_block, kv_head, seqlen_q, group, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < head_dim_v
+    start, end = _split_share(m_block, split, num_splits, seqlen_q, group, seqlen_k, window_left, window_right,
+                              BLOCK_M, BLOCK_N, IS_LOCAL)
+    # first, with little else live: the copy's tiles cost no registers beside the loop's
+    _append_rows(K, V, K_new, V_new, b, kv_head, m_block, split, start, end, seqlen_k, seqlen_append, Seqlens, seq,
+                 bt_row, page_size, identity_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh, offs_d, d_mask, offs_dv,
+                 dv_mask, BLOCK_N, BLOCK_NEW, PAGED)
+    row_pos, head, m_mask = _packed_rows(m_block, kv_head, seqlen_q, group, BLOCK_M)
     q = _load_packed_q(Q, b, row_pos, head, m_mask, offs_d, d_mask, stride_qb, stride_qs, stride_qh)
     qv = q
     if HAS_QV:
         qv = _load_packed_q(QV, b, row_pos, head, m_mask, offs_dv, dv_mask, stride_qvb, stride_qvs, stride_qvh)
     slope_log2 = _alibi_slopes_log2(Alibi, b, head, m_mask, stride_ab, use_alibi, HAS_ALIBI, BLOCK_M)
     qk_scale_log2, cap_on, cap_in, cap_out_log2 = masking.score_scalars(softmax_scale, softcap, HAS_SOFTCAP)
-    start, end = _split_share(m_block, split, num_splits, seqlen_q, group, seqlen_k, window_left, window_right,
-                              BLOCK_M, BLOCK_N, IS_LOCAL)
-    _append_rows(K, V, K_new, V_new, b, kv_head, m_block, split, start, end, seqlen_k, seqlen_append, Seqlens, seq,
-                 bt_row, page_size, identity_table, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 stride_knb, stride_kns, stride_knh, stride_vnb, stride_vns, stride_vnh, offs_d, d_mask, offs_dv,
-                 dv_mask, BLOCK_N, BLOCK_NEW, PAGED)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_i = _row_sinks_log2(Sinks, head, m_mask, use_sinks * (num_splits == 1))  # else the combine adds them

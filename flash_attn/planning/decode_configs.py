@@ -80,8 +80,10 @@ _C = Config
 # flight. Every entry was compiled for its architecture (worst-case flags: paged, local, ALiBi,
 # softcap, leftpad, i.e. the superset variant, fp16 and bf16; sm86 entries for the sm_80 image that
 # those GPUs run) and fits its shared memory without register spills (cuobjdump STACK:0; Triton
-# 3.9). The sm86 head-dim-64 many-rows tile uses 8 warps: with 4 warps the superset variant kept
-# 24 bytes of stack in the sm_80 image (255 registers); with 8 it needs 189.
+# 3.9), but sm120's head-dim-128 decode tile, whose superset image keeps 8 bytes of stack outside
+# its loop (128 registers) since the attention kernel appends new rows itself. The sm86
+# head-dim-64 many-rows tile uses 8 warps: with 4 warps the superset variant kept 24 bytes of
+# stack in the sm_80 image (255 registers); with 8 it needs 189.
 DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
     # A100: 163 KB shared memory, mma.sync + cp.async
     ("sm80", 64): (_C(16, 128, 4, 3), _C(64, 128, 8, 3)),
@@ -117,8 +119,7 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
 }
 
 # The most new rows split_kv_kernel appends itself (a call without rotary; more: append_kv_kernel
-# first): decoding's one token, speculative decoding's few. It copies them in tiles of this many
-# rows, and the first program of each kv head copies them all: many rows would run serially there.
+# first): decoding's one token, speculative decoding's few, copied as one tile (its BLOCK_NEW).
 FUSED_APPEND_ROWS = 16
 # Rows per program of the append / rotary kernels and of the combine kernel.
 APPEND_BLOCK_T = 16
