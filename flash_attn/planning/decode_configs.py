@@ -40,6 +40,8 @@ __all__ = [
     "DECODE_CONFIGS",
     "APPEND_BLOCK_T",
     "FUSED_APPEND_ROWS",
+    "FUSED_APPEND_VENDORS",
+    "fuses_append",
     "COMBINE_BLOCK_R",
     "MAX_SPLITS",
     "SPLIT_PROGRAMS_PER_SM",
@@ -121,6 +123,11 @@ DECODE_CONFIGS: dict[tuple[str, int], tuple[Config, Config]] = {
 # The most new rows split_kv_kernel appends itself (a call without rotary; more: append_kv_kernel
 # first): decoding's one token, speculative decoding's few, copied as one tile (its BLOCK_NEW).
 FUSED_APPEND_ROWS = 16
+# Where split_kv_kernel appends them: its programs read their own copies after a CTA barrier, which
+# orders global memory on NVIDIA GPUs (PTX bar.sync); how Triton lowers it for AMD GPUs (s_barrier,
+# with or without a wait for the stores) is not established, so they run the append kernel first.
+# The interpreter runs programs one after another.
+FUSED_APPEND_VENDORS = ("nvidia",)
 # Rows per program of the append / rotary kernels and of the combine kernel.
 APPEND_BLOCK_T = 16
 COMBINE_BLOCK_R = 16
@@ -274,6 +281,12 @@ def rotary_q_constexprs(block_d: int, per_row_position: bool, interleaved: bool)
 def combine_constexprs(block_d: int) -> dict:
     """Every constexpr of ``combine_splits_kernel``."""
     return dict(BLOCK_R=COMBINE_BLOCK_R, BLOCK_D=block_d)
+
+
+def fuses_append(family: str) -> bool:
+    """Whether ``split_kv_kernel`` appends a call's new rows itself on ``family`` (a GPU family or
+    ``"interpret"``): :data:`FUSED_APPEND_VENDORS`."""
+    return family == "interpret" or families.get(family).vendor in FUSED_APPEND_VENDORS
 
 
 def ships_exact(family: str) -> bool:

@@ -342,8 +342,9 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
     attend over the cache in key splits (:func:`_split_kv_launch`), combine them (:func:`_combine_launch`).
 
     Without rotary, up to :data:`~decode_configs.FUSED_APPEND_ROWS` new rows are appended by the
-    attention kernel itself (one launch fewer: a decoding step is two launches, or one without
-    splits); with rotary the append kernel rotates k first."""
+    attention kernel itself where :func:`~decode_configs.fuses_append` (one launch fewer: a
+    decoding step is two launches, or one without splits); with rotary the append kernel rotates
+    k first."""
     why = _kvcache_refusal(s, target)
     if why is not None:
         return why
@@ -351,7 +352,8 @@ def plan_kvcache(s: KVCacheShape, target: Target) -> Planned:
     launches = []
     queries = kv.batch * kv.nheads * kv.seqlen_q
     appends = s.k_new is not None and kv.seqlen_new > 0 and kv.batch * kv.nheads_k > 0
-    fused = appends and queries > 0 and s.cos is None and kv.seqlen_new <= dc.FUSED_APPEND_ROWS
+    fused = (appends and queries > 0 and s.cos is None and kv.seqlen_new <= dc.FUSED_APPEND_ROWS
+             and dc.fuses_append(target.family))
     if appends and not fused:
         launches.append(_append_launch(kv))
     q = kv.q

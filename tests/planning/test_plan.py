@@ -74,6 +74,21 @@ def test_a_decoding_step_appends_inside_the_attention_kernel(target, cache_len):
     assert launches(new_rows=dc.FUSED_APPEND_ROWS + 1)[:2] == [("append_kv_kernel", None), ("split_kv_kernel", 0)]
 
 
+@pytest.mark.parametrize("family", ["cdna3", "rdna4"])
+def test_amd_gpus_append_before_attending(family):
+    """On AMD GPUs the append kernel runs first (decode_configs.FUSED_APPEND_VENDORS: the fused
+    append's CTA barrier is not established to order global memory there)."""
+    b, hk, d = 1, 8, 128
+    cache = KVCacheInputs(meta(b, 4096, hk, d), meta(b, 4096, hk, d), meta(b, dtype=torch.int32), meta(b, 1, hk, d),
+                          meta(b, 1, hk, d))
+    plan = P.plan_kvcache(P.describe_kvcache(meta(b, 1, 32, d), AttentionParams(0.1, -1, 0), cache),
+                          P.Target(family, 304))
+    assert isinstance(plan, P.Plan), plan
+    assert [(launch.kernel, dict(launch.args).get("seqlen_append")) for launch in plan.launches][:2] == [
+        ("append_kv_kernel", None), ("split_kv_kernel", 0)]
+    assert not dc.fuses_append(family) and dc.fuses_append("sm120") and dc.fuses_append("interpret")
+
+
 def test_decode_with_more_than_65535_programs_runs_through_a_backend():
     """The same call through a backend with the launch stubbed: planned, prepared, launched."""
     b, h, hk, d = 1024, 64, 64, 128
