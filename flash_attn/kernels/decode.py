@@ -12,8 +12,9 @@ one program per (batch, head) would leave most of the GPU idle. :func:`split_kv_
 
 and :func:`combine_splits_kernel` merges the partial results by their logsumexp. With a single
 split the attention kernel writes the final output directly and no combine runs. Without rotary
-the attention kernel also appends the call's few new keys and values to the cache
-(``seqlen_append``), so a decoding step is one or two launches.
+(and on NVIDIA GPUs: :func:`flash_attn.planning.decode_configs.fuses_append`) the attention
+kernel also appends the call's few new keys and values to the cache (``seqlen_append``), so a
+decoding step is one or two launches.
 
 Keys of batch entry ``b`` are cache rows ``cache_leftpad[b] : cache_seqlens[b] + seqlen_new``
 (``sk`` of them) of cache sequence ``cache_batch_idx[b]`` or of the pages ``block_table[b]``; key
@@ -328,8 +329,8 @@ def split_kv_kernel(
     ``seqlen_append`` (0: none; at most ``BLOCK_NEW``) fuses the append: the call's last
     ``seqlen_append`` keys are copied from ``K_new``/``V_new`` (``(batch, seqlen_new, nheads_k, d or
     dv)``, strides ``stride_kn*``/``stride_vn*``) to cache rows ``cache_seqlens[b] + t``
-    (:func:`_append_rows`) before the program reads its keys from the cache. With 0 the new keys (if any: ``seqlen_new``)
-    are in the cache already: an append kernel wrote them before.
+    (:func:`_append_rows`) before the program reads its keys from the cache. With 0 the new keys
+    (if any: ``seqlen_new``) are in the cache already: an append kernel wrote them before.
     """
     b, kv_head, m_block, split, num_splits = _program_tile(seqlen_q, group, nheads_k, BLOCK_M)
     first_row, seqlen_k, seq, bt_row = _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new,

@@ -1,9 +1,10 @@
 """Triton kernels that prepare a KV-cache call: append the new k/v rows, rotate k and q.
 
 ``flash_attn_with_kvcache`` writes the new tokens into the cache *before* attending. Without
-rotary the attention kernel (:mod:`flash_attn.kernels.decode`) appends a few new rows itself (one
-launch fewer: :data:`flash_attn.planning.decode_configs.FUSED_APPEND_ROWS`); otherwise (rotary,
-more rows, no query row to attend) two kernels do the work here:
+rotary the attention kernel (:mod:`flash_attn.kernels.decode`) appends a few new rows itself on
+NVIDIA GPUs (one launch fewer: :func:`flash_attn.planning.decode_configs.fuses_append`,
+:data:`~flash_attn.planning.decode_configs.FUSED_APPEND_ROWS`); otherwise (rotary, more rows, AMD
+GPUs, no query row to attend) two kernels do the work here:
 
 * :func:`append_kv_kernel` copies ``k_new``/``v_new`` row ``t`` of batch entry ``b`` into cache
   row ``cache_seqlens[b] + t`` (of cache sequence ``cache_batch_idx[b]``, or through the pages of

@@ -1,6 +1,6 @@
 """The KV-cache call's plan (``flash_attn_with_kvcache``): append the new keys and values to the
-cache (rotated, with rotary; else inside the attention kernel), rotate q, attend over the cache in
-key splits, combine the splits.
+cache (rotated, with rotary; a few without rotary inside the attention kernel, on NVIDIA GPUs),
+rotate q, attend over the cache in key splits, combine the splits.
 
 For the ahead-of-time images (``Target(aot=True)``) every launch is one of the shipped superset
 variants (:mod:`flash_attn.planning.decode_configs`): a plain cache is addressed as one page per
@@ -235,15 +235,22 @@ def _kv_partials(kv: _KVCall, splits: int) -> _Partials:
     return _Partials(splits, out_part, lay.strides["out_part"][:4], lse_part, lay.strides["lse_part"], float("-inf"))
 
 
+def _new_kv(kv: _KVCall) -> dict:
+    """The new keys and values as the kernels that append them take them (``K_new``, ``V_new`` and
+    their strides), laid out in the call's layout."""
+    lay, s = kv.lay, kv.s
+    k_new, v_new = lay.input("k_new", s.k_new, kv.rows), lay.input("v_new", s.v_new, kv.rows)
+    return dict(K_new=k_new, V_new=v_new, **named("stride_kn", "bsh", lay.rows("k_new")),
+                **named("stride_vn", "bsh", lay.rows("v_new")))
+
+
 def _append_launch(kv: _KVCall) -> Launch:
     """Writes the new keys and values (rotated, with rotary) into the cache."""
     s, lay, cache = kv.s, kv.lay, kv.cache
-    k_new, v_new = lay.input("k_new", s.k_new, kv.rows), lay.input("v_new", s.v_new, kv.rows)
     grid = (kv.batch * kv.nheads_k * cdiv(kv.seqlen_new, dc.APPEND_BLOCK_T),)
     return launch("append_kv_kernel", grid, dict(
-        K_new=k_new, V_new=v_new, K_cache=Slot("k_cache"), V_cache=Slot("v_cache"), Cos=kv.cos, Sin=kv.sin,
+        **_new_kv(kv), K_cache=Slot("k_cache"), V_cache=Slot("v_cache"), Cos=kv.cos, Sin=kv.sin,
         Seqlens=kv.seqlens, BatchIdx=kv.batch_idx, BlockTable=cache.block_table,
-        **named("stride_kn", "bsh", lay.rows("k_new")), **named("stride_vn", "bsh", lay.rows("v_new")),
         **named("stride_kc", "bsh", lay.strides["k_cache"][:3]),
         **named("stride_vc", "bsh", lay.strides["v_cache"][:3]),
         stride_btb=cache.stride_btb, stride_ro=kv.stride_ro, nheads_k=kv.nheads_k, seqlen_new=kv.seqlen_new,
@@ -297,10 +304,7 @@ def _new_rows(kv: _KVCall, fused: bool, q: Slot) -> dict:
     if not fused:
         return dict(K_new=q, V_new=q, **named("stride_kn", "bsh", (0, 0, 0)), **named("stride_vn", "bsh", (0, 0, 0)),
                     seqlen_append=0)
-    lay, s = kv.lay, kv.s
-    k_new, v_new = lay.input("k_new", s.k_new, kv.rows), lay.input("v_new", s.v_new, kv.rows)
-    return dict(K_new=k_new, V_new=v_new, **named("stride_kn", "bsh", lay.rows("k_new")),
-                **named("stride_vn", "bsh", lay.rows("v_new")), seqlen_append=kv.seqlen_new)
+    return dict(_new_kv(kv), seqlen_append=kv.seqlen_new)
 
 
 def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int, parts: _Partials,
