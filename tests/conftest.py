@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -145,3 +146,12 @@ def _poisoned_empty(request):
 @pytest.fixture
 def device() -> torch.device:
     return options.test_device()
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """``tmp_path``, removed when the test ends, passed or failed: for the tests that fill it with
+    virtual environments and builds (GBs), so that the suite needs the disk of the largest of them,
+    not of all of them (pytest keeps every ``tmp_path`` of a run until the run ends)."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)

@@ -80,27 +80,28 @@ def test_suite_runs_with_an_allowed_triton():
 
 
 @pytest.mark.slow
-def test_aot_build_with_the_oldest_allowed_triton(tmp_path):
+def test_aot_build_with_the_oldest_allowed_triton(scratch):
     """tests/aot/test_aot_build.py (a fresh ahead-of-time build for sm_80 and sm_90 and every check on
     it) in a venv with the oldest Triton the range allows, flash_attn installed there from this
     checkout (op library only: FLASH_ATTN_CUDA_ARCHS=none, the test builds the kernels itself)."""
     if cuda_toolkit() is None:
         pytest.skip("no CUDA toolkit (set CUDA_HOME): the op library links its static runtime")
     oldest = oldest_allowed()
-    python = make_venv(tmp_path / "venv", "torch==2.13.0", f"triton=={oldest}", "numpy", "pytest>=8", "hypothesis>=6",
+    python = make_venv(scratch / "venv", "torch==2.13.0", f"triton=={oldest}", "numpy", "pytest>=8", "hypothesis>=6",
                        "scikit-build-core>=0.11")
-    src = copy_source(tmp_path / "src")
+    src = copy_source(scratch / "src")
     install = subprocess.run(
         [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         f"-Cbuild-dir={tmp_path / 'build'}", str(src)],
+         f"-Cbuild-dir={scratch / 'build'}", str(src)],
         env={**os.environ, "FLASH_ATTN_CUDA_ARCHS": "none", "MAX_JOBS": "2"}, capture_output=True, text=True)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     version = subprocess.run([str(python), "-c", "import triton; print(triton.__version__)"],
                              capture_output=True, text=True, check=True).stdout.strip()
     assert Version(version) == Version(oldest)
-    # From outside the source tree, so flash_attn is the venv's installed copy.
-    result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(src / "tests" / "aot" / "test_aot_build.py")],
-                            cwd=tmp_path, env={**os.environ, "MAX_JOBS": "2", "FLASH_ATTN_TEST_REBUILD": "1"},
+    # From outside the source tree, so flash_attn is the venv's installed copy; its build in scratch.
+    result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={scratch / 'pytest'}",
+                             str(src / "tests" / "aot" / "test_aot_build.py")],
+                            cwd=scratch, env={**os.environ, "MAX_JOBS": "2", "FLASH_ATTN_TEST_REBUILD": "1"},
                             capture_output=True, text=True)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     print(f"\ntriton {version}: {summary}")

@@ -522,18 +522,18 @@ def _shell_words(text: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_cpu_only_build_compiles_nothing(tmp_path):
+def test_cpu_only_build_compiles_nothing(scratch):
     """recipe/build.sh for the CPU variant (what osx-arm64 and linux run; build.bat does the same
     pip install on Windows) with a Python that has scikit-build-core and nothing else: no torch, no
     triton, and a C/C++ compiler that does not exist. The staged package has no compiled file,
     imports, and says why it has no `aot` backend."""
-    build_python = make_venv(tmp_path / "build-venv", "scikit-build-core>=0.11")
+    build_python = make_venv(scratch / "build-venv", "scikit-build-core>=0.11")
     # pixi-build's work directory: the build's inputs only (build.sh writes README.md's stand-in)
     [cpu] = [v for v in render("linux-64", _with("linux-64", flash_attn_source=["pixi"])) if v.cuda == "None"]
-    src = copy_recipe_sources(cpu, tmp_path / "src")
+    src = copy_recipe_sources(cpu, scratch / "src")
     assert sorted(p.name for p in src.iterdir()) == ["CMakeLists.txt", "LICENSE", "csrc", "fa3_interface", "flash_attn",
                                                      "pyproject.toml"]
-    prefix = tmp_path / "prefix"
+    prefix = scratch / "prefix"
     run = run_build_script(src, prefix, build_python, {
         "cuda_compiler_version": "None", "CC": "/nonexistent/cc", "CXX": "/nonexistent/c++",
     })
@@ -546,7 +546,7 @@ def test_cpu_only_build_compiles_nothing(tmp_path):
     assert not (dist_info / "direct_url.json").exists()
     assert "Tag: py3-none-any" in (dist_info / "WHEEL").read_text()  # a pure wheel, no platform
     probe = run_from_site(site, "-c", "import flash_attn, json; from flash_attn.aot import library as a; "
-                          "s = a.status(); print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))", cwd=tmp_path)
+                          "s = a.status(); print(json.dumps([flash_attn.__file__, s.loaded, s.reason]))", cwd=scratch)
     assert probe.returncode == 0, probe.stderr
     location, loaded, reason = json.loads(probe.stdout)
     assert Path(location).is_relative_to(site)
@@ -555,7 +555,7 @@ def test_cpu_only_build_compiles_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_release_tarball_builds_the_cpu_variant(tmp_path):
+def test_release_tarball_builds_the_cpu_variant(scratch):
     """The feedstock's source: a release tarball, i.e. `git archive` of the tagged commit (what
     GitHub serves under /archive/refs/tags/). Here the archive of HEAD: it holds every file the
     build reads, and build.sh builds the CPU variant from it (the CUDA variants read the same
@@ -564,15 +564,15 @@ def test_release_tarball_builds_the_cpu_variant(tmp_path):
 
     if subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
-    archive = tmp_path / "release.tar"
+    archive = scratch / "release.tar"
     subprocess.run(["git", "archive", "--format=tar", "--prefix=flash-attn/", "-o", str(archive), "HEAD"], cwd=REPO, check=True)
     with tarfile.open(archive) as tar:
-        tar.extractall(tmp_path, filter="data")
-    src = tmp_path / "flash-attn"
+        tar.extractall(scratch, filter="data")
+    src = scratch / "flash-attn"
     for source in CHECKOUT_SOURCES:
         assert (src / source["path"].removeprefix("../")).exists(), source
-    build_python = make_venv(tmp_path / "build-venv", "scikit-build-core>=0.11")
-    prefix = tmp_path / "prefix"
+    build_python = make_venv(scratch / "build-venv", "scikit-build-core>=0.11")
+    prefix = scratch / "prefix"
     run = run_build_script(src, prefix, build_python, {"cuda_compiler_version": "None"})
     assert "CPU-only build" in run.log
     assert list(staged_site_packages(prefix).glob("flash_attn-*.dist-info"))
@@ -639,7 +639,8 @@ def local_package(tmp_path_factory):
     print(f"\nlocal build (CUDA {cuda_version}, archs {BUILD_ARCHS}): {run.seconds:.0f} s, "
           f"peak RSS {run.peak_rss_mib:.0f} MiB; assemble {assemble_s:.1f} s; "
           f"{path.name}: {path.stat().st_size / 2**20:.1f} MiB")
-    return variant, path, open_conda(path), {"work": work, "src": src, "prefix": prefix, "run": run}
+    yield variant, path, open_conda(path), {"work": work, "src": src, "prefix": prefix, "run": run}
+    shutil.rmtree(work, ignore_errors=True)  # the build venv and the build (GBs): see conftest's scratch
 
 
 @pytest.mark.slow
@@ -715,26 +716,26 @@ def test_package_has_no_build_paths(local_package):
 
 
 @pytest.mark.slow
-def test_package_installs_and_runs_in_a_fresh_venv(local_package, tmp_path):
+def test_package_installs_and_runs_in_a_fresh_venv(local_package, scratch):
     _, _, archive, _ = local_package
-    python = make_venv(tmp_path / "venv", "torch==2.13.0", "pytest>=8", "hypothesis>=6")
+    python = make_venv(scratch / "venv", "torch==2.13.0", "pytest>=8", "hypothesis>=6")
     site = extract_into_venv(archive, python)
     probe = subprocess.run([str(python), "-c", "import flash_attn, json; print(flash_attn.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True)
+                           cwd=scratch, capture_output=True, text=True)
     assert probe.returncode == 0, probe.stderr
     assert Path(probe.stdout.strip()).is_relative_to(site), probe.stdout
     # the op library, compiled against torch 2.10's headers, loads into torch 2.13 and registers its ops
     load = subprocess.run([str(python), "-c", "import sys, torch; torch.ops.load_library(sys.argv[1]); "
                            "print(torch.__version__, hasattr(torch.ops.flash_attn, 'aot_launch'))",
-                           str(site / "flash_attn" / "_C" / "libflash_attn_aot.so")], cwd=tmp_path, capture_output=True, text=True)
+                           str(site / "flash_attn" / "_C" / "libflash_attn_aot.so")], cwd=scratch, capture_output=True, text=True)
     assert load.returncode == 0, load.stderr[-3000:]
     assert load.stdout.startswith("2.13") and load.stdout.split()[1] == "True", load.stdout
-    doctor = subprocess.run([str(python), "-m", "flash_attn", "doctor"], cwd=tmp_path, capture_output=True, text=True)
+    doctor = subprocess.run([str(python), "-m", "flash_attn", "doctor"], cwd=scratch, capture_output=True, text=True)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     # The CPU subset, from a folder outside the source tree so flash_attn comes from the venv.
     tests = [str(REPO / "tests" / name) for name in ("backends/test_reference_backend.py", "api/test_bad_input.py")]
     result = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
-                            cwd=tmp_path, capture_output=True, text=True)
+                            cwd=scratch, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
 

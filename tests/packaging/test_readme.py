@@ -7,6 +7,8 @@ import re
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from support import REPO as ROOT
 
 README = ROOT / "README.md"
@@ -98,6 +100,23 @@ def test_the_offline_pip_path_is_what_ci_runs():
     assert readme_steps[-1] == "pytest -q"
     ci_steps = [c for c in ci_steps if "--upgrade pip" not in c]
     assert ci_steps == readme_steps, (ci_steps, readme_steps)
+
+
+def test_the_virtual_environments_ci_and_the_readme_make_are_ignored():
+    """The venvs `.ci/run` and the README's pip path make inside the checkout are git-ignored: a
+    copy of the checkout's files (rattler-build's `source: path`, the tests' copy_source) takes
+    every file git does not ignore, and a copied venv is GBs (a CI run once ran out of disk so)."""
+    import subprocess
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    install = README.read_text().split("The offline pip path", 1)[1]
+    texts = [(ROOT / ".ci" / "run").read_text(), re.search(r"```bash\n(.*?)```", install, re.S).group(1)]
+    venvs = {name for text in texts for name in re.findall(r"-m venv (\S+)", text)}
+    assert len(venvs) >= 2, venvs
+    for venv in venvs:
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"{venv}/pyvenv.cfg"], cwd=ROOT)
+        assert ignored.returncode == 0, f"{venv}/ is not in .gitignore"
 
 
 def _slug(heading: str) -> str:

@@ -3,6 +3,7 @@ a ``.conda`` file. Nothing here needs a conda channel or the network."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import os
@@ -16,6 +17,8 @@ import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from support import REPO
 
@@ -208,9 +211,7 @@ def run_build_script(src: Path, prefix: Path, python: Path, env: dict) -> BuildR
     conda build environment: ``PREFIX`` is a staging folder, ``PYTHON`` the given interpreter."""
     import resource
 
-    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    full_env = {**os.environ, "PREFIX": str(prefix), "PYTHON": str(python), "SP_DIR": site,
+    full_env = {**os.environ, "PREFIX": str(prefix), "PYTHON": str(python), "SP_DIR": str(site_packages(python)),
                 "SRC_DIR": str(src), "PIP_NO_INDEX": "1", **env}
     start = time.monotonic()
     proc = subprocess.run(["bash", str(BUILD_SCRIPT)], cwd=src, env=full_env, capture_output=True, text=True)
@@ -341,8 +342,7 @@ def open_conda(path: Path) -> CondaArchive:
 def extract_into_venv(archive: CondaArchive, python: Path) -> Path:
     """Installs the package's ``site-packages/`` payload into a venv (what a conda installer does
     with a CEP-20 package) and returns that site-packages."""
-    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = site_packages(python)
     for name, data in archive.files.items():
         if name.startswith("site-packages/"):
             target = site / name[len("site-packages/"):]
@@ -353,13 +353,57 @@ def extract_into_venv(archive: CondaArchive, python: Path) -> Path:
     return site
 
 
+# The suite's own distributions a test venv takes by hard link rather than a second copy (~0.8 GB
+# and ~1 GB: the test venvs are the suite's biggest use of disk).
+LINKED_DISTRIBUTIONS = ("torch", "triton")
+
+
+def site_packages(python: Path) -> Path:
+    """The site-packages folder of the Python ``python``."""
+    return Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+
+
 def make_venv(path: Path, *requirements: str) -> Path:
     """A fresh venv with ``requirements`` from the local wheel store (no index is contacted
-    beyond what pip is configured with; torch 2.13.0 is on local disk)."""
+    beyond what pip is configured with; torch 2.13.0 is on local disk). A requirement in
+    ``LINKED_DISTRIBUTIONS`` that the suite's own environment meets is installed by hard-linking
+    that environment's files (what uv does by default: the same files, installed from the same
+    wheel, without a second copy on disk); pip then installs the rest, that distribution's own
+    dependencies included."""
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
     python = path / "bin" / "python"
+    for requirement in requirements:
+        _link_distribution(requirement, python)
     proc = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *requirements],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"pip install {requirements} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     return python
+
+
+def _link_distribution(requirement: str, python: Path) -> None:
+    """The suite's installed copy of ``requirement``'s distribution, linked into ``python``'s
+    site-packages (copied where the two are on different file systems), if it is one of
+    ``LINKED_DISTRIBUTIONS`` and its version meets the requirement; else nothing."""
+    wanted = Requirement(requirement)
+    if wanted.name not in LINKED_DISTRIBUTIONS:
+        return
+    try:
+        installed = importlib.metadata.distribution(wanted.name)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if not wanted.specifier.contains(installed.version, prereleases=True):
+        return
+    site = site_packages(python)
+    for name in installed.files or ():
+        if name.parts[0] == "..":
+            continue  # console scripts: pip writes the venv's own
+        source, target = Path(installed.locate_file(name)), site / name
+        if not source.is_file():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
