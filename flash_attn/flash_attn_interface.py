@@ -87,6 +87,7 @@ from flash_attn.autograd_functions import (  # noqa: F401  (upstream's autograd 
     round_multiple,
 )
 from flash_attn import custom_ops, kvcache, validation
+from flash_attn.planning.forward import shares_key_lengths
 from flash_attn.planning.shapes import bucket_seqlen
 from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
     _flash_attn_backward,
@@ -158,6 +159,29 @@ def _batch_signature(tensors: tuple, scalars: tuple) -> Optional[tuple]:
     if (qv is not None and qv.shape[0] != q.shape[0]) or (block_table is None and v.shape[0] != k.shape[0]):
         return None
     return shared
+
+
+def _key_length_class(tensors: tuple, scalars: tuple) -> Optional[tuple]:
+    """The signature a dense call shares with the calls that differ from it only in k and v's key
+    length and strides (:class:`flash_attn.validation.KeyLengths`; a growing KV cache): the other
+    arguments' signature and what the checks read of k and v but those (their other sizes, dtype
+    and device; a stride-1 last dimension, which their layout below implies). ``None`` (checked
+    on its own) with dropout or the probabilities asked for, or where k and v do not have one key
+    length of at least 1 or are not laid out for every length's plan to come from one template
+    (:func:`flash_attn.planning.forward.shares_key_lengths`)."""
+    q, k, v, *others = tensors
+    dropout_p, *_, return_attn_probs = scalars
+    if type(dropout_p) not in (int, float) or dropout_p != 0 or return_attn_probs is not False:
+        return None
+    if type(k) is not torch.Tensor or type(v) is not torch.Tensor or k.dim() != 4 or v.dim() != 4:
+        return None
+    if not 0 < k.shape[1] == v.shape[1] or not shares_key_lengths(k, v):
+        return None
+    try:
+        rest = validation.signature((q, *others), scalars)
+    except TypeError:
+        return None
+    return rest, k.shape[0], k.shape[2:], k.dtype, k.device, v.shape[0], v.shape[2:], v.dtype, v.device
 
 
 def _checked_options(q, qv, batch, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,
@@ -232,9 +256,11 @@ def flash_attn_func(
         of the scaled scores) and S_dmask float32 ``(batch, nheads, seqlen_q, seqlen_k)``: the
         softmax probabilities, negative where dropout dropped the entry.
     """
+    # a new key length of a known layout (a growing KV cache) shares its class's checks (_key_length_class)
     options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink),
                                             (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                             return_attn_probs), _dense_checks)
+                                             return_attn_probs), _dense_checks, _key_length_class,
+                                            validation.KeyLengths)
     return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
                       call)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Callable, Optional, Sequence
+from typing import Callable, Hashable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -471,7 +471,19 @@ def packed_rows(total: int) -> int:
     return -1 if 0 < total <= INT32_MAX else total
 
 
-def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Optional[Callable] = None) -> tuple:
+class KeyLengths(NamedTuple):
+    """The key :func:`checked_call` gives the first call of each new signature in a class of dense
+    calls that differ only in k and v's key length and strides (a KV cache kept as growing tensors:
+    Hugging Face's ``generate()`` passes one more key every step). The layers below read those
+    numbers from each call's k and v: a plan held under this key is a template
+    (:mod:`flash_attn.planning.extents`), and nothing that depends on them is held under it alone
+    (the backward's plans are found by it and those numbers)."""
+
+    token: int
+
+
+def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Optional[Callable] = None,
+                 shared_key: Callable[[int], Hashable] = int) -> tuple:
     """``(result, key)``: ``check(*tensors, *scalars)`` (metadata checks that return the call's
     normalised values), run once per :func:`signature` under ``tag`` (the function checking them):
     a later call with the same signature gets the first call's result without the checks. ``key``
@@ -483,6 +495,11 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Option
     calls that the checks (and the layers below) treat alike, or ``None`` where this call is not in
     one; a new signature of a known class gets the class's result and key unchecked (a packed
     batch's: its totals left out). A repeated call finds its own signature, as any call does.
+    ``shared_key``: a new class's key from its number: the number itself (every call of the class
+    gets it: the layers below serve them alike), or :class:`KeyLengths` (a class whose calls differ
+    in numbers the layers below read per call: the first call of each later signature gets it;
+    the signature that made the class and every signature's later calls get a key of the
+    signature's own, under which the layers below hold what serves that signature alone).
 
     A call that fails its checks is never remembered; arguments without a signature, and calls
     while torch.compile traces (the tracer must see the checks), are checked every time."""
@@ -498,13 +515,16 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Option
     class_signature = None if shared is None else shared(tensors, scalars)
     class_key = None if class_signature is None else (tag, "class", class_signature)  # never a call's own key
     found = None if class_key is None else _checked.get(class_key)
-    if found is None:
-        found = (check(*tensors, *scalars), next(_tokens))
     if len(_checked) >= CHECKED_LIMIT - 1:
         _checked.clear()
-    _checked[key] = found
-    if class_key is not None:
-        _checked[class_key] = found
+    if found is None:
+        found = _checked[key] = (check(*tensors, *scalars), next(_tokens))
+        if class_key is not None:  # a new class, this signature its first
+            _checked[class_key] = found if shared_key is int else (found[0], shared_key(next(_tokens)))
+        return found
+    # a new signature of a known class: the class's result and key, the signature's own key where
+    # the class's serves only new signatures
+    _checked[key] = found if shared_key is int else (found[0], next(_tokens))
     return found
 
 

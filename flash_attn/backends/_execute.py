@@ -26,6 +26,7 @@ from flash_attn.params import AttentionParams
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import Refusal
+from flash_attn.validation import KeyLengths
 
 __all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
 
@@ -214,6 +215,35 @@ def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
     return kwargs
 
 
+class PerCall(NamedTuple):
+    """What a backend holds for a class of calls whose plans differ only in numbers each call
+    gives (:class:`~flash_attn.validation.KeyLengths`: k and v's key length and strides): the
+    :meth:`KernelBackend.executable` of their template plan, filled in per call from the call's
+    tensors (:meth:`KernelBackend.run_held`)."""
+
+    template: object
+
+
+def shape_numbers(shape) -> Callable[[P.Extent], int]:
+    """The numbers of a described call, by extent."""
+    return lambda extent: extent.of(shape)
+
+
+def tensor_numbers(tensors: dict) -> Callable[[P.Extent], int]:
+    """The numbers of a call by extent, from its tensors by slot (each tensor's sizes and strides
+    read once: a template has several extents per tensor)."""
+    read: dict = {}
+
+    def number(extent: P.Extent) -> int:
+        sizes = read.get(extent.slot)
+        if sizes is None:
+            t = tensors[extent.slot]
+            sizes = read[extent.slot] = (t.shape, t.stride())
+        return extent.read(*sizes)
+
+    return number
+
+
 # ---------------------------------------------------------------------------------------------
 # A kernel backend
 
@@ -287,14 +317,19 @@ class KernelBackend:
         """The executable of ``shape``: made from the template of its shared key where the planner
         has one (:data:`flash_attn.planning.plan.SHARED_KEYS`; a new key length is neither planned
         nor made ready again), else planned."""
-        shared = P.SHARED_KEYS.get(planner)
-        key = None if shared is None else shared[0](shape)
-        template = None if key is None else cache.get(
-            (planner, "template", key, target), lambda: self._template(planner, shape, target, device, shared[1]))
+        template = self._template_of(cache, planner, shape, target, device)
         if template is None:  # no shared key, or its plans are not shared: planned one by one
             plan = planner(shape, target)
             return plan if isinstance(plan, Refusal) else self.executable(plan, target, device)
-        return template if isinstance(template, Refusal) else self.filled(template, shape)
+        return template if isinstance(template, Refusal) else self.filled(template, shape_numbers(shape))
+
+    def _template_of(self, cache: PlanCache, planner, shape, target, device):
+        """The executable of the template plan ``shape`` shares (its shared key's, made once), its
+        refusal, or ``None``: no shared key, or its plans are not shared."""
+        shared = P.SHARED_KEYS.get(planner)
+        key = None if shared is None else shared[0](shape)
+        return None if key is None else cache.get(
+            (planner, "template", key, target), lambda: self._template(planner, shape, target, device, shared[1]))
 
     def _template(self, planner, shape, target, device, extents: dict):
         plan = planner(shape, target)
@@ -303,10 +338,17 @@ class KernelBackend:
         template = P.template(plan, extents, shape)
         return None if template is None else self.executable(template, target, device)
 
-    def filled(self, template, shape):
-        """The executable of ``shape`` from ``template``, the :meth:`executable` of its shared key's
-        template plan (:func:`flash_attn.planning.plan.filled`)."""
-        return ready(P.filled(template.plan, shape))
+    def filled(self, template, number: Callable[[P.Extent], int]):
+        """The executable of a call from ``template``, the :meth:`executable` of a template plan,
+        with ``number(extent)`` for each extent (:func:`flash_attn.planning.plan.filled`)."""
+        return ready(P.filled(template.plan, number))
+
+    def run_held(self, executable, inputs: dict, device) -> tuple:
+        """:meth:`run` of an executable held for a call key; a :class:`PerCall` one filled in first
+        with the call's own numbers."""
+        if type(executable) is PerCall:
+            executable = self.filled(executable.template, tensor_numbers(inputs))
+        return self.run(executable, inputs, device)
 
     # --- the contract ---------------------------------------------------------------------------
 
@@ -314,7 +356,7 @@ class KernelBackend:
                         qv=None):
         inputs = forward_inputs(q, k, v, params.dropout_seed, varlen, alibi_slopes, sinks, qv)
         tail = () if return_softmax else (None,)  # the plan returns S_dmask only when asked for
-        if params.call is None:
+        if params.call is None or type(params.call) is KeyLengths:  # (this route holds plans of one shape)
             shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
             return self._prepare(P.plan_forward, shape, inputs, q.device, tail=tail)
         # the call's signature holds every layout and option of the shape, but the pointers'
@@ -364,10 +406,11 @@ class KernelBackend:
         if executable is _MISSING:
             shape = P.describe_forward(q, k, v, _eager_params(scalars, call), varlen, alibi_slopes, return_softmax,
                                        sinks, qv)
-            executable = self._remember(device, P.plan_forward, key, shape)
+            remember = self._remember_class if type(call) is KeyLengths else self._remember
+            executable = remember(device, P.plan_forward, key, shape)
         if executable is None:
             return None
-        results = self.run(executable, forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv), device)
+        results = self.run_held(executable, forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv), device)
         return results if return_softmax else (*results, None)
 
     def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta,
@@ -410,6 +453,21 @@ class KernelBackend:
         executable = cache.get((planner, key, target), lambda: self._by_shape(cache, planner, shape, target, device))
         return None if isinstance(executable, Refusal) else executable
 
+    def _remember_class(self, device, planner, key: tuple, shape):
+        """The executable of a call of a :class:`~flash_attn.validation.KeyLengths` class, ``key``
+        its plan key: the template of ``shape``'s shared key, held under ``key`` for every call of
+        the class as :class:`PerCall`; where ``shape`` has none (a pointer not aligned: the template
+        reads k and v in place), this call's own, held for no other. ``None`` where the backend
+        refuses the call."""
+        target, cache = self.target_and_plans(device)
+        template = self._template_of(cache, planner, shape, target, device)
+        if template is None:
+            executable = self._by_shape(cache, planner, shape, target, device)
+        else:
+            executable = cache.get((planner, key, target),
+                                   lambda: template if isinstance(template, Refusal) else PerCall(template))
+        return None if isinstance(executable, Refusal) else executable
+
     def lane(self, op: str, device, call: int) -> Optional[Callable[..., Optional[tuple]]]:
         """The lane of ``op``'s eager calls of checked signature ``call`` on ``device``
         (:func:`flash_attn.dispatch.run_lane`): the known route's arguments -> its results, by the
@@ -428,7 +486,8 @@ class KernelBackend:
             return None
         if isinstance(executable, Refusal):
             return _refused_lane
-        generation, plans_now, run = cache.generation, self.target_and_plans, self.run
+        generation, plans_now = cache.generation, self.target_and_plans
+        run = self.run_held if type(executable) is PerCall else self.run
 
         def run_lane(*args) -> Optional[tuple]:
             now = plans_now(device)
@@ -471,8 +530,10 @@ def _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen=None, seed=None)
 
 def _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen=None,
                   seed=None) -> tuple:
-    return _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv, *_varlen_tensors(varlen)),
-                     (dout.stride(), bool(deterministic), bool(return_delta)), seed)
+    more = (dout.stride(), bool(deterministic), bool(return_delta))
+    if type(call) is KeyLengths:  # the forward's class leaves out what the backward's plans read of k and v
+        more += (k.shape[1], k.stride(), v.stride())
+    return _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv, *_varlen_tensors(varlen)), more, seed)
 
 
 def _varlen_tensors(varlen) -> tuple:

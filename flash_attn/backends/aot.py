@@ -256,13 +256,13 @@ class _AotBackend(KernelBackend):
         run = ready(plan, _launches(tuple(packed), unused))
         return run._replace(buffers=tuple(b for b in run.buffers if b[0] not in unused))  # none made for them
 
-    def filled(self, template: Ready, shape) -> Ready:
+    def filled(self, template: Ready, number) -> Ready:
         written = template.launches
         if not isinstance(written, _Template):  # no extent among its arguments: it serves as it is
             return template
         plan, packed = list(written.plan), [p._replace(ints=list(p.ints)) for p in written.launches.packed]
         for at, launch, arg, extent in written.extents:
-            plan[at] = packed[launch].ints[arg] = extent.of(shape)
+            plan[at] = packed[launch].ints[arg] = number(extent)
         return template._replace(launches=written.launches._replace(plan=_plan_tensor(plan), packed=tuple(packed)))
 
     def run(self, run: Ready, inputs: dict, device) -> tuple:

@@ -163,20 +163,33 @@ def _cache_failure(exc: BaseException) -> bool:
 
 class _Jitted:
     """A plan made ready to run, and what its first run showed (``ran``, or the failure that
-    refuses it from then on)."""
+    refuses it from then on); a template plan's also its filled plans (``fills``: numbers -> one)."""
 
-    __slots__ = ("ready", "ran", "failure")
+    __slots__ = ("ready", "ran", "failure", "fills")
 
     def __init__(self, plan):
-        self.ready, self.ran, self.failure = ready(plan), False, None
+        self.ready, self.ran, self.failure, self.fills = ready(plan), False, None, {}
+
+
+FILLS_LIMIT = 64  # filled plans a template keeps (then forgotten all at once)
 
 
 class _TritonBackend(KernelBackend):
     def executable(self, plan, target, device):
         return _Jitted(plan)
 
-    def filled(self, template: _Jitted, shape):
-        return _Jitted(P.filled(template.ready.plan, shape))
+    def filled(self, template: _Jitted, number):
+        # one per set of numbers, kept: each is a plan of its own whose first run is told apart (it
+        # may compile another specialisation), also where a class of calls fills it per call
+        plan = template.ready.plan
+        numbers = tuple(number(value) for launch in plan.launches for _, value in launch.args
+                        if isinstance(value, P.Extent))
+        found = template.fills.get(numbers)
+        if found is None:
+            if len(template.fills) >= FILLS_LIMIT:
+                template.fills.clear()
+            found = template.fills[numbers] = _Jitted(P.filled(plan, number))
+        return found
 
     def run(self, jitted: _Jitted, inputs: dict, device) -> tuple:
         if jitted.ran:
@@ -185,8 +198,8 @@ class _TritonBackend(KernelBackend):
             raise BackendFailed(*jitted.failure)
         try:
             result = execute(jitted.ready, inputs, device, self.run_launch)
-        except torch.cuda.OutOfMemoryError:
-            raise  # the call's memory, not Triton: the next backend would need it too
+        except (torch.cuda.OutOfMemoryError, BackendFailed):
+            raise  # the call's memory, not Triton (the next backend would need it too); or told already
         except Exception as exc:
             failure = diagnose(exc, capturing(device))
             if failure.scope == "plan":

@@ -14,7 +14,7 @@ planner would make (tested against it).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from flash_attn.planning.launches import Plan
 
@@ -22,8 +22,8 @@ __all__ = ["Extent", "template", "filled"]
 
 
 class Extent(NamedTuple):
-    """A number of the call's tensor ``slot`` (a field of its shape): the size of dimension ``dim``,
-    or its stride as the kernels use it (``stride``: 0 where the size is 1, as
+    """A number of the call's tensor ``slot``: the size of dimension ``dim``, or its stride as the
+    kernels use it (``stride``: 0 where the size is 1, as
     :func:`~flash_attn.planning.layouts.effective_strides` gives it)."""
 
     slot: str
@@ -31,11 +31,18 @@ class Extent(NamedTuple):
     stride: bool = False
 
     def of(self, shape) -> int:
+        """The number in a described call (a field of its shape)."""
         info = getattr(shape, self.slot)
-        size = info.shape[self.dim]
+        return self.read(info.shape, info.strides)
+
+    def read(self, sizes, strides) -> int:
+        """The number in a tensor of ``sizes`` and ``strides`` (the call's tensor ``slot``: a
+        call of a class that leaves it to each call, :class:`flash_attn.validation.KeyLengths`,
+        is not described)."""
+        size = sizes[self.dim]
         if not self.stride:
             return size
-        return 0 if size == 1 else info.strides[self.dim]  # as effective_strides gives it
+        return 0 if size == 1 else strides[self.dim]  # as effective_strides gives it
 
 
 def template(plan: Plan, extents: dict, shape) -> Optional[Plan]:
@@ -57,10 +64,11 @@ def template(plan: Plan, extents: dict, shape) -> Optional[Plan]:
     return dataclasses.replace(plan, launches=tuple(launches))
 
 
-def filled(plan: Plan, shape) -> Plan:
-    """A :func:`template` with ``shape``'s numbers in place of its extents."""
+def filled(plan: Plan, number: Callable[[Extent], int]) -> Plan:
+    """A :func:`template` with each extent replaced by ``number(extent)`` (the call's: read from
+    its shape or its tensors)."""
     def concrete(launch):
-        args = tuple((name, value.of(shape) if isinstance(value, Extent) else value) for name, value in launch.args)
+        args = tuple((name, number(value) if isinstance(value, Extent) else value) for name, value in launch.args)
         return dataclasses.replace(launch, args=args)
 
     return dataclasses.replace(plan, launches=tuple(concrete(launch) for launch in plan.launches))

@@ -16,9 +16,9 @@ from flash_attn.planning.launches import (Launch, Planned, Refusal, Target, fini
                                          named)
 from flash_attn.planning.extents import Extent
 from flash_attn.planning.layouts import Layouts, fits
-from flash_attn.planning.shapes import ForwardShape, Slot
+from flash_attn.planning.shapes import ForwardShape, Slot, TensorInfo, info_aligned
 
-__all__ = ["plan_forward", "KEY_EXTENTS", "shared_by_key_lengths"]
+__all__ = ["plan_forward", "KEY_EXTENTS", "shared_by_key_lengths", "shares_key_lengths"]
 
 # What a dense forward's plan reads of its k and v beyond the shared key: the key length and their
 # leading strides, as arguments of its one launch (planned from k and v where they lie, unprepared).
@@ -31,14 +31,24 @@ KEY_EXTENTS = {
 def shared_by_key_lengths(s: ForwardShape) -> Optional[tuple]:
     """The key of a plan that serves every key length and k/v strides of ``s`` (its extents filled
     in per call, :mod:`flash_attn.planning.extents`), or ``None``: packed calls (shared already)
-    and ``return_softmax`` (sized by the key length), k or v copied into the kernels' layout first
-    (the copy's strides come from the plan), a number beyond the kernels' int32."""
-    if s.varlen is not None or s.return_softmax or not (fits(s.k, "rows") and fits(s.v, "rows")):
+    and ``return_softmax`` (sized by the key length), k or v not read in place (:func:`_in_place`)."""
+    if s.varlen is not None or s.return_softmax or not _in_place(s.k, s.v):
         return None
     k, v = s.k, s.v
-    if max(k.shape[1], *k.strides, *v.strides) > limits.INT32_MAX:
-        return None
     return s.q, (k.shape[0], k.shape[2:], k.dtype), (v.shape[0], v.shape[2:], v.dtype), s[3:]
+
+
+def shares_key_lengths(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether dense k and v (4-d) are read as :func:`shared_by_key_lengths` asks, but for their
+    pointers' alignment (which plan keys hold): every call whose k and v pass and differ only in
+    their key length and strides has a plan from one template."""
+    return _in_place(info_aligned(k), info_aligned(v))
+
+
+def _in_place(k: TensorInfo, v: TensorInfo) -> bool:
+    """k and v read where they lie (a copy into the kernels' layout takes its strides from the
+    plan), their key length and strides within the kernels' int32."""
+    return fits(k, "rows") and fits(v, "rows") and max(k.shape[1], *k.strides, *v.strides) <= limits.INT32_MAX
 
 
 def _refusal(s: ForwardShape, head_dim: int, head_dim_v: int, paged: bool, target: Target):

@@ -66,15 +66,17 @@ def effective_strides(t: TensorInfo) -> tuple:
 
 
 def fits(t: TensorInfo, how: str) -> bool:
+    """Whether the kernels read ``t`` where it lies, laid out ``how`` (its :func:`effective_strides`;
+    "rows" is asked per call of a growing cache's new key length: no tuple built for it)."""
     if not t.aligned:
         return False
-    strides = effective_strides(t)
-    if strides and strides[-1] not in (0, 1):
+    shape, strides = t.shape, t.strides
+    if shape and shape[-1] != 1 and strides[-1] not in (0, 1):
         return False
     if how == "rows":
-        return all(s % limits.STRIDE_MULTIPLE == 0 for s in strides[:-1])
+        return all(n == 1 or s % limits.STRIDE_MULTIPLE == 0 for n, s in zip(shape[:-1], strides[:-1]))
     if how == "contiguous":
-        return strides == effective_strides(TensorInfo(t.shape, _contiguous(t.shape), t.dtype, True))
+        return effective_strides(t) == effective_strides(TensorInfo(t.shape, _contiguous(t.shape), t.dtype, True))
     if how == "fp32":
         return t.dtype == torch.float32
     return True

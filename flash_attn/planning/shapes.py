@@ -23,7 +23,7 @@ from flash_attn.limits import cdiv
 from flash_attn.params import window_applies
 
 __all__ = [
-    "Slot", "Rows", "Q_ROWS", "K_ROWS", "TensorInfo", "info", "VarlenInfo", "Scalars", "ForwardShape",
+    "Slot", "Rows", "Q_ROWS", "K_ROWS", "TensorInfo", "info", "info_aligned", "VarlenInfo", "Scalars", "ForwardShape",
     "BackwardShape", "KVCacheShape", "describe_forward", "describe_backward", "describe_kvcache", "bucket_seqlen",
     "is_local",
 ]
@@ -70,6 +70,12 @@ def info(t: Optional[torch.Tensor]) -> Optional[TensorInfo]:
     if t is None:
         return None
     return _new_info(TensorInfo, (t.shape, t.stride(), t.dtype, t.data_ptr() % limits.POINTER_ALIGNMENT == 0))
+
+
+def info_aligned(t: torch.Tensor) -> TensorInfo:
+    """``t``'s :class:`TensorInfo` with its pointer taken as aligned: what calls whose pointers
+    differ share (a class of signatures; plan keys hold the alignment)."""
+    return _new_info(TensorInfo, (t.shape, t.stride(), t.dtype, True))
 
 
 

@@ -385,6 +385,34 @@ def test_a_new_key_length_is_written_from_its_template(manifest, monkeypatch):
     assert sum(1 for key in images.plans._values if "template" in key) == 1
 
 
+def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest, monkeypatch):
+    """The public calls of a growing cache (one class of signatures, flash_attn.validation.KeyLengths:
+    the ``aot`` backend holds one template for it and writes each call's plan from the call's own k
+    and v): each call's plan tensor is the one the planner's own plan of that call packs to (CPU
+    tensors, the launch itself left out)."""
+    from flash_attn import dispatch, flash_attn_func, validation  # noqa: PLC0415
+
+    _library_or_skip()
+    images = images_for(monkeypatch, manifest, (9, 0))
+    monkeypatch.setattr(dispatch, "route", lambda device: dispatch.Route(torch.device(device), ("aot",)))
+    monkeypatch.setattr(dispatch, "_chains", {})
+    monkeypatch.setattr(validation, "_checked", {})
+    written = []
+    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: written.append(launches.plan))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 32, 128, generator=g).to(torch.bfloat16)
+    cache = torch.randn(1, 8, 4100, 128, generator=g).to(torch.bfloat16)
+    params = AttentionParams(128 ** -0.5, -1, 0)
+    for length in (1000, 1001, 4097, 1, 1000, 2048):
+        k = v = cache[:, :, :length].transpose(1, 2)
+        flash_attn_func(q, k, v, causal=True)
+        planned = P.plan_forward(P.describe_forward(q, k, v, params), images.target)
+        want = aot._backend.executable(planned, images.target, q.device)
+        assert torch.equal(written[-1], want.launches.plan), length
+    [class_key] = [found[1] for key, found in validation._checked.items() if key[:2] == ("flash_attn_func", "class")]
+    assert len(written) == 6 and type(class_key) is validation.KeyLengths
+
+
 def test_build_report_tensor_cores_and_spills(report):
     """What the build report says about the machine code, stated as measured (Triton 3.9):
 

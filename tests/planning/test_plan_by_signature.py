@@ -619,18 +619,109 @@ def _growing(layout: str, length: int, g) -> list:
     return [q, *(torch.randn(1, length, 2, 64, generator=g).half() for _ in range(2))]
 
 
-def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, monkeypatch):
-    made = []
-    real = P.template
+def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, general_route, known_lookups,
+                                                                  monkeypatch):
+    """Every key length of both layouts is one class of signatures (validation.KeyLengths): checked
+    and described once (the first call, on its signature's own key), then each new signature's
+    first call filled in from the one template, on the known route and then the class's lane; a
+    signature's later call (a length met again) has its own key, described once: each call's
+    launches are the planner's own for its length."""
+    from flash_attn import flash_attn_interface  # noqa: PLC0415
+
+    made, checks = [], []
+    real, real_checks = P.template, flash_attn_interface._dense_checks
     monkeypatch.setattr(P, "template", lambda *a: made.append(1) or real(*a))
+    monkeypatch.setattr(flash_attn_interface, "_dense_checks", lambda *a: checks.append(1) or real_checks(*a))
+    described, calls_described = _described(monkeypatch), []
     g = torch.Generator().manual_seed(4)
     for layout in ("contiguous", "hf"):
         for length in (40, 57, 1, 300, 57):
             q, k, v = _growing(layout, length, g)
             launches.clear()
+            described.clear()
             flash_attn_func(q, k, v, causal=True)
+            calls_described.append(len(described))
             assert launches == list(_forward_plan(q, k, v).launches), (layout, length)
     assert made == [1]  # one template for both layouts (strides are filled in too), every length filled in
+    # described: the first call, the class's first, and the two lengths met again
+    assert checks == [1] and calls_described == [1, 1, 0, 0, 1, 0, 0, 0, 0, 1]
+    # the first call, the class's first two, then its lane; and the two lengths met again
+    assert known_lookups == ["forward"] * 5 and general_route == []
+    assert type(_class_key()) is validation.KeyLengths
+
+
+def _class_key():
+    """The key of flash_attn_func's one class of signatures (checked_call's)."""
+    [key] = [found[1] for (tag, *rest), found in validation._checked.items() if tag == "flash_attn_func"
+             and rest[0] == "class"]
+    return key
+
+
+def test_calls_outside_a_key_length_class_are_checked_and_planned_on_their_own(launches, monkeypatch):
+    """Once a layout's class is known, a call that differs in more than its key length and strides
+    is not in it: k and v of different lengths, or a last dimension not contiguous, still fail
+    their checks; strides the kernels do not read in place (copied first), dropout and the
+    probabilities asked for are checked on their own and run the planner's plan for them."""
+    from flash_attn import flash_attn_interface  # noqa: PLC0415
+    from flash_attn.params import AttentionParams  # noqa: PLC0415
+
+    checks = []
+    real_checks = flash_attn_interface._dense_checks
+    monkeypatch.setattr(flash_attn_interface, "_dense_checks", lambda *a: checks.append(1) or real_checks(*a))
+    g = torch.Generator().manual_seed(6)
+    q, k, v = _growing("hf", 40, g)
+    flash_attn_func(q, k, v, causal=True)
+    class_key = _class_key()
+    assert type(class_key) is validation.KeyLengths and checks == [1]
+    with pytest.raises(ValueError, match="k and v must agree"):
+        flash_attn_func(q, k, v[:, :39], causal=True)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        flash_attn_func(q, k, torch.randn(1, 2, 64, 41, generator=g).half().permute(0, 3, 1, 2)[:, :, :, :64])
+    padded = [torch.randn(1, 41, 2, 66, generator=g).half()[..., :64] for _ in range(2)]  # head stride 66
+    plan = P.plan_forward(P.describe_forward(q, *padded, AttentionParams(64 ** -0.5, -1, 0)), H100)
+    checks.clear()
+    for args, kwargs in (((q, *padded), {}), ((q, k, v), dict(return_attn_probs=True)),
+                         ((q, k, v), dict(dropout_p=0.1))):
+        launches.clear()
+        flash_attn_func(*args, causal=True, **kwargs)
+        if not kwargs:
+            assert launches == list(plan.launches) and plan.prepare  # copied into the kernels' layout first
+    assert checks == [1, 1, 1] and _class_key() == class_key
+
+
+def test_a_misaligned_member_of_a_key_length_class_gets_its_own_plan(launches):
+    """A pointer's alignment is no part of a signature: a call of the class whose k starts off a
+    16-byte boundary runs the planner's plan for it (a copy first), not the class's template, and
+    the class's aligned calls still run theirs."""
+    g = torch.Generator().manual_seed(7)
+    for length, misalign in ((40, False), (41, False), (42, True), (43, False), (44, True), (45, False)):
+        q, k, v = _growing("contiguous", length, g)
+        if misalign:
+            k = _misaligned(k)
+        launches.clear()
+        flash_attn_func(q, k, v, causal=True)
+        assert launches == list(_forward_plan(q, k, v).launches), (length, misalign)
+
+
+def test_the_backward_of_a_key_length_class_follows_each_calls_length(launches):
+    """A training call of a class's layout (grad on): the backward's plans are found by the
+    forward's key and the call's own key length and k/v strides, so each length's backward runs
+    the planner's plan for that length, however the calls interleave."""
+    from flash_attn.params import AttentionParams  # noqa: PLC0415
+
+    params = AttentionParams(64 ** -0.5, -1, 0)
+    g = torch.Generator().manual_seed(8)
+    calls = {length: [t.requires_grad_() for t in _growing(layout, length, g)]
+             for length, layout in ((40, "hf"), (57, "contiguous"), (24, "hf"))}
+    for length in (40, 57, 40, 24, 57):
+        q, k, v = calls[length]
+        out = flash_attn_func(q, k, v, causal=True)
+        dout = torch.randn(out.shape, generator=g).half()
+        lse = torch.empty(1, 4, 1, dtype=torch.float32)
+        want = list(P.plan_backward(P.describe_backward(dout, q, k, v, out.detach(), lse, params), H100).launches)
+        launches.clear()
+        out.backward(dout)
+        assert launches == want, length
 
 
 def test_new_key_lengths_compute_what_the_oracle_does(interpreter):
@@ -646,3 +737,26 @@ def test_new_key_lengths_compute_what_the_oracle_does(interpreter):
             assert dispatch.last_backend() == "interpret"
             ref, _, naive, _ = oracle_pair(attention_ref, [q, k, v], causal=True)
             check_close(out, ref.out, naive.out, torch.float16, f"out ({layout}, {length} keys)")
+
+
+def test_training_calls_of_a_key_length_class_compute_what_the_oracle_does(interpreter, monkeypatch):
+    """Through Triton's interpreter: forward and backward of one layout's calls of several key
+    lengths (one class of signatures), interleaved, against the float64 oracle."""
+    from support.oracle import attention_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import backward_floor, check_close  # noqa: PLC0415
+
+    monkeypatch.setattr(validation, "_checked", {})
+
+    g = torch.Generator().manual_seed(9)
+    for length in (9, 23, 9, 16):
+        q, k, v = _growing("hf", length, g)
+        dout = torch.randn(q.shape, generator=g).half()
+        ref, ref_grads, naive, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, causal=True)
+        floor = backward_floor(q, k, v, dout, probs=ref.probs)
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = flash_attn_func(qg, kg, vg, causal=True)
+        out.backward(dout)
+        assert dispatch.last_backend() == "interpret" and type(_class_key()) is validation.KeyLengths
+        check_close(out, ref.out, naive.out, torch.float16, f"out ({length} keys)")
+        for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
+            check_close(t.grad, want, approx, torch.float16, f"{name} ({length} keys)", grad=True, floor=floor)

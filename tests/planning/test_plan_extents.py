@@ -68,7 +68,7 @@ def test_a_filled_template_is_the_plan_of_its_call(call, target):
         if isinstance(first, P.Refusal):
             assert planned == first  # a refusal of the layout holds for every length
             continue
-        assert P.filled(P.template(first, extents, shapes[0]), s) == planned
+        assert P.filled(P.template(first, extents, shapes[0]), lambda extent: extent.of(s)) == planned
 
 
 def test_what_is_not_shared():

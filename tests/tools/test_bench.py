@@ -730,24 +730,33 @@ def stubbed_launches():
         stub.__exit__(None, None, None)
 
 
-def test_overhead_growing_cache_has_a_new_signature_every_call_and_one_template(stubbed_launches, monkeypatch):
+def test_overhead_growing_cache_is_one_class_of_signatures_on_one_template(stubbed_launches, monkeypatch):
     """The growing cache's decode step (Hugging Face's ``generate()`` without a static cache): every
-    call has a key length no call had, and the aot backend plans its layout once: every later
-    length is filled in from that template (:mod:`flash_attn.planning.extents`)."""
-    from flash_attn import validation  # noqa: PLC0415
+    call has a key length no call had, so a signature of its own, but all are one class
+    (:class:`flash_attn.validation.KeyLengths`): checked once, and the aot backend holds one
+    template for it, filled in per call (no plan, no executable per key length)."""
+    from flash_attn import flash_attn_interface, validation  # noqa: PLC0415
     from flash_attn.bench import overhead  # noqa: PLC0415
 
     step = overhead._calls(torch.device("cpu"))["growing cache decode"]
     plans = overhead.aot._device_images(torch.device("cpu")).plans
     monkeypatch.setattr(validation, "_checked", {})  # (earlier benchmarks in this process checked these lengths)
+    checks = []
+    real_checks = flash_attn_interface._dense_checks
+    monkeypatch.setattr(flash_attn_interface, "_dense_checks", lambda *a: checks.append(1) or real_checks(*a))
     before = stubbed_launches()
-    for _ in range(30):
+    for _ in range(2):  # the first (its own plan, the template), the class's first (held for the class)
+        step()
+    held = dict(plans._values)
+    for _ in range(28):
         step()
     assert stubbed_launches() == before + 30
-    tags = [tag for tag, _ in validation._checked]
-    assert tags.count("flash_attn_func") == 30  # a new signature every call
-    assert tags.count("attention options") == 1  # whose options are checked once
-    assert sum(1 for key in plans._values if "template" in key) == 1
+    assert plans._values == held  # nothing planned or held per key length
+    own = [key for key in validation._checked if key[0] == "flash_attn_func" and len(key) == 2]
+    [class_key] = [found[1] for key, found in validation._checked.items() if key[:2] == ("flash_attn_func", "class")]
+    assert len(own) == 30 and type(class_key) is validation.KeyLengths  # 30 signatures of one class
+    assert checks == [1]
+    assert [type(value).__name__ for value in held.values()].count("PerCall") == 1
 
 
 def test_overhead_repeats_one_captured_aot_launch(stubbed_launches):
