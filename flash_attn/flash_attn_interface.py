@@ -259,8 +259,7 @@ def flash_attn_func(
     # a new key length of a known layout (a growing KV cache) shares its class's checks (_key_length_class)
     options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink),
                                             (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                             return_attn_probs), _dense_checks, _key_length_class,
-                                            validation.KeyLengths)
+                                             return_attn_probs), _dense_checks, _key_length_class, own_keys=True)
     return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
                       call)
 

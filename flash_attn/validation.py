@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Callable, Hashable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -472,18 +472,25 @@ def packed_rows(total: int) -> int:
 
 
 class KeyLengths(NamedTuple):
-    """The key :func:`checked_call` gives the first call of each new signature in a class of dense
-    calls that differ only in k and v's key length and strides (a KV cache kept as growing tensors:
-    Hugging Face's ``generate()`` passes one more key every step). The layers below read those
-    numbers from each call's k and v: a plan held under this key is a template
-    (:mod:`flash_attn.planning.extents`), and nothing that depends on them is held under it alone
-    (the backward's plans are found by it and those numbers)."""
+    """The key :func:`checked_call` gives the signatures that join a class of dense calls that
+    differ only in k and v's key length and strides (a KV cache kept as growing tensors: Hugging
+    Face's ``generate()`` passes one more key every step; the signature that made the class has a
+    plain key): ``own``, the signature's own, under which the layers below hold its plans, and
+    ``shared``, the class's, under which they hold what serves every signature of the class (the
+    forward's template plan, filled in from a new signature's k and v,
+    :mod:`flash_attn.planning.extents`)."""
 
-    token: int
+    shared: int
+    own: int
+
+
+def own_key(key):
+    """The key of a call's own signature: ``key`` itself, or a :class:`KeyLengths`'s ``own``."""
+    return key.own if type(key) is KeyLengths else key
 
 
 def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Optional[Callable] = None,
-                 shared_key: Callable[[int], Hashable] = int) -> tuple:
+                 own_keys: bool = False) -> tuple:
     """``(result, key)``: ``check(*tensors, *scalars)`` (metadata checks that return the call's
     normalised values), run once per :func:`signature` under ``tag`` (the function checking them):
     a later call with the same signature gets the first call's result without the checks. ``key``
@@ -493,13 +500,10 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Option
 
     ``shared(tensors, scalars)``, asked only for a new signature: the signature of a class of
     calls that the checks (and the layers below) treat alike, or ``None`` where this call is not in
-    one; a new signature of a known class gets the class's result and key unchecked (a packed
-    batch's: its totals left out). A repeated call finds its own signature, as any call does.
-    ``shared_key``: a new class's key from its number: the number itself (every call of the class
-    gets it: the layers below serve them alike), or :class:`KeyLengths` (a class whose calls differ
-    in numbers the layers below read per call: the first call of each later signature gets it;
-    the signature that made the class and every signature's later calls get a key of the
-    signature's own, under which the layers below hold what serves that signature alone).
+    one; a new signature of a known class gets the class's result unchecked, and the class's key
+    (a packed batch's: its totals left out) or, with ``own_keys``, a :class:`KeyLengths` of the
+    class's key and a key of the signature's own. A repeated call finds its own signature, as any
+    call does.
 
     A call that fails its checks is never remembered; arguments without a signature, and calls
     while torch.compile traces (the tracer must see the checks), are checked every time."""
@@ -520,12 +524,10 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Option
     if found is None:
         found = _checked[key] = (check(*tensors, *scalars), next(_tokens))
         if class_key is not None:  # a new class, this signature its first
-            _checked[class_key] = found if shared_key is int else (found[0], shared_key(next(_tokens)))
+            _checked[class_key] = found
         return found
-    # a new signature of a known class: the class's result and key, the signature's own key where
-    # the class's serves only new signatures
-    _checked[key] = found if shared_key is int else (found[0], next(_tokens))
-    return found
+    _checked[key] = found if not own_keys else (found[0], KeyLengths(found[1], next(_tokens)))
+    return _checked[key]
 
 
 _tokens = itertools.count()

@@ -26,7 +26,7 @@ from flash_attn.params import AttentionParams
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import Refusal
-from flash_attn.validation import KeyLengths
+from flash_attn.validation import KeyLengths, own_key
 
 __all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
 
@@ -218,8 +218,8 @@ def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
 class PerCall(NamedTuple):
     """What a backend holds for a class of calls whose plans differ only in numbers each call
     gives (:class:`~flash_attn.validation.KeyLengths`: k and v's key length and strides): the
-    :meth:`KernelBackend.executable` of their template plan, filled in per call from the call's
-    tensors (:meth:`KernelBackend.run_held`)."""
+    :meth:`KernelBackend.executable` of their template plan, which each new signature's first
+    call fills in from its tensors (:meth:`KernelBackend._class_member`)."""
 
     template: object
 
@@ -343,12 +343,6 @@ class KernelBackend:
         with ``number(extent)`` for each extent (:func:`flash_attn.planning.plan.filled`)."""
         return ready(P.filled(template.plan, number))
 
-    def run_held(self, executable, inputs: dict, device) -> tuple:
-        """:meth:`run` of an executable held for a call key; a :class:`PerCall` one filled in first
-        with the call's own numbers."""
-        if type(executable) is PerCall:
-            executable = self.filled(executable.template, tensor_numbers(inputs))
-        return self.run(executable, inputs, device)
 
     # --- the contract ---------------------------------------------------------------------------
 
@@ -356,14 +350,15 @@ class KernelBackend:
                         qv=None):
         inputs = forward_inputs(q, k, v, params.dropout_seed, varlen, alibi_slopes, sinks, qv)
         tail = () if return_softmax else (None,)  # the plan returns S_dmask only when asked for
-        if params.call is None or type(params.call) is KeyLengths:  # (this route holds plans of one shape)
+        if params.call is None:
             shape = P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv)
             return self._prepare(P.plan_forward, shape, inputs, q.device, tail=tail)
         # the call's signature holds every layout and option of the shape, but the pointers'
         return self._prepare(
             P.plan_forward,
             lambda: P.describe_forward(q, k, v, params, varlen, alibi_slopes, return_softmax, sinks, qv),
-            inputs, q.device, _forward_key(params.call, q, k, v, alibi_slopes, sinks, qv, varlen, _key_seed(params)),
+            inputs, q.device, _forward_key(own_key(params.call), q, k, v, alibi_slopes, sinks, qv, varlen,
+                                           _key_seed(params)),
             tail)
 
     def prepare_backward(self, dout, q, k, v, out, lse, params, *, varlen=None, alibi_slopes=None,
@@ -401,16 +396,22 @@ class KernelBackend:
     # window_left, window_right, softcap (read only to describe a first call).
 
     def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars):
-        key = _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen)
+        key = _forward_key(own_key(call), q, k, v, alibi_slopes, sinks, qv, varlen)
+        inputs = forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv)
+
+        def shape():
+            return P.describe_forward(q, k, v, _eager_params(scalars, call), varlen, alibi_slopes, return_softmax,
+                                      sinks, qv)
+
         executable = self._held(device, P.plan_forward, key)
         if executable is _MISSING:
-            shape = P.describe_forward(q, k, v, _eager_params(scalars, call), varlen, alibi_slopes, return_softmax,
-                                       sinks, qv)
-            remember = self._remember_class if type(call) is KeyLengths else self._remember
-            executable = remember(device, P.plan_forward, key, shape)
+            if type(call) is KeyLengths:
+                executable = self._class_member(device, P.plan_forward, call.shared, key, inputs, shape)
+            else:
+                executable = self._remember(device, P.plan_forward, key, shape())
         if executable is None:
             return None
-        results = self.run_held(executable, forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv), device)
+        results = self.run(executable, inputs, device)
         return results if return_softmax else (*results, None)
 
     def known_backward(self, device, call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta,
@@ -453,20 +454,29 @@ class KernelBackend:
         executable = cache.get((planner, key, target), lambda: self._by_shape(cache, planner, shape, target, device))
         return None if isinstance(executable, Refusal) else executable
 
-    def _remember_class(self, device, planner, key: tuple, shape):
-        """The executable of a call of a :class:`~flash_attn.validation.KeyLengths` class, ``key``
-        its plan key: the template of ``shape``'s shared key, held under ``key`` for every call of
-        the class as :class:`PerCall`; where ``shape`` has none (a pointer not aligned: the template
-        reads k and v in place), this call's own, held for no other. ``None`` where the backend
-        refuses the call."""
-        target, cache = self.target_and_plans(device)
-        template = self._template_of(cache, planner, shape, target, device)
-        if template is None:
-            executable = self._by_shape(cache, planner, shape, target, device)
-        else:
-            executable = cache.get((planner, key, target),
-                                   lambda: template if isinstance(template, Refusal) else PerCall(template))
-        return None if isinstance(executable, Refusal) else executable
+    def _class_member(self, device, planner, shared: int, key: tuple, inputs: dict, shape: Callable):
+        """The executable of a signature that joined a :class:`~flash_attn.validation.KeyLengths`
+        class (``shared``: the class's key; ``key``: the call's plan key, of the signature's own),
+        held under ``key``: filled in from the call's tensors with the class's template (held for the
+        class as :class:`PerCall` from its first such call with these pointers' alignment, whose
+        ``shape()`` is described), not described; where the class has no template (a pointer not
+        aligned: the template reads k and v in place), made as any new call's. ``None`` where the
+        backend refuses the call."""
+        found = self.target_and_plans(device)
+        if isinstance(found, Refusal):
+            return None
+        target, cache = found
+        class_key = (planner, ("key lengths", shared, *key[1:]), target)  # the same alignment as the call's
+        held = cache.peek(class_key)
+        if held is None:
+            described = shape()
+            template = self._template_of(cache, planner, described, target, device)
+            if template is None:
+                return self._remember(device, planner, key, described)
+            held = cache.get(class_key, lambda: template if isinstance(template, Refusal) else PerCall(template))
+        if isinstance(held, Refusal):
+            return None
+        return cache.get((planner, key, target), lambda: self.filled(held.template, tensor_numbers(inputs)))
 
     def lane(self, op: str, device, call: int) -> Optional[Callable[..., Optional[tuple]]]:
         """The lane of ``op``'s eager calls of checked signature ``call`` on ``device``
@@ -481,13 +491,12 @@ class KernelBackend:
         if isinstance(found, Refusal):
             return None
         target, cache = found
-        executable = cache.peek((planner, (call, (), True), target))  # the key of _plan_key's aligned calls
+        executable = cache.peek((planner, (own_key(call), (), True), target))  # the key of _plan_key's aligned calls
         if executable is None:
             return None
         if isinstance(executable, Refusal):
             return _refused_lane
-        generation, plans_now = cache.generation, self.target_and_plans
-        run = self.run_held if type(executable) is PerCall else self.run
+        generation, plans_now, run = cache.generation, self.target_and_plans, self.run
 
         def run_lane(*args) -> Optional[tuple]:
             now = plans_now(device)
@@ -530,10 +539,8 @@ def _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen=None, seed=None)
 
 def _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen=None,
                   seed=None) -> tuple:
-    more = (dout.stride(), bool(deterministic), bool(return_delta))
-    if type(call) is KeyLengths:  # the forward's class leaves out what the backward's plans read of k and v
-        more += (k.shape[1], k.stride(), v.stride())
-    return _plan_key(call, (dout, q, k, v, out, lse, alibi_slopes, qv, *_varlen_tensors(varlen)), more, seed)
+    return _plan_key(own_key(call), (dout, q, k, v, out, lse, alibi_slopes, qv, *_varlen_tensors(varlen)),
+                     (dout.stride(), bool(deterministic), bool(return_delta)), seed)
 
 
 def _varlen_tensors(varlen) -> tuple:

@@ -163,15 +163,12 @@ def _cache_failure(exc: BaseException) -> bool:
 
 class _Jitted:
     """A plan made ready to run, and what its first run showed (``ran``, or the failure that
-    refuses it from then on); a template plan's also its filled plans (``fills``: numbers -> one)."""
+    refuses it from then on)."""
 
-    __slots__ = ("ready", "ran", "failure", "fills")
+    __slots__ = ("ready", "ran", "failure")
 
     def __init__(self, plan):
-        self.ready, self.ran, self.failure, self.fills = ready(plan), False, None, {}
-
-
-FILLS_LIMIT = 64  # filled plans a template keeps (then forgotten all at once)
+        self.ready, self.ran, self.failure = ready(plan), False, None
 
 
 class _TritonBackend(KernelBackend):
@@ -179,17 +176,7 @@ class _TritonBackend(KernelBackend):
         return _Jitted(plan)
 
     def filled(self, template: _Jitted, number):
-        # one per set of numbers, kept: each is a plan of its own whose first run is told apart (it
-        # may compile another specialisation), also where a class of calls fills it per call
-        plan = template.ready.plan
-        numbers = tuple(number(value) for launch in plan.launches for _, value in launch.args
-                        if isinstance(value, P.Extent))
-        found = template.fills.get(numbers)
-        if found is None:
-            if len(template.fills) >= FILLS_LIMIT:
-                template.fills.clear()
-            found = template.fills[numbers] = _Jitted(P.filled(plan, number))
-        return found
+        return _Jitted(P.filled(template.ready.plan, number))
 
     def run(self, jitted: _Jitted, inputs: dict, device) -> tuple:
         if jitted.ran:

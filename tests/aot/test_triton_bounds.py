@@ -99,8 +99,8 @@ def test_aot_build_with_the_oldest_allowed_triton(scratch):
                              capture_output=True, text=True, check=True).stdout.strip()
     assert Version(version) == Version(oldest)
     # From outside the source tree, so flash_attn is the venv's installed copy; its build in scratch.
-    result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={scratch / 'pytest'}",
-                             str(src / "tests" / "aot" / "test_aot_build.py")],
+    result = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             f"--basetemp={scratch / 'pytest'}", str(src / "tests" / "aot" / "test_aot_build.py")],
                             cwd=scratch, env={**os.environ, "MAX_JOBS": "2", "FLASH_ATTN_TEST_REBUILD": "1"},
                             capture_output=True, text=True)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""

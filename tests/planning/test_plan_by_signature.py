@@ -619,19 +619,19 @@ def _growing(layout: str, length: int, g) -> list:
     return [q, *(torch.randn(1, length, 2, 64, generator=g).half() for _ in range(2))]
 
 
-def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, general_route, known_lookups,
-                                                                  monkeypatch):
-    """Every key length of both layouts is one class of signatures (validation.KeyLengths): checked
-    and described once (the first call, on its signature's own key), then each new signature's
-    first call filled in from the one template, on the known route and then the class's lane; a
-    signature's later call (a length met again) has its own key, described once: each call's
-    launches are the planner's own for its length."""
+def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, general_route, monkeypatch):
+    """Every key length of both layouts is one class of signatures: checked once, on the first
+    call; each later signature has a validation.KeyLengths key, and its first call is filled in
+    from the class's one template (described once, at the class's first such call) and held under
+    the signature's own key, which a length met again finds: each call's launches are the planner's
+    own for its length."""
     from flash_attn import flash_attn_interface  # noqa: PLC0415
 
     made, checks = [], []
     real, real_checks = P.template, flash_attn_interface._dense_checks
     monkeypatch.setattr(P, "template", lambda *a: made.append(1) or real(*a))
     monkeypatch.setattr(flash_attn_interface, "_dense_checks", lambda *a: checks.append(1) or real_checks(*a))
+    keys = _known_keys(monkeypatch)
     described, calls_described = _described(monkeypatch), []
     g = torch.Generator().manual_seed(4)
     for layout in ("contiguous", "hf"):
@@ -643,18 +643,33 @@ def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, gener
             calls_described.append(len(described))
             assert launches == list(_forward_plan(q, k, v).launches), (layout, length)
     assert made == [1]  # one template for both layouts (strides are filled in too), every length filled in
-    # described: the first call, the class's first, and the two lengths met again
-    assert checks == [1] and calls_described == [1, 1, 0, 0, 1, 0, 0, 0, 0, 1]
-    # the first call, the class's first two, then its lane; and the two lengths met again
-    assert known_lookups == ["forward"] * 5 and general_route == []
-    assert type(_class_key()) is validation.KeyLengths
+    assert checks == [1] and calls_described == [1, 1] + [0] * 8  # the first call, the class's first
+    assert [type(key) for key in keys] == [int] + [validation.KeyLengths] * 9
+    assert keys[4] == keys[1] and keys[9] == keys[6]  # 57 met again: its signature's key
+    assert len({key.shared for key in keys[1:]}) == 1 and len({key.own for key in keys[1:]}) == 7
+    assert general_route == []
+
+
+def _known_keys(monkeypatch) -> list:
+    """The keys of the forward calls that take the known route from now on."""
+    keys: list = []
+    real = dispatch.run_known
+
+    def run_known(op, device, call, *args):
+        if op == "forward":
+            keys.append(call)
+        return real(op, device, call, *args)
+
+    monkeypatch.setattr(dispatch, "run_known", run_known)
+    return keys
 
 
 def _class_key():
-    """The key of flash_attn_func's one class of signatures (checked_call's)."""
-    [key] = [found[1] for (tag, *rest), found in validation._checked.items() if tag == "flash_attn_func"
-             and rest[0] == "class"]
-    return key
+    """What flash_attn_func's one class of signatures holds (checked_call's: the checks' result and
+    the class's key)."""
+    [found] = [found for (tag, *rest), found in validation._checked.items() if tag == "flash_attn_func"
+               and rest[0] == "class"]
+    return found
 
 
 def test_calls_outside_a_key_length_class_are_checked_and_planned_on_their_own(launches, monkeypatch):
@@ -672,7 +687,7 @@ def test_calls_outside_a_key_length_class_are_checked_and_planned_on_their_own(l
     q, k, v = _growing("hf", 40, g)
     flash_attn_func(q, k, v, causal=True)
     class_key = _class_key()
-    assert type(class_key) is validation.KeyLengths and checks == [1]
+    assert checks == [1]
     with pytest.raises(ValueError, match="k and v must agree"):
         flash_attn_func(q, k, v[:, :39], causal=True)
     with pytest.raises(ValueError, match="contiguous last dimension"):
@@ -747,6 +762,7 @@ def test_training_calls_of_a_key_length_class_compute_what_the_oracle_does(inter
 
     monkeypatch.setattr(validation, "_checked", {})
 
+    keys = _known_keys(monkeypatch)
     g = torch.Generator().manual_seed(9)
     for length in (9, 23, 9, 16):
         q, k, v = _growing("hf", length, g)
@@ -756,7 +772,8 @@ def test_training_calls_of_a_key_length_class_compute_what_the_oracle_does(inter
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out = flash_attn_func(qg, kg, vg, causal=True)
         out.backward(dout)
-        assert dispatch.last_backend() == "interpret" and type(_class_key()) is validation.KeyLengths
+        assert dispatch.last_backend() == "interpret"
         check_close(out, ref.out, naive.out, torch.float16, f"out ({length} keys)")
         for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, torch.float16, f"{name} ({length} keys)", grad=True, floor=floor)
+    assert [type(key) for key in keys] == [int, validation.KeyLengths, int, validation.KeyLengths]

@@ -732,31 +732,31 @@ def stubbed_launches():
 
 def test_overhead_growing_cache_is_one_class_of_signatures_on_one_template(stubbed_launches, monkeypatch):
     """The growing cache's decode step (Hugging Face's ``generate()`` without a static cache): every
-    call has a key length no call had, so a signature of its own, but all are one class
-    (:class:`flash_attn.validation.KeyLengths`): checked once, and the aot backend holds one
-    template for it, filled in per call (no plan, no executable per key length)."""
+    call has a key length no call had, so a signature of its own, but all are one class: checked
+    once, and the aot backend fills each new length's plan in from the class's one template (no
+    description, no planning), held under the length's own key."""
     from flash_attn import flash_attn_interface, validation  # noqa: PLC0415
     from flash_attn.bench import overhead  # noqa: PLC0415
+    from flash_attn.planning import plan as P  # noqa: PLC0415
 
     step = overhead._calls(torch.device("cpu"))["growing cache decode"]
     plans = overhead.aot._device_images(torch.device("cpu")).plans
     monkeypatch.setattr(validation, "_checked", {})  # (earlier benchmarks in this process checked these lengths)
-    checks = []
-    real_checks = flash_attn_interface._dense_checks
+    checks, described = [], []
+    real_checks, real_describe = flash_attn_interface._dense_checks, P.describe_forward
     monkeypatch.setattr(flash_attn_interface, "_dense_checks", lambda *a: checks.append(1) or real_checks(*a))
+    monkeypatch.setattr(P, "describe_forward", lambda *a: described.append(1) or real_describe(*a))
     before = stubbed_launches()
-    for _ in range(2):  # the first (its own plan, the template), the class's first (held for the class)
+    for _ in range(2):  # the first (planned: the template), the class's first (its template found)
         step()
-    held = dict(plans._values)
+    held = len(plans)
     for _ in range(28):
         step()
     assert stubbed_launches() == before + 30
-    assert plans._values == held  # nothing planned or held per key length
     own = [key for key in validation._checked if key[0] == "flash_attn_func" and len(key) == 2]
-    [class_key] = [found[1] for key, found in validation._checked.items() if key[:2] == ("flash_attn_func", "class")]
-    assert len(own) == 30 and type(class_key) is validation.KeyLengths  # 30 signatures of one class
-    assert checks == [1]
-    assert [type(value).__name__ for value in held.values()].count("PerCall") == 1
+    assert len(own) == 30 and checks == [1] and described == [1, 1]  # 30 signatures of one class
+    assert len(plans) == held + 28  # each length's own executable, nothing else
+    assert [type(value).__name__ for value in plans._values.values()].count("PerCall") == 1
 
 
 def test_overhead_repeats_one_captured_aot_launch(stubbed_launches):
