@@ -53,7 +53,7 @@ import torch
 from flash_attn import environ
 from flash_attn.backends.contract import LANE_OPS, Backend
 from flash_attn.planning.plan import Refusal
-from flash_attn.validation import CHECKED_LIMIT
+from flash_attn.validation import CHECKED_LIMIT, KeyLengths
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
 STRICT_ENV = "FLASH_ATTN_STRICT_BACKEND"
@@ -358,13 +358,22 @@ def run_lane(op: str, call: int, *args):
     signature: the call's tensors to the held plan's launches, nothing looked up or described. It
     is held once the known route has run the signature with aligned pointers
     (:func:`run_known`). The caller makes sure what :func:`run_known` asks: an eager call without
-    dropout, its values checked where they are. A backend failure is left to the usual route."""
+    dropout, its values checked where they are. A backend failure is left to the usual route.
+    A signature of a :class:`~flash_attn.validation.KeyLengths` class without a lane of its own
+    takes the class's (``Backend.class_lane``, held from the class's second signature on the known
+    route): its plan filled in from the class's template, nothing described."""
     lanes = _chains.get((_backend_setting(), _strict_setting(), "lanes"))
-    lane = None if lanes is None else lanes.get((op, call))
+    if lanes is None:
+        return None
+    lane = lanes.get((op, call))
+    if lane is not None:
+        name, run = lane
+        return None if name in _failed else _ran_on(name, run, *args)
+    lane = lanes.get((op, _CLASS, call.shared)) if type(call) is KeyLengths else None
     if lane is None:
         return None
     name, run = lane
-    return None if name in _failed else _ran_on(name, run, *args)
+    return None if name in _failed else _ran_on(name, run, call, *args)
 
 
 def _ran_on(name: str, run: Callable, *args):
@@ -387,11 +396,12 @@ def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
     lane, if any, did not take it): from the signature's second such call, hold the backend's lane
     of it, made anew from the plans it holds now, or forget the lane while it holds none for aligned
     pointers (the next call asks again). A signature met once (a growing cache's new key length in
-    a model's first layer) makes none. Lanes are held beside the chain, under the same settings
-    (:func:`reset` and a new chain forget them), at most
-    :data:`~flash_attn.validation.CHECKED_LIMIT` signatures (then forgotten all at once)."""
-    make = _load(name)[0].lane
-    if make is None:
+    a model's first layer) makes none; the signatures of a :class:`~flash_attn.validation.KeyLengths`
+    class, from the class's second on the known route, hold the class's lane. Lanes are held beside
+    the chain, under the same settings (:func:`reset` and a new chain forget them), at most
+    :data:`~flash_attn.validation.CHECKED_LIMIT` of them (then forgotten all at once)."""
+    backend = _load(name)[0]
+    if backend.lane is None:
         return
     key = (_backend_setting(), _strict_setting(), "lanes")
     lanes = _chains.get(key)
@@ -399,14 +409,25 @@ def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
         lanes = _chains[key] = {}
     if len(lanes) >= CHECKED_LIMIT:
         lanes.clear()
-    if (op, call) not in lanes:
-        lanes[op, call] = None  # met once
+    _hold(lanes, (op, call), name, lambda: backend.lane(op, device, call))
+    if type(call) is KeyLengths and backend.class_lane is not None:
+        _hold(lanes, (op, _CLASS, call.shared), name, lambda: backend.class_lane(op, device, call.shared))
+
+
+_CLASS = "class"  # (op, _CLASS, the class's key): a class's lane among the signatures' (op, key)
+
+
+def _hold(lanes: dict, key: tuple, name: str, make: Callable) -> None:
+    """The second time ``key`` is met, and after, hold the lane ``make()`` gives (forgotten while
+    it gives none); the first time, remember that it was met."""
+    if key not in lanes:
+        lanes[key] = None  # met once
         return
-    run = make(op, device, call)
+    run = make()
     if run is None:
-        lanes.pop((op, call), None)
+        lanes.pop(key, None)
         return
-    lanes[op, call] = (name, run)
+    lanes[key] = (name, run)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -466,7 +466,7 @@ class KernelBackend:
         if isinstance(found, Refusal):
             return None
         target, cache = found
-        class_key = (planner, ("key lengths", shared, *key[1:]), target)  # the same alignment as the call's
+        class_key = (planner, _class_plan_key(shared, key[1:]), target)  # the same alignment as the call's
         held = cache.peek(class_key)
         if held is None:
             described = shape()
@@ -510,6 +510,40 @@ class KernelBackend:
 
         return run_lane
 
+    def class_lane(self, op: str, device, shared: int) -> Optional[Callable[..., Optional[tuple]]]:
+        """The lane of the signatures of :class:`~flash_attn.validation.KeyLengths` class ``shared``
+        (:func:`flash_attn.dispatch.run_lane`): ``(call, *the known route's arguments)`` -> its
+        results, by the executable held for the call's signature, or where none is yet, filled in
+        from the class's template with the call's tensors and held for it (what the known route
+        does, :meth:`_class_member`), nothing described; ``None`` while the class holds no template
+        for aligned pointers. It gives ``None`` where :meth:`lane` does."""
+        planner, slots_of = _LANES[op]
+        found = self.target_and_plans(device)
+        if isinstance(found, Refusal):
+            return None
+        target, cache = found
+        held = cache.peek((planner, _class_plan_key(shared, ((), True)), target))
+        if held is None:
+            return None
+        if isinstance(held, Refusal):
+            return _refused_lane
+        generation, plans_now, run, filled, template = (cache.generation, self.target_and_plans, self.run,
+                                                        self.filled, held.template)
+
+        def run_class_lane(call, *args) -> Optional[tuple]:
+            now = plans_now(device)
+            if type(now) is not tuple or now[1] is not cache or cache.generation != generation:
+                return None
+            inputs, no_s_dmask = slots_of(*args)
+            if not _all_aligned(inputs.values()):
+                return None
+            executable = cache.get((planner, (call.own, (), True), target),
+                                   lambda: filled(template, tensor_numbers(inputs)))
+            results = run(executable, inputs, device)
+            return (*results, None) if no_s_dmask else results
+
+        return run_class_lane
+
     def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
         """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its
         plans or images do not serve (its plain ``forward``/``backward``/``forward_kvcache``
@@ -518,7 +552,8 @@ class KernelBackend:
                        {"forward": self.prepare_forward, "backward": self.prepare_backward,
                         "forward_kvcache": self.prepare_forward_kvcache}, failure=failure,
                        known={"forward": self.known_forward, "backward": self.known_backward,
-                              "forward_kvcache": self.known_forward_kvcache}, lane=self.lane)
+                              "forward_kvcache": self.known_forward_kvcache}, lane=self.lane,
+                       class_lane=self.class_lane)
 
     def forward(self, *args, **kwargs):
         return _run_or_raise(self.name, "forward", self.prepare_forward(*args, **kwargs))
@@ -570,6 +605,12 @@ def _plan_key(call, tensors: tuple, more: tuple = (), seed: Optional[torch.Tenso
         return call, more, True
     aligned = tuple(t is None or t.data_ptr() % limits.POINTER_ALIGNMENT == 0 for t in (*tensors, seed))
     return call, more, aligned
+
+
+def _class_plan_key(shared: int, rest: tuple) -> tuple:
+    """The plan key under which a :class:`~flash_attn.validation.KeyLengths` class's template is
+    held (never a call's own), ``rest`` what a plan key holds after the call's key (alignment)."""
+    return ("key lengths", shared, *rest)
 
 
 def _all_aligned(tensors) -> bool:

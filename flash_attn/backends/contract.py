@@ -58,6 +58,9 @@ Known = Callable[..., Optional[tuple]]
 # lane(op, device, call) -> (the known route's arguments -> its results, or None: the lane does not
 # take the call), or None: no lane for the signature yet (see :func:`flash_attn.dispatch.run_lane`).
 Lane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
+# class_lane(op, device, shared) -> ((call, *the known route's arguments) -> its results, or None), or
+# None: no lane for the validation.KeyLengths class ``shared`` yet (see :func:`flash_attn.dispatch.run_lane`).
+ClassLane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
 
 
 @dataclass(slots=True)
@@ -71,7 +74,9 @@ class Backend:
     routes for eager calls with a checked signature, by the plan the backend holds for it (the
     kernel backends; :func:`flash_attn.dispatch.run_known`). ``lane``: optional, the lane of a
     signature's later eager calls once the known route has run one (the kernel backends;
-    :func:`flash_attn.dispatch.run_lane`). ``failure``: the
+    :func:`flash_attn.dispatch.run_lane`); ``class_lane``: optional, the lane of the signatures of
+    a class whose new signatures' plans are filled in from the class's template
+    (:class:`~flash_attn.validation.KeyLengths`). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
     the next backend. ``settings_error()``: why the backend's own environment settings are invalid
@@ -87,6 +92,7 @@ class Backend:
     settings_error: Callable[[], Optional[str]] = lambda: None
     known: Mapping[str, Known] = field(default_factory=lambda: MappingProxyType({}))
     lane: Optional[Lane] = None
+    class_lane: Optional[ClassLane] = None
 
     def __post_init__(self):
         if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS) or not set(self.known) <= set(OPS):

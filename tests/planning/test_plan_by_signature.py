@@ -623,8 +623,8 @@ def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, gener
     """Every key length of both layouts is one class of signatures: checked once, on the first
     call; each later signature has a validation.KeyLengths key, and its first call is filled in
     from the class's one template (described once, at the class's first such call) and held under
-    the signature's own key, which a length met again finds: each call's launches are the planner's
-    own for its length."""
+    the signature's own key, which a length met again finds, on the known route and then on the
+    class's lane: each call's launches are the planner's own for its length."""
     from flash_attn import flash_attn_interface  # noqa: PLC0415
 
     made, checks = [], []
@@ -644,10 +644,10 @@ def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, gener
             assert launches == list(_forward_plan(q, k, v).launches), (layout, length)
     assert made == [1]  # one template for both layouts (strides are filled in too), every length filled in
     assert checks == [1] and calls_described == [1, 1] + [0] * 8  # the first call, the class's first
-    assert [type(key) for key in keys] == [int] + [validation.KeyLengths] * 9
-    assert keys[4] == keys[1] and keys[9] == keys[6]  # 57 met again: its signature's key
-    assert len({key.shared for key in keys[1:]}) == 1 and len({key.own for key in keys[1:]}) == 7
-    assert general_route == []
+    # on the known route: the first call, and the class's first two joining calls, which hold the
+    # class's lane for every later one (57 met again: its signature's plan, held)
+    assert [type(key) for key in keys] == [int, validation.KeyLengths, validation.KeyLengths]
+    assert keys[1].shared == keys[2].shared and keys[1].own != keys[2].own and general_route == []
 
 
 def _known_keys(monkeypatch) -> list:
@@ -702,6 +702,25 @@ def test_calls_outside_a_key_length_class_are_checked_and_planned_on_their_own(l
         if not kwargs:
             assert launches == list(plan.launches) and plan.prepare  # copied into the kernels' layout first
     assert checks == [1, 1, 1] and _class_key() == class_key
+
+
+def test_forgotten_plans_close_a_key_length_classs_lane(launches, monkeypatch):
+    """The class's lane serves only the plans it came from: once they are forgotten (the tuning
+    sweep), a new length takes the known route again, is described and planned afresh, and runs
+    the planner's plan; the class's lane is held again from it."""
+    keys = _known_keys(monkeypatch)
+    g = torch.Generator().manual_seed(10)
+    for length in (40, 41, 42, 43):
+        flash_attn_func(*_growing("hf", length, g), causal=True)
+    assert len(keys) == 3  # the fourth on the class's lane
+    triton_backend._backend.forget_plans()
+    described = _described(monkeypatch)
+    for length in (44, 45, 46, 47):
+        q, k, v = _growing("hf", length, g)
+        launches.clear()
+        flash_attn_func(q, k, v, causal=True)
+        assert launches == list(_forward_plan(q, k, v).launches), length
+    assert len(keys) == 4 and len(described) == 1 + 4  # 44 on the known route, described; 4 by the test
 
 
 def test_a_misaligned_member_of_a_key_length_class_gets_its_own_plan(launches):
