@@ -366,12 +366,10 @@ def run_lane(op: str, call: int, *args):
     if lanes is None:
         return None
     lane = lanes.get((op, call))
-    if lane is not None:
-        name, run = lane
-        return None if name in _failed else _ran_on(name, run, *args)
-    lane = lanes.get((op, _CLASS, call.shared)) if type(call) is KeyLengths else None
     if lane is None:
-        return None
+        lane = lanes.get((op, _CLASS, call.shared)) if type(call) is KeyLengths else None
+        if lane is None:
+            return None
     name, run = lane
     return None if name in _failed else _ran_on(name, run, call, *args)
 

@@ -480,35 +480,22 @@ class KernelBackend:
 
     def lane(self, op: str, device, call: int) -> Optional[Callable[..., Optional[tuple]]]:
         """The lane of ``op``'s eager calls of checked signature ``call`` on ``device``
-        (:func:`flash_attn.dispatch.run_lane`): the known route's arguments -> its results, by the
-        executable held for the signature with aligned pointers, with nothing else looked up or
+        (:func:`flash_attn.dispatch.run_lane`): ``(call, *the known route's arguments)`` -> its
+        results, by the executable held for the signature with aligned pointers, nothing else looked up or
         described; ``None`` while none is held (the call has not run on the known route with
         aligned pointers). The lane gives ``None`` for a call whose pointers are not all aligned,
         for every call where the backend refuses the signature, and once the plans it came from
         are forgotten or replaced."""
-        planner, slots_of = _LANES[op]
         found = self.target_and_plans(device)
         if isinstance(found, Refusal):
             return None
         target, cache = found
-        executable = cache.peek((planner, (own_key(call), (), True), target))  # the key of _plan_key's aligned calls
+        executable = cache.peek((_LANES[op][0], (own_key(call), (), True), target))  # _plan_key's aligned calls' key
         if executable is None:
             return None
         if isinstance(executable, Refusal):
             return _refused_lane
-        generation, plans_now, run = cache.generation, self.target_and_plans, self.run
-
-        def run_lane(*args) -> Optional[tuple]:
-            now = plans_now(device)
-            if type(now) is not tuple or now[1] is not cache or cache.generation != generation:
-                return None
-            inputs, no_s_dmask = slots_of(*args)
-            if not _all_aligned(inputs.values()):
-                return None
-            results = run(executable, inputs, device)
-            return (*results, None) if no_s_dmask else results
-
-        return run_lane
+        return self._lane_runner(op, device, target, cache, executable)
 
     def class_lane(self, op: str, device, shared: int) -> Optional[Callable[..., Optional[tuple]]]:
         """The lane of the signatures of :class:`~flash_attn.validation.KeyLengths` class ``shared``
@@ -517,32 +504,37 @@ class KernelBackend:
         from the class's template with the call's tensors and held for it (what the known route
         does, :meth:`_class_member`), nothing described; ``None`` while the class holds no template
         for aligned pointers. It gives ``None`` where :meth:`lane` does."""
-        planner, slots_of = _LANES[op]
         found = self.target_and_plans(device)
         if isinstance(found, Refusal):
             return None
         target, cache = found
-        held = cache.peek((planner, _class_plan_key(shared, ((), True)), target))
+        held = cache.peek((_LANES[op][0], _class_plan_key(shared, ((), True)), target))
         if held is None:
             return None
         if isinstance(held, Refusal):
             return _refused_lane
-        generation, plans_now, run, filled, template = (cache.generation, self.target_and_plans, self.run,
-                                                        self.filled, held.template)
+        return self._lane_runner(op, device, target, cache, held)
 
-        def run_class_lane(call, *args) -> Optional[tuple]:
+    def _lane_runner(self, op: str, device, target, cache: PlanCache, held) -> Callable[..., Optional[tuple]]:
+        """``(call, *the known route's arguments) -> results`` of a lane: by ``held``, an executable,
+        or where ``held`` is a :class:`PerCall`, by the executable held for the call's signature,
+        filled in from ``held``'s template where none is yet."""
+        planner, slots_of = _LANES[op]
+        generation, plans_now, run, filled = cache.generation, self.target_and_plans, self.run, self.filled
+
+        def run_lane(call, *args) -> Optional[tuple]:
             now = plans_now(device)
             if type(now) is not tuple or now[1] is not cache or cache.generation != generation:
                 return None
             inputs, no_s_dmask = slots_of(*args)
             if not _all_aligned(inputs.values()):
                 return None
-            executable = cache.get((planner, (call.own, (), True), target),
-                                   lambda: filled(template, tensor_numbers(inputs)))
+            executable = held if type(held) is not PerCall else cache.get(
+                (planner, (call.own, (), True), target), lambda: filled(held.template, tensor_numbers(inputs)))
             results = run(executable, inputs, device)
             return (*results, None) if no_s_dmask else results
 
-        return run_class_lane
+        return run_lane
 
     def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
         """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its

@@ -55,8 +55,8 @@ Direct = Callable[..., Optional[tuple]]
 # known(device, call, *tensors and options) -> the op's results by the call's checked signature, or
 # None: the backend refuses the call (see :func:`flash_attn.dispatch.run_known` for the arguments).
 Known = Callable[..., Optional[tuple]]
-# lane(op, device, call) -> (the known route's arguments -> its results, or None: the lane does not
-# take the call), or None: no lane for the signature yet (see :func:`flash_attn.dispatch.run_lane`).
+# lane(op, device, call) -> ((call, *the known route's arguments) -> its results, or None: the lane
+# does not take the call), or None: no lane for the signature yet (see :func:`flash_attn.dispatch.run_lane`).
 Lane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
 # class_lane(op, device, shared) -> ((call, *the known route's arguments) -> its results, or None), or
 # None: no lane for the validation.KeyLengths class ``shared`` yet (see :func:`flash_attn.dispatch.run_lane`).
