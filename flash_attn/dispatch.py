@@ -53,7 +53,8 @@ import torch
 from flash_attn import environ
 from flash_attn.backends.contract import LANE_OPS, Backend
 from flash_attn.planning.plan import Refusal
-from flash_attn.validation import CHECKED_LIMIT, KeyLengths
+from flash_attn.params import KeyLengths
+from flash_attn.validation import CHECKED_LIMIT
 
 BACKEND_ENV = "FLASH_ATTN_BACKEND"
 STRICT_ENV = "FLASH_ATTN_STRICT_BACKEND"
@@ -359,7 +360,7 @@ def run_lane(op: str, call: int, *args):
     is held once the known route has run the signature with aligned pointers
     (:func:`run_known`). The caller makes sure what :func:`run_known` asks: an eager call without
     dropout, its values checked where they are. A backend failure is left to the usual route.
-    A signature of a :class:`~flash_attn.validation.KeyLengths` class without a lane of its own
+    A signature of a :class:`~flash_attn.params.KeyLengths` class without a lane of its own
     takes the class's (``Backend.class_lane``, held from the class's second signature on the known
     route): its plan filled in from the class's template, nothing described."""
     lanes = _chains.get((_backend_setting(), _strict_setting(), "lanes"))
@@ -394,7 +395,7 @@ def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
     lane, if any, did not take it): from the signature's second such call, hold the backend's lane
     of it, made anew from the plans it holds now, or forget the lane while it holds none for aligned
     pointers (the next call asks again). A signature met once (a growing cache's new key length in
-    a model's first layer) makes none; the signatures of a :class:`~flash_attn.validation.KeyLengths`
+    a model's first layer) makes none; the signatures of a :class:`~flash_attn.params.KeyLengths`
     class, from the class's second on the known route, hold the class's lane. Lanes are held beside
     the chain, under the same settings (:func:`reset` and a new chain forget them), at most
     :data:`~flash_attn.validation.CHECKED_LIMIT` of them (then forgotten all at once)."""

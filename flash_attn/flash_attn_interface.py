@@ -163,7 +163,7 @@ def _batch_signature(tensors: tuple, scalars: tuple) -> Optional[tuple]:
 
 def _key_length_class(tensors: tuple, scalars: tuple) -> Optional[tuple]:
     """The signature a dense call shares with the calls that differ from it only in k and v's key
-    length and strides (:class:`flash_attn.validation.KeyLengths`; a growing KV cache): the other
+    length and strides (:class:`flash_attn.params.KeyLengths`; a growing KV cache): the other
     arguments' signature and what the checks read of k and v but those (their other sizes, dtype
     and device; a stride-1 last dimension, which their layout below implies). ``None`` (checked
     on its own) with dropout or the probabilities asked for, or where k and v do not have one key

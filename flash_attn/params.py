@@ -11,6 +11,25 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 
+class KeyLengths(NamedTuple):
+    """The key :func:`flash_attn.validation.checked_call` gives the signatures that join a class of
+    dense calls that differ only in k and v's key length and strides (a KV cache kept as growing
+    tensors: Hugging Face's ``generate()`` passes one more key every step; the signature that made
+    the class has a plain key): ``own``, the signature's own, under which the layers below hold its
+    plans, and
+    ``shared``, the class's, under which they hold what serves every signature of the class (the
+    forward's template plan, filled in from a new signature's k and v,
+    :mod:`flash_attn.planning.extents`)."""
+
+    shared: int
+    own: int
+
+
+def own_key(key):
+    """The key of a call's own signature: ``key`` itself, or a :class:`KeyLengths`'s ``own``."""
+    return key.own if type(key) is KeyLengths else key
+
+
 class AttentionParams(NamedTuple):
     """Scalar options of an attention call (a named tuple: made on every call, and a tuple is
     the cheapest immutable record).
@@ -30,10 +49,10 @@ class AttentionParams(NamedTuple):
     # very same mask from it. A plain int works too (tests, direct backend calls).
     dropout_seed: Union[int, torch.Tensor] = 0
     # The public function's checked call signature (:func:`flash_attn.validation.checked_call`'s
-    # int for it), when it made one: everything but the data pointers that decides this call's
-    # plan, so the kernel backends find the plan by it without describing the call again.
-    # ``None``: describe.
-    call: Optional[int] = None
+    # int for it, or a :class:`KeyLengths`), when it made one: everything but the data pointers
+    # that decides this call's plan, so the kernel backends find the plan by it without
+    # describing the call again. ``None``: describe.
+    call: Optional[Union[int, KeyLengths]] = None
 
     @property
     def is_local(self) -> bool:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from flash_attn import environ
 from flash_attn.limits import INT32_MAX, MAX_HEADDIM, cdiv
-from flash_attn.params import cache_capacity
+from flash_attn.params import KeyLengths, cache_capacity
 
 # With FLASH_ATTN_DEBUG=1 the values of device tensors are checked on the host too (reading them
 # waits for the device); otherwise only CPU tensors are (see check_values).
@@ -469,24 +469,6 @@ def packed_rows(total: int) -> int:
     empty tensor), ``total`` beyond int32 (the kernels then take it as a plan constant), else -1:
     any count, taken per call."""
     return -1 if 0 < total <= INT32_MAX else total
-
-
-class KeyLengths(NamedTuple):
-    """The key :func:`checked_call` gives the signatures that join a class of dense calls that
-    differ only in k and v's key length and strides (a KV cache kept as growing tensors: Hugging
-    Face's ``generate()`` passes one more key every step; the signature that made the class has a
-    plain key): ``own``, the signature's own, under which the layers below hold its plans, and
-    ``shared``, the class's, under which they hold what serves every signature of the class (the
-    forward's template plan, filled in from a new signature's k and v,
-    :mod:`flash_attn.planning.extents`)."""
-
-    shared: int
-    own: int
-
-
-def own_key(key):
-    """The key of a call's own signature: ``key`` itself, or a :class:`KeyLengths`'s ``own``."""
-    return key.own if type(key) is KeyLengths else key
 
 
 def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Optional[Callable] = None,

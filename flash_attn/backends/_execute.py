@@ -22,11 +22,10 @@ import torch
 
 from flash_attn import limits
 from flash_attn.backends.contract import LANE_OPS, Backend
-from flash_attn.params import AttentionParams
+from flash_attn.params import AttentionParams, KeyLengths, own_key
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import Refusal
-from flash_attn.validation import KeyLengths, own_key
 
 __all__ = ["KernelBackend", "PlanCache", "execute", "forward_inputs", "backward_inputs", "kvcache_inputs"]
 
@@ -217,7 +216,7 @@ def launch_kwargs(launch: P.Launch, tensors: dict) -> dict:
 
 class PerCall(NamedTuple):
     """What a backend holds for a class of calls whose plans differ only in numbers each call
-    gives (:class:`~flash_attn.validation.KeyLengths`: k and v's key length and strides): the
+    gives (:class:`~flash_attn.params.KeyLengths`: k and v's key length and strides): the
     :meth:`KernelBackend.executable` of their template plan, which each new signature's first
     call fills in from its tensors (:meth:`KernelBackend._class_member`)."""
 
@@ -455,7 +454,7 @@ class KernelBackend:
         return None if isinstance(executable, Refusal) else executable
 
     def _class_member(self, device, planner, shared: int, key: tuple, inputs: dict, shape: Callable):
-        """The executable of a signature that joined a :class:`~flash_attn.validation.KeyLengths`
+        """The executable of a signature that joined a :class:`~flash_attn.params.KeyLengths`
         class (``shared``: the class's key; ``key``: the call's plan key, of the signature's own),
         held under ``key``: filled in from the call's tensors with the class's template (held for the
         class as :class:`PerCall` from its first such call with these pointers' alignment, whose
@@ -498,7 +497,7 @@ class KernelBackend:
         return self._lane_runner(op, device, target, cache, executable)
 
     def class_lane(self, op: str, device, shared: int) -> Optional[Callable[..., Optional[tuple]]]:
-        """The lane of the signatures of :class:`~flash_attn.validation.KeyLengths` class ``shared``
+        """The lane of the signatures of :class:`~flash_attn.params.KeyLengths` class ``shared``
         (:func:`flash_attn.dispatch.run_lane`): ``(call, *the known route's arguments)`` -> its
         results, by the executable held for the call's signature, or where none is yet, filled in
         from the class's template with the call's tensors and held for it (what the known route
@@ -600,7 +599,7 @@ def _plan_key(call, tensors: tuple, more: tuple = (), seed: Optional[torch.Tenso
 
 
 def _class_plan_key(shared: int, rest: tuple) -> tuple:
-    """The plan key under which a :class:`~flash_attn.validation.KeyLengths` class's template is
+    """The plan key under which a :class:`~flash_attn.params.KeyLengths` class's template is
     held (never a call's own), ``rest`` what a plan key holds after the call's key (alignment)."""
     return ("key lengths", shared, *rest)
 

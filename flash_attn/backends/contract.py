@@ -59,7 +59,7 @@ Known = Callable[..., Optional[tuple]]
 # does not take the call), or None: no lane for the signature yet (see :func:`flash_attn.dispatch.run_lane`).
 Lane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
 # class_lane(op, device, shared) -> ((call, *the known route's arguments) -> its results, or None), or
-# None: no lane for the validation.KeyLengths class ``shared`` yet (see :func:`flash_attn.dispatch.run_lane`).
+# None: no lane for the params.KeyLengths class ``shared`` yet (see :func:`flash_attn.dispatch.run_lane`).
 ClassLane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
 
 
@@ -76,7 +76,7 @@ class Backend:
     signature's later eager calls once the known route has run one (the kernel backends;
     :func:`flash_attn.dispatch.run_lane`); ``class_lane``: optional, the lane of the signatures of
     a class whose new signatures' plans are filled in from the class's template
-    (:class:`~flash_attn.validation.KeyLengths`). ``failure``: the
+    (:class:`~flash_attn.params.KeyLengths`). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
     the next backend. ``settings_error()``: why the backend's own environment settings are invalid

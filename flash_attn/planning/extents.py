@@ -37,7 +37,7 @@ class Extent(NamedTuple):
 
     def read(self, sizes, strides) -> int:
         """The number in a tensor of ``sizes`` and ``strides`` (the call's tensor ``slot``: a
-        call of a class that leaves it to each call, :class:`flash_attn.validation.KeyLengths`,
+        call of a class that leaves it to each call, :class:`flash_attn.params.KeyLengths`,
         is not described)."""
         size = sizes[self.dim]
         if not self.stride:

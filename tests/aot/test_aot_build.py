@@ -386,11 +386,12 @@ def test_a_new_key_length_is_written_from_its_template(manifest, monkeypatch):
 
 
 def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest, monkeypatch):
-    """The public calls of a growing cache (one class of signatures, flash_attn.validation.KeyLengths:
+    """The public calls of a growing cache (one class of signatures, flash_attn.params.KeyLengths:
     the ``aot`` backend holds one template for it and writes each call's plan from the call's own k
     and v): each call's plan tensor is the one the planner's own plan of that call packs to (CPU
     tensors, the launch itself left out)."""
     from flash_attn import dispatch, flash_attn_func, validation  # noqa: PLC0415
+    from flash_attn.params import KeyLengths  # noqa: PLC0415
 
     _library_or_skip()
     images = images_for(monkeypatch, manifest, (9, 0))
@@ -414,8 +415,7 @@ def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest,
         assert torch.equal(written[-1], want.launches.plan), length
     # on the known route: the first length (planned, a plain key), the class's first two joining
     # lengths (filled in; then the class's lane fills the later ones), 1000 met again (its held plan)
-    assert len(written) == 6 and [type(key) for key in keys] == [int, validation.KeyLengths, validation.KeyLengths,
-                                                                  int]
+    assert len(written) == 6 and [type(key) for key in keys] == [int, KeyLengths, KeyLengths, int]
 
 
 def test_build_report_tensor_cores_and_spills(report):

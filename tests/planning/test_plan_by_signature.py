@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, validation
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, params, validation
 from flash_attn.backends import triton as triton_backend
 from flash_attn.backends._execute import PlanCache
 from flash_attn.planning import plan as P
@@ -621,7 +621,7 @@ def _growing(layout: str, length: int, g) -> list:
 
 def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, general_route, monkeypatch):
     """Every key length of both layouts is one class of signatures: checked once, on the first
-    call; each later signature has a validation.KeyLengths key, and its first call is filled in
+    call; each later signature has a params.KeyLengths key, and its first call is filled in
     from the class's one template (described once, at the class's first such call) and held under
     the signature's own key, which a length met again finds, on the known route and then on the
     class's lane: each call's launches are the planner's own for its length."""
@@ -646,7 +646,7 @@ def test_a_new_key_length_is_filled_in_from_its_layouts_template(launches, gener
     assert checks == [1] and calls_described == [1, 1] + [0] * 8  # the first call, the class's first
     # on the known route: the first call, and the class's first two joining calls, which hold the
     # class's lane for every later one (57 met again: its signature's plan, held)
-    assert [type(key) for key in keys] == [int, validation.KeyLengths, validation.KeyLengths]
+    assert [type(key) for key in keys] == [int, params.KeyLengths, params.KeyLengths]
     assert keys[1].shared == keys[2].shared and keys[1].own != keys[2].own and general_route == []
 
 
@@ -795,4 +795,4 @@ def test_training_calls_of_a_key_length_class_compute_what_the_oracle_does(inter
         check_close(out, ref.out, naive.out, torch.float16, f"out ({length} keys)")
         for t, want, approx, name in zip((qg, kg, vg), ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, torch.float16, f"{name} ({length} keys)", grad=True, floor=floor)
-    assert [type(key) for key in keys] == [int, validation.KeyLengths, int, validation.KeyLengths]
+    assert [type(key) for key in keys] == [int, params.KeyLengths, int, params.KeyLengths]
