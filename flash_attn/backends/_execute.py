@@ -397,13 +397,12 @@ class KernelBackend:
     def known_forward(self, device, call, q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars):
         key = _forward_key(own_key(call), q, k, v, alibi_slopes, sinks, qv, varlen)
         inputs = forward_inputs(q, k, v, None, varlen, alibi_slopes, sinks, qv)
-
-        def shape():
-            return P.describe_forward(q, k, v, _eager_params(scalars, call), varlen, alibi_slopes, return_softmax,
-                                      sinks, qv)
-
         executable = self._held(device, P.plan_forward, key)
         if executable is _MISSING:
+            def shape():  # (made only for a signature's first call)
+                return P.describe_forward(q, k, v, _eager_params(scalars, call), varlen, alibi_slopes,
+                                          return_softmax, sinks, qv)
+
             if type(call) is KeyLengths:
                 executable = self._class_member(device, P.plan_forward, call.shared, key, inputs, shape)
             else:
