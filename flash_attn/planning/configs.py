@@ -157,8 +157,12 @@ _TABLE: dict[tuple[str, str], tuple[Optional[Config], ...]] = {
     # sm120) its 64-key tile on 4 warps spills 1.5 KB (128 keys do not fit): the split kernels there.
     ("bwd_fused", "sm80"): (None, None, _C(16, 128, 8, 2), None, None),
     ("bwd_fused", "sm86"): (None, None, None, None, None),
+    # Head dim 512: the split kernels. The fused kernel (16 x 64 on 4 warps, its columns split over
+    # four programs) ran on an H200 on 2026-11-30 with dQ wrong (fp16, causal, sinks: max error
+    # 1.24) and an illegal address (448/320), where the split kernels matched the oracle
+    # (benchmarks/README.md, "Issue 42, the first GPU window").
     ("bwd_fused", "sm90"): (_C(64, 128, 8, 2), _C(128, 128, 8, 2), _C(64, 128, 8, 3), _C(32, 128, 8, 2, dq_tma=True),
-                             _C(16, 64, 4, 1)),
+                             None),
     # Datacenter Blackwell (B200/GB200, sm100/sm103): the same shared memory as Hopper; tcgen05
     # MMAs. Its forward is Hopper's (its parent's) until a Blackwell GPU measures its own.
     ("bwd_dkdv", "sm100"): (_C(32, 128, 8, 2), _C(32, 128, 8, 2), _C(32, 64, 8, 1), _C(16, 32, 8, 2), _C(16, 64, 4, 1)),

@@ -161,7 +161,8 @@ def test_beyond_fa2_images_meet_the_static_targets(report):
             and (r["block_d"] == 512 or r.get("block_dv", r["block_d"]) != r["block_d"])]
     built = {(r["arch"], r["kernel"], r["block_d"], r["block_dv"]) for r in rows}
     expected = {("sm_80", k, d, dv) for k in ("attn_fwd_kernel", *R.DETERMINISTIC_KERNELS) for d, dv in ((512, 512), (256, 128))}
-    expected |= {("sm_90a", k, d, dv) for k in kernels for d, dv in ((512, 512), (256, 128))}
+    expected |= {("sm_90a", k, d, dv) for k in kernels for d, dv in ((512, 512), (256, 128))
+                 if k != "attn_bwd_kernel" or configs.fused_backward(d, "sm90") is not None}
     assert expected <= built, sorted(expected - built)
 
     held = {r["key"] + "@" + r["arch"]: R.tensor_core_misses(r) for r in rows}
@@ -240,12 +241,13 @@ def test_sm100a_warp_specialised_forward_candidates(block_d, config):
 
 
 def test_fused_backward_ships_on_hopper_and_datacenter_blackwell():
-    """Where a GPU with wgmma or tensor memory runs it: Hopper and Blackwell at every head dim;
-    of the mma.sync families (the sm_80 code) only the A100 at head dim 128, where 128 keys on 8
+    """Where a GPU with wgmma or tensor memory runs it: Blackwell at every head dim, Hopper at every
+    one but 512 (its fused kernel there failed on an H200, the split kernels passed); of the mma.sync families (the sm_80 code) only the A100 at head dim 128, where 128 keys on 8
     warps replicate no product and keep their loop free of spills (tests/aot/test_mma_sync_floors.py);
     elsewhere Ampere, Ada and consumer Blackwell run the split kernels."""
     dims = (32, 64, 128, 256, 512)
-    assert all(configs.fused_backward(d, family) is not None for d in dims for family in ("sm90", "sm100"))
+    assert all(configs.fused_backward(d, "sm100") is not None for d in dims)
+    assert [d for d in dims if configs.fused_backward(d, "sm90") is None] == [512]
     assert [d for d in dims if configs.fused_backward(d, "sm80") is not None] == [128]
     assert all(configs.fused_backward(d, family) is None for d in dims for family in ("sm86", "sm120"))
 

@@ -357,14 +357,19 @@ def test_amd_head_dim_512_tiles_match_oracle(backend, kind, block_m, block_n, re
 
 def test_qv_backward_runs_on_the_reference_with_one_warning(backend, monkeypatch):
     """The kernels have no backward of qv (FlashAttention-3 has none either): the planner refuses it
-    before anything runs and the reference computes it, with one warning naming why."""
+    before anything runs and the reference computes it, with one warning naming why; under
+    FLASH_ATTN_STRICT_BACKEND=1 (as .ci/gpu-check runs) the refusal raises instead, naming qv."""
     _fresh_warnings(monkeypatch)
     case = Case(F16, 32, 2, 2, seqlen_q=9, seqlen_k=9, headdim_v=48, qv=True)
     inp = make_inputs(case)
     out, lse, _ = run_forward(backend, inp)
+    args = (*(_to(t, backend.device) for t in (inp.dout, inp.q, inp.k, inp.v)), out, lse, inp.params)
+    monkeypatch.setenv(dispatch.STRICT_ENV, "1")
+    with pytest.raises(dispatch.BackendRefusedError, match="qv"):
+        dispatch.run("backward", backend.device, *args, qv=_to(inp.qv, backend.device))
+    monkeypatch.delenv(dispatch.STRICT_ENV)
     with pytest.warns(UserWarning, match="qv"):
-        dispatch.run("backward", backend.device, *(_to(t, backend.device) for t in (inp.dout, inp.q, inp.k, inp.v)),
-                     out, lse, inp.params, qv=_to(inp.qv, backend.device))
+        dispatch.run("backward", backend.device, *args, qv=_to(inp.qv, backend.device))
 
 
 @pytest.fixture
