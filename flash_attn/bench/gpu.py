@@ -587,6 +587,17 @@ def decode_step_reference(inputs: dict):
     return torch.stack(outs).unsqueeze(1)
 
 
+def decode_reference(q, k_cache, v_cache):
+    """A plain decode call's output in float32: every sequence attends over its whole cache (the
+    step's reference with no new key)."""
+    import torch  # noqa: PLC0415
+
+    batch, cachelen = k_cache.shape[:2]
+    none = k_cache[:, :0]
+    return decode_step_reference({"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": None,
+                                  "cache_seqlens": torch.full((batch,), cachelen), "k_new": none, "v_new": none})
+
+
 def decode_step_bytes(case: dict) -> int:
     """Bytes a decode step must move at least: each sequence's cached K and V read (its length and
     the new token), the new k/v written, q read and out written."""
@@ -709,13 +720,14 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory, captur
     for case in decode_cases(config):
         needed = decode_bytes(case)
         skipped = skip_reason(needed, free_memory())
-        tensors = ()
+        tensors, expected = (), None
         if skipped is None:
             dtype = _torch_dtype(case["dtype"])
             g = torch.Generator(device=device).manual_seed(0)
             cache_shape = (case["batch"], case["cachelen"], case["kv_heads"], case["headdim"])
             q = torch.randn((case["batch"], 1, case["heads"], case["headdim"]), device=device, dtype=dtype, generator=g)
             tensors = (q, *(torch.randn(cache_shape, device=device, dtype=dtype, generator=g) for _ in range(2)))
+            expected = decode_reference(*tensors)
         timed = []
         for impl, graphed in itertools.product(impls, (False, True) if d.get("graphs") else (False,)):
             row = dict(case, impl=impl.name, gbytes=needed / 1e9, **({"pass": "decode_graph"} if graphed else {}))
@@ -730,7 +742,10 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory, captur
                 timed.append(Timing(row, impl, call, call.per_replay(timer)))
                 continue
             else:
-                timed.append(Timing(row, impl, lambda impl=impl: impl.decode(*tensors), timer))
+                call = (lambda impl=impl: impl.decode(*tensors))
+                if reasons[impl.name] is None:  # the graphed row replays the call checked here
+                    _check_step(row, impl, call, expected, case["dtype"])
+                timed.append(Timing(row, impl, call, timer, row.get("status") is None))
                 continue
             timed.append(Timing(row, impl, None, timer, False))
         measure_interleaved(timed, reasons, config, device,

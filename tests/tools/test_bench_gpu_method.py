@@ -183,6 +183,30 @@ def test_decode_step_rows(monkeypatch):
     assert len(timed) == 1  # the bandwidth copy only (the stand-in has no plain decode call)
 
 
+def test_plain_decode_rows_are_checked_before_they_are_timed(monkeypatch):
+    """The plain decode rows (one new query over a full cache, nothing appended): ours and SDPA
+    (math) checked against the float32 reference, then timed; a wrong result of ours is an error
+    row, not timed."""
+    config = _config(headdims=[], rounds=1, decode={**gpu.DECODE_SHAPE, "heads": 4, "kv_heads": 2, "headdim": 16,
+                                                     "dtype": "fp32", "batches": [2], "cachelens": [64],
+                                                     "copy_bytes": 1 << 10, "graphs": False, "steps": False})
+    rows = [r for r in gpu.run(config, device="cpu", timer=lambda fn, w, r: [fn(), 1.0][1:] * r,
+                               free_memory=lambda: None) if r["pass"] == "decode"]
+    assert {r["impl"] for r in rows} == {"flash_attn[reference]", "sdpa[math]"}
+    assert all(r["status"] == "ok" and r["check"] == "ok" and r["err_out"] < 1e-5 for r in rows), rows
+
+    wrong = gpu._ours("reference")
+    monkeypatch.setattr(gpu, "_ours", lambda backend: gpu.Implementation(
+        wrong.name, wrong.unavailable, wrong.run, wrong.context, wrong.backend,
+        decode=lambda *a: wrong.decode(*a) * 1.1))
+    timed = []
+    rows = [r for r in gpu.run(dict(config, impls=["flash_attn[reference]"]), device="cpu",
+                               timer=lambda fn, w, r: timed.append(fn) or [1.0] * r, free_memory=lambda: None)
+            if r["pass"] == "decode"]
+    assert len(rows) == 1 and rows[0]["status"] == "error" and "wrong result" in rows[0]["note"]
+    assert len(timed) == 1  # the bandwidth copy only
+
+
 def test_decode_steps_are_on_by_default_and_can_be_left_out():
     config = gpu.config_from_args(cli.build_parser().parse_args(["bench", "gpu", "--decode-batches", "1,8",
                                                                  "--decode-cachelens", "4096"]))
