@@ -192,10 +192,13 @@ def test_the_widest_targets_are_the_tensor_core_ones():
 
 
 # sm_100a: the shipped forward and fused backward (head dim 256 with its gradient columns split),
-# and head dim 512's entries, which Blackwell's JIT runs (no image ships: the only check of them)
+# and head dim 512's entries, which Blackwell's JIT runs (no image ships: the only check of them):
+# its forward and, with no fused backward there, the split kernels
 def _sm100_cases():
     return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in (64, 128, 256, 512)] + \
-        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128, 256, 512)]
+        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128, 256)] + \
+        [(kernel, 512, configs.pick(kind, 512, "sm100"))
+         for kernel, kind in (("attn_bwd_dkdv_kernel", "bwd_dkdv"), ("attn_bwd_dq_kernel", "bwd_dq"))]
 
 
 @pytest.mark.slow
@@ -241,13 +244,13 @@ def test_sm100a_warp_specialised_forward_candidates(block_d, config):
 
 
 def test_fused_backward_ships_on_hopper_and_datacenter_blackwell():
-    """Where a GPU with wgmma or tensor memory runs it: Blackwell at every head dim, Hopper at every
-    one but 512 (its fused kernel there failed on an H200, the split kernels passed); of the mma.sync families (the sm_80 code) only the A100 at head dim 128, where 128 keys on 8
+    """Where a GPU with wgmma or tensor memory runs it: Hopper and Blackwell at every head dim but
+    512 (the fused kernel there failed on an H200, the split kernels passed); of the mma.sync families (the sm_80 code) only the A100 at head dim 128, where 128 keys on 8
     warps replicate no product and keep their loop free of spills (tests/aot/test_mma_sync_floors.py);
     elsewhere Ampere, Ada and consumer Blackwell run the split kernels."""
     dims = (32, 64, 128, 256, 512)
-    assert all(configs.fused_backward(d, "sm100") is not None for d in dims)
-    assert [d for d in dims if configs.fused_backward(d, "sm90") is None] == [512]
+    for family in ("sm90", "sm100"):
+        assert [d for d in dims if configs.fused_backward(d, family) is None] == [512]
     assert [d for d in dims if configs.fused_backward(d, "sm80") is not None] == [128]
     assert all(configs.fused_backward(d, family) is None for d in dims for family in ("sm86", "sm120"))
 
