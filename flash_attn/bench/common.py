@@ -34,12 +34,37 @@ def summarize(times_ms: Sequence[float]) -> dict:
     }
 
 
+SLEEP_MARGIN = 4  # the GPU's head start in cuda_gpu_span: this many times the host's time to queue the calls
+
+
+def cuda_gpu_span(fn: Callable, calls: int, host_s: float) -> tuple[float, bool]:
+    """``(milliseconds, covered)``: the GPU time of ``calls`` back-to-back calls of ``fn``, the
+    GPU alone. A sleep kernel first holds the stream while the host queues every call, so the two
+    events around the calls time their kernels back to back, without the host's gaps between
+    them; ``covered``: the sleep outlasted the queuing (else the span includes host time).
+    ``host_s``: about how long the host takes to queue the calls (it sizes the sleep)."""
+    import torch  # noqa: PLC0415
+
+    cycles = int(max(host_s, 1e-3) * SLEEP_MARGIN * 2e9)  # ~2 GHz: a few ms too long costs nothing
+    before, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    before.record()
+    torch.cuda._sleep(cycles)
+    start.record()
+    queued = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    end.record()
+    queued = time.perf_counter() - queued
+    end.synchronize()
+    return start.elapsed_time(end), before.elapsed_time(start) >= queued * 1e3
+
+
 def host_and_gpu(fn: Callable, calls: int, sync: Callable[[], None], gpu_span=None) -> dict:
     """One timed run of ``calls`` calls, per call: ``thread_us`` the calling thread's CPU time
     (``time.thread_time``: no waiting counted), ``host_us`` the process's CPU time (every thread:
     a CUDA backward runs in the autograd engine's device thread while the caller waits),
     ``wall_us`` up to a device synchronisation after the last call, and ``gpu_us`` from
-    ``gpu_span(fn, calls, host_s)`` (:func:`flash_attn.bench.overhead.cuda_gpu_span`; ``None`` without one) with its
+    ``gpu_span(fn, calls, host_s)`` (:func:`cuda_gpu_span`; ``None`` without one) with its
     ``gpu_covered``. The synchronisation (a spin) is outside the CPU-time windows."""
     sync()
     wall, host, thread = time.perf_counter(), time.process_time(), time.thread_time()

@@ -17,7 +17,7 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
 * ``device`` (a CUDA GPU): the same calls for real, and PyTorch SDPA's flash and cuDNN backends
   on the same shapes (:func:`_sdpa_calls`), interleaved, every row with the host's CPU time per
   call (the process's, and the calling thread's), the GPU's time per call (the calls queued
-  behind a sleep kernel, timed by events: :func:`cuda_gpu_span`), the wall clock, and whether the
+  behind a sleep kernel, timed by events: :func:`flash_attn.bench.common.cuda_gpu_span`), the wall clock, and whether the
   host is the bound. Two more rows split a call's cost: one launch through the op library alone
   (a forward's kernel with the arguments its call packed: the library's checks, the stable-ABI
   call, ``cudaLaunchKernelExC``; the images hold no empty kernel) and one PyTorch kernel launch.
@@ -44,7 +44,7 @@ import torch
 
 from flash_attn import custom_ops, dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, validation
 from flash_attn.aot import archs, manifest as aot_manifest
-from flash_attn.bench.common import host_and_gpu
+from flash_attn.bench.common import cuda_gpu_span, host_and_gpu
 from flash_attn.backends import aot
 from flash_attn.layers.rotary import apply_rotary_emb
 from flash_attn.planning import configs
@@ -387,7 +387,6 @@ IMPLS = ("flash_attn", *SDPA_BACKENDS)
 # and their sleep-covered GPU span took most of a minute and measured the graph build
 NOT_TIMED = {("sdpa[cudnn]", "growing cache decode"): "not timed: cuDNN builds a graph for every new key length "
              "(43 ms a call on an H200)"}
-SLEEP_MARGIN = 4  # the GPU's head start (below): this many times the host's time to queue the calls
 DEVICE_COLUMNS = ("mode", "case", "impl", "us_per_call", "us_min", "us_max", "host_us", "host_min", "host_max",
                   "thread_us", "thread_min", "thread_max", "gpu_us", "gpu_min", "gpu_max", "host_bound", "gpu_covered", "launches_per_call", "status", "note")
 
@@ -435,26 +434,6 @@ def _sdpa_context(backend: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
     return sdpa_kernel(getattr(SDPBackend, backend))
-
-
-def cuda_gpu_span(fn: Callable, calls: int, host_s: float) -> tuple[float, bool]:
-    """``(milliseconds, covered)``: the GPU time of ``calls`` back-to-back calls of ``fn``, the
-    GPU alone. A sleep kernel first holds the stream while the host queues every call, so the two
-    events around the calls time their kernels back to back, without the host's gaps between
-    them; ``covered``: the sleep outlasted the queuing (else the span includes host time).
-    ``host_s``: about how long the host takes to queue the calls (it sizes the sleep)."""
-    cycles = int(max(host_s, 1e-3) * SLEEP_MARGIN * 2e9)  # ~2 GHz: a few ms too long costs nothing
-    before, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-    before.record()
-    torch.cuda._sleep(cycles)
-    start.record()
-    queued = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    end.record()
-    queued = time.perf_counter() - queued
-    end.synchronize()
-    return start.elapsed_time(end), before.elapsed_time(start) >= queued * 1e3
 
 
 def device_rows(calls_by_impl: dict, calls: int, repeats: int, sync: Callable[[], None], gpu_span=None,

@@ -299,6 +299,41 @@ def test_gpu_rows_flag_a_time_that_is_the_hosts():
     assert "(host-bound" in gpu._progress_line(dict(rows[0], host_bound=True))
 
 
+def test_gpu_rows_compare_the_host_with_the_gpus_own_time(monkeypatch):
+    """Where the host's time is a large share of the event time, the GPU's own time per call is
+    measured (``gpu_ms``) and the row is host-bound when the host's time exceeds it, whatever the
+    share: the H200's decode rows (host 89 us, event 123 us, kernels ~10 us) were host-bound
+    and the share rule alone missed them. A stand-in span stands in for a CUDA device's
+    sleep-covered span (what it cannot show: that span's own accuracy); where the host's share is
+    small, no span is taken."""
+    config = _gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False],
+                         impls=["flash_attn[reference]"])
+    spans = []
+
+    def span_of(gpu_ms):
+        def span(call, calls, host_s):
+            spans.append((calls, host_s))
+            for _ in range(calls):
+                call()
+            return gpu_ms * calls, True
+        return span
+
+    # the event time far below the host's: a span is taken, and the GPU's time decides against
+    # the share rule set to say the opposite (a share out of reach; a share every row meets)
+    for gpu_ms, share, bound in ((1e-6, 1e9, True), (1e6, 0.0, False)):
+        monkeypatch.setattr(gpu, "_gpu_span", lambda device, gpu_ms=gpu_ms: span_of(gpu_ms))
+        monkeypatch.setattr(gpu, "HOST_BOUND_SHARE", share)
+        (row,) = gpu.run(config, device="cpu", timer=lambda fn, w, r: [fn(), 1e-9][1:] * r)
+        assert row["gpu_ms"] == pytest.approx(gpu_ms) and row["gpu_covered"] is True, row
+        assert row["host_bound"] is bound, row
+    assert spans and all(calls == gpu.HOST_CALLS and host_s > 0 for calls, host_s in spans)
+
+    spans.clear()  # an event time far above the host's: the GPU's time is not needed, nor taken
+    monkeypatch.setattr(gpu, "HOST_BOUND_SHARE", 0.8)
+    rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [1e6] * r)
+    assert rows[0].get("gpu_ms") is None and rows[0]["host_bound"] is False and not spans
+
+
 def test_gpu_reference_is_chunked_without_changing_the_answer(monkeypatch):
     g = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(2, 24, 3, 8, generator=g) for _ in range(4))
