@@ -729,7 +729,7 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory, captur
             q = torch.randn((case["batch"], 1, case["heads"], case["headdim"]), device=device, dtype=dtype, generator=g)
             tensors = (q, *(torch.randn(cache_shape, device=device, dtype=dtype, generator=g) for _ in range(2)))
             expected = decode_reference(*tensors)
-        timed = []
+        timed, wrong = [], set()
         for impl, graphed in itertools.product(impls, (False, True) if d.get("graphs") else (False,)):
             row = dict(case, impl=impl.name, gbytes=needed / 1e9, **({"pass": "decode_graph"} if graphed else {}))
             if skipped is not None:
@@ -738,6 +738,8 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory, captur
                 row.update(status="unsupported", note=f"{impl.name} has no decode call here")
             elif graphed and capture is None:
                 row.update(status="unsupported", note="CUDA graphs need a CUDA device")
+            elif graphed and impl.name in wrong:
+                row.update(status="error", note="wrong result (the eager call's check): not replayed")
             elif graphed:
                 call = _Replayed(lambda impl=impl: impl.decode(*tensors), capture)
                 timed.append(Timing(row, impl, call, call.per_replay(timer)))
@@ -746,6 +748,8 @@ def _run_decode(config, device, timer, impls, reasons, emit, free_memory, captur
                 call = (lambda impl=impl: impl.decode(*tensors))
                 if reasons[impl.name] is None:  # the graphed row replays the call checked here
                     _check_step(row, impl, call, expected, case["dtype"])
+                    if row.get("status") == "error":
+                        wrong.add(impl.name)
                 timed.append(Timing(row, impl, call, timer, row.get("status") is None))
                 continue
             timed.append(Timing(row, impl, None, timer, False))

@@ -206,6 +206,14 @@ def test_plain_decode_rows_are_checked_before_they_are_timed(monkeypatch):
     assert len(rows) == 1 and rows[0]["status"] == "error" and "wrong result" in rows[0]["note"]
     assert len(timed) == 1  # the bandwidth copy only
 
+    # with CUDA graphs asked for: the wrong call's replay is an error too, not captured nor timed
+    captured = []
+    graphs = dict(config, impls=["flash_attn[reference]"], decode={**config["decode"], "graphs": True})
+    rows = [r for r in gpu.run(graphs, device="cpu", timer=lambda fn, w, r: [1.0] * r, free_memory=lambda: None,
+                               capture=lambda call: captured.append(call) or call)
+            if r["pass"] == "decode_graph"]
+    assert len(rows) == 1 and rows[0]["status"] == "error" and "wrong result" in rows[0]["note"] and not captured
+
 
 def test_decode_steps_are_on_by_default_and_can_be_left_out():
     config = gpu.config_from_args(cli.build_parser().parse_args(["bench", "gpu", "--decode-batches", "1,8",
