@@ -58,9 +58,9 @@ Known = Callable[..., Optional[tuple]]
 # lane(op, device, call) -> ((call, *the known route's arguments) -> its results, or None: the lane
 # does not take the call), or None: no lane for the signature yet (see :func:`flash_attn.dispatch.run_lane`).
 Lane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
-# class_lane(op, device, shared) -> ((call, *the known route's arguments) -> its results, or None), or
-# None: no lane for the params.KeyLengths class ``shared`` yet (see :func:`flash_attn.dispatch.run_lane`).
-ClassLane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
+# class_lane(op, device, shared): a Lane of the params.KeyLengths class ``shared`` rather than of one
+# signature (see :func:`flash_attn.dispatch.run_lane`).
+ClassLane = Lane
 
 
 @dataclass(slots=True)

@@ -193,12 +193,15 @@ def test_the_widest_targets_are_the_tensor_core_ones():
 
 # sm_100a: the shipped forward and fused backward (head dim 256 with its gradient columns split),
 # and head dim 512's entries, which Blackwell's JIT runs (no image ships: the only check of them):
-# its forward and, with no fused backward there, the split kernels
+# the backward is the fused kernel where the table has one, else the split kernels
 def _sm100_cases():
-    return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in (64, 128, 256, 512)] + \
-        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in (64, 128, 256)] + \
-        [(kernel, 512, configs.pick(kind, 512, "sm100"))
-         for kernel, kind in (("attn_bwd_dkdv_kernel", "bwd_dkdv"), ("attn_bwd_dq_kernel", "bwd_dq"))]
+    dims = (64, 128, 256, 512)
+    split = (("attn_bwd_dkdv_kernel", "bwd_dkdv"), ("attn_bwd_dq_kernel", "bwd_dq"))
+    return [("attn_fwd_kernel", d, configs.pick("fwd", d, "sm100")) for d in dims] + \
+        [("attn_bwd_kernel", d, configs.fused_backward(d, "sm100")) for d in dims
+         if configs.fused_backward(d, "sm100") is not None] + \
+        [(kernel, d, configs.pick(kind, d, "sm100")) for d in dims if configs.fused_backward(d, "sm100") is None
+         for kernel, kind in split]
 
 
 @pytest.mark.slow
