@@ -175,6 +175,7 @@ int64_t register_kernel(const std::string& image_path, const std::string& kernel
   for (size_t i = 0; i < spec->args.size(); ++i) {
     const ArgKind kind = spec->args[i].kind;
     spec->num_tensors += kind == ArgKind::Pointer;
+    if (kind == ArgKind::Pointer) spec->pointer_dtypes.push_back(spec->args[i].torch_dtype);
     spec->num_ints += kind == ArgKind::Int;
     spec->num_floats += kind == ArgKind::Float;
     if (kind == ArgKind::GlobalScratch) spec->global_scratch_slot = int(i);
@@ -408,15 +409,22 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
 }
 
 // ------------------------------------------------------------------------------------------
-// aot_run: every launch of one call in one op call. The caller describes the launches once (per
-// call shape) in `plan`, a 1-D int64 CPU tensor, and passes the call's tensors and its per-call
-// row counts; each launch is then checked and launched exactly as aot_launch does. Layout, per
-// launch after the launch count:
-//   kernel, grid0, grid1, grid2,
-//   n_tensors, n_tensors indices into `tensors` (-1: a pointer the kernel does not read, passed null),
-//   n_ints, n_ints values,
-//   n_rows, n_rows pairs (index into this launch's ints, index into `rows`): that int is the row count,
-//   n_floats, n_floats IEEE doubles (their bit patterns).
+// aot_run: every launch of one call in one op call, and the buffers they write. The caller
+// describes the call once (per call shape) in `plan`, a 1-D int64 CPU tensor, and passes the
+// call's tensors and its per-call row counts; the buffers are made here, and each launch is then
+// checked and launched exactly as aot_launch does. Layout:
+//   n_buffers, per buffer:
+//     zeroed (0 or 1), ndim, ndim sizes (a size -(r + 1): the row count rows[r]),
+//     columns (-1: the whole last dimension; else the buffer is a view of its first `columns`),
+//   n_launches, per launch:
+//     kernel, grid0, grid1, grid2,
+//     n_tensors, n_tensors indices into the call's tensors followed by the buffers (-1: a pointer
+//       the kernel does not read, passed null),
+//     n_ints, n_ints values,
+//     n_rows, n_rows pairs (index into this launch's ints, index into `rows`): that int is the row count,
+//     n_floats, n_floats IEEE doubles (their bit patterns).
+// A buffer takes the device of the call's first tensor and the dtype of the first kernel
+// parameter it is passed to (a later launch taking it as another dtype is refused by its checks).
 // ------------------------------------------------------------------------------------------
 class PlanReader {
  public:
@@ -450,6 +458,7 @@ class PlanReader {
     return v;
   }
 
+  int64_t position() const { return pos_; }
   bool done() const { return pos_ == size_; }
 
  private:
@@ -457,39 +466,146 @@ class PlanReader {
   int64_t size_ = 0, pos_ = 0;
 };
 
-void run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std::vector<int64_t>& rows,
-              bool meta_only) {
-  PlanReader read(plan);
-  constexpr int64_t kMaxItems = 4096;  // far above any kernel's parameter count
-  const int64_t launches = read.index("the launch count", kMaxItems);
-  // Reused from launch to launch; tensors copied in, never default-made (each would be a new handle).
-  std::vector<int64_t> grid(3), ints;
-  std::vector<Tensor> launch_tensors;
+constexpr int64_t kMaxItems = 4096;  // far above any kernel's parameter count
+constexpr int64_t kMaxDims = 8;
+
+struct BufferShape {
+  bool zeroed = false;
+  std::vector<int64_t> storage;
+  int64_t columns = -1;
+  int32_t dtype = -1;  // from the first launch it is passed to
+};
+
+struct LaunchRecord {
+  int64_t kernel = 0;
+  std::vector<int64_t> grid = std::vector<int64_t>(3), tensors, ints;
   std::vector<double> floats;
-  std::optional<Tensor> none;
-  for (int64_t l = 0; l < launches; ++l) {
-    const int64_t kernel = read.next("a kernel id");
-    for (int64_t& g : grid) g = read.next("a grid dimension");
-    launch_tensors.clear();
-    for (int64_t n = read.index("a tensor count", kMaxItems); n > 0; --n) {
-      const int64_t t = read.index("a tensor index", int64_t(tensors.size()), /*none=*/true);
-      if (t < 0 && !none) none.emplace();  // an undefined tensor
-      launch_tensors.push_back(t < 0 ? *none : tensors[t]);
-    }
-    ints.resize(size_t(read.index("an int count", kMaxItems)));
-    for (int64_t& v : ints) v = read.next("an int");
-    for (int64_t r = read.index("a row count", kMaxItems); r > 0; --r) {
-      const int64_t at = read.index("an int index", int64_t(ints.size()));
-      ints[at] = rows[read.index("a row index", int64_t(rows.size()))];
-    }
-    floats.resize(size_t(read.index("a float count", kMaxItems)));
-    for (double& f : floats) {
-      const int64_t bits = read.next("a float");
-      std::memcpy(&f, &bits, sizeof f);
-    }
-    check_and_launch(kernel, grid, launch_tensors, ints, floats, meta_only);
+};
+
+BufferShape read_buffer(PlanReader& read, const std::vector<int64_t>& rows) {
+  BufferShape b;
+  b.zeroed = read.index("a zeroed flag", 2) == 1;
+  b.storage.resize(size_t(read.index("a buffer's dimension count", kMaxDims + 1)));
+  if (b.storage.empty()) {
+    throw AotError("plan entry " + std::to_string(read.position() - 1) + ": a buffer has no dimension");
   }
-  if (!read.done()) throw AotError("plan has entries after its " + std::to_string(launches) + " launches");
+  for (int64_t& n : b.storage) {
+    const int64_t at = read.position();
+    n = read.next("a buffer size");
+    if (n < 0) {
+      const int64_t r = -n - 1;
+      if (r >= int64_t(rows.size())) {
+        throw AotError("plan entry " + std::to_string(at) + " (a buffer size) is the row count rows[" +
+                       std::to_string(r) + "] but the call passes " + std::to_string(rows.size()) + " row counts");
+      }
+      n = rows[r];
+      if (n < 0) throw AotError("rows[" + std::to_string(r) + "] is " + std::to_string(n) + ", not a row count");
+    }
+  }
+  const int64_t at = read.position();
+  b.columns = read.next("a buffer's columns");
+  if (b.columns < -1 || b.columns > b.storage.back()) {
+    throw AotError("plan entry " + std::to_string(at) + " (a buffer's columns) is " + std::to_string(b.columns) +
+                   ", outside -1.." + std::to_string(b.storage.back()));
+  }
+  return b;
+}
+
+LaunchRecord read_launch(PlanReader& read, int64_t tensor_count, const std::vector<int64_t>& rows) {
+  LaunchRecord l;
+  l.kernel = read.next("a kernel id");
+  for (int64_t& g : l.grid) g = read.next("a grid dimension");
+  l.tensors.resize(size_t(read.index("a tensor count", kMaxItems)));
+  for (int64_t& t : l.tensors) t = read.index("a tensor index", tensor_count, /*none=*/true);
+  l.ints.resize(size_t(read.index("an int count", kMaxItems)));
+  for (int64_t& v : l.ints) v = read.next("an int");
+  for (int64_t r = read.index("a row count", kMaxItems); r > 0; --r) {
+    const int64_t at = read.index("an int index", int64_t(l.ints.size()));
+    l.ints[at] = rows[read.index("a row index", int64_t(rows.size()))];
+  }
+  l.floats.resize(size_t(read.index("a float count", kMaxItems)));
+  for (double& f : l.floats) {
+    const int64_t bits = read.next("a float");
+    std::memcpy(&f, &bits, sizeof f);
+  }
+  return l;
+}
+
+// Contiguous storage of `b.storage`, zero-filled if asked, viewed as its first `b.columns` columns.
+Tensor make_buffer(const BufferShape& b, int32_t device_type, int32_t device_index) {
+  const int64_t ndim = int64_t(b.storage.size());
+  std::vector<int64_t> strides(b.storage.size());
+  int64_t stride = 1;
+  for (int64_t d = ndim - 1; d >= 0; --d) {
+    strides[d] = stride;
+    if (__builtin_mul_overflow(stride, std::max<int64_t>(b.storage[d], 1), &stride)) {
+      throw AotError("a buffer of the plan is too large to address");
+    }
+  }
+  AtenTensorHandle handle = nullptr;
+  shim_check(aoti_torch_empty_strided(ndim, b.storage.data(), strides.data(), b.dtype, device_type, device_index,
+                                      &handle),
+             "aoti_torch_empty_strided");
+  Tensor storage(handle);
+  if (b.zeroed) shim_check(aoti_torch_zero_(storage.get()), "aoti_torch_zero_");
+  if (b.columns < 0 || b.columns == b.storage.back()) return storage;
+  std::vector<int64_t> sizes(b.storage);
+  sizes.back() = b.columns;
+  AtenTensorHandle view = nullptr;
+  shim_check(aoti_torch__reinterpret_tensor(storage.get(), ndim, sizes.data(), strides.data(), 0, &view),
+             "aoti_torch__reinterpret_tensor");
+  return Tensor(view);
+}
+
+std::vector<Tensor> run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std::vector<int64_t>& rows,
+                             bool meta_only) {
+  PlanReader read(plan);
+  std::vector<BufferShape> buffers(size_t(read.index("the buffer count", kMaxItems)));
+  for (BufferShape& b : buffers) b = read_buffer(read, rows);
+  const int64_t inputs = int64_t(tensors.size()), all = inputs + int64_t(buffers.size());
+  std::vector<LaunchRecord> launches(size_t(read.index("the launch count", kMaxItems)));
+  for (LaunchRecord& l : launches) l = read_launch(read, all, rows);
+  if (!read.done()) throw AotError("plan has entries after its " + std::to_string(launches.size()) + " launches");
+
+  // Each buffer's dtype: that of the first kernel parameter it is passed to.
+  for (const LaunchRecord& l : launches) {
+    const KernelSpec& spec = spec_for(l.kernel);
+    for (size_t p = 0; p < l.tensors.size() && p < spec.pointer_dtypes.size(); ++p) {
+      if (l.tensors[p] >= inputs && buffers[l.tensors[p] - inputs].dtype < 0) {
+        buffers[l.tensors[p] - inputs].dtype = spec.pointer_dtypes[p];
+      }
+    }
+  }
+  std::vector<Tensor> call(tensors), made;
+  if (!buffers.empty()) {
+    const auto first = std::find_if(tensors.begin(), tensors.end(), [](const Tensor& t) { return t.defined(); });
+    if (first == tensors.end()) {
+      throw AotError("the plan makes buffers but the call passes no tensor to take their device from");
+    }
+    int32_t device_type = 0, device_index = 0;
+    shim_check(aoti_torch_get_device_type(first->get(), &device_type), "aoti_torch_get_device_type");
+    shim_check(aoti_torch_get_device_index(first->get(), &device_index), "aoti_torch_get_device_index");
+    made.reserve(buffers.size());
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      if (buffers[b].dtype < 0) {
+        throw AotError("buffer " + std::to_string(b) + " of the plan is passed to no kernel parameter");
+      }
+      made.push_back(make_buffer(buffers[b], device_type, device_index));
+    }
+    call.insert(call.end(), made.begin(), made.end());
+  }
+  // Reused from launch to launch; tensors copied in, never default-made (each would be a new handle).
+  std::vector<Tensor> launch_tensors;
+  std::optional<Tensor> none;
+  for (const LaunchRecord& l : launches) {
+    launch_tensors.clear();
+    for (const int64_t t : l.tensors) {
+      if (t < 0 && !none) none.emplace();  // an undefined tensor
+      launch_tensors.push_back(t < 0 ? *none : call[t]);
+    }
+    check_and_launch(l.kernel, l.grid, launch_tensors, l.ints, l.floats, meta_only);
+  }
+  return made;
 }
 
 // ---- boxed entry points -----------------------------------------------------------------
@@ -555,12 +671,12 @@ void aot_launch_meta(int64_t kernel, std::vector<int64_t> grid, std::vector<Tens
   with_op_name("aot_launch", [&] { check_and_launch(kernel, grid, tensors, ints, floats, /*meta_only=*/true); });
 }
 
-void aot_run(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
-  with_op_name("aot_run", [&] { run_plan(plan, tensors, rows, /*meta_only=*/false); });
+std::vector<Tensor> aot_run(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
+  return with_op_name("aot_run", [&] { return run_plan(plan, tensors, rows, /*meta_only=*/false); });
 }
 
-void aot_run_meta(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
-  with_op_name("aot_run", [&] { run_plan(plan, tensors, rows, /*meta_only=*/true); });
+std::vector<Tensor> aot_run_meta(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
+  return with_op_name("aot_run", [&] { return run_plan(plan, tensors, rows, /*meta_only=*/true); });
 }
 
 void aot_count_cpu_launches(bool enable) { g_count_cpu_launches.store(enable, std::memory_order_relaxed); }
@@ -594,7 +710,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
       "int shared_bytes, int global_scratch_bytes=0, int global_scratch_align=1, int profile_scratch_bytes=0, "
       "int profile_scratch_align=1, bool launch_cooperative_grid=False, bool launch_pdl=False, Tensor? image=None) -> int");
   m.def("aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()");
-  m.def("aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> ()");
+  m.def("aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> Tensor[]");
   m.def("aot_count_cpu_launches(bool enable) -> ()");
   m.def("aot_counted_launches() -> int");
   m.def("aot_kernel_attributes(int kernel, int device) -> int[]");

@@ -60,6 +60,7 @@ struct KernelSpec {
   int num_tensors = 0;
   int num_ints = 0;
   int num_floats = 0;
+  std::vector<int32_t> pointer_dtypes;  // the torch dtype of each pointer parameter, in order
   int global_scratch_slot = -1;   // index in `args` of global_scratch; -1: none
   int profile_scratch_slot = -1;  // index in `args` of profile_scratch; -1: none
   LaunchConfig config;

@@ -8,8 +8,9 @@ with ``torch.ops.load_library``; it registers these operators (schemas in ``csrc
   shared_bytes, ...) -> int``: checks an image and its signature once, returns a kernel id;
 - ``flash_attn::aot_launch(kernel, grid, tensors, ints, floats)``: checks the arguments against the
   signature and launches on PyTorch's current CUDA stream of the tensors' device;
-- ``flash_attn::aot_run(plan, tensors, rows)``: a call's launches (described once in ``plan`` by
-  :mod:`flash_attn.backends.aot`), each checked and launched as ``aot_launch`` does, in one op call;
+- ``flash_attn::aot_run(plan, tensors, rows) -> Tensor[]``: a call's buffers and launches (described
+  once in ``plan`` by :mod:`flash_attn.backends.aot`): the buffers made and returned, each launch
+  checked and launched as ``aot_launch`` does, in one op call;
 - ``flash_attn::aot_count_cpu_launches(enable)`` / ``aot_counted_launches()``: the benchmark's
   stand-in on machines without a GPU (CPU tensors checked and counted, not launched);
 - ``flash_attn::aot_kernel_attributes(kernel, device) -> int[]``: loads it, reports registers etc.;

@@ -6,7 +6,7 @@ A call is planned for the device's image (``Target(aot=True)``: only the shipped
 launches: for each, the manifest entry of its specialisation, the kernel registered and loaded on
 the device, the integer and float arguments checked against the image's signature and stored.
 Every later call of that shape fills in its tensors and calls ``torch.ops.flash_attn.aot_run`` once
-with all of the call's launches.
+with all of the call's launches; the op library makes the buffers they write and returns them.
 All of it happens before the first launch of the call, so a call the images cannot serve (no
 such specialisation, a value outside int32, an image the driver refuses) is refused before
 anything runs or is written, and the dispatcher runs it elsewhere.
@@ -136,9 +136,10 @@ class _Packed(NamedTuple):
 
 class _Launches(NamedTuple):
     """A plan's launches as the op library runs them, in one ``aot_run`` call per attention call:
-    ``plan`` (int64, the layout csrc/aot_ops.cpp's ``run_plan`` reads), the slots whose tensors the
-    call passes, in the order ``plan`` indexes them (a pointer no kernel reads is passed null: no
-    tensor), and the row counts it reads per call."""
+    ``plan`` (int64, the layout csrc/aot_ops.cpp's ``run_plan`` reads: the buffers the library
+    makes, then the launches), the slots whose tensors the call passes, in the order ``plan``
+    indexes them (a pointer no kernel reads is passed null: no tensor), the slots of the buffers
+    the library returns, in order, and the row counts it reads per call."""
 
     plan: torch.Tensor
     names: tuple
@@ -146,6 +147,9 @@ class _Launches(NamedTuple):
     packed: tuple  # the _Packed launches ``plan`` was written from
     tensors: Callable[[dict], tuple]  # the call's tensors by slot -> the ones ``plan`` indexes, in order
     row_counts: Callable[[dict], tuple]  # ... -> the row counts
+    buffers: tuple = ()  # the plan's buffers the library makes (:class:`~flash_attn.planning.layouts.Buffer`)
+    made: tuple = ()  # their slots
+    results: Optional[Callable[[list], tuple]] = None  # the buffers made -> the call's results, where all are buffers
 
 
 class _Template(NamedTuple):
@@ -161,13 +165,27 @@ def _float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
-def _launches(packed: tuple, unused: frozenset = frozenset()) -> _Launches | _Template:
-    """``packed`` written as a plan; the slots in ``unused`` (pointers no kernel reads) passed null.
-    A template's (extents among its ints) is written once they are known."""
-    names, rows, plan, extents = {}, {}, [len(packed)], []
+def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (),
+              results: tuple = ()) -> _Launches | _Template:
+    """``packed`` written as a plan, with ``buffers`` (the plan's buffers no launch leaves unused)
+    made by the library; the slots in ``unused`` (pointers no kernel reads) passed null; ``results``:
+    the slots the call returns. A template's (extents among its ints) is written once they are known."""
+    made = {b.slot for b in buffers}
+    names = {}  # the call's tensors, then the buffers: the indices the launches take
+    for p in packed:
+        for name in p.slots:
+            if name not in unused and name not in made:
+                names.setdefault(name, len(names))
+    inputs = tuple(names)
+    rows, plan, extents = {}, [len(buffers)], []
+    for b in buffers:
+        names[b.slot] = len(names)
+        plan += [int(b.zeroed), len(b.storage), *[_buffer_size(n, rows) for n in b.storage]]
+        plan.append(b.shape[-1] if b.storage[-1] != b.shape[-1] else -1)
+    plan.append(len(packed))
     for n, p in enumerate(packed):
         plan += [p.kernel, *p.grid, *[1] * (3 - len(p.grid)), len(p.slots)]
-        plan += [-1 if name in unused else names.setdefault(name, len(names)) for name in p.slots]
+        plan += [-1 if name in unused else names[name] for name in p.slots]
         per_call = [(i, rows.setdefault(v, len(rows))) for i, v in enumerate(p.ints) if isinstance(v, P.Rows)]
         plan.append(len(p.ints))
         extents += [(len(plan) + i, n, i, v) for i, v in enumerate(p.ints) if isinstance(v, P.Extent)]
@@ -175,9 +193,20 @@ def _launches(packed: tuple, unused: frozenset = frozenset()) -> _Launches | _Te
         plan += [len(per_call), *[n for pair in per_call for n in pair]]
         plan += [len(p.floats), *map(_float_bits, p.floats)]
     # on the CPU whatever the caller's default device (torch.set_default_device): the library reads it on the host
-    launches = _Launches(None if extents else _plan_tensor(plan), tuple(names), tuple(rows), packed,
-                         picker(tuple(names)), picker(tuple(rows)))
+    made_slots = tuple(b.slot for b in buffers)
+    from_made = picker(tuple(made_slots.index(r) for r in results)) if set(results) <= set(made_slots) else None
+    launches = _Launches(None if extents else _plan_tensor(plan), inputs, tuple(rows), packed,
+                         picker(inputs), picker(tuple(rows)), tuple(buffers), made_slots, from_made)
     return _Template(launches, plan, tuple(extents)) if extents else launches
+
+
+def _buffer_size(n, rows: dict) -> int:
+    """A buffer's size as the plan holds it: a number, or ``-(r + 1)`` for the call's row count ``rows[r]``."""
+    if isinstance(n, P.Rows):
+        return -1 - rows.setdefault(n, len(rows))
+    if type(n) is not int:
+        raise TypeError(f"a buffer's size must be a number or a call's row count, not {n!r}")
+    return n
 
 
 def _plan_tensor(plan: list) -> torch.Tensor:
@@ -253,8 +282,9 @@ class _AotBackend(KernelBackend):
                 return kid
             packed.append(p._replace(kernel=kid))
         unused = frozenset(b.slot for b in plan.buffers if b.unused)
-        run = ready(plan, _launches(tuple(packed), unused))
-        return run._replace(buffers=tuple(b for b in run.buffers if b[0] not in unused))  # none made for them
+        made = tuple(b for b in plan.buffers if not b.unused)
+        written = _launches(tuple(packed), unused, made, plan.results)
+        return ready(plan, written)._replace(buffers=())  # the library makes them
 
     def filled(self, template: Ready, number) -> Ready:
         written = template.launches
@@ -267,13 +297,18 @@ class _AotBackend(KernelBackend):
 
     def run(self, run: Ready, inputs: dict, device) -> tuple:
         tensors = slots(run, inputs, device)
-        _launch(run.launches, tensors)
+        launches = run.launches
+        made = _launch(launches, tensors)
+        if launches.results is not None:
+            return launches.results(made)
+        tensors.update(zip(launches.made, made))
         return run.results(tensors)
 
 
-def _launch(launches: _Launches, tensors: dict) -> None:
-    """Every launch of a call: one op call (its checks, then the launches on the current stream)."""
-    (_op or _run_op())(launches.plan, launches.tensors(tensors), launches.row_counts(tensors))
+def _launch(launches: _Launches, tensors: dict) -> list:
+    """Every launch of a call: one op call (the buffers made, then each launch's checks and the
+    launch on the current stream); the buffers, in the order of ``launches.buffers``."""
+    return (_op or _run_op())(launches.plan, launches.tensors(tensors), launches.row_counts(tensors))
 
 
 def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:

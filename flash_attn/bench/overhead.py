@@ -7,7 +7,7 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   standing in for GPU memory and only the CUDA launch left out: the op library takes the CPU
   tensors through its checks, its packing and its scratch allocation and counts the launch
   (``flash_attn::aot_count_cpu_launches``). What remains is this package's own work per call:
-  validation, the custom op, dispatch, the plan lookup, buffer allocation, the op library's call.
+  validation, the custom op, dispatch, the plan lookup, the op library's call (its buffers made there).
   What it cannot show: ``cudaLaunchKernelExC`` and the current stream's lookup (a few
   microseconds per launch), and the CUDA caching allocator (CPU allocations stand in for it; CPU
   placeholders are kept, CUDA ones made per call). The host value checks run as for device
@@ -158,13 +158,19 @@ def _growing_cache_step(rnd: Callable, heads: int, heads_k: int, attend: Callabl
 
 def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
     """``(launch, args)``: the op library's ``aot_run`` and the arguments of the last one ``call``
-    made (on the ``aot`` backend), to repeat those launches alone."""
+    made (on the ``aot`` backend), to repeat those launches alone: the buffers that call made
+    passed in as tensors (a plan written without buffers), so that a repeat makes none."""
     captured = []
     saved = aot._launch
 
     def recording(launches, tensors):
-        captured.append((launches.plan, [tensors[n] for n in launches.names], [tensors[r] for r in launches.rows]))
-        return saved(launches, tensors)
+        made = saved(launches, tensors)
+        everything = {**tensors, **dict(zip(launches.made, made))}
+        passed = {*launches.names, *launches.made}
+        unused = frozenset(s for p in launches.packed for s in p.slots if s not in passed)
+        alone = aot._launches(launches.packed, unused)
+        captured.append((alone.plan, list(alone.tensors(everything)), list(alone.row_counts(everything))))
+        return made
 
     aot._launch = recording
     try:
@@ -272,8 +278,8 @@ def _stage_functions() -> list[tuple]:
         ("dispatch", dispatch, "run"),
         ("dispatch, the plan held for the signature", dispatch, "run_known"),
         ("dispatch, the signature's lane", dispatch, "run_lane"),
-        ("allocation (inputs prepared, buffers)", aot, "slots"),
-        ("the op library's call (the CUDA launch stubbed)", aot, "_launch"),
+        ("inputs prepared (the buffers too, before the op library made them)", aot, "slots"),
+        ("the op library's call: buffers made, launches checked (the CUDA launch stubbed)", aot, "_launch"),
     ]
     return [(label, module, name) for label, module, name in stages if hasattr(module, name)]
 

@@ -25,6 +25,7 @@ from flash_attn.backends import aot  # noqa: E402
 from flash_attn.planning import configs, plan as P  # noqa: E402
 from flash_attn.params import AttentionParams, VarlenLayout  # noqa: E402
 
+from support.aot_buffers import made_buffers  # noqa: E402
 from support.calls import attention_calls, beyond_fa2_calls, kvcache_calls  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
@@ -333,8 +334,9 @@ def launched(monkeypatch) -> list:
     real = aot._launch
 
     def checked(launches, tensors):
-        real(launches, tensors)
+        made = real(launches, tensors)
         ids.extend(p.kernel for p in launches.packed)
+        return made
 
     monkeypatch.setattr(aot, "_launch", checked)
     return ids
@@ -399,7 +401,8 @@ def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest,
     monkeypatch.setattr(dispatch, "_chains", {})
     monkeypatch.setattr(validation, "_checked", {})
     written, keys = [], []
-    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: written.append(launches.plan))
+    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: written.append(launches.plan) or made_buffers(
+        launches, tensors))
     real_known = dispatch.run_known
     monkeypatch.setattr(dispatch, "run_known", lambda op, device, call, *a: keys.append(call) or real_known(
         op, device, call, *a))

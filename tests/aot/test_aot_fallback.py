@@ -32,6 +32,7 @@ from flash_attn.aot import archs, manifest as aot_manifest
 from flash_attn.backends import aot
 from flash_attn.params import AttentionParams
 from flash_attn.planning import plan as P
+from support.aot_buffers import made_buffers
 
 
 def _manifest(entries: list[dict]) -> aot_manifest.Manifest:
@@ -105,7 +106,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(aot, "_registered", {})
     monkeypatch.setattr(aot, "_loaded", set())
     launched = []
-    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: launched.extend(launches.packed))
+    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: launched.extend(launches.packed) or made_buffers(
+        launches, tensors))
     monkeypatch.setattr(dispatch, "chain", lambda device: ("aot", "reference"))
     monkeypatch.setattr(dispatch, "_warned", set())
     return images, launched

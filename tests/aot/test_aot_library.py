@@ -100,7 +100,7 @@ def test_schemas(library):
     assert schemas["aot_launch"] == (
         "flash_attn::aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()"
     )
-    assert schemas["aot_run"] == "flash_attn::aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> ()"
+    assert schemas["aot_run"] == "flash_attn::aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> Tensor[]"
     assert schemas["aot_count_cpu_launches"] == "flash_attn::aot_count_cpu_launches(bool enable) -> ()"
     assert schemas["aot_counted_launches"] == "flash_attn::aot_counted_launches() -> int"
     assert schemas["aot_cuda_info"] == "flash_attn::aot_cuda_info() -> (int, int, int, str)"
@@ -328,19 +328,25 @@ def test_launch_limits_are_those_of_limits_py(ops, toy, toy_ptx):
 # ---------------------------------------------------------------------------------------------
 
 
-def _plan(*packed, unused=()):
+def _plan(*packed, unused=(), buffers=()):
     """The plan the aot backend writes for these launches (its own encoder, read by the library);
-    ``unused``: slots no kernel reads."""
+    ``unused``: slots no kernel reads; ``buffers``: the plan's buffers the library makes."""
     from flash_attn.backends import aot as aot_backend  # noqa: PLC0415
 
-    return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed), frozenset(unused))
+    return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed), frozenset(unused), tuple(buffers))
 
 
-def _read_plan(plan: torch.Tensor) -> list[dict]:
-    """The layout csrc/aot_ops.cpp documents, read independently of both implementations."""
+def _read_plan(plan: torch.Tensor, with_buffers: bool = False):
+    """The layout csrc/aot_ops.cpp documents, read independently of both implementations: the
+    launches, and with ``with_buffers`` the buffers first."""
     import struct  # noqa: PLC0415
 
-    values, launches = iter(plan.tolist()), []
+    values, buffers, launches = iter(plan.tolist()), [], []
+    for _ in range(next(values)):
+        buffer = {"zeroed": next(values)}
+        buffer["sizes"] = [next(values) for _ in range(next(values))]
+        buffer["columns"] = next(values)
+        buffers.append(buffer)
     for _ in range(next(values)):
         launch = {"kernel": next(values), "grid": [next(values) for _ in range(3)]}
         launch["tensors"] = [next(values) for _ in range(next(values))]
@@ -349,7 +355,7 @@ def _read_plan(plan: torch.Tensor) -> list[dict]:
         launch["floats"] = [struct.unpack("<d", struct.pack("<q", next(values)))[0] for _ in range(next(values))]
         launches.append(launch)
     assert next(values, None) is None
-    return launches
+    return (buffers, launches) if with_buffers else launches
 
 
 def test_run_plan_layout(toy):
@@ -363,6 +369,64 @@ def test_run_plan_layout(toy):
         {"kernel": toy, "grid": [3, 1, 1], "tensors": [1], "ints": [0], "rows": [(0, 0)], "floats": [-2.5]},
         {"kernel": toy, "grid": [1, 1, 1], "tensors": [0], "ints": [0], "rows": [(0, 1)], "floats": [1e300]},
     ]
+
+
+def test_run_plan_layout_with_buffers(toy):
+    """The buffers come first in the plan, and after the call's tensors in the launches' indices:
+    a padded one as its storage and its columns, a row count as ``-(r + 1)``, sharing the row
+    indices with the launches' ints."""
+    from flash_attn.planning.layouts import Buffer  # noqa: PLC0415
+    from flash_attn.planning.plan import K_ROWS, Q_ROWS  # noqa: PLC0415
+
+    buffers = (Buffer("acc", (K_ROWS, 2, 6), torch.float32, padded=True, zeroed=True),
+               Buffer("lse", (3, Q_ROWS), torch.float32))
+    written = _plan((toy, [2], ["acc", "out", "lse"], [Q_ROWS], [1.0]), buffers=buffers)
+    assert written.names == ("out",) and written.made == ("acc", "lse") and written.buffers == buffers
+    assert written.rows == (K_ROWS, Q_ROWS)
+    assert _read_plan(written.plan, with_buffers=True) == (
+        [{"zeroed": 1, "sizes": [-1, 2, 8], "columns": 6}, {"zeroed": 0, "sizes": [3, -2], "columns": -1}],
+        [{"kernel": toy, "grid": [2, 1, 1], "tensors": [1, 0, 2], "ints": [0], "rows": [(0, 1)], "floats": [1.0]}],
+    )
+
+
+@pytest.fixture(scope="module")
+def toy_i32(ops, tmp_path_factory) -> int:
+    """The toy kernel with an int32 pointer where it has its float one."""
+    path = tmp_path_factory.mktemp("images") / "toy_i32.ptx"
+    path.write_text(TOY_PTX)
+    return ops.aot_register_kernel(str(path), "toy", TOY_SIG.replace("*fp32", "*i32"), 4, 1, 0)
+
+
+def test_run_makes_the_buffers(ops, toy, toy_i32):
+    """The library makes a plan's buffers and returns them: on the device of the call's first
+    tensor, in the dtype of the first kernel parameter each is passed to, sized by the call's row
+    counts, zero-filled where asked, a padded one a view of its first columns of a fresh storage."""
+    from flash_attn.planning.layouts import Buffer  # noqa: PLC0415
+    from flash_attn.planning.plan import Q_ROWS  # noqa: PLC0415
+
+    buffers = (Buffer("acc", (Q_ROWS, 2, 6), torch.float32, padded=True, zeroed=True), Buffer("n", (5,), torch.int32))
+    written = _plan((toy, [2], ["acc"], [16], [1.0]), (toy_i32, [1], ["n"], [Q_ROWS], [1.0]), (toy, [1], ["out"], [16],
+                    [1.0]), buffers=buffers)
+    for device in ("meta", "cpu"):
+        ops.aot_count_cpu_launches(device == "cpu")
+        try:
+            before = ops.aot_counted_launches()
+            acc, n = ops.aot_run(written.plan, [OUT.to(device)], [32])
+            assert ops.aot_counted_launches() == before + (3 if device == "cpu" else 0)
+        finally:
+            ops.aot_count_cpu_launches(False)
+        assert acc.device.type == n.device.type == device
+        assert (acc.dtype, n.dtype) == (torch.float32, torch.int32)  # the signatures' *fp32, *i32
+        assert acc.shape == (32, 2, 6) and acc.stride() == (16, 8, 1) and acc.storage_offset() == 0
+        assert n.shape == (5,) and n.is_contiguous()
+        if device == "cpu":
+            assert acc.untyped_storage().nbytes() == 32 * 2 * 8 * 4 and bool((acc == 0).all())
+    # a buffer is made in one dtype: a later launch taking it as another is refused by its checks
+    clash = _plan((toy, [1], ["out"], [16], [1.0]), (toy, [2], ["acc"], [16], [1.0]),
+                  (toy_i32, [1], ["acc"], [16], [1.0]), buffers=buffers[:1])
+    with pytest.raises(RuntimeError, match=re.escape("tensors[0] has dtype torch.float32 but kernel 'toy' expects "
+                                                     "torch.int32")):
+        ops.aot_run(clash.plan, [OUT.to("meta")], [32])
 
 
 def test_run_plan_stays_on_the_cpu_under_a_default_device(toy):
@@ -411,8 +475,8 @@ def test_run_passes_a_pointer_no_kernel_reads_as_null(ops, toy, tmp_path):
         ops.aot_count_cpu_launches(False)
     with pytest.raises(RuntimeError, match="takes no tensor, so there is no device"):
         ops.aot_run(_plan(launch, unused={"out", "no_cu"}).plan, [], [])
-    with pytest.raises(RuntimeError, match=re.escape("plan entry 6 (a tensor index) is -2")):
-        ops.aot_run(torch.tensor([1, kernel, 1, 1, 1, 2, -2], dtype=torch.int64), [OUT], [])
+    with pytest.raises(RuntimeError, match=re.escape("plan entry 7 (a tensor index) is -2")):
+        ops.aot_run(torch.tensor([0, 1, kernel, 1, 1, 1, 2, -2], dtype=torch.int64), [OUT], [])
 
 
 @pytest.mark.parametrize(
@@ -420,13 +484,24 @@ def test_run_passes_a_pointer_no_kernel_reads_as_null(ops, toy, tmp_path):
     [
         (torch.zeros(1), 1, 0, "plan must be a 1-D contiguous int64 CPU tensor"),
         (torch.zeros(4, dtype=torch.int64)[::2], 1, 0, "plan must be a 1-D contiguous int64 CPU tensor"),
-        ([], 1, 0, "plan ends at entry 0 where the launch count was expected"),
-        ([1], 1, 0, "plan ends at entry 1 where a kernel id was expected"),
-        ([-1], 1, 0, "plan entry 0 (the launch count) is -1, outside 0..4095"),
-        ([1, "toy", 1, 1, 1, 1, 5], 1, 0, "plan entry 6 (a tensor index) is 5, outside 0..0"),
-        ([1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 1, 0], 1, 0, "plan entry 10 (an int index) is 1, outside 0..0"),
-        ([1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 0, 0], 1, 0, "plan entry 11 (a row index) is 0, outside 0..-1"),
-        ([0, 7], 1, 0, "plan has entries after its 0 launches"),
+        ([], 1, 0, "plan ends at entry 0 where the buffer count was expected"),
+        ([0], 1, 0, "plan ends at entry 1 where the launch count was expected"),
+        ([0, 1], 1, 0, "plan ends at entry 2 where a kernel id was expected"),
+        ([-1], 1, 0, "plan entry 0 (the buffer count) is -1, outside 0..4095"),
+        ([0, -1], 1, 0, "plan entry 1 (the launch count) is -1, outside 0..4095"),
+        ([0, 1, "toy", 1, 1, 1, 1, 5], 1, 0, "plan entry 7 (a tensor index) is 5, outside 0..0"),
+        ([0, 1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 1, 0], 1, 0, "plan entry 11 (an int index) is 1, outside 0..0"),
+        ([0, 1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 0, 0], 1, 0, "plan entry 12 (a row index) is 0, outside 0..-1"),
+        ([0, 0, 7], 1, 0, "plan has entries after its 0 launches"),
+        # the buffers: zeroed flag, dimensions, sizes (negative: a row count), columns
+        ([1, 2], 1, 0, "plan entry 1 (a zeroed flag) is 2, outside 0..1"),
+        ([1, 0, 9], 1, 0, "plan entry 2 (a buffer's dimension count) is 9, outside 0..8"),
+        ([1, 0, 0], 1, 0, "plan entry 2: a buffer has no dimension"),
+        ([1, 0, 1, -2, -1], 1, 1, "plan entry 3 (a buffer size) is the row count rows[1] but the call passes 1"),
+        ([1, 0, 2, 4, 8, 9, 0], 1, 0, "plan entry 5 (a buffer's columns) is 9, outside -1..8"),
+        ([1, 0, 1, 4, -1, 0], 1, 0, "buffer 0 of the plan is passed to no kernel parameter"),
+        ([1, 0, 1, 4, -1, 1, "toy", 1, 1, 1, 1, 0, 1, 16, 0, 1, 0], 0, 0,
+         "the plan makes buffers but the call passes no tensor to take their device from"),
     ],
 )
 def test_run_rejects_a_malformed_plan(ops, toy, plan, tensors, rows, message):

@@ -80,8 +80,12 @@ def gpu_on_meta(monkeypatch, custom_op_bodies):
     monkeypatch.setattr(aot.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
     real = aot._launch
-    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: (
-        real(launches, tensors), launched["aot"].extend(p.kernel for p in launches.packed)))
+
+    def launch(launches, tensors):
+        launched["aot"].extend(p.kernel for p in launches.packed)
+        return real(launches, tensors)
+
+    monkeypatch.setattr(aot, "_launch", launch)
     monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(triton_backend._backend, "target", lambda device: P.Target("sm90", 132))
     monkeypatch.setattr(triton_backend._backend, "run_launch", lambda launch, tensors, device: launched[

@@ -797,17 +797,17 @@ def test_overhead_growing_cache_is_one_class_of_signatures_on_one_template(stubb
 def test_overhead_repeats_one_captured_aot_launch(stubbed_launches):
     """Device mode's "one aot launch" row repeats a forward's op library call alone: here, with the
     CUDA launch stubbed (no GPU), the captured arguments are the forward's (its plan of one launch,
-    its tensors, out/lse among them) and repeating them reaches the op library's launch each time,
-    through its checks (a misaligned tensor is refused)."""
+    making no buffer: its tensors, out/lse among them, passed in) and repeating them reaches the
+    op library's launch each time, through its checks (a misaligned tensor is refused)."""
     from flash_attn import flash_attn_func  # noqa: PLC0415
     from flash_attn.bench import overhead  # noqa: PLC0415
 
     q = torch.randn(1, 128, 16, 128).to(torch.bfloat16)
     launch, (plan, tensors, rows) = overhead._captured_launch(lambda: flash_attn_func(q, q, q, causal=True))
-    assert plan.dtype == torch.int64 and plan[0] == 1 and len(tensors) >= 5 and rows == []
+    assert plan.dtype == torch.int64 and plan[:2].tolist() == [0, 1] and len(tensors) >= 5 and rows == []
     before = stubbed_launches()
     for _ in range(3):
-        launch(plan, tensors, rows)
+        assert launch(plan, tensors, rows) == []
     assert stubbed_launches() == before + 3
     with pytest.raises(RuntimeError, match="aligned"):
         launch(plan, [t.view(-1)[1:] if t.dtype == torch.bfloat16 else t for t in tensors], rows)
@@ -956,8 +956,8 @@ def test_overhead_stage_breakdown_nests_the_stages(stubbed_launches):
         if case != "forward":
             assert (2, f"dispatch, the plan held for the signature ({op})") in names
         assert (lane, f"dispatch, the signature's lane ({op})") in names
-        assert (lane + 1, "allocation (inputs prepared, buffers)") in names
-        assert (lane + 1, "the op library's call (the CUDA launch stubbed)") in names
+        assert (lane + 1, "inputs prepared (the buffers too, before the op library made them)") in names
+        assert (lane + 1, "the op library's call: buffers made, launches checked (the CUDA launch stubbed)") in names
         assert not any("plan lookup" in name for _, name in names)  # the general route not taken
         assert all(r["us"] >= 0 and r["count"] >= 1 for r in rows)  # the stubbed launch may round to 0
         assert rows[0]["us"] > 0 and all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
@@ -986,5 +986,5 @@ def test_overhead_stage_breakdown_of_the_general_route(stubbed_launches, monkeyp
     names = [(r["depth"], r["stage"]) for r in rows]
     assert (2, "dispatch (forward)") in names and (2, "dispatch (backward)") in names
     assert (3, "plan lookup (forward: describe the call, find its plan)") in names
-    assert (4, "allocation (inputs prepared, buffers)") in names
+    assert (4, "inputs prepared (the buffers too, before the op library made them)") in names
     assert not any("the plan held" in name for _, name in names)
