@@ -22,7 +22,7 @@ import torch
 
 from flash_attn import limits
 from flash_attn.backends.contract import LANE_OPS, Backend
-from flash_attn.params import AttentionParams, KeyLengths, own_key
+from flash_attn.params import AttentionParams, KeyLengths, KVCacheInputs, own_key
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import Refusal
@@ -98,11 +98,18 @@ def backward_inputs(dout, q, k, v, out, lse, seed, varlen=None, alibi_slopes=Non
     return inputs
 
 
+# A KV-cache call's arguments in one flat tuple, ``(q, *cache, alibi_slopes, sinks, qv)``, and the
+# slot of each (None: a field of KVCacheInputs that is not a tensor).
+KVCACHE_SLOTS = ("q", "k_cache", "v_cache", "seqlens", "k_new", "v_new", "batch_idx", "leftpad", "block_table",
+                 "cos", "sin", None, None, "alibi", "sinks", "qv")
+assert KVCacheInputs._fields == ("k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "cache_batch_idx",
+                                 "cache_leftpad", "block_table", "rotary_cos", "rotary_sin", "rotary_interleaved",
+                                 "num_splits")
+FORWARD_SLOTS = ("q", "k", "v", "alibi", "sinks", "qv")  # a lane's forward arguments, flat
+
+
 def kvcache_inputs(q, cache, alibi_slopes=None, sinks=None, qv=None) -> dict:
-    return dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, k_new=cache.k_new, v_new=cache.v_new,
-                seqlens=cache.cache_seqlens, leftpad=cache.cache_leftpad, batch_idx=cache.cache_batch_idx,
-                block_table=cache.block_table, cos=cache.rotary_cos, sin=cache.rotary_sin, alibi=alibi_slopes,
-                sinks=sinks, qv=qv)
+    return {slot: t for slot, t in zip(KVCACHE_SLOTS, (q, *cache, alibi_slopes, sinks, qv)) if slot is not None}
 
 
 def capturing(device) -> bool:
@@ -284,6 +291,13 @@ class KernelBackend:
 
     def run(self, executable, inputs: dict, device) -> tuple:
         return execute(executable, inputs, device, self.run_launch)
+
+    def direct_lane(self, executable, flat_slots: tuple) -> Optional[Callable[[tuple], Optional[tuple]]]:
+        """``executable`` run straight from a lane's flat arguments (``flat_slots``: the slot at each
+        position): ``flat -> results``, ``None`` for a call whose tensors it cannot take as they
+        are (a pointer not aligned); or ``None`` where the backend has no such path for it (then
+        the lane runs it by slot, as the known route does)."""
+        return None
 
     def _prepare(self, planner: Callable, shape, inputs: dict, device, call: Optional[tuple] = None,
                  tail: tuple = ()):
@@ -517,8 +531,21 @@ class KernelBackend:
         """``(call, *the known route's arguments) -> results`` of a lane: by ``held``, an executable,
         or where ``held`` is a :class:`PerCall`, by the executable held for the call's signature,
         filled in from ``held``'s template where none is yet."""
-        planner, slots_of = _LANES[op]
+        planner, slots_of, flat_of, flat_slots = _LANES[op]
         generation, plans_now, run, filled = cache.generation, self.target_and_plans, self.run, self.filled
+        direct = None if type(held) is PerCall else self.direct_lane(held, flat_slots)
+        if direct is not None:
+            def run_direct(call, *args) -> Optional[tuple]:
+                now = plans_now(device)
+                if type(now) is not tuple or now[1] is not cache or cache.generation != generation:
+                    return None
+                flat, no_s_dmask = flat_of(*args)
+                results = direct(flat)
+                if results is None:
+                    return None
+                return (*results, None) if no_s_dmask else results
+
+            return run_direct
 
         def run_lane(call, *args) -> Optional[tuple]:
             now = plans_now(device)
@@ -629,7 +656,25 @@ def _kvcache_slots(q, cache, alibi_slopes, sinks, qv, scalars) -> tuple[dict, bo
     return kvcache_inputs(q, cache, alibi_slopes, sinks, qv), False
 
 
-_LANES = {"forward": (P.plan_forward, _forward_slots), "forward_kvcache": (P.plan_kvcache, _kvcache_slots)}
+# ... and the same flat (by position, the slots named by FORWARD_SLOTS or KVCACHE_SLOTS): what a
+# backend's direct lane (KernelBackend.direct_lane) takes.
+def _forward_flat(q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars) -> tuple[tuple, bool]:
+    return (q, k, v, alibi_slopes, sinks, qv), not return_softmax
+
+
+def _kvcache_flat(q, cache, alibi_slopes, sinks, qv, scalars) -> tuple[tuple, bool]:
+    return (q, *cache, alibi_slopes, sinks, qv), False
+
+
+class _Lane(NamedTuple):
+    planner: Callable
+    slots: Callable  # the known route's arguments -> (the call's tensors by slot, no S_dmask in the results)
+    flat: Callable  # ... -> (the arguments flat, by position, no S_dmask)
+    flat_slots: tuple  # the slot at each position of the flat arguments
+
+
+_LANES = {"forward": _Lane(P.plan_forward, _forward_slots, _forward_flat, FORWARD_SLOTS),
+          "forward_kvcache": _Lane(P.plan_kvcache, _kvcache_slots, _kvcache_flat, KVCACHE_SLOTS)}
 assert set(_LANES) == set(LANE_OPS)
 
 

@@ -34,7 +34,8 @@ import torch
 from flash_attn import limits
 from flash_attn.aot import forced, library as op_library, specializations as S
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
-from flash_attn.backends._execute import KernelBackend, PlanCache, Ready, capturing, picker, ready, slots
+from flash_attn.backends._execute import (KernelBackend, PlanCache, Ready, _all_aligned, capturing, picker, ready,
+                                         slots)
 from flash_attn.backends.contract import nvidia_cuda_reason
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
@@ -298,17 +299,33 @@ class _AotBackend(KernelBackend):
     def run(self, run: Ready, inputs: dict, device) -> tuple:
         tensors = slots(run, inputs, device)
         launches = run.launches
-        made = _launch(launches, tensors)
+        made = _launch(launches, launches.tensors(tensors), launches.row_counts(tensors))
         if launches.results is not None:
             return launches.results(made)
         tensors.update(zip(launches.made, made))
         return run.results(tensors)
 
+    def direct_lane(self, run: Ready, flat_slots: tuple) -> Optional[Callable[[tuple], Optional[tuple]]]:
+        """A plan that prepares nothing, reads no row count and returns only buffers, whose tensors
+        are all among the lane's arguments: the call's tensors picked by position and passed to the
+        op library as they are (after one test of their pointers' alignment)."""
+        launches = run.launches
+        if not run.fixed or launches.rows or launches.results is None or not set(launches.names) <= set(flat_slots):
+            return None
+        pick, results = picker(tuple(flat_slots.index(n) for n in launches.names)), launches.results
 
-def _launch(launches: _Launches, tensors: dict) -> list:
+        def direct(flat: tuple) -> Optional[tuple]:
+            passed = pick(flat)
+            return results(_launch(launches, passed, ())) if _all_aligned(passed) else None
+
+        return direct
+
+
+def _launch(launches: _Launches, passed: tuple, rows: tuple) -> list:
     """Every launch of a call: one op call (the buffers made, then each launch's checks and the
-    launch on the current stream); the buffers, in the order of ``launches.buffers``."""
-    return (_op or _run_op())(launches.plan, launches.tensors(tensors), launches.row_counts(tensors))
+    launch on the current stream), ``passed`` the tensors of ``launches.names``, ``rows`` the row
+    counts of ``launches.rows``; the buffers, in the order of ``launches.buffers``."""
+    return (_op or _run_op())(launches.plan, passed, rows)
 
 
 def _image(images: _DeviceImages, entry: dict, device) -> int | Refusal:

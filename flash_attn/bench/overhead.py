@@ -163,9 +163,10 @@ def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
     captured = []
     saved = aot._launch
 
-    def recording(launches, tensors):
-        made = saved(launches, tensors)
-        everything = {**tensors, **dict(zip(launches.made, made))}
+    def recording(launches, passed, rows):
+        made = saved(launches, passed, rows)
+        everything = {**dict(zip(launches.names, passed)), **dict(zip(launches.rows, rows)),
+                      **dict(zip(launches.made, made))}
         passed = {*launches.names, *launches.made}
         unused = frozenset(s for p in launches.packed for s in p.slots if s not in passed)
         alone = aot._launches(launches.packed, unused)

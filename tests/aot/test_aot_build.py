@@ -333,8 +333,8 @@ def launched(monkeypatch) -> list:
     ids = []
     real = aot._launch
 
-    def checked(launches, tensors):
-        made = real(launches, tensors)
+    def checked(launches, *call):
+        made = real(launches, *call)
         ids.extend(p.kernel for p in launches.packed)
         return made
 
@@ -401,8 +401,8 @@ def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest,
     monkeypatch.setattr(dispatch, "_chains", {})
     monkeypatch.setattr(validation, "_checked", {})
     written, keys = [], []
-    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: written.append(launches.plan) or made_buffers(
-        launches, tensors))
+    monkeypatch.setattr(aot, "_launch", lambda launches, *call: written.append(launches.plan) or made_buffers(
+        launches, *call))
     real_known = dispatch.run_known
     monkeypatch.setattr(dispatch, "run_known", lambda op, device, call, *a: keys.append(call) or real_known(
         op, device, call, *a))

@@ -106,8 +106,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(aot, "_registered", {})
     monkeypatch.setattr(aot, "_loaded", set())
     launched = []
-    monkeypatch.setattr(aot, "_launch", lambda launches, tensors: launched.extend(launches.packed) or made_buffers(
-        launches, tensors))
+    monkeypatch.setattr(aot, "_launch", lambda launches, *call: launched.extend(launches.packed) or made_buffers(
+        launches, *call))
     monkeypatch.setattr(dispatch, "chain", lambda device: ("aot", "reference"))
     monkeypatch.setattr(dispatch, "_warned", set())
     return images, launched

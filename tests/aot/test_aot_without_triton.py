@@ -106,7 +106,7 @@ AOT_SETUP = f"    TESTS = {str(TESTS)!r}\n" + """
 
     # A manifest for one sm_90a image, synthesised from the specialisation set (no compile).
     sys.path.insert(0, TESTS)
-    from support.aot_buffers import made_buffers
+    from support.aot_buffers import by_slot, made_buffers
     from support.synthetic_images import synthetic_manifest
 
     m = synthetic_manifest()
@@ -125,9 +125,9 @@ AOT_SETUP = f"    TESTS = {str(TESTS)!r}\n" + """
         launched.append({"key": key, "grid": [int(g) for g in grid], "tensors": len(tensors),
                          "ints": len(ints), "floats": len(floats)})
 
-    def launch_all(launches, tensors):  # where torch.ops.flash_attn.aot_run would run
-        made = made_buffers(launches, tensors)
-        tensors = {**tensors, **dict(zip(launches.made, made))}
+    def launch_all(launches, passed, rows):  # where torch.ops.flash_attn.aot_run would run
+        made = made_buffers(launches, passed, rows)
+        tensors = {**by_slot(launches, passed, rows), **dict(zip(launches.made, made))}
         for p in launches.packed:
             ints = [tensors[i] if isinstance(i, plan.Rows) else i for i in p.ints]
             launch(p.kernel, p.grid, [tensors.get(name) for name in p.slots], ints, p.floats)  # unused: None

@@ -81,9 +81,9 @@ def gpu_on_meta(monkeypatch, custom_op_bodies):
     monkeypatch.setattr(aot, "_device_images", lambda device: images)
     real = aot._launch
 
-    def launch(launches, tensors):
+    def launch(launches, *call):
         launched["aot"].extend(p.kernel for p in launches.packed)
-        return real(launches, tensors)
+        return real(launches, *call)
 
     monkeypatch.setattr(aot, "_launch", launch)
     monkeypatch.setattr(triton_backend.BACKEND, "unavailable_reason", lambda device: None)

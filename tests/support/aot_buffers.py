@@ -7,6 +7,13 @@ plan gives (row counts from the call), zero-filled; it cannot show the library's
 import torch
 
 
-def made_buffers(launches, tensors: dict) -> list:
-    return [torch.zeros([tensors[n] if not isinstance(n, int) else n for n in b.shape], dtype=b.dtype)
+def by_slot(launches, passed: tuple, rows: tuple) -> dict:
+    """A call's tensors by slot, and its row counts by :class:`~flash_attn.planning.plan.Rows`, from
+    ``_launch``'s arguments."""
+    return {**dict(zip(launches.names, passed)), **dict(zip(launches.rows, rows))}
+
+
+def made_buffers(launches, passed: tuple, rows: tuple) -> list:
+    counts = dict(zip(launches.rows, rows))
+    return [torch.zeros([n if isinstance(n, int) else counts[n] for n in b.shape], dtype=b.dtype)
             for b in launches.buffers]

@@ -1,0 +1,110 @@
+"""The ``aot`` backend's direct lane (:meth:`flash_attn.backends.aot._AotBackend.direct_lane`): a
+signature's later eager calls pass their own tensors to the op library, picked by position, and get
+the buffers it makes back as their results; a call whose pointers are not all aligned leaves the
+lane for the known route, which copies what it must.
+
+On the benchmark's stub (:func:`flash_attn.bench.overhead.stubbed_aot`: the installed sm_90a images,
+the real op library checking CPU tensors and counting the launches instead of running them): what
+is checked is which tensors reach the library and which plan runs, not the kernels' numbers (the
+GPU acceptance run computes those against the oracle through the same lane)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache
+from flash_attn.backends import aot
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    """The stubbed aot backend; the op library's calls recorded: (plan, tensors passed, results)."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "aot")
+    try:
+        context = overhead.stubbed_aot()
+        counted = context.__enter__()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    calls = []
+    real = aot._launch
+
+    def recording(launches, passed, rows):
+        made = real(launches, passed, rows)
+        calls.append((launches.plan, tuple(passed), made))
+        return made
+
+    monkeypatch.setattr(aot, "_launch", recording)
+    try:
+        yield calls, counted
+    finally:
+        context.__exit__(None, None, None)
+
+
+def _bf16(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values at the same shape and strides, starting 2 bytes past a 16-byte boundary."""
+    base = torch.empty(t.numel() + 8, dtype=t.dtype)
+    view = base[1:1 + t.numel()].view(t.shape).copy_(t)
+    assert view.stride() == t.stride() and view.data_ptr() % 16 != 0
+    return view
+
+
+def _lane_ran(op: str) -> bool:
+    lanes = next((v for k, v in dispatch._chains.items() if k[-1] == "lanes"), {})
+    return any(key[0] == op for key in lanes)
+
+
+def test_a_forwards_later_calls_pass_their_own_tensors_and_get_the_buffers(stub, monkeypatch):
+    calls, counted = stub
+    by_slot = []  # the calls run by slot (the known route), not by position
+    real_slots = aot.slots
+    monkeypatch.setattr(aot, "slots", lambda *a: by_slot.append(1) or real_slots(*a))
+    q, k, v = _bf16(2, 40, 4, 64), _bf16(2, 40, 4, 64, seed=1), _bf16(2, 40, 4, 64, seed=2)
+    before = counted()
+    results = [flash_attn_func(q, k, v, causal=True, return_attn_probs=False) for _ in range(3)]
+    assert _lane_ran("forward") and counted() == before + 3 and len(by_slot) == 2  # the third: the direct lane
+    known, direct = calls[0], calls[-1]
+    assert torch.equal(known[0], direct[0])  # the plan the known route ran
+    assert [t is u for t, u in zip(direct[1], (q, k, v))] == [True] * 3  # q, k, v themselves
+    out, lse = direct[2]
+    assert results[-1] is out and out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+    assert results[-1].data_ptr() != results[-2].data_ptr()  # fresh buffers every call
+
+
+def test_a_misaligned_call_of_the_same_signature_leaves_the_lane(stub):
+    calls, counted = stub
+    q, k, v = _bf16(1, 24, 2, 64), _bf16(1, 24, 2, 64, seed=1), _bf16(1, 24, 2, 64, seed=2)
+    for _ in range(3):
+        flash_attn_func(q, k, v)
+    before = counted()
+    odd = _misaligned(q)
+    flash_attn_func(odd, k, v)  # the lane declines it: the op library would refuse the pointer
+    assert counted() == before + 1
+    passed = calls[-1][1]
+    assert not any(t is odd for t in passed) and all(t.data_ptr() % 16 == 0 for t in passed)
+    assert torch.equal(passed[0], odd)  # its own plan's aligned copy of q
+
+
+def test_a_decode_steps_later_calls_pass_the_cache_itself(stub):
+    calls, counted = stub
+    batch, heads, heads_k = 2, 8, 2
+    k_cache, v_cache = _bf16(batch, 256, heads_k, 64), _bf16(batch, 256, heads_k, 64, seed=1)
+    q, k, v = _bf16(batch, 1, heads, 64, seed=2), _bf16(batch, 1, heads_k, 64, seed=3), _bf16(batch, 1, heads_k, 64,
+                                                                                              seed=4)
+    seqlens = torch.tensor([5, 100], dtype=torch.int32)
+    before = counted()
+    for _ in range(3):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, causal=True)
+    assert _lane_ran("forward_kvcache") and counted() > before
+    plan, passed, made = calls[-1]
+    assert torch.equal(plan, calls[0][0])
+    for t in (q, k_cache, v_cache, k, v, seqlens):
+        assert any(p is t for p in passed)
+    assert out.shape == q.shape and out is made[0]
