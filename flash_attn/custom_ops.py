@@ -321,7 +321,7 @@ def _kvcache_body(
     v_cache: Tensor,
     k: Optional[Tensor],
     v: Optional[Tensor],
-    cache_seqlens: Tensor,
+    cache_seqlens: Optional[Tensor],
     cache_batch_idx: Optional[Tensor],
     cache_leftpad: Optional[Tensor],
     block_table: Optional[Tensor],
@@ -378,7 +378,7 @@ def _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_l
     """Cache rows, batch indices and pages named by the call all exist."""
     seqlen_new = 0 if k is None else k.shape[1]
     capacity = cache_capacity(k_cache, block_table)
-    seqlens = cache_seqlens.tolist()
+    seqlens = [capacity] * q.shape[0] if cache_seqlens is None else cache_seqlens.tolist()
     if any(n < 0 for n in seqlens):
         raise ValueError(f"cache_seqlens must be >= 0, got {seqlens}")
     ends = [n + seqlen_new for n in seqlens]

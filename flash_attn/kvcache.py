@@ -19,7 +19,9 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
          alibi_slopes, qv, sinks),
         (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits), _checks)
-    if not isinstance(cache_seqlens, torch.Tensor):  # None (the whole cache) or one int for every sequence
+    # One int for every sequence: a tensor of it. None: every sequence's whole cache, which the
+    # kernels take as a number (no tensor made per call), unless rotary needs the positions.
+    if (cache_seqlens is None and rotary_cos is not None) or isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_capacity(k_cache, block_table) if cache_seqlens is None
                                    else cache_seqlens, dtype=torch.int32, device=q.device)
     return custom_ops.forward_kvcache(

@@ -93,7 +93,7 @@ class KVCacheInputs(NamedTuple):
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    cache_seqlens: torch.Tensor  # int32 (batch,), always present after normalisation
+    cache_seqlens: Optional[torch.Tensor]  # int32 (batch,); None: every sequence's whole cache (its capacity)
     k_new: Optional[torch.Tensor] = None
     v_new: Optional[torch.Tensor] = None
     cache_batch_idx: Optional[torch.Tensor] = None

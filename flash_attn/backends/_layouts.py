@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from flash_attn.backends import _reference_core as core
-from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout
+from flash_attn.params import AttentionParams, KVCacheInputs, VarlenLayout, cache_capacity
 from flash_attn.rotation import rotate_pairs
 
 
@@ -330,7 +330,8 @@ def forward_kvcache(
     """
     B, sq = q.shape[:2]
     device = q.device
-    seqlens = cache.cache_seqlens.to(device=device, dtype=torch.int64)
+    seqlens = (torch.full((B,), cache_capacity(cache.k_cache, cache.block_table), dtype=torch.int64, device=device)
+               if cache.cache_seqlens is None else cache.cache_seqlens.to(device=device, dtype=torch.int64))
     s_new = 0 if cache.k_new is None else cache.k_new.shape[1]
     rotary = cache.rotary_cos is not None
     if cache.k_new is not None:

@@ -51,13 +51,15 @@ from flash_attn.planning import configs
 from flash_attn.planning.plan import Target
 
 CASES = ("forward", "forward+backward", "packed training", "packed training, later layer", "decode step",
-         "growing cache decode", "rotary step")
+         "plain decode", "growing cache decode", "rotary step")
 # cases whose every call has a new signature: no stage breakdown (it replays one recorded call)
 NEW_EVERY_CALL = ("growing cache decode",)
 # the growing cache's first length and how many lengths follow (then they repeat): more than the
 # warm-up, timed and profiled calls of the defaults (20 + 5 x 200 + 200)
 GROWING_FROM, GROWING_LENGTHS = 2000, 2048
 LAUNCH_CASES = ("one aot launch", "one PyTorch launch")  # device mode only
+# stubbed mode only: what forward + backward costs PyTorch's autograd itself (:func:`_floor_calls`)
+FLOOR_CASES = ("floor: a Python autograd Function", "floor: a C++ autograd node")
 
 # packed batches: distinct totals, so that no two calls of a timing run have the same lengths
 # (more than the warm-up and timed calls of the defaults: 20 + 5 x 200); their signatures hold the
@@ -87,7 +89,8 @@ def _calls(device) -> dict[str, Callable[[], object]]:
     (padding-free training: ``flash_attn_varlen_func``; a model's first layer of a step: a new batch,
     in the class of the earlier batches with as many sequences and longest lengths in the same
     buckets) and for one packed batch again and again (its later layers: the same lengths), one
-    decode step with a KV cache (append + attend), one decode step over a cache kept as growing
+    decode step with a KV cache (append + attend), one query of batch 1 over a whole 4k cache (``bench
+    gpu``'s decode row: no cache_seqlens, nothing appended), one decode step over a cache kept as growing
     tensors (Hugging Face's ``generate()``: ``flash_attn_func`` over its ``(b, hk, s, d)`` cache
     transposed, one key more every call, so every call has a new signature; in a model only the
     first layer's call of a step is new), and a decode step's rotary (a model's q rotated in place
@@ -103,6 +106,7 @@ def _calls(device) -> dict[str, Callable[[], object]]:
     step_q, step_k, step_v = rnd(batch, 1, heads, 128), rnd(batch, 1, heads_k, 128), rnd(batch, 1, heads_k, 128)
     seqlens = torch.full((batch,), 2000, dtype=torch.int32, device=device)
     cos, sin = rnd(4096, 64), rnd(4096, 64)
+    one_q, one_k_cache, one_v_cache = rnd(1, 1, heads, 128), rnd(1, 4096, heads_k, 128), rnd(1, 4096, heads_k, 128)
 
     def training():
         for t in (qg, kg, vg):
@@ -135,9 +139,45 @@ def _calls(device) -> dict[str, Callable[[], object]]:
         "packed training, later layer": packed_later_layer,
         "decode step": lambda: flash_attn_with_kvcache(step_q, k_cache, v_cache, step_k, step_v,
                                                        cache_seqlens=seqlens, causal=True),
+        "plain decode": lambda: flash_attn_with_kvcache(one_q, one_k_cache, one_v_cache),
         "growing cache decode": growing_step,
         "rotary step": lambda: apply_rotary_emb(step_q, cos, sin, inplace=True, seqlen_offsets=seqlens),
     }
+
+
+class _EmptyFunction(torch.autograd.Function):
+    """An autograd Function that computes nothing: three inputs saved, an empty output, three
+    empty gradients (the shape of our forward + backward's Function)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _floor_calls() -> dict[str, Callable[[], object]]:
+    """Forward + backward through autograd with no work of ours, on 16 numbers: a Python
+    ``torch.autograd.Function`` (our training call's structure) and one of PyTorch's C++ autograd
+    nodes (``x * 2``: SDPA's structure). The same run's floors for the forward + backward row: what
+    no change of ours can take off it, and what a C++ node would."""
+    q, k, v = (torch.randn(16).requires_grad_() for _ in range(3))
+    dout = torch.randn(16)
+
+    def python_function():
+        for t in (q, k, v):
+            t.grad = None
+        _EmptyFunction.apply(q, k, v).backward(dout)
+
+    def cpp_node():
+        q.grad = None
+        (q * 2.0).backward(dout)
+
+    return dict(zip(FLOOR_CASES, (python_function, cpp_node)))
 
 
 def _growing_cache_step(rnd: Callable, heads: int, heads_k: int, attend: Callable) -> Callable[[], object]:
@@ -416,6 +456,7 @@ def _sdpa_calls(device) -> dict[str, Callable[[], object]]:
     batch, heads, heads_k, filled = 8, 32, 8, 2000
     k_cache, v_cache = rnd(batch, 4096, heads_k, 128), rnd(batch, 4096, heads_k, 128)
     step_q, step_k, step_v = rnd(batch, 1, heads, 128), rnd(batch, 1, heads_k, 128), rnd(batch, 1, heads_k, 128)
+    one_q, one_k_cache, one_v_cache = rnd(1, 1, heads, 128), rnd(1, 4096, heads_k, 128), rnd(1, 4096, heads_k, 128)
 
     def training():
         for t in (qg, kg, vg):
@@ -433,6 +474,7 @@ def _sdpa_calls(device) -> dict[str, Callable[[], object]]:
         "forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "forward+backward": training,
         "decode step": decode_step,
+        "plain decode": lambda: sdpa_decode(one_q, one_k_cache, one_v_cache),
         "growing cache decode": growing_step,
     }
 
@@ -526,4 +568,8 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
             if profiles is not None:
                 stages = "" if name in NEW_EVERY_CALL else "\nby stage\n" + stages_text(stage_breakdown(fn, calls))
                 profiles[name] = profile_text(fn, calls, lambda: None) + stages
+    for name, fn in _floor_calls().items():
+        times = _time(fn, calls, repeats, lambda: None, clock=time.process_time)
+        rows.append({"mode": mode, "case": name, "us_per_call": statistics.median(times), "us_min": min(times),
+                     "us_max": max(times), "launches_per_call": 0, "plans_per_call": 0})
     return rows

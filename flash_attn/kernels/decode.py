@@ -144,16 +144,19 @@ def _program_tile(seqlen_q, group, nheads_k, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new, use_leftpad, stride_btb,
+def _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new, seqlen_cache, use_leftpad, stride_btb,
                     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr):
     """Where the keys of batch entry ``b`` live: ``(first_row, seqlen_k, seq, bt_row)``, i.e. cache
     rows ``[first_row, first_row + seqlen_k)`` of cache sequence ``seq`` (int64; its page when the
-    table is the identity) or of the pages listed at ``bt_row`` (its block-table row)."""
+    table is the identity) or of the pages listed at ``bt_row`` (its block-table row). The cache
+    rows in use: ``cache_seqlens[b]``, or with ``seqlen_cache >= 0`` that number for every entry
+    (``Seqlens`` then not read)."""
     if HAS_LEFTPAD:
         first_row = tl.load(Leftpad + b, mask=use_leftpad != 0, other=0)
     else:
         first_row = 0
-    seqlen_k = tl.load(Seqlens + b) + seqlen_new - first_row
+    cached = tl.load(Seqlens + b, mask=seqlen_cache < 0, other=0)
+    seqlen_k = tl.where(seqlen_cache < 0, cached, seqlen_cache) + seqlen_new - first_row
     if PAGED:
         seq = b.to(tl.int64)
         bt_row = BlockTable + b.to(tl.int64) * stride_btb
@@ -271,7 +274,7 @@ def _append_rows(K, V, K_new, V_new, b, kv_head, m_block, split, start, end, seq
     first = (m_block == 0) & (split == 0)
     lo = tl.where(first, 0, own_lo)
     hi = tl.where(first, seqlen_append, own_hi)
-    row0 = tl.load(Seqlens + b)
+    row0 = tl.load(Seqlens + b, mask=seqlen_append > 0, other=0)  # (a call that appends has cache_seqlens)
     k_head = kv_head.to(tl.int64) * stride_kh
     v_head = kv_head.to(tl.int64) * stride_vh
     k_src = K_new + b.to(tl.int64) * stride_knb + kv_head.to(tl.int64) * stride_knh
@@ -303,7 +306,7 @@ def split_kv_kernel(
     stride_knb, stride_kns, stride_knh,
     stride_vnb, stride_vns, stride_vnh,
     stride_btb, stride_ab,
-    nheads_k, seqlen_q, seqlen_new, seqlen_append, group, head_dim, head_dim_v, page_size,
+    nheads_k, seqlen_q, seqlen_new, seqlen_append, seqlen_cache, group, head_dim, head_dim_v, page_size,
     use_leftpad, use_alibi, use_sinks, identity_table,
     softmax_scale, softcap, window_left, window_right, empty_lse,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -331,10 +334,13 @@ def split_kv_kernel(
     dv)``, strides ``stride_kn*``/``stride_vn*``) to cache rows ``cache_seqlens[b] + t``
     (:func:`_append_rows`) before the program reads its keys from the cache. With 0 the new keys
     (if any: ``seqlen_new``) are in the cache already: an append kernel wrote them before.
+    ``seqlen_cache`` (``-1``: read ``Seqlens``): every entry's cache rows, for a call without
+    cache_seqlens (then ``Seqlens`` is not read, nor appended to).
     """
     b, kv_head, m_block, split, num_splits = _program_tile(seqlen_q, group, nheads_k, BLOCK_M)
     first_row, seqlen_k, seq, bt_row = _cache_sequence(b, Seqlens, Leftpad, BatchIdx, BlockTable, seqlen_new,
-                                                       use_leftpad, stride_btb, PAGED, HAS_BATCH_IDX, HAS_LEFTPAD)
+                                                       seqlen_cache, use_leftpad, stride_btb, PAGED, HAS_BATCH_IDX,
+                                                       HAS_LEFTPAD)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
     offs_dv = tl.arange(0, BLOCK_DV)

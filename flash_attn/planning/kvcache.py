@@ -125,7 +125,8 @@ class _KVCall(NamedTuple):
     """One KV-cache call as its launches see it: sizes, tensors by slot, the cache's addressing.
     ``superset``: planned for the ahead-of-time images (inputs in the ``"rows"`` layout, results
     padded, every feature compiled in). Optional pointers a call lacks stand as another tensor of
-    the call of the same type, which the kernel does not read: ``lse`` (fp32), ``seqlens`` (int32)."""
+    the call of the same type, which the kernel does not read: ``lse`` (fp32), ``seqlens`` (int32;
+    without cache_seqlens an int32 buffer no kernel reads, and ``seqlen_cache`` the cache's rows)."""
 
     s: KVCacheShape
     superset: bool
@@ -143,6 +144,7 @@ class _KVCall(NamedTuple):
     out: Slot
     lse: Slot
     seqlens: Slot
+    seqlen_cache: int  # every sequence's cache rows where the call has no cache_seqlens, else -1
     cos: Slot
     sin: Slot
     rotary_half: int
@@ -178,7 +180,12 @@ def _kv_call(s: KVCacheShape, target: Target) -> _KVCall:
     lay.strides["v_cache"] = effective_strides(s.v_cache)
     out = lay.buffer("out", (batch, seqlen_q, nheads, head_dim_v), s.q.dtype, padded=superset)
     lse = lay.buffer("lse", (batch, nheads, seqlen_q), torch.float32)
-    seqlens = lay.input("seqlens", s.seqlens, "plain")
+    if s.seqlens is not None:
+        seqlens = lay.input("seqlens", s.seqlens, "plain")
+    elif s.cos is None and s.k_new is None:
+        seqlens = lay.buffer("no_seqlens", (1,), torch.int32, unused=True)  # the kernels read seqlen_cache
+    else:
+        raise ValueError("a KV-cache call that appends or rotates needs cache_seqlens (the positions)")
     if s.cos is not None:
         how = "fp32" if superset else "plain"
         cos, sin = lay.input("cos", s.cos, how), lay.input("sin", s.sin, how)
@@ -195,7 +202,8 @@ def _kv_call(s: KVCacheShape, target: Target) -> _KVCall:
     seqlen_new = 0 if s.k_new is None else s.k_new.shape[1]
     return _KVCall(s=s, superset=superset, lay=lay, batch=batch, seqlen_q=seqlen_q, nheads=nheads,
                    nheads_k=s.k_cache.shape[2], head_dim=head_dim, head_dim_v=head_dim_v, seqlen_new=seqlen_new,
-                   block_d=block_d, block_dv=block_dv, q=q, out=out, lse=lse, seqlens=seqlens, cos=cos, sin=sin,
+                   block_d=block_d, block_dv=block_dv, q=q, out=out, lse=lse, seqlens=seqlens,
+                   seqlen_cache=-1 if s.seqlens is not None else cache.capacity, cos=cos, sin=sin,
                    rotary_half=rotary_half, stride_ro=stride_ro, leftpad=leftpad, batch_idx=batch_idx, alibi=alibi,
                    sinks=sinks, qv=qv, cache=cache)
 
@@ -321,7 +329,8 @@ def _split_kv_launch(kv: _KVCall, q: Slot, config: configs.Config, m_blocks: int
         **named("stride_v", "bsh", lay.strides["v_cache"][:3]), **named("stride_o", "bsh", lay.rows(kv.out)),
         **named("stride_p", "xbsh", parts.out_strides), **named("stride_l", "xbsh", parts.lse_strides),
         stride_btb=cache.stride_btb, stride_ab=alibi_batch_stride(lay, s.alibi),
-        nheads_k=kv.nheads_k, seqlen_q=kv.seqlen_q, seqlen_new=kv.seqlen_new, group=kv.nheads // kv.nheads_k,
+        nheads_k=kv.nheads_k, seqlen_q=kv.seqlen_q, seqlen_new=kv.seqlen_new, seqlen_cache=kv.seqlen_cache,
+        group=kv.nheads // kv.nheads_k,
         head_dim=kv.head_dim, head_dim_v=kv.head_dim_v, page_size=cache.page_size,
         use_leftpad=int(s.leftpad is not None), use_alibi=int(s.alibi is not None), use_sinks=int(s.sinks is not None),
         identity_table=cache.identity_table, softmax_scale=sc.softmax_scale, softcap=sc.softcap,

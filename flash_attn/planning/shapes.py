@@ -188,7 +188,7 @@ class KVCacheShape(NamedTuple):
     v_cache: TensorInfo
     k_new: Optional[TensorInfo]
     v_new: Optional[TensorInfo]
-    seqlens: TensorInfo
+    seqlens: Optional[TensorInfo]  # None: every sequence's whole cache
     batch_idx: Optional[TensorInfo]
     leftpad: Optional[TensorInfo]
     block_table: Optional[TensorInfo]

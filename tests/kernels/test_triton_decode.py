@@ -29,6 +29,7 @@ from support.kvcache_cases import (
     check_case,
     make_inputs,
     oracle_result,
+    run_kernels,
 )
 from support.tolerance import check_close
 
@@ -54,6 +55,54 @@ def test_headdim_256(mode):
 def test_float32_inputs(mode):
     check_case(Case(seqlens=(21, 50), nheads=4, nheads_k=2, seqlen_new=2, rotary="interleaved"),
                torch.float32, mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Without cache_seqlens: every sequence's whole cache, its row count a number in the plan.
+
+WHOLE_CACHE = {  # every sequence's cache_seqlens is the capacity, which is what the oracle is given
+    "plain_gqa": Case(seqlens=(80, 80), nheads=4, nheads_k=2),
+    "paged_causal_sq2": Case(seqlens=(64, 64), seqlen_q=2, seqlen_cache=64, page_size=16, causal=True),
+    "leftpad_alibi_split": Case(seqlens=(80, 80), leftpad=(7, 0), alibi="heads", num_splits=3),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(WHOLE_CACHE))
+def test_the_whole_cache_without_cache_seqlens(name, mode):
+    """A call without cache_seqlens (``None``) attends to every sequence's whole cache: the plan
+    passes the cache's rows as a number (``seqlen_cache``) and no tensor of lengths (its slot an
+    unused buffer), and the result is the oracle's with cache_seqlens = the capacity."""
+    from flash_attn.params import AttentionParams, KVCacheInputs
+
+    case = WHOLE_CACHE[name]
+    device = torch.device("cuda" if mode == "triton" else "cpu")
+    args = make_inputs(case, torch.float16, device)
+    assert args["cache_seqlens"].tolist() == [case.seqlen_cache] * case.batch
+    out, lse = run_kernels(case, {**args, "cache_seqlens": None}, mode)
+    ref, naive = oracle_result(case, args), oracle_result(case, args, compute_dtype=None)
+    check_close(out, ref.out, naive.out, torch.float16, "out")
+    check_close(lse, ref.lse, naive.lse, torch.float16, "lse")
+    cache = KVCacheInputs(args["k_cache"], args["v_cache"], None, block_table=args.get("block_table"),
+                          cache_leftpad=args.get("cache_leftpad"))
+    planned = plan.plan_kvcache(plan.describe_kvcache(args["q"], AttentionParams(0.125, -1, -1), cache,
+                                                      args.get("alibi_slopes")), plan.Target("sm90", 132, aot=True))
+    split = next(launch for launch in planned.launches if launch.kernel == "split_kv_kernel")
+    assert dict(split.args)["seqlen_cache"] == case.seqlen_cache
+    assert not any(value == "seqlens" for launch in planned.launches for _, value in launch.args)
+    assert any(b.slot == "no_seqlens" and b.unused for b in planned.buffers)
+
+
+def test_a_call_that_appends_or_rotates_without_cache_seqlens_is_refused_by_the_planner():
+    """The positions of new rows and of rotary come from cache_seqlens: the public function fills
+    one for those calls (:mod:`flash_attn.kvcache`); a plan without one refuses them loudly."""
+    from flash_attn.params import AttentionParams, KVCacheInputs
+
+    args = make_inputs(Case(seqlens=(3, 4), seqlen_new=1), torch.float16, torch.device("cpu"))
+    cache = KVCacheInputs(args["k_cache"], args["v_cache"], None, args["k"], args["v"])
+    with pytest.raises(ValueError, match="needs cache_seqlens"):
+        plan.plan_kvcache(plan.describe_kvcache(args["q"], AttentionParams(0.125, -1, -1), cache),
+                          plan.Target("sm90", 132, aot=True))
 
 
 # ---------------------------------------------------------------------------------------------

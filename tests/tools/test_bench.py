@@ -740,12 +740,16 @@ def test_overhead_packed_training_finds_its_plans():
     except RuntimeError as exc:  # no aot installation (manifest, op library) to stub
         pytest.skip(str(exc))
     by_case = {row["case"]: row for row in rows}
-    assert list(by_case) == list(overhead.CASES)
+    assert list(by_case) == [*overhead.CASES, *overhead.FLOOR_CASES]
     assert by_case["packed training"]["launches_per_call"] == 4
     assert by_case["packed training"]["plans_per_call"] < 0.5
     assert by_case["packed training, later layer"]["launches_per_call"] == 4
     assert all(by_case[case]["plans_per_call"] == 0
-               for case in ("forward", "forward+backward", "packed training, later layer", "decode step"))
+               for case in ("forward", "forward+backward", "packed training, later layer", "decode step",
+                            "plain decode"))
+    assert by_case["plain decode"]["launches_per_call"] == 2  # the split attention and the combine
+    assert all(by_case[case]["us_per_call"] > 0 and by_case[case]["launches_per_call"] == 0
+               for case in overhead.FLOOR_CASES)
 
 
 @pytest.fixture
