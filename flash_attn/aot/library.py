@@ -128,10 +128,29 @@ def _load() -> LibraryStatus:
         import torch
 
         torch.ops.load_library(str(path))
+        differs = _schemas_differ(torch.ops.flash_attn)
     except Exception as exc:
         return LibraryStatus(False, str(path), f"the op library {path} failed to load: {loader_message(exc)}", config,
                              from_env)
+    if differs:
+        return LibraryStatus(False, str(path), f"the op library {path} was built from other sources than this "
+                             f"flash_attn ({differs}): rebuild it (`pip install .`) or reinstall", config, from_env)
     return LibraryStatus(True, str(path), "", config, from_env)
+
+
+# The schemas of the library's ops whose contract this Python relies on beyond its name (csrc/aot_ops.cpp
+# defines them): a library built from older sources answers otherwise and is not used.
+NEEDED_SCHEMAS = {"aot_run": "flash_attn::aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> Tensor[]"}
+
+
+def _schemas_differ(ops) -> str:
+    """The first op whose schema is not :data:`NEEDED_SCHEMAS`'s, as the library has it ("" if none)."""
+    for name, schema in NEEDED_SCHEMAS.items():
+        op = getattr(ops, name, None)
+        have = "absent" if op is None else str(op.default._schema)
+        if have != schema:
+            return f"its {name} is {have!r}, this flash_attn needs {schema!r}"
+    return ""
 
 
 def loader_message(exc: BaseException) -> str:

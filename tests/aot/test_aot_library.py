@@ -86,6 +86,17 @@ def toy(ops, toy_ptx) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def test_a_library_built_from_other_sources_is_not_used(library, monkeypatch):
+    """A library whose ops answer another contract than this Python's (an older build left in
+    place, ``FLASH_ATTN_AOT_LIBRARY`` pointing at one) is refused with the reason, as a library
+    that fails to load is: here the needed schema of ``aot_run`` is changed to one it lacks."""
+    monkeypatch.setitem(aot.NEEDED_SCHEMAS, "aot_run", "flash_attn::aot_run(Tensor plan) -> ()")
+    status = aot._load()
+    assert not status.loaded and "built from other sources" in status.reason and "aot_run" in status.reason
+    monkeypatch.undo()
+    assert aot._load().loaded  # the real expectation: the library built from this tree meets it
+
+
 def test_library_loads_in_this_pytorch(library):
     status = aot.status()
     assert status.loaded and status.reason == ""
