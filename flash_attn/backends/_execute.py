@@ -98,18 +98,23 @@ def backward_inputs(dout, q, k, v, out, lse, seed, varlen=None, alibi_slopes=Non
     return inputs
 
 
+def kvcache_inputs(q, cache, alibi_slopes=None, sinks=None, qv=None) -> dict:
+    # a literal: twice as fast as a dict made from KVCACHE_SLOTS (0.5 against 1.1 us), and on the
+    # route of every KV-cache call the direct lane does not take
+    return dict(q=q, k_cache=cache.k_cache, v_cache=cache.v_cache, k_new=cache.k_new, v_new=cache.v_new,
+                seqlens=cache.cache_seqlens, leftpad=cache.cache_leftpad, batch_idx=cache.cache_batch_idx,
+                block_table=cache.block_table, cos=cache.rotary_cos, sin=cache.rotary_sin, alibi=alibi_slopes,
+                sinks=sinks, qv=qv)
+
+
 # A KV-cache call's arguments in one flat tuple, ``(q, *cache, alibi_slopes, sinks, qv)``, and the
-# slot of each (None: a field of KVCacheInputs that is not a tensor).
+# slot of each (None: a field of KVCacheInputs that is not a tensor), as kvcache_inputs names them.
 KVCACHE_SLOTS = ("q", "k_cache", "v_cache", "seqlens", "k_new", "v_new", "batch_idx", "leftpad", "block_table",
                  "cos", "sin", None, None, "alibi", "sinks", "qv")
-assert KVCacheInputs._fields == ("k_cache", "v_cache", "cache_seqlens", "k_new", "v_new", "cache_batch_idx",
-                                 "cache_leftpad", "block_table", "rotary_cos", "rotary_sin", "rotary_interleaved",
-                                 "num_splits")
+_stand_ins = tuple(range(len(KVCACHE_SLOTS)))  # distinct values at each position
+assert kvcache_inputs(_stand_ins[0], KVCacheInputs(*_stand_ins[1:-3]), *_stand_ins[-3:]) == {
+    slot: at for slot, at in zip(KVCACHE_SLOTS, _stand_ins) if slot is not None}
 FORWARD_SLOTS = ("q", "k", "v", "alibi", "sinks", "qv")  # a lane's forward arguments, flat
-
-
-def kvcache_inputs(q, cache, alibi_slopes=None, sinks=None, qv=None) -> dict:
-    return {slot: t for slot, t in zip(KVCACHE_SLOTS, (q, *cache, alibi_slopes, sinks, qv)) if slot is not None}
 
 
 def capturing(device) -> bool:

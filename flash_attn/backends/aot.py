@@ -310,7 +310,7 @@ class _AotBackend(KernelBackend):
         are all among the lane's arguments: the call's tensors picked by position and passed to the
         op library as they are (after one test of their pointers' alignment)."""
         launches = run.launches
-        if not run.fixed or launches.rows or launches.results is None or not set(launches.names) <= set(flat_slots):
+        if not run.fixed or launches.results is None or not set(launches.names) <= set(flat_slots):
             return None
         pick, results = picker(tuple(flat_slots.index(n) for n in launches.names)), launches.results
 

@@ -207,8 +207,8 @@ def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
         made = saved(launches, passed, rows)
         everything = {**dict(zip(launches.names, passed)), **dict(zip(launches.rows, rows)),
                       **dict(zip(launches.made, made))}
-        passed = {*launches.names, *launches.made}
-        unused = frozenset(s for p in launches.packed for s in p.slots if s not in passed)
+        given = {*launches.names, *launches.made}
+        unused = frozenset(s for p in launches.packed for s in p.slots if s not in given)
         alone = aot._launches(launches.packed, unused)
         captured.append((alone.plan, list(alone.tensors(everything)), list(alone.row_counts(everything))))
         return made
