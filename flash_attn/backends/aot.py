@@ -283,9 +283,14 @@ class _AotBackend(KernelBackend):
                 return kid
             packed.append(p._replace(kernel=kid))
         unused = frozenset(b.slot for b in plan.buffers if b.unused)
-        made = tuple(b for b in plan.buffers if not b.unused)
+        passed = {name for p in packed for name in p.slots}
+        # the library makes a buffer in the dtype of a kernel parameter it is passed to; one that no
+        # launch takes (an empty query's output beside a cache append) is made here
+        made = tuple(b for b in plan.buffers if not b.unused and b.slot in passed)
         written = _launches(tuple(packed), unused, made, plan.results)
-        return ready(plan, written)._replace(buffers=())  # the library makes them
+        run = ready(plan, written)
+        return run._replace(buffers=tuple((slot, make) for slot, make in run.buffers
+                                          if slot not in passed and slot not in unused))
 
     def filled(self, template: Ready, number) -> Ready:
         written = template.launches

@@ -845,10 +845,14 @@ class _Replayed:
 
     def __init__(self, call: Callable[[], None], capture):
         self.call, self.capture, self.replay = call, capture, None
+        self.backend = None  # the backend the captured call ran on (replays call no Python)
 
     def __call__(self) -> None:
         if self.replay is None:
+            from flash_attn import dispatch  # noqa: PLC0415
+
             self.replay = self.capture(self.call)
+            self.backend = dispatch.last_backend()
         for _ in range(GRAPH_REPLAYS):
             self.replay()
 
@@ -1126,7 +1130,7 @@ def _measure(row: dict, impl: Implementation, reason: Optional[str], call, confi
                 row.update(host_fields(call, device, statistics.median(times)))
         row.update(summarize(times), status="ok")
         row["host_bound"] = host_bound(row)
-        elsewhere = _ran_elsewhere(impl, device.type)
+        elsewhere = _ran_elsewhere(impl, device.type, call)
         if elsewhere:
             row.update(status="error", note=elsewhere)
     except Exception as exc:  # noqa: BLE001  (an SDPA backend that rejects a shape, OOM...)
@@ -1173,15 +1177,15 @@ def _free_memory_probe(device) -> Callable[[], Optional[int]]:
     return free
 
 
-def _ran_elsewhere(impl: Implementation, device_type: str) -> Optional[str]:
-    """Why a row of this package's ``impl`` does not count: its last call ran on another backend.
-    Checked on GPUs only (on the CPU a plain dense call skips the dispatcher, which then does not
-    record it)."""
+def _ran_elsewhere(impl: Implementation, device_type: str, call=None) -> Optional[str]:
+    """Why a row of this package's ``impl`` does not count: its last call (for a replayed ``call``,
+    the captured one: other rows' calls ran since) ran on another backend. Checked on GPUs only (on
+    the CPU a plain dense call skips the dispatcher, which then does not record it)."""
     from flash_attn import dispatch  # noqa: PLC0415
 
     if impl.backend is None or device_type == "cpu":
         return None
-    ran = dispatch.last_backend()
+    ran = call.backend if isinstance(call, _Replayed) else dispatch.last_backend()
     return None if ran == impl.backend else f"the {ran} backend ran it, not {impl.backend}"
 
 

@@ -108,3 +108,21 @@ def test_a_decode_steps_later_calls_pass_the_cache_itself(stub):
     for t in (q, k_cache, v_cache, k, v, seqlens):
         assert any(p is t for p in passed)
     assert out.shape == q.shape and out is made[0]
+
+
+def test_an_empty_query_that_appends_gets_the_outputs_no_launch_takes(stub):
+    """seqlen_q 0 beside new k/v: the plan's one launch is the append, and out and lse are passed
+    to no kernel. The library takes a buffer's dtype from a kernel parameter it is passed to, so it
+    refuses to make them (the 2026-11-30 H200 run failed here: ``buffer 0 of the plan is passed to
+    no kernel parameter``); the backend makes them itself, empty, in q's dtype and fp32."""
+    calls, _ = stub
+    q = _bf16(2, 0, 4, 32)
+    k_cache, v_cache = _bf16(2, 8, 2, 32, seed=1), _bf16(2, 8, 2, 32, seed=2)
+    k, v = _bf16(2, 1, 2, 32, seed=3), _bf16(2, 1, 2, 32, seed=4)
+    for _ in range(2):  # the first call and the signature's held plan
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, return_softmax_lse=True)
+        assert dispatch.last_backend() == "aot"
+        assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((2, 0, 4, 32), torch.bfloat16, (2, 4, 0), torch.float32)
+    plan, passed, made = calls[-1]
+    assert len(calls) == 2 and not any(m is out for m in made) and any(p is k_cache for p in passed)
+

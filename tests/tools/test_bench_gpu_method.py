@@ -215,6 +215,27 @@ def test_plain_decode_rows_are_checked_before_they_are_timed(monkeypatch):
     assert len(rows) == 1 and rows[0]["status"] == "error" and "wrong result" in rows[0]["note"] and not captured
 
 
+def test_a_replayed_row_is_judged_by_the_backend_its_capture_ran_on(monkeypatch):
+    """A graphed decode row's replays call no Python, so the backend that counts is the one the
+    captured call ran on, not the last eager call of whichever row ran since (on the 2026-11-30
+    H200, aot's graph rows were reported as run by triton: a triton row had run in between). The
+    stand-in ``last_backend`` stands for the dispatcher's record of the calls."""
+    from flash_attn import dispatch
+
+    ran = ["aot"]
+    monkeypatch.setattr(dispatch, "last_backend", lambda: ran[-1])
+    ours = gpu._ours("aot")
+    replayed = gpu._Replayed(lambda: None, capture=lambda call: call)
+    replayed()  # captured while aot ran
+    ran.append("triton")  # another row's eager call since
+    assert gpu._ran_elsewhere(ours, "cuda", replayed) is None
+    assert gpu._ran_elsewhere(ours, "cuda", lambda: None) == "the triton backend ran it, not aot"
+    fell_back = gpu._Replayed(lambda: None, capture=lambda call: call)
+    fell_back()  # captured while triton ran: an error whatever runs after
+    ran.append("aot")
+    assert gpu._ran_elsewhere(ours, "cuda", fell_back) == "the triton backend ran it, not aot"
+
+
 def test_decode_steps_are_on_by_default_and_can_be_left_out():
     config = gpu.config_from_args(cli.build_parser().parse_args(["bench", "gpu", "--decode-batches", "1,8",
                                                                  "--decode-cachelens", "4096"]))
