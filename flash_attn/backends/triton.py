@@ -20,6 +20,7 @@ KV cache append writes the same rows the next backend writes again).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import os
@@ -171,23 +172,60 @@ class _Jitted:
         self.ready, self.ran, self.failure = ready(plan), False, None
 
 
+# Kernels whose tensor-descriptor (TMA) path this process's Triton could not assemble: their
+# launches run the same tiles by plain loads from then on (Triton 3.6's PTX for the d256 forward's
+# descriptors crashes the ptxas of CUDA 12.8 and 12.9; CUDA 13.0's assembles it: benchmarks/README.md)
+_tma_refused: set = set()
+
+
+def without_tma(plan: P.Plan, kernels) -> P.Plan:
+    """``plan`` with the launches of ``kernels`` loading by pointers instead of tensor descriptors
+    (warp specialisation, which needs them, off too); ``plan`` itself where none of them uses TMA."""
+    def plain(launch):
+        if launch.kernel not in kernels or not launch.constexprs.get("TMA"):
+            return launch
+        off = {"TMA": False, **({"WS": False} if "WS" in launch.constexprs else {})}
+        return dataclasses.replace(launch, constexprs={**launch.constexprs, **off})
+
+    launches = tuple(plain(launch) for launch in plan.launches)
+    return plan if launches == plan.launches else dataclasses.replace(plan, launches=launches)
+
+
+def _jitted(plan: P.Plan) -> _Jitted:
+    return _Jitted(without_tma(plan, _tma_refused) if _tma_refused else plan)
+
+
+def _ptxas_failed(exc: BaseException) -> bool:
+    return type(exc).__name__ == "PTXASError"  # triton.runtime.errors, in the Triton versions that have it
+
+
 class _TritonBackend(KernelBackend):
     def executable(self, plan, target, device):
-        return _Jitted(plan)
+        return _jitted(plan)
 
     def filled(self, template: _Jitted, number):
-        return _Jitted(P.filled(template.ready.plan, number))
+        return _jitted(P.filled(template.ready.plan, number))
 
     def run(self, jitted: _Jitted, inputs: dict, device) -> tuple:
         if jitted.ran:
             return execute(jitted.ready, inputs, device, self.run_launch)
         if jitted.failure is not None:
             raise BackendFailed(*jitted.failure)
+        current = []
+
+        def first_run_launch(launch, tensors, device):
+            current[:] = [launch]
+            self.run_launch(launch, tensors, device)
+
         try:
-            result = execute(jitted.ready, inputs, device, self.run_launch)
+            result = execute(jitted.ready, inputs, device, first_run_launch)
         except (torch.cuda.OutOfMemoryError, BackendFailed):
             raise  # the call's memory, not Triton (the next backend would need it too); or told already
         except Exception as exc:
+            if _ptxas_failed(exc) and current and current[0].constexprs.get("TMA"):
+                _tma_refused.add(current[0].kernel)  # the plan again, its launches from the first
+                jitted.ready = ready(without_tma(jitted.ready.plan, _tma_refused))
+                return self.run(jitted, inputs, device)
             failure = diagnose(exc, capturing(device))
             if failure.scope == "plan":
                 jitted.failure = (failure.cause, failure.fix, failure.scope)

@@ -192,6 +192,44 @@ def test_a_kernel_that_does_not_compile_moves_its_shape_only(triton_on_cpu, monk
     assert len(launches) > tried and dispatch.last_backend() == "triton"
 
 
+def test_a_ptxas_that_cannot_assemble_the_tma_path_gets_the_same_tiles_by_plain_loads(triton_on_cpu, monkeypatch):
+    """Triton 3.6's PTX for the d256 forward's tensor descriptors crashes the ptxas of CUDA 12.8 and
+    12.9 (`ptxas` failed with error code -11: the 2026-11-30 H200, reproduced here on its PTX).
+    The call still runs on triton, strict mode and all: its launch again with TMA off, and later
+    plans of that kernel are made without it. The stand-in raises Triton's own PTXASError where a
+    launch asks for TMA; it cannot show that the plain-load kernel assembles (CUDA 12.9's ptxas
+    assembles Triton 3.6's plain-load d256 forwards here, benchmarks/README.md)."""
+    from triton.runtime.errors import PTXASError
+
+    monkeypatch.setenv(dispatch.STRICT_ENV, "1")
+    monkeypatch.setattr(triton_backend, "_tma_refused", set())
+    asked = []
+
+    def run_launch(launch, tensors, device):
+        asked.append(launch.constexprs.get("TMA"))
+        if launch.constexprs.get("TMA"):
+            raise PTXASError("PTXAS error: `ptxas` failed with error code -11")
+
+    monkeypatch.setattr(triton_backend._backend, "run_launch", run_launch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attn_func(*_qkv(head_dim=256))
+        assert asked == [True, False] and dispatch.last_backend() == "triton"
+        flash_attn_func(*_qkv(seqlen=47, head_dim=192))  # another plan of the kernel: planned without TMA
+    assert asked == [True, False, False] and triton_backend._tma_refused == {"attn_fwd_kernel"}
+
+    asked.clear()  # a failure of ptxas elsewhere is the plan's, as before
+    monkeypatch.setattr(triton_backend, "_tma_refused", set())
+    monkeypatch.setattr(triton_backend._backend, "run_launch", lambda *a: asked.append(1) or _raise(PTXASError("-11")))
+    with pytest.raises(dispatch.BackendRefusedError, match="cannot compile this call.s kernels"):
+        flash_attn_func(*_qkv(seqlen=21, head_dim=64))
+    assert asked == [1] and not triton_backend._tma_refused
+
+
+def _raise(exc):
+    raise exc
+
+
 def test_out_of_memory_is_the_calls_not_tritons(triton_on_cpu):
     """A guard: the next backend would need the memory too, so the error reaches the caller."""
     use, _ = triton_on_cpu
