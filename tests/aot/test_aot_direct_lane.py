@@ -126,3 +126,23 @@ def test_an_empty_query_that_appends_gets_the_outputs_no_launch_takes(stub):
     plan, passed, made = calls[-1]
     assert len(calls) == 2 and not any(m is out for m in made) and any(p is k_cache for p in passed)
 
+
+def test_a_recorded_call_unwraps_a_dead_functorch_wrapper(stub):
+    """A training call records through ``_Attention``'s C ``apply`` (without ``Function.apply``'s
+    Python wrapper), so the unwrapping of functorch's dead wrappers that the wrapper did is done
+    before it: a tensor that escaped ``torch.func.grad`` still trains (without the unwrap, its
+    data pointer is read and raises)."""
+    leaked = []
+
+    def escape(t):
+        leaked.append(t)
+        return t.float().sum()
+
+    torch.func.grad(escape)(_bf16(1, 8, 2, 64))
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
+    k = _bf16(1, 8, 2, 64, seed=1).requires_grad_()
+    out = flash_attn_func(leaked[0], k, k)
+    assert type(out.grad_fn).__name__ == "_AttentionBackward" and dispatch.last_backend() == "aot"
+    out.float().sum().backward()
+    assert k.grad is not None and k.grad.shape == k.shape
+
