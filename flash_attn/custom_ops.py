@@ -540,11 +540,12 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
 
 def forward_kvcache(q, k_cache, v_cache, *args, call=None):
     """``flash_attn::forward_kvcache`` (arguments as the op's), directly when :func:`direct_call_ok`
-    (with ``call``, the public function's checked signature); then the caches' version counters
-    are bumped here, as the op's registration does."""
+    (with ``call``, the public function's checked signature); then, where new k/v were written into
+    the caches, their version counters are bumped here, as the op's registration does."""
     tensors = (q, k_cache, v_cache, *args[:9], *args[15:])  # the tensors: before the scalars, then qv, sinks
     if not direct_call_ok(tensors):
         return attention_forward_kvcache(q, k_cache, v_cache, *args)
     result = _kvcache_run(q, k_cache, v_cache, *args, call=call)
-    torch.autograd.graph.increment_version((k_cache, v_cache))  # (inference tensors have no counter: left alone)
+    if args[0] is not None:  # k: appended (inference tensors have no counter: left alone)
+        torch.autograd.graph.increment_version((k_cache, v_cache))
     return result

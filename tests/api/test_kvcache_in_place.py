@@ -46,6 +46,21 @@ def test_autograd_refuses_a_backward_through_a_value_saved_before_the_append(bac
         saved.sum().backward()
 
 
+def test_a_call_that_appends_nothing_leaves_the_counters_and_autograd_alone(backend):
+    """Without new k/v nothing is written into the caches: their counters stay (a bump would make
+    autograd refuse, wrongly, a backward through a value saved from the cache before the call)."""
+    q, k_cache, v_cache, _, _, seqlens = _step()
+    w = torch.ones((), requires_grad=True)
+    saved = k_cache * w
+    before = k_cache._version, v_cache._version
+    for _ in range(3):  # the first call and the signature's held route
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)
+        flash_attn_with_kvcache(q, k_cache, v_cache)
+    assert (k_cache._version, v_cache._version) == before
+    saved.sum().backward()
+    assert torch.equal(w.grad, k_cache.sum())
+
+
 def test_caches_made_in_inference_mode_take_the_append(backend):
     with torch.inference_mode():
         q, k_cache, v_cache, k_new, v_new, seqlens = _step()
