@@ -347,7 +347,7 @@ def run_known(op: str, device: torch.device, call: int, *args):
         return None
     result = _ran_on(name, route, device, call, *args)
     if laned:
-        _hold_lane(op, device, call, name)
+        _hold_lane(op, device, call, name, args)
     return result
 
 
@@ -390,7 +390,7 @@ def _ran_on(name: str, run: Callable, *args):
     return result
 
 
-def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
+def _hold_lane(op: str, device: torch.device, call: int, name: str, args: tuple) -> None:
     """After the known route of backend ``name`` ran a call of ``op``'s signature ``call`` (so its
     lane, if any, did not take it): from the signature's second such call, hold the backend's lane
     of it, made anew from the plans it holds now, or forget the lane while it holds none for aligned
@@ -408,7 +408,7 @@ def _hold_lane(op: str, device: torch.device, call: int, name: str) -> None:
         lanes = _chains[key] = {}
     if len(lanes) >= CHECKED_LIMIT:
         lanes.clear()
-    _hold(lanes, (op, call), name, lambda: backend.lane(op, device, call))
+    _hold(lanes, (op, call), name, lambda: backend.lane(op, device, call, *args))
     if type(call) is KeyLengths and backend.class_lane is not None:
         _hold(lanes, (op, _CLASS, call.shared), name, lambda: backend.class_lane(op, device, call.shared))
 

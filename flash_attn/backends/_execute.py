@@ -115,6 +115,7 @@ _stand_ins = tuple(range(len(KVCACHE_SLOTS)))  # distinct values at each positio
 assert kvcache_inputs(_stand_ins[0], KVCacheInputs(*_stand_ins[1:-3]), *_stand_ins[-3:]) == {
     slot: at for slot, at in zip(KVCACHE_SLOTS, _stand_ins) if slot is not None}
 FORWARD_SLOTS = ("q", "k", "v", "alibi", "sinks", "qv")  # a lane's forward arguments, flat
+BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse", "alibi")  # ... and a dense backward's
 
 
 def capturing(device) -> bool:
@@ -495,24 +496,36 @@ class KernelBackend:
             return None
         return cache.get((planner, key, target), lambda: self.filled(held.template, tensor_numbers(inputs)))
 
-    def lane(self, op: str, device, call: int) -> Optional[Callable[..., Optional[tuple]]]:
+    def lane(self, op: str, device, call: int, *args) -> Optional[Callable[..., Optional[tuple]]]:
         """The lane of ``op``'s eager calls of checked signature ``call`` on ``device``
         (:func:`flash_attn.dispatch.run_lane`): ``(call, *the known route's arguments)`` -> its
         results, by the executable held for the signature with aligned pointers, nothing else looked up or
         described; ``None`` while none is held (the call has not run on the known route with
         aligned pointers). The lane gives ``None`` for a call whose pointers are not all aligned,
         for every call where the backend refuses the signature, and once the plans it came from
-        are forgotten or replaced."""
+        are forgotten or replaced. ``args``: the known route's arguments of the call that asks for
+        the lane; where the op's plan key adds to the signature (the backward's gradient strides
+        and options), the lane holds what this call's adds and leaves the calls whose differ."""
         found = self.target_and_plans(device)
         if isinstance(found, Refusal):
             return None
         target, cache = found
-        executable = cache.peek((_LANES[op][0], (own_key(call), (), True), target))  # _plan_key's aligned calls' key
+        lane = _LANES[op]
+        more = () if lane.more is None else lane.more(*args)
+        executable = cache.peek((lane.planner, (own_key(call), more, True), target))  # _plan_key's aligned calls' key
         if executable is None:
             return None
         if isinstance(executable, Refusal):
             return _refused_lane
-        return self._lane_runner(op, device, target, cache, executable)
+        runner = self._lane_runner(op, device, target, cache, executable)
+        if lane.more is None:
+            return runner
+        more_of = lane.more
+
+        def same_more(call, *args) -> Optional[tuple]:
+            return runner(call, *args) if more_of(*args) == more else None
+
+        return same_more
 
     def class_lane(self, op: str, device, shared: int) -> Optional[Callable[..., Optional[tuple]]]:
         """The lane of the signatures of :class:`~flash_attn.params.KeyLengths` class ``shared``
@@ -521,6 +534,8 @@ class KernelBackend:
         from the class's template with the call's tensors and held for it (what the known route
         does, :meth:`_class_member`), nothing described; ``None`` while the class holds no template
         for aligned pointers. It gives ``None`` where :meth:`lane` does."""
+        if _LANES[op].more is not None:  # (its classes are the forward's; the backward has its own key)
+            return None
         found = self.target_and_plans(device)
         if isinstance(found, Refusal):
             return None
@@ -536,7 +551,7 @@ class KernelBackend:
         """``(call, *the known route's arguments) -> results`` of a lane: by ``held``, an executable,
         or where ``held`` is a :class:`PerCall`, by the executable held for the call's signature,
         filled in from ``held``'s template where none is yet."""
-        planner, slots_of, flat_of, flat_slots = _LANES[op]
+        planner, slots_of, flat_of, flat_slots, _ = _LANES[op]
         generation, plans_now, run, filled = cache.generation, self.target_and_plans, self.run, self.filled
         direct = None if type(held) is PerCall else self.direct_lane(held, flat_slots)
         if direct is not None:
@@ -597,7 +612,12 @@ def _forward_key(call, q, k, v, alibi_slopes, sinks, qv, varlen=None, seed=None)
 def _backward_key(call, dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen=None,
                   seed=None) -> tuple:
     return _plan_key(own_key(call), (dout, q, k, v, out, lse, alibi_slopes, qv, *_varlen_tensors(varlen)),
-                     (dout.stride(), bool(deterministic), bool(return_delta)), seed)
+                     _backward_more(dout, deterministic, return_delta), seed)
+
+
+def _backward_more(dout, deterministic, return_delta) -> tuple:
+    """What the backward's plan key adds to the checked signature: the gradient's strides, the options."""
+    return dout.stride(), bool(deterministic), bool(return_delta)
 
 
 def _varlen_tensors(varlen) -> tuple:
@@ -661,6 +681,16 @@ def _kvcache_slots(q, cache, alibi_slopes, sinks, qv, scalars) -> tuple[dict, bo
     return kvcache_inputs(q, cache, alibi_slopes, sinks, qv), False
 
 
+def _backward_slots(dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen,
+                    scalars) -> tuple[dict, bool]:
+    return backward_inputs(dout, q, k, v, out, lse, None, varlen, alibi_slopes), False
+
+
+def _backward_lane_more(dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen,
+                        scalars) -> tuple:
+    return _backward_more(dout, deterministic, return_delta)
+
+
 # ... and the same flat (by position, the slots named by FORWARD_SLOTS or KVCACHE_SLOTS): what a
 # backend's direct lane (KernelBackend.direct_lane) takes.
 def _forward_flat(q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars) -> tuple[tuple, bool]:
@@ -671,14 +701,21 @@ def _kvcache_flat(q, cache, alibi_slopes, sinks, qv, scalars) -> tuple[tuple, bo
     return (q, *cache, alibi_slopes, sinks, qv), False
 
 
+def _backward_flat(dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen,
+                   scalars) -> tuple[tuple, bool]:
+    return (dout, q, k, v, out, lse, alibi_slopes), False  # a packed call's plan reads its row counts: no direct lane
+
+
 class _Lane(NamedTuple):
     planner: Callable
     slots: Callable  # the known route's arguments -> (the call's tensors by slot, no S_dmask in the results)
     flat: Callable  # ... -> (the arguments flat, by position, no S_dmask)
     flat_slots: tuple  # the slot at each position of the flat arguments
+    more: Optional[Callable] = None  # ... -> what the op's plan key adds to the signature (None: nothing)
 
 
 _LANES = {"forward": _Lane(P.plan_forward, _forward_slots, _forward_flat, FORWARD_SLOTS),
+          "backward": _Lane(P.plan_backward, _backward_slots, _backward_flat, BACKWARD_SLOTS, _backward_lane_more),
           "forward_kvcache": _Lane(P.plan_kvcache, _kvcache_slots, _kvcache_flat, KVCACHE_SLOTS)}
 assert set(_LANES) == set(LANE_OPS)
 

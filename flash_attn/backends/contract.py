@@ -41,10 +41,10 @@ import torch
 from flash_attn.planning.plan import Refusal
 
 OPS = ("forward", "backward", "forward_kvcache")
-# the ops whose eager calls of a held signature may take a lane (``Backend.lane``): those whose
-# plan key adds nothing to the checked signature but the pointers' alignment (the backward's adds
-# the gradient's strides and options)
-LANE_OPS = ("forward", "forward_kvcache")
+# the ops whose eager calls of a held signature may take a lane (``Backend.lane``): all three (the
+# backward's lane holds the gradient's strides and the options its plan key adds to the signature,
+# and leaves the calls with others)
+LANE_OPS = ("forward", "backward", "forward_kvcache")
 
 Runner = Callable[[], tuple]
 # prepare(*op_args, **op_kwargs) -> a runner that computes the call, or a Refusal saying who refused
@@ -55,12 +55,13 @@ Direct = Callable[..., Optional[tuple]]
 # known(device, call, *tensors and options) -> the op's results by the call's checked signature, or
 # None: the backend refuses the call (see :func:`flash_attn.dispatch.run_known` for the arguments).
 Known = Callable[..., Optional[tuple]]
-# lane(op, device, call) -> ((call, *the known route's arguments) -> its results, or None: the lane
-# does not take the call), or None: no lane for the signature yet (see :func:`flash_attn.dispatch.run_lane`).
-Lane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
-# class_lane(op, device, shared): a Lane of the params.KeyLengths class ``shared`` rather than of one
+# lane(op, device, call, *the known route's arguments of the call that made it) -> ((call, *the known
+# route's arguments) -> its results, or None: the lane does not take the call), or None: no lane for
+# the signature yet (see :func:`flash_attn.dispatch.run_lane`).
+Lane = Callable[..., Optional[Callable[..., Optional[tuple]]]]
+# class_lane(op, device, shared): a lane of the params.KeyLengths class ``shared`` rather than of one
 # signature (see :func:`flash_attn.dispatch.run_lane`).
-ClassLane = Lane
+ClassLane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
 
 
 @dataclass(slots=True)

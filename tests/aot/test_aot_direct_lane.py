@@ -78,6 +78,26 @@ def test_a_forwards_later_calls_pass_their_own_tensors_and_get_the_buffers(stub,
     assert results[-1].data_ptr() != results[-2].data_ptr()  # fresh buffers every call
 
 
+def test_a_training_steps_backward_passes_its_own_tensors_and_gets_the_buffers(stub, monkeypatch):
+    """The backward's lane (from the third step) is direct too: dout, q, k, v, out and lse
+    themselves to the op library, by position, and dq, dk, dv its buffers."""
+    calls, _ = stub
+    by_slot = []
+    real_slots = aot.slots
+    monkeypatch.setattr(aot, "slots", lambda *a: by_slot.append(1) or real_slots(*a))
+    q, k, v = (_bf16(1, 40, 4, 64, seed=s).requires_grad_() for s in range(3))
+    dout = _bf16(1, 40, 4, 64, seed=3)
+    for step in range(3):
+        by_slot.clear()
+        out = flash_attn_func(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert _lane_ran("backward") and by_slot == []  # the third step: both on their direct lanes
+    plan, passed, made = calls[-1]
+    assert [any(p is t for p in passed) for t in (dout, q, k, v)] == [True] * 4
+    assert any(p.data_ptr() == out.data_ptr() for p in passed)  # out as saved (a new handle on its memory)
+    assert [any(g is m for m in made) for g in grads] == [True] * 3 and [g.shape for g in grads] == [q.shape] * 3
+
+
 def test_a_misaligned_call_of_the_same_signature_leaves_the_lane(stub):
     calls, counted = stub
     q, k, v = _bf16(1, 24, 2, 64), _bf16(1, 24, 2, 64, seed=1), _bf16(1, 24, 2, 64, seed=2)

@@ -570,6 +570,49 @@ def test_a_decode_step_on_its_lane_still_checks_the_cache_lengths(launches):
                                 causal=True)
 
 
+def test_a_training_steps_backward_takes_its_lane(launches, general_route, known_lookups):
+    """From a signature's third training step its backward runs on the lane too (made at the
+    second): no known route looked up, the very launches of the first step's backward. The lane
+    holds the gradient's strides: a gradient of the same shape and other strides (a transposed
+    view's) leaves it for the known route, whose plan then serves the lane, and back."""
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 64, 4, 64))
+    dout = torch.randn(2, 64, 4, 64).half()
+    other = torch.randn(2, 4, 64, 64).half().transpose(1, 2)
+    for n in range(4):
+        known_lookups.clear()
+        launches.clear()
+        flash_attn_func(q, k, v, causal=True).backward(dout)
+        assert known_lookups == ([] if n > 1 else ["forward", "backward"]), n
+        if n == 0:
+            first = [launch for launch in launches if launch.kernel != "attn_fwd_kernel"]
+        assert [launch for launch in launches if launch.kernel != "attn_fwd_kernel"] == first
+    for gradient, route in ((other, ["backward"]), (other, []), (other, []), (dout, ["backward"]), (dout, [])):
+        known_lookups.clear()
+        flash_attn_func(q, k, v, causal=True).backward(gradient)
+        assert known_lookups == route
+    assert general_route == [] and dispatch.last_backend() == "triton"
+
+
+def test_a_backward_on_its_lane_computes_what_the_oracle_does(general_route, interpreter, known_lookups):
+    """Through Triton's interpreter: a signature's training steps, the third and fourth with the
+    backward on its lane, against the float64 oracle's gradients."""
+    from support.oracle import attention_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import check_close  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(16)
+    q, k, v, dout = (torch.randn(1, 24, 2, 32, generator=g).half() for _ in range(4))
+    _, ref_grads, _, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, causal=True)
+    for n in range(4):
+        known_lookups.clear()
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        flash_attn_func(*inputs, causal=True).backward(dout)
+        for name, t, ref, naive in zip(("dq", "dk", "dv"), inputs, ref_grads, naive_grads):
+            check_close(t.grad, ref, naive, torch.float16, f"{name}, step {n}", grad=True)
+        assert dispatch.last_backend() == "interpret"
+        assert known_lookups == ([] if n > 1 else ["forward", "backward"]), n
+    assert general_route == []
+
+
 def test_lanes_compute_what_the_oracle_does(general_route, interpreter, known_lookups):
     """Through Triton's interpreter: no-grad forwards of one signature (with the probabilities asked
     for, and with sinks) and decode steps, the third and fourth on their lanes, against the float64
