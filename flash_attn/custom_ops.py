@@ -414,7 +414,7 @@ def eager_call(tensors) -> Optional[bool]:
     for the forward op, and 100 us or more where its generated autograd and mutation bookkeeping
     walk the ops' 16-19 arguments quadratically.
     """
-    if _is_compiling() or _function_mode() or _dispatch_modes() or _functorch_transforms():
+    if _traced():
         return None
     grad, record = _grad_enabled(), False
     for t in tensors:
@@ -427,9 +427,7 @@ def eager_call(tensors) -> Optional[bool]:
 
 
 # eager_call's probes, looked up once (each attribute path costs a few tens of ns per call)
-_is_compiling, _grad_enabled = torch.compiler.is_compiling, torch.is_grad_enabled
-_function_mode, _dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
-_functorch_transforms = torch._C._are_functorch_transforms_active
+_traced, _grad_enabled = validation.traced, torch.is_grad_enabled
 
 
 def direct_call_ok(tensors) -> bool:

@@ -202,6 +202,19 @@ def host_reads_values(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or debug_checks()
 
 
+def traced() -> bool:
+    """Whether PyTorch is tracing or intercepting calls (torch.compile, a ``__torch_function__`` or
+    ``__torch_dispatch__`` mode such as FakeTensorMode, a functorch transform): then the ops and
+    their registrations, not the eager shortcuts around them, must see each call."""
+    return bool(_is_compiling() or _function_mode() or _dispatch_modes() or _functorch_transforms())
+
+
+# traced()'s probes, looked up once (each attribute path costs a few tens of ns per call)
+_is_compiling = torch.compiler.is_compiling
+_function_mode, _dispatch_modes = torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack
+_functorch_transforms = torch._C._are_functorch_transforms_active
+
+
 def debug_checks() -> bool:
     """Whether ``FLASH_ATTN_DEBUG`` asks for host value checks on device tensors (read per call)."""
     return _debug_setting() not in _OFF

@@ -577,6 +577,23 @@ def test_kernel_conjugate_strided_input_and_positions_past_the_table(interpreted
     assert torch.equal(out[1, 3:], k[1, 3:])  # unrotated, as upstream's kernel leaves them
 
 
+def test_kernel_negative_positions_of_unchecked_offsets_rotate_nothing(interpreted_kernel, monkeypatch):
+    """Offsets whose values are not read on the host (a GPU's, without FLASH_ATTN_DEBUG=1: no
+    ``min()``, comparison and device assert per call) may reach negative positions: the kernel
+    leaves those rows unrotated, as it does past the table. The stand-in: ``host_reads_values``
+    answering as for a GPU tensor."""
+    from flash_attn import validation  # noqa: PLC0415
+
+    monkeypatch.setattr(validation, "host_reads_values", lambda t: False)
+    x = on_device(torch.randn(2, 4, 2, 8))
+    cos, sin = random_table(6, 4)
+    out = apply_rotary(x, *on_device(cos.float(), sin.float(), torch.tensor([-2, 1])))
+    assert interpreted_kernel
+    assert torch.equal(out[0, :2], x[0, :2])  # positions -2 and -1: unrotated
+    assert_matches(out[0:1, 2:], oracle_dense(x[0:1, 2:].cpu(), cos.float(), sin.float(), False, [0]))
+    assert_matches(out[1], oracle_dense(x[1:2].cpu(), cos.float(), sin.float(), False, [1])[0])
+
+
 def test_apply_rotary_pytorch_path_conjugate_undoes_the_rotation():
     x = torch.randn(2, 4, 3, 8, dtype=torch.float64)
     cos, sin = random_table(6, 4)

@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from flash_attn import validation
+
 
 @functools.cache
 def triton_modules():
@@ -31,11 +33,17 @@ def triton_available() -> bool:
 
 
 def cuda_launch(kernel, grid, **kwargs) -> None:
-    """Launch on the GPU that holds the tensors (Triton launches on the current device);
-    ``wrap_triton`` lets ``torch.compile`` trace the launch."""
-    device = next(v.device for v in kwargs.values() if isinstance(v, torch.Tensor))
+    """Launch on the GPU that holds the tensors (Triton launches on the current device). Where
+    PyTorch traces or intercepts the call (:func:`flash_attn.validation.traced`, or a tensor
+    subclass among the arguments) through ``wrap_triton``, which lets it see the launch; in a
+    plain eager call the kernel itself (``wrap_triton``'s eager dispatch walks the arguments'
+    pytree: most of a rotary call's 216 us of host time on an H200, benchmarks/README.md)."""
+    tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    plain = all(type(t) is torch.Tensor for t in tensors) and not validation.traced()
+    launch = kernel if plain else torch.library.wrap_triton(kernel)
+    device = tensors[0].device
     if device.index is None or device.index == torch.cuda.current_device():
-        torch.library.wrap_triton(kernel)[grid](**kwargs)
+        launch[grid](**kwargs)
         return
     with torch.cuda.device(device):
-        torch.library.wrap_triton(kernel)[grid](**kwargs)
+        launch[grid](**kwargs)

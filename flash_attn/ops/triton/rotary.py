@@ -158,7 +158,10 @@ def _check_offsets(seqlen_offsets: Offsets, batch: int, seqlen: int, seqlen_ro: 
             raise ValueError(f"seqlen_offsets must be int32 or int64, got {seqlen_offsets.dtype}")
         if device is not None and seqlen_offsets.device != device:
             raise ValueError(f"seqlen_offsets is on {seqlen_offsets.device} but x is on {device}")
-        if batch:  # positions past the table are left unrotated (upstream's kernel); negative ones are errors
+        # positions past the table are left unrotated (upstream's kernel); negative ones are errors
+        # where values are checked (CPU tensors; on a GPU with FLASH_ATTN_DEBUG=1, as the attention's
+        # are): elsewhere they too rotate nothing, as the kernel masks them
+        if batch and validation.host_reads_values(seqlen_offsets):
             validation.check_values(seqlen_offsets.min() >= 0, ValueError, "seqlen_offsets must be >= 0")
         if seqlen > seqlen_ro:
             raise ValueError(f"seqlen {seqlen} is longer than the cos/sin table ({seqlen_ro})")
