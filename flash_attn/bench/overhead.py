@@ -57,7 +57,7 @@ NEW_EVERY_CALL = ("growing cache decode",)
 # the growing cache's first length and how many lengths follow (then they repeat): more than the
 # warm-up, timed and profiled calls of the defaults (20 + 5 x 200 + 200)
 GROWING_FROM, GROWING_LENGTHS = 2000, 2048
-LAUNCH_CASES = ("one aot launch", "one PyTorch launch")  # device mode only
+LAUNCH_CASES = ("one aot launch", "one aot launch, its buffers made", "one PyTorch launch")  # device mode only
 # stubbed mode only: what forward + backward costs PyTorch's autograd itself (:func:`_floor_calls`)
 FLOOR_CASES = ("floor: a Python autograd Function", "floor: a C++ autograd node")
 
@@ -196,11 +196,12 @@ def _growing_cache_step(rnd: Callable, heads: int, heads_k: int, attend: Callabl
     return step
 
 
-def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
+def _captured_launch(call: Callable[[], object], made: bool = False) -> tuple[Callable, tuple]:
     """``(launch, args)``: the op library's ``aot_run`` and the arguments of the last one ``call``
     made (on the ``aot`` backend), to repeat those launches alone: the buffers that call made
-    passed in as tensors (a plan written without buffers), so that a repeat makes none."""
-    captured = []
+    passed in as tensors (a plan written without buffers), so that a repeat makes none; with
+    ``made``, the arguments as the call gave them (its plan making its buffers every time)."""
+    captured, made_too = [], made
     saved = aot._launch
 
     def recording(launches, passed, rows):
@@ -210,7 +211,8 @@ def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
         given = {*launches.names, *launches.made}
         unused = frozenset(s for p in launches.packed for s in p.slots if s not in given)
         alone = aot._launches(launches.packed, unused)
-        captured.append((alone.plan, list(alone.tensors(everything)), list(alone.row_counts(everything))))
+        captured.append((launches.plan, list(passed), list(rows)) if made_too else
+                        (alone.plan, list(alone.tensors(everything)), list(alone.row_counts(everything))))
         return made
 
     aot._launch = recording
@@ -224,13 +226,17 @@ def _captured_launch(call: Callable[[], object]) -> tuple[Callable, tuple]:
 
 
 def _launch_calls(device) -> dict[str, Callable[[], object]]:
-    """One forward kernel launched again through the op library, and one PyTorch kernel launch
-    (an in-place add on 16 numbers)."""
+    """One forward kernel launched again through the op library, its buffers passed in and made
+    as the forward makes them (out and lse: the difference is the library's allocation), and one
+    PyTorch kernel launch (an in-place add on 16 numbers)."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 128, 16, 128, generator=g).to(torch.bfloat16).to(device)
-    launch, args = _captured_launch(lambda: flash_attn_func(q, q, q, causal=True))
+    forward = lambda: flash_attn_func(q, q, q, causal=True)  # noqa: E731
+    launch, args = _captured_launch(forward)
+    _, own = _captured_launch(forward, made=True)
     x = torch.zeros(16, device=device)
-    return {"one aot launch": lambda: launch(*args), "one PyTorch launch": lambda: x.add_(1.0)}
+    return {"one aot launch": lambda: launch(*args), "one aot launch, its buffers made": lambda: launch(*own),
+            "one PyTorch launch": lambda: x.add_(1.0)}
 
 
 @contextlib.contextmanager

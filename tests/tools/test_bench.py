@@ -818,6 +818,13 @@ def test_overhead_repeats_one_captured_aot_launch(stubbed_launches):
     assert stubbed_launches() == before + 3
     with pytest.raises(RuntimeError, match="launched nothing"):
         overhead._captured_launch(lambda: None)
+    # "its buffers made": the forward's own arguments, its plan making out and lse on every repeat
+    launch, (plan, tensors, rows) = overhead._captured_launch(lambda: flash_attn_func(q, q, q, causal=True),
+                                                              made=True)
+    assert plan[0].item() == 2 and not any(t.shape == (1, 16, 128) for t in tensors)
+    first, second = launch(plan, tensors, rows), launch(plan, tensors, rows)
+    assert [t.shape for t in first] == [q.shape, (1, 16, 128)] and first[0].data_ptr() != second[0].data_ptr()
+    assert stubbed_launches() == before + 6  # the capture ran the forward once more
 
 
 def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
