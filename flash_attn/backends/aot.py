@@ -296,10 +296,16 @@ class _AotBackend(KernelBackend):
         written = template.launches
         if not isinstance(written, _Template):  # no extent among its arguments: it serves as it is
             return template
-        plan, packed = list(written.plan), [p._replace(ints=list(p.ints)) for p in written.launches.packed]
+        launches, plan = written.launches, list(written.plan)
+        packed = [_Packed(p.kernel, p.grid, p.slots, list(p.ints), p.floats) for p in launches.packed]
         for at, launch, arg, extent in written.extents:
             plan[at] = packed[launch].ints[arg] = number(extent)
-        return template._replace(launches=written.launches._replace(plan=_plan_tensor(plan), packed=tuple(packed)))
+        # built field by field: a named tuple's _replace costs ~1 us, and a new key length pays this every call
+        launches = _Launches(plan=_plan_tensor(plan), names=launches.names, rows=launches.rows, packed=tuple(packed),
+                             tensors=launches.tensors, row_counts=launches.row_counts, buffers=launches.buffers,
+                             made=launches.made, results=launches.results)
+        return Ready(plan=template.plan, buffers=template.buffers, launches=launches, fixed=template.fixed,
+                     results=template.results)
 
     def run(self, run: Ready, inputs: dict, device) -> tuple:
         tensors = slots(run, inputs, device)
