@@ -396,8 +396,10 @@ def _hold_lane(op: str, device: torch.device, call: int, name: str, args: tuple)
     of it, made anew from the plans it holds now, or forget the lane while it holds none for aligned
     pointers (the next call asks again). A signature met once (a growing cache's new key length in
     a model's first layer) makes none; the signatures of a :class:`~flash_attn.params.KeyLengths`
-    class, from the class's second on the known route, hold the class's lane. Lanes are held beside
-    the chain, under the same settings (:func:`reset` and a new chain forget them), at most
+    class, from the class's second on the known route, hold the class's lane. ``args``: the call's
+    known-route arguments, from which a lane takes what its op's plan key adds to the signature (the
+    backward's gradient strides and options). Lanes are held beside the chain, under the same
+    settings (:func:`reset` and a new chain forget them), at most
     :data:`~flash_attn.validation.CHECKED_LIMIT` of them (then forgotten all at once)."""
     backend = _load(name)[0]
     if backend.lane is None:
