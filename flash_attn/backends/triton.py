@@ -211,7 +211,7 @@ class _TritonBackend(KernelBackend):
             return execute(jitted.ready, inputs, device, self.run_launch)
         if jitted.failure is not None:
             raise BackendFailed(*jitted.failure)
-        current = []
+        current, given = [], dict(inputs)  # (execute adds the prepared inputs and the buffers to inputs)
 
         def first_run_launch(launch, tensors, device):
             current[:] = [launch]
@@ -225,7 +225,7 @@ class _TritonBackend(KernelBackend):
             if _ptxas_failed(exc) and current and current[0].constexprs.get("TMA"):
                 _tma_refused.add(current[0].kernel)  # the plan again, its launches from the first
                 jitted.ready = ready(without_tma(jitted.ready.plan, _tma_refused))
-                return self.run(jitted, inputs, device)
+                return self.run(jitted, given, device)
             failure = diagnose(exc, capturing(device))
             if failure.scope == "plan":
                 jitted.failure = (failure.cause, failure.fix, failure.scope)
