@@ -201,19 +201,21 @@ def _captured_launch(call: Callable[[], object], made: bool = False) -> tuple[Ca
     made (on the ``aot`` backend), to repeat those launches alone: the buffers that call made
     passed in as tensors (a plan written without buffers), so that a repeat makes none; with
     ``made``, the arguments as the call gave them (its plan making its buffers every time)."""
-    captured, made_too = [], made
+    captured = []
     saved = aot._launch
 
     def recording(launches, passed, rows):
-        made = saved(launches, passed, rows)
+        buffers = saved(launches, passed, rows)
+        if made:
+            captured.append((launches.plan, list(passed), list(rows)))
+            return buffers
         everything = {**dict(zip(launches.names, passed)), **dict(zip(launches.rows, rows)),
-                      **dict(zip(launches.made, made))}
+                      **dict(zip(launches.made, buffers))}
         given = {*launches.names, *launches.made}
         unused = frozenset(s for p in launches.packed for s in p.slots if s not in given)
         alone = aot._launches(launches.packed, unused)
-        captured.append((launches.plan, list(passed), list(rows)) if made_too else
-                        (alone.plan, list(alone.tensors(everything)), list(alone.row_counts(everything))))
-        return made
+        captured.append((alone.plan, list(alone.tensors(everything)), list(alone.row_counts(everything))))
+        return buffers
 
     aot._launch = recording
     try:

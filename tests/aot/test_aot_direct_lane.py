@@ -87,7 +87,7 @@ def test_a_training_steps_backward_passes_its_own_tensors_and_gets_the_buffers(s
     monkeypatch.setattr(aot, "slots", lambda *a: by_slot.append(1) or real_slots(*a))
     q, k, v = (_bf16(1, 40, 4, 64, seed=s).requires_grad_() for s in range(3))
     dout = _bf16(1, 40, 4, 64, seed=3)
-    for step in range(3):
+    for _ in range(3):
         by_slot.clear()
         out = flash_attn_func(q, k, v, causal=True)
         grads = torch.autograd.grad(out, (q, k, v), dout)
