@@ -173,15 +173,16 @@ def _key_length_class(tensors: tuple, scalars: tuple) -> Optional[tuple]:
     dropout_p, *_, return_attn_probs = scalars
     if type(dropout_p) not in (int, float) or dropout_p != 0 or return_attn_probs is not False:
         return None
-    if type(k) is not torch.Tensor or type(v) is not torch.Tensor or k.dim() != 4 or v.dim() != 4:
+    if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    if not 0 < k.shape[1] == v.shape[1] or not shares_key_lengths(k, v):
+    ks, vs = k.shape, v.shape
+    if len(ks) != 4 or len(vs) != 4 or not 0 < ks[1] == vs[1] or not shares_key_lengths(k, v):
         return None
     try:
         rest = validation.signature((q, *others), scalars)
     except TypeError:
         return None
-    return rest, k.shape[0], k.shape[2:], k.dtype, k.device, v.shape[0], v.shape[2:], v.dtype, v.device
+    return rest, ks[0], ks[2:], k.dtype, k.device, vs[0], vs[2:], v.dtype, v.device
 
 
 def _checked_options(q, qv, batch, alibi_slopes, learnable_sink, dropout_p, softmax_scale, causal, window_size, softcap,

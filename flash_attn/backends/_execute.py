@@ -553,7 +553,7 @@ class KernelBackend:
         filled in from ``held``'s template where none is yet."""
         planner, slots_of, flat_of, flat_slots, _ = _LANES[op]
         generation, plans_now, run, filled = cache.generation, self.target_and_plans, self.run, self.filled
-        direct = None if type(held) is PerCall else self.direct_lane(held, flat_slots)
+        direct = self.direct_lane(held.template if type(held) is PerCall else held, flat_slots)
         if direct is not None:
             def run_direct(call, *args) -> Optional[tuple]:
                 now = plans_now(device)

@@ -35,7 +35,7 @@ from flash_attn import limits
 from flash_attn.aot import forced, library as op_library, specializations as S
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
 from flash_attn.backends._execute import (KernelBackend, PlanCache, Ready, _all_aligned, capturing, picker, ready,
-                                         slots)
+                                         slots, tensor_numbers)
 from flash_attn.backends.contract import nvidia_cuda_reason
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
@@ -155,11 +155,14 @@ class _Launches(NamedTuple):
 
 class _Template(NamedTuple):
     """A template plan's launches (:mod:`flash_attn.planning.extents`): ``plan`` as a list, 0 where
-    each extent goes (``extents``: its index in ``plan``, its launch, its place among the ints)."""
+    each extent goes (``extents``: its index in ``plan``, its launch, its place among the ints),
+    and ``per_call``: the same launches with each extent a row count the call passes (read from
+    its tensors: what a class's direct lane runs, no plan written per key length)."""
 
     launches: _Launches  # its plan tensor written per call shape (AotBackend.filled)
     plan: list
     extents: tuple
+    per_call: _Launches
 
 
 def _float_bits(value: float) -> int:
@@ -167,10 +170,11 @@ def _float_bits(value: float) -> int:
 
 
 def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (),
-              results: tuple = ()) -> _Launches | _Template:
+              results: tuple = (), extents_per_call: bool = False) -> _Launches | _Template:
     """``packed`` written as a plan, with ``buffers`` (the plan's buffers no launch leaves unused)
     made by the library; the slots in ``unused`` (pointers no kernel reads) passed null; ``results``:
-    the slots the call returns. A template's (extents among its ints) is written once they are known."""
+    the slots the call returns. A template's (extents among its ints) is written once they are known,
+    or with ``extents_per_call`` its extents are row counts the call passes."""
     made = {b.slot for b in buffers}
     names = {}  # the call's tensors, then the buffers: the indices the launches take
     for p in packed:
@@ -187,9 +191,11 @@ def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (
     for n, p in enumerate(packed):
         plan += [p.kernel, *p.grid, *[1] * (3 - len(p.grid)), len(p.slots)]
         plan += [-1 if name in unused else names[name] for name in p.slots]
-        per_call = [(i, rows.setdefault(v, len(rows))) for i, v in enumerate(p.ints) if isinstance(v, P.Rows)]
+        per_call = [(i, rows.setdefault(v, len(rows))) for i, v in enumerate(p.ints)
+                    if isinstance(v, P.Rows) or (extents_per_call and isinstance(v, P.Extent))]
         plan.append(len(p.ints))
-        extents += [(len(plan) + i, n, i, v) for i, v in enumerate(p.ints) if isinstance(v, P.Extent)]
+        if not extents_per_call:
+            extents += [(len(plan) + i, n, i, v) for i, v in enumerate(p.ints) if isinstance(v, P.Extent)]
         plan += [0 if isinstance(v, (P.Rows, P.Extent)) else v for v in p.ints]
         plan += [len(per_call), *[n for pair in per_call for n in pair]]
         plan += [len(p.floats), *map(_float_bits, p.floats)]
@@ -197,8 +203,23 @@ def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (
     made_slots = tuple(b.slot for b in buffers)
     from_made = picker(tuple(made_slots.index(r) for r in results)) if set(results) <= set(made_slots) else None
     launches = _Launches(None if extents else _plan_tensor(plan), inputs, tuple(rows), packed,
-                         picker(inputs), picker(tuple(rows)), tuple(buffers), made_slots, from_made)
-    return _Template(launches, plan, tuple(extents)) if extents else launches
+                         picker(inputs), _row_counts(tuple(rows)), tuple(buffers), made_slots, from_made)
+    if not extents:
+        return launches
+    return _Template(launches, plan, tuple(extents), _launches(packed, unused, buffers, results, extents_per_call=True))
+
+
+def _row_counts(rows: tuple) -> Callable[[dict], tuple]:
+    """The call's tensors by slot -> its numbers of ``rows``: packed row counts (in the slots, by
+    :class:`~flash_attn.planning.plan.Rows`) and extents (read from their tensors)."""
+    if not any(isinstance(r, P.Extent) for r in rows):
+        return picker(rows)
+
+    def counts(tensors: dict) -> tuple:
+        number = tensor_numbers(tensors)
+        return tuple(number(r) if isinstance(r, P.Extent) else tensors[r] for r in rows)
+
+    return counts
 
 
 def _buffer_size(n, rows: dict) -> int:
@@ -317,19 +338,42 @@ class _AotBackend(KernelBackend):
         return run.results(tensors)
 
     def direct_lane(self, run: Ready, flat_slots: tuple) -> Optional[Callable[[tuple], Optional[tuple]]]:
-        """A plan that prepares nothing, reads no row count and returns only buffers, whose tensors
-        are all among the lane's arguments: the call's tensors picked by position and passed to the
-        op library as they are (after one test of their pointers' alignment)."""
+        """A plan that prepares nothing, reads no packed row count and returns only buffers, whose
+        tensors are all among the lane's arguments: the call's tensors picked by position and passed
+        to the op library as they are (after one test of their pointers' alignment). A template (a
+        class's: :class:`~flash_attn.backends._execute.PerCall`) runs as it is, each call's extents
+        read from its tensors and passed as row counts."""
         launches = run.launches
+        if type(launches) is _Template:
+            launches = launches.per_call
         if not run.fixed or launches.results is None or not set(launches.names) <= set(flat_slots):
             return None
         pick, results = picker(tuple(flat_slots.index(n) for n in launches.names)), launches.results
+        if not launches.rows:
+            def direct(flat: tuple) -> Optional[tuple]:
+                passed = pick(flat)
+                return results(_launch(launches, passed, ())) if _all_aligned(passed) else None
 
-        def direct(flat: tuple) -> Optional[tuple]:
+            return direct
+        numbers = _flat_extents(launches.rows, flat_slots)
+        if numbers is None:
+            return None
+
+        def direct_with_extents(flat: tuple) -> Optional[tuple]:
             passed = pick(flat)
-            return results(_launch(launches, passed, ())) if _all_aligned(passed) else None
+            return results(_launch(launches, passed, numbers(flat))) if _all_aligned(passed) else None
 
-        return direct
+        return direct_with_extents
+
+
+def _flat_extents(rows: tuple, flat_slots: tuple) -> Optional[Callable[[tuple], tuple]]:
+    """``flat -> the numbers of rows`` where every one of ``rows`` is an extent of a tensor among a
+    lane's flat arguments (``flat_slots``: the slot at each position), else ``None``."""
+    if not all(isinstance(r, P.Extent) and r.slot in flat_slots for r in rows):
+        return None
+    positions = tuple(dict.fromkeys(flat_slots.index(r.slot) for r in rows))  # each tensor read once
+    read = P.extent_reader(tuple((positions.index(flat_slots.index(r.slot)), r) for r in rows))
+    return lambda flat: read([(flat[at].shape, flat[at].stride()) for at in positions])
 
 
 def _launch(launches: _Launches, passed: tuple, rows: tuple) -> list:

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 
 from flash_attn.planning.launches import Plan
 
-__all__ = ["Extent", "template", "filled"]
+__all__ = ["Extent", "reader", "template", "filled"]
 
 
 class Extent(NamedTuple):
@@ -43,6 +43,22 @@ class Extent(NamedTuple):
         if not self.stride:
             return size
         return 0 if size == 1 else strides[self.dim]  # as effective_strides gives it
+
+
+def reader(extents: tuple) -> Callable[[list], tuple]:
+    """``[(sizes, strides) of tensor 0, ...] -> (the number of each of extents, ...)``, where
+    ``extents`` are ``(tensor, Extent)`` pairs: :meth:`Extent.read` for several at once (a growing
+    cache's every call: one Python call, not one per extent)."""
+    reads = tuple((at, e.dim, e.stride) for at, e in extents)
+
+    def numbers(read: list) -> tuple:
+        out = []
+        for at, dim, stride in reads:  # Extent.read's rule, inline
+            sizes, strides = read[at]
+            out.append((0 if sizes[dim] == 1 else strides[dim]) if stride else sizes[dim])
+        return tuple(out)
+
+    return numbers
 
 
 def template(plan: Plan, extents: dict, shape) -> Optional[Plan]:

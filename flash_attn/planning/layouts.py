@@ -65,6 +65,9 @@ def effective_strides(t: TensorInfo) -> tuple:
     return tuple(0 if n == 1 else s for n, s in zip(t.shape, t.strides))
 
 
+_STRIDE_MULTIPLE = limits.STRIDE_MULTIPLE
+
+
 def fits(t: TensorInfo, how: str) -> bool:
     """Whether the kernels read ``t`` where it lies, laid out ``how`` (its :func:`effective_strides`;
     "rows" is asked per call of a growing cache's new key length: no tuple built for it)."""
@@ -73,8 +76,11 @@ def fits(t: TensorInfo, how: str) -> bool:
     shape, strides = t.shape, t.strides
     if shape and shape[-1] != 1 and strides[-1] not in (0, 1):
         return False
-    if how == "rows":
-        return all(n == 1 or s % limits.STRIDE_MULTIPLE == 0 for n, s in zip(shape[:-1], strides[:-1]))
+    if how == "rows":  # (a loop: ~3x faster than all() over a generator)
+        for n, s in zip(shape[:-1], strides[:-1]):
+            if s % _STRIDE_MULTIPLE and n != 1:
+                return False
+        return True
     if how == "contiguous":
         return effective_strides(t) == effective_strides(TensorInfo(t.shape, _contiguous(t.shape), t.dtype, True))
     if how == "fp32":

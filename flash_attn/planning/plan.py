@@ -20,7 +20,7 @@ reads a tensor value, so plans are made (and tested) anywhere, also for meta ten
 
 from flash_attn.planning.attention import uses_score_features
 from flash_attn.planning.backward import plan_backward
-from flash_attn.planning.extents import Extent, filled, template
+from flash_attn.planning.extents import Extent, filled, reader as extent_reader, template
 from flash_attn.planning.forward import KEY_EXTENTS, plan_forward, shared_by_key_lengths
 from flash_attn.planning.kvcache import choose_num_splits, plan_kvcache
 from flash_attn.planning.launches import DRIVER, IMAGES, PLANNER, Launch, Plan, Planned, Refusal, Target
@@ -32,7 +32,7 @@ __all__ = [
     "Slot", "Rows", "Q_ROWS", "K_ROWS", "Target", "TensorInfo", "Launch", "Buffer", "Prepare", "Plan", "Planned",
     "Refusal", "PLANNER", "IMAGES", "DRIVER", "describe_forward", "describe_backward", "describe_kvcache",
     "bucket_seqlen", "plan_forward", "plan_backward", "plan_kvcache", "choose_num_splits", "uses_score_features",
-    "Extent", "template", "filled", "SHARED_KEYS",
+    "Extent", "template", "filled", "extent_reader", "SHARED_KEYS",
 ]
 
 # Planners whose plans are shared across calls that differ only in some extents

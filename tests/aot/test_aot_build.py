@@ -25,7 +25,7 @@ from flash_attn.backends import aot  # noqa: E402
 from flash_attn.planning import configs, plan as P  # noqa: E402
 from flash_attn.params import AttentionParams, VarlenLayout  # noqa: E402
 
-from support.aot_buffers import made_buffers  # noqa: E402
+from support.aot_buffers import launched_as, made_buffers  # noqa: E402
 from support.calls import attention_calls, beyond_fa2_calls, kvcache_calls  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
@@ -387,11 +387,13 @@ def test_a_new_key_length_is_written_from_its_template(manifest, monkeypatch):
     assert sum(1 for key in images.plans._values if "template" in key) == 1
 
 
-def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest, monkeypatch):
+def test_a_growing_caches_calls_run_their_classs_template(manifest, monkeypatch):
     """The public calls of a growing cache (one class of signatures, flash_attn.params.KeyLengths:
-    the ``aot`` backend holds one template for it and writes each call's plan from the call's own k
-    and v): each call's plan tensor is the one the planner's own plan of that call packs to (CPU
-    tensors, the launch itself left out)."""
+    the ``aot`` backend holds one template for it): each call's plan, with the row counts it passes
+    put where the plan names them, is what the planner's own plan of that call packs to (CPU
+    tensors, the launch itself left out). The class's first two joining lengths are written from
+    the template on the known route; from then on its lane runs the template itself, each call's
+    key length and k/v strides passed per call, one plan tensor for every length."""
     from flash_attn import dispatch, flash_attn_func, validation  # noqa: PLC0415
     from flash_attn.params import KeyLengths  # noqa: PLC0415
 
@@ -401,7 +403,7 @@ def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest,
     monkeypatch.setattr(dispatch, "_chains", {})
     monkeypatch.setattr(validation, "_checked", {})
     written, keys = [], []
-    monkeypatch.setattr(aot, "_launch", lambda launches, *call: written.append(launches.plan) or made_buffers(
+    monkeypatch.setattr(aot, "_launch", lambda launches, *call: written.append((launches.plan, call[1])) or made_buffers(
         launches, *call))
     real_known = dispatch.run_known
     monkeypatch.setattr(dispatch, "run_known", lambda op, device, call, *a: keys.append(call) or real_known(
@@ -409,16 +411,22 @@ def test_a_growing_caches_calls_are_written_from_their_classs_template(manifest,
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 32, 128, generator=g).to(torch.bfloat16)
     cache = torch.randn(1, 8, 4100, 128, generator=g).to(torch.bfloat16)
+    flat = torch.randn(8 * 4100 * 128, generator=g).to(torch.bfloat16)  # for torch.cat's layout: strides per length
     params = AttentionParams(128 ** -0.5, -1, 0)
-    for length in (1000, 1001, 4097, 1, 1000, 2048):
-        k = v = cache[:, :, :length].transpose(1, 2)
-        flash_attn_func(q, k, v, causal=True)
-        planned = P.plan_forward(P.describe_forward(q, k, v, params), images.target)
-        want = aot._backend.executable(planned, images.target, q.device)
-        assert torch.equal(written[-1], want.launches.plan), length
+    lengths = (1000, 1001, 4097, 1, 1000, 2048, 3, 4100)
+    for length in lengths:
+        kv = (cache[:, :, :length], flat[:8 * length * 128].view(1, 8, length, 128))
+        for k in kv:
+            k = v = k.transpose(1, 2)
+            flash_attn_func(q, k, v, causal=True)
+            planned = P.plan_forward(P.describe_forward(q, k, v, params), images.target)
+            want = aot._backend.executable(planned, images.target, q.device)
+            plan, rows = written[-1]
+            assert launched_as(plan, rows) == launched_as(want.launches.plan, ()), (length, k.stride())
     # on the known route: the first length (planned, a plain key), the class's first two joining
-    # lengths (filled in; then the class's lane fills the later ones), 1000 met again (its held plan)
-    assert len(written) == 6 and [type(key) for key in keys] == [int, KeyLengths, KeyLengths, int]
+    # signatures (filled in), the first met again (its held plan); the others on the class's lane
+    assert len(written) == 2 * len(lengths) and [type(key) for key in keys] == [int, KeyLengths, KeyLengths, int]
+    assert len({id(plan) for plan, _ in written[3:] if plan is not written[0][0]}) == 1  # the class's one plan
 
 
 def test_build_report_tensor_cores_and_spills(report):

@@ -21,6 +21,7 @@ from flash_attn.aot import library as aot
 from flash_attn.aot.archs import Arch, DEFAULT_CUDA_ARCHS, parse_arch, parse_arch_list, select_image
 
 from support import REPO, TESTS
+from support.aot_buffers import read_plan
 from support.packaging_helpers import compiled_files, run_from_site
 from support.tolerance import check_close
 
@@ -347,35 +348,13 @@ def _plan(*packed, unused=(), buffers=()):
     return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed), frozenset(unused), tuple(buffers))
 
 
-def _read_plan(plan: torch.Tensor, with_buffers: bool = False):
-    """The layout csrc/aot_ops.cpp documents, read independently of both implementations: the
-    launches, and with ``with_buffers`` the buffers first."""
-    import struct  # noqa: PLC0415
-
-    values, buffers, launches = iter(plan.tolist()), [], []
-    for _ in range(next(values)):
-        buffer = {"zeroed": next(values)}
-        buffer["sizes"] = [next(values) for _ in range(next(values))]
-        buffer["columns"] = next(values)
-        buffers.append(buffer)
-    for _ in range(next(values)):
-        launch = {"kernel": next(values), "grid": [next(values) for _ in range(3)]}
-        launch["tensors"] = [next(values) for _ in range(next(values))]
-        launch["ints"] = [next(values) for _ in range(next(values))]
-        launch["rows"] = [(next(values), next(values)) for _ in range(next(values))]
-        launch["floats"] = [struct.unpack("<d", struct.pack("<q", next(values)))[0] for _ in range(next(values))]
-        launches.append(launch)
-    assert next(values, None) is None
-    return (buffers, launches) if with_buffers else launches
-
-
 def test_run_plan_layout(toy):
     from flash_attn.planning.plan import K_ROWS, Q_ROWS  # noqa: PLC0415
 
     written = _plan((toy, [4, 2], ["out"], [16], [0.1]), (toy, [3], ["acc"], [Q_ROWS], [-2.5]),
                     (toy, [1, 1, 1], ["out"], [K_ROWS], [1e300]))
     assert written.names == ("out", "acc") and written.rows == (Q_ROWS, K_ROWS)
-    assert _read_plan(written.plan) == [
+    assert read_plan(written.plan) == [
         {"kernel": toy, "grid": [4, 2, 1], "tensors": [0], "ints": [16], "rows": [], "floats": [0.1]},
         {"kernel": toy, "grid": [3, 1, 1], "tensors": [1], "ints": [0], "rows": [(0, 0)], "floats": [-2.5]},
         {"kernel": toy, "grid": [1, 1, 1], "tensors": [0], "ints": [0], "rows": [(0, 1)], "floats": [1e300]},
@@ -394,7 +373,7 @@ def test_run_plan_layout_with_buffers(toy):
     written = _plan((toy, [2], ["acc", "out", "lse"], [Q_ROWS], [1.0]), buffers=buffers)
     assert written.names == ("out",) and written.made == ("acc", "lse") and written.buffers == buffers
     assert written.rows == (K_ROWS, Q_ROWS)
-    assert _read_plan(written.plan, with_buffers=True) == (
+    assert read_plan(written.plan, with_buffers=True) == (
         [{"zeroed": 1, "sizes": [-1, 2, 8], "columns": 6}, {"zeroed": 0, "sizes": [3, -2], "columns": -1}],
         [{"kernel": toy, "grid": [2, 1, 1], "tensors": [1, 0, 2], "ints": [0], "rows": [(0, 1)], "floats": [1.0]}],
     )
@@ -445,7 +424,7 @@ def test_run_plan_stays_on_the_cpu_under_a_default_device(toy):
     not move the plan: the library reads it on the host."""
     with torch.device("meta"):
         written = _plan((toy, [1], ["out"], [16], [1.0]))
-    assert written.plan.device.type == "cpu" and _read_plan(written.plan)[0]["ints"] == [16]
+    assert written.plan.device.type == "cpu" and read_plan(written.plan)[0]["ints"] == [16]
 
 
 def test_run_checks_each_launch_as_aot_launch_does(ops, toy):
@@ -475,7 +454,7 @@ def test_run_passes_a_pointer_no_kernel_reads_as_null(ops, toy, tmp_path):
     launch = (kernel, [1], ["out", "no_cu"], [16], [1.0])
     assert _plan(launch).names == ("out", "no_cu")
     null = _plan(launch, unused={"no_cu"})
-    assert null.names == ("out",) and _read_plan(null.plan)[0]["tensors"] == [0, -1]
+    assert null.names == ("out",) and read_plan(null.plan)[0]["tensors"] == [0, -1]
     ops.aot_run(null.plan, [OUT.to("meta")], [])  # the Meta kernel: checked without the second tensor
     ops.aot_count_cpu_launches(True)
     try:

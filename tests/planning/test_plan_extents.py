@@ -54,11 +54,14 @@ def test_a_filled_template_is_the_plan_of_its_call(call, target):
     alibi = torch.empty(heads, dtype=torch.float32) if call["alibi"] else None
     sinks = torch.empty(heads, dtype=torch.float32) if call["sinks"] else None
     shapes = []
+    shared, extents = P.SHARED_KEYS[P.plan_forward]
+    read = P.extent_reader(tuple(("kv".index(e.slot), e) for e in extents.values()))
     for length, layout in zip(call["lengths"], call["layouts"]):  # any layout the kernels read in place shares
         k = _kv(batch, length, heads_k, d, dtype, layout)
         v = _kv(batch, length, heads_k, dv, dtype, layout)
         shapes.append(_shape(q, k, v, call["causal"], call["window"], call["softcap"], alibi, sinks))
-    shared, extents = P.SHARED_KEYS[P.plan_forward]
+        # the numbers a class's call passes, read from its tensors at once, are those of its description
+        assert read([(k.shape, k.stride()), (v.shape, v.stride())]) == tuple(e.of(shapes[-1]) for e in extents.values())
     keys = [shared(s) for s in shapes]
     assert all(key is not None for key in keys)  # these layouts all fit the kernels: every length shares
     assert len(set(keys)) == 1
