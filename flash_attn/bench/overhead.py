@@ -18,9 +18,11 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   on the same shapes (:func:`_sdpa_calls`), interleaved, every row with the host's CPU time per
   call (the process's, and the calling thread's), the GPU's time per call (the calls queued
   behind a sleep kernel, timed by events: :func:`flash_attn.bench.common.cuda_gpu_span`), the wall clock, and whether the
-  host is the bound. Two more rows split a call's cost: one launch through the op library alone
+  host is the bound. More rows split a call's cost: one launch through the op library alone
   (a forward's kernel with the arguments its call packed: the library's checks, the stable-ABI
-  call, ``cudaLaunchKernelExC``; the images hold no empty kernel) and one PyTorch kernel launch.
+  call, ``cudaLaunchKernelExC``; the images hold no empty kernel), the same making its buffers,
+  one PyTorch kernel launch, the library's op without arguments (the stable-ABI call alone) and
+  the forward's buffers made by ``torch.empty`` (:data:`PART_CASES`).
 
 Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
 time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
@@ -58,6 +60,9 @@ NEW_EVERY_CALL = ("growing cache decode",)
 # warm-up, timed and profiled calls of the defaults (20 + 5 x 200 + 200)
 GROWING_FROM, GROWING_LENGTHS = 2000, 2048
 LAUNCH_CASES = ("one aot launch", "one aot launch, its buffers made", "one PyTorch launch")  # device mode only
+# ... and what a forward's op call is made of besides its launch: the op library's call itself, and
+# out and lse allocated by PyTorch (against "its buffers made": the library's allocation of the same)
+PART_CASES = ("an empty op of the op library", "out and lse by torch.empty")
 # stubbed mode only: what forward + backward costs PyTorch's autograd itself (:func:`_floor_calls`)
 FLOOR_CASES = ("floor: a Python autograd Function", "floor: a C++ autograd node")
 
@@ -230,15 +235,21 @@ def _captured_launch(call: Callable[[], object], made: bool = False) -> tuple[Ca
 def _launch_calls(device) -> dict[str, Callable[[], object]]:
     """One forward kernel launched again through the op library, its buffers passed in and made
     as the forward makes them (out and lse: the difference is the library's allocation), and one
-    PyTorch kernel launch (an in-place add on 16 numbers)."""
+    PyTorch kernel launch (an in-place add on 16 numbers); then the parts (:data:`PART_CASES`): the
+    library's op without arguments (the call into it through PyTorch's dispatcher and the stable
+    ABI, nothing done) and the forward's out and lse made by ``torch.empty``."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 128, 16, 128, generator=g).to(torch.bfloat16).to(device)
     forward = lambda: flash_attn_func(q, q, q, causal=True)  # noqa: E731
     launch, args = _captured_launch(forward)
     _, own = _captured_launch(forward, made=True)
     x = torch.zeros(16, device=device)
+    overload = aot.op_library.ops().aot_counted_launches.default
+    empty_op = getattr(overload, "_op", overload)  # as aot._run_op calls aot_run
     return {"one aot launch": lambda: launch(*args), "one aot launch, its buffers made": lambda: launch(*own),
-            "one PyTorch launch": lambda: x.add_(1.0)}
+            "one PyTorch launch": lambda: x.add_(1.0), PART_CASES[0]: empty_op,
+            PART_CASES[1]: lambda: (torch.empty(q.shape, dtype=q.dtype, device=device),
+                                    torch.empty(1, 16, 128, dtype=torch.float32, device=device))}
 
 
 @contextlib.contextmanager
@@ -554,7 +565,7 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
             del calls_by_impl[impl][case]
         contexts = {impl: (lambda b=b: _sdpa_context(b)) for impl, b in SDPA_BACKENDS.items()}
         rows = device_rows(calls_by_impl, calls, repeats, torch.cuda.synchronize, cuda_gpu_span, contexts,
-                           launches={name: 1 for name in LAUNCH_CASES})
+                           launches={**{name: 1 for name in LAUNCH_CASES}, **dict.fromkeys(PART_CASES, 0)})
         rows += [{**dict.fromkeys(DEVICE_COLUMNS), "mode": "device", "case": case, "impl": impl,
                   "status": "not timed", "note": why} for (impl, case), why in NOT_TIMED.items()]
         if profiles is not None:

@@ -827,6 +827,21 @@ def test_overhead_repeats_one_captured_aot_launch(stubbed_launches):
     assert stubbed_launches() == before + 6  # the capture ran the forward once more
 
 
+def test_overhead_parts_of_a_forwards_op_call(stubbed_launches):
+    """Device mode's rows of what a forward's op call is made of, run here on CPU tensors: the
+    library's empty op launches nothing and returns its count; PyTorch's out and lse are the
+    shapes the library makes for the forward ("its buffers made")."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    calls = overhead._launch_calls(torch.device("cpu"))
+    assert set(overhead.LAUNCH_CASES + overhead.PART_CASES) == set(calls)
+    before = stubbed_launches()
+    assert calls[overhead.PART_CASES[0]]() == before and stubbed_launches() == before
+    made = calls["one aot launch, its buffers made"]()
+    assert stubbed_launches() == before + 1
+    assert [(t.shape, t.dtype) for t in calls[overhead.PART_CASES[1]]()] == [(t.shape, t.dtype) for t in made]
+
+
 def test_overhead_profile_names_the_package_functions(tmp_path, capsys):
     """``--profile`` writes, per case, where host time goes: the public entry point and the
     dispatcher appear with their cumulative time, at least the whole call's own time in sum."""
