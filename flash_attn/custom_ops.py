@@ -350,10 +350,8 @@ def _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cach
         _check_kvcache_values(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, rotary_cos)
     if q.shape[0] == 0:  # no sequence: nothing to append, nothing to attend
         return _kvcache_fake(q, k_cache, v_cache)
-    cache = KVCacheInputs(
-        k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad, block_table,
-        rotary_cos, rotary_sin, rotary_interleaved, num_splits,
-    )
+    cache = _new_cache(KVCacheInputs, (k_cache, v_cache, cache_seqlens, k, v, cache_batch_idx, cache_leftpad,
+                                       block_table, rotary_cos, rotary_sin, rotary_interleaved, num_splits))
     found = None if call is None else dispatch.run_known("forward_kvcache", q.device, call, q, cache, alibi_slopes,
                                                          sinks, qv, (softmax_scale, window_left, window_right, softcap))
     if found is None:
@@ -362,6 +360,10 @@ def _kvcache_run(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cach
         found = dispatch.run("forward_kvcache", q.device, q, params, cache, alibi_slopes=alibi_slopes, **extras)
     out, lse = found
     return out.contiguous(), lse.contiguous()
+
+
+_new_cache = tuple.__new__  # KVCacheInputs without its Python-level __new__ (every field given; per decode step)
+assert len(KVCacheInputs._fields) == 12
 
 
 attention_forward_kvcache = torch.library.custom_op("flash_attn::forward_kvcache",

@@ -502,7 +502,7 @@ def checked_call(tag: str, tensors: tuple, scalars: tuple, check, shared: Option
 
     A call that fails its checks is never remembered; arguments without a signature, and calls
     while torch.compile traces (the tracer must see the checks), are checked every time."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return check(*tensors, *scalars), None
     try:
         key = (tag, signature(tensors, scalars))
