@@ -294,7 +294,8 @@ def _backward(ctx, dout, *unused_grads):
     max_sq, max_sk, scale, left, right, softcap, dropout_p = ctx.scalars
     args = (dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left, right, softcap,
             dropout_p, rng_state, ctx.deterministic, qv, sinks)
-    if direct_call_ok((dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, qv, sinks)):
+    if _eager_backward(ctx.call, dout, q, k, v, alibi, qv, sinks) or direct_call_ok(
+            (dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, qv, sinks)):
         dq, dk, dv, dqv, dsinks = _backward_run(*args, ctx.call)
     else:
         if rng_state is None:  # an eager forward without dropout kept none; the op takes a tensor
@@ -302,6 +303,15 @@ def _backward(ctx, dout, *unused_grads):
         dq, dk, dv, dqv, dsinks = attention_backward(*args)
     # one gradient per _FORWARD_INPUTS: q, k, v, none for the metadata and scalars, qv, sinks
     return (dq, dk, dv, *_NO_GRADS, dqv if qv is not None else None, dsinks if sinks is not None else None)
+
+
+def _eager_backward(call, dout, *inputs) -> bool:
+    """:func:`direct_call_ok` for the backward of an eager forward with a checked signature
+    (``call``; its tensors were plain and not meta then, its out and lse are its own), but for
+    the gradient it is given and what may have changed since: tracing, and a graph to record
+    (``create_graph``)."""
+    return call is not None and type(dout) is Tensor and not dout.is_meta and not _traced() and not (
+        _grad_enabled() and _any_requires_grad(dout, *inputs))
 
 
 _NO_GRADS = (None,) * (len(_FORWARD_INPUTS) - 5)
@@ -432,6 +442,13 @@ def eager_call(tensors) -> Optional[bool]:
 _traced, _grad_enabled = validation.traced, torch.is_grad_enabled
 
 
+def _any_requires_grad(*tensors) -> bool:
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 def direct_call_ok(tensors) -> bool:
     """Whether a call may run an op's body directly (:func:`eager_call`, nothing to record)."""
     return eager_call(tensors) is False
@@ -505,15 +522,19 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
     without qv and sinks), else the op's body directly, with autograd's record where needed.
     ``call``: the public function's checked signature (:func:`flash_attn.validation.checked_call`),
     handed to the backends in eager calls."""
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
-    record = eager_call((*tensors, qv, sinks))
-    if record is False and call is not None and cu_seqlens_q is None and scalars[_DROPOUT] == 0.0:
-        # (a lane reads no scalar; packed calls take theirs after their values are checked, in _forward_run)
+    if call is not None and cu_seqlens_q is None and scalars[_DROPOUT] == 0.0 and not _traced() and not (
+            _grad_enabled() and _any_requires_grad(q, k, v, alibi_slopes, qv, sinks)):
+        # An eager call with nothing to record (eager_call's answer False, but for its tensors'
+        # types: a checked signature holds plain tensors only, and a meta call's never gets a lane,
+        # which only the known route of an eager call holds). A lane reads no scalar; packed calls
+        # take theirs after their values are checked, in _forward_run.
         found = dispatch.run_lane("forward", call, q, k, v, alibi_slopes, sinks, qv, scalars[_RETURN_SOFTMAX], None,
                                   None)
         if found is not None:
             out, lse, s_dmask = found
             return out.contiguous(), lse.contiguous(), None if s_dmask is None else s_dmask.contiguous(), None
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes)
+    record = eager_call((*tensors, qv, sinks))
     plain = qv is None and sinks is None
     if record is not None and plain:
         direct = dispatch.run_direct("forward", q.device, tensors, scalars)
