@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "flash_attn_limits.h"  // generated from flash_attn/limits.py at build time (CMakeLists.txt)
@@ -608,6 +609,92 @@ std::vector<Tensor> run_plan(const Tensor& plan, const std::vector<Tensor>& tens
   return made;
 }
 
+// ------------------------------------------------------------------------------------------
+// Lanes: a plan held with the metadata of the tensors of the call it was written for, and run
+// for a later call whose tensors have the same metadata (flash_attn/aot/lanes.py holds one per
+// checked call signature that runs one fixed plan). `key` stands for the rest of the signature
+// (the caller's scalars, which tensors are absent); under one key, a call whose tensors' dims,
+// sizes, strides, dtypes and devices equal a held lane's, its pointers aligned to
+// limits::kPointerAlignment (what the held plan assumes), runs that lane's plan with no row
+// count; any other call is not a lane's (an empty result: the caller takes its general route).
+// ------------------------------------------------------------------------------------------
+struct TensorMeta {
+  int32_t dtype = 0, device_type = 0, device_index = 0;
+  std::vector<int64_t> sizes, strides;
+
+  bool operator==(const TensorMeta& o) const {
+    return dtype == o.dtype && device_type == o.device_type && device_index == o.device_index &&
+           sizes == o.sizes && strides == o.strides;
+  }
+};
+
+TensorMeta meta_of(const Tensor& t) {
+  TensorMeta m;
+  int64_t ndim = 0;
+  int64_t *sizes = nullptr, *strides = nullptr;
+  shim_check(aoti_torch_get_dtype(t.get(), &m.dtype), "aoti_torch_get_dtype");
+  shim_check(aoti_torch_get_device_type(t.get(), &m.device_type), "aoti_torch_get_device_type");
+  shim_check(aoti_torch_get_device_index(t.get(), &m.device_index), "aoti_torch_get_device_index");
+  shim_check(aoti_torch_get_dim(t.get(), &ndim), "aoti_torch_get_dim");
+  shim_check(aoti_torch_get_sizes(t.get(), &sizes), "aoti_torch_get_sizes");
+  shim_check(aoti_torch_get_strides(t.get(), &strides), "aoti_torch_get_strides");
+  m.sizes.assign(sizes, sizes + ndim);
+  m.strides.assign(strides, strides + ndim);
+  return m;
+}
+
+struct Lane {
+  Tensor plan;
+  std::vector<TensorMeta> tensors;
+};
+
+constexpr size_t kLanesPerKey = 16;  // shapes met under one key's scalars (then the oldest goes)
+
+std::mutex g_lanes_mutex;
+std::unordered_map<int64_t, std::vector<Lane>> g_lanes;
+
+std::vector<TensorMeta> metas_of(const std::vector<Tensor>& tensors) {
+  std::vector<TensorMeta> metas;
+  metas.reserve(tensors.size());
+  for (const Tensor& t : tensors) {
+    if (!t.defined()) throw AotError("a lane's tensors are all defined (absent ones are part of its key)");
+    metas.push_back(meta_of(t));
+  }
+  return metas;
+}
+
+void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tensors) {
+  Lane lane{plan, metas_of(tensors)};
+  PlanReader check(plan);  // the plan's own form (its contents are read when the lane runs)
+  std::lock_guard<std::mutex> lock(g_lanes_mutex);
+  std::vector<Lane>& held = g_lanes[key];
+  for (Lane& l : held) {
+    if (l.tensors == lane.tensors) {
+      l.plan = plan;
+      return;
+    }
+  }
+  if (held.size() >= kLanesPerKey) held.erase(held.begin());
+  held.push_back(std::move(lane));
+}
+
+// The plan of the lane under `key` that `tensors` fit, or nothing.
+std::optional<Tensor> lane_plan(int64_t key, const std::vector<Tensor>& tensors) {
+  for (const Tensor& t : tensors) {
+    if (!t.defined() || reinterpret_cast<uint64_t>(t.data_ptr()) % uint64_t(limits::kPointerAlignment) != 0) {
+      return std::nullopt;
+    }
+  }
+  const std::vector<TensorMeta> metas = metas_of(tensors);
+  std::lock_guard<std::mutex> lock(g_lanes_mutex);
+  const auto found = g_lanes.find(key);
+  if (found == g_lanes.end()) return std::nullopt;
+  for (const Lane& l : found->second) {
+    if (l.tensors == metas) return l.plan;
+  }
+  return std::nullopt;
+}
+
 // ---- boxed entry points -----------------------------------------------------------------
 
 std::string take_string(StableIValue v) {
@@ -679,6 +766,29 @@ std::vector<Tensor> aot_run_meta(Tensor plan, std::vector<Tensor> tensors, std::
   return with_op_name("aot_run", [&] { return run_plan(plan, tensors, rows, /*meta_only=*/true); });
 }
 
+void aot_lane_hold(int64_t key, Tensor plan, std::vector<Tensor> tensors) {
+  with_op_name("aot_lane_hold", [&] { hold_lane(key, plan, tensors); });
+}
+
+std::vector<Tensor> aot_lane_run(int64_t key, std::vector<Tensor> tensors) {
+  return with_op_name("aot_lane_run", [&] {
+    const std::optional<Tensor> plan = lane_plan(key, tensors);
+    return plan ? run_plan(*plan, tensors, {}, /*meta_only=*/false) : std::vector<Tensor>{};
+  });
+}
+
+void aot_lanes_clear() {
+  std::lock_guard<std::mutex> lock(g_lanes_mutex);
+  g_lanes.clear();
+}
+
+int64_t aot_lanes_held() {
+  std::lock_guard<std::mutex> lock(g_lanes_mutex);
+  int64_t n = 0;
+  for (const auto& [key, lanes] : g_lanes) n += int64_t(lanes.size());
+  return n;
+}
+
 void aot_count_cpu_launches(bool enable) { g_count_cpu_launches.store(enable, std::memory_order_relaxed); }
 
 int64_t aot_counted_launches() { return g_counted_launches.load(std::memory_order_relaxed); }
@@ -711,6 +821,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
       "int profile_scratch_align=1, bool launch_cooperative_grid=False, bool launch_pdl=False, Tensor? image=None) -> int");
   m.def("aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()");
   m.def("aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> Tensor[]");
+  m.def("aot_lane_hold(int key, Tensor plan, Tensor[] tensors) -> ()");
+  m.def("aot_lane_run(int key, Tensor(a!)[] tensors) -> Tensor[]");
+  m.def("aot_lanes_clear() -> ()");
+  m.def("aot_lanes_held() -> int");
   m.def("aot_count_cpu_launches(bool enable) -> ()");
   m.def("aot_counted_launches() -> int");
   m.def("aot_kernel_attributes(int kernel, int device) -> int[]");
@@ -724,6 +838,10 @@ STABLE_TORCH_LIBRARY_IMPL(flash_attn, CompositeExplicitAutograd, m) {
   m.impl("aot_register_kernel", &flash_attn_aot::boxed_register_kernel);
   m.impl("aot_launch", TORCH_BOX(&flash_attn_aot::aot_launch));
   m.impl("aot_run", TORCH_BOX(&flash_attn_aot::aot_run));
+  m.impl("aot_lane_hold", TORCH_BOX(&flash_attn_aot::aot_lane_hold));
+  m.impl("aot_lane_run", TORCH_BOX(&flash_attn_aot::aot_lane_run));
+  m.impl("aot_lanes_clear", TORCH_BOX(&flash_attn_aot::aot_lanes_clear));
+  m.impl("aot_lanes_held", TORCH_BOX(&flash_attn_aot::aot_lanes_held));
   m.impl("aot_count_cpu_launches", TORCH_BOX(&flash_attn_aot::aot_count_cpu_launches));
   m.impl("aot_counted_launches", TORCH_BOX(&flash_attn_aot::aot_counted_launches));
   m.impl("aot_kernel_attributes", TORCH_BOX(&flash_attn_aot::aot_kernel_attributes));

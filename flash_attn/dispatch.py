@@ -42,6 +42,7 @@ This module is the only place that decides and warns.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import warnings
@@ -50,7 +51,7 @@ from typing import Callable, Optional
 
 import torch
 
-from flash_attn import environ
+from flash_attn import environ, validation
 from flash_attn.backends.contract import LANE_OPS, Backend
 from flash_attn.planning.plan import Refusal
 from flash_attn.params import KeyLengths
@@ -282,6 +283,9 @@ def reset() -> None:
     _warned.clear()
     _failed.clear()
     _routes.clear()
+    for backend, _ in _loaded.values():
+        if backend is not None and backend.held is not None:
+            backend.held.clear()
 
 
 _routes: dict[tuple[str, str, str], Optional[Callable]] = {}
@@ -416,6 +420,83 @@ def _hold_lane(op: str, device: torch.device, call: int, name: str, args: tuple)
 
 
 _CLASS = "class"  # (op, _CLASS, the class's key): a class's lane among the signatures' (op, key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Held lanes: a public call's whole route held outside Python by the backend that runs it
+# (Backend.held: the aot backend's op library), found by the public function's own scalars.
+
+
+def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optional[list]:
+    """The buffers made by the lane a backend holds for an eager call of public function ``tag``
+    with these ``scalars`` (values and types) and ``tensors`` (its tensors, the absent ones named
+    by ``tag``, the others plain tensors) of ``shapes`` (calls whose shapes change every call
+    ask the backend nothing), or ``None``: none is held under the current settings, the call is
+    traced or has a
+    graph to record, or no held lane fits the tensors (the backend
+    compares their sizes, strides, dtypes, devices and pointers' alignment with the call it
+    held). Held by :func:`hold_held`: only for signatures whose checks passed, so a call it takes
+    is one the public function's checks pass. A backend failure is left to the usual route."""
+    if _grad_enabled():  # (first: a training call pays nothing more)
+        for t in tensors:
+            if t.requires_grad:
+                return None
+    held = _chains.get((_backend_setting(), _strict_setting(), _HELD))
+    if held is None or _failed:
+        return None
+    try:
+        found = held.get((tag, scalars, tuple(map(type, scalars)), shapes))
+    except TypeError:  # an unhashable scalar (a list): no held lane
+        return None
+    if found is None or _traced():
+        return None
+    name, run, key = found
+    try:
+        made = run(key, list(tensors))
+    except Exception as exc:
+        if _backend_failure(name, exc) is None:
+            raise
+        return None
+    if not made:
+        return None
+    _thread.backend = name
+    return made
+
+
+def hold_held(tag: str, call, tensors: tuple, scalars: tuple, shapes: tuple, results: tuple) -> None:
+    """After an eager call of public function ``tag`` with checked signature ``call``, nothing
+    recorded: where the backend that ran it holds lanes (``Backend.held``) and its direct lane ran
+    the call, have it hold the call's plan for the later calls of ``tag`` with these ``scalars``
+    and tensors like ``tensors`` of ``shapes`` (:func:`run_held`), whose first buffers made are
+    the call's ``results`` (slot names)."""
+    name = getattr(_thread, "backend", None)
+    backend = None if name is None else _load(name)[0]
+    if backend is None or backend.held is None:
+        return
+    plan = backend.held.holdable(call, tensors, results)
+    if plan is None:
+        return
+    try:
+        signature = (tag, scalars, tuple(map(type, scalars)), shapes)
+        setting = (_backend_setting(), _strict_setting(), _HELD)
+        held = _chains.get(setting)
+        if held is None:
+            held = _chains[setting] = {}
+        found = held.get(signature)
+    except TypeError:
+        return
+    key = found[2] if found is not None and found[0] == name else next(_held_keys)
+    if len(held) >= HELD_LIMIT:  # (then forgotten all at once, on both sides)
+        held.clear()
+        backend.held.clear()
+    backend.held.hold(key, plan, tensors)
+    held[signature] = (name, backend.held.run, key)
+
+
+_HELD = "held"  # (settings, _HELD): the held lanes' keys beside the chains
+HELD_LIMIT = CHECKED_LIMIT  # held signatures per settings (then all forgotten)
+_held_keys = itertools.count()  # never reused: a forgotten key's lanes are never run
+_traced, _grad_enabled = validation.traced, torch.is_grad_enabled
 
 
 def _hold(lanes: dict, key: tuple, name: str, make: Callable) -> None:

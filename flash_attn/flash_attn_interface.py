@@ -86,7 +86,7 @@ from flash_attn.autograd_functions import (  # noqa: F401  (upstream's autograd 
     noop_register_fake_wrapper,
     round_multiple,
 )
-from flash_attn import custom_ops, kvcache, validation
+from flash_attn import custom_ops, dispatch, kvcache, validation
 from flash_attn.planning.forward import shares_key_lengths
 from flash_attn.planning.shapes import bucket_seqlen
 from flash_attn.lowlevel import (  # noqa: F401  (upstream's low-level API, imported from here)
@@ -257,12 +257,26 @@ def flash_attn_func(
         of the scaled scores) and S_dmask float32 ``(batch, nheads, seqlen_q, seqlen_k)``: the
         softmax probabilities, negative where dropout dropped the entry.
     """
+    scalars = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    plain = alibi_slopes is None and qv is None and learnable_sink is None and type(q) is _Tensor and \
+        type(k) is _Tensor and type(v) is _Tensor
+    if plain:  # a call whose whole route the backend holds (dispatch.run_held): its checks passed before
+        shapes = (q.shape, k.shape, v.shape)  # (a growing cache's new key length finds none)
+        made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)
+        if made is not None:
+            return made[0]
     # a new key length of a known layout (a growing KV cache) shares its class's checks (_key_length_class)
-    options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink),
-                                            (dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                             return_attn_probs), _dense_checks, _key_length_class, own_keys=True)
-    return _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
-                      call)
+    options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink), scalars,
+                                            _dense_checks, _key_length_class, own_keys=True)
+    out = _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
+                     call)
+    if plain and type(call) is int and return_attn_probs is False and not (
+            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        dispatch.hold_held("flash_attn_func", call, (q, k, v), scalars, shapes, ("out",))
+    return out
+
+
+_Tensor, _grad_enabled = torch.Tensor, torch.is_grad_enabled
 
 
 def flash_attn_qkvpacked_func(

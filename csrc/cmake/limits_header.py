@@ -17,10 +17,11 @@ LIMITS = Path(__file__).resolve().parents[2] / "flash_attn" / "limits.py"
 
 
 def header(limits_path: Path = LIMITS) -> str:
-    """The header's text: limits.py's INT32_MAX and GRID_LIMITS as C++ constants."""
+    """The header's text: limits.py's INT32_MAX, GRID_LIMITS and POINTER_ALIGNMENT as C++ constants."""
     limits = runpy.run_path(str(limits_path))
     int32_max = int(limits["INT32_MAX"])
     grid = [int(n) for n in limits["GRID_LIMITS"]]
+    alignment = int(limits["POINTER_ALIGNMENT"])
     if len(grid) != 3:
         raise ValueError(f"{limits_path}: GRID_LIMITS must have 3 entries, has {len(grid)}")
     return (
@@ -35,6 +36,8 @@ def header(limits_path: Path = LIMITS) -> str:
         f"constexpr int64_t kInt32Max = {int32_max};\n"
         "// GRID_LIMITS: CUDA's grid limits (programs per axis).\n"
         f"constexpr int64_t kGridLimits[3] = {{{', '.join(map(str, grid))}}};\n"
+        "// POINTER_ALIGNMENT: the alignment of every data pointer a held lane's plan assumes.\n"
+        f"constexpr int64_t kPointerAlignment = {alignment};\n"
         "\n"
         "}  // namespace flash_attn_aot::limits\n"
     )

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
-from flash_attn.backends.contract import LANE_OPS, Backend
+from flash_attn.backends.contract import LANE_OPS, Backend, HeldLanes
 from flash_attn.params import AttentionParams, KeyLengths, KVCacheInputs, own_key
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
@@ -116,6 +116,19 @@ assert kvcache_inputs(_stand_ins[0], KVCacheInputs(*_stand_ins[1:-3]), *_stand_i
     slot: at for slot, at in zip(KVCACHE_SLOTS, _stand_ins) if slot is not None}
 FORWARD_SLOTS = ("q", "k", "v", "alibi", "sinks", "qv")  # a lane's forward arguments, flat
 BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse", "alibi")  # ... and a dense backward's
+
+
+# The last call a direct lane (KernelBackend.direct_lane) with ``launches`` and ``pick`` ran on this
+# thread: (its checked signature, the direct closure, the flat arguments), for a backend's held
+# lanes (HeldLanes.holdable).
+_direct_ran = threading.local()
+
+
+def last_direct_run() -> Optional[tuple]:
+    """:data:`_direct_ran`'s call, forgotten as it is read (``None``: none since the last read)."""
+    ran = getattr(_direct_ran, "call", None)
+    _direct_ran.call = None
+    return ran
 
 
 def capturing(device) -> bool:
@@ -554,6 +567,7 @@ class KernelBackend:
         planner, slots_of, flat_of, flat_slots, _ = _LANES[op]
         generation, plans_now, run, filled = cache.generation, self.target_and_plans, self.run, self.filled
         direct = self.direct_lane(held.template if type(held) is PerCall else held, flat_slots)
+        holdable = hasattr(direct, "launches")  # what a held lane is made from (HeldLanes.holdable)
         if direct is not None:
             def run_direct(call, *args) -> Optional[tuple]:
                 now = plans_now(device)
@@ -563,6 +577,8 @@ class KernelBackend:
                 results = direct(flat)
                 if results is None:
                     return None
+                if holdable:
+                    _direct_ran.call = (call, direct, flat)
                 return (*results, None) if no_s_dmask else results
 
             return run_direct
@@ -581,16 +597,17 @@ class KernelBackend:
 
         return run_lane
 
-    def contract(self, unavailable_reason: Callable, failure: Optional[type] = None) -> Backend:
+    def contract(self, unavailable_reason: Callable, failure: Optional[type] = None,
+                 held: Optional[HeldLanes] = None) -> Backend:
         """This backend as the dispatcher sees it: its ``prepare_*`` per op, refusing the calls its
         plans or images do not serve (its plain ``forward``/``backward``/``forward_kvcache``
-        raise :class:`KernelsCannotRun` for those instead), and its ``known_*`` routes."""
+        raise :class:`KernelsCannotRun` for those instead), its ``known_*`` routes, its lanes."""
         return Backend(self.name, unavailable_reason,
                        {"forward": self.prepare_forward, "backward": self.prepare_backward,
                         "forward_kvcache": self.prepare_forward_kvcache}, failure=failure,
                        known={"forward": self.known_forward, "backward": self.known_backward,
                               "forward_kvcache": self.known_forward_kvcache}, lane=self.lane,
-                       class_lane=self.class_lane)
+                       class_lane=self.class_lane, held=held)
 
     def forward(self, *args, **kwargs):
         return _run_or_raise(self.name, "forward", self.prepare_forward(*args, **kwargs))

@@ -34,9 +34,9 @@ import torch
 from flash_attn import limits
 from flash_attn.aot import forced, library as op_library, specializations as S
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
-from flash_attn.backends._execute import (KernelBackend, PlanCache, Ready, _all_aligned, capturing, picker, ready,
-                                         slots, tensor_numbers)
-from flash_attn.backends.contract import nvidia_cuda_reason
+from flash_attn.backends._execute import (KernelBackend, PlanCache, Ready, _all_aligned, capturing, last_direct_run,
+                                         picker, ready, slots, tensor_numbers)
+from flash_attn.backends.contract import HeldLanes, nvidia_cuda_reason
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
 
@@ -286,6 +286,7 @@ class _AotBackend(KernelBackend):
         for images in list(_devices.values()):
             if not isinstance(images, Refusal):
                 images.plans.clear()
+        clear_held()
 
     def executable(self, plan: P.Plan, target: P.Target, device):
         images = _device_images(device)
@@ -354,6 +355,7 @@ class _AotBackend(KernelBackend):
                 passed = pick(flat)
                 return results(_launch(launches, passed, ())) if _all_aligned(passed) else None
 
+            direct.launches, direct.pick = launches, pick  # what a held lane is made from (_holdable)
             return direct
         numbers = _flat_extents(launches.rows, flat_slots)
         if numbers is None:
@@ -374,6 +376,51 @@ def _flat_extents(rows: tuple, flat_slots: tuple) -> Optional[Callable[[tuple], 
     positions = tuple(dict.fromkeys(flat_slots.index(r.slot) for r in rows))  # each tensor read once
     read = P.extent_reader(tuple((positions.index(flat_slots.index(r.slot)), r) for r in rows))
     return lambda flat: read([(flat[at].shape, flat[at].stride()) for at in positions])
+
+
+def _holdable(call, tensors: tuple, results: tuple) -> Optional[torch.Tensor]:
+    """:class:`~flash_attn.backends.contract.HeldLanes`'s ``holdable``: the plan of the last direct
+    lane run on this thread (``call``'s, with exactly ``tensors``, ``results`` its first buffers,
+    none a view of wider storage: the op library returns them as they are), or ``None``."""
+    ran = last_direct_run()
+    if ran is None or ran[0] != call:
+        return None
+    _, direct, flat = ran
+    launches, passed = direct.launches, direct.pick(flat)
+    if len(passed) != len(tensors) or any(p is not t for p, t in zip(passed, tensors)):
+        return None
+    buffers = {b.slot: b for b in launches.buffers}
+    if launches.made[:len(results)] != results or any(buffers[r].storage != buffers[r].shape for r in results):
+        return None
+    return launches.plan
+
+
+def _hold(key: int, plan: torch.Tensor, tensors: tuple) -> None:
+    """:class:`~flash_attn.backends.contract.HeldLanes`'s ``hold``: ``aot_lane_hold``."""
+    _lane_ops()[0](key, plan, list(tensors))
+
+
+def _held_run(key: int, tensors: list) -> list:
+    """:class:`~flash_attn.backends.contract.HeldLanes`'s ``run``: ``aot_lane_run``."""
+    return _lane_ops()[1](key, tensors)
+
+
+def clear_held() -> None:
+    """Forget the lanes the op library holds (their plans were forgotten), where it is loaded."""
+    if op_library.status().loaded:
+        op_library.ops().aot_lanes_clear()
+
+
+_lane_op_builtins = None
+
+
+def _lane_ops() -> tuple:
+    """``aot_lane_hold`` and ``aot_lane_run``, their builtins where torch exposes them (as :func:`_run_op`)."""
+    global _lane_op_builtins
+    if _lane_op_builtins is None:
+        ops = op_library.ops()
+        _lane_op_builtins = tuple(getattr(o.default, "_op", o.default) for o in (ops.aot_lane_hold, ops.aot_lane_run))
+    return _lane_op_builtins
 
 
 def _launch(launches: _Launches, passed: tuple, rows: tuple) -> list:
@@ -471,5 +518,5 @@ def _run_op():
 
 
 _backend = _AotBackend(_NAME, _target)
-BACKEND = _backend.contract(unavailable_reason)
+BACKEND = _backend.contract(unavailable_reason, held=HeldLanes(_held_run, _holdable, _hold, clear_held))
 forward, backward, forward_kvcache = _backend.forward, _backend.backward, _backend.forward_kvcache

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
@@ -64,6 +64,23 @@ Lane = Callable[..., Optional[Callable[..., Optional[tuple]]]]
 ClassLane = Callable[[str, torch.device, int], Optional[Callable[..., Optional[tuple]]]]
 
 
+class HeldLanes(NamedTuple):
+    """Lanes a backend holds outside Python (the ``aot`` backend's op library): a public call's
+    route from its arguments to the launch in one call (see :func:`flash_attn.dispatch.run_held`).
+
+    ``run(key, tensors)``: the buffers made by the lane held under ``key`` that ``tensors`` fit,
+    or an empty list (none fits). ``holdable(call, tensors, results)``: what :attr:`hold` takes
+    to hold the call of checked signature ``call`` that the backend's direct lane last ran on this
+    thread, if it passed exactly ``tensors`` and its first buffers are ``results`` (slot names),
+    each contiguous; else ``None``. ``hold(key, holdable, tensors)``: hold it under ``key``.
+    ``clear()``: forget every lane held."""
+
+    run: Callable[[int, list], list]
+    holdable: Callable[[object, tuple, tuple], Optional[object]]
+    hold: Callable[[int, object, tuple], None]
+    clear: Callable[[], None]
+
+
 @dataclass(slots=True)
 class Backend:
     """One backend, as the dispatcher sees it.
@@ -77,7 +94,8 @@ class Backend:
     signature's later eager calls once the known route has run one (the kernel backends;
     :func:`flash_attn.dispatch.run_lane`); ``class_lane``: optional, the lane of the signatures of
     a class whose new signatures' plans are filled in from the class's template
-    (:class:`~flash_attn.params.KeyLengths`). ``failure``: the
+    (:class:`~flash_attn.params.KeyLengths`); ``held``: optional, lanes held outside Python
+    (:class:`HeldLanes`, the ``aot`` backend's). ``failure``: the
     exception type by which the backend says *it* failed on first use, not the call (Triton's
     compiler or cache: ``scope`` ``"backend"`` or ``"plan"``); the dispatcher then runs the call on
     the next backend. ``settings_error()``: why the backend's own environment settings are invalid
@@ -94,6 +112,7 @@ class Backend:
     known: Mapping[str, Known] = field(default_factory=lambda: MappingProxyType({}))
     lane: Optional[Lane] = None
     class_lane: Optional[ClassLane] = None
+    held: Optional[HeldLanes] = None
 
     def __post_init__(self):
         if set(self.prepare) != set(OPS) or not set(self.direct) <= set(OPS) or not set(self.known) <= set(OPS):

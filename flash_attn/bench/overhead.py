@@ -278,6 +278,7 @@ def stubbed_aot():
         yield ops.aot_counted_launches
     finally:
         ops.aot_count_cpu_launches(False)
+        ops.aot_lanes_clear()  # the lanes held for CPU tensors go with the stub's chains
         dispatch.route, dispatch._chains, aot._device_images, custom_ops._checks_values = saved
 
 

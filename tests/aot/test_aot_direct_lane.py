@@ -15,45 +15,7 @@ import torch
 
 from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache
 from flash_attn.backends import aot
-
-
-@pytest.fixture
-def stub(monkeypatch):
-    """The stubbed aot backend; the op library's calls recorded: (plan, tensors passed, results)."""
-    from flash_attn.bench import overhead  # noqa: PLC0415
-
-    monkeypatch.setenv("FLASH_ATTN_BACKEND", "aot")
-    try:
-        context = overhead.stubbed_aot()
-        counted = context.__enter__()
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    calls = []
-    real = aot._launch
-
-    def recording(launches, passed, rows):
-        made = real(launches, passed, rows)
-        calls.append((launches.plan, tuple(passed), made))
-        return made
-
-    monkeypatch.setattr(aot, "_launch", recording)
-    try:
-        yield calls, counted
-    finally:
-        context.__exit__(None, None, None)
-
-
-def _bf16(*shape, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(torch.bfloat16)
-
-
-def _misaligned(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s values at the same shape and strides, starting 2 bytes past a 16-byte boundary."""
-    base = torch.empty(t.numel() + 8, dtype=t.dtype)
-    view = base[1:1 + t.numel()].view(t.shape).copy_(t)
-    assert view.stride() == t.stride() and view.data_ptr() % 16 != 0
-    return view
+from support.aot_stub import bf16 as _bf16, misaligned as _misaligned, stub  # noqa: F401  (stub: a fixture)
 
 
 def _lane_ran(op: str) -> bool:

@@ -419,6 +419,46 @@ def test_run_makes_the_buffers(ops, toy, toy_i32):
         ops.aot_run(clash.plan, [OUT.to("meta")], [32])
 
 
+def test_a_held_lane_runs_its_plan_for_tensors_like_the_held_ones(ops, toy, toy_i32):
+    """``aot_lane_hold(key, plan, tensors)`` then ``aot_lane_run(key, tensors)``: the plan runs
+    (its buffers made, its launches checked and counted: CPU tensors standing in for a GPU's) for
+    tensors of the held ones' dims, sizes, strides, dtypes and devices, pointers 16-byte aligned;
+    any other call, or another key, gets an empty list and runs nothing. At most 16 shapes per key
+    (the oldest goes); ``aot_lanes_clear`` forgets them all."""
+    from flash_attn.planning.layouts import Buffer  # noqa: PLC0415
+
+    written = _plan((toy, [2], ["acc"], [16], [1.0]), (toy, [1], ["x"], [16], [1.0]),
+                    buffers=(Buffer("acc", (32,), torch.float32),))
+    x = torch.zeros(4, 64)
+    ops.aot_lanes_clear()
+    ops.aot_count_cpu_launches(True)
+    try:
+        ops.aot_lane_hold(7, written.plan, [x])
+        assert ops.aot_lanes_held() == 1
+        before = ops.aot_counted_launches()
+        made = ops.aot_lane_run(7, [torch.ones(4, 64)])  # other values, the same metadata
+        assert [t.shape for t in made] == [(32,)] and ops.aot_counted_launches() == before + 2
+        for other in (torch.zeros(4, 32), torch.zeros(64, 4).t(), torch.zeros(4, 64, dtype=torch.float64),
+                      torch.zeros(4, 64, device="meta"), torch.zeros(4 * 64 + 1)[1:].view(4, 64),
+                      torch.zeros(1, 4, 64)):
+            assert ops.aot_lane_run(7, [other]) == []
+        assert ops.aot_lane_run(8, [x]) == [] and ops.aot_lane_run(7, [x, x]) == []
+        assert ops.aot_counted_launches() == before + 2
+        ops.aot_lane_hold(7, written.plan, [torch.zeros(4, 64)])  # the same shape again: still one lane
+        assert ops.aot_lanes_held() == 1
+        for n in range(17, 33):  # 16 more shapes: the first one goes
+            ops.aot_lane_hold(7, written.plan, [torch.zeros(n, 64)])
+        assert ops.aot_lanes_held() == 16 and ops.aot_lane_run(7, [x]) == []
+        assert len(ops.aot_lane_run(7, [torch.zeros(32, 64)])) == 1
+        ops.aot_lanes_clear()
+        assert ops.aot_lanes_held() == 0 and ops.aot_lane_run(7, [torch.zeros(32, 64)]) == []
+    finally:
+        ops.aot_count_cpu_launches(False)
+        ops.aot_lanes_clear()
+    with pytest.raises(RuntimeError, match="plan must be a 1-D contiguous int64 CPU tensor"):
+        ops.aot_lane_hold(7, written.plan.to(torch.int32), [x])
+
+
 def test_run_plan_stays_on_the_cpu_under_a_default_device(toy):
     """A caller's default device (``torch.set_default_device("cuda")`` in a training script) does
     not move the plan: the library reads it on the host."""
@@ -535,6 +575,7 @@ def test_csrc_takes_its_limits_from_limits_py():
     text = generator.header()
     assert f"kInt32Max = {limits.INT32_MAX};" in text
     assert "kGridLimits[3] = {" + ", ".join(map(str, limits.GRID_LIMITS)) + "};" in text
+    assert f"kPointerAlignment = {limits.POINTER_ALIGNMENT};" in text
     for source in sorted((repo / "csrc").glob("*.[ch]*")):
         for literal in ("65535", "2147483647", str(limits.GRID_LIMITS[1]), str(limits.INT32_MAX)):
             assert literal not in source.read_text(), f"{source.name} states {literal}: take it from flash_attn/limits.py"

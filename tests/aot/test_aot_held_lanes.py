@@ -1,0 +1,138 @@
+"""Lanes held by the op library (:func:`flash_attn.dispatch.run_held`, csrc/aot_ops.cpp's
+``aot_lane_run``): once a ``flash_attn_func`` signature runs on the ``aot`` backend's direct lane,
+the library holds its plan with its tensors' metadata, and a later call with the same scalars and
+tensors like those runs in one op call, no Python route below the public function. Every other
+call takes the Python route: other scalars, tensors of another shape, stride, dtype or device, a
+misaligned pointer, a graph to record, tracing, a backend failure; and the held lanes are
+forgotten with the plans, the chains and the settings they were held under.
+
+On the benchmark's stub (support.aot_stub): which route and which plan run, not the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flash_attn import dispatch, flash_attn_func
+from flash_attn.aot import library as op_library
+from flash_attn.backends import aot
+from support.aot_stub import bf16, misaligned, stub  # noqa: F401  (stub: a fixture)
+
+
+@pytest.fixture
+def held(stub, monkeypatch):
+    """The stub, the op library's lanes forgotten first, and the plans it is asked to hold recorded."""
+    op_library.ops().aot_lanes_clear()
+    holds = []
+    hold, run = aot._lane_ops()
+    monkeypatch.setattr(aot, "_lane_op_builtins", (lambda key, plan, tensors: holds.append((key, plan)) or hold(
+        key, plan, tensors), run))
+    yield (*stub, holds)
+    op_library.ops().aot_lanes_clear()
+
+
+def test_a_signatures_later_calls_run_on_the_lane_the_op_library_holds(held):
+    calls, counted, holds = held
+    q, k, v = bf16(2, 40, 4, 64), bf16(2, 40, 4, 64, seed=1), bf16(2, 40, 4, 64, seed=2)
+    before = counted()
+    outs = [flash_attn_func(q, k, v, causal=True) for _ in range(6)]
+    # planned, the known route again, the Python lane (then held), then three on the held lane
+    assert len(calls) == 3 and counted() == before + 6 and len(holds) == 1
+    assert torch.equal(holds[0][1], calls[-1][0])  # the plan the Python lane ran
+    assert all(o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous() for o in outs)
+    assert len({o.data_ptr() for o in outs}) == 6  # fresh buffers every call
+    assert dispatch.last_backend() == "aot" and op_library.ops().aot_lanes_held() == 1
+    # new tensors like those (other values, other storage): the same held lane
+    flash_attn_func(bf16(2, 40, 4, 64, seed=3), bf16(2, 40, 4, 64, seed=4), bf16(2, 40, 4, 64, seed=5), causal=True)
+    assert len(calls) == 3 and counted() == before + 7
+
+
+def test_a_held_lane_is_the_plan_of_its_own_scalars(held):
+    """A call of other scalars with the very tensors of a call the direct lane just ran (so the
+    thread's last direct run is that call's) holds nothing of it: each held plan is its own
+    signature's (a causal call never runs a non-causal plan)."""
+    calls, counted, holds = held
+    q = bf16(1, 64, 2, 64)
+    for _ in range(3):
+        flash_attn_func(q, q, q, causal=False)
+    assert len(holds) == 1
+    not_causal = calls[-1][0]
+    first = len(calls)
+    for _ in range(5):
+        flash_attn_func(q, q, q, causal=True)
+    assert len(holds) == 2 and torch.equal(holds[1][1], calls[first + 2][0]) and holds[1][0] != holds[0][0]
+    assert not torch.equal(holds[1][1], not_causal) and len(calls) == first + 3
+
+
+class _Passthrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _python_route(calls, call) -> bool:
+    """Whether ``call()`` ran on the Python route (its op library call recorded by the stub)."""
+    before = len(calls)
+    call()
+    return len(calls) > before
+
+
+def test_calls_a_held_lane_does_not_take(held, monkeypatch):
+    calls, counted, holds = held
+    q, k, v = bf16(2, 40, 4, 64), bf16(2, 40, 4, 64, seed=1), bf16(2, 40, 4, 64, seed=2)
+    for _ in range(4):
+        flash_attn_func(q, k, v, causal=True)
+    assert not _python_route(calls, lambda: flash_attn_func(q, k, v, causal=True))
+    others = {
+        "other scalars": lambda: flash_attn_func(q, k, v, causal=True, softmax_scale=0.5),
+        "causal as an int": lambda: flash_attn_func(q, k, v, causal=1),
+        "another shape": lambda: flash_attn_func(q[:, :20], k, v, causal=True),
+        "other strides": lambda: flash_attn_func(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, causal=True),
+        "another dtype": lambda: flash_attn_func(q.half(), k.half(), v.half(), causal=True),
+        "a misaligned pointer": lambda: flash_attn_func(misaligned(q), k, v, causal=True),
+        "alibi slopes": lambda: flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.ones(4)),
+        "a graph to record": lambda: flash_attn_func(q.clone().requires_grad_(), k, v, causal=True),
+    }
+    for what, call in others.items():
+        assert _python_route(calls, call), what
+    with _Passthrough():  # a __torch_function__ mode: the custom op sees the call
+        assert _python_route(calls, lambda: flash_attn_func(q, k, v, causal=True))
+    with torch.no_grad():  # nothing to record: the held lane
+        assert not _python_route(calls, lambda: flash_attn_func(q.clone().requires_grad_(), k, v, causal=True))
+    assert not _python_route(calls, lambda: flash_attn_func(q, k, v, causal=True))
+    monkeypatch.setitem(dispatch._failed, "triton", object())  # a backend failed: every call takes the Python route
+    assert _python_route(calls, lambda: flash_attn_func(q, k, v, causal=True))
+
+
+def test_held_lanes_are_forgotten_with_the_plans_the_chains_and_the_settings(held, monkeypatch):
+    calls, counted, holds = held
+    q = bf16(1, 64, 2, 64)
+
+    def warm():
+        for _ in range(4):
+            flash_attn_func(q, q, q, causal=True)
+        assert not _python_route(calls, lambda: flash_attn_func(q, q, q, causal=True))
+
+    warm()
+    aot._backend.forget_plans()  # (the tuning sweep's step): the library forgets them too
+    assert op_library.ops().aot_lanes_held() == 0
+    assert _python_route(calls, lambda: flash_attn_func(q, q, q, causal=True))
+    warm()
+    dispatch._chains.clear()  # the chains forgotten (dispatch.reset; the stub's own, which it puts back after)
+    assert _python_route(calls, lambda: flash_attn_func(q, q, q, causal=True))
+    warm()
+    monkeypatch.setenv(dispatch.STRICT_ENV, "1")  # other settings: their own lanes
+    assert _python_route(calls, lambda: flash_attn_func(q, q, q, causal=True))
+
+
+def test_held_lanes_are_bounded_on_both_sides(held, monkeypatch):
+    """Past :data:`~flash_attn.dispatch.HELD_LIMIT` held signatures, the dispatcher's keys and
+    the op library's lanes are forgotten together (a key is never reused: none is left behind)."""
+    calls, counted, holds = held
+    monkeypatch.setattr(dispatch, "HELD_LIMIT", 2)
+    q = bf16(1, 64, 2, 64)
+    for scale in (0.1, 0.2, 0.3):
+        for _ in range(3):
+            flash_attn_func(q, q, q, softmax_scale=scale)
+    assert len(holds) == 3 and op_library.ops().aot_lanes_held() == 1
+    assert _python_route(calls, lambda: flash_attn_func(q, q, q, softmax_scale=0.1))
+    assert not _python_route(calls, lambda: flash_attn_func(q, q, q, softmax_scale=0.3))
