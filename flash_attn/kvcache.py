@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from flash_attn import custom_ops, validation
+from flash_attn import custom_ops, dispatch, validation
 from flash_attn.params import cache_capacity
 
 
@@ -14,21 +16,61 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             qv=None, sinks=None):
     """``(out, lse)`` of :func:`flash_attn.flash_attn_with_kvcache` (same arguments; ``sinks`` is
     its ``learnable_sink``)."""
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, alibi_slopes, qv, sinks)
+    scalars = (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits)
+    held = _held_form(tensors, rotary_cos)
+    if held is not None:  # a call whose whole route the backend holds (dispatch.run_held): its checks passed before
+        made = dispatch.run_held(_TAG, held[0], scalars, held[1])
+        if made is not None:
+            if k is not None:  # appended (as custom_ops.forward_kvcache bumps the caches' versions)
+                torch.autograd.graph.increment_version((k_cache, v_cache))
+            return made[0], made[1]
     (scale, left, right, softcap, rotary_interleaved, num_splits), call = validation.checked_call(
-        "flash_attn_with_kvcache",
-        (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-         alibi_slopes, qv, sinks),
-        (softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits), _checks)
+        _TAG, tensors, scalars, _checks)
     # One int for every sequence: a tensor of it. None: every sequence's whole cache, which the
     # kernels take as a number (no tensor made per call), unless rotary needs the positions.
     if (cache_seqlens is None and rotary_cos is not None) or isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_capacity(k_cache, block_table) if cache_seqlens is None
                                    else cache_seqlens, dtype=torch.int32, device=q.device)
-    return custom_ops.forward_kvcache(
+    out, lse = custom_ops.forward_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, rotary_cos, rotary_sin, alibi_slopes, scale, left, right, softcap, rotary_interleaved, num_splits,
         qv, sinks, call=call,
     )
+    if held is not None and type(call) is int and not (_grad_enabled() and any(t.requires_grad for t in held[0])):
+        slots = tuple(slot for slot, t in zip(_SLOTS, tensors) if t is not None)
+        dispatch.hold_held(_TAG, call, held[0], slots, scalars, held[1], ("out", "lse"))
+    return out, lse
+
+
+_TAG = "flash_attn_with_kvcache"
+# the slot of each of forward's tensors, in its order (flash_attn.backends._execute.kvcache_inputs' names)
+_SLOTS = ("q", "k_cache", "v_cache", "k_new", "v_new", "cos", "sin", "seqlens", "batch_idx", "leftpad", "block_table",
+          "alibi", "qv", "sinks")
+_Tensor, _grad_enabled = torch.Tensor, torch.is_grad_enabled
+
+
+def _held_form(tensors: tuple, rotary_cos) -> Optional[tuple]:
+    """``(the tensors given, what a held lane's key holds of all: each one's shape or None)`` of a
+    call a held lane may take, or ``None``: a tensor that is not a plain one, lengths given as an
+    int or left out beside rotary (the slow route makes a tensor of them), values checked on the
+    host (CPU tensors, ``FLASH_ATTN_DEBUG``)."""
+    cache_seqlens = tensors[7]
+    if type(cache_seqlens) is int or (cache_seqlens is None and rotary_cos is not None):
+        return None
+    given, shapes = [], []
+    for t in tensors:
+        if t is None:
+            shapes.append(None)
+        elif type(t) is not _Tensor:
+            return None
+        else:
+            given.append(t)
+            shapes.append(t.shape)
+    if custom_ops._checks_values(tensors[0]):  # (read per call: the benchmark stub replaces it)
+        return None
+    return tuple(given), tuple(shapes)
 
 
 def _checks(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,

@@ -170,13 +170,14 @@ def _float_bits(value: float) -> int:
 
 
 def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (),
-              results: tuple = (), extents_per_call: bool = False) -> _Launches | _Template:
+              results: tuple = (), extents_per_call: bool = False, inputs: tuple = ()) -> _Launches | _Template:
     """``packed`` written as a plan, with ``buffers`` (the plan's buffers no launch leaves unused)
     made by the library; the slots in ``unused`` (pointers no kernel reads) passed null; ``results``:
     the slots the call returns. A template's (extents among its ints) is written once they are known,
-    or with ``extents_per_call`` its extents are row counts the call passes."""
+    or with ``extents_per_call`` its extents are row counts the call passes. ``inputs``: the call's
+    tensors in this order (a slot no launch takes may be among them), else in the launches' order."""
     made = {b.slot for b in buffers}
-    names = {}  # the call's tensors, then the buffers: the indices the launches take
+    names = dict(zip(inputs, range(len(inputs))))  # the call's tensors, then the buffers: the indices the launches take
     for p in packed:
         for name in p.slots:
             if name not in unused and name not in made:
@@ -378,21 +379,27 @@ def _flat_extents(rows: tuple, flat_slots: tuple) -> Optional[Callable[[tuple], 
     return lambda flat: read([(flat[at].shape, flat[at].stride()) for at in positions])
 
 
-def _holdable(call, tensors: tuple, results: tuple) -> Optional[torch.Tensor]:
+def _holdable(call, tensors: tuple, slots: tuple, results: tuple) -> Optional[torch.Tensor]:
     """:class:`~flash_attn.backends.contract.HeldLanes`'s ``holdable``: the plan of the last direct
-    lane run on this thread (``call``'s, with exactly ``tensors``, ``results`` its first buffers,
-    none a view of wider storage: the op library returns them as they are), or ``None``."""
+    lane run on this thread (``call``'s, every tensor it passed the one of ``tensors`` in its slot,
+    ``results`` its first buffers, none a view of wider storage: the op library returns them as
+    they are), written for ``tensors`` in their order, or ``None``."""
     ran = last_direct_run()
     if ran is None or ran[0] != call:
         return None
     _, direct, flat = ran
-    launches, passed = direct.launches, direct.pick(flat)
-    if len(passed) != len(tensors) or any(p is not t for p, t in zip(passed, tensors)):
-        return None
+    launches, position = direct.launches, {slot: at for at, slot in enumerate(slots)}
+    for name, passed in zip(launches.names, direct.pick(flat)):
+        at = position.get(name)
+        if at is None or tensors[at] is not passed:
+            return None
     buffers = {b.slot: b for b in launches.buffers}
     if launches.made[:len(results)] != results or any(buffers[r].storage != buffers[r].shape for r in results):
         return None
-    return launches.plan
+    if launches.names == slots:
+        return launches.plan
+    unused = frozenset(s for p in launches.packed for s in p.slots) - set(launches.names) - set(launches.made)
+    return _launches(launches.packed, unused, launches.buffers, inputs=slots).plan
 
 
 def _hold(key: int, plan: torch.Tensor, tensors: tuple) -> None:

@@ -136,3 +136,61 @@ def test_held_lanes_are_bounded_on_both_sides(held, monkeypatch):
     assert len(holds) == 3 and op_library.ops().aot_lanes_held() == 1
     assert _python_route(calls, lambda: flash_attn_func(q, q, q, softmax_scale=0.1))
     assert not _python_route(calls, lambda: flash_attn_func(q, q, q, softmax_scale=0.3))
+
+
+def _slots_of_launches(plan: torch.Tensor, inputs: tuple) -> list:
+    """Each launch's tensors as ``inputs``' names (a plan's indices past them: its buffers, by number)."""
+    from support.aot_buffers import read_plan  # noqa: PLC0415
+
+    return [[inputs[i] if 0 <= i < len(inputs) else ("buffer", i - len(inputs)) if i >= 0 else None
+             for i in launch["tensors"]] for launch in read_plan(plan)]
+
+
+def test_a_decode_steps_later_calls_run_on_the_held_lane(held):
+    """``flash_attn_with_kvcache`` appending a step's k/v (cache_seqlens a tensor): from the held
+    lane on, one op call per step, the caches' version counters bumped as the Python route does,
+    and the held plan the Python route's with its tensors in the public function's order."""
+    from flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
+
+    calls, counted, holds = held
+    q, k_new, v_new = bf16(2, 1, 8, 64), bf16(2, 1, 2, 64, seed=1), bf16(2, 1, 2, 64, seed=2)
+    k_cache, v_cache = bf16(2, 256, 2, 64, seed=3), bf16(2, 256, 2, 64, seed=4)
+    seqlens = torch.tensor([10, 200], dtype=torch.int32)
+    launched = []
+    for step in range(6):
+        versions, before = (k_cache._version, v_cache._version), counted()
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                           return_softmax_lse=True)
+        launched.append(counted() - before)
+        assert (k_cache._version, v_cache._version) == (versions[0] + 1, versions[1] + 1)
+        assert out.shape == q.shape and lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+    assert len(calls) == 3 and len(holds) == 1 and launched == [launched[0]] * 6 and launched[0] >= 1
+    # the Python route's plan and the held one launch the same tensors, each by its slot
+    public = (q, k_cache, v_cache, k_new, v_new, seqlens)
+    names = ("q", "k_cache", "v_cache", "k_new", "v_new", "seqlens")
+    python_plan, passed, _ = calls[-1]
+    passed_names = tuple(names[next(i for i, t in enumerate(public) if t is p)] for p in passed)
+    assert _slots_of_launches(holds[0][1], names) == _slots_of_launches(python_plan, passed_names)
+    assert passed_names != names  # (the library's order is not the public function's: the plan was rewritten)
+
+
+def test_kv_cache_calls_a_held_lane_does_not_take(held, monkeypatch):
+    from flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
+
+    calls, counted, holds = held
+    q, k_cache, v_cache = bf16(1, 1, 8, 64), bf16(1, 128, 2, 64, seed=1), bf16(1, 128, 2, 64, seed=2)
+    plain = lambda: flash_attn_with_kvcache(q, k_cache, v_cache)  # noqa: E731  (every sequence's whole cache)
+    for _ in range(4):
+        plain()
+    assert len(holds) == 1 and not _python_route(calls, plain)
+    assert _python_route(calls, lambda: flash_attn_with_kvcache(q, k_cache[:, :64], v_cache[:, :64]))  # another shape
+    never = {  # however often
+        "lengths as an int (a tensor of them made per call)": lambda: flash_attn_with_kvcache(q, k_cache, v_cache,
+                                                                                             cache_seqlens=100),
+        "a misaligned query": lambda: flash_attn_with_kvcache(misaligned(q), k_cache, v_cache),
+    }
+    for what, call in never.items():
+        for _ in range(4):
+            assert _python_route(calls, call), what
+    monkeypatch.setenv("FLASH_ATTN_DEBUG", "1")  # values checked on the host: the Python route
+    assert _python_route(calls, plain)
