@@ -463,17 +463,18 @@ def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optiona
     return made
 
 
-def hold_held(tag: str, call, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple, results: tuple) -> None:
+def hold_held(tag: str, op: str, call, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple,
+              results: tuple) -> None:
     """After an eager call of public function ``tag`` with checked signature ``call``, nothing
     recorded: where the backend that ran it holds lanes (``Backend.held``) and its direct lane ran
-    the call, have it hold the call's plan for the later calls of ``tag`` with these ``scalars``
+    the call's ``op``, have it hold that plan for the later calls of ``tag`` with these ``scalars``
     and tensors like ``tensors`` (the slot of each: ``slots``) of ``shapes`` (:func:`run_held`),
     whose first buffers made are the call's ``results`` (slot names)."""
     name = getattr(_thread, "backend", None)
     backend = None if name is None else _load(name)[0]
     if backend is None or backend.held is None:
         return
-    plan = backend.held.holdable(call, tensors, slots, results)
+    plan = backend.held.holdable(op, call, slots, results)
     if plan is None:
         return
     try:

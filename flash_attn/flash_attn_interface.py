@@ -272,7 +272,7 @@ def flash_attn_func(
                      call)
     if plain and type(call) is int and return_attn_probs is False and not (
             _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        dispatch.hold_held("flash_attn_func", call, (q, k, v), ("q", "k", "v"), scalars, shapes, ("out",))
+        dispatch.hold_held("flash_attn_func", "forward", call, (q, k, v), ("q", "k", "v"), scalars, shapes, ("out",))
     return out
 
 

@@ -40,7 +40,7 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     )
     if held is not None and type(call) is int and not (_grad_enabled() and any(t.requires_grad for t in held[0])):
         slots = tuple(slot for slot, t in zip(_SLOTS, tensors) if t is not None)
-        dispatch.hold_held(_TAG, call, held[0], slots, scalars, held[1], ("out", "lse"))
+        dispatch.hold_held(_TAG, "forward_kvcache", call, held[0], slots, scalars, held[1], ("out", "lse"))
     return out, lse
 
 

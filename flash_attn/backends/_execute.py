@@ -118,9 +118,9 @@ FORWARD_SLOTS = ("q", "k", "v", "alibi", "sinks", "qv")  # a lane's forward argu
 BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse", "alibi")  # ... and a dense backward's
 
 
-# The last call a direct lane (KernelBackend.direct_lane) with ``launches`` and ``pick`` ran on this
-# thread: (its checked signature, the direct closure, the flat arguments), for a backend's held
-# lanes (HeldLanes.holdable).
+# The last call a direct lane (KernelBackend.direct_lane) with ``launches`` ran on this thread: (its
+# op, its checked signature, the direct closure; none of its tensors: nothing is kept alive), for a
+# backend's held lanes (HeldLanes.holdable).
 _direct_ran = threading.local()
 
 
@@ -578,7 +578,7 @@ class KernelBackend:
                 if results is None:
                     return None
                 if holdable:
-                    _direct_ran.call = (call, direct, flat)
+                    _direct_ran.call = (op, call, direct)
                 return (*results, None) if no_s_dmask else results
 
             return run_direct

@@ -356,7 +356,7 @@ class _AotBackend(KernelBackend):
                 passed = pick(flat)
                 return results(_launch(launches, passed, ())) if _all_aligned(passed) else None
 
-            direct.launches, direct.pick = launches, pick  # what a held lane is made from (_holdable)
+            direct.launches = launches  # what a held lane is made from (_holdable)
             return direct
         numbers = _flat_extents(launches.rows, flat_slots)
         if numbers is None:
@@ -379,20 +379,18 @@ def _flat_extents(rows: tuple, flat_slots: tuple) -> Optional[Callable[[tuple], 
     return lambda flat: read([(flat[at].shape, flat[at].stride()) for at in positions])
 
 
-def _holdable(call, tensors: tuple, slots: tuple, results: tuple) -> Optional[torch.Tensor]:
+def _holdable(op: str, call, slots: tuple, results: tuple) -> Optional[torch.Tensor]:
     """:class:`~flash_attn.backends.contract.HeldLanes`'s ``holdable``: the plan of the last direct
-    lane run on this thread (``call``'s, every tensor it passed the one of ``tensors`` in its slot,
-    ``results`` its first buffers, none a view of wider storage: the op library returns them as
-    they are), written for ``tensors`` in their order, or ``None``."""
+    lane run on this thread (``op``'s, for ``call``: its signature and the pointers' alignment decide
+    it; every tensor it passes among ``slots``, ``results`` its first buffers, none a view of wider
+    storage: the op library returns them as they are), written for tensors in the order of
+    ``slots``, or ``None``."""
     ran = last_direct_run()
-    if ran is None or ran[0] != call:
+    if ran is None or ran[0] != op or ran[1] != call:
         return None
-    _, direct, flat = ran
-    launches, position = direct.launches, {slot: at for at, slot in enumerate(slots)}
-    for name, passed in zip(launches.names, direct.pick(flat)):
-        at = position.get(name)
-        if at is None or tensors[at] is not passed:
-            return None
+    launches = ran[2].launches
+    if not set(launches.names) <= set(slots):
+        return None
     buffers = {b.slot: b for b in launches.buffers}
     if launches.made[:len(results)] != results or any(buffers[r].storage != buffers[r].shape for r in results):
         return None

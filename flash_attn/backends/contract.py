@@ -69,15 +69,15 @@ class HeldLanes(NamedTuple):
     route from its arguments to the launch in one call (see :func:`flash_attn.dispatch.run_held`).
 
     ``run(key, tensors)``: the buffers made by the lane held under ``key`` that ``tensors`` fit,
-    or an empty list (none fits). ``holdable(call, tensors, slots, results)``: what :attr:`hold`
-    takes to hold the call of checked signature ``call`` that the backend's direct lane last ran
-    on this thread, if it passed ``tensors`` (the public function's, in its order; ``slots``: the
-    slot of each) and its first buffers are ``results`` (slot names), each contiguous; else
-    ``None``. ``hold(key, holdable, tensors)``: hold it under ``key``, for tensors passed in that
-    order. ``clear()``: forget every lane held."""
+    or an empty list (none fits). ``holdable(op, call, slots, results)``: what :attr:`hold` takes
+    to hold the plan of ``op`` for checked signature ``call`` that the backend's direct lane last
+    ran on this thread, if the tensors it passes are among ``slots`` (the public function's, in its
+    order) and its first buffers are ``results`` (slot names), each contiguous; else ``None``.
+    ``hold(key, holdable, tensors)``: hold it under ``key``, for tensors like ``tensors`` passed in
+    the order of ``slots``. ``clear()``: forget every lane held."""
 
     run: Callable[[int, list], list]
-    holdable: Callable[[object, tuple, tuple, tuple], Optional[object]]
+    holdable: Callable[[str, object, tuple, tuple], Optional[object]]
     hold: Callable[[int, object, tuple], None]
     clear: Callable[[], None]
 

@@ -194,3 +194,17 @@ def test_kv_cache_calls_a_held_lane_does_not_take(held, monkeypatch):
             assert _python_route(calls, call), what
     monkeypatch.setenv("FLASH_ATTN_DEBUG", "1")  # values checked on the host: the Python route
     assert _python_route(calls, plain)
+
+
+def test_a_backward_run_on_its_lane_is_never_held_for_the_forward(held):
+    """A training step's backward runs on its direct lane under the forward's signature: a later
+    forward of that signature that does not run on its own direct lane (a misaligned pointer: the
+    known route) holds nothing, in particular not the backward's plan."""
+    calls, counted, holds = held
+    q, k, v = (bf16(1, 64, 2, 64, seed=s).requires_grad_() for s in range(3))
+    dout = bf16(1, 64, 2, 64, seed=3)
+    for _ in range(3):
+        flash_attn_func(q, k, v, causal=True).backward(dout)
+    with torch.no_grad():
+        flash_attn_func(misaligned(q.detach()), k, v, causal=True)
+    assert holds == []
