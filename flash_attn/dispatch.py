@@ -429,14 +429,13 @@ _CLASS = "class"  # (op, _CLASS, the class's key): a class's lane among the sign
 
 def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optional[list]:
     """The buffers made by the lane a backend holds for an eager call of public function ``tag``
-    with these ``scalars`` (values and types) and ``tensors`` (its tensors, the absent ones named
-    by ``tag``, the others plain tensors) of ``shapes`` (calls whose shapes change every call
-    ask the backend nothing), or ``None``: none is held under the current settings, the call is
-    traced or has a
-    graph to record, or no held lane fits the tensors (the backend
-    compares their sizes, strides, dtypes, devices and pointers' alignment with the call it
-    held). Held by :func:`hold_held`: only for signatures whose checks passed, so a call it takes
-    is one the public function's checks pass. A backend failure is left to the usual route."""
+    with these ``scalars`` (values and types) and ``tensors`` (the ones given, plain tensors) of
+    ``shapes`` (each argument's or ``None``: calls whose shapes change every call ask the backend
+    nothing), or ``None``: none is held under the current settings, the call is traced or has a
+    graph to record, or no held lane fits the tensors (the backend compares their sizes, strides,
+    dtypes, devices and pointers' alignment with the call it held). Held by :func:`hold_held`,
+    only for signatures whose checks passed: a call it takes is one the public function's checks
+    pass. A backend failure is left to the usual route."""
     if _grad_enabled():  # (first: a training call pays nothing more)
         for t in tensors:
             if t.requires_grad:
