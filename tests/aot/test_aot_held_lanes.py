@@ -208,3 +208,82 @@ def test_a_backward_run_on_its_lane_is_never_held_for_the_forward(held):
     with torch.no_grad():
         flash_attn_func(misaligned(q.detach()), k, v, causal=True)
     assert holds == []
+
+
+# --- on a GPU: the held lanes compute what the oracle does ----------------------------------------
+
+
+def _gpu_aot_or_skip(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    reason = aot.unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    monkeypatch.setenv("FLASH_ATTN_BACKEND", "aot")
+    op_library.ops().aot_lanes_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal, heads_k, head_dim", [(False, 4, 64), (True, 1, 128), (True, 4, 96)])
+def test_held_forwards_compute_what_the_oracle_does_on_gpu(monkeypatch, dtype, causal, heads_k, head_dim):
+    """Six calls of one signature, fresh values every call: the later ones on the held lane (the
+    Python route's launches not called), each output against the float64 oracle."""
+    from support.oracle import attention_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import check_close  # noqa: PLC0415
+
+    _gpu_aot_or_skip(monkeypatch)
+    python_route = []
+    real = aot._launch
+    monkeypatch.setattr(aot, "_launch", lambda *a: python_route.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(6):
+        q = torch.randn(2, 150, 4, head_dim, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(2, 190, heads_k, head_dim, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+        out = flash_attn_func(q, k, v, causal=causal)
+        ref, _, naive, _ = oracle_pair(attention_ref, (q, k, v), causal=causal)
+        check_close(out, ref.out, naive.out, dtype, f"out, call {step}")
+    assert len(python_route) == 3 and op_library.ops().aot_lanes_held() >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_held_decode_steps_compute_what_the_oracle_does_on_gpu(monkeypatch, paged):
+    """Eight decode steps appending one token to each sequence (lengths as a tensor), the later
+    ones on the held lane: each step's output and the caches' new rows against the oracle; then a
+    plain decode over every sequence's whole cache, repeated."""
+    from flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
+    from support.oracle import kvcache_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import check_close  # noqa: PLC0415
+
+    _gpu_aot_or_skip(monkeypatch)
+    python_route = []
+    real = aot._launch
+    monkeypatch.setattr(aot, "_launch", lambda *a: python_route.append(1) or real(*a))
+    dtype, batch, heads, heads_k, d, page = torch.bfloat16, 3, 8, 2, 128, 64
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    if paged:
+        k_cache, v_cache = rnd(batch * 4, page, heads_k, d), rnd(batch * 4, page, heads_k, d)
+        block_table = torch.randperm(batch * 4, device="cuda", generator=g).to(torch.int32).view(batch, 4)
+    else:
+        k_cache, v_cache, block_table = rnd(batch, 4 * page, heads_k, d), rnd(batch, 4 * page, heads_k, d), None
+    seqlens = torch.tensor([5, 100, 200], dtype=torch.int32, device="cuda")
+    for step in range(8):
+        q, k, v = rnd(batch, 1, heads, d), rnd(batch, 1, heads_k, d), rnd(batch, 1, heads_k, d)
+        ref, _, naive, _ = oracle_pair(kvcache_ref, (q, k_cache, v_cache, k, v), cache_seqlens=seqlens,
+                                       block_table=block_table, causal=True)
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=block_table,
+                                      causal=True)
+        check_close(out, ref.out, naive.out, dtype, f"out, step {step}")
+        assert torch.equal(k_cache[ref.written], ref.k_cache[ref.written].to(dtype)), f"k appended, step {step}"
+        assert torch.equal(v_cache[ref.written], ref.v_cache[ref.written].to(dtype)), f"v appended, step {step}"
+        seqlens = seqlens + 1
+    assert len(python_route) == 3
+    if not paged:
+        python_route.clear()
+        for step in range(5):
+            q = rnd(batch, 1, heads, d)
+            ref, _, naive, _ = oracle_pair(kvcache_ref, (q, k_cache, v_cache))
+            check_close(flash_attn_with_kvcache(q, k_cache, v_cache), ref.out, naive.out, dtype, f"whole cache, {step}")
+        assert len(python_route) == 3
