@@ -59,18 +59,13 @@ def _held_form(tensors: tuple, rotary_cos) -> Optional[tuple]:
     cache_seqlens = tensors[7]
     if type(cache_seqlens) is int or (cache_seqlens is None and rotary_cos is not None):
         return None
-    given, shapes = [], []
-    for t in tensors:
-        if t is None:
-            shapes.append(None)
-        elif type(t) is not _Tensor:
+    given = tuple([t for t in tensors if t is not None])
+    for t in given:
+        if type(t) is not _Tensor:
             return None
-        else:
-            given.append(t)
-            shapes.append(t.shape)
     if custom_ops._checks_values(tensors[0]):  # (read per call: the benchmark stub replaces it)
         return None
-    return tuple(given), tuple(shapes)
+    return given, tuple([None if t is None else t.shape for t in tensors])
 
 
 def _checks(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
