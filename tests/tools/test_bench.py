@@ -964,21 +964,25 @@ def test_overhead_device_mode_needs_a_gpu(tmp_path, capsys):
 
 def test_overhead_stage_breakdown_nests_the_stages(stubbed_launches):
     """The per-stage breakdown of a forward and a decode step (stubbed aot): the stages a call
-    runs, nested as they run (a repeated call: its signature's lane, straight from the custom op's
-    entry for an eager forward, inside the dispatcher's route of the plan held for the signature
-    for the decode step; the lane passing the call's tensors to the op library as they are), and
-    no stage dearer than the whole call it is part of (with slack for timing noise on a shared
-    machine)."""
+    runs, nested as they run (a signature's third call: no lane held by the op library yet, then
+    the signature's lane, straight from the custom op's entry for an eager forward, inside the
+    dispatcher's route of the plan held for the signature for the decode step; the lane passing the
+    call's tensors to the op library as they are; then its plan held; the later calls: the held
+    lane alone), and no stage dearer than the whole call it is part of (with slack for timing
+    noise on a shared machine)."""
     from flash_attn.bench import overhead  # noqa: PLC0415
 
+    held = "dispatch, a held lane: the op library's call (metadata compared, buffers made, launches checked)"
     calls = overhead._calls(torch.device("cpu"))
     for case, entry in (("forward", "custom op entry"), ("decode step", "custom op entry (kv cache)")):
         for _ in range(2):  # the signature's lane is made at its second call
             calls[case]()
-        rows = overhead.stage_breakdown(calls[case], calls=100, repeats=3)
+        rows = overhead.stage_breakdown(calls[case], calls=100, repeats=3)  # its third call: the Python lane
         names = [(r["depth"], r["stage"]) for r in rows]
         op = "forward" if case == "forward" else "forward_kvcache"
-        assert names[:3] == [(0, "the whole call"), (1, "metadata checks"), (1, entry)]
+        # the op library holds no lane yet: the Python route, then its plan held for the next calls
+        assert names[:4] == [(0, "the whole call"), (1, held), (1, "metadata checks"), (1, entry)]
+        assert names[-1] == (1, "dispatch, a lane held for the next calls")
         lane = 2 if case == "forward" else 3
         if case != "forward":
             assert (2, f"dispatch, the plan held for the signature ({op})") in names
@@ -990,6 +994,9 @@ def test_overhead_stage_breakdown_nests_the_stages(stubbed_launches):
         assert rows[0]["us"] > 0 and all(r["us"] < 3 * rows[0]["us"] for r in rows[1:])
         text = overhead.stages_text(rows)
         assert "the signature's lane" in text and text.count("\n") == len(rows) + 1
+        # the later calls: the held lane alone
+        assert [(r["depth"], r["stage"]) for r in overhead.stage_breakdown(calls[case], calls=20, repeats=1)] == [
+            (0, "the whole call"), (1, held)]
     # packed training (a new batch every call, and the same batch in a later layer): both ops on
     # the signature's route
     for case in ("packed training", "packed training, later layer"):
