@@ -427,19 +427,21 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
 // A buffer takes the device of the call's first tensor and the dtype of the first kernel
 // parameter it is passed to (a later launch taking it as another dtype is refused by its checks).
 // ------------------------------------------------------------------------------------------
+// A plan's entries: those of a 1-D contiguous int64 CPU tensor, checked as such.
+std::pair<const int64_t*, int64_t> plan_entries(const Tensor& plan) {
+  int32_t device_type = 0, dtype = 0;
+  shim_check(aoti_torch_get_device_type(plan.get(), &device_type), "aoti_torch_get_device_type");
+  shim_check(aoti_torch_get_dtype(plan.get(), &dtype), "aoti_torch_get_dtype");
+  if (device_type != aoti_torch_device_type_cpu() || dtype != aoti_torch_dtype_int64() || plan.dim() != 1 ||
+      !plan.is_contiguous()) {
+    throw AotError("plan must be a 1-D contiguous int64 CPU tensor (flash_attn/backends/aot.py writes it)");
+  }
+  return {static_cast<const int64_t*>(plan.data_ptr()), plan.numel()};
+}
+
 class PlanReader {
  public:
-  explicit PlanReader(const Tensor& plan) {
-    int32_t device_type = 0, dtype = 0;
-    shim_check(aoti_torch_get_device_type(plan.get(), &device_type), "aoti_torch_get_device_type");
-    shim_check(aoti_torch_get_dtype(plan.get(), &dtype), "aoti_torch_get_dtype");
-    if (device_type != aoti_torch_device_type_cpu() || dtype != aoti_torch_dtype_int64() || plan.dim() != 1 ||
-        !plan.is_contiguous()) {
-      throw AotError("plan must be a 1-D contiguous int64 CPU tensor (flash_attn/backends/aot.py writes it)");
-    }
-    data_ = static_cast<const int64_t*>(plan.data_ptr());
-    size_ = plan.numel();
-  }
+  PlanReader(const int64_t* data, int64_t size) : data_(data), size_(size) {}
 
   int64_t next(const char* what) {
     if (pos_ >= size_) {
@@ -558,9 +560,9 @@ Tensor make_buffer(const BufferShape& b, int32_t device_type, int32_t device_ind
   return Tensor(view);
 }
 
-std::vector<Tensor> run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std::vector<int64_t>& rows,
-                             bool meta_only) {
-  PlanReader read(plan);
+std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::vector<Tensor>& tensors,
+                             const std::vector<int64_t>& rows, bool meta_only) {
+  PlanReader read(plan, plan_size);
   std::vector<BufferShape> buffers(size_t(read.index("the buffer count", kMaxItems)));
   for (BufferShape& b : buffers) b = read_buffer(read, rows);
   const int64_t inputs = int64_t(tensors.size()), all = inputs + int64_t(buffers.size());
@@ -643,8 +645,10 @@ TensorMeta meta_of(const Tensor& t) {
   return m;
 }
 
+using Entries = std::shared_ptr<const std::vector<int64_t>>;
+
 struct Lane {
-  Tensor plan;
+  Entries plan;  // a copy of the plan's entries: nothing of the caller's (its Python buffer) is kept
   std::vector<TensorMeta> tensors;
 };
 
@@ -664,13 +668,13 @@ std::vector<TensorMeta> metas_of(const std::vector<Tensor>& tensors) {
 }
 
 void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tensors) {
-  Lane lane{plan, metas_of(tensors)};
-  PlanReader check(plan);  // the plan's own form (its contents are read when the lane runs)
+  const auto [entries, size] = plan_entries(plan);  // (its contents are read when the lane runs)
+  Lane lane{std::make_shared<const std::vector<int64_t>>(entries, entries + size), metas_of(tensors)};
   std::lock_guard<std::mutex> lock(g_lanes_mutex);
   std::vector<Lane>& held = g_lanes[key];
   for (Lane& l : held) {
     if (l.tensors == lane.tensors) {
-      l.plan = plan;
+      l.plan = std::move(lane.plan);
       return;
     }
   }
@@ -678,21 +682,21 @@ void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tenso
   held.push_back(std::move(lane));
 }
 
-// The plan of the lane under `key` that `tensors` fit, or nothing.
-std::optional<Tensor> lane_plan(int64_t key, const std::vector<Tensor>& tensors) {
+// The plan of the lane under `key` that `tensors` fit (held by the caller: the lane may go meanwhile), or null.
+Entries lane_plan(int64_t key, const std::vector<Tensor>& tensors) {
   for (const Tensor& t : tensors) {
     if (!t.defined() || reinterpret_cast<uint64_t>(t.data_ptr()) % uint64_t(limits::kPointerAlignment) != 0) {
-      return std::nullopt;
+      return nullptr;
     }
   }
   const std::vector<TensorMeta> metas = metas_of(tensors);
   std::lock_guard<std::mutex> lock(g_lanes_mutex);
   const auto found = g_lanes.find(key);
-  if (found == g_lanes.end()) return std::nullopt;
+  if (found == g_lanes.end()) return nullptr;
   for (const Lane& l : found->second) {
     if (l.tensors == metas) return l.plan;
   }
-  return std::nullopt;
+  return nullptr;
 }
 
 // ---- boxed entry points -----------------------------------------------------------------
@@ -759,11 +763,17 @@ void aot_launch_meta(int64_t kernel, std::vector<int64_t> grid, std::vector<Tens
 }
 
 std::vector<Tensor> aot_run(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
-  return with_op_name("aot_run", [&] { return run_plan(plan, tensors, rows, /*meta_only=*/false); });
+  return with_op_name("aot_run", [&] {
+    const auto [entries, size] = plan_entries(plan);
+    return run_plan(entries, size, tensors, rows, /*meta_only=*/false);
+  });
 }
 
 std::vector<Tensor> aot_run_meta(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
-  return with_op_name("aot_run", [&] { return run_plan(plan, tensors, rows, /*meta_only=*/true); });
+  return with_op_name("aot_run", [&] {
+    const auto [entries, size] = plan_entries(plan);
+    return run_plan(entries, size, tensors, rows, /*meta_only=*/true);
+  });
 }
 
 void aot_lane_hold(int64_t key, Tensor plan, std::vector<Tensor> tensors) {
@@ -772,8 +782,9 @@ void aot_lane_hold(int64_t key, Tensor plan, std::vector<Tensor> tensors) {
 
 std::vector<Tensor> aot_lane_run(int64_t key, std::vector<Tensor> tensors) {
   return with_op_name("aot_lane_run", [&] {
-    const std::optional<Tensor> plan = lane_plan(key, tensors);
-    return plan ? run_plan(*plan, tensors, {}, /*meta_only=*/false) : std::vector<Tensor>{};
+    const Entries plan = lane_plan(key, tensors);
+    return plan ? run_plan(plan->data(), int64_t(plan->size()), tensors, {}, /*meta_only=*/false)
+                : std::vector<Tensor>{};
   });
 }
 
