@@ -258,9 +258,11 @@ def flash_attn_func(
         softmax probabilities, negative where dropout dropped the entry.
     """
     scalars = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    # a held lane (dispatch.run_held) takes plain tensors, without ALiBi, qv or sinks, nothing to record
     plain = alibi_slopes is None and qv is None and learnable_sink is None and type(q) is _Tensor and \
-        type(k) is _Tensor and type(v) is _Tensor
-    if plain:  # a call whose whole route the backend holds (dispatch.run_held): its checks passed before
+        type(k) is _Tensor and type(v) is _Tensor and not (
+            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if plain:  # a call whose whole route the backend holds: its checks passed before
         shapes = (q.shape, k.shape, v.shape)  # (a growing cache's new key length finds none)
         made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)
         if made is not None:
@@ -270,8 +272,7 @@ def flash_attn_func(
                                             _dense_checks, _key_length_class, own_keys=True)
     out = _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
                      call)
-    if plain and type(call) is int and return_attn_probs is False and not (
-            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if plain and type(call) is int and return_attn_probs is False:
         dispatch.hold_held("flash_attn_func", "forward", call, (q, k, v), ("q", "k", "v"), scalars, shapes, ("out",))
     return out
 

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from flash_attn import limits
-from flash_attn.backends.contract import LANE_OPS, Backend, HeldLanes
+from flash_attn.backends.contract import HELD_OPS, LANE_OPS, Backend, HeldLanes
 from flash_attn.params import AttentionParams, KeyLengths, KVCacheInputs, own_key
 from flash_attn.placeholders import placeholder
 from flash_attn.planning import plan as P
@@ -567,7 +567,8 @@ class KernelBackend:
         planner, slots_of, flat_of, flat_slots, _ = _LANES[op]
         generation, plans_now, run, filled = cache.generation, self.target_and_plans, self.run, self.filled
         direct = self.direct_lane(held.template if type(held) is PerCall else held, flat_slots)
-        holdable = hasattr(direct, "launches")  # what a held lane is made from (HeldLanes.holdable)
+        # a direct run a held lane may be made from (HeldLanes.holdable)
+        holdable = op in HELD_OPS and hasattr(direct, "launches")
         if direct is not None:
             def run_direct(call, *args) -> Optional[tuple]:
                 now = plans_now(device)

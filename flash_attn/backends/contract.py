@@ -45,6 +45,8 @@ OPS = ("forward", "backward", "forward_kvcache")
 # backward's lane holds the gradient's strides and the options its plan key adds to the signature,
 # and leaves the calls with others)
 LANE_OPS = ("forward", "backward", "forward_kvcache")
+# the ops whose plans a backend may hold outside Python for a public function (HeldLanes)
+HELD_OPS = ("forward", "forward_kvcache")
 
 Runner = Callable[[], tuple]
 # prepare(*op_args, **op_kwargs) -> a runner that computes the call, or a Refusal saying who refused

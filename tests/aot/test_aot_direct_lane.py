@@ -10,7 +10,6 @@ GPU acceptance run computes those against the oracle through the same lane)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache
