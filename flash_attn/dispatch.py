@@ -444,7 +444,7 @@ def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optiona
     if held is None or _failed:
         return None
     try:
-        found = held.get((tag, scalars, tuple(map(type, scalars)), shapes))
+        found = held.get((tag, scalars, _types(scalars), shapes))
     except TypeError:  # an unhashable scalar (a list): no held lane
         return None
     if found is None or _traced():
@@ -477,7 +477,7 @@ def hold_held(tag: str, op: str, call, tensors: tuple, slots: tuple, scalars: tu
     if plan is None:
         return
     try:
-        signature = (tag, scalars, tuple(map(type, scalars)), shapes)
+        signature = (tag, scalars, _types(scalars), shapes)
         setting = (_backend_setting(), _strict_setting(), _HELD)
         held = _chains.get(setting)
         if held is None:
@@ -491,6 +491,12 @@ def hold_held(tag: str, op: str, call, tensors: tuple, slots: tuple, scalars: tu
         backend.held.clear()
     backend.held.hold(key, plan, tensors)
     held[signature] = (name, backend.held.run, key)
+
+
+def _types(scalars: tuple) -> tuple:
+    """The scalars' types, a tuple's its elements' (``True``, ``1`` and ``1.0`` are equal and hash
+    alike, but a public function's checks tell them apart: ``window_size=(True, -1)`` is refused)."""
+    return tuple([tuple(map(type, s)) if type(s) is tuple else type(s) for s in scalars])
 
 
 _HELD = "held"  # (settings, _HELD): the held lanes' keys beside the chains

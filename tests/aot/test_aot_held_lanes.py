@@ -94,6 +94,8 @@ def test_calls_a_held_lane_does_not_take(held, monkeypatch):
     }
     for what, call in others.items():
         assert _python_route(calls, call), what
+    with pytest.raises(TypeError, match="window_size"):  # refused as ever, though equal to the held (-1, -1)
+        flash_attn_func(q, k, v, causal=True, window_size=(-1.0, -1))
     with _Passthrough():  # a __torch_function__ mode: the custom op sees the call
         assert _python_route(calls, lambda: flash_attn_func(q, k, v, causal=True))
     with torch.no_grad():  # nothing to record: the held lane
