@@ -611,10 +611,16 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
   return made;
 }
 
+std::vector<Tensor> run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std::vector<int64_t>& rows,
+                             bool meta_only) {
+  const auto [entries, size] = plan_entries(plan);
+  return run_plan(entries, size, tensors, rows, meta_only);
+}
+
 // ------------------------------------------------------------------------------------------
 // Lanes: a plan held with the metadata of the tensors of the call it was written for, and run
-// for a later call whose tensors have the same metadata (flash_attn/aot/lanes.py holds one per
-// checked call signature that runs one fixed plan). `key` stands for the rest of the signature
+// for a later call whose tensors have the same metadata (flash_attn/dispatch.py's run_held and
+// hold_held: one per checked call signature that runs one fixed plan). `key` stands for the rest of the signature
 // (the caller's scalars, which tensors are absent); under one key, a call whose tensors' dims,
 // sizes, strides, dtypes and devices equal a held lane's, its pointers aligned to
 // limits::kPointerAlignment (what the held plan assumes), runs that lane's plan with no row
@@ -763,17 +769,11 @@ void aot_launch_meta(int64_t kernel, std::vector<int64_t> grid, std::vector<Tens
 }
 
 std::vector<Tensor> aot_run(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
-  return with_op_name("aot_run", [&] {
-    const auto [entries, size] = plan_entries(plan);
-    return run_plan(entries, size, tensors, rows, /*meta_only=*/false);
-  });
+  return with_op_name("aot_run", [&] { return run_plan(plan, tensors, rows, /*meta_only=*/false); });
 }
 
 std::vector<Tensor> aot_run_meta(Tensor plan, std::vector<Tensor> tensors, std::vector<int64_t> rows) {
-  return with_op_name("aot_run", [&] {
-    const auto [entries, size] = plan_entries(plan);
-    return run_plan(entries, size, tensors, rows, /*meta_only=*/true);
-  });
+  return with_op_name("aot_run", [&] { return run_plan(plan, tensors, rows, /*meta_only=*/true); });
 }
 
 void aot_lane_hold(int64_t key, Tensor plan, std::vector<Tensor> tensors) {

@@ -311,7 +311,7 @@ def _eager_backward(call, dout, *inputs) -> bool:
     the gradient it is given and what may have changed since: tracing, and a graph to record
     (``create_graph``)."""
     return call is not None and type(dout) is Tensor and not dout.is_meta and not _traced() and not (
-        _grad_enabled() and _any_requires_grad(dout, *inputs))
+        _grad_enabled() and any_requires_grad(dout, *inputs))
 
 
 _NO_GRADS = (None,) * (len(_FORWARD_INPUTS) - 5)
@@ -442,7 +442,8 @@ def eager_call(tensors) -> Optional[bool]:
 _traced, _grad_enabled = validation.traced, torch.is_grad_enabled
 
 
-def _any_requires_grad(*tensors) -> bool:
+def any_requires_grad(*tensors) -> bool:
+    """Whether any of ``tensors`` (``None`` skipped) requires grad."""
     for t in tensors:
         if t is not None and t.requires_grad:
             return True
@@ -523,7 +524,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
     ``call``: the public function's checked signature (:func:`flash_attn.validation.checked_call`),
     handed to the backends in eager calls."""
     if call is not None and cu_seqlens_q is None and scalars[_DROPOUT] == 0.0 and not _traced() and not (
-            _grad_enabled() and _any_requires_grad(q, k, v, alibi_slopes, qv, sinks)):
+            _grad_enabled() and any_requires_grad(q, k, v, alibi_slopes, qv, sinks)):
         # An eager call with nothing to record (eager_call's answer False, but for its tensors'
         # types: a checked signature holds plain tensors only, and a meta call's never gets a lane,
         # which only the known route of an eager call holds). A lane reads no scalar; packed calls
@@ -567,6 +568,12 @@ def forward_kvcache(q, k_cache, v_cache, *args, call=None):
     if not direct_call_ok(tensors):
         return attention_forward_kvcache(q, k_cache, v_cache, *args)
     result = _kvcache_run(q, k_cache, v_cache, *args, call=call)
-    if args[0] is not None:  # k: appended (inference tensors have no counter: left alone)
-        torch.autograd.graph.increment_version((k_cache, v_cache))
+    bump_appended(args[0], k_cache, v_cache)
     return result
+
+
+def bump_appended(k: Optional[Tensor], k_cache: Tensor, v_cache: Tensor) -> None:
+    """Where new ``k`` (and v) were written into the caches, their version counters bumped, as the
+    op's registration does (inference tensors have no counter: left alone)."""
+    if k is not None:
+        torch.autograd.graph.increment_version((k_cache, v_cache))

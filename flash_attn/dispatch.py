@@ -429,17 +429,14 @@ _CLASS = "class"  # (op, _CLASS, the class's key): a class's lane among the sign
 
 def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optional[list]:
     """The buffers made by the lane a backend holds for an eager call of public function ``tag``
-    with these ``scalars`` (values and types) and ``tensors`` (the ones given, plain tensors) of
-    ``shapes`` (each argument's or ``None``: calls whose shapes change every call ask the backend
-    nothing), or ``None``: none is held under the current settings, the call is traced or has a
-    graph to record, or no held lane fits the tensors (the backend compares their sizes, strides,
-    dtypes, devices and pointers' alignment with the call it held). Held by :func:`hold_held`,
-    only for signatures whose checks passed: a call it takes is one the public function's checks
-    pass. A backend failure is left to the usual route."""
-    if _grad_enabled():  # (first: a training call pays nothing more)
-        for t in tensors:
-            if t.requires_grad:
-                return None
+    with these ``scalars`` (values and types) and ``tensors`` (the ones given, plain tensors, none
+    with a graph to record: the caller's test, made before it reads the shapes) of ``shapes``
+    (each argument's or ``None``: calls whose shapes change every call ask the backend nothing),
+    or ``None``: none is held under the current settings, the call is traced, or no held lane fits
+    the tensors (the backend compares their sizes, strides, dtypes, devices and pointers'
+    alignment with the call it held). Held by :func:`hold_held`, only for signatures whose checks
+    passed: a call it takes is one the public function's checks pass. A backend failure is left to
+    the usual route."""
     held = _chains.get((_backend_setting(), _strict_setting(), _HELD))
     if held is None or _failed:
         return None
@@ -502,7 +499,7 @@ def _types(scalars: tuple) -> tuple:
 _HELD = "held"  # (settings, _HELD): the held lanes' keys beside the chains
 HELD_LIMIT = CHECKED_LIMIT  # held signatures per settings (then all forgotten)
 _held_keys = itertools.count()  # never reused: a forgotten key's lanes are never run
-_traced, _grad_enabled = validation.traced, torch.is_grad_enabled
+_traced = validation.traced
 
 
 def _hold(lanes: dict, key: tuple, name: str, make: Callable) -> None:

@@ -260,8 +260,7 @@ def flash_attn_func(
     scalars = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
     # a held lane (dispatch.run_held) takes plain tensors, without ALiBi, qv or sinks, nothing to record
     plain = alibi_slopes is None and qv is None and learnable_sink is None and type(q) is _Tensor and \
-        type(k) is _Tensor and type(v) is _Tensor and not (
-            _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        type(k) is _Tensor and type(v) is _Tensor and not (_grad_enabled() and custom_ops.any_requires_grad(q, k, v))
     if plain:  # a call whose whole route the backend holds: its checks passed before
         shapes = (q.shape, k.shape, v.shape)  # (a growing cache's new key length finds none)
         made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)

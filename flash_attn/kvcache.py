@@ -23,8 +23,7 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if held is not None:  # a call whose whole route the backend holds (dispatch.run_held): its checks passed before
         made = dispatch.run_held(_TAG, held[0], scalars, held[1])
         if made is not None:
-            if k is not None:  # appended (as custom_ops.forward_kvcache bumps the caches' versions)
-                torch.autograd.graph.increment_version((k_cache, v_cache))
+            custom_ops.bump_appended(k, k_cache, v_cache)
             return made[0], made[1]
     (scale, left, right, softcap, rotary_interleaved, num_splits), call = validation.checked_call(
         _TAG, tensors, scalars, _checks)
@@ -38,7 +37,7 @@ def forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         block_table, rotary_cos, rotary_sin, alibi_slopes, scale, left, right, softcap, rotary_interleaved, num_splits,
         qv, sinks, call=call,
     )
-    if held is not None and type(call) is int and not (_grad_enabled() and any(t.requires_grad for t in held[0])):
+    if held is not None and type(call) is int:
         slots = tuple(slot for slot, t in zip(_SLOTS, tensors) if t is not None)
         dispatch.hold_held(_TAG, "forward_kvcache", call, held[0], slots, scalars, held[1], ("out", "lse"))
     return out, lse
@@ -53,9 +52,9 @@ _Tensor, _grad_enabled = torch.Tensor, torch.is_grad_enabled
 
 def _held_form(tensors: tuple, rotary_cos) -> Optional[tuple]:
     """``(the tensors given, what a held lane's key holds of all: each one's shape or None)`` of a
-    call a held lane may take, or ``None``: a tensor that is not a plain one, lengths given as an
-    int or left out beside rotary (the slow route makes a tensor of them), values checked on the
-    host (CPU tensors, ``FLASH_ATTN_DEBUG``)."""
+    call a held lane may take, or ``None``: a tensor that is not a plain one, a graph to record,
+    lengths given as an int or left out beside rotary (the slow route makes a tensor of them),
+    values checked on the host (CPU tensors, ``FLASH_ATTN_DEBUG``)."""
     cache_seqlens = tensors[7]
     if type(cache_seqlens) is int or (cache_seqlens is None and rotary_cos is not None):
         return None
@@ -63,6 +62,8 @@ def _held_form(tensors: tuple, rotary_cos) -> Optional[tuple]:
     for t in given:
         if type(t) is not _Tensor:
             return None
+    if _grad_enabled() and custom_ops.any_requires_grad(*given):
+        return None
     if custom_ops._checks_values(tensors[0]):  # (read per call: the benchmark stub replaces it)
         return None
     return given, tuple([None if t is None else t.shape for t in tensors])

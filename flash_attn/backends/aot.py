@@ -35,7 +35,7 @@ from flash_attn import limits
 from flash_attn.aot import forced, library as op_library, specializations as S
 from flash_attn.aot.manifest import Manifest, driver_release, manifest
 from flash_attn.backends._execute import (KernelBackend, PlanCache, Ready, _all_aligned, capturing, last_direct_run,
-                                         picker, ready, slots, tensor_numbers)
+                                         picker, ready, slots)
 from flash_attn.backends.contract import HeldLanes, nvidia_cuda_reason
 from flash_attn.planning import plan as P
 from flash_attn.planning.plan import DRIVER, IMAGES, Refusal
@@ -204,23 +204,11 @@ def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (
     made_slots = tuple(b.slot for b in buffers)
     from_made = picker(tuple(made_slots.index(r) for r in results)) if set(results) <= set(made_slots) else None
     launches = _Launches(None if extents else _plan_tensor(plan), inputs, tuple(rows), packed,
-                         picker(inputs), _row_counts(tuple(rows)), tuple(buffers), made_slots, from_made)
+                         picker(inputs), picker(tuple(rows)), tuple(buffers), made_slots, from_made)
     if not extents:
         return launches
+    # (per_call's extents are read from a lane's flat arguments, _flat_extents: its row_counts is never asked)
     return _Template(launches, plan, tuple(extents), _launches(packed, unused, buffers, results, extents_per_call=True))
-
-
-def _row_counts(rows: tuple) -> Callable[[dict], tuple]:
-    """The call's tensors by slot -> its numbers of ``rows``: packed row counts (in the slots, by
-    :class:`~flash_attn.planning.plan.Rows`) and extents (read from their tensors)."""
-    if not any(isinstance(r, P.Extent) for r in rows):
-        return picker(rows)
-
-    def counts(tensors: dict) -> tuple:
-        number = tensor_numbers(tensors)
-        return tuple(number(r) if isinstance(r, P.Extent) else tensors[r] for r in rows)
-
-    return counts
 
 
 def _buffer_size(n, rows: dict) -> int:
@@ -420,11 +408,10 @@ _lane_op_builtins = None
 
 
 def _lane_ops() -> tuple:
-    """``aot_lane_hold`` and ``aot_lane_run``, their builtins where torch exposes them (as :func:`_run_op`)."""
+    """``aot_lane_hold`` and ``aot_lane_run`` (:func:`op_builtin`)."""
     global _lane_op_builtins
     if _lane_op_builtins is None:
-        ops = op_library.ops()
-        _lane_op_builtins = tuple(getattr(o.default, "_op", o.default) for o in (ops.aot_lane_hold, ops.aot_lane_run))
+        _lane_op_builtins = (op_builtin("aot_lane_hold"), op_builtin("aot_lane_run"))
     return _lane_op_builtins
 
 
@@ -512,13 +499,18 @@ def _first_line(exc: Exception) -> str:
 _op = None
 
 
+def op_builtin(name: str):
+    """The op library's ``flash_attn::<name>``: the overload's builtin itself where torch exposes
+    it (``_op``; its Python ``__call__`` only forwards to it, ~0.2 us a call)."""
+    overload = getattr(op_library.ops(), name).default
+    return getattr(overload, "_op", overload)
+
+
 def _run_op():
-    """``flash_attn::aot_run``: the overload's builtin itself where torch exposes it (``_op``; its
-    Python ``__call__`` only forwards to it, ~0.2 us a call)."""
+    """``flash_attn::aot_run`` (:func:`op_builtin`), looked up once."""
     global _op
     if _op is None:
-        overload = op_library.ops().aot_run.default
-        _op = getattr(overload, "_op", overload)
+        _op = op_builtin("aot_run")
     return _op
 
 

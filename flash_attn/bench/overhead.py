@@ -244,8 +244,7 @@ def _launch_calls(device) -> dict[str, Callable[[], object]]:
     launch, args = _captured_launch(forward)
     _, own = _captured_launch(forward, made=True)
     x = torch.zeros(16, device=device)
-    overload = aot.op_library.ops().aot_counted_launches.default
-    empty_op = getattr(overload, "_op", overload)  # as aot._run_op calls aot_run
+    empty_op = aot.op_builtin("aot_counted_launches")  # called as the forward's aot_run is
     return {"one aot launch": lambda: launch(*args), "one aot launch, its buffers made": lambda: launch(*own),
             "one PyTorch launch": lambda: x.add_(1.0), PART_CASES[0]: empty_op,
             PART_CASES[1]: lambda: (torch.empty(q.shape, dtype=q.dtype, device=device),
