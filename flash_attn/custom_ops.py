@@ -523,8 +523,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, *sca
     without qv and sinks), else the op's body directly, with autograd's record where needed.
     ``call``: the public function's checked signature (:func:`flash_attn.validation.checked_call`),
     handed to the backends in eager calls."""
-    if call is not None and cu_seqlens_q is None and scalars[_DROPOUT] == 0.0 and not _traced() and not (
-            _grad_enabled() and any_requires_grad(q, k, v, alibi_slopes, qv, sinks)):
+    if call is not None and cu_seqlens_q is None and scalars[_DROPOUT] == 0.0 and not (
+            _grad_enabled() and any_requires_grad(q, k, v, alibi_slopes, qv, sinks)) and not _traced():
         # An eager call with nothing to record (eager_call's answer False, but for its tensors'
         # types: a checked signature holds plain tensors only, and a meta call's never gets a lane,
         # which only the known route of an eager call holds). A lane reads no scalar; packed calls
