@@ -290,13 +290,18 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, *unused_grads):
-    q, k, v, out, lse, cu_q, cu_k, block_table, alibi, rng_state, qv, sinks = ctx.saved_tensors
-    max_sq, max_sk, scale, left, right, softcap, dropout_p = ctx.scalars
-    args = (dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, max_sq, max_sk, scale, left, right, softcap,
-            dropout_p, rng_state, ctx.deterministic, qv, sinks)
-    if _eager_backward(ctx.call, dout, q, k, v, alibi, qv, sinks) or direct_call_ok(
+    return _gradients(ctx.saved_tensors, ctx.scalars, ctx.deterministic, ctx.call, dout)
+
+
+def _gradients(saved: tuple, scalars: tuple, deterministic: bool, call, dout) -> tuple:
+    """The forward op's gradients (:func:`_backward`'s) from what its record holds: ``saved``
+    (:func:`_setup_context`'s tensors), ``scalars`` (max_seqlen_q to dropout_p), ``deterministic``
+    and ``call`` (the forward's checked signature, or ``None``)."""
+    q, k, v, out, lse, cu_q, cu_k, block_table, alibi, rng_state, qv, sinks = saved
+    args = (dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, *scalars, rng_state, deterministic, qv, sinks)
+    if _eager_backward(call, dout, q, k, v, alibi, qv, sinks) or direct_call_ok(
             (dout, q, k, v, out, lse, cu_q, cu_k, block_table, alibi, qv, sinks)):
-        dq, dk, dv, dqv, dsinks = _backward_run(*args, ctx.call)
+        dq, dk, dv, dqv, dsinks = _backward_run(*args, call)
     else:
         if rng_state is None:  # an eager forward without dropout kept none; the op takes a tensor
             args = (*args[:17], placeholder(torch.int64, q.device, (1,)), *args[18:])
@@ -474,6 +479,51 @@ class _Attention(torch.autograd.Function):
         return (*_backward(ctx, dout)[:3], None)  # the op's gradients: q, k, v first
 
 
+class _HeldAttention(torch.autograd.Function):
+    """:class:`_Attention` for a training call whose lanes its backend holds
+    (:class:`flash_attn.dispatch.HeldTraining`, the last input): the forward and, once held, the
+    backward each one call of the backend, which compares the tensors with the call it held; a
+    call it does not take leaves the forward to the public function's general route
+    (:class:`HeldRefused`), the backward to the general backward route."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lanes):
+        made = lanes.forward((q, k, v))
+        if made is None:
+            raise HeldRefused
+        ctx.save_for_backward(q, k, v, made[0], made[1])
+        ctx.lanes = lanes
+        return made[0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved = ctx.saved_tensors
+        lanes = ctx.lanes
+        if _eager_backward(lanes.call, dout, *saved[:3]):
+            made = lanes.backward((dout, *saved))
+            if made is not None:
+                return made[0], made[1], made[2], None
+        scalars = lanes.scalars
+        dq, dk, dv = lanes.general_backward(
+            lambda: _gradients((*saved, *_NO_TENSORS), scalars[:-1], scalars[-1], lanes.call, dout), (dout, *saved))[:3]
+        return dq, dk, dv, None
+
+
+_NO_TENSORS = (None,) * 7  # a saved record's tensors after lse (_setup_context's), none in a held call's
+
+
+def held_training(q: Tensor, k: Tensor, v: Tensor, lanes) -> Tensor:
+    """``out`` of a training call of :func:`flash_attn.flash_attn_func` (plain q, k, v, one of
+    which requires grad, in grad mode) by its held lanes (:class:`flash_attn.dispatch.HeldTraining`),
+    recorded by :class:`_HeldAttention`; raises :class:`HeldRefused` where the lane does not take it."""
+    return _apply_held(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lanes)
+
+
+class HeldRefused(Exception):
+    """:class:`_HeldAttention`'s forward was not taken by the held lane (the public function then
+    takes its general route, checks included)."""
+
+
 class _AttentionWithExtras(torch.autograd.Function):
     """:class:`_Attention` with the ALiBi slopes (no gradient, as upstream's autograd input), MLA's
     ``qv`` and the sinks as inputs too."""
@@ -498,7 +548,7 @@ def _c_apply(function: type):
     return function.apply if apply is None else apply.__get__(None, function)
 
 
-_apply_attention = _c_apply(_Attention)
+_apply_attention, _apply_held = _c_apply(_Attention), _c_apply(_HeldAttention)
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 

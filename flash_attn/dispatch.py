@@ -47,7 +47,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -437,6 +437,13 @@ def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optiona
     alignment with the call it held). Held by :func:`hold_held`, only for signatures whose checks
     passed: a call it takes is one the public function's checks pass. A backend failure is left to
     the usual route."""
+    found = _held_entry(tag, scalars, shapes)
+    return None if found is None else _held_made(found[0], found[1], found[2], tensors)
+
+
+def _held_entry(tag: str, scalars: tuple, shapes: tuple):
+    """What :func:`hold_held` or :func:`hold_training` held for these arguments under the current
+    settings, or ``None`` (none, the backend failed before, or the call is traced)."""
     held = _chains.get((_backend_setting(), _strict_setting(), _HELD))
     if held is None or _failed:
         return None
@@ -444,9 +451,12 @@ def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optiona
         found = held.get((tag, scalars, _types(scalars), shapes))
     except TypeError:  # an unhashable scalar (a list): no held lane
         return None
-    if found is None or _traced():
-        return None
-    name, run, key = found
+    return None if found is None or _traced() else found
+
+
+def _held_made(name: str, run: Callable, key: int, tensors) -> Optional[list]:
+    """``run(key, tensors)``, a held lane of backend ``name``: the buffers it made, or ``None``
+    where no lane fits the tensors or the backend failed on them (left to the usual route)."""
     try:
         made = run(key, list(tensors))
     except Exception as exc:
@@ -466,28 +476,106 @@ def hold_held(tag: str, op: str, call, tensors: tuple, slots: tuple, scalars: tu
     the call's ``op``, have it hold that plan for the later calls of ``tag`` with these ``scalars``
     and tensors like ``tensors`` (the slot of each: ``slots``) of ``shapes`` (:func:`run_held`),
     whose first buffers made are the call's ``results`` (slot names)."""
+    found = _held_plan(op, call, slots, results)
+    if found is not None:
+        _keep_held(tag, scalars, shapes, found, tensors, lambda key, _: (found[0], found[1].run, key))
+
+
+def _held_plan(op: str, call, slots: tuple, results: tuple):
+    """``(backend name, its HeldLanes, the plan to hold)`` of the direct lane of ``op`` that last
+    ran ``call`` on this thread, or ``None`` (its backend holds no lanes, or not that plan)."""
     name = getattr(_thread, "backend", None)
     backend = None if name is None else _load(name)[0]
     if backend is None or backend.held is None:
-        return
+        return None
     plan = backend.held.holdable(op, call, slots, results)
-    if plan is None:
-        return
+    return None if plan is None else (name, backend.held, plan)
+
+
+def _keep_held(tag: str, scalars: tuple, shapes: tuple, found: tuple, tensors: tuple, entry: Callable) -> None:
+    """Have ``found``'s backend hold its plan (:func:`_held_plan`) for tensors like ``tensors``
+    under a key, and keep ``entry(key, before)`` for :func:`_held_entry` of these arguments: the
+    key of what is kept for them (``before``) where the same backend holds it, else a new one; past
+    :data:`HELD_LIMIT` signatures, all are forgotten."""
+    name, held, plan = found
     try:
         signature = (tag, scalars, _types(scalars), shapes)
         setting = (_backend_setting(), _strict_setting(), _HELD)
-        held = _chains.get(setting)
-        if held is None:
-            held = _chains[setting] = {}
-        found = held.get(signature)
+        kept = _chains.get(setting)
+        if kept is None:
+            kept = _chains[setting] = {}
+        before = kept.get(signature)
     except TypeError:
         return
-    key = found[2] if found is not None and found[0] == name else next(_held_keys)
-    if len(held) >= HELD_LIMIT:  # (then forgotten all at once, on both sides)
+    if before is None or before[0] != name:
+        before = None
+    key = next(_held_keys) if before is None else before[2]
+    if len(kept) >= HELD_LIMIT:  # (then forgotten all at once, on both sides)
+        kept.clear()
         held.clear()
-        backend.held.clear()
-    backend.held.hold(key, plan, tensors)
-    held[signature] = (name, backend.held.run, key)
+    held.hold(key, plan, tensors)
+    kept[signature] = entry(key, before)
+
+
+class HeldTraining(NamedTuple):
+    """A training call's lanes held by backend ``name`` (run by its ``Backend.held.run``: ``run``):
+    the forward's under ``key``, returning out and lse, and once a backward ran
+    its direct lane, the backward's (under ``backward_keys[0]``; it returns dq, dk, dv); with the
+    call's checked signature ``call`` and ``scalars``, the forward op's scalars after its tensors up
+    to dropout_p, then ``deterministic`` (what the general backward route takes)."""
+
+    name: str
+    run: Callable
+    key: int
+    call: object
+    scalars: tuple
+    backward_keys: list
+
+    def forward(self, tensors: tuple) -> Optional[list]:
+        """The forward's buffers made for ``tensors`` (q, k, v), or ``None`` (left to the usual route)."""
+        return _held_made(self.name, self.run, self.key, tensors)
+
+    def backward(self, tensors: tuple) -> Optional[list]:
+        """The backward's buffers made for ``tensors`` (dout, q, k, v, out, lse), or ``None``."""
+        keys = self.backward_keys
+        return None if not keys or _failed else _held_made(self.name, self.run, keys[0], tensors)
+
+    def general_backward(self, gradients: Callable[[], tuple], tensors: tuple) -> tuple:
+        """``gradients()``, the general backward route of this call with gradient and saved tensors
+        ``tensors`` (dout, q, k, v, out, lse); where it ran its backend's direct lane, that plan is
+        held for later gradients like these (:meth:`backward`)."""
+        held = _load(self.name)[0].held
+        held.forget_run()  # (a run of another call's backward is not this one's)
+        result = gradients()
+        plan = held.holdable("backward", self.call, TRAINING_BACKWARD_SLOTS, ("dq", "dk", "dv"))
+        if plan is not None and getattr(_thread, "backend", None) == self.name:
+            keys = self.backward_keys
+            if not keys:
+                keys.append(next(_held_keys))
+            held.hold(keys[0], plan, tensors)
+        return result
+
+
+TRAINING_BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse")  # the order of HeldTraining.backward's tensors
+
+
+def held_training(tag: str, scalars: tuple, shapes: tuple) -> Optional[HeldTraining]:
+    """The lanes held by :func:`hold_training` for a training call of public function ``tag`` with
+    these ``scalars`` and tensors of ``shapes`` under the current settings, or ``None``."""
+    found = _held_entry(tag, scalars, shapes)
+    return found if type(found) is HeldTraining else None
+
+
+def hold_training(tag: str, call, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple, op_scalars: tuple,
+                  deterministic: bool) -> None:
+    """:func:`hold_held` for a training call (an eager call without dropout whose forward autograd
+    recorded): the forward's plan returning out and lse, kept as a :class:`HeldTraining` with
+    ``op_scalars`` (the forward op's scalars after the tensors, up to dropout_p) and ``deterministic``."""
+    found = _held_plan("forward", call, slots, ("out", "lse"))
+    if found is not None:
+        _keep_held(tag, scalars, shapes, found, tensors, lambda key, before: HeldTraining(
+            found[0], found[1].run, key, call, (*op_scalars, deterministic),
+            before.backward_keys if type(before) is HeldTraining else []))
 
 
 def _types(scalars: tuple) -> tuple:

@@ -258,22 +258,41 @@ def flash_attn_func(
         softmax probabilities, negative where dropout dropped the entry.
     """
     scalars = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
-    # a held lane (dispatch.run_held) takes plain tensors, without ALiBi, qv or sinks, nothing to record
+    # held lanes (dispatch.run_held, held_training) take plain tensors, without ALiBi, qv or sinks
     plain = alibi_slopes is None and qv is None and learnable_sink is None and type(q) is _Tensor and \
-        type(k) is _Tensor and type(v) is _Tensor and not (_grad_enabled() and custom_ops.any_requires_grad(q, k, v))
+        type(k) is _Tensor and type(v) is _Tensor
     if plain:  # a call whose whole route the backend holds: its checks passed before
         shapes = (q.shape, k.shape, v.shape)  # (a growing cache's new key length finds none)
-        made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)
-        if made is not None:
-            return made[0]
+        record = _grad_enabled() and custom_ops.any_requires_grad(q, k, v)
+        if not record:
+            made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)
+            if made is not None:
+                return made[0]
+        else:
+            lanes = dispatch.held_training(_TRAINING, scalars, shapes)
+            if lanes is not None:
+                try:
+                    return custom_ops.held_training(q, k, v, lanes)
+                except custom_ops.HeldRefused:
+                    pass
     # a new key length of a known layout (a growing KV cache) shares its class's checks (_key_length_class)
     options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink), scalars,
                                             _dense_checks, _key_length_class, own_keys=True)
     out = _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
                      call)
     if plain and type(call) is int and return_attn_probs is False:
-        dispatch.hold_held("flash_attn_func", "forward", call, (q, k, v), ("q", "k", "v"), scalars, shapes, ("out",))
+        if not record:
+            dispatch.hold_held("flash_attn_func", "forward", call, (q, k, v), ("q", "k", "v"), scalars, shapes,
+                               ("out",))
+        else:
+            scale, left, right, softcap, dropout, _, deterministic = options
+            if dropout == 0.0:
+                dispatch.hold_training(_TRAINING, call, (q, k, v), ("q", "k", "v"), scalars, shapes,
+                                       (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0), deterministic)
     return out
+
+
+_TRAINING = "flash_attn_func, training"  # the held lanes' tag of its training calls
 
 
 _Tensor, _grad_enabled = torch.Tensor, torch.is_grad_enabled

@@ -370,9 +370,9 @@ def _flat_extents(rows: tuple, flat_slots: tuple) -> Optional[Callable[[tuple], 
 def _holdable(op: str, call, slots: tuple, results: tuple) -> Optional[torch.Tensor]:
     """:class:`~flash_attn.backends.contract.HeldLanes`'s ``holdable``: the plan of the last direct
     lane run on this thread (``op``'s, for ``call``: its signature and the pointers' alignment decide
-    it; every tensor it passes among ``slots``, ``results`` its first buffers, none a view of wider
+    it; every tensor it passes among ``slots``, ``results`` among its buffers, none a view of wider
     storage: the op library returns them as they are), written for tensors in the order of
-    ``slots``, or ``None``."""
+    ``slots`` and to make ``results`` first, or ``None``."""
     ran = last_direct_run()
     if ran is None or ran[0] != op or ran[1] != call:
         return None
@@ -380,12 +380,13 @@ def _holdable(op: str, call, slots: tuple, results: tuple) -> Optional[torch.Ten
     if not set(launches.names) <= set(slots):
         return None
     buffers = {b.slot: b for b in launches.buffers}
-    if launches.made[:len(results)] != results or any(buffers[r].storage != buffers[r].shape for r in results):
+    if not set(results) <= buffers.keys() or any(buffers[r].storage != buffers[r].shape for r in results):
         return None
-    if launches.names == slots:
+    if launches.names == slots and launches.made[:len(results)] == results:
         return launches.plan
+    ordered = (*(buffers[r] for r in results), *(b for b in launches.buffers if b.slot not in results))
     unused = frozenset(s for p in launches.packed for s in p.slots) - set(launches.names) - set(launches.made)
-    return _launches(launches.packed, unused, launches.buffers, inputs=slots).plan
+    return _launches(launches.packed, unused, ordered, inputs=slots).plan
 
 
 def _hold(key: int, plan: torch.Tensor, tensors: tuple) -> None:
@@ -515,5 +516,6 @@ def _run_op():
 
 
 _backend = _AotBackend(_NAME, _target)
-BACKEND = _backend.contract(unavailable_reason, held=HeldLanes(_held_run, _holdable, _hold, clear_held))
+BACKEND = _backend.contract(unavailable_reason,
+                            held=HeldLanes(_held_run, _holdable, _hold, clear_held, last_direct_run))
 forward, backward, forward_kvcache = _backend.forward, _backend.backward, _backend.forward_kvcache

@@ -45,8 +45,9 @@ OPS = ("forward", "backward", "forward_kvcache")
 # backward's lane holds the gradient's strides and the options its plan key adds to the signature,
 # and leaves the calls with others)
 LANE_OPS = ("forward", "backward", "forward_kvcache")
-# the ops whose plans a backend may hold outside Python for a public function (HeldLanes)
-HELD_OPS = ("forward", "forward_kvcache")
+# the ops whose plans a backend may hold outside Python for a public function (HeldLanes; the
+# backward's for a training call's record, :class:`flash_attn.dispatch.HeldTraining`)
+HELD_OPS = ("forward", "backward", "forward_kvcache")
 
 Runner = Callable[[], tuple]
 # prepare(*op_args, **op_kwargs) -> a runner that computes the call, or a Refusal saying who refused
@@ -74,14 +75,17 @@ class HeldLanes(NamedTuple):
     or an empty list (none fits). ``holdable(op, call, slots, results)``: what :attr:`hold` takes
     to hold the plan of ``op`` for checked signature ``call`` that the backend's direct lane last
     ran on this thread, if the tensors it passes are among ``slots`` (the public function's, in its
-    order) and its first buffers are ``results`` (slot names), each contiguous; else ``None``.
+    order) and ``results`` (slot names) are among its buffers, each contiguous (the lane returns
+    them first, in this order); else ``None``.
     ``hold(key, holdable, tensors)``: hold it under ``key``, for tensors like ``tensors`` passed in
-    the order of ``slots``. ``clear()``: forget every lane held."""
+    the order of ``slots``. ``clear()``: forget every lane held. ``forget_run()``: forget the
+    direct lane's last run on this thread (as reading it with ``holdable`` does)."""
 
     run: Callable[[int, list], list]
     holdable: Callable[[str, object, tuple, tuple], Optional[object]]
     hold: Callable[[int, object, tuple], None]
     clear: Callable[[], None]
+    forget_run: Callable[[], object]
 
 
 @dataclass(slots=True)

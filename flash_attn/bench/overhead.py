@@ -338,13 +338,19 @@ def _stage_functions() -> list[tuple]:
         ("dispatch, a held lane: the op library's call (metadata compared, buffers made, launches checked)",
          dispatch, "run_held"),
         ("dispatch, a lane held for the next calls", dispatch, "hold_held"),
+        ("dispatch, the training call's held lanes looked up", dispatch, "held_training"),
+        ("custom op entry, the training call's held lanes (its autograd record)", custom_ops, "held_training"),
+        ("the held forward's op library call (metadata compared, buffers made, launches checked)",
+         getattr(dispatch, "HeldTraining", None), "forward"),
+        ("the held backward's op library call (metadata compared, buffers made, launches checked)",
+         getattr(dispatch, "HeldTraining", None), "backward"),
         ("dispatch", dispatch, "run"),
         ("dispatch, the plan held for the signature", dispatch, "run_known"),
         ("dispatch, the signature's lane", dispatch, "run_lane"),
         ("inputs prepared (the buffers too, before the op library made them)", aot, "slots"),
         ("the op library's call: buffers made, launches checked (the CUDA launch stubbed)", aot, "_launch"),
     ]
-    return [(label, module, name) for label, module, name in stages if hasattr(module, name)]
+    return [(label, module, name) for label, module, name in stages if module is not None and hasattr(module, name)]
 
 
 class _Stage:

@@ -141,7 +141,8 @@ def test_held_lanes_are_bounded_on_both_sides(held, monkeypatch):
 
 
 def _slots_of_launches(plan: torch.Tensor, inputs: tuple) -> list:
-    """Each launch's tensors as ``inputs``' names (a plan's indices past them: its buffers, by number)."""
+    """Each launch's tensors as ``inputs``' names (the call's tensors, then any of its buffers';
+    indices past them: the other buffers, by number)."""
     from support.aot_buffers import read_plan  # noqa: PLC0415
 
     return [[inputs[i] if 0 <= i < len(inputs) else ("buffer", i - len(inputs)) if i >= 0 else None
@@ -213,6 +214,160 @@ def test_a_backward_run_on_its_lane_is_never_held_for_the_forward(held):
     with torch.no_grad():
         flash_attn_func(misaligned(q.detach()), k, v, causal=True)
     assert all(torch.equal(plan, forward_plan) for _, plan in holds)
+
+
+# --- training calls: the forward's and the backward's held lanes ----------------------------------
+
+
+def _training_step(q, k, v, dout, **kwargs):
+    """One training step's attention: fresh leaves of q, k, v (their storage), forward and backward;
+    returns ``(out, (dq, dk, dv))``."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, **kwargs)
+    out.backward(dout)
+    return out, tuple(t.grad for t in leaves)
+
+
+def _route_of_step(calls, q, k, v, dout, **kwargs) -> tuple:
+    """``(record, Python forward, Python backward)`` of one step: its autograd record's class
+    name, and whether the forward and the backward called the op library through the Python route."""
+    before = len(calls)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, **kwargs)
+    forward = len(calls) > before
+    before = len(calls)
+    out.backward(dout)
+    return type(out.grad_fn).__name__, forward, len(calls) > before
+
+
+def test_a_training_signatures_later_steps_run_forward_and_backward_on_held_lanes(held):
+    """From the signature's fourth training step, the forward is one op library call on a held
+    lane (recorded by ``_HeldAttention``), and once one backward ran on its direct lane, the
+    backward is one too; each held plan launches what the Python route's plan launched, its
+    tensors by slot, and the gradients are the buffers it made, fresh every step."""
+    calls, counted, holds = held
+    q, k, v = (bf16(2, 40, 4, 64, seed=s) for s in range(3))
+    dout = bf16(2, 40, 4, 64, seed=3)
+    routes = [_route_of_step(calls, q, k, v, dout, causal=True) for _ in range(3)]
+    assert routes == [("_AttentionBackward", True, True)] * 3
+    python_forward = next(plan for plan, passed, _ in reversed(calls) if len(passed) == 3)
+    python_backward, passed, _ = calls[-1]
+    assert len(holds) == 1 and torch.equal(holds[0][1], python_forward)  # the training forward's plan
+    assert _route_of_step(calls, q, k, v, dout, causal=True) == ("_HeldAttentionBackward", False, True)
+    assert len(holds) == 2  # ... and the backward's, after it ran on its direct lane
+    names = ("dout", "q", "k", "v", "out", "lse")
+    # the Python route's tensors of the backward, named by what they are (shapes tell dout from out: no)
+    plan, passed, _ = calls[-1]
+    assert len(passed) == 6 and torch.equal(plan, python_backward)
+    for _ in range(3):
+        before, launched = len(calls), counted()
+        out, grads = _training_step(q, k, v, dout, causal=True)
+        assert len(calls) == before and counted() == launched + sum(
+            len(_slots_of_launches(h[1], names)) for h in holds)
+        assert type(out.grad_fn).__name__ == "_HeldAttentionBackward" and dispatch.last_backend() == "aot"
+        assert all(g.shape == t.shape and g.dtype == t.dtype and g.is_contiguous() for g, t in zip(grads, (q, k, v)))
+    assert len({g.data_ptr() for g in grads}) == 3 and op_library.ops().aot_lanes_held() == 2
+
+
+def test_a_held_backwards_plan_launches_the_python_routes_tensors_by_slot(held, monkeypatch):
+    """The held backward's plan, written for (dout, q, k, v, out, lse), launches each kernel with
+    the tensors the Python route's plan launched it with (its own order: dout is not first)."""
+    calls, counted, holds = held
+    q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))
+    dout = bf16(1, 64, 2, 64, seed=3)
+    seen = []
+    real = aot._launch
+
+    def naming(launches, passed, rows):
+        seen.append((launches.plan, tuple(launches.names), tuple(launches.made)))
+        return real(launches, passed, rows)
+
+    monkeypatch.setattr(aot, "_launch", naming)
+    for _ in range(4):
+        _training_step(q, k, v, dout)
+    python_plan, python_names, made = seen[-1]
+    assert set(python_names) == {"dout", "q", "k", "v", "out", "lse"} and python_names[0] != "dout"
+    assert made[:3] != ("dq", "dk", "dv")  # (the held plan makes the gradients first: rewritten)
+    held_plan = holds[-1][1]
+    names = ("dout", "q", "k", "v", "out", "lse")
+    held_made = ("dq", "dk", "dv", *(m for m in made if m not in ("dq", "dk", "dv")))
+    assert _slots_of_launches(held_plan, names + held_made) == _slots_of_launches(python_plan, python_names + made)
+    from support.aot_buffers import read_plan  # noqa: PLC0415
+
+    assert [launch["ints"] for launch in read_plan(held_plan)] == [launch["ints"] for launch in read_plan(python_plan)]
+
+
+def test_training_calls_the_held_lanes_do_not_take(held, monkeypatch):
+    calls, counted, holds = held
+    q, k, v = (bf16(2, 40, 4, 64, seed=s) for s in range(3))
+    dout = bf16(2, 40, 4, 64, seed=3)
+    for _ in range(5):
+        _training_step(q, k, v, dout, causal=True)
+    assert _route_of_step(calls, q, k, v, dout, causal=True) == ("_HeldAttentionBackward", False, False)
+    general = ("_AttentionBackward", True, True)
+    assert _route_of_step(calls, misaligned(q), k, v, dout, causal=True) == general  # the forward's lane refuses
+    assert _route_of_step(calls, q, k, v, dout, causal=False) == general  # other scalars
+    assert _route_of_step(calls, q.half(), k.half(), v.half(), dout.half(), causal=True) == general
+    for _ in range(5):  # never held: dropout (the probabilities asked for, too: not compiled ahead of time)
+        assert _route_of_step(calls, q, k, v, dout, causal=True, dropout_p=0.1) == general
+    with _Passthrough():  # a __torch_function__ mode: the custom op sees the call
+        out = flash_attn_func(*[t.clone().requires_grad_() for t in (q, k, v)], causal=True)
+        assert type(out.grad_fn).__name__ != "_HeldAttentionBackward"
+    # a graph of the backward to record: the held forward, the op's backward
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves, causal=True)
+    assert type(out.grad_fn).__name__ == "_HeldAttentionBackward"
+    before = len(calls)
+    (grad_q,) = torch.autograd.grad(out, leaves[0], dout, create_graph=True)
+    assert len(calls) > before and grad_q.requires_grad
+    assert _route_of_step(calls, q, k, v, dout, causal=True) == ("_HeldAttentionBackward", False, False)
+    monkeypatch.setitem(dispatch._failed, "triton", object())  # a backend failed: every call takes the Python route
+    assert _route_of_step(calls, q, k, v, dout, causal=True) == general
+
+
+def test_a_gradient_of_other_strides_never_takes_another_gradients_plan(held):
+    """A training signature's gradient with other strides than its earlier steps' (a transposed
+    ``dout``): its backward takes the general route, and the backward lane held from it is the
+    plan of its own strides (never a plan an earlier gradient's backward ran on its direct lane)."""
+    from support.aot_buffers import read_plan  # noqa: PLC0415
+
+    calls, counted, holds = held
+    q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))
+    dout = bf16(1, 64, 2, 64, seed=3)
+    transposed = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    for _ in range(3):  # (the third's backward runs on its direct lane: the thread's last direct run)
+        _training_step(q, k, v, dout)
+    assert len(holds) == 1  # the forward's
+    for step in range(5):
+        before = len(calls)
+        _training_step(q, k, v, transposed)
+        if len(calls) > before:
+            plan, passed, _ = calls[-1]
+            if len(passed) == 6:
+                transposed_plan = plan
+    backward_holds = holds[1:]
+    assert backward_holds, "the transposed gradient's backward is held once it ran on its direct lane"
+    ints = [launch["ints"] for launch in read_plan(transposed_plan)]
+    for _, plan in backward_holds:
+        assert [launch["ints"] for launch in read_plan(plan)] == ints
+    assert _route_of_step(calls, q, k, v, transposed)[1:] == (False, False)
+
+
+def test_held_training_lanes_are_forgotten_with_the_plans(held):
+    calls, counted, holds = held
+    q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))
+    dout = bf16(1, 64, 2, 64, seed=3)
+    for _ in range(5):
+        _training_step(q, k, v, dout)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*leaves)  # recorded on the held lanes ...
+    assert type(out.grad_fn).__name__ == "_HeldAttentionBackward"
+    aot._backend.forget_plans()  # ... which are forgotten before its backward
+    assert op_library.ops().aot_lanes_held() == 0
+    before = len(calls)
+    out.backward(dout)  # the general backward route
+    assert len(calls) == before + 1 and all(t.grad is not None for t in leaves)
+    assert _route_of_step(calls, q, k, v, dout) == ("_AttentionBackward", True, True)
 
 
 # --- on a GPU: the held lanes compute what the oracle does ----------------------------------------
@@ -292,3 +447,40 @@ def test_held_decode_steps_compute_what_the_oracle_does_on_gpu(monkeypatch, page
             ref, _, naive, _ = oracle_pair(kvcache_ref, (q, k_cache, v_cache))
             check_close(flash_attn_with_kvcache(q, k_cache, v_cache), ref.out, naive.out, dtype, f"whole cache, {step}")
         assert len(python_route) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal, heads_k, head_dim", [(False, 4, 64), (True, 1, 128), (True, 2, 96)])
+def test_held_training_steps_compute_what_the_oracle_does_on_gpu(monkeypatch, dtype, causal, heads_k, head_dim):
+    """Eight training steps of one signature, fresh values every step, the last two with a
+    transposed gradient: from the fourth on, the forward on its held lane, and the backward on its
+    own from the fifth (and again once the transposed gradient's is held); each step's out and dq,
+    dk, dv against the float64 oracle."""
+    from support.oracle import attention_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import backward_floor, check_close  # noqa: PLC0415
+
+    _gpu_aot_or_skip(monkeypatch)
+    python_route = []
+    real = aot._launch
+    monkeypatch.setattr(aot, "_launch", lambda *a: python_route.append(1) or real(*a))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    records, routes = [], []
+    for step in range(8):
+        q = torch.randn(2, 150, 4, head_dim, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(2, 190, heads_k, head_dim, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+        dout = torch.randn(2, 150, 4, head_dim, device="cuda", dtype=dtype, generator=g)
+        if step >= 6:
+            dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        before = len(python_route)
+        out = flash_attn_func(*leaves, causal=causal)
+        out.backward(dout)
+        records.append(type(out.grad_fn).__name__)
+        routes.append(len(python_route) - before)
+        ref, ref_grads, naive, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, causal=causal)
+        floor = backward_floor(q, k, v, dout, probs=ref.probs)
+        check_close(out, ref.out, naive.out, dtype, f"out, step {step}")
+        for t, want, approx, name in zip(leaves, ref_grads, naive_grads, ("dq", "dk", "dv")):
+            check_close(t.grad, want, approx, dtype, f"{name}, step {step}", grad=True, floor=floor)
+    assert records[3:] == ["_HeldAttentionBackward"] * 5 and routes[4:6] == [0, 0] and routes[3] == 1
