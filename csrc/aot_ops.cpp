@@ -351,21 +351,34 @@ struct Scratch {
   std::optional<Tensor> global, profile;
 };
 
-Scratch allocate_scratch(const KernelSpec& spec, const Tensor& like, int64_t programs, PackedLaunch& launch) {
+// The bytes of a hidden scratch buffer (`bytes_per_program` per program and CTA) for `programs` programs.
+int64_t scratch_bytes(const KernelSpec& spec, int64_t bytes_per_program, int64_t programs) {
+  int64_t total = 0;
+  if (__builtin_mul_overflow(programs, spec.config.num_ctas * bytes_per_program, &total)) {
+    throw AotError(kernel_text(spec) + ": the scratch buffer for a grid of " + std::to_string(programs) +
+                   " programs overflows");
+  }
+  return total;
+}
+
+// `global_address`: where the caller made room for the global scratch (aot_run: in the call's
+// scratch), else 0: made here.
+Scratch allocate_scratch(const KernelSpec& spec, const Tensor& like, int64_t programs, PackedLaunch& launch,
+                         uint64_t global_address) {
   const LaunchConfig& c = spec.config;
   auto allocate = [&](int slot, int64_t bytes_per_program) -> std::optional<Tensor> {
     if (slot < 0 || bytes_per_program == 0) return std::nullopt;
-    int64_t total = 0;
-    if (__builtin_mul_overflow(programs, c.num_ctas * bytes_per_program, &total)) {
-      throw AotError(kernel_text(spec) + ": the scratch buffer for a grid of " + std::to_string(programs) +
-                     " programs overflows");
-    }
-    Tensor buffer = torch::stable::new_empty(like, {total}, torch::headeronly::ScalarType::Byte);
+    Tensor buffer =
+        torch::stable::new_empty(like, {scratch_bytes(spec, bytes_per_program, programs)}, torch::headeronly::ScalarType::Byte);
     launch.slots[slot] = reinterpret_cast<uint64_t>(buffer.data_ptr());
     return buffer;
   };
   Scratch scratch;
-  scratch.global = allocate(spec.global_scratch_slot, c.global_scratch_bytes);
+  if (global_address != 0 && spec.global_scratch_slot >= 0 && c.global_scratch_bytes > 0) {
+    launch.slots[spec.global_scratch_slot] = global_address;
+  } else {
+    scratch.global = allocate(spec.global_scratch_slot, c.global_scratch_bytes);
+  }
   scratch.profile = allocate(spec.profile_scratch_slot, c.profile_scratch_bytes);
   return scratch;
 }
@@ -380,8 +393,10 @@ std::atomic<int64_t> g_counted_launches{0};
 // Checks everything in this order (tests/aot/test_aot_library.py): kernel id, grid, counts, tensors,
 // ints and pointers (while packing), then that the tensors are CUDA tensors. With `meta_only`
 // (fake/meta tensors, used when tracing), stops before anything that needs real memory or a GPU.
+// `global_scratch`: where aot_run made room for the kernel's global scratch, else 0 (made here).
 void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const std::vector<Tensor>& tensors,
-                      const std::vector<int64_t>& ints, const std::vector<double>& floats, bool meta_only) {
+                      const std::vector<int64_t>& ints, const std::vector<double>& floats, bool meta_only,
+                      uint64_t global_scratch = 0) {
   const KernelSpec& spec = spec_for(kernel_id);
   const std::array<int64_t, 3> g = check_grid(grid, spec.config.num_ctas);
   check_counts(spec, tensors.size(), ints.size(), floats.size());
@@ -391,7 +406,7 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
   if (meta_only) return;
   const int64_t programs = g[0] * g[1] * g[2];  // < 2^63 within the grid limits
   if (device.type == aoti_torch_device_type_cpu() && g_count_cpu_launches.load(std::memory_order_relaxed)) {
-    const Scratch scratch = allocate_scratch(spec, tensors[device.first], programs, launch);
+    const Scratch scratch = allocate_scratch(spec, tensors[device.first], programs, launch, global_scratch);
     g_counted_launches.fetch_add(1, std::memory_order_relaxed);
     return;
   }
@@ -404,7 +419,7 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
   if (g[0] == 0 || g[1] == 0 || g[2] == 0) return;
   launch.device = device.index;
   std::copy(g.begin(), g.end(), launch.grid);
-  const Scratch scratch = allocate_scratch(spec, tensors[device.first], programs, launch);
+  const Scratch scratch = allocate_scratch(spec, tensors[device.first], programs, launch, global_scratch);
   launch.stream = current_cuda_stream(launch.device);
   flash_attn_aot::launch(spec, launch);
 }
@@ -415,7 +430,8 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
 // call's tensors and its per-call row counts; the buffers are made here, and each launch is then
 // checked and launched exactly as aot_launch does. Layout:
 //   n_buffers, per buffer:
-//     zeroed (0 or 1), ndim, ndim sizes (a size -(r + 1): the row count rows[r]),
+//     flags (bit 0: zero-filled; bit 1: part of the call's scratch), ndim, ndim sizes (a size
+//       -(r + 1): the row count rows[r]),
 //     columns (-1: the whole last dimension; else the buffer is a view of its first `columns`),
 //   n_launches, per launch:
 //     kernel, grid0, grid1, grid2,
@@ -426,6 +442,9 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
 //     n_floats, n_floats IEEE doubles (their bit patterns).
 // A buffer takes the device of the call's first tensor and the dtype of the first kernel
 // parameter it is passed to (a later launch taking it as another dtype is refused by its checks).
+// The call's scratch (the buffers it does not return, of one dtype, and the launches' Triton
+// global scratch where no launch overlaps the next: no PDL) is one allocation, each part
+// kScratchAlign-aligned.
 // ------------------------------------------------------------------------------------------
 // A plan's entries: those of a 1-D contiguous int64 CPU tensor, checked as such.
 std::pair<const int64_t*, int64_t> plan_entries(const Tensor& plan) {
@@ -472,8 +491,10 @@ class PlanReader {
 constexpr int64_t kMaxItems = 4096;  // far above any kernel's parameter count
 constexpr int64_t kMaxDims = 8;
 
+constexpr int64_t kScratchAlign = 256;  // bytes: every part of the call's scratch starts at a multiple
+
 struct BufferShape {
-  bool zeroed = false;
+  bool zeroed = false, scratch = false;
   std::vector<int64_t> storage;
   int64_t columns = -1;
   int32_t dtype = -1;  // from the first launch it is passed to
@@ -487,7 +508,9 @@ struct LaunchRecord {
 
 BufferShape read_buffer(PlanReader& read, const std::vector<int64_t>& rows) {
   BufferShape b;
-  b.zeroed = read.index("a zeroed flag", 2) == 1;
+  const int64_t flags = read.index("a buffer's flags", 4);
+  b.zeroed = (flags & 1) != 0;
+  b.scratch = (flags & 2) != 0;
   b.storage.resize(size_t(read.index("a buffer's dimension count", kMaxDims + 1)));
   if (b.storage.empty()) {
     throw AotError("plan entry " + std::to_string(read.position() - 1) + ": a buffer has no dimension");
@@ -534,30 +557,112 @@ LaunchRecord read_launch(PlanReader& read, int64_t tensor_count, const std::vect
   return l;
 }
 
-// Contiguous storage of `b.storage`, zero-filled if asked, viewed as its first `b.columns` columns.
-Tensor make_buffer(const BufferShape& b, int32_t device_type, int32_t device_index) {
-  const int64_t ndim = int64_t(b.storage.size());
-  std::vector<int64_t> strides(b.storage.size());
+// Row-major strides of `sizes` (a size 0 counts as 1), refusing what cannot be addressed.
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> strides(sizes.size());
   int64_t stride = 1;
-  for (int64_t d = ndim - 1; d >= 0; --d) {
+  for (int64_t d = int64_t(sizes.size()) - 1; d >= 0; --d) {
     strides[d] = stride;
-    if (__builtin_mul_overflow(stride, std::max<int64_t>(b.storage[d], 1), &stride)) {
+    if (__builtin_mul_overflow(stride, std::max<int64_t>(sizes[d], 1), &stride)) {
       throw AotError("a buffer of the plan is too large to address");
     }
   }
+  return strides;
+}
+
+int64_t element_count(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (const int64_t s : sizes) {
+    if (__builtin_mul_overflow(n, s, &n)) throw AotError("a buffer of the plan is too large to address");
+  }
+  return n;
+}
+
+int64_t element_bytes(int32_t dtype) {
+  if (dtype == aoti_torch_dtype_float64() || dtype == aoti_torch_dtype_int64() || dtype == aoti_torch_dtype_uint64()) {
+    return 8;
+  }
+  if (dtype == aoti_torch_dtype_float32() || dtype == aoti_torch_dtype_int32() || dtype == aoti_torch_dtype_uint32()) {
+    return 4;
+  }
+  if (dtype == aoti_torch_dtype_float16() || dtype == aoti_torch_dtype_bfloat16() || dtype == aoti_torch_dtype_int16() ||
+      dtype == aoti_torch_dtype_uint16()) {
+    return 2;
+  }
+  return 1;
+}
+
+// `b.storage`, contiguous: its own (`base` null) or `base`'s elements from `offset` on; zero-filled
+// if asked, then viewed as its first `b.columns` columns.
+Tensor make_buffer(const BufferShape& b, int32_t device_type, int32_t device_index, const Tensor* base = nullptr,
+                   int64_t offset = 0) {
+  const int64_t ndim = int64_t(b.storage.size());
+  const std::vector<int64_t> strides = contiguous_strides(b.storage);
   AtenTensorHandle handle = nullptr;
-  shim_check(aoti_torch_empty_strided(ndim, b.storage.data(), strides.data(), b.dtype, device_type, device_index,
-                                      &handle),
-             "aoti_torch_empty_strided");
+  if (base == nullptr) {
+    shim_check(aoti_torch_empty_strided(ndim, b.storage.data(), strides.data(), b.dtype, device_type, device_index,
+                                        &handle),
+               "aoti_torch_empty_strided");
+  } else {
+    shim_check(aoti_torch__reinterpret_tensor(base->get(), ndim, b.storage.data(), strides.data(), offset, &handle),
+               "aoti_torch__reinterpret_tensor");
+  }
   Tensor storage(handle);
   if (b.zeroed) shim_check(aoti_torch_zero_(storage.get()), "aoti_torch_zero_");
   if (b.columns < 0 || b.columns == b.storage.back()) return storage;
   std::vector<int64_t> sizes(b.storage);
   sizes.back() = b.columns;
   AtenTensorHandle view = nullptr;
-  shim_check(aoti_torch__reinterpret_tensor(storage.get(), ndim, sizes.data(), strides.data(), 0, &view),
+  shim_check(aoti_torch__reinterpret_tensor(storage.get(), ndim, sizes.data(), strides.data(), offset, &view),
              "aoti_torch__reinterpret_tensor");
   return Tensor(view);
+}
+
+// Rounds `n` elements of `bytes` each up to a multiple of kScratchAlign bytes (in elements).
+int64_t scratch_aligned(int64_t n, int64_t bytes) {
+  const int64_t unit = kScratchAlign / bytes;
+  int64_t up = 0;
+  if (__builtin_add_overflow(n, unit - 1, &up)) throw AotError("the call's scratch is too large to address");
+  return up / unit * unit;
+}
+
+// The call's scratch parts: the offset of each scratch buffer carved from it (-1 for the others) and
+// of the Triton global scratch (-1: none carved), in elements of the scratch's dtype (-1: no
+// scratch allocation), and the elements in all.
+struct ScratchLayout {
+  int32_t dtype = -1;
+  std::vector<int64_t> offsets;
+  int64_t triton = -1, total = 0;
+};
+
+// The scratch is of the dtype most scratch buffers have (the first of them on a tie); the others
+// are made on their own.
+ScratchLayout scratch_layout(const std::vector<BufferShape>& buffers, int64_t triton_bytes) {
+  ScratchLayout layout;
+  layout.offsets.assign(buffers.size(), -1);
+  int64_t most = 0;
+  for (const BufferShape& b : buffers) {
+    const auto n = std::count_if(buffers.begin(), buffers.end(),
+                                 [&](const BufferShape& o) { return o.scratch && o.dtype == b.dtype; });
+    if (b.scratch && n > most) {
+      most = n;
+      layout.dtype = b.dtype;
+    }
+  }
+  for (size_t b = 0; b < buffers.size(); ++b) {
+    if (!buffers[b].scratch || buffers[b].dtype != layout.dtype) continue;
+    layout.offsets[b] = layout.total;
+    layout.total = scratch_aligned(layout.total + element_count(buffers[b].storage), element_bytes(layout.dtype));
+  }
+  const auto parts = std::count_if(layout.offsets.begin(), layout.offsets.end(), [](int64_t o) { return o >= 0; });
+  if (layout.dtype >= 0 && triton_bytes > 0) {
+    const int64_t bytes = element_bytes(layout.dtype);
+    layout.triton = layout.total;
+    layout.total = scratch_aligned(layout.total + (triton_bytes + bytes - 1) / bytes, bytes);
+  } else if (parts == 1) {  // one part alone: its own allocation (a view of one would only add a tensor)
+    return ScratchLayout{-1, std::vector<int64_t>(buffers.size(), -1)};
+  }
+  return layout;
 }
 
 std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::vector<Tensor>& tensors,
@@ -570,7 +675,10 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
   for (LaunchRecord& l : launches) l = read_launch(read, all, rows);
   if (!read.done()) throw AotError("plan has entries after its " + std::to_string(launches.size()) + " launches");
 
-  // Each buffer's dtype: that of the first kernel parameter it is passed to.
+  // Each buffer's dtype: that of the first kernel parameter it is passed to; the most Triton
+  // global scratch a launch takes (each grid checked first, as the launch will).
+  int64_t triton_bytes = 0;
+  bool overlapping = false;
   for (const LaunchRecord& l : launches) {
     const KernelSpec& spec = spec_for(l.kernel);
     for (size_t p = 0; p < l.tensors.size() && p < spec.pointer_dtypes.size(); ++p) {
@@ -578,25 +686,45 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
         buffers[l.tensors[p] - inputs].dtype = spec.pointer_dtypes[p];
       }
     }
+    overlapping = overlapping || spec.config.pdl;
+    if (spec.global_scratch_slot >= 0 && spec.config.global_scratch_bytes > 0) {
+      const std::array<int64_t, 3> g = check_grid(l.grid, spec.config.num_ctas);
+      triton_bytes = std::max(triton_bytes, scratch_bytes(spec, spec.config.global_scratch_bytes, g[0] * g[1] * g[2]));
+    }
   }
   std::vector<Tensor> call(tensors), made;
+  std::optional<Tensor> scratch;
+  ScratchLayout layout;
+  int32_t device_type = 0, device_index = 0;
   if (!buffers.empty()) {
     const auto first = std::find_if(tensors.begin(), tensors.end(), [](const Tensor& t) { return t.defined(); });
     if (first == tensors.end()) {
       throw AotError("the plan makes buffers but the call passes no tensor to take their device from");
     }
-    int32_t device_type = 0, device_index = 0;
     shim_check(aoti_torch_get_device_type(first->get(), &device_type), "aoti_torch_get_device_type");
     shim_check(aoti_torch_get_device_index(first->get(), &device_index), "aoti_torch_get_device_index");
-    made.reserve(buffers.size());
     for (size_t b = 0; b < buffers.size(); ++b) {
       if (buffers[b].dtype < 0) {
         throw AotError("buffer " + std::to_string(b) + " of the plan is passed to no kernel parameter");
       }
-      made.push_back(make_buffer(buffers[b], device_type, device_index));
+    }
+    layout = scratch_layout(buffers, overlapping ? 0 : triton_bytes);
+    if (layout.dtype >= 0) {
+      BufferShape whole;
+      whole.storage = {layout.total};
+      whole.dtype = layout.dtype;
+      scratch.emplace(make_buffer(whole, device_type, device_index));
+    }
+    made.reserve(buffers.size());
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      made.push_back(layout.offsets[b] >= 0
+                         ? make_buffer(buffers[b], device_type, device_index, &*scratch, layout.offsets[b])
+                         : make_buffer(buffers[b], device_type, device_index));
     }
     call.insert(call.end(), made.begin(), made.end());
   }
+  const uint64_t triton_scratch = layout.triton < 0 || meta_only ? 0 :
+      reinterpret_cast<uint64_t>(static_cast<char*>(scratch->data_ptr()) + layout.triton * element_bytes(layout.dtype));
   // Reused from launch to launch; tensors copied in, never default-made (each would be a new handle).
   std::vector<Tensor> launch_tensors;
   std::optional<Tensor> none;
@@ -606,7 +734,7 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
       if (t < 0 && !none) none.emplace();  // an undefined tensor
       launch_tensors.push_back(t < 0 ? *none : call[t]);
     }
-    check_and_launch(l.kernel, l.grid, launch_tensors, l.ints, l.floats, meta_only);
+    check_and_launch(l.kernel, l.grid, launch_tensors, l.ints, l.floats, meta_only, triton_scratch);
   }
   return made;
 }

@@ -151,6 +151,7 @@ class _Launches(NamedTuple):
     buffers: tuple = ()  # the plan's buffers the library makes (:class:`~flash_attn.planning.layouts.Buffer`)
     made: tuple = ()  # their slots
     results: Optional[Callable[[list], tuple]] = None  # the buffers made -> the call's results, where all are buffers
+    returned: tuple = ()  # the slots of the call's results (the other buffers: the call's scratch)
 
 
 class _Template(NamedTuple):
@@ -173,7 +174,8 @@ def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (
               results: tuple = (), extents_per_call: bool = False, inputs: tuple = ()) -> _Launches | _Template:
     """``packed`` written as a plan, with ``buffers`` (the plan's buffers no launch leaves unused)
     made by the library; the slots in ``unused`` (pointers no kernel reads) passed null; ``results``:
-    the slots the call returns. A template's (extents among its ints) is written once they are known,
+    the slots the call returns (where given, the other buffers are the call's scratch, which the
+    library makes in one allocation). A template's (extents among its ints) is written once they are known,
     or with ``extents_per_call`` its extents are row counts the call passes. ``inputs``: the call's
     tensors in this order (a slot no launch takes may be among them), else in the launches' order."""
     made = {b.slot for b in buffers}
@@ -186,7 +188,8 @@ def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (
     rows, plan, extents = {}, [len(buffers)], []
     for b in buffers:
         names[b.slot] = len(names)
-        plan += [int(b.zeroed), len(b.storage), *[_buffer_size(n, rows) for n in b.storage]]
+        scratch = bool(results) and b.slot not in results
+        plan += [int(b.zeroed) | _SCRATCH * scratch, len(b.storage), *[_buffer_size(n, rows) for n in b.storage]]
         plan.append(b.shape[-1] if b.storage[-1] != b.shape[-1] else -1)
     plan.append(len(packed))
     for n, p in enumerate(packed):
@@ -204,11 +207,14 @@ def _launches(packed: tuple, unused: frozenset = frozenset(), buffers: tuple = (
     made_slots = tuple(b.slot for b in buffers)
     from_made = picker(tuple(made_slots.index(r) for r in results)) if set(results) <= set(made_slots) else None
     launches = _Launches(None if extents else _plan_tensor(plan), inputs, tuple(rows), packed,
-                         picker(inputs), picker(tuple(rows)), tuple(buffers), made_slots, from_made)
+                         picker(inputs), picker(tuple(rows)), tuple(buffers), made_slots, from_made, tuple(results))
     if not extents:
         return launches
     # (per_call's extents are read from a lane's flat arguments, _flat_extents: its row_counts is never asked)
     return _Template(launches, plan, tuple(extents), _launches(packed, unused, buffers, results, extents_per_call=True))
+
+
+_SCRATCH = 2  # a buffer's flag in the plan: part of the call's scratch (its bit 0: zero-filled)
 
 
 def _buffer_size(n, rows: dict) -> int:
@@ -314,7 +320,7 @@ class _AotBackend(KernelBackend):
         # built field by field: a named tuple's _replace costs ~1 us, and a new key length pays this every call
         launches = _Launches(plan=_plan_tensor(plan), names=launches.names, rows=launches.rows, packed=tuple(packed),
                              tensors=launches.tensors, row_counts=launches.row_counts, buffers=launches.buffers,
-                             made=launches.made, results=launches.results)
+                             made=launches.made, results=launches.results, returned=launches.returned)
         return Ready(plan=template.plan, buffers=template.buffers, launches=launches, fixed=template.fixed,
                      results=template.results)
 
@@ -386,7 +392,7 @@ def _holdable(op: str, call, slots: tuple, results: tuple) -> Optional[torch.Ten
         return launches.plan
     ordered = (*(buffers[r] for r in results), *(b for b in launches.buffers if b.slot not in results))
     unused = frozenset(s for p in launches.packed for s in p.slots) - set(launches.names) - set(launches.made)
-    return _launches(launches.packed, unused, ordered, inputs=slots).plan
+    return _launches(launches.packed, unused, ordered, launches.returned, inputs=slots).plan
 
 
 def _hold(key: int, plan: torch.Tensor, tensors: tuple) -> None:

@@ -340,12 +340,14 @@ def test_launch_limits_are_those_of_limits_py(ops, toy, toy_ptx):
 # ---------------------------------------------------------------------------------------------
 
 
-def _plan(*packed, unused=(), buffers=()):
+def _plan(*packed, unused=(), buffers=(), results=()):
     """The plan the aot backend writes for these launches (its own encoder, read by the library);
-    ``unused``: slots no kernel reads; ``buffers``: the plan's buffers the library makes."""
+    ``unused``: slots no kernel reads; ``buffers``: the plan's buffers the library makes;
+    ``results``: the slots the call returns (the other buffers: its scratch)."""
     from flash_attn.backends import aot as aot_backend  # noqa: PLC0415
 
-    return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed), frozenset(unused), tuple(buffers))
+    return aot_backend._launches(tuple(aot_backend._Packed(*p) for p in packed), frozenset(unused), tuple(buffers),
+                                 tuple(results))
 
 
 def test_run_plan_layout(toy):
@@ -374,7 +376,7 @@ def test_run_plan_layout_with_buffers(toy):
     assert written.names == ("out",) and written.made == ("acc", "lse") and written.buffers == buffers
     assert written.rows == (K_ROWS, Q_ROWS)
     assert read_plan(written.plan, with_buffers=True) == (
-        [{"zeroed": 1, "sizes": [-1, 2, 8], "columns": 6}, {"zeroed": 0, "sizes": [3, -2], "columns": -1}],
+        [{"flags": 1, "sizes": [-1, 2, 8], "columns": 6}, {"flags": 0, "sizes": [3, -2], "columns": -1}],
         [{"kernel": toy, "grid": [2, 1, 1], "tensors": [1, 0, 2], "ints": [0], "rows": [(0, 1)], "floats": [1.0]}],
     )
 
@@ -417,6 +419,56 @@ def test_run_makes_the_buffers(ops, toy, toy_i32):
     with pytest.raises(RuntimeError, match=re.escape("tensors[0] has dtype torch.float32 but kernel 'toy' expects "
                                                      "torch.int32")):
         ops.aot_run(clash.plan, [OUT.to("meta")], [32])
+
+
+def _run_counted(ops, plan, tensors, rows):
+    ops.aot_count_cpu_launches(True)
+    try:
+        return ops.aot_run(plan, tensors, rows)
+    finally:
+        ops.aot_count_cpu_launches(False)
+
+
+def test_run_makes_the_calls_scratch_in_one_allocation(ops, toy, toy_i32, toy_ptx):
+    """The buffers a call does not return (its scratch: the plan's flag, set by the aot backend's
+    writer for every buffer not among the call's results) are views of one allocation, each part
+    256-byte aligned, zero-filled where asked; Triton's global scratch of the launches is a part
+    of it too (the most one launch takes), unless a launch may overlap the next (PDL). One part
+    alone is its own allocation; the parts are of one dtype (the other's are made on their own)."""
+    from flash_attn.planning.layouts import Buffer  # noqa: PLC0415
+    from flash_attn.planning.plan import Q_ROWS  # noqa: PLC0415
+
+    res, acc, tmp = (Buffer("res", (Q_ROWS, 4), torch.float32),
+                     Buffer("acc", (Q_ROWS, 2, 6), torch.float32, padded=True, zeroed=True),
+                     Buffer("tmp", (5,), torch.float32))
+    with_scratch = ops.aot_register_kernel(str(toy_ptx), "toy", TOY_SIG, 4, 1, 0, 64, 16)  # 64 bytes per program
+    overlapping = ops.aot_register_kernel(str(toy_ptx), "toy", TOY_SIG, 4, 1, 0, 64, 16, launch_pdl=True)
+    for kernel, triton_bytes in ((with_scratch, 4 * 2 * 64), (overlapping, 0)):
+        written = _plan((toy, [1], ["out"], [16], [1.0]), (toy, [1], ["res"], [16], [1.0]),
+                        (kernel, [4, 2], ["acc"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
+                        buffers=(res, acc, tmp), results=("res",))
+        assert [b["flags"] for b in read_plan(written.plan, with_buffers=True)[0]] == [0, 3, 2]
+        made = _run_counted(ops, written.plan, [OUT], [32])
+        assert [t.dtype for t in made] == [torch.float32] * 3
+        storage = made[1].untyped_storage()
+        assert made[2].untyped_storage().data_ptr() == storage.data_ptr() != made[0].untyped_storage().data_ptr()
+        assert made[0].untyped_storage().nbytes() == 32 * 4 * 4
+        assert made[1].shape == (32, 2, 6) and made[1].stride() == (16, 8, 1) and made[1].storage_offset() == 0
+        assert bool((made[1] == 0).all())
+        assert made[2].shape == (5,) and made[2].storage_offset() * 4 == 32 * 2 * 8 * 4  # (2048: 256-aligned)
+        assert storage.nbytes() == 2048 + 256 + triton_bytes, kernel
+        meta = ops.aot_run(written.plan, [OUT.to("meta")], [32])
+        assert [(t.shape, t.stride(), t.device.type) for t in meta] == [(t.shape, t.stride(), "meta") for t in made]
+    alone = _plan((toy, [1], ["out"], [16], [1.0]), (toy, [1], ["res"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
+                  buffers=(res, tmp), results=("res",))
+    assert _run_counted(ops, alone.plan, [OUT], [32])[1].untyped_storage().nbytes() == 5 * 4
+    # of two dtypes: the scratch is the one most parts have; the other's part is made on its own
+    mixed = _plan((toy, [1], ["out"], [16], [1.0]), (toy_i32, [1], ["n"], [16], [1.0]),
+                  (kernel, [4, 2], ["acc"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
+                  buffers=(Buffer("n", (5,), torch.int32), acc, tmp), results=("res",))
+    n, acc_made, tmp_made = _run_counted(ops, mixed.plan, [OUT], [32])
+    assert n.dtype == torch.int32 and n.untyped_storage().nbytes() == 5 * 4
+    assert acc_made.untyped_storage().data_ptr() == tmp_made.untyped_storage().data_ptr()
 
 
 def test_a_held_lane_runs_its_plan_for_tensors_like_the_held_ones(ops, toy, toy_i32):
@@ -523,8 +575,8 @@ def test_run_passes_a_pointer_no_kernel_reads_as_null(ops, toy, tmp_path):
         ([0, 1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 1, 0], 1, 0, "plan entry 11 (an int index) is 1, outside 0..0"),
         ([0, 1, "toy", 1, 1, 1, 1, 0, 1, 16, 1, 0, 0], 1, 0, "plan entry 12 (a row index) is 0, outside 0..-1"),
         ([0, 0, 7], 1, 0, "plan has entries after its 0 launches"),
-        # the buffers: zeroed flag, dimensions, sizes (negative: a row count), columns
-        ([1, 2], 1, 0, "plan entry 1 (a zeroed flag) is 2, outside 0..1"),
+        # the buffers: flags (zero-filled, scratch), dimensions, sizes (negative: a row count), columns
+        ([1, 4], 1, 0, "plan entry 1 (a buffer's flags) is 4, outside 0..3"),
         ([1, 0, 9], 1, 0, "plan entry 2 (a buffer's dimension count) is 9, outside 0..8"),
         ([1, 0, 0], 1, 0, "plan entry 2: a buffer has no dimension"),
         ([1, 0, 1, -2, -1], 1, 1, "plan entry 3 (a buffer size) is the row count rows[1] but the call passes 1"),

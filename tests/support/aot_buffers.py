@@ -17,7 +17,7 @@ def read_plan(plan: torch.Tensor, with_buffers: bool = False):
     index) pairs, floats), and with ``with_buffers`` the buffers first."""
     values, buffers, launches = iter(plan.tolist()), [], []
     for _ in range(next(values)):
-        buffer = {"zeroed": next(values)}
+        buffer = {"flags": next(values)}  # bit 0: zero-filled; bit 1: part of the call's scratch
         buffer["sizes"] = [next(values) for _ in range(next(values))]
         buffer["columns"] = next(values)
         buffers.append(buffer)
