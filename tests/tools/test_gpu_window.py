@@ -94,7 +94,7 @@ def test_tune_sweep_0_measures_the_shipped_images_only(tmp_path):
 
 def test_the_host_step_measures_then_checks_what_the_call_path_touches(tmp_path):
     """``host`` (issue 42's window): the stubbed overhead, the device overhead beside SDPA, a short
-    benchmark, then gpu-check's aot and graphs steps in what is left of its budget; a failed
+    benchmark, then gpu-check's held, aot and graphs steps in what is left of its budget; a failed
     measurement fails the step but the others still run."""
     bin_dir = _stand_ins(tmp_path, "no hang")
     out = tmp_path / "out"
@@ -110,7 +110,8 @@ def test_the_host_step_measures_then_checks_what_the_call_path_touches(tmp_path)
     assert "--no-decode " not in calls[2] and "--decode-batches 1,8" in calls[2]
     assert calls[3].startswith("-m flash_attn bench gpu") and "--no-decode " in calls[3] and "--held-out" in calls[3]
     pytest_calls = [c for c in calls[4:] if c.startswith("-m pytest")]
-    assert len(pytest_calls) == 2 and "--flash-backend aot" in pytest_calls[0] and "test_cuda_graphs" in pytest_calls[1]
+    assert len(pytest_calls) == 3 and "test_aot_held_lanes" in pytest_calls[0]
+    assert "--flash-backend aot" in pytest_calls[1] and "test_cuda_graphs" in pytest_calls[2]
     assert (out / "host-summary.txt").read_text().split("\n")[:5] == [
         "overhead-stubbed rc=0", "overhead-cuda rc=0", "bench-decode rc=0", "bench rc=0", "gpu-check rc=0"]
     budget = int(re.search(r"=== budget: (\d+)s", result.stdout).group(1))
