@@ -444,7 +444,7 @@ void check_and_launch(int64_t kernel_id, const std::vector<int64_t>& grid, const
 // parameter it is passed to (a later launch taking it as another dtype is refused by its checks).
 // The call's scratch (the buffers it does not return, of one dtype, and the launches' Triton
 // global scratch where no launch overlaps the next: no PDL) is one allocation, each part
-// kScratchAlign-aligned.
+// kScratchAlign-aligned, where a Triton global scratch is among them.
 // ------------------------------------------------------------------------------------------
 // A plan's entries: those of a 1-D contiguous int64 CPU tensor, checked as such.
 std::pair<const int64_t*, int64_t> plan_entries(const Tensor& plan) {
@@ -654,14 +654,14 @@ ScratchLayout scratch_layout(const std::vector<BufferShape>& buffers, int64_t tr
     layout.offsets[b] = layout.total;
     layout.total = scratch_aligned(layout.total + element_count(buffers[b].storage), element_bytes(layout.dtype));
   }
-  const auto parts = std::count_if(layout.offsets.begin(), layout.offsets.end(), [](int64_t o) { return o >= 0; });
-  if (layout.dtype >= 0 && triton_bytes > 0) {
-    const int64_t bytes = element_bytes(layout.dtype);
-    layout.triton = layout.total;
-    layout.total = scratch_aligned(layout.total + (triton_bytes + bytes - 1) / bytes, bytes);
-  } else if (parts == 1) {  // one part alone: its own allocation (a view of one would only add a tensor)
+  if (layout.dtype < 0 || triton_bytes == 0) {
+    // without a Triton scratch to join them, the parts stay apart: the allocation saved per part
+    // but one costs a tensor more (the storage's), which the stubbed decode step measured dearer
     return ScratchLayout{-1, std::vector<int64_t>(buffers.size(), -1)};
   }
+  const int64_t bytes = element_bytes(layout.dtype);
+  layout.triton = layout.total;
+  layout.total = scratch_aligned(layout.total + (triton_bytes + bytes - 1) / bytes, bytes);
   return layout;
 }
 

@@ -431,10 +431,11 @@ def _run_counted(ops, plan, tensors, rows):
 
 def test_run_makes_the_calls_scratch_in_one_allocation(ops, toy, toy_i32, toy_ptx):
     """The buffers a call does not return (its scratch: the plan's flag, set by the aot backend's
-    writer for every buffer not among the call's results) are views of one allocation, each part
-    256-byte aligned, zero-filled where asked; Triton's global scratch of the launches is a part
-    of it too (the most one launch takes), unless a launch may overlap the next (PDL). One part
-    alone is its own allocation; the parts are of one dtype (the other's are made on their own)."""
+    writer for every buffer not among the call's results) and the launches' Triton global scratch
+    (the most one launch takes) are views of one allocation, each part 256-byte aligned,
+    zero-filled where asked; not where no launch has a Triton scratch (each part then costs an
+    allocation, one fewer than a shared storage and its views would) nor where a launch may overlap
+    the next (PDL); the shared parts are of the dtype most of them have (the others' made alone)."""
     from flash_attn.planning.layouts import Buffer  # noqa: PLC0415
     from flash_attn.planning.plan import Q_ROWS  # noqa: PLC0415
 
@@ -443,32 +444,35 @@ def test_run_makes_the_calls_scratch_in_one_allocation(ops, toy, toy_i32, toy_pt
                      Buffer("tmp", (5,), torch.float32))
     with_scratch = ops.aot_register_kernel(str(toy_ptx), "toy", TOY_SIG, 4, 1, 0, 64, 16)  # 64 bytes per program
     overlapping = ops.aot_register_kernel(str(toy_ptx), "toy", TOY_SIG, 4, 1, 0, 64, 16, launch_pdl=True)
-    for kernel, triton_bytes in ((with_scratch, 4 * 2 * 64), (overlapping, 0)):
+
+    def run(kernel):
         written = _plan((toy, [1], ["out"], [16], [1.0]), (toy, [1], ["res"], [16], [1.0]),
                         (kernel, [4, 2], ["acc"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
                         buffers=(res, acc, tmp), results=("res",))
-        assert [b["flags"] for b in read_plan(written.plan, with_buffers=True)[0]] == [0, 3, 2]
-        made = _run_counted(ops, written.plan, [OUT], [32])
-        assert [t.dtype for t in made] == [torch.float32] * 3
-        storage = made[1].untyped_storage()
-        assert made[2].untyped_storage().data_ptr() == storage.data_ptr() != made[0].untyped_storage().data_ptr()
-        assert made[0].untyped_storage().nbytes() == 32 * 4 * 4
-        assert made[1].shape == (32, 2, 6) and made[1].stride() == (16, 8, 1) and made[1].storage_offset() == 0
-        assert bool((made[1] == 0).all())
-        assert made[2].shape == (5,) and made[2].storage_offset() * 4 == 32 * 2 * 8 * 4  # (2048: 256-aligned)
-        assert storage.nbytes() == 2048 + 256 + triton_bytes, kernel
-        meta = ops.aot_run(written.plan, [OUT.to("meta")], [32])
-        assert [(t.shape, t.stride(), t.device.type) for t in meta] == [(t.shape, t.stride(), "meta") for t in made]
-    alone = _plan((toy, [1], ["out"], [16], [1.0]), (toy, [1], ["res"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
-                  buffers=(res, tmp), results=("res",))
-    assert _run_counted(ops, alone.plan, [OUT], [32])[1].untyped_storage().nbytes() == 5 * 4
-    # of two dtypes: the scratch is the one most parts have; the other's part is made on its own
+        return written, _run_counted(ops, written.plan, [OUT], [32])
+
+    written, (made_res, made_acc, made_tmp) = run(with_scratch)
+    assert [b["flags"] for b in read_plan(written.plan, with_buffers=True)[0]] == [0, 3, 2]
+    storage = made_acc.untyped_storage()
+    assert made_tmp.untyped_storage().data_ptr() == storage.data_ptr() != made_res.untyped_storage().data_ptr()
+    assert made_res.untyped_storage().nbytes() == 32 * 4 * 4 and made_res.dtype == made_tmp.dtype == torch.float32
+    assert made_acc.shape == (32, 2, 6) and made_acc.stride() == (16, 8, 1) and made_acc.storage_offset() == 0
+    assert bool((made_acc == 0).all())
+    assert made_tmp.shape == (5,) and made_tmp.storage_offset() * 4 == 32 * 2 * 8 * 4  # (2048: 256-aligned)
+    assert storage.nbytes() == 2048 + 256 + 4 * 2 * 64  # ... and the Triton scratch of the 4 x 2 grid
+    meta = ops.aot_run(written.plan, [OUT.to("meta")], [32])
+    assert [(t.shape, t.stride(), t.device.type) for t in meta] == [
+        (t.shape, t.stride(), "meta") for t in (made_res, made_acc, made_tmp)]
+    for kernel in (toy, overlapping):  # no Triton scratch, or one that may overlap: each part its own
+        _, (_, made_acc, made_tmp) = run(kernel)
+        assert made_acc.untyped_storage().nbytes() == 32 * 2 * 8 * 4 and made_tmp.untyped_storage().nbytes() == 5 * 4
+    # of two dtypes: the shared storage is of the one most parts have; the other's part is made alone
     mixed = _plan((toy, [1], ["out"], [16], [1.0]), (toy_i32, [1], ["n"], [16], [1.0]),
-                  (kernel, [4, 2], ["acc"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
+                  (with_scratch, [4, 2], ["acc"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
                   buffers=(Buffer("n", (5,), torch.int32), acc, tmp), results=("res",))
-    n, acc_made, tmp_made = _run_counted(ops, mixed.plan, [OUT], [32])
+    n, made_acc, made_tmp = _run_counted(ops, mixed.plan, [OUT], [32])
     assert n.dtype == torch.int32 and n.untyped_storage().nbytes() == 5 * 4
-    assert acc_made.untyped_storage().data_ptr() == tmp_made.untyped_storage().data_ptr()
+    assert made_acc.untyped_storage().data_ptr() == made_tmp.untyped_storage().data_ptr()
 
 
 def test_a_held_lane_runs_its_plan_for_tensors_like_the_held_ones(ops, toy, toy_i32):
