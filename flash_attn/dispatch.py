@@ -519,10 +519,10 @@ def _keep_held(tag: str, scalars: tuple, shapes: tuple, found: tuple, tensors: t
 
 class HeldTraining(NamedTuple):
     """A training call's lanes held by backend ``name`` (run by its ``Backend.held.run``: ``run``):
-    the forward's under ``key``, returning out and lse, and once a backward ran
-    its direct lane, the backward's (under ``backward_keys[0]``; it returns dq, dk, dv); with the
-    call's checked signature ``call`` and ``scalars``, the forward op's scalars after its tensors up
-    to dropout_p, then ``deterministic`` (what the general backward route takes)."""
+    the forward's under ``key``, returning out and lse, and once a backward ran its direct lane,
+    the backward's (under ``backward_keys[0]``; it returns dq, dk, dv); with the call's checked
+    signature ``call`` and ``scalars``, the forward op's scalars after its tensors up to dropout_p,
+    then ``deterministic`` (what the general backward route takes)."""
 
     name: str
     run: Callable
