@@ -353,6 +353,41 @@ def test_a_gradient_of_other_strides_never_takes_another_gradients_plan(held):
     assert _route_of_step(calls, q, k, v, transposed)[1:] == (False, False)
 
 
+def test_held_training_records_serve_what_training_code_does_with_them(held):
+    """A held record's backward twice (``retain_graph``: its saved tensors are not bumped by the op
+    library's calls), under activation checkpointing (the forward run again in the backward), and
+    through ``flash_attn_qkvpacked_func`` (q, k, v views of one tensor, their gradients summed into
+    it): each on the held lanes, each gradient the shape and dtype of its input."""
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+    from flash_attn import flash_attn_qkvpacked_func  # noqa: PLC0415
+
+    calls, counted, holds = held
+    q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))
+    dout = bf16(1, 64, 2, 64, seed=3)
+    for _ in range(5):
+        _training_step(q, k, v, dout)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    before = len(calls)
+    out = flash_attn_func(*leaves)
+    out.backward(dout, retain_graph=True)
+    out.backward(dout)  # (accumulated into the first's gradients)
+    assert type(out.grad_fn).__name__ == "_HeldAttentionBackward" and len(calls) == before
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = checkpoint(flash_attn_func, *leaves, use_reentrant=False)
+    out.backward(dout)
+    assert len(calls) == before and all(t.grad.shape == t.shape and t.grad.dtype == t.dtype for t in leaves)
+
+    qkv = torch.stack((q, k, v), dim=2).requires_grad_()  # (batch, seqlen, 3, heads, dim)
+    for _ in range(5):
+        out = flash_attn_qkvpacked_func(qkv)
+        out.backward(dout)
+    assert type(out.grad_fn).__name__ == "_HeldAttentionBackward"
+    assert qkv.grad.shape == qkv.shape and qkv.grad.dtype == qkv.dtype
+
+
 def test_held_training_lanes_are_forgotten_with_the_plans(held):
     calls, counted, holds = held
     q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))
@@ -484,3 +519,32 @@ def test_held_training_steps_compute_what_the_oracle_does_on_gpu(monkeypatch, dt
         for t, want, approx, name in zip(leaves, ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, dtype, f"{name}, step {step}", grad=True, floor=floor)
     assert records[3:] == ["_HeldAttentionBackward"] * 5 and routes[4:6] == [0, 0] and routes[3] == 1
+
+
+@pytest.mark.gpu
+def test_held_qkvpacked_training_steps_compute_what_the_oracle_does_on_gpu(monkeypatch):
+    """``flash_attn_qkvpacked_func`` training steps (q, k, v strided views of one tensor), the later
+    ones on the held lanes: out and the packed gradient against the float64 oracle's dq, dk, dv."""
+    from flash_attn import flash_attn_qkvpacked_func  # noqa: PLC0415
+    from support.oracle import attention_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import backward_floor, check_close  # noqa: PLC0415
+
+    _gpu_aot_or_skip(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dtype = torch.bfloat16
+    records = []
+    for step in range(6):
+        qkv = torch.randn(2, 130, 3, 4, 64, device="cuda", dtype=dtype, generator=g)
+        dout = torch.randn(2, 130, 4, 64, device="cuda", dtype=dtype, generator=g)
+        leaf = qkv.clone().requires_grad_()
+        out = flash_attn_qkvpacked_func(leaf, causal=True)
+        out.backward(dout)
+        records.append(type(out.grad_fn).__name__)
+        q, k, v = qkv.unbind(dim=2)
+        ref, ref_grads, naive, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, causal=True)
+        floor = backward_floor(q, k, v, dout, probs=ref.probs)
+        check_close(out, ref.out, naive.out, dtype, f"out, step {step}")
+        for i, name in enumerate(("dq", "dk", "dv")):
+            check_close(leaf.grad[:, :, i], ref_grads[i], naive_grads[i], dtype, f"{name}, step {step}", grad=True,
+                        floor=floor)
+    assert records[3:] == ["_HeldAttentionBackward"] * 3
