@@ -228,6 +228,15 @@ def _training_step(q, k, v, dout, **kwargs):
     return out, tuple(t.grad for t in leaves)
 
 
+def _held_training_signature(shape=(1, 64, 2, 64), **kwargs) -> tuple:
+    """q, k, v and a gradient of ``shape`` whose training signature's lanes are held, forward and
+    backward (five steps)."""
+    q, k, v, dout = (bf16(*shape, seed=s) for s in range(4))
+    for _ in range(5):
+        _training_step(q, k, v, dout, **kwargs)
+    return q, k, v, dout
+
+
 def _route_of_step(calls, q, k, v, dout, **kwargs) -> tuple:
     """``(record, Python forward, Python backward)`` of one step: its autograd record's class
     name, and whether the forward and the backward called the op library through the Python route."""
@@ -299,10 +308,7 @@ def test_a_held_backwards_plan_launches_the_python_routes_tensors_by_slot(held, 
 
 def test_training_calls_the_held_lanes_do_not_take(held, monkeypatch):
     calls, counted, holds = held
-    q, k, v = (bf16(2, 40, 4, 64, seed=s) for s in range(3))
-    dout = bf16(2, 40, 4, 64, seed=3)
-    for _ in range(5):
-        _training_step(q, k, v, dout, causal=True)
+    q, k, v, dout = _held_training_signature((2, 40, 4, 64), causal=True)
     assert _route_of_step(calls, q, k, v, dout, causal=True) == ("_HeldAttentionBackward", False, False)
     general = ("_AttentionBackward", True, True)
     assert _route_of_step(calls, misaligned(q), k, v, dout, causal=True) == general  # the forward's lane refuses
@@ -363,10 +369,7 @@ def test_held_training_records_serve_what_training_code_does_with_them(held):
     from flash_attn import flash_attn_qkvpacked_func  # noqa: PLC0415
 
     calls, counted, holds = held
-    q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))
-    dout = bf16(1, 64, 2, 64, seed=3)
-    for _ in range(5):
-        _training_step(q, k, v, dout)
+    q, k, v, dout = _held_training_signature()
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     before = len(calls)
     out = flash_attn_func(*leaves)
@@ -390,10 +393,7 @@ def test_held_training_records_serve_what_training_code_does_with_them(held):
 
 def test_held_training_lanes_are_forgotten_with_the_plans(held):
     calls, counted, holds = held
-    q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))
-    dout = bf16(1, 64, 2, 64, seed=3)
-    for _ in range(5):
-        _training_step(q, k, v, dout)
+    q, k, v, dout = _held_training_signature()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flash_attn_func(*leaves)  # recorded on the held lanes ...
     assert type(out.grad_fn).__name__ == "_HeldAttentionBackward"
