@@ -368,8 +368,8 @@ Scratch allocate_scratch(const KernelSpec& spec, const Tensor& like, int64_t pro
   const LaunchConfig& c = spec.config;
   auto allocate = [&](int slot, int64_t bytes_per_program) -> std::optional<Tensor> {
     if (slot < 0 || bytes_per_program == 0) return std::nullopt;
-    Tensor buffer =
-        torch::stable::new_empty(like, {scratch_bytes(spec, bytes_per_program, programs)}, torch::headeronly::ScalarType::Byte);
+    const int64_t bytes = scratch_bytes(spec, bytes_per_program, programs);
+    Tensor buffer = torch::stable::new_empty(like, {bytes}, torch::headeronly::ScalarType::Byte);
     launch.slots[slot] = reinterpret_cast<uint64_t>(buffer.data_ptr());
     return buffer;
   };
@@ -585,8 +585,8 @@ int64_t element_bytes(int32_t dtype) {
   if (dtype == aoti_torch_dtype_float32() || dtype == aoti_torch_dtype_int32() || dtype == aoti_torch_dtype_uint32()) {
     return 4;
   }
-  if (dtype == aoti_torch_dtype_float16() || dtype == aoti_torch_dtype_bfloat16() || dtype == aoti_torch_dtype_int16() ||
-      dtype == aoti_torch_dtype_uint16()) {
+  if (dtype == aoti_torch_dtype_float16() || dtype == aoti_torch_dtype_bfloat16() ||
+      dtype == aoti_torch_dtype_int16() || dtype == aoti_torch_dtype_uint16()) {
     return 2;
   }
   return 1;
@@ -640,6 +640,9 @@ struct ScratchLayout {
 ScratchLayout scratch_layout(const std::vector<BufferShape>& buffers, int64_t triton_bytes) {
   ScratchLayout layout;
   layout.offsets.assign(buffers.size(), -1);
+  // without a Triton scratch to join them, the parts stay apart: the allocation saved per part but
+  // one costs a tensor more (the storage's), which the stubbed decode step measured dearer
+  if (triton_bytes == 0) return layout;
   int64_t most = 0;
   for (const BufferShape& b : buffers) {
     const auto n = std::count_if(buffers.begin(), buffers.end(),
@@ -654,11 +657,7 @@ ScratchLayout scratch_layout(const std::vector<BufferShape>& buffers, int64_t tr
     layout.offsets[b] = layout.total;
     layout.total = scratch_aligned(layout.total + element_count(buffers[b].storage), element_bytes(layout.dtype));
   }
-  if (layout.dtype < 0 || triton_bytes == 0) {
-    // without a Triton scratch to join them, the parts stay apart: the allocation saved per part
-    // but one costs a tensor more (the storage's), which the stubbed decode step measured dearer
-    return ScratchLayout{-1, std::vector<int64_t>(buffers.size(), -1)};
-  }
+  if (layout.dtype < 0) return layout;  // (no scratch buffer)
   const int64_t bytes = element_bytes(layout.dtype);
   layout.triton = layout.total;
   layout.total = scratch_aligned(layout.total + (triton_bytes + bytes - 1) / bytes, bytes);
@@ -677,6 +676,9 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
 
   // Each buffer's dtype: that of the first kernel parameter it is passed to; the most Triton
   // global scratch a launch takes (each grid checked first, as the launch will).
+  // (only a plan with scratch buffers takes the Triton scratch into them: scratch_layout)
+  const bool scratch_buffers =
+      std::any_of(buffers.begin(), buffers.end(), [](const BufferShape& b) { return b.scratch; });
   int64_t triton_bytes = 0;
   bool overlapping = false;
   for (const LaunchRecord& l : launches) {
@@ -687,7 +689,7 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
       }
     }
     overlapping = overlapping || spec.config.pdl;
-    if (spec.global_scratch_slot >= 0 && spec.config.global_scratch_bytes > 0) {
+    if (scratch_buffers && spec.global_scratch_slot >= 0 && spec.config.global_scratch_bytes > 0) {
       const std::array<int64_t, 3> g = check_grid(l.grid, spec.config.num_ctas);
       triton_bytes = std::max(triton_bytes, scratch_bytes(spec, spec.config.global_scratch_bytes, g[0] * g[1] * g[2]));
     }

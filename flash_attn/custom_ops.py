@@ -503,9 +503,9 @@ class _HeldAttention(torch.autograd.Function):
             made = lanes.backward((dout, *saved))
             if made is not None:
                 return made[0], made[1], made[2], None
-        scalars = lanes.scalars
         dq, dk, dv = lanes.general_backward(
-            lambda: _gradients((*saved, *_NO_TENSORS), scalars[:-1], scalars[-1], lanes.call, dout), (dout, *saved))[:3]
+            lambda: _gradients((*saved, *_NO_TENSORS), lanes.scalars, lanes.deterministic, lanes.call, dout),
+            (dout, *saved))[:3]
         return dq, dk, dv, None
 
 

@@ -521,14 +521,15 @@ class HeldTraining(NamedTuple):
     """A training call's lanes held by backend ``name`` (run by its ``Backend.held.run``: ``run``):
     the forward's under ``key``, returning out and lse, and once a backward ran its direct lane,
     the backward's (under ``backward_keys[0]``; it returns dq, dk, dv); with the call's checked
-    signature ``call`` and ``scalars``, the forward op's scalars after its tensors up to dropout_p,
-    then ``deterministic`` (what the general backward route takes)."""
+    signature ``call``, ``scalars``, the forward op's scalars after its tensors up to dropout_p, and
+    ``deterministic`` (what the general backward route takes)."""
 
     name: str
     run: Callable
     key: int
     call: object
     scalars: tuple
+    deterministic: bool
     backward_keys: list
 
     def forward(self, tensors: tuple) -> Optional[list]:
@@ -574,7 +575,7 @@ def hold_training(tag: str, call, tensors: tuple, slots: tuple, scalars: tuple, 
     found = _held_plan("forward", call, slots, ("out", "lse"))
     if found is not None:
         _keep_held(tag, scalars, shapes, found, tensors, lambda key, before: HeldTraining(
-            found[0], found[1].run, key, call, (*op_scalars, deterministic),
+            found[0], found[1].run, key, call, op_scalars, deterministic,
             before.backward_keys if type(before) is HeldTraining else []))
 
 
