@@ -664,36 +664,53 @@ ScratchLayout scratch_layout(const std::vector<BufferShape>& buffers, int64_t tr
   return layout;
 }
 
-std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::vector<Tensor>& tensors,
-                             const std::vector<int64_t>& rows, bool meta_only) {
+// A plan read: its buffers and launches (row counts in place), each buffer's dtype, and what the
+// call's scratch layout needs from its launches.
+struct ReadPlan {
+  std::vector<BufferShape> buffers;
+  std::vector<LaunchRecord> launches;
+  int64_t triton_bytes = 0;  // the most Triton global scratch a launch takes (only with scratch buffers)
+  bool overlapping = false;  // a launch overlaps the next (PDL)
+};
+
+ReadPlan read_plan(const int64_t* plan, int64_t plan_size, int64_t inputs, const std::vector<int64_t>& rows) {
   PlanReader read(plan, plan_size);
-  std::vector<BufferShape> buffers(size_t(read.index("the buffer count", kMaxItems)));
-  for (BufferShape& b : buffers) b = read_buffer(read, rows);
-  const int64_t inputs = int64_t(tensors.size()), all = inputs + int64_t(buffers.size());
-  std::vector<LaunchRecord> launches(size_t(read.index("the launch count", kMaxItems)));
-  for (LaunchRecord& l : launches) l = read_launch(read, all, rows);
-  if (!read.done()) throw AotError("plan has entries after its " + std::to_string(launches.size()) + " launches");
+  ReadPlan p;
+  p.buffers.resize(size_t(read.index("the buffer count", kMaxItems)));
+  for (BufferShape& b : p.buffers) b = read_buffer(read, rows);
+  const int64_t all = inputs + int64_t(p.buffers.size());
+  p.launches.resize(size_t(read.index("the launch count", kMaxItems)));
+  for (LaunchRecord& l : p.launches) l = read_launch(read, all, rows);
+  if (!read.done()) throw AotError("plan has entries after its " + std::to_string(p.launches.size()) + " launches");
 
   // Each buffer's dtype: that of the first kernel parameter it is passed to; the most Triton
   // global scratch a launch takes (each grid checked first, as the launch will).
   // (only a plan with scratch buffers takes the Triton scratch into them: scratch_layout)
   const bool scratch_buffers =
-      std::any_of(buffers.begin(), buffers.end(), [](const BufferShape& b) { return b.scratch; });
-  int64_t triton_bytes = 0;
-  bool overlapping = false;
-  for (const LaunchRecord& l : launches) {
+      std::any_of(p.buffers.begin(), p.buffers.end(), [](const BufferShape& b) { return b.scratch; });
+  for (const LaunchRecord& l : p.launches) {
     const KernelSpec& spec = spec_for(l.kernel);
-    for (size_t p = 0; p < l.tensors.size() && p < spec.pointer_dtypes.size(); ++p) {
-      if (l.tensors[p] >= inputs && buffers[l.tensors[p] - inputs].dtype < 0) {
-        buffers[l.tensors[p] - inputs].dtype = spec.pointer_dtypes[p];
+    for (size_t t = 0; t < l.tensors.size() && t < spec.pointer_dtypes.size(); ++t) {
+      if (l.tensors[t] >= inputs && p.buffers[l.tensors[t] - inputs].dtype < 0) {
+        p.buffers[l.tensors[t] - inputs].dtype = spec.pointer_dtypes[t];
       }
     }
-    overlapping = overlapping || spec.config.pdl;
+    p.overlapping = p.overlapping || spec.config.pdl;
     if (scratch_buffers && spec.global_scratch_slot >= 0 && spec.config.global_scratch_bytes > 0) {
       const std::array<int64_t, 3> g = check_grid(l.grid, spec.config.num_ctas);
-      triton_bytes = std::max(triton_bytes, scratch_bytes(spec, spec.config.global_scratch_bytes, g[0] * g[1] * g[2]));
+      p.triton_bytes =
+          std::max(p.triton_bytes, scratch_bytes(spec, spec.config.global_scratch_bytes, g[0] * g[1] * g[2]));
     }
   }
+  return p;
+}
+
+// Runs a read plan for the call's `tensors` (as many as it was read for): its buffers made, each
+// launch checked and launched. Returns every buffer made, or with `returned_only` those the call
+// returns (not flagged scratch: the other ones are freed here, after their launches).
+std::vector<Tensor> run_plan(const ReadPlan& p, const std::vector<Tensor>& tensors, bool meta_only,
+                             bool returned_only = false) {
+  const std::vector<BufferShape>& buffers = p.buffers;
   std::vector<Tensor> call(tensors), made;
   std::optional<Tensor> scratch;
   ScratchLayout layout;
@@ -710,7 +727,7 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
         throw AotError("buffer " + std::to_string(b) + " of the plan is passed to no kernel parameter");
       }
     }
-    layout = scratch_layout(buffers, overlapping ? 0 : triton_bytes);
+    layout = scratch_layout(buffers, p.overlapping ? 0 : p.triton_bytes);
     if (layout.dtype >= 0) {
       BufferShape whole;
       whole.storage = {layout.total};
@@ -730,7 +747,7 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
   // Reused from launch to launch; tensors copied in, never default-made (each would be a new handle).
   std::vector<Tensor> launch_tensors;
   std::optional<Tensor> none;
-  for (const LaunchRecord& l : launches) {
+  for (const LaunchRecord& l : p.launches) {
     launch_tensors.clear();
     for (const int64_t t : l.tensors) {
       if (t < 0 && !none) none.emplace();  // an undefined tensor
@@ -738,13 +755,20 @@ std::vector<Tensor> run_plan(const int64_t* plan, int64_t plan_size, const std::
     }
     check_and_launch(l.kernel, l.grid, launch_tensors, l.ints, l.floats, meta_only, triton_scratch);
   }
+  if (returned_only) {
+    std::vector<Tensor> returned;
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      if (!buffers[b].scratch) returned.push_back(std::move(made[b]));
+    }
+    return returned;
+  }
   return made;
 }
 
 std::vector<Tensor> run_plan(const Tensor& plan, const std::vector<Tensor>& tensors, const std::vector<int64_t>& rows,
                              bool meta_only) {
   const auto [entries, size] = plan_entries(plan);
-  return run_plan(entries, size, tensors, rows, meta_only);
+  return run_plan(read_plan(entries, size, int64_t(tensors.size()), rows), tensors, meta_only);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -755,36 +779,41 @@ std::vector<Tensor> run_plan(const Tensor& plan, const std::vector<Tensor>& tens
 // sizes, strides, dtypes and devices equal a held lane's, its pointers aligned to
 // limits::kPointerAlignment (what the held plan assumes), runs that lane's plan with no row
 // count; any other call is not a lane's (an empty result: the caller takes its general route).
+// A lane's plan is read once, when held (so it takes no row count: one that does is refused
+// then), and a lane's run returns only the buffers the call returns (not flagged scratch).
 // ------------------------------------------------------------------------------------------
+// A tensor's metadata, in place (a lane's tensors have at most kMaxDims dims): compared per call.
 struct TensorMeta {
   int32_t dtype = 0, device_type = 0, device_index = 0;
-  std::vector<int64_t> sizes, strides;
+  int64_t ndim = 0;
+  std::array<int64_t, kMaxDims> sizes{}, strides{};
 
   bool operator==(const TensorMeta& o) const {
-    return dtype == o.dtype && device_type == o.device_type && device_index == o.device_index &&
-           sizes == o.sizes && strides == o.strides;
+    return dtype == o.dtype && device_type == o.device_type && device_index == o.device_index && ndim == o.ndim &&
+           std::equal(sizes.begin(), sizes.begin() + ndim, o.sizes.begin()) &&
+           std::equal(strides.begin(), strides.begin() + ndim, o.strides.begin());
   }
 };
 
-TensorMeta meta_of(const Tensor& t) {
+// `t`'s metadata, or nothing where it is undefined or has more dims than a lane's tensor may.
+std::optional<TensorMeta> meta_of(const Tensor& t) {
+  if (!t.defined()) return std::nullopt;
   TensorMeta m;
-  int64_t ndim = 0;
   int64_t *sizes = nullptr, *strides = nullptr;
+  shim_check(aoti_torch_get_dim(t.get(), &m.ndim), "aoti_torch_get_dim");
+  if (m.ndim > kMaxDims) return std::nullopt;
   shim_check(aoti_torch_get_dtype(t.get(), &m.dtype), "aoti_torch_get_dtype");
   shim_check(aoti_torch_get_device_type(t.get(), &m.device_type), "aoti_torch_get_device_type");
   shim_check(aoti_torch_get_device_index(t.get(), &m.device_index), "aoti_torch_get_device_index");
-  shim_check(aoti_torch_get_dim(t.get(), &ndim), "aoti_torch_get_dim");
   shim_check(aoti_torch_get_sizes(t.get(), &sizes), "aoti_torch_get_sizes");
   shim_check(aoti_torch_get_strides(t.get(), &strides), "aoti_torch_get_strides");
-  m.sizes.assign(sizes, sizes + ndim);
-  m.strides.assign(strides, strides + ndim);
+  std::copy(sizes, sizes + m.ndim, m.sizes.begin());
+  std::copy(strides, strides + m.ndim, m.strides.begin());
   return m;
 }
 
-using Entries = std::shared_ptr<const std::vector<int64_t>>;
-
 struct Lane {
-  Entries plan;  // a copy of the plan's entries: nothing of the caller's (its Python buffer) is kept
+  std::shared_ptr<const ReadPlan> plan;  // read from the caller's plan: nothing of the caller's is kept
   std::vector<TensorMeta> tensors;
 };
 
@@ -793,19 +822,19 @@ constexpr size_t kLanesPerKey = 16;  // shapes met under one key's scalars (then
 std::mutex g_lanes_mutex;
 std::unordered_map<int64_t, std::vector<Lane>> g_lanes;
 
-std::vector<TensorMeta> metas_of(const std::vector<Tensor>& tensors) {
+void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tensors) {
   std::vector<TensorMeta> metas;
   metas.reserve(tensors.size());
   for (const Tensor& t : tensors) {
-    if (!t.defined()) throw AotError("a lane's tensors are all defined (absent ones are part of its key)");
-    metas.push_back(meta_of(t));
+    const std::optional<TensorMeta> m = meta_of(t);
+    if (!m) {
+      throw AotError("a lane's tensors are all defined (absent ones are part of its key), of at most " +
+                     std::to_string(kMaxDims) + " dims");
+    }
+    metas.push_back(*m);
   }
-  return metas;
-}
-
-void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tensors) {
-  const auto [entries, size] = plan_entries(plan);  // (its contents are read when the lane runs)
-  Lane lane{std::make_shared<const std::vector<int64_t>>(entries, entries + size), metas_of(tensors)};
+  const auto [entries, size] = plan_entries(plan);
+  Lane lane{std::make_shared<const ReadPlan>(read_plan(entries, size, int64_t(tensors.size()), {})), std::move(metas)};
   std::lock_guard<std::mutex> lock(g_lanes_mutex);
   std::vector<Lane>& held = g_lanes[key];
   for (Lane& l : held) {
@@ -819,13 +848,14 @@ void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tenso
 }
 
 // The plan of the lane under `key` that `tensors` fit (held by the caller: the lane may go meanwhile), or null.
-Entries lane_plan(int64_t key, const std::vector<Tensor>& tensors) {
+std::shared_ptr<const ReadPlan> lane_plan(int64_t key, const std::vector<Tensor>& tensors) {
+  std::vector<TensorMeta> metas;
+  metas.reserve(tensors.size());
   for (const Tensor& t : tensors) {
-    if (!t.defined() || reinterpret_cast<uint64_t>(t.data_ptr()) % uint64_t(limits::kPointerAlignment) != 0) {
-      return nullptr;
-    }
+    std::optional<TensorMeta> m = meta_of(t);
+    if (!m || reinterpret_cast<uint64_t>(t.data_ptr()) % uint64_t(limits::kPointerAlignment) != 0) return nullptr;
+    metas.push_back(*m);
   }
-  const std::vector<TensorMeta> metas = metas_of(tensors);
   std::lock_guard<std::mutex> lock(g_lanes_mutex);
   const auto found = g_lanes.find(key);
   if (found == g_lanes.end()) return nullptr;
@@ -912,9 +942,8 @@ void aot_lane_hold(int64_t key, Tensor plan, std::vector<Tensor> tensors) {
 
 std::vector<Tensor> aot_lane_run(int64_t key, std::vector<Tensor> tensors) {
   return with_op_name("aot_lane_run", [&] {
-    const Entries plan = lane_plan(key, tensors);
-    return plan ? run_plan(plan->data(), int64_t(plan->size()), tensors, {}, /*meta_only=*/false)
-                : std::vector<Tensor>{};
+    const std::shared_ptr<const ReadPlan> plan = lane_plan(key, tensors);
+    return plan ? run_plan(*plan, tensors, /*meta_only=*/false, /*returned_only=*/true) : std::vector<Tensor>{};
   });
 }
 

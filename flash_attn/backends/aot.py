@@ -378,7 +378,8 @@ def _holdable(op: str, call, slots: tuple, results: tuple) -> Optional[torch.Ten
     lane run on this thread (``op``'s, for ``call``: its signature and the pointers' alignment decide
     it; every tensor it passes among ``slots``, ``results`` among its buffers, none a view of wider
     storage: the op library returns them as they are), written for tensors in the order of
-    ``slots`` and to make ``results`` first, or ``None``."""
+    ``slots`` and to make ``results`` first, the other buffers its scratch (a lane returns
+    ``results`` alone), or ``None``."""
     ran = last_direct_run()
     if ran is None or ran[0] != op or ran[1] != call:
         return None
@@ -388,11 +389,11 @@ def _holdable(op: str, call, slots: tuple, results: tuple) -> Optional[torch.Ten
     buffers = {b.slot: b for b in launches.buffers}
     if not set(results) <= buffers.keys() or any(buffers[r].storage != buffers[r].shape for r in results):
         return None
-    if launches.names == slots and launches.made[:len(results)] == results:
+    if launches.names == slots and launches.made[:len(results)] == results and launches.returned == results:
         return launches.plan
     ordered = (*(buffers[r] for r in results), *(b for b in launches.buffers if b.slot not in results))
     unused = frozenset(s for p in launches.packed for s in p.slots) - set(launches.names) - set(launches.made)
-    return _launches(launches.packed, unused, ordered, launches.returned, inputs=slots).plan
+    return _launches(launches.packed, unused, ordered, results, inputs=slots).plan
 
 
 def _hold(key: int, plan: torch.Tensor, tensors: tuple) -> None:

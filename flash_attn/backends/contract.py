@@ -71,12 +71,12 @@ class HeldLanes(NamedTuple):
     """Lanes a backend holds outside Python (the ``aot`` backend's op library): a public call's
     route from its arguments to the launch in one call (see :func:`flash_attn.dispatch.run_held`).
 
-    ``run(key, tensors)``: the buffers made by the lane held under ``key`` that ``tensors`` fit,
-    or an empty list (none fits). ``holdable(op, call, slots, results)``: what :attr:`hold` takes
+    ``run(key, tensors)``: the results of the lane held under ``key`` that ``tensors`` fit (its
+    ``results``, in order), or an empty list (none fits). ``holdable(op, call, slots, results)``: what :attr:`hold` takes
     to hold the plan of ``op`` for checked signature ``call`` that the backend's direct lane last
     ran on this thread, if the tensors it passes are among ``slots`` (the public function's, in its
     order) and ``results`` (slot names) are among its buffers, each contiguous (the lane returns
-    them first, in this order); else ``None``.
+    them alone, in this order); else ``None``.
     ``hold(key, holdable, tensors)``: hold it under ``key``, for tensors like ``tensors`` passed in
     the order of ``slots``. ``clear()``: forget every lane held. ``forget_run()``: forget the
     direct lane's last run on this thread (as reading it with ``holdable`` does)."""

@@ -16,6 +16,7 @@ import torch
 from flash_attn import dispatch, flash_attn_func
 from flash_attn.aot import library as op_library
 from flash_attn.backends import aot
+from support.aot_buffers import read_plan
 from support.aot_stub import bf16, misaligned, stub  # noqa: F401  (stub: a fixture)
 
 
@@ -38,7 +39,7 @@ def test_a_signatures_later_calls_run_on_the_lane_the_op_library_holds(held):
     outs = [flash_attn_func(q, k, v, causal=True) for _ in range(6)]
     # planned, the known route again, the Python lane (then held), then three on the held lane
     assert len(calls) == 3 and counted() == before + 6 and len(holds) == 1
-    assert torch.equal(holds[0][1], calls[-1][0])  # the plan the Python lane ran
+    assert _as_held(calls[-1][0], returned=1) == read_plan(holds[0][1], with_buffers=True)  # the Python lane's plan
     assert all(o.shape == q.shape and o.dtype == q.dtype and o.is_contiguous() for o in outs)
     assert len({o.data_ptr() for o in outs}) == 6  # fresh buffers every call
     assert dispatch.last_backend() == "aot" and op_library.ops().aot_lanes_held() == 1
@@ -60,8 +61,16 @@ def test_a_held_lane_is_the_plan_of_its_own_scalars(held):
     first = len(calls)
     for _ in range(5):
         flash_attn_func(q, q, q, causal=True)
-    assert len(holds) == 2 and torch.equal(holds[1][1], calls[first + 2][0]) and holds[1][0] != holds[0][0]
-    assert not torch.equal(holds[1][1], not_causal) and len(calls) == first + 3
+    assert len(holds) == 2 and holds[1][0] != holds[0][0]
+    assert read_plan(holds[1][1], with_buffers=True) == _as_held(calls[first + 2][0], returned=1)
+    assert read_plan(holds[1][1]) != read_plan(not_causal) and len(calls) == first + 3
+
+
+def _as_held(plan: torch.Tensor, returned: int):
+    """``plan``'s buffers and launches as a lane holds it for a call returning its first
+    ``returned`` buffers: the others flagged the call's scratch (a lane returns its results alone)."""
+    buffers, launches = read_plan(plan, with_buffers=True)
+    return [dict(b, flags=b["flags"] & 1 | (2 if n >= returned else 0)) for n, b in enumerate(buffers)], launches
 
 
 class _Passthrough(torch.overrides.TorchFunctionMode):
@@ -143,7 +152,6 @@ def test_held_lanes_are_bounded_on_both_sides(held, monkeypatch):
 def _slots_of_launches(plan: torch.Tensor, inputs: tuple) -> list:
     """Each launch's tensors as ``inputs``' names (the call's tensors, then any of its buffers';
     indices past them: the other buffers, by number)."""
-    from support.aot_buffers import read_plan  # noqa: PLC0415
 
     return [[inputs[i] if 0 <= i < len(inputs) else ("buffer", i - len(inputs)) if i >= 0 else None
              for i in launch["tensors"]] for launch in read_plan(plan)]
@@ -301,7 +309,6 @@ def test_a_held_backwards_plan_launches_the_python_routes_tensors_by_slot(held, 
     names = ("dout", "q", "k", "v", "out", "lse")
     held_made = ("dq", "dk", "dv", *(m for m in made if m not in ("dq", "dk", "dv")))
     assert _slots_of_launches(held_plan, names + held_made) == _slots_of_launches(python_plan, python_names + made)
-    from support.aot_buffers import read_plan  # noqa: PLC0415
 
     assert [launch["ints"] for launch in read_plan(held_plan)] == [launch["ints"] for launch in read_plan(python_plan)]
 
@@ -335,7 +342,6 @@ def test_a_gradient_of_other_strides_never_takes_another_gradients_plan(held):
     """A training signature's gradient with other strides than its earlier steps' (a transposed
     ``dout``): its backward takes the general route, and the backward lane held from it is the
     plan of its own strides (never a plan an earlier gradient's backward ran on its direct lane)."""
-    from support.aot_buffers import read_plan  # noqa: PLC0415
 
     calls, counted, holds = held
     q, k, v = (bf16(1, 64, 2, 64, seed=s) for s in range(3))

@@ -515,6 +515,38 @@ def test_a_held_lane_runs_its_plan_for_tensors_like_the_held_ones(ops, toy, toy_
         ops.aot_lane_hold(7, written.plan.to(torch.int32), [x])
 
 
+def test_a_held_lane_returns_the_calls_results_alone(ops, toy):
+    """A lane's run returns the buffers its call returns (the plan's results, in order), not its
+    scratch; its plan is read when held, so a plan taking a per-call row count, tensors of more
+    than 8 dims are refused then, with the reason."""
+    from flash_attn.planning.layouts import Buffer  # noqa: PLC0415
+    from flash_attn.planning.plan import Q_ROWS  # noqa: PLC0415
+
+    written = _plan((toy, [2], ["acc"], [16], [1.0]), (toy, [1], ["res"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
+                    (toy, [1], ["x"], [16], [1.0]),
+                    buffers=(Buffer("acc", (32,), torch.float32), Buffer("res", (8,), torch.float32),
+                             Buffer("tmp", (16,), torch.float32)), results=("res", "acc"))
+    x = torch.zeros(4, 64)
+    ops.aot_lanes_clear()
+    ops.aot_count_cpu_launches(True)
+    try:
+        ops.aot_lane_hold(3, written.plan, [x])
+        before = ops.aot_counted_launches()
+        made = ops.aot_lane_run(3, [torch.ones(4, 64)])
+        assert ops.aot_counted_launches() == before + 4  # every launch ran, the scratch's too
+        assert [t.shape for t in made] == [(32,), (8,)]  # acc and res, in the plan's order; tmp not returned
+        assert [t.shape for t in ops.aot_run(written.plan, [x], [])] == [(32,), (8,), (16,)]  # aot_run: all
+        per_call = _plan((toy, [1], ["x"], [Q_ROWS], [1.0]))
+        with pytest.raises(RuntimeError, match=r"aot_lane_hold: plan entry \d+ \(a row index\) is 0, outside 0..-1"):
+            ops.aot_lane_hold(3, per_call.plan, [x])
+        with pytest.raises(RuntimeError, match="of at most 8 dims"):
+            ops.aot_lane_hold(3, written.plan, [torch.zeros([1] * 9)])
+        assert ops.aot_lane_run(3, [torch.zeros([1] * 9)]) == [] and ops.aot_lanes_held() == 1
+    finally:
+        ops.aot_count_cpu_launches(False)
+        ops.aot_lanes_clear()
+
+
 def test_run_plan_stays_on_the_cpu_under_a_default_device(toy):
     """A caller's default device (``torch.set_default_device("cuda")`` in a training script) does
     not move the plan: the library reads it on the host."""
