@@ -428,7 +428,7 @@ _CLASS = "class"  # (op, _CLASS, the class's key): a class's lane among the sign
 
 
 def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optional[list]:
-    """The buffers made by the lane a backend holds for an eager call of public function ``tag``
+    """The results of the lane a backend holds for an eager call of public function ``tag``
     with these ``scalars`` (values and types) and ``tensors`` (the ones given, plain tensors, none
     with a graph to record: the caller's test, made before it reads the shapes) of ``shapes``
     (each argument's or ``None``: calls whose shapes change every call ask the backend nothing),
@@ -455,10 +455,10 @@ def _held_entry(tag: str, scalars: tuple, shapes: tuple):
 
 
 def _held_made(name: str, run: Callable, key: int, tensors) -> Optional[list]:
-    """``run(key, tensors)``, a held lane of backend ``name``: the buffers it made, or ``None``
+    """``run(key, tensors)``, a held lane of backend ``name``: the results it made, or ``None``
     where no lane fits the tensors or the backend failed on them (left to the usual route)."""
     try:
-        made = run(key, list(tensors))
+        made = run(key, tensors)
     except Exception as exc:
         if _backend_failure(name, exc) is None:
             raise
@@ -475,10 +475,10 @@ def hold_held(tag: str, op: str, call, tensors: tuple, slots: tuple, scalars: tu
     recorded: where the backend that ran it holds lanes (``Backend.held``) and its direct lane ran
     the call's ``op``, have it hold that plan for the later calls of ``tag`` with these ``scalars``
     and tensors like ``tensors`` (the slot of each: ``slots``) of ``shapes`` (:func:`run_held`),
-    whose first buffers made are the call's ``results`` (slot names)."""
+    whose results are ``results`` (slot names: the lane returns these alone)."""
     found = _held_plan(op, call, slots, results)
     if found is not None:
-        _keep_held(tag, scalars, shapes, found, tensors, lambda key, _: (found[0], found[1].run, key))
+        _keep_held(tag, scalars, shapes, found, tensors, lambda key, _: (found[0], found[1].runner(), key))
 
 
 def _held_plan(op: str, call, slots: tuple, results: tuple):
@@ -518,7 +518,7 @@ def _keep_held(tag: str, scalars: tuple, shapes: tuple, found: tuple, tensors: t
 
 
 class HeldTraining(NamedTuple):
-    """A training call's lanes held by backend ``name`` (run by its ``Backend.held.run``: ``run``):
+    """A training call's lanes held by backend ``name`` (run by its ``Backend.held.runner()``: ``run``):
     the forward's under ``key``, returning out and lse, and once a backward ran its direct lane,
     the backward's (under ``backward_keys[0]``; it returns dq, dk, dv); with the call's checked
     signature ``call``, ``scalars``, the forward op's scalars after its tensors up to dropout_p, and
@@ -533,11 +533,11 @@ class HeldTraining(NamedTuple):
     backward_keys: list
 
     def forward(self, tensors: tuple) -> Optional[list]:
-        """The forward's buffers made for ``tensors`` (q, k, v), or ``None`` (left to the usual route)."""
+        """The forward's results (out, lse) for ``tensors`` (q, k, v), or ``None`` (left to the usual route)."""
         return _held_made(self.name, self.run, self.key, tensors)
 
     def backward(self, tensors: tuple) -> Optional[list]:
-        """The backward's buffers made for ``tensors`` (dout, q, k, v, out, lse), or ``None``."""
+        """The backward's results (dq, dk, dv) for ``tensors`` (dout, q, k, v, out, lse), or ``None``."""
         keys = self.backward_keys
         return None if not keys or _failed else _held_made(self.name, self.run, keys[0], tensors)
 
@@ -575,7 +575,7 @@ def hold_training(tag: str, call, tensors: tuple, slots: tuple, scalars: tuple, 
     found = _held_plan("forward", call, slots, ("out", "lse"))
     if found is not None:
         _keep_held(tag, scalars, shapes, found, tensors, lambda key, before: HeldTraining(
-            found[0], found[1].run, key, call, op_scalars, deterministic,
+            found[0], found[1].runner(), key, call, op_scalars, deterministic,
             before.backward_keys if type(before) is HeldTraining else []))
 
 

@@ -401,9 +401,9 @@ def _hold(key: int, plan: torch.Tensor, tensors: tuple) -> None:
     _lane_ops()[0](key, plan, list(tensors))
 
 
-def _held_run(key: int, tensors: list) -> list:
-    """:class:`~flash_attn.backends.contract.HeldLanes`'s ``run``: ``aot_lane_run``."""
-    return _lane_ops()[1](key, tensors)
+def _held_runner() -> Callable[[int, list], list]:
+    """:class:`~flash_attn.backends.contract.HeldLanes`'s ``runner``: ``aot_lane_run`` itself."""
+    return _lane_ops()[1]
 
 
 def clear_held() -> None:
@@ -524,5 +524,5 @@ def _run_op():
 
 _backend = _AotBackend(_NAME, _target)
 BACKEND = _backend.contract(unavailable_reason,
-                            held=HeldLanes(_held_run, _holdable, _hold, clear_held, last_direct_run))
+                            held=HeldLanes(_held_runner, _holdable, _hold, clear_held, last_direct_run))
 forward, backward, forward_kvcache = _backend.forward, _backend.backward, _backend.forward_kvcache

@@ -71,8 +71,9 @@ class HeldLanes(NamedTuple):
     """Lanes a backend holds outside Python (the ``aot`` backend's op library): a public call's
     route from its arguments to the launch in one call (see :func:`flash_attn.dispatch.run_held`).
 
-    ``run(key, tensors)``: the results of the lane held under ``key`` that ``tensors`` fit (its
-    ``results``, in order), or an empty list (none fits). ``holdable(op, call, slots, results)``: what :attr:`hold` takes
+    ``runner()``: ``run``, asked when a lane is held (the backend has loaded what runs it then):
+    ``run(key, tensors)`` gives the results of the lane held under ``key`` that ``tensors`` (a
+    sequence) fit (its ``results``, in order), or an empty list (none fits). ``holdable(op, call, slots, results)``: what :attr:`hold` takes
     to hold the plan of ``op`` for checked signature ``call`` that the backend's direct lane last
     ran on this thread, if the tensors it passes are among ``slots`` (the public function's, in its
     order) and ``results`` (slot names) are among its buffers, each contiguous (the lane returns
@@ -81,7 +82,7 @@ class HeldLanes(NamedTuple):
     the order of ``slots``. ``clear()``: forget every lane held. ``forget_run()``: forget the
     direct lane's last run on this thread (as reading it with ``holdable`` does)."""
 
-    run: Callable[[int, list], list]
+    runner: Callable[[], Callable[[int, list], list]]
     holdable: Callable[[str, object, tuple, tuple], Optional[object]]
     hold: Callable[[int, object, tuple], None]
     clear: Callable[[], None]
