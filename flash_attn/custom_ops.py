@@ -549,6 +549,20 @@ def _c_apply(function: type):
 
 
 _apply_attention, _apply_held = _c_apply(_Attention), _c_apply(_HeldAttention)
+
+
+def _direct_backward(function: type) -> None:
+    """Have autograd call ``function.backward`` itself: the engine calls its node's ``apply``,
+    which torch's Python wrapper makes a choice between ``backward`` and ``vjp`` (of which
+    ``function`` defines only ``backward``) and a test for boxed gradients (never asked for
+    here): ~0.7 us of a training step's backward here. Where torch names no node class, left as is."""
+    node = getattr(function, "_backward_cls", None)
+    if node is not None and "backward" in vars(function):
+        node.apply = vars(function)["backward"].__func__  # a method of the node: backward(ctx, *grads)
+
+
+for _function in (_Attention, _AttentionWithExtras, _HeldAttention):
+    _direct_backward(_function)
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 

@@ -263,7 +263,7 @@ def flash_attn_func(
         type(k) is _Tensor and type(v) is _Tensor
     if plain:  # a call whose whole route the backend holds: its checks passed before
         shapes = (q.shape, k.shape, v.shape)  # (a growing cache's new key length finds none)
-        record = _grad_enabled() and custom_ops.any_requires_grad(q, k, v)
+        record = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if not record:
             made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)
             if made is not None:

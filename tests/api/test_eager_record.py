@@ -48,3 +48,30 @@ def test_alibi_slopes_are_an_input_without_a_gradient():
     ref = attention_ref(q64, k.double(), v.double(), causal=True, alibi_slopes=slopes.detach().double()).out
     (want,) = torch.autograd.grad(ref, (q64,), dout.double())
     torch.testing.assert_close(dq.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("function", [custom_ops._Attention, custom_ops._AttentionWithExtras,
+                                      custom_ops._HeldAttention])
+def test_the_records_node_calls_the_functions_backward_itself(function):
+    """The autograd engine calls a record's node's ``apply``: for our Functions that is their
+    ``backward`` itself (custom_ops._direct_backward), not torch's Python wrapper around it."""
+    assert function._backward_cls.apply is vars(function)["backward"].__func__
+
+
+def test_a_records_node_still_runs_hooks_and_direct_apply():
+    """What goes through a node besides the engine's call: the hooks on it (run by the engine's C++
+    side) and ``grad_fn.apply`` called by hand, the gradients the oracle's."""
+    q, k, v = _qkv()
+    out = flash_attn_func(q, k, v, causal=True)
+    seen = []
+    out.grad_fn.register_prehook(lambda grads: seen.append("pre"))
+    out.grad_fn.register_hook(lambda grads_in, grads_out: seen.append(len(grads_in)))
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    assert seen == ["pre", 3]  # a gradient for each tensor input: q, k, v
+    by_hand = out.grad_fn.apply(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(attention_ref(q64, k64, v64, causal=True).out, (q64, k64, v64), dout.double())
+    for a, b, c in zip(got, by_hand, want):
+        torch.testing.assert_close(a.double(), c, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(b.double(), c, atol=2e-5, rtol=2e-5)
