@@ -499,7 +499,9 @@ class _HeldAttention(torch.autograd.Function):
     def backward(ctx, dout):
         saved = ctx.saved_tensors
         lanes = ctx.lanes
-        if _eager_backward(lanes.call, dout, *saved[:3]):
+        # _eager_backward for a held call (its signature checked, nothing but q, k, v recorded), where
+        # grad mode on (create_graph) goes through the op whether or not q, k or v still require grad
+        if type(dout) is Tensor and not dout.is_meta and not _grad_enabled() and not _traced():
             made = lanes.backward((dout, *saved))
             if made is not None:
                 return made[0], made[1], made[2], None
