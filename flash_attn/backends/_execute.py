@@ -114,8 +114,9 @@ KVCACHE_SLOTS = ("q", "k_cache", "v_cache", "seqlens", "k_new", "v_new", "batch_
 _stand_ins = tuple(range(len(KVCACHE_SLOTS)))  # distinct values at each position
 assert kvcache_inputs(_stand_ins[0], KVCacheInputs(*_stand_ins[1:-3]), *_stand_ins[-3:]) == {
     slot: at for slot, at in zip(KVCACHE_SLOTS, _stand_ins) if slot is not None}
-FORWARD_SLOTS = ("q", "k", "v", "alibi", "sinks", "qv")  # a lane's forward arguments, flat
-BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse", "alibi")  # ... and a dense backward's
+# a lane's forward arguments, flat (a dense call's cu_seqlens and block table None), and a backward's
+FORWARD_SLOTS = ("q", "k", "v", "alibi", "sinks", "qv", "cu_q", "cu_k", "block_table")
+BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse", "alibi", "cu_q", "cu_k")
 
 
 # The last call a direct lane (KernelBackend.direct_lane) with ``launches`` ran on this thread: (its
@@ -712,7 +713,10 @@ def _backward_lane_more(dout, q, k, v, out, lse, alibi_slopes, qv, deterministic
 # ... and the same flat (by position, the slots named by FORWARD_SLOTS or KVCACHE_SLOTS): what a
 # backend's direct lane (KernelBackend.direct_lane) takes.
 def _forward_flat(q, k, v, alibi_slopes, sinks, qv, return_softmax, varlen, scalars) -> tuple[tuple, bool]:
-    return (q, k, v, alibi_slopes, sinks, qv), not return_softmax
+    if varlen is None:
+        return (q, k, v, alibi_slopes, sinks, qv, None, None, None), not return_softmax
+    return (q, k, v, alibi_slopes, sinks, qv, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.block_table), \
+        not return_softmax
 
 
 def _kvcache_flat(q, cache, alibi_slopes, sinks, qv, scalars) -> tuple[tuple, bool]:
@@ -721,7 +725,9 @@ def _kvcache_flat(q, cache, alibi_slopes, sinks, qv, scalars) -> tuple[tuple, bo
 
 def _backward_flat(dout, q, k, v, out, lse, alibi_slopes, qv, deterministic, return_delta, varlen,
                    scalars) -> tuple[tuple, bool]:
-    return (dout, q, k, v, out, lse, alibi_slopes), False  # a packed call's plan reads its row counts: no direct lane
+    if varlen is None:
+        return (dout, q, k, v, out, lse, alibi_slopes, None, None), False
+    return (dout, q, k, v, out, lse, alibi_slopes, varlen.cu_seqlens_q, varlen.cu_seqlens_k), False
 
 
 class _Lane(NamedTuple):

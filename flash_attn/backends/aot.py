@@ -334,15 +334,17 @@ class _AotBackend(KernelBackend):
         return run.results(tensors)
 
     def direct_lane(self, run: Ready, flat_slots: tuple) -> Optional[Callable[[tuple], Optional[tuple]]]:
-        """A plan that prepares nothing, reads no packed row count and returns only buffers, whose
-        tensors are all among the lane's arguments: the call's tensors picked by position and passed
-        to the op library as they are (after one test of their pointers' alignment). A template (a
-        class's: :class:`~flash_attn.backends._execute.PerCall`) runs as it is, each call's extents
-        read from its tensors and passed as row counts."""
+        """A plan that prepares nothing, draws no seed and returns only buffers, whose tensors are
+        all among the lane's arguments: the call's tensors picked by position and passed to the op
+        library as they are (after one test of their pointers' alignment), its packed row counts
+        (a varlen call's) read from them. A template (a class's:
+        :class:`~flash_attn.backends._execute.PerCall`) runs as it is, each call's extents read
+        from its tensors and passed as row counts."""
         launches = run.launches
         if type(launches) is _Template:
             launches = launches.per_call
-        if not run.fixed or launches.results is None or not set(launches.names) <= set(flat_slots):
+        if run.plan.prepare or run.plan.needs_seed or launches.results is None or \
+                not set(launches.names) <= set(flat_slots):
             return None
         pick, results = picker(tuple(flat_slots.index(n) for n in launches.names)), launches.results
         if not launches.rows:
@@ -365,7 +367,9 @@ class _AotBackend(KernelBackend):
 
 def _flat_extents(rows: tuple, flat_slots: tuple) -> Optional[Callable[[tuple], tuple]]:
     """``flat -> the numbers of rows`` where every one of ``rows`` is an extent of a tensor among a
-    lane's flat arguments (``flat_slots``: the slot at each position), else ``None``."""
+    lane's flat arguments (``flat_slots``: the slot at each position) or its packed row count (its
+    dim 0), else ``None``."""
+    rows = tuple(P.Extent(r.slot, 0) if isinstance(r, P.Rows) else r for r in rows)
     if not all(isinstance(r, P.Extent) and r.slot in flat_slots for r in rows):
         return None
     positions = tuple(dict.fromkeys(flat_slots.index(r.slot) for r in rows))  # each tensor read once

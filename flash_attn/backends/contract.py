@@ -73,11 +73,12 @@ class HeldLanes(NamedTuple):
 
     ``runner()``: ``run``, asked when a lane is held (the backend has loaded what runs it then):
     ``run(key, tensors)`` gives the results of the lane held under ``key`` that ``tensors`` (a
-    sequence) fit (its ``results``, in order), or an empty list (none fits). ``holdable(op, call, slots, results)``: what :attr:`hold` takes
-    to hold the plan of ``op`` for checked signature ``call`` that the backend's direct lane last
-    ran on this thread, if the tensors it passes are among ``slots`` (the public function's, in its
-    order) and ``results`` (slot names) are among its buffers, each contiguous (the lane returns
-    them alone, in this order); else ``None``.
+    sequence) fit (its ``results``, in order), or an empty list (none fits).
+    ``holdable(op, call, slots, results)``: what :attr:`hold` takes to hold the plan of ``op``
+    for checked signature ``call`` that the backend's direct lane last ran on this thread, if the
+    tensors it passes are among ``slots`` (the public function's, in its order) and ``results``
+    (slot names) are among its buffers, each contiguous (the lane returns them alone, in this
+    order); else ``None``.
     ``hold(key, holdable, tensors)``: hold it under ``key``, for tensors like ``tensors`` passed in
     the order of ``slots``. ``clear()``: forget every lane held. ``forget_run()``: forget the
     direct lane's last run on this thread (as reading it with ``holdable`` does)."""

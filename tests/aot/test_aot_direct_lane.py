@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flash_attn import dispatch, flash_attn_func, flash_attn_with_kvcache
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.backends import aot
 from support.aot_stub import bf16 as _bf16, misaligned as _misaligned, stub  # noqa: F401  (stub: a fixture)
 
@@ -57,6 +57,37 @@ def test_a_training_steps_backward_passes_its_own_tensors_and_gets_the_buffers(s
     assert [any(p is t for p in passed) for t in (dout, q, k, v)] == [True] * 4
     assert any(p.data_ptr() == out.data_ptr() for p in passed)  # out as saved (a new handle on its memory)
     assert [any(g is m for m in made) for g in grads] == [True] * 3 and [g.shape for g in grads] == [q.shape] * 3
+
+
+def test_a_packed_steps_later_calls_pass_their_own_tensors_and_row_counts(stub, monkeypatch):
+    """A varlen call's plan reads its packed row counts (total q and k rows): its direct lane reads
+    them from the call's tensors (their dim 0), passing cu_seqlens and the rest by position; a
+    batch of other totals is another signature (the known route, then its own lane)."""
+    calls, _ = stub
+    rows = []
+    real_launch = aot._launch
+    monkeypatch.setattr(aot, "_launch", lambda launches, passed, r: rows.append(tuple(r)) or real_launch(
+        launches, passed, r))
+    by_slot = []
+    real_slots = aot.slots
+    monkeypatch.setattr(aot, "slots", lambda *a: by_slot.append(1) or real_slots(*a))
+    for total_q, total_k in ((50, 70), (33, 41)):
+        cu_q = torch.tensor([0, 20, total_q], dtype=torch.int32)
+        cu_k = torch.tensor([0, 30, total_k], dtype=torch.int32)
+        q = _bf16(total_q, 4, 64).requires_grad_()
+        k, v = (_bf16(total_k, 2, 64, seed=s).requires_grad_() for s in (1, 2))
+        dout = _bf16(total_q, 4, 64, seed=3)
+        for _ in range(3):
+            by_slot.clear()
+            out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 40, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+        assert by_slot == []  # the third step: forward and backward on their direct lanes
+        assert rows[-2] == (total_q,) and rows[-1] == (total_q, total_k)  # read from q's and k's dim 0
+        forward, backward = calls[-2:]
+        assert [any(p is t for p in forward[1]) for t in (q, k, v, cu_q, cu_k)] == [True] * 5
+        assert [any(p is t for p in backward[1]) for t in (dout, q, k, v, cu_q, cu_k)] == [True] * 6
+        assert forward[2][0] is out and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        assert [any(g is m for m in backward[2]) for g in grads] == [True] * 3
 
 
 def test_a_misaligned_call_of_the_same_signature_leaves_the_lane(stub):

@@ -522,8 +522,8 @@ def test_a_held_lane_returns_the_calls_results_alone(ops, toy):
     from flash_attn.planning.layouts import Buffer  # noqa: PLC0415
     from flash_attn.planning.plan import Q_ROWS  # noqa: PLC0415
 
-    written = _plan((toy, [2], ["acc"], [16], [1.0]), (toy, [1], ["res"], [16], [1.0]), (toy, [1], ["tmp"], [16], [1.0]),
-                    (toy, [1], ["x"], [16], [1.0]),
+    written = _plan((toy, [2], ["acc"], [16], [1.0]), (toy, [1], ["res"], [16], [1.0]),
+                    (toy, [1], ["tmp"], [16], [1.0]), (toy, [1], ["x"], [16], [1.0]),
                     buffers=(Buffer("acc", (32,), torch.float32), Buffer("res", (8,), torch.float32),
                              Buffer("tmp", (16,), torch.float32)), results=("res", "acc"))
     x = torch.zeros(4, 64)
