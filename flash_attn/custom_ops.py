@@ -481,17 +481,18 @@ class _Attention(torch.autograd.Function):
 
 class _HeldAttention(torch.autograd.Function):
     """:class:`_Attention` for a training call whose lanes its backend holds
-    (:class:`flash_attn.dispatch.HeldTraining`, the last input): the forward and, once held, the
-    backward each one call of the backend, which compares the tensors with the call it held; a
-    call it does not take leaves the forward to the public function's general route
-    (:class:`HeldRefused`), the backward to the general backward route."""
+    (:class:`flash_attn.dispatch.HeldTraining`, the input after q, k, v; a varlen call's
+    cu_seqlens after it): the forward and, once held, the backward each one call of the backend,
+    which compares the tensors with the call it held; a call it does not take leaves the forward
+    to the public function's general route (:class:`HeldRefused`), the backward to the general
+    backward route."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lanes):
-        made = lanes.forward((q, k, v))
+    def forward(ctx, q, k, v, lanes, *packed):
+        made = lanes.forward((q, k, v, *packed))
         if made is None:
             raise HeldRefused
-        ctx.save_for_backward(q, k, v, made[0], made[1])
+        ctx.save_for_backward(q, k, v, made[0], made[1], *packed)
         ctx.lanes = lanes
         return made[0]
 
@@ -504,21 +505,28 @@ class _HeldAttention(torch.autograd.Function):
         if type(dout) is Tensor and not dout.is_meta and not _grad_enabled() and not _traced():
             made = lanes.backward((dout, *saved))
             if made is not None:
-                return made[0], made[1], made[2], None
+                return made[0], made[1], made[2], *_NO_GRADS_HELD[:len(saved) - 4]
         dq, dk, dv = lanes.general_backward(
-            lambda: _gradients((*saved, *_NO_TENSORS), lanes.scalars, lanes.deterministic, lanes.call, dout),
+            lambda: _gradients((*saved, *_NO_TENSORS[len(saved) - 5:]), lanes.scalars, lanes.deterministic,
+                               lanes.call, dout),
             (dout, *saved))[:3]
-        return dq, dk, dv, None
+        return dq, dk, dv, *_NO_GRADS_HELD[:len(saved) - 4]
 
 
 _NO_TENSORS = (None,) * 7  # a saved record's tensors after lse (_setup_context's), none in a held call's
+# a held record's gradients after dq, dk, dv: none for its lanes and a varlen call's cu_seqlens (the
+# saved tensors past lse), taken as _NO_GRADS_HELD[:len(saved) - 4]
+_NO_GRADS_HELD = (None,) * 3
 
 
-def held_training(q: Tensor, k: Tensor, v: Tensor, lanes) -> Tensor:
-    """``out`` of a training call of :func:`flash_attn.flash_attn_func` (plain q, k, v, one of
-    which requires grad, in grad mode) by its held lanes (:class:`flash_attn.dispatch.HeldTraining`),
-    recorded by :class:`_HeldAttention`; raises :class:`HeldRefused` where the lane does not take it."""
-    return _apply_held(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lanes)
+def held_training(tensors: tuple, lanes) -> Tensor:
+    """``out`` of a training call of :func:`flash_attn.flash_attn_func` or
+    :func:`~flash_attn.flash_attn_varlen_func` (plain ``tensors``: q, k, v, one of which requires
+    grad, in grad mode, and a varlen call's cu_seqlens) by its held lanes
+    (:class:`flash_attn.dispatch.HeldTraining`), recorded by :class:`_HeldAttention`; raises
+    :class:`HeldRefused` where the lane does not take it."""
+    q, k, v, *packed = tensors
+    return _apply_held(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lanes, *packed)
 
 
 class HeldRefused(Exception):

@@ -451,7 +451,7 @@ def _held_entry(tag: str, scalars: tuple, shapes: tuple):
         found = held.get((tag, scalars, _types(scalars), shapes))
     except TypeError:  # an unhashable scalar (a list): no held lane
         return None
-    return None if found is None or _traced() else found
+    return None if found is None or found is _MET or _traced() else found
 
 
 def _held_made(name: str, run: Callable, key: int, tensors) -> Optional[list]:
@@ -470,12 +470,15 @@ def _held_made(name: str, run: Callable, key: int, tensors) -> Optional[list]:
 
 
 def hold_held(tag: str, op: str, call, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple,
-              results: tuple) -> None:
+              results: tuple, repeated: bool = False) -> None:
     """After an eager call of public function ``tag`` with checked signature ``call``, nothing
     recorded: where the backend that ran it holds lanes (``Backend.held``) and its direct lane ran
     the call's ``op``, have it hold that plan for the later calls of ``tag`` with these ``scalars``
     and tensors like ``tensors`` (the slot of each: ``slots``) of ``shapes`` (:func:`run_held`),
-    whose results are ``results`` (slot names: the lane returns these alone)."""
+    whose results are ``results`` (slot names: the lane returns these alone); with ``repeated``,
+    from the second time these arguments are met (:func:`_met_first`)."""
+    if repeated and _met_first(tag, scalars, shapes):
+        return
     found = _held_plan(op, call, slots, results)
     if found is not None:
         _keep_held(tag, scalars, shapes, found, tensors, lambda key, _: (found[0], found[1].runner(), key))
@@ -507,14 +510,45 @@ def _keep_held(tag: str, scalars: tuple, shapes: tuple, found: tuple, tensors: t
         before = kept.get(signature)
     except TypeError:
         return
-    if before is None or before[0] != name:
+    if before is None or before is _MET or before[0] != name:
         before = None
     key = next(_held_keys) if before is None else before[2]
     if len(kept) >= HELD_LIMIT:  # (then forgotten all at once, on both sides)
-        kept.clear()
-        held.clear()
+        _forget_held(kept)
     held.hold(key, plan, tensors)
     kept[signature] = entry(key, before)
+
+
+def _met_first(tag: str, scalars: tuple, shapes: tuple) -> bool:
+    """Whether these arguments of ``tag`` are met for the first time under the current settings (then
+    they are remembered as met, :data:`_MET`: a held lane is made only for arguments met again, a
+    packed batch's in a model's later layers), the direct lane's last run on this thread forgotten."""
+    try:
+        signature = (tag, scalars, _types(scalars), shapes)
+        setting = (_backend_setting(), _strict_setting(), _HELD)
+        kept = _chains.get(setting)
+        if kept is None:
+            kept = _chains[setting] = {}
+        if signature in kept:
+            return False
+    except TypeError:
+        return False
+    if len(kept) >= HELD_LIMIT:
+        _forget_held(kept)
+    kept[signature] = _MET
+    name = getattr(_thread, "backend", None)
+    backend = None if name is None else _load(name)[0]
+    if backend is not None and backend.held is not None:
+        backend.held.forget_run()
+    return True
+
+
+def _forget_held(kept: dict) -> None:
+    """Forget every held lane under one settings (past :data:`HELD_LIMIT`), on the backends' side too."""
+    kept.clear()
+    for backend, _ in list(_loaded.values()):
+        if backend is not None and backend.held is not None:
+            backend.held.clear()
 
 
 class HeldTraining(NamedTuple):
@@ -522,7 +556,8 @@ class HeldTraining(NamedTuple):
     the forward's under ``key``, returning out and lse, and once a backward ran its direct lane,
     the backward's (under ``backward_keys[0]``; it returns dq, dk, dv); with the call's checked
     signature ``call``, ``scalars``, the forward op's scalars after its tensors up to dropout_p, and
-    ``deterministic`` (what the general backward route takes)."""
+    ``deterministic`` (what the general backward route takes), and ``backward_slots``, the slots of
+    the backward's tensors (:data:`TRAINING_BACKWARD_SLOTS`, then a varlen call's cu_seqlens)."""
 
     name: str
     run: Callable
@@ -531,24 +566,26 @@ class HeldTraining(NamedTuple):
     scalars: tuple
     deterministic: bool
     backward_keys: list
+    backward_slots: tuple
 
     def forward(self, tensors: tuple) -> Optional[list]:
-        """The forward's results (out, lse) for ``tensors`` (q, k, v), or ``None`` (left to the usual route)."""
+        """The forward's results (out, lse) for ``tensors`` (q, k, v, a varlen call's cu_seqlens), or
+        ``None`` (left to the usual route)."""
         return _held_made(self.name, self.run, self.key, tensors)
 
     def backward(self, tensors: tuple) -> Optional[list]:
-        """The backward's results (dq, dk, dv) for ``tensors`` (dout, q, k, v, out, lse), or ``None``."""
+        """The backward's results (dq, dk, dv) for ``tensors`` (by :attr:`backward_slots`), or ``None``."""
         keys = self.backward_keys
         return None if not keys or _failed else _held_made(self.name, self.run, keys[0], tensors)
 
     def general_backward(self, gradients: Callable[[], tuple], tensors: tuple) -> tuple:
         """``gradients()``, the general backward route of this call with gradient and saved tensors
-        ``tensors`` (dout, q, k, v, out, lse); where it ran its backend's direct lane, that plan is
+        ``tensors`` (by :attr:`backward_slots`); where it ran its backend's direct lane, that plan is
         held for later gradients like these (:meth:`backward`)."""
         held = _load(self.name)[0].held
         held.forget_run()  # (a run of another call's backward is not this one's)
         result = gradients()
-        plan = held.holdable("backward", self.call, TRAINING_BACKWARD_SLOTS, ("dq", "dk", "dv"))
+        plan = held.holdable("backward", self.call, self.backward_slots, ("dq", "dk", "dv"))
         if plan is not None and getattr(_thread, "backend", None) == self.name:
             keys = self.backward_keys
             if not keys:
@@ -557,7 +594,8 @@ class HeldTraining(NamedTuple):
         return result
 
 
-TRAINING_BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse")  # the order of HeldTraining.backward's tensors
+# the order of HeldTraining.backward's tensors (a varlen call's cu_seqlens after them)
+TRAINING_BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse")
 
 
 def held_training(tag: str, scalars: tuple, shapes: tuple) -> Optional[HeldTraining]:
@@ -568,15 +606,17 @@ def held_training(tag: str, scalars: tuple, shapes: tuple) -> Optional[HeldTrain
 
 
 def hold_training(tag: str, call, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple, op_scalars: tuple,
-                  deterministic: bool) -> None:
+                  deterministic: bool, repeated: bool = False) -> None:
     """:func:`hold_held` for a training call (an eager call without dropout whose forward autograd
     recorded): the forward's plan returning out and lse, kept as a :class:`HeldTraining` with
     ``op_scalars`` (the forward op's scalars after the tensors, up to dropout_p) and ``deterministic``."""
+    if repeated and _met_first(tag, scalars, shapes):
+        return
     found = _held_plan("forward", call, slots, ("out", "lse"))
     if found is not None:
         _keep_held(tag, scalars, shapes, found, tensors, lambda key, before: HeldTraining(
             found[0], found[1].runner(), key, call, op_scalars, deterministic,
-            before.backward_keys if type(before) is HeldTraining else []))
+            before.backward_keys if type(before) is HeldTraining else [], (*TRAINING_BACKWARD_SLOTS, *slots[3:])))
 
 
 def _types(scalars: tuple) -> tuple:
@@ -586,6 +626,7 @@ def _types(scalars: tuple) -> tuple:
 
 
 _HELD = "held"  # (settings, _HELD): the held lanes' keys beside the chains
+_MET = ("met once",)  # what is kept for arguments met once that are held only when repeated (_keep_held)
 HELD_LIMIT = CHECKED_LIMIT  # held signatures per settings (then all forgotten)
 _held_keys = itertools.count()  # never reused: a forgotten key's lanes are never run
 _traced = validation.traced

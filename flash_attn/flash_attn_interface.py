@@ -264,35 +264,55 @@ def flash_attn_func(
     if plain:  # a call whose whole route the backend holds: its checks passed before
         shapes = (q.shape, k.shape, v.shape)  # (a growing cache's new key length finds none)
         record = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if not record:
-            made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)
-            if made is not None:
-                return made[0]
-        else:
-            lanes = dispatch.held_training(_TRAINING, scalars, shapes)
-            if lanes is not None:
-                try:
-                    return custom_ops.held_training(q, k, v, lanes)
-                except custom_ops.HeldRefused:
-                    pass
+        out = _held_out("flash_attn_func", (q, k, v), scalars, shapes, record)
+        if out is not None:
+            return out
     # a new key length of a known layout (a growing KV cache) shares its class's checks (_key_length_class)
     options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink), scalars,
                                             _dense_checks, _key_length_class, own_keys=True)
     out = _attention(q, k, v, None, None, q.shape[1], k.shape[1], None, alibi_slopes, options, qv, learnable_sink,
                      call)
     if plain and type(call) is int and return_attn_probs is False:
-        if not record:
-            dispatch.hold_held("flash_attn_func", "forward", call, (q, k, v), ("q", "k", "v"), scalars, shapes,
-                               ("out",))
-        else:
-            scale, left, right, softcap, dropout, _, deterministic = options
-            if dropout == 0.0:
-                dispatch.hold_training(_TRAINING, call, (q, k, v), ("q", "k", "v"), scalars, shapes,
-                                       (q.shape[1], k.shape[1], scale, left, right, softcap, 0.0), deterministic)
+        _hold("flash_attn_func", call, (q, k, v), _DENSE_SLOTS, scalars, shapes, record, options,
+              (q.shape[1], k.shape[1]))
     return out
 
 
-_TRAINING = "flash_attn_func, training"  # the held lanes' tag of its training calls
+def _held_out(tag: str, tensors: tuple, scalars: tuple, shapes: tuple, record: bool) -> Optional[torch.Tensor]:
+    """``out`` of a call of public function ``tag`` (plain ``tensors``: q, k, v and a varlen
+    call's cu_seqlens) by the lanes a backend holds for it (:func:`_hold`), or ``None``: none
+    held, or none takes the call (the public function then takes its checked route)."""
+    if not record:
+        made = dispatch.run_held(tag, tensors, scalars, shapes)
+        return None if made is None else made[0]
+    lanes = dispatch.held_training(tag + _TRAINING, scalars, shapes)
+    if lanes is None:
+        return None
+    try:
+        return custom_ops.held_training(tensors, lanes)
+    except custom_ops.HeldRefused:
+        return None
+
+
+def _hold(tag: str, call: int, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple, record: bool,
+          options: tuple, max_seqlens: tuple, repeated: bool = False) -> None:
+    """After the checked route of a plain call of ``tag`` (checked signature ``call``, its
+    ``options``, the longest lengths ``max_seqlens``) without S_dmask: have the backend that ran it
+    hold its lanes for the later calls :func:`_held_out` looks up (an inference call's forward;
+    a training call's without dropout, with its backward once one has run); with ``repeated``,
+    from the second call of these arguments (a packed batch: its first layer's call is its only
+    one in most models' first layer, the later layers' repeat it)."""
+    if not record:
+        dispatch.hold_held(tag, "forward", call, tensors, slots, scalars, shapes, ("out",), repeated)
+        return
+    scale, left, right, softcap, dropout, _, deterministic = options
+    if dropout == 0.0:
+        dispatch.hold_training(tag + _TRAINING, call, tensors, slots, scalars, shapes,
+                               (*max_seqlens, scale, left, right, softcap, 0.0), deterministic, repeated)
+
+
+_TRAINING = ", training"  # the held lanes' tag of a public function's training calls: its name and this
+_DENSE_SLOTS, _VARLEN_SLOTS = ("q", "k", "v"), ("q", "k", "v", "cu_q", "cu_k")  # the held lanes' tensors
 
 
 _Tensor, _grad_enabled = torch.Tensor, torch.is_grad_enabled
@@ -384,6 +404,20 @@ def flash_attn_varlen_func(
         out ``(total_q, nheads, headdim_v)``; with ``return_attn_probs`` also softmax_lse float32
         ``(nheads, total_q)`` and S_dmask float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)``.
     """
+    # held lanes: plain tensors without a block table, ALiBi, qv or sinks; the longest lengths ints
+    # (a 0-d tensor's value is no key: it may change in place)
+    plain = block_table is None and alibi_slopes is None and qv is None and learnable_sink is None and \
+        type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(q) is _Tensor and type(k) is _Tensor and \
+        type(v) is _Tensor and type(cu_seqlens_q) is _Tensor and type(cu_seqlens_k) is _Tensor
+    if plain:  # a packed batch whose whole route the backend holds (a model's later layers): its checks passed before
+        scalars = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                   return_attn_probs)
+        tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+        shapes = (q.shape, k.shape, v.shape, cu_seqlens_q.shape, cu_seqlens_k.shape)
+        record = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        out = _held_out("flash_attn_varlen_func", tensors, scalars, shapes, record)
+        if out is not None:
+            return out
     exact = bool(return_attn_probs)
     max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
                                                                exact=exact)
@@ -394,8 +428,12 @@ def flash_attn_varlen_func(
         "flash_attn_varlen_func", (q, qv, k, v, cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, learnable_sink),
         (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
          return_attn_probs), _varlen_checks, None if exact else _batch_signature)
-    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-                      options, qv, learnable_sink, call)
+    out = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+                     options, qv, learnable_sink, call)
+    if plain and type(call) is int and return_attn_probs is False:
+        _hold("flash_attn_varlen_func", call, tensors, _VARLEN_SLOTS, scalars, shapes, record, options,
+              (max_seqlen_q, max_seqlen_k), repeated=True)
+    return out
 
 
 def flash_attn_varlen_qkvpacked_func(

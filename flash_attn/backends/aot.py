@@ -26,7 +26,7 @@ from __future__ import annotations
 import array
 import re
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -362,6 +362,8 @@ class _AotBackend(KernelBackend):
             passed = pick(flat)
             return results(_launch(launches, passed, numbers(flat))) if _all_aligned(passed) else None
 
+        if all(isinstance(r, P.Rows) for r in launches.rows):  # a varlen call's: held with its row counts in place
+            direct_with_extents.launches = launches
         return direct_with_extents
 
 
@@ -377,31 +379,59 @@ def _flat_extents(rows: tuple, flat_slots: tuple) -> Optional[Callable[[tuple], 
     return lambda flat: read([(flat[at].shape, flat[at].stride()) for at in positions])
 
 
-def _holdable(op: str, call, slots: tuple, results: tuple) -> Optional[torch.Tensor]:
+def _holdable(op: str, call, slots: tuple, results: tuple):
     """:class:`~flash_attn.backends.contract.HeldLanes`'s ``holdable``: the plan of the last direct
     lane run on this thread (``op``'s, for ``call``: its signature and the pointers' alignment decide
     it; every tensor it passes among ``slots``, ``results`` among its buffers, none a view of wider
     storage: the op library returns them as they are), written for tensors in the order of
     ``slots`` and to make ``results`` first, the other buffers its scratch (a lane returns
-    ``results`` alone), or ``None``."""
+    ``results`` alone), or ``None``. A plan reading packed row counts (a varlen call's) is written
+    when held, the held call's row counts in place (:class:`_RowsInPlace`: a held lane's tensors
+    have the held call's shapes)."""
     ran = last_direct_run()
     if ran is None or ran[0] != op or ran[1] != call:
         return None
     launches = ran[2].launches
-    if not set(launches.names) <= set(slots):
+    if not set(launches.names) <= set(slots) or not all(r.slot in slots for r in launches.rows):
         return None
     buffers = {b.slot: b for b in launches.buffers}
     if not set(results) <= buffers.keys() or any(buffers[r].storage != buffers[r].shape for r in results):
         return None
-    if launches.names == slots and launches.made[:len(results)] == results and launches.returned == results:
+    if not launches.rows and launches.names == slots and launches.made[:len(results)] == results and \
+            launches.returned == results:
         return launches.plan
     ordered = (*(buffers[r] for r in results), *(b for b in launches.buffers if b.slot not in results))
     unused = frozenset(s for p in launches.packed for s in p.slots) - set(launches.names) - set(launches.made)
-    return _launches(launches.packed, unused, ordered, results, inputs=slots).plan
+    if not launches.rows:
+        return _launches(launches.packed, unused, ordered, results, inputs=slots).plan
+    return _RowsInPlace(launches.packed, unused, ordered, results, slots,
+                        tuple((r, slots.index(r.slot)) for r in launches.rows))
 
 
-def _hold(key: int, plan: torch.Tensor, tensors: tuple) -> None:
-    """:class:`~flash_attn.backends.contract.HeldLanes`'s ``hold``: ``aot_lane_hold``."""
+class _RowsInPlace(NamedTuple):
+    """A held plan that reads packed row counts, written by :func:`_hold` with the held call's
+    (the dim 0 of its tensor at position ``at`` for each row count) in place of each."""
+
+    packed: tuple
+    unused: frozenset
+    buffers: tuple
+    results: tuple
+    slots: tuple
+    rows: tuple  # (P.Rows, its tensor's position among ``slots``)
+
+    def written(self, tensors: tuple) -> torch.Tensor:
+        numbers = {r: tensors[at].shape[0] for r, at in self.rows}
+        number = lambda v: numbers[v] if isinstance(v, P.Rows) else v  # noqa: E731
+        packed = tuple(p._replace(ints=[number(v) for v in p.ints]) for p in self.packed)
+        buffers = tuple(replace(b, shape=tuple(map(number, b.shape))) for b in self.buffers)
+        return _launches(packed, self.unused, buffers, self.results, inputs=self.slots).plan
+
+
+def _hold(key: int, plan, tensors: tuple) -> None:
+    """:class:`~flash_attn.backends.contract.HeldLanes`'s ``hold``: ``aot_lane_hold`` (a plan
+    :func:`_holdable` left to write, written for ``tensors`` first)."""
+    if type(plan) is _RowsInPlace:
+        plan = plan.written(tensors)
     _lane_ops()[0](key, plan, list(tensors))
 
 

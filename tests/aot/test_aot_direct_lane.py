@@ -62,8 +62,10 @@ def test_a_training_steps_backward_passes_its_own_tensors_and_gets_the_buffers(s
 def test_a_packed_steps_later_calls_pass_their_own_tensors_and_row_counts(stub, monkeypatch):
     """A varlen call's plan reads its packed row counts (total q and k rows): its direct lane reads
     them from the call's tensors (their dim 0), passing cu_seqlens and the rest by position; a
-    batch of other totals is another signature (the known route, then its own lane)."""
+    batch of other totals is another signature (the known route, then its own lane). (No held
+    lanes here: they would take the later steps, test_aot_held_lanes.py's subject.)"""
     calls, _ = stub
+    monkeypatch.setattr(dispatch._load("aot")[0], "held", None)
     rows = []
     real_launch = aot._launch
     monkeypatch.setattr(aot, "_launch", lambda launches, passed, r: rows.append(tuple(r)) or real_launch(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_attn import dispatch, flash_attn_func
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func
 from flash_attn.aot import library as op_library
 from flash_attn.backends import aot
 from support.aot_buffers import read_plan
@@ -411,6 +411,75 @@ def test_held_training_lanes_are_forgotten_with_the_plans(held):
     assert _route_of_step(calls, q, k, v, dout) == ("_AttentionBackward", True, True)
 
 
+def _packed_batch(total_q=50, total_k=70, seed=0, requires_grad=False):
+    """A packed batch of two sequences: q, k, v, cu_seqlens_q and _k, its longest lengths, a gradient."""
+    cu_q = torch.tensor([0, 20, total_q], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, total_k], dtype=torch.int32)
+    q = bf16(total_q, 4, 64, seed=seed)
+    k, v = bf16(total_k, 2, 64, seed=seed + 1), bf16(total_k, 2, 64, seed=seed + 2)
+    if requires_grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+    return q, k, v, cu_q, cu_k, 30, 40, bf16(total_q, 4, 64, seed=seed + 3)
+
+
+def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held):
+    """A packed batch met again (a model's later layers) runs on a held lane: its plan is the
+    Python lane's with the batch's row counts in place (a held lane's tensors have the held
+    call's shapes), read once by the op library; a batch met once holds nothing (most batches:
+    a model's first layer); other cu_seqlens values of the same shapes run on the same lane (the
+    kernels read them on the device); other totals, another longest length, a block table or a
+    0-d tensor for the longest length take the Python route."""
+    from support.aot_buffers import launched_as  # noqa: PLC0415
+
+    calls, counted, holds = held
+    q, k, v, cu_q, cu_k, max_q, max_k, _ = _packed_batch()
+    outs = [flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True) for _ in range(5)]
+    assert len(holds) == 1 and len(calls) == 3  # held at the third call (met before; on the direct lane)
+    buffers, launches = launched_as(calls[-1][0], (50,))  # the Python lane's plan as run for these rows
+    held_buffers, held_launches = read_plan(holds[0][1], with_buffers=True)
+    assert held_launches == [dict(launch, rows=[]) for launch in launches]  # no row count read per call
+    assert [b["sizes"] for b in held_buffers] == [b["sizes"] for b in buffers] == [[50, 4, 64], [4, 50]]
+    assert [b["flags"] for b in held_buffers] == [0, 2]  # out returned, lse the call's scratch
+    assert all(o.shape == q.shape for o in outs) and len({o.data_ptr() for o in outs}) == 5
+    other_values = (torch.tensor([0, 7, 50], dtype=torch.int32), torch.tensor([0, 60, 70], dtype=torch.int32))
+    assert not _python_route(calls, lambda: flash_attn_varlen_func(q, k, v, *other_values, max_q, max_k,
+                                                                   causal=True))
+    for batch in (_packed_batch(total_q=51), _packed_batch(total_k=71)):
+        assert _python_route(calls, lambda: flash_attn_varlen_func(*batch[:7], causal=True))
+    assert _python_route(calls, lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 41, causal=True))
+    assert _python_route(calls, lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(max_q), max_k,
+                                                               causal=True))
+    before = len(holds)
+    for seed in range(4):  # new batches, each met once: nothing held for them
+        batch = _packed_batch(total_q=60 + seed, seed=seed)
+        flash_attn_varlen_func(*batch[:7], causal=True)
+    assert len(holds) == before
+
+
+def test_a_packed_batchs_later_training_steps_run_on_held_lanes(held):
+    """A packed batch's training steps, as a dense signature's: from its fourth step the forward on
+    a held lane (recorded by ``_HeldAttention``, cu_seqlens saved beside q, k, v, out and lse),
+    from the fifth the backward too (the general route's direct run held, the row counts in
+    place); the gradients of q's, k's and v's shapes."""
+    calls, counted, holds = held
+    q, k, v, cu_q, cu_k, max_q, max_k, dout = _packed_batch()
+    routes = []
+    for _ in range(5):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        before = len(calls)
+        out = flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=True)
+        forward = len(calls) > before
+        before = len(calls)
+        grads = torch.autograd.grad(out, leaves, dout)
+        routes.append((type(out.grad_fn).__name__, forward, len(calls) > before))
+        assert [g.shape for g in grads] == [t.shape for t in leaves]
+    assert routes == [("_AttentionBackward", True, True)] * 3 + [("_HeldAttentionBackward", False, True),
+                                                                 ("_HeldAttentionBackward", False, False)]
+    assert len(holds) == 2
+    for plan in (holds[0][1], holds[1][1]):
+        assert all(launch["rows"] == [] for launch in read_plan(plan))
+
+
 # --- on a GPU: the held lanes compute what the oracle does ----------------------------------------
 
 
@@ -554,3 +623,34 @@ def test_held_qkvpacked_training_steps_compute_what_the_oracle_does_on_gpu(monke
             check_close(leaf.grad[:, :, i], ref_grads[i], naive_grads[i], dtype, f"{name}, step {step}", grad=True,
                         floor=floor)
     assert records[3:] == ["_HeldAttentionBackward"] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_held_packed_training_steps_compute_what_the_oracle_does_on_gpu(monkeypatch, dtype):
+    """A packed batch's training steps (a model's layers: one batch, fresh values every step),
+    then the same shapes with other sequence bounds: from the fourth step on held lanes (the row
+    counts in the held plans, cu_seqlens read by the kernels); each step's out and dq, dk, dv
+    against the float64 oracle."""
+    from support.oracle import attention_varlen_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import backward_floor, check_close  # noqa: PLC0415
+
+    _gpu_aot_or_skip(monkeypatch)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    records = []
+    for step, bounds in enumerate([[0, 70, 130, 200]] * 6 + [[0, 10, 150, 200], [0, 100, 101, 200]]):
+        cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+        q = torch.randn(200, 4, 64, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(200, 2, 64, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+        dout = torch.randn(200, 4, 64, device="cuda", dtype=dtype, generator=g)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_varlen_func(*leaves, cu, cu, 140, 140, causal=True)  # one longest length bounds all
+        out.backward(dout)
+        records.append(type(out.grad_fn).__name__)
+        ref, ref_grads, naive, naive_grads = oracle_pair(attention_varlen_ref, [q, k, v], dout, cu_q=bounds,
+                                                         cu_k=bounds, causal=True)
+        floor = backward_floor(q, k, v, dout)
+        check_close(out, ref.out, naive.out, dtype, f"out, step {step}")
+        for t, want, approx, name in zip(leaves, ref_grads, naive_grads, ("dq", "dk", "dv")):
+            check_close(t.grad, want, approx, dtype, f"{name}, step {step}", grad=True, floor=floor)
+    assert records[3:] == ["_HeldAttentionBackward"] * 5

@@ -997,15 +997,22 @@ def test_overhead_stage_breakdown_nests_the_stages(stubbed_launches):
         # the later calls: the held lane alone
         assert [(r["depth"], r["stage"]) for r in overhead.stage_breakdown(calls[case], calls=20, repeats=1)] == [
             (0, "the whole call"), (1, held)]
-    # packed training (a new batch every call, and the same batch in a later layer): both ops on
-    # the signature's route
-    for case in ("packed training", "packed training, later layer"):
-        calls[case]()
-        rows = overhead.stage_breakdown(calls[case], calls=20, repeats=3)
-        names = [(r["depth"], r["stage"]) for r in rows]
-        assert (2, "dispatch, the plan held for the signature (forward)") in names
-        assert any(stage == "dispatch, the plan held for the signature (backward)" for _, stage in names)
-        assert not any("plan lookup" in name for _, name in names)
+    # packed training, a new batch every call: both ops on the signature's route
+    calls["packed training"]()
+    rows = overhead.stage_breakdown(calls["packed training"], calls=20, repeats=3)
+    names = [(r["depth"], r["stage"]) for r in rows]
+    assert (2, "dispatch, the plan held for the signature (forward)") in names
+    assert any(stage == "dispatch, the plan held for the signature (backward)" for _, stage in names)
+    assert not any("plan lookup" in name for _, name in names)
+    # ... and the same batch again (a later layer), from its fifth step: the held training lanes
+    for _ in range(4):
+        calls["packed training, later layer"]()
+    rows = overhead.stage_breakdown(calls["packed training, later layer"], calls=20, repeats=3)
+    assert [(r["depth"], r["stage"]) for r in rows] == [
+        (0, "the whole call"), (1, "dispatch, the training call's held lanes looked up"),
+        (1, "custom op entry, the training call's held lanes (its autograd record)"),
+        (2, "the held forward's op library call (metadata compared, buffers made, launches checked)"),
+        (1, "the held backward's op library call (metadata compared, buffers made, launches checked)")]
 
 
 def test_overhead_stage_breakdown_of_the_general_route(stubbed_launches, monkeypatch):
