@@ -405,10 +405,12 @@ def flash_attn_varlen_func(
         ``(nheads, total_q)`` and S_dmask float32 ``(batch, nheads, max_seqlen_q, max_seqlen_k)``.
     """
     # held lanes: plain tensors without a block table, ALiBi, qv or sinks; the longest lengths ints
-    # (a 0-d tensor's value is no key: it may change in place)
+    # (a 0-d tensor's value is no key: it may change in place); cu_seqlens' values not checked on the
+    # host (CPU tensors, FLASH_ATTN_DEBUG: read per call)
     plain = block_table is None and alibi_slopes is None and qv is None and learnable_sink is None and \
         type(max_seqlen_q) is int and type(max_seqlen_k) is int and type(q) is _Tensor and type(k) is _Tensor and \
-        type(v) is _Tensor and type(cu_seqlens_q) is _Tensor and type(cu_seqlens_k) is _Tensor
+        type(v) is _Tensor and type(cu_seqlens_q) is _Tensor and type(cu_seqlens_k) is _Tensor and \
+        not custom_ops._checks_values(q)
     if plain:  # a packed batch whose whole route the backend holds (a model's later layers): its checks passed before
         scalars = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                    return_attn_probs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func
+from flash_attn import dispatch, flash_attn_func, flash_attn_varlen_func, validation
 from flash_attn.aot import library as op_library
 from flash_attn.backends import aot
 from support.aot_buffers import read_plan
@@ -427,8 +427,9 @@ def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held
     Python lane's with the batch's row counts in place (a held lane's tensors have the held
     call's shapes), read once by the op library; a batch met once holds nothing (most batches:
     a model's first layer); other cu_seqlens values of the same shapes run on the same lane (the
-    kernels read them on the device); other totals, another longest length, a block table or a
-    0-d tensor for the longest length take the Python route."""
+    kernels read them on the device); other totals, another longest length or a 0-d tensor for
+    the longest length take the Python route, and so does every call while
+    ``FLASH_ATTN_DEBUG`` has the values checked on the host."""
     from support.aot_buffers import launched_as  # noqa: PLC0415
 
     calls, counted, holds = held
@@ -449,6 +450,9 @@ def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held
     assert _python_route(calls, lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 41, causal=True))
     assert _python_route(calls, lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, torch.tensor(max_q), max_k,
                                                                causal=True))
+    with pytest.MonkeyPatch.context() as debug:  # the values checked on the host: every call
+        debug.setenv(validation.DEBUG_ENV, "1")
+        assert _python_route(calls, lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True))
     before = len(holds)
     for seed in range(4):  # new batches, each met once: nothing held for them
         batch = _packed_batch(total_q=60 + seed, seed=seed)
