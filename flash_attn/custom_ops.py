@@ -481,52 +481,77 @@ class _Attention(torch.autograd.Function):
 
 class _HeldAttention(torch.autograd.Function):
     """:class:`_Attention` for a training call whose lanes its backend holds
-    (:class:`flash_attn.dispatch.HeldTraining`, the input after q, k, v; a varlen call's
-    cu_seqlens after it): the forward and, once held, the backward each one call of the backend,
-    which compares the tensors with the call it held; a call it does not take leaves the forward
-    to the public function's general route (:class:`HeldRefused`), the backward to the general
-    backward route."""
+    (:class:`flash_attn.dispatch.HeldTraining`, the input after q, k, v): the forward and, once
+    held, the backward each one call of the backend, which compares the tensors with the call it
+    held; a call it does not take leaves the forward to the public function's general route
+    (:class:`HeldRefused`), the backward to the general backward route. (Its gradients are
+    returned as a literal tuple: a tuple built by unpacking cost ~1 us a step here, measured.)"""
 
     @staticmethod
-    def forward(ctx, q, k, v, lanes, *packed):
-        made = lanes.forward((q, k, v, *packed))
+    def forward(ctx, q, k, v, lanes):
+        made = lanes.forward((q, k, v))
         if made is None:
             raise HeldRefused
-        ctx.save_for_backward(q, k, v, made[0], made[1], *packed)
+        ctx.save_for_backward(q, k, v, made[0], made[1])
         ctx.lanes = lanes
         return made[0]
 
     @staticmethod
     def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        lanes = ctx.lanes
-        # _eager_backward for a held call (its signature checked, nothing but q, k, v recorded), where
-        # grad mode on (create_graph) goes through the op whether or not q, k or v still require grad
-        if type(dout) is Tensor and not dout.is_meta and not _grad_enabled() and not _traced():
-            made = lanes.backward((dout, *saved))
-            if made is not None:
-                return made[0], made[1], made[2], *_NO_GRADS_HELD[:len(saved) - 4]
-        dq, dk, dv = lanes.general_backward(
-            lambda: _gradients((*saved, *_NO_TENSORS[len(saved) - 5:]), lanes.scalars, lanes.deterministic,
-                               lanes.call, dout),
-            (dout, *saved))[:3]
-        return dq, dk, dv, *_NO_GRADS_HELD[:len(saved) - 4]
+        dq, dk, dv = _held_gradients(ctx, dout)
+        return dq, dk, dv, None
+
+
+class _HeldPackedAttention(torch.autograd.Function):
+    """:class:`_HeldAttention` for a varlen call: its cu_seqlens_q and _k after the lanes, passed
+    to them and saved beside q, k, v, out and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lanes, cu_seqlens_q, cu_seqlens_k):
+        made = lanes.forward((q, k, v, cu_seqlens_q, cu_seqlens_k))
+        if made is None:
+            raise HeldRefused
+        ctx.save_for_backward(q, k, v, made[0], made[1], cu_seqlens_q, cu_seqlens_k)
+        ctx.lanes = lanes
+        return made[0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = _held_gradients(ctx, dout)
+        return dq, dk, dv, None, None, None
+
+
+def _held_gradients(ctx, dout) -> tuple:
+    """dq, dk, dv of a held record: by the backward's held lane, or the general backward route."""
+    saved = ctx.saved_tensors
+    lanes = ctx.lanes
+    # _eager_backward for a held call (its signature checked, nothing but q, k, v recorded), where
+    # grad mode on (create_graph) goes through the op whether or not q, k or v still require grad
+    if type(dout) is Tensor and not dout.is_meta and not _grad_enabled() and not _traced():
+        made = lanes.backward((dout, *saved))
+        if made is not None:
+            return made
+    return lanes.general_backward(
+        lambda: _gradients((*saved, *_NO_TENSORS[len(saved) - 5:]), lanes.scalars, lanes.deterministic, lanes.call,
+                           dout),
+        (dout, *saved))[:3]
 
 
 _NO_TENSORS = (None,) * 7  # a saved record's tensors after lse (_setup_context's), none in a held call's
-# a held record's gradients after dq, dk, dv: none for its lanes and a varlen call's cu_seqlens (the
-# saved tensors past lse), taken as _NO_GRADS_HELD[:len(saved) - 4]
-_NO_GRADS_HELD = (None,) * 3
 
 
-def held_training(tensors: tuple, lanes) -> Tensor:
-    """``out`` of a training call of :func:`flash_attn.flash_attn_func` or
-    :func:`~flash_attn.flash_attn_varlen_func` (plain ``tensors``: q, k, v, one of which requires
-    grad, in grad mode, and a varlen call's cu_seqlens) by its held lanes
-    (:class:`flash_attn.dispatch.HeldTraining`), recorded by :class:`_HeldAttention`; raises
-    :class:`HeldRefused` where the lane does not take it."""
-    q, k, v, *packed = tensors
-    return _apply_held(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lanes, *packed)
+def held_training(q: Tensor, k: Tensor, v: Tensor, lanes) -> Tensor:
+    """``out`` of a training call of :func:`flash_attn.flash_attn_func` (plain q, k, v, one of which
+    requires grad, in grad mode) by its held lanes (:class:`flash_attn.dispatch.HeldTraining`),
+    recorded by :class:`_HeldAttention`; raises :class:`HeldRefused` where the lane does not take it."""
+    return _apply_held(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lanes)
+
+
+def held_packed_training(q: Tensor, k: Tensor, v: Tensor, lanes, cu_seqlens_q: Tensor,
+                         cu_seqlens_k: Tensor) -> Tensor:
+    """:func:`held_training` for :func:`flash_attn.flash_attn_varlen_func` (:class:`_HeldPackedAttention`)."""
+    return _apply_held_packed(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), lanes, cu_seqlens_q,
+                              cu_seqlens_k)
 
 
 class HeldRefused(Exception):
@@ -558,7 +583,8 @@ def _c_apply(function: type):
     return function.apply if apply is None else apply.__get__(None, function)
 
 
-_apply_attention, _apply_held = _c_apply(_Attention), _c_apply(_HeldAttention)
+_apply_attention, _apply_held, _apply_held_packed = (_c_apply(_Attention), _c_apply(_HeldAttention),
+                                                      _c_apply(_HeldPackedAttention))
 
 
 def _direct_backward(function: type) -> None:
@@ -571,7 +597,7 @@ def _direct_backward(function: type) -> None:
         node.apply = vars(function)["backward"].__func__  # a method of the node: backward(ctx, *grads)
 
 
-for _function in (_Attention, _AttentionWithExtras, _HeldAttention):
+for _function in (_Attention, _AttentionWithExtras, _HeldAttention, _HeldPackedAttention):
     _direct_backward(_function)
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 

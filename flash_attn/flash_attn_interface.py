@@ -264,9 +264,18 @@ def flash_attn_func(
     if plain:  # a call whose whole route the backend holds: its checks passed before
         shapes = (q.shape, k.shape, v.shape)  # (a growing cache's new key length finds none)
         record = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        out = _held_out("flash_attn_func", (q, k, v), scalars, shapes, record)
-        if out is not None:
-            return out
+        # (as _held_packed_out, inline: the hottest call's frame less)
+        if not record:
+            made = dispatch.run_held("flash_attn_func", (q, k, v), scalars, shapes)
+            if made is not None:
+                return made[0]
+        else:
+            lanes = dispatch.held_training(_DENSE_TRAINING, scalars, shapes)
+            if lanes is not None:
+                try:
+                    return custom_ops.held_training(q, k, v, lanes)
+                except custom_ops.HeldRefused:
+                    pass
     # a new key length of a known layout (a growing KV cache) shares its class's checks (_key_length_class)
     options, call = validation.checked_call("flash_attn_func", (q, k, v, qv, alibi_slopes, learnable_sink), scalars,
                                             _dense_checks, _key_length_class, own_keys=True)
@@ -278,18 +287,18 @@ def flash_attn_func(
     return out
 
 
-def _held_out(tag: str, tensors: tuple, scalars: tuple, shapes: tuple, record: bool) -> Optional[torch.Tensor]:
-    """``out`` of a call of public function ``tag`` (plain ``tensors``: q, k, v and a varlen
-    call's cu_seqlens) by the lanes a backend holds for it (:func:`_hold`), or ``None``: none
-    held, or none takes the call (the public function then takes its checked route)."""
+def _held_packed_out(tensors: tuple, scalars: tuple, shapes: tuple, record: bool) -> Optional[torch.Tensor]:
+    """``out`` of a :func:`flash_attn_varlen_func` call (plain ``tensors``: q, k, v, cu_seqlens_q
+    and _k) by the lanes a backend holds for it (:func:`_hold`), or ``None``: none held, or none
+    takes the call (the function then takes its checked route). (flash_attn_func's, inline.)"""
     if not record:
-        made = dispatch.run_held(tag, tensors, scalars, shapes)
+        made = dispatch.run_held(_VARLEN, tensors, scalars, shapes)
         return None if made is None else made[0]
-    lanes = dispatch.held_training(tag + _TRAINING, scalars, shapes)
+    lanes = dispatch.held_training(_VARLEN_TRAINING, scalars, shapes)
     if lanes is None:
         return None
     try:
-        return custom_ops.held_training(tensors, lanes)
+        return custom_ops.held_packed_training(*tensors[:3], lanes, *tensors[3:])
     except custom_ops.HeldRefused:
         return None
 
@@ -298,7 +307,7 @@ def _hold(tag: str, call: int, tensors: tuple, slots: tuple, scalars: tuple, sha
           options: tuple, max_seqlens: tuple, repeated: bool = False) -> None:
     """After the checked route of a plain call of ``tag`` (checked signature ``call``, its
     ``options``, the longest lengths ``max_seqlens``) without S_dmask: have the backend that ran it
-    hold its lanes for the later calls :func:`_held_out` looks up (an inference call's forward;
+    hold its lanes for the later calls its held path looks up (an inference call's forward;
     a training call's without dropout, with its backward once one has run); with ``repeated``,
     from the second call of these arguments (a packed batch: its first layer's call is its only
     one in most models' first layer, the later layers' repeat it)."""
@@ -312,6 +321,8 @@ def _hold(tag: str, call: int, tensors: tuple, slots: tuple, scalars: tuple, sha
 
 
 _TRAINING = ", training"  # the held lanes' tag of a public function's training calls: its name and this
+_DENSE_TRAINING, _VARLEN, _VARLEN_TRAINING = "flash_attn_func" + _TRAINING, "flash_attn_varlen_func", \
+    "flash_attn_varlen_func" + _TRAINING
 _DENSE_SLOTS, _VARLEN_SLOTS = ("q", "k", "v"), ("q", "k", "v", "cu_q", "cu_k")  # the held lanes' tensors
 
 
@@ -417,7 +428,7 @@ def flash_attn_varlen_func(
         tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
         shapes = (q.shape, k.shape, v.shape, cu_seqlens_q.shape, cu_seqlens_k.shape)
         record = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        out = _held_out("flash_attn_varlen_func", tensors, scalars, shapes, record)
+        out = _held_packed_out(tensors, scalars, shapes, record)
         if out is not None:
             return out
     exact = bool(return_attn_probs)
@@ -433,7 +444,7 @@ def flash_attn_varlen_func(
     out = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
                      options, qv, learnable_sink, call)
     if plain and type(call) is int and return_attn_probs is False:
-        _hold("flash_attn_varlen_func", call, tensors, _VARLEN_SLOTS, scalars, shapes, record, options,
+        _hold(_VARLEN, call, tensors, _VARLEN_SLOTS, scalars, shapes, record, options,
               (max_seqlen_q, max_seqlen_k), repeated=True)
     return out
 

@@ -340,6 +340,7 @@ def _stage_functions() -> list[tuple]:
         ("dispatch, a lane held for the next calls", dispatch, "hold_held"),
         ("dispatch, the training call's held lanes looked up", dispatch, "held_training"),
         ("custom op entry, the training call's held lanes (its autograd record)", custom_ops, "held_training"),
+        ("custom op entry, the training call's held lanes (its autograd record)", custom_ops, "held_packed_training"),
         ("the held forward's op library call (metadata compared, buffers made, launches checked)",
          getattr(dispatch, "HeldTraining", None), "forward"),
         ("the held backward's op library call (metadata compared, buffers made, launches checked)",

@@ -462,7 +462,7 @@ def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held
 
 def test_a_packed_batchs_later_training_steps_run_on_held_lanes(held):
     """A packed batch's training steps, as a dense signature's: from its fourth step the forward on
-    a held lane (recorded by ``_HeldAttention``, cu_seqlens saved beside q, k, v, out and lse),
+    a held lane (recorded by ``_HeldPackedAttention``, cu_seqlens saved beside q, k, v, out and lse),
     from the fifth the backward too (the general route's direct run held, the row counts in
     place); the gradients of q's, k's and v's shapes."""
     calls, counted, holds = held
@@ -477,8 +477,8 @@ def test_a_packed_batchs_later_training_steps_run_on_held_lanes(held):
         grads = torch.autograd.grad(out, leaves, dout)
         routes.append((type(out.grad_fn).__name__, forward, len(calls) > before))
         assert [g.shape for g in grads] == [t.shape for t in leaves]
-    assert routes == [("_AttentionBackward", True, True)] * 3 + [("_HeldAttentionBackward", False, True),
-                                                                 ("_HeldAttentionBackward", False, False)]
+    assert routes == [("_AttentionBackward", True, True)] * 3 + [("_HeldPackedAttentionBackward", False, True),
+                                                                 ("_HeldPackedAttentionBackward", False, False)]
     assert len(holds) == 2
     for plan in (holds[0][1], holds[1][1]):
         assert all(launch["rows"] == [] for launch in read_plan(plan))
@@ -657,4 +657,4 @@ def test_held_packed_training_steps_compute_what_the_oracle_does_on_gpu(monkeypa
         check_close(out, ref.out, naive.out, dtype, f"out, step {step}")
         for t, want, approx, name in zip(leaves, ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, dtype, f"{name}, step {step}", grad=True, floor=floor)
-    assert records[3:] == ["_HeldAttentionBackward"] * 5
+    assert records[3:] == ["_HeldPackedAttentionBackward"] * 5

@@ -51,7 +51,7 @@ def test_alibi_slopes_are_an_input_without_a_gradient():
 
 
 @pytest.mark.parametrize("function", [custom_ops._Attention, custom_ops._AttentionWithExtras,
-                                      custom_ops._HeldAttention])
+                                      custom_ops._HeldAttention, custom_ops._HeldPackedAttention])
 def test_the_records_node_calls_the_functions_backward_itself(function):
     """The autograd engine calls a record's node's ``apply``: for our Functions that is their
     ``backward`` itself (custom_ops._direct_backward), not torch's Python wrapper around it."""
