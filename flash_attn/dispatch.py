@@ -451,7 +451,7 @@ def _held_entry(tag: str, scalars: tuple, shapes: tuple):
         found = held.get((tag, scalars, _types(scalars), shapes))
     except TypeError:  # an unhashable scalar (a list): no held lane
         return None
-    return None if found is None or found is _MET or _traced() else found
+    return None if found is None or _traced() else found
 
 
 def _held_made(name: str, run: Callable, key: int, tensors) -> Optional[list]:
@@ -510,32 +510,34 @@ def _keep_held(tag: str, scalars: tuple, shapes: tuple, found: tuple, tensors: t
         before = kept.get(signature)
     except TypeError:
         return
-    if before is None or before is _MET or before[0] != name:
+    if before is None or before[0] != name:
         before = None
     key = next(_held_keys) if before is None else before[2]
     if len(kept) >= HELD_LIMIT:  # (then forgotten all at once, on both sides)
-        _forget_held(kept)
+        kept.clear()
+        held.clear()
     held.hold(key, plan, tensors)
     kept[signature] = entry(key, before)
 
 
 def _met_first(tag: str, scalars: tuple, shapes: tuple) -> bool:
-    """Whether these arguments of ``tag`` are met for the first time under the current settings (then
-    they are remembered as met, :data:`_MET`: a held lane is made only for arguments met again, a
-    packed batch's in a model's later layers), the direct lane's last run on this thread forgotten."""
+    """Whether these arguments of ``tag`` are met for the first time (then remembered, and the
+    direct lane's last run on this thread forgotten): a held lane is made only for arguments met
+    again, a packed batch's in a model's later layers. Told apart by value, not type (a call
+    taken for met holds one call early: its held lane is keyed exactly, :func:`_keep_held`); at
+    most :data:`HELD_LIMIT` remembered (then forgotten all at once), forgotten with the chains."""
+    seen = _chains.get(_MET)
+    if seen is None:
+        seen = _chains[_MET] = set()
     try:
-        signature = (tag, scalars, _types(scalars), shapes)
-        setting = (_backend_setting(), _strict_setting(), _HELD)
-        kept = _chains.get(setting)
-        if kept is None:
-            kept = _chains[setting] = {}
-        if signature in kept:
+        met = (tag, scalars, shapes)
+        if met in seen:
             return False
     except TypeError:
         return False
-    if len(kept) >= HELD_LIMIT:
-        _forget_held(kept)
-    kept[signature] = _MET
+    if len(seen) >= HELD_LIMIT:
+        seen.clear()
+    seen.add(met)
     name = getattr(_thread, "backend", None)
     backend = None if name is None else _load(name)[0]
     if backend is not None and backend.held is not None:
@@ -543,12 +545,7 @@ def _met_first(tag: str, scalars: tuple, shapes: tuple) -> bool:
     return True
 
 
-def _forget_held(kept: dict) -> None:
-    """Forget every held lane under one settings (past :data:`HELD_LIMIT`), on the backends' side too."""
-    kept.clear()
-    for backend, _ in list(_loaded.values()):
-        if backend is not None and backend.held is not None:
-            backend.held.clear()
+_MET = (None, None, "met")  # (beside the chains, forgotten with them) _met_first's arguments met
 
 
 class HeldTraining(NamedTuple):
@@ -626,7 +623,6 @@ def _types(scalars: tuple) -> tuple:
 
 
 _HELD = "held"  # (settings, _HELD): the held lanes' keys beside the chains
-_MET = ("met once",)  # what is kept for arguments met once that are held only when repeated (_keep_held)
 HELD_LIMIT = CHECKED_LIMIT  # held signatures per settings (then all forgotten)
 _held_keys = itertools.count()  # never reused: a forgotten key's lanes are never run
 _traced = validation.traced
