@@ -427,7 +427,7 @@ _CLASS = "class"  # (op, _CLASS, the class's key): a class's lane among the sign
 # (Backend.held: the aot backend's op library), found by the public function's own scalars.
 
 
-def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optional[list]:
+def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple, remember: bool = False):
     """The results of the lane a backend holds for an eager call of public function ``tag``
     with these ``scalars`` (values and types) and ``tensors`` (the ones given, plain tensors, none
     with a graph to record: the caller's test, made before it reads the shapes) of ``shapes``
@@ -436,22 +436,47 @@ def run_held(tag: str, tensors: tuple, scalars: tuple, shapes: tuple) -> Optiona
     the tensors (the backend compares their sizes, strides, dtypes, devices and pointers'
     alignment with the call it held). Held by :func:`hold_held`, only for signatures whose checks
     passed: a call it takes is one the public function's checks pass. A backend failure is left to
-    the usual route."""
-    found = _held_entry(tag, scalars, shapes)
-    return None if found is None else _held_made(found[0], found[1], found[2], tensors)
+    the usual route. With ``remember``, arguments met for the first time give :data:`FIRST_MET`
+    (:func:`_held_entry`)."""
+    found = _held_entry(tag, scalars, shapes, remember)
+    return found if found is None or found is FIRST_MET else _held_made(found[0], found[1], found[2], tensors)
 
 
-def _held_entry(tag: str, scalars: tuple, shapes: tuple):
+def _held_entry(tag: str, scalars: tuple, shapes: tuple, remember: bool = False):
     """What :func:`hold_held` or :func:`hold_training` held for these arguments under the current
-    settings, or ``None`` (none, the backend failed before, or the call is traced)."""
+    settings, or ``None`` (none, the backend failed before, or the call is traced). With
+    ``remember`` (a public function whose arguments are held only once met again: a packed
+    batch's, in a model's later layers), arguments met for the first time are remembered and give
+    :data:`FIRST_MET` (the caller then holds nothing for them)."""
     held = _chains.get((_backend_setting(), _strict_setting(), _HELD))
-    if held is None or _failed:
+    if (held is None and not remember) or _failed:
         return None
     try:
-        found = held.get((tag, scalars, _types(scalars), shapes))
+        signature = (tag, scalars, _types(scalars), shapes)
+        found = None if held is None else held.get(signature)
     except TypeError:  # an unhashable scalar (a list): no held lane
         return None
-    return None if found is None or _traced() else found
+    if found is None:
+        return _first_met(signature) if remember else None
+    return None if _traced() else found
+
+
+def _first_met(signature: tuple):
+    """:data:`FIRST_MET` where ``signature`` is met for the first time (then remembered, beside the
+    chains: at most :data:`HELD_LIMIT`, then forgotten all at once), else ``None``."""
+    seen = _chains.get(_MET)
+    if seen is None:
+        seen = _chains[_MET] = set()
+    if signature in seen:
+        return None
+    if len(seen) >= HELD_LIMIT:
+        seen.clear()
+    seen.add(signature)
+    return FIRST_MET
+
+
+FIRST_MET = ("first met",)  # _held_entry's answer for arguments met for the first time
+_MET = (None, None, "met")  # (beside the chains, forgotten with them) the arguments _first_met has met
 
 
 def _held_made(name: str, run: Callable, key: int, tensors) -> Optional[list]:
@@ -470,15 +495,12 @@ def _held_made(name: str, run: Callable, key: int, tensors) -> Optional[list]:
 
 
 def hold_held(tag: str, op: str, call, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple,
-              results: tuple, repeated: bool = False) -> None:
+              results: tuple) -> None:
     """After an eager call of public function ``tag`` with checked signature ``call``, nothing
     recorded: where the backend that ran it holds lanes (``Backend.held``) and its direct lane ran
     the call's ``op``, have it hold that plan for the later calls of ``tag`` with these ``scalars``
     and tensors like ``tensors`` (the slot of each: ``slots``) of ``shapes`` (:func:`run_held`),
-    whose results are ``results`` (slot names: the lane returns these alone); with ``repeated``,
-    from the second time these arguments are met (:func:`_met_first`)."""
-    if repeated and _met_first(tag, scalars, shapes):
-        return
+    whose results are ``results`` (slot names: the lane returns these alone)."""
     found = _held_plan(op, call, slots, results)
     if found is not None:
         _keep_held(tag, scalars, shapes, found, tensors, lambda key, _: (found[0], found[1].runner(), key))
@@ -518,34 +540,6 @@ def _keep_held(tag: str, scalars: tuple, shapes: tuple, found: tuple, tensors: t
         held.clear()
     held.hold(key, plan, tensors)
     kept[signature] = entry(key, before)
-
-
-def _met_first(tag: str, scalars: tuple, shapes: tuple) -> bool:
-    """Whether these arguments of ``tag`` are met for the first time (then remembered, and the
-    direct lane's last run on this thread forgotten): a held lane is made only for arguments met
-    again, a packed batch's in a model's later layers. Told apart by value, not type (a call
-    taken for met holds one call early: its held lane is keyed exactly, :func:`_keep_held`); at
-    most :data:`HELD_LIMIT` remembered (then forgotten all at once), forgotten with the chains."""
-    seen = _chains.get(_MET)
-    if seen is None:
-        seen = _chains[_MET] = set()
-    try:
-        met = (tag, scalars, shapes)
-        if met in seen:
-            return False
-    except TypeError:
-        return False
-    if len(seen) >= HELD_LIMIT:
-        seen.clear()
-    seen.add(met)
-    name = getattr(_thread, "backend", None)
-    backend = None if name is None else _load(name)[0]
-    if backend is not None and backend.held is not None:
-        backend.held.forget_run()
-    return True
-
-
-_MET = (None, None, "met")  # (beside the chains, forgotten with them) _met_first's arguments met
 
 
 class HeldTraining(NamedTuple):
@@ -595,20 +589,19 @@ class HeldTraining(NamedTuple):
 TRAINING_BACKWARD_SLOTS = ("dout", "q", "k", "v", "out", "lse")
 
 
-def held_training(tag: str, scalars: tuple, shapes: tuple) -> Optional[HeldTraining]:
+def held_training(tag: str, scalars: tuple, shapes: tuple, remember: bool = False):
     """The lanes held by :func:`hold_training` for a training call of public function ``tag`` with
-    these ``scalars`` and tensors of ``shapes`` under the current settings, or ``None``."""
-    found = _held_entry(tag, scalars, shapes)
-    return found if type(found) is HeldTraining else None
+    these ``scalars`` and tensors of ``shapes`` under the current settings, or ``None``; with
+    ``remember``, :data:`FIRST_MET` for arguments met for the first time (:func:`_held_entry`)."""
+    found = _held_entry(tag, scalars, shapes, remember)
+    return found if type(found) is HeldTraining or found is FIRST_MET else None
 
 
 def hold_training(tag: str, call, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple, op_scalars: tuple,
-                  deterministic: bool, repeated: bool = False) -> None:
+                  deterministic: bool) -> None:
     """:func:`hold_held` for a training call (an eager call without dropout whose forward autograd
     recorded): the forward's plan returning out and lse, kept as a :class:`HeldTraining` with
     ``op_scalars`` (the forward op's scalars after the tensors, up to dropout_p) and ``deterministic``."""
-    if repeated and _met_first(tag, scalars, shapes):
-        return
     found = _held_plan("forward", call, slots, ("out", "lse"))
     if found is not None:
         _keep_held(tag, scalars, shapes, found, tensors, lambda key, before: HeldTraining(

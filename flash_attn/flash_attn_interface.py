@@ -287,16 +287,18 @@ def flash_attn_func(
     return out
 
 
-def _held_packed_out(tensors: tuple, scalars: tuple, shapes: tuple, record: bool) -> Optional[torch.Tensor]:
+def _held_packed_out(tensors: tuple, scalars: tuple, shapes: tuple, record: bool):
     """``out`` of a :func:`flash_attn_varlen_func` call (plain ``tensors``: q, k, v, cu_seqlens_q
     and _k) by the lanes a backend holds for it (:func:`_hold`), or ``None``: none held, or none
-    takes the call (the function then takes its checked route). (flash_attn_func's, inline.)"""
+    takes the call (the function then takes its checked route), or
+    :data:`~flash_attn.dispatch.FIRST_MET`: these arguments are met for the first time (a packed
+    batch met once, in a model's first layer, holds nothing). (flash_attn_func's, inline.)"""
     if not record:
-        made = dispatch.run_held(_VARLEN, tensors, scalars, shapes)
-        return None if made is None else made[0]
-    lanes = dispatch.held_training(_VARLEN_TRAINING, scalars, shapes)
-    if lanes is None:
-        return None
+        made = dispatch.run_held(_VARLEN, tensors, scalars, shapes, remember=True)
+        return made if made is None or made is dispatch.FIRST_MET else made[0]
+    lanes = dispatch.held_training(_VARLEN_TRAINING, scalars, shapes, remember=True)
+    if lanes is None or lanes is dispatch.FIRST_MET:
+        return lanes
     try:
         return custom_ops.held_packed_training(*tensors[:3], lanes, *tensors[3:])
     except custom_ops.HeldRefused:
@@ -304,20 +306,18 @@ def _held_packed_out(tensors: tuple, scalars: tuple, shapes: tuple, record: bool
 
 
 def _hold(tag: str, call: int, tensors: tuple, slots: tuple, scalars: tuple, shapes: tuple, record: bool,
-          options: tuple, max_seqlens: tuple, repeated: bool = False) -> None:
+          options: tuple, max_seqlens: tuple) -> None:
     """After the checked route of a plain call of ``tag`` (checked signature ``call``, its
     ``options``, the longest lengths ``max_seqlens``) without S_dmask: have the backend that ran it
     hold its lanes for the later calls its held path looks up (an inference call's forward;
-    a training call's without dropout, with its backward once one has run); with ``repeated``,
-    from the second call of these arguments (a packed batch: its first layer's call is its only
-    one in most models' first layer, the later layers' repeat it)."""
+    a training call's without dropout, with its backward once one has run)."""
     if not record:
-        dispatch.hold_held(tag, "forward", call, tensors, slots, scalars, shapes, ("out",), repeated)
+        dispatch.hold_held(tag, "forward", call, tensors, slots, scalars, shapes, ("out",))
         return
     scale, left, right, softcap, dropout, _, deterministic = options
     if dropout == 0.0:
         dispatch.hold_training(tag + _TRAINING, call, tensors, slots, scalars, shapes,
-                               (*max_seqlens, scale, left, right, softcap, 0.0), deterministic, repeated)
+                               (*max_seqlens, scale, left, right, softcap, 0.0), deterministic)
 
 
 _TRAINING = ", training"  # the held lanes' tag of a public function's training calls: its name and this
@@ -429,8 +429,9 @@ def flash_attn_varlen_func(
         shapes = (q.shape, k.shape, v.shape, cu_seqlens_q.shape, cu_seqlens_k.shape)
         record = _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         out = _held_packed_out(tensors, scalars, shapes, record)
-        if out is not None:
+        if out is not None and out is not dispatch.FIRST_MET:
             return out
+        plain = out is None  # (a batch met for the first time: nothing held for it)
     exact = bool(return_attn_probs)
     max_seqlen_q, max_seqlen_k = validation.varlen_max_seqlens(q, k, block_table, max_seqlen_q, max_seqlen_k,
                                                                exact=exact)
@@ -444,8 +445,7 @@ def flash_attn_varlen_func(
     out = _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
                      options, qv, learnable_sink, call)
     if plain and type(call) is int and return_attn_probs is False:
-        _hold(_VARLEN, call, tensors, _VARLEN_SLOTS, scalars, shapes, record, options,
-              (max_seqlen_q, max_seqlen_k), repeated=True)
+        _hold(_VARLEN, call, tensors, _VARLEN_SLOTS, scalars, shapes, record, options, (max_seqlen_q, max_seqlen_k))
     return out
 
 

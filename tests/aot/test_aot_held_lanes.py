@@ -422,7 +422,7 @@ def _packed_batch(total_q=50, total_k=70, seed=0, requires_grad=False):
     return q, k, v, cu_q, cu_k, 30, 40, bf16(total_q, 4, 64, seed=seed + 3)
 
 
-def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held):
+def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held, monkeypatch):
     """A packed batch met again (a model's later layers) runs on a held lane: its plan is the
     Python lane's with the batch's row counts in place (a held lane's tensors have the held
     call's shapes), read once by the op library; a batch met once holds nothing (most batches:
@@ -433,6 +433,7 @@ def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held
     from support.aot_buffers import launched_as  # noqa: PLC0415
 
     calls, counted, holds = held
+    monkeypatch.setattr(validation, "_checked", {})  # (the signature's checks not met before)
     q, k, v, cu_q, cu_k, max_q, max_k, _ = _packed_batch()
     outs = [flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True) for _ in range(5)]
     assert len(holds) == 1 and len(calls) == 3  # held at the third call (met before; on the direct lane)
@@ -460,12 +461,13 @@ def test_a_packed_batchs_later_calls_run_on_a_lane_held_with_its_row_counts(held
     assert len(holds) == before
 
 
-def test_a_packed_batchs_later_training_steps_run_on_held_lanes(held):
+def test_a_packed_batchs_later_training_steps_run_on_held_lanes(held, monkeypatch):
     """A packed batch's training steps, as a dense signature's: from its fourth step the forward on
     a held lane (recorded by ``_HeldPackedAttention``, cu_seqlens saved beside q, k, v, out and lse),
     from the fifth the backward too (the general route's direct run held, the row counts in
     place); the gradients of q's, k's and v's shapes."""
     calls, counted, holds = held
+    monkeypatch.setattr(validation, "_checked", {})  # (the signature's checks not met before)
     q, k, v, cu_q, cu_k, max_q, max_k, dout = _packed_batch()
     routes = []
     for _ in range(5):
