@@ -292,7 +292,7 @@ def _held_packed_out(tensors: tuple, scalars: tuple, shapes: tuple, record: bool
     and _k) by the lanes a backend holds for it (:func:`_hold`), or ``None``: none held, or none
     takes the call (the function then takes its checked route), or
     :data:`~flash_attn.dispatch.FIRST_MET`: these arguments are met for the first time (a packed
-    batch met once, in a model's first layer, holds nothing). (flash_attn_func's, inline.)"""
+    batch met once, in a model's first layer, holds nothing). (flash_attn_func does the same inline.)"""
     if not record:
         made = dispatch.run_held(_VARLEN, tensors, scalars, shapes, remember=True)
         return made if made is None or made is dispatch.FIRST_MET else made[0]
