@@ -963,6 +963,8 @@ void aot_count_cpu_launches(bool enable) { g_count_cpu_launches.store(enable, st
 
 int64_t aot_counted_launches() { return g_counted_launches.load(std::memory_order_relaxed); }
 
+bool aot_use_driver_launch(bool enable) { return use_driver_launch(enable); }
+
 std::vector<int64_t> aot_kernel_attributes(int64_t kernel, int64_t device) {
   return with_op_name("aot_kernel_attributes", [&] {
     const KernelSpec& spec = spec_for(kernel);
@@ -997,6 +999,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(flash_attn, m) {
   m.def("aot_lanes_held() -> int");
   m.def("aot_count_cpu_launches(bool enable) -> ()");
   m.def("aot_counted_launches() -> int");
+  m.def("aot_use_driver_launch(bool enable) -> bool");
   m.def("aot_kernel_attributes(int kernel, int device) -> int[]");
   m.def("aot_cuda_info() -> (int, int, int, str)");
 }
@@ -1014,6 +1017,7 @@ STABLE_TORCH_LIBRARY_IMPL(flash_attn, CompositeExplicitAutograd, m) {
   m.impl("aot_lanes_held", TORCH_BOX(&flash_attn_aot::aot_lanes_held));
   m.impl("aot_count_cpu_launches", TORCH_BOX(&flash_attn_aot::aot_count_cpu_launches));
   m.impl("aot_counted_launches", TORCH_BOX(&flash_attn_aot::aot_counted_launches));
+  m.impl("aot_use_driver_launch", TORCH_BOX(&flash_attn_aot::aot_use_driver_launch));
   m.impl("aot_kernel_attributes", TORCH_BOX(&flash_attn_aot::aot_kernel_attributes));
   m.impl("aot_cuda_info", TORCH_BOX(&flash_attn_aot::aot_cuda_info));
 }

@@ -61,6 +61,14 @@ struct PackedLaunch {
 // built unless something fails.
 void launch(const KernelSpec& spec, PackedLaunch& launch);
 
+// Which API `launch` calls, for every later launch of the process: the runtime's
+// cudaLaunchKernelExC on the library's cudaKernel_t (the default), or with `enable` the driver's
+// cuLaunchKernelEx on the kernel's CUfunction in the device's context, resolved at load. Both are
+// kept until a GPU measures which costs the host less (`bench overhead --device cuda` times them
+// side by side); a driver without those functions makes the driver route's launches fail, clearly.
+// Returns the route before (true: the driver's).
+bool use_driver_launch(bool enable);
+
 // Loads `spec` on `device` (cached as above) and returns what the driver says about it:
 // {registers per thread, local (spill) bytes per thread, static shared bytes, max threads per block,
 //  max dynamic shared bytes the device allows per block (opt-in)}.

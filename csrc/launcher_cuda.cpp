@@ -1,6 +1,12 @@
 // Loading and launching with the CUDA runtime, linked statically: nothing here needs a CUDA
 // library at run time beyond the NVIDIA driver (libcuda.so.1, which the runtime opens itself).
+// The driver route's two driver functions come from the runtime's entry-point lookup, so this
+// library still does not link libcuda and loads where no driver is installed.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+
+#include <cstring>
 
 #include <atomic>
 #include <memory>
@@ -14,6 +20,46 @@ namespace {
 std::string error_text(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
+
+// The driver functions of the driver route (use_driver_launch), looked up once; null where the
+// driver does not have them (then `why` says so).
+struct DriverApi {
+  PFN_cuKernelGetFunction_v12000 kernel_function = nullptr;
+  PFN_cuLaunchKernelEx_v11060 launch = nullptr;
+  PFN_cuGetErrorName_v6000 error_name = nullptr;
+  std::string why;
+};
+
+const DriverApi& driver_api() {
+  static const DriverApi api = [] {
+    DriverApi out;
+    auto find = [&](const char* symbol, int version, void** fn) {
+      cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+      const cudaError_t err = cudaGetDriverEntryPointByVersion(symbol, fn, version, cudaEnableDefault, &found);
+      if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+        cudaGetLastError();
+        *fn = nullptr;
+        if (out.why.empty()) out.why = std::string("the driver does not provide ") + symbol;
+      }
+    };
+    find("cuKernelGetFunction", 12000, reinterpret_cast<void**>(&out.kernel_function));
+    find("cuLaunchKernelEx", 11060, reinterpret_cast<void**>(&out.launch));
+    find("cuGetErrorName", 6000, reinterpret_cast<void**>(&out.error_name));
+    return out;
+  }();
+  return api;
+}
+
+std::string driver_error_text(CUresult err) {
+  const char* name = nullptr;
+  const DriverApi& api = driver_api();
+  if (api.error_name == nullptr || api.error_name(err, &name) != CUDA_SUCCESS || name == nullptr) {
+    return "CUresult " + std::to_string(int(err));
+  }
+  return name;
+}
+
+std::atomic<bool> g_driver_launch{false};
 
 // Messages are built only when something fails: a launch builds no string.
 std::string kernel_label(const KernelSpec& spec) {
@@ -49,6 +95,7 @@ struct Loaded {
   std::atomic<bool> ready{false};
   cudaLibrary_t library = nullptr;
   cudaKernel_t kernel = nullptr;
+  CUfunction function = nullptr;  // the kernel in this device's context (the driver route); null: unknown
   cudaFuncAttributes attributes{};
   int shared_optin = 0;
 };
@@ -174,6 +221,11 @@ Loaded& ensure_loaded(const KernelSpec& spec, int device) {
       check(cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
             "cannot allow a cluster of " + std::to_string(spec.config.num_ctas) + " CTAs for " + label + on);
     }
+    // (the driver route's function; a driver without cuKernelGetFunction leaves it null)
+    const DriverApi& api = driver_api();
+    if (api.kernel_function == nullptr || api.kernel_function(&loaded.function, kernel) != CUDA_SUCCESS) {
+      loaded.function = nullptr;
+    }
     loaded.library = library;
     loaded.kernel = kernel;
     loaded.attributes = attributes;
@@ -217,6 +269,80 @@ void require_cuda() {
   if (info.device_count <= 0) throw AotError("no CUDA device is available: " + info.error);
 }
 
+bool use_driver_launch(bool enable) { return g_driver_launch.exchange(enable, std::memory_order_relaxed); }
+
+namespace {
+
+// The launch attributes a kernel's config asks for (at most 4), in the runtime's form.
+unsigned launch_attributes(const LaunchConfig& c, cudaLaunchAttribute* attrs) {
+  unsigned n = 0;
+  if (c.num_ctas > 1) {
+    attrs[n].id = cudaLaunchAttributeClusterDimension;
+    attrs[n].val.clusterDim.x = unsigned(c.num_ctas);
+    attrs[n].val.clusterDim.y = 1;
+    attrs[n].val.clusterDim.z = 1;
+    ++n;
+    attrs[n].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+    attrs[n].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicySpread;
+    ++n;
+  }
+  if (c.cooperative) {
+    attrs[n].id = cudaLaunchAttributeCooperative;
+    attrs[n].val.cooperative = 1;
+    ++n;
+  }
+  if (c.pdl) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  return n;
+}
+
+// The runtime's attribute ids and values are the driver's (the driver route copies them over).
+static_assert(int(cudaLaunchAttributeClusterDimension) == int(CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) &&
+                  int(cudaLaunchAttributeClusterSchedulingPolicyPreference) ==
+                      int(CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE) &&
+                  int(cudaLaunchAttributeCooperative) == int(CU_LAUNCH_ATTRIBUTE_COOPERATIVE) &&
+                  int(cudaLaunchAttributeProgrammaticStreamSerialization) ==
+                      int(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION) &&
+                  int(cudaClusterSchedulingPolicySpread) == int(CU_CLUSTER_SCHEDULING_POLICY_SPREAD),
+              "the runtime's launch attributes differ from the driver's");
+static_assert(sizeof(cudaLaunchAttributeValue) == sizeof(CUlaunchAttributeValue),
+              "the runtime's launch attribute values differ from the driver's");
+
+// The driver route: cuLaunchKernelEx on the kernel's function in the device's context, resolved
+// when the kernel was loaded.
+CUresult driver_launch(const Loaded& loaded, const dim3& grid, const dim3& block, size_t shared, void* stream,
+                       const cudaLaunchAttribute* attrs, unsigned n_attrs, void** params,
+                       const KernelSpec& spec) {
+  const DriverApi& api = driver_api();
+  if (api.launch == nullptr || loaded.function == nullptr) {
+    throw AotError("launching " + kernel_label(spec) + " by the driver route: " +
+                   (api.why.empty() ? std::string("the driver gave no function for the kernel") : api.why));
+  }
+  CUlaunchAttribute driver_attrs[4];
+  for (unsigned i = 0; i < n_attrs; ++i) {
+    driver_attrs[i] = CUlaunchAttribute{};
+    driver_attrs[i].id = CUlaunchAttributeID(attrs[i].id);
+    std::memcpy(&driver_attrs[i].value, &attrs[i].val, sizeof driver_attrs[i].value);
+  }
+  CUlaunchConfig config{};
+  config.gridDimX = grid.x;
+  config.gridDimY = grid.y;
+  config.gridDimZ = grid.z;
+  config.blockDimX = block.x;
+  config.blockDimY = block.y;
+  config.blockDimZ = block.z;
+  config.sharedMemBytes = unsigned(shared);
+  config.hStream = static_cast<CUstream>(stream);
+  config.attrs = driver_attrs;
+  config.numAttrs = n_attrs;
+  return api.launch(&config, loaded.function, params, nullptr);
+}
+
+}  // namespace
+
 void launch(const KernelSpec& spec, PackedLaunch& launch) {
   Loaded& loaded = ensure_loaded(spec, launch.device);
   const LaunchConfig& c = spec.config;
@@ -226,39 +352,32 @@ void launch(const KernelSpec& spec, PackedLaunch& launch) {
   for (size_t i = 0; i < params.size(); ++i) params[i] = &launch.slots[i];
 
   cudaLaunchAttribute attrs[4];
-  unsigned n_attrs = 0;
-  if (c.num_ctas > 1) {
-    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
-    attrs[n_attrs].val.clusterDim.x = unsigned(c.num_ctas);
-    attrs[n_attrs].val.clusterDim.y = 1;
-    attrs[n_attrs].val.clusterDim.z = 1;
-    ++n_attrs;
-    attrs[n_attrs].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
-    attrs[n_attrs].val.clusterSchedulingPolicyPreference = cudaClusterSchedulingPolicySpread;
-    ++n_attrs;
+  const unsigned n_attrs = launch_attributes(c, attrs);
+  const dim3 grid(unsigned(launch.grid[0] * c.num_ctas), unsigned(launch.grid[1]), unsigned(launch.grid[2]));
+  const dim3 block(unsigned(c.num_warps * 32), 1, 1);
+  std::string failed;
+  if (g_driver_launch.load(std::memory_order_relaxed)) {
+    const CUresult err = driver_launch(loaded, grid, block, size_t(c.shared_bytes), launch.stream, attrs, n_attrs,
+                                       params.data(), spec);
+    if (err != CUDA_SUCCESS) failed = driver_error_text(err);
+  } else {
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = size_t(c.shared_bytes);
+    config.stream = static_cast<cudaStream_t>(launch.stream);
+    config.attrs = attrs;
+    config.numAttrs = n_attrs;
+    const cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(loaded.kernel), params.data());
+    if (err != cudaSuccess) {
+      failed = error_text(err);
+      cudaGetLastError();  // clear this runtime's per-thread error so it does not leak into later calls
+    }
   }
-  if (c.cooperative) {
-    attrs[n_attrs].id = cudaLaunchAttributeCooperative;
-    attrs[n_attrs].val.cooperative = 1;
-    ++n_attrs;
-  }
-  if (c.pdl) {
-    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++n_attrs;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(unsigned(launch.grid[0] * c.num_ctas), unsigned(launch.grid[1]), unsigned(launch.grid[2]));
-  config.blockDim = dim3(unsigned(c.num_warps * 32), 1, 1);
-  config.dynamicSmemBytes = size_t(c.shared_bytes);
-  config.stream = static_cast<cudaStream_t>(launch.stream);
-  config.attrs = attrs;
-  config.numAttrs = n_attrs;
-  const cudaError_t err = cudaLaunchKernelExC(&config, reinterpret_cast<const void*>(loaded.kernel), params.data());
-  if (err != cudaSuccess) {
-    fail(err, "launching " + kernel_label(spec) + " on device " + std::to_string(launch.device) + " with grid (" +
-                  std::to_string(launch.grid[0]) + ", " + std::to_string(launch.grid[1]) + ", " +
-                  std::to_string(launch.grid[2]) + ") failed");
+  if (!failed.empty()) {
+    throw AotError("launching " + kernel_label(spec) + " on device " + std::to_string(launch.device) + " with grid (" +
+                   std::to_string(launch.grid[0]) + ", " + std::to_string(launch.grid[1]) + ", " +
+                   std::to_string(launch.grid[2]) + ") failed: " + failed);
   }
 }
 

@@ -13,6 +13,9 @@ with ``torch.ops.load_library``; it registers these operators (schemas in ``csrc
   checked and launched as ``aot_launch`` does, in one op call;
 - ``flash_attn::aot_count_cpu_launches(enable)`` / ``aot_counted_launches()``: the benchmark's
   stand-in on machines without a GPU (CPU tensors checked and counted, not launched);
+- ``flash_attn::aot_use_driver_launch(enable) -> bool``: launches by the driver's ``cuLaunchKernelEx``
+  instead of the runtime's ``cudaLaunchKernelExC`` (the benchmark times both on a GPU); returns the
+  setting it replaced;
 - ``flash_attn::aot_kernel_attributes(kernel, device) -> int[]``: loads it, reports registers etc.;
 - ``flash_attn::aot_cuda_info() -> (runtime, driver, device_count, error)``.
 

@@ -22,7 +22,8 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   (a forward's kernel with the arguments its call packed: the library's checks, the stable-ABI
   call, ``cudaLaunchKernelExC``; the images hold no empty kernel), the same making its buffers,
   one PyTorch kernel launch, the library's op without arguments (the stable-ABI call alone) and
-  the forward's buffers made by ``torch.empty`` (:data:`PART_CASES`).
+  the forward's buffers made by ``torch.empty`` (:data:`PART_CASES`). Our calls run twice: each
+  launch by the CUDA runtime (the op library's default) and by the driver (:data:`DRIVER_ROUTE`).
 
 Each figure is the median of ``repeats`` runs of ``calls`` calls, in microseconds per call: CPU
 time of this process in ``stubbed`` mode (other processes on a shared machine do not inflate it;
@@ -457,7 +458,10 @@ def stages_text(rows: list[dict]) -> str:
 
 # SDPA's backends timed on the same calls in device mode (label -> torch.nn.attention.SDPBackend)
 SDPA_BACKENDS = {"sdpa[flash]": "FLASH_ATTENTION", "sdpa[cudnn]": "CUDNN_ATTENTION"}
-IMPLS = ("flash_attn", *SDPA_BACKENDS)
+# our calls again, every launch by the driver's cuLaunchKernelEx (the op library's other route,
+# ``aot_use_driver_launch``): which launch API costs the host less, in the same run
+DRIVER_ROUTE = "flash_attn[driver launch]"
+IMPLS = ("flash_attn", DRIVER_ROUTE, *SDPA_BACKENDS)
 # (impl, case) not timed in device mode, and why (a row says so): cuDNN builds an execution graph
 # for every new key length, 43 ms a call on the H200 (2026-11-30), so its growing cache's calls
 # and their sleep-covered GPU span took most of a minute and measured the graph build
@@ -512,6 +516,30 @@ def _sdpa_context(backend: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
 
     return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+def device_impls(ours: dict, sdpa_calls: Callable[[], dict]) -> tuple[dict, dict]:
+    """Device mode's ``(calls_by_impl, contexts)`` (:func:`device_rows`): our calls, the same
+    again on the driver's launch route (those that launch through the op library), and SDPA's
+    backends on theirs (``sdpa_calls()``: a fresh set each), each in its context."""
+    not_ours = ("one PyTorch launch", *PART_CASES)
+    calls_by_impl = {"flash_attn": ours, DRIVER_ROUTE: {c: fn for c, fn in ours.items() if c not in not_ours},
+                     **{impl: sdpa_calls() for impl in SDPA_BACKENDS}}
+    for impl, case in NOT_TIMED:
+        del calls_by_impl[impl][case]
+    contexts = {impl: (lambda b=b: _sdpa_context(b)) for impl, b in SDPA_BACKENDS.items()}
+    contexts[DRIVER_ROUTE] = _driver_route
+    return calls_by_impl, contexts
+
+
+@contextlib.contextmanager
+def _driver_route():
+    ops = aot.op_library.ops()
+    previous = ops.aot_use_driver_launch(True)
+    try:
+        yield
+    finally:
+        ops.aot_use_driver_launch(previous)
 
 
 def device_rows(calls_by_impl: dict, calls: int, repeats: int, sync: Callable[[], None], gpu_span=None,
@@ -570,10 +598,7 @@ def run(mode: str = "stubbed", calls: int = 200, repeats: int = 5, profiles: Opt
             raise RuntimeError("device mode needs a CUDA GPU")
         device = torch.device("cuda")
         ours = {**_calls(device), **_launch_calls(device)}
-        calls_by_impl = {"flash_attn": ours, **{impl: _sdpa_calls(device) for impl in SDPA_BACKENDS}}
-        for impl, case in NOT_TIMED:
-            del calls_by_impl[impl][case]
-        contexts = {impl: (lambda b=b: _sdpa_context(b)) for impl, b in SDPA_BACKENDS.items()}
+        calls_by_impl, contexts = device_impls(ours, lambda: _sdpa_calls(device))
         rows = device_rows(calls_by_impl, calls, repeats, torch.cuda.synchronize, cuda_gpu_span, contexts,
                            launches={**{name: 1 for name in LAUNCH_CASES}, **dict.fromkeys(PART_CASES, 0)})
         rows += [{**dict.fromkeys(DEVICE_COLUMNS), "mode": "device", "case": case, "impl": impl,

@@ -660,3 +660,39 @@ def test_held_packed_training_steps_compute_what_the_oracle_does_on_gpu(monkeypa
         for t, want, approx, name in zip(leaves, ref_grads, naive_grads, ("dq", "dk", "dv")):
             check_close(t.grad, want, approx, dtype, f"{name}, step {step}", grad=True, floor=floor)
     assert records[3:] == ["_HeldPackedAttentionBackward"] * 5
+
+
+@pytest.mark.gpu
+def test_calls_on_the_driver_launch_route_compute_what_the_oracle_does_on_gpu(monkeypatch):
+    """The op library's other launch route (the driver's ``cuLaunchKernelEx``, timed against the
+    runtime's by ``bench overhead --device cuda``): training steps (forward and backward, the later
+    ones on held lanes) and decode steps over a cache (split and combine) launched by it, each
+    against the float64 oracle."""
+    from flash_attn import flash_attn_with_kvcache  # noqa: PLC0415
+    from support.oracle import attention_ref, kvcache_ref, oracle_pair  # noqa: PLC0415
+    from support.tolerance import backward_floor, check_close  # noqa: PLC0415
+
+    _gpu_aot_or_skip(monkeypatch)
+    ops = op_library.ops()
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=g)  # noqa: E731
+    previous = ops.aot_use_driver_launch(True)
+    try:
+        for step in range(5):
+            q, k, v, dout = rnd(2, 150, 4, 128), rnd(2, 190, 2, 128), rnd(2, 190, 2, 128), rnd(2, 150, 4, 128)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = flash_attn_func(*leaves, causal=True)
+            out.backward(dout)
+            ref, ref_grads, naive, naive_grads = oracle_pair(attention_ref, [q, k, v], dout, causal=True)
+            floor = backward_floor(q, k, v, dout, probs=ref.probs)
+            check_close(out, ref.out, naive.out, dtype, f"out, step {step}")
+            for t, want, approx, name in zip(leaves, ref_grads, naive_grads, ("dq", "dk", "dv")):
+                check_close(t.grad, want, approx, dtype, f"{name}, step {step}", grad=True, floor=floor)
+        k_cache, v_cache = rnd(2, 4096, 2, 128), rnd(2, 4096, 2, 128)
+        for step in range(5):
+            q = rnd(2, 1, 8, 128)
+            ref, _, naive, _ = oracle_pair(kvcache_ref, (q, k_cache, v_cache))
+            check_close(flash_attn_with_kvcache(q, k_cache, v_cache), ref.out, naive.out, dtype, f"decode, {step}")
+    finally:
+        ops.aot_use_driver_launch(previous)

@@ -108,13 +108,15 @@ def test_library_loads_in_this_pytorch(library):
 
 def test_schemas(library):
     schemas = {op: str(getattr(torch.ops.flash_attn, op).default._schema)
-               for op in ("aot_launch", "aot_run", "aot_count_cpu_launches", "aot_counted_launches", "aot_cuda_info")}
+               for op in ("aot_launch", "aot_run", "aot_count_cpu_launches", "aot_counted_launches",
+                          "aot_use_driver_launch", "aot_cuda_info")}
     assert schemas["aot_launch"] == (
         "flash_attn::aot_launch(int kernel, int[] grid, Tensor(a!)[] tensors, int[] ints, float[] floats) -> ()"
     )
     assert schemas["aot_run"] == "flash_attn::aot_run(Tensor plan, Tensor(a!)[] tensors, int[] rows) -> Tensor[]"
     assert schemas["aot_count_cpu_launches"] == "flash_attn::aot_count_cpu_launches(bool enable) -> ()"
     assert schemas["aot_counted_launches"] == "flash_attn::aot_counted_launches() -> int"
+    assert schemas["aot_use_driver_launch"] == "flash_attn::aot_use_driver_launch(bool enable) -> bool"
     assert schemas["aot_cuda_info"] == "flash_attn::aot_cuda_info() -> (int, int, int, str)"
 
 
@@ -652,6 +654,32 @@ def test_counted_cpu_launches_stand_in_for_the_gpu(ops, toy):
     assert ops.aot_counted_launches() == before + 3
 
 
+def test_the_driver_route_changes_the_cuda_call_alone(ops, toy):
+    """``aot_use_driver_launch`` switches which CUDA API launches (the runtime's or the driver's) and
+    returns the setting it replaced; everything before the CUDA call is the same on both routes:
+    the checks, the counted stand-in, and without a GPU the refusal that says why."""
+    plan = _plan((toy, [4, 2], ["out"], [32], [0.5]),).plan
+    previous = ops.aot_use_driver_launch(True)
+    try:
+        assert previous is False  # the runtime's route by default
+        assert ops.aot_use_driver_launch(True) is True
+        with pytest.raises(RuntimeError, match="got 0 tensors"):
+            ops.aot_launch(toy, [1], [], [16], [1.0])
+        ops.aot_count_cpu_launches(True)
+        try:
+            before = ops.aot_counted_launches()
+            ops.aot_run(plan, [OUT], [])
+            assert ops.aot_counted_launches() == before + 1
+        finally:
+            ops.aot_count_cpu_launches(False)
+        if not HAS_GPU:
+            with pytest.raises(RuntimeError, match="no CUDA device is available"):
+                ops.aot_launch(toy, [1], [OUT], [16], [1.0])
+    finally:
+        ops.aot_use_driver_launch(False)
+    assert ops.aot_use_driver_launch(False) is False
+
+
 def test_csrc_takes_its_limits_from_limits_py():
     """csrc states no limit of its own: the build generates them from limits.py."""
     import importlib.util
@@ -740,7 +768,8 @@ def test_triton_cubin_with_dropped_scratch_args_is_rejected(triton_add):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
-def test_triton_kernel_runs_on_gpu(triton_add):
+@pytest.mark.parametrize("driver_route", [False, True])
+def test_triton_kernel_runs_on_gpu(triton_add, driver_route):
     major, minor = torch.cuda.get_device_capability()
     archs = {80: "sm_80", 90: "sm_90a"}
     choice = select_image((major, minor), list(archs.values()) + ["compute_80"])
@@ -752,7 +781,11 @@ def test_triton_kernel_runs_on_gpu(triton_add):
     x = torch.randn(1000, device="cuda")
     y = torch.randn(1000, device="cuda")
     out = torch.empty(1000, device="cuda")
-    aot.launch(kernel, [4], [x, y, out], [1000], [2.0])
+    previous = torch.ops.flash_attn.aot_use_driver_launch(driver_route)
+    try:
+        aot.launch(kernel, [4], [x, y, out], [1000], [2.0])
+    finally:
+        torch.ops.flash_attn.aot_use_driver_launch(previous)
     torch.testing.assert_close(out, 2.0 * x + y)
     regs, local, static_shared, max_threads, optin = torch.ops.flash_attn.aot_kernel_attributes(kernel, x.device.index)
     assert regs > 0 and max_threads >= 128 and optin >= 48 * 1024

@@ -947,6 +947,44 @@ def test_overhead_device_rows_interleave_and_flag_the_host_bound(monkeypatch):
     assert rows[2]["gpu_us"] == 1000.0 and rows[2]["host_bound"] is False and rows[2]["launches_per_call"] is None
 
 
+def test_overhead_device_mode_times_our_calls_on_both_launch_routes():
+    """Device mode times our calls twice, interleaved in one run: on the op library's default
+    launch route (the CUDA runtime's) and with every launch by the driver (``DRIVER_ROUTE``, its
+    context switching the route on around each run and back after), PyTorch's own launch and the
+    parts of a call once; SDPA's backends on fresh calls each, cuDNN's untimed case left out. (The
+    route switch itself runs here; what each route costs needs a GPU.)"""
+    from flash_attn.aot import library as op_library  # noqa: PLC0415
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    if not op_library.status().loaded:
+        pytest.skip(op_library.status().reason)
+    ops = op_library.ops()
+    seen = []
+
+    def route():  # the route a call runs on, left as it was
+        on = ops.aot_use_driver_launch(True)
+        ops.aot_use_driver_launch(on)
+        seen.append(on)
+
+    ours = {"forward": route, "one aot launch": route, "one PyTorch launch": route,
+            **{part: route for part in overhead.PART_CASES}}
+    sdpa = lambda: {"forward": route, "growing cache decode": route}  # noqa: E731
+    calls_by_impl, contexts = overhead.device_impls(ours, sdpa)
+    assert list(calls_by_impl) == list(overhead.IMPLS)
+    assert list(calls_by_impl[overhead.DRIVER_ROUTE]) == ["forward", "one aot launch"]
+    assert "growing cache decode" not in calls_by_impl["sdpa[cudnn]"]
+    assert calls_by_impl["sdpa[flash]"] is not calls_by_impl["sdpa[cudnn]"]
+    rows = overhead.device_rows({impl: calls_by_impl[impl] for impl in ("flash_attn", overhead.DRIVER_ROUTE)},
+                                calls=2, repeats=2, sync=lambda: None,
+                                contexts={overhead.DRIVER_ROUTE: contexts[overhead.DRIVER_ROUTE]})
+    assert all(r["status"] == "ok" for r in rows)
+    # per repeat: forward on each route, one aot launch on each, PyTorch's launch and the parts once
+    per_run = 3 + 2  # warm-up, then the timed calls
+    one_repeat = ([False] * per_run + [True] * per_run) * 2 + [False] * per_run * 3
+    assert seen == one_repeat * 2
+    assert ops.aot_use_driver_launch(False) is False  # left as it was
+
+
 def test_overhead_device_rows_without_a_gpu_span():
     from flash_attn.bench import overhead  # noqa: PLC0415
 
