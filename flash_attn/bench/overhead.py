@@ -19,8 +19,8 @@ Two modes (``python -m flash_attn bench overhead [--device cuda]``):
   call (the process's, and the calling thread's), the GPU's time per call (the calls queued
   behind a sleep kernel, timed by events: :func:`flash_attn.bench.common.cuda_gpu_span`), the wall clock, and whether the
   host is the bound. More rows split a call's cost: one launch through the op library alone
-  (a forward's kernel with the arguments its call packed: the library's checks, the stable-ABI
-  call, ``cudaLaunchKernelExC``; the images hold no empty kernel), the same making its buffers,
+  (an empty kernel, :data:`EMPTY_KERNEL_PTX`: the stable-ABI call, the library's checks, the CUDA
+  launch; then a forward's kernel with the arguments its call packed), the same making its buffers,
   one PyTorch kernel launch, the library's op without arguments (the stable-ABI call alone) and
   the forward's buffers made by ``torch.empty`` (:data:`PART_CASES`). Our calls run twice: each
   launch by the CUDA runtime (the op library's default) and by the driver (:data:`DRIVER_ROUTE`).
@@ -60,7 +60,25 @@ NEW_EVERY_CALL = ("growing cache decode",)
 # the growing cache's first length and how many lengths follow (then they repeat): more than the
 # warm-up, timed and profiled calls of the defaults (20 + 5 x 200 + 200)
 GROWING_FROM, GROWING_LENGTHS = 2000, 2048
-LAUNCH_CASES = ("one aot launch", "one aot launch, its buffers made", "one PyTorch launch")  # device mode only
+LAUNCH_CASES = ("one aot launch, an empty kernel", "one aot launch", "one aot launch, its buffers made",
+                "one PyTorch launch")  # device mode only
+# The empty kernel's image: PTX (the driver compiles it at the first launch) of one pointer
+# parameter and one warp that returns at once: a launch through the op library that gives the GPU
+# nothing to do, so its row is the host's cost of a launch alone.
+EMPTY_KERNEL = ("flash_attn_empty", "*fp32:16", 1)  # (entry, signature, num_warps)
+EMPTY_KERNEL_PTX = """\
+.version 7.0
+.target sm_80
+.address_size 64
+
+.visible .entry flash_attn_empty(
+\t.param .u64 flash_attn_empty_param_0
+)
+.reqntid 32
+{
+\tret;
+}
+"""
 # ... and what a forward's op call is made of besides its launch: the op library's call itself, and
 # out and lse allocated by PyTorch (against "its buffers made": the library's allocation of the same)
 PART_CASES = ("an empty op of the op library", "out and lse by torch.empty")
@@ -234,9 +252,10 @@ def _captured_launch(call: Callable[[], object], made: bool = False) -> tuple[Ca
 
 
 def _launch_calls(device) -> dict[str, Callable[[], object]]:
-    """One forward kernel launched again through the op library, its buffers passed in and made
-    as the forward makes them (out and lse: the difference is the library's allocation), and one
-    PyTorch kernel launch (an in-place add on 16 numbers); then the parts (:data:`PART_CASES`): the
+    """An empty kernel launched through the op library (:func:`empty_kernel`: the host's cost of a
+    launch), one forward kernel launched again through it, its buffers passed in and made as the
+    forward makes them (out and lse: the difference is the library's allocation), and one PyTorch
+    kernel launch (an in-place add on 16 numbers); then the parts (:data:`PART_CASES`): the
     library's op without arguments (the call into it through PyTorch's dispatcher and the stable
     ABI, nothing done) and the forward's out and lse made by ``torch.empty``."""
     g = torch.Generator().manual_seed(0)
@@ -246,10 +265,20 @@ def _launch_calls(device) -> dict[str, Callable[[], object]]:
     _, own = _captured_launch(forward, made=True)
     x = torch.zeros(16, device=device)
     empty_op = aot.op_builtin("aot_counted_launches")  # called as the forward's aot_run is
-    return {"one aot launch": lambda: launch(*args), "one aot launch, its buffers made": lambda: launch(*own),
+    launch_op, empty = aot.op_builtin("aot_launch"), empty_kernel()
+    return {"one aot launch, an empty kernel": lambda: launch_op(empty, [1], [x], [], []),
+            "one aot launch": lambda: launch(*args), "one aot launch, its buffers made": lambda: launch(*own),
             "one PyTorch launch": lambda: x.add_(1.0), PART_CASES[0]: empty_op,
             PART_CASES[1]: lambda: (torch.empty(q.shape, dtype=q.dtype, device=device),
                                     torch.empty(1, 16, 128, dtype=torch.float32, device=device))}
+
+
+def empty_kernel() -> int:
+    """The op library's kernel id of :data:`EMPTY_KERNEL_PTX` (registered once: the same image
+    again gives the same id)."""
+    name, signature, num_warps = EMPTY_KERNEL
+    image = torch.frombuffer(bytearray(EMPTY_KERNEL_PTX.encode()), dtype=torch.uint8)
+    return aot.op_library.ops().aot_register_kernel(f"{name}.ptx", name, signature, num_warps, 1, 0, image=image)
 
 
 @contextlib.contextmanager

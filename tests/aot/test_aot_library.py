@@ -791,6 +791,25 @@ def test_triton_kernel_runs_on_gpu(triton_add, driver_route):
     assert regs > 0 and max_threads >= 128 and optin >= 48 * 1024
 
 
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("driver_route", [False, True])
+def test_the_benchmarks_empty_kernel_launches_on_gpu(ops, driver_route):
+    """``bench overhead``'s empty kernel (PTX the driver compiles) launches on either route and
+    writes nothing."""
+    from flash_attn.bench import overhead  # noqa: PLC0415
+
+    kernel = overhead.empty_kernel()
+    x = torch.zeros(16, device="cuda")
+    previous = ops.aot_use_driver_launch(driver_route)
+    try:
+        for _ in range(3):
+            ops.aot_launch(kernel, [1], [x], [], [])
+        torch.cuda.synchronize()
+    finally:
+        ops.aot_use_driver_launch(previous)
+    assert not x.any()
+
+
 # ---------------------------------------------------------------------------------------------
 # Image selection (pure Python)
 # ---------------------------------------------------------------------------------------------

@@ -829,12 +829,17 @@ def test_overhead_repeats_one_captured_aot_launch(stubbed_launches):
 
 def test_overhead_parts_of_a_forwards_op_call(stubbed_launches):
     """Device mode's rows of what a forward's op call is made of, run here on CPU tensors: the
-    library's empty op launches nothing and returns its count; PyTorch's out and lse are the
-    shapes the library makes for the forward ("its buffers made")."""
+    empty kernel's image passes the library's checks (its PTX against its signature and warps)
+    and its launch is counted; the library's empty op launches nothing and returns its count;
+    PyTorch's out and lse are the shapes the library makes for the forward ("its buffers made")."""
     from flash_attn.bench import overhead  # noqa: PLC0415
 
     calls = overhead._launch_calls(torch.device("cpu"))
     assert set(overhead.LAUNCH_CASES + overhead.PART_CASES) == set(calls)
+    assert overhead.empty_kernel() == overhead.empty_kernel()  # registered once
+    before = stubbed_launches()
+    calls["one aot launch, an empty kernel"]()
+    assert stubbed_launches() == before + 1
     before = stubbed_launches()
     assert calls[overhead.PART_CASES[0]]() == before and stubbed_launches() == before
     made = calls["one aot launch, its buffers made"]()
