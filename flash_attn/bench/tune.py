@@ -378,7 +378,9 @@ def winners(rows: list[dict], pick: Callable = configs.pick) -> list[dict]:
     every shape; for the exact-call image's entry (bf16, the sweep's dtype; fp16's image takes the
     same tile) over the full-attention shapes, which are the calls that image runs. ``pick``: the
     table's current entries (:func:`configs.pick` of the table folded), which a winner within
-    noise does not displace."""
+    noise does not displace, nor a candidate slower than them on any shape by more than noise
+    (one entry serves every length: a sweep at 1k, 4k and 16k changes it only where no length
+    loses)."""
     from flash_attn.planning import declarations  # noqa: PLC0415
 
     start = next((r for r in rows if r.get("event") == "start"), {})
@@ -427,14 +429,33 @@ def _winner(kind: str, family: Optional[str], d: int, variant: str, group: list[
         mean = math.exp(sum(math.log(r["ms"]) for r in measured) / len(measured)) if ok else None
         scored.append({"config": config, "ok": ok, "geomean_ms": mean, "shapes": len(measured)})
     current = _config_text(pick(kind, d, family, exact=variant == "exact")) if family else None
-    good = [s for s in scored if s["ok"]]
-    best = min(good, key=lambda s: s["geomean_ms"]) if good else None
     base = next((s for s in scored if s["config"] == current and s["ok"]), None)
+    if base is not None:  # each candidate's slowest shape against the current entry
+        for s in scored:
+            s["slowest"] = _slowest_shape(shapes_by_config[s["config"]], shapes_by_config[current], common_shapes)
+    # the table serves every length: a candidate slower than the current entry on any shape (beyond
+    # noise) does not replace it, however much it gains elsewhere
+    good = [s for s in scored if s["ok"] and (s is base or not _slower(s))]
+    best = min(good, key=lambda s: s["geomean_ms"]) if good else None
     choose = best
     if best and base and best["geomean_ms"] > base["geomean_ms"] * (1 - MIN_GAIN):
         choose = base  # within noise of the current entry: keep it
     return {"kind": kind, "family": family, "head_dim": d, "variant": variant, "current": current,
             "winner": choose["config"] if choose else None, "candidates": scored}
+
+
+def _slowest_shape(by_shape: dict, base: dict, shapes: set) -> Optional[tuple]:
+    """``(time / the current entry's time, seqlen, causal)`` on the shape where a candidate loses
+    most to the current entry (None where it was not measured correctly on them)."""
+    ratios = [(by_shape[s]["ms"] / base[s]["ms"], *s) for s in sorted(shapes)
+              if by_shape[s].get("ok") and by_shape[s].get("ms") and base[s].get("ms")]
+    return max(ratios) if ratios else None
+
+
+def _slower(scored: dict) -> bool:
+    """Whether a candidate is slower than the current entry on some shape beyond noise."""
+    slowest = scored.get("slowest")
+    return slowest is not None and slowest[0] > 1 + MIN_GAIN
 
 
 def _parse_config(text: str) -> Optional[configs.Config]:
@@ -509,15 +530,23 @@ def _split_entries(text: str) -> list[str]:
 
 
 def summary(rows: list[dict]) -> str:
-    lines = ["| kind | d | image | current | winner | changed | candidates (geomean ms; x: wrong or failed) |",
+    lines = ["| kind | d | image | current | winner | changed | candidates (geomean ms; x: wrong or failed; kept "
+             "out: slower than the current entry on a shape) |",
              "| --- | ---: | --- | --- | --- | --- | --- |"]
     for r in rows:
-        cands = ", ".join(f"{c['config']} {c['geomean_ms']:.3f}" if c["ok"] else f"{c['config']} x"
+        cands = ", ".join(f"{c['config']} {c['geomean_ms']:.3f}{_slower_text(c)}" if c["ok"] else f"{c['config']} x"
                           for c in r["candidates"])
         image = "exact-call (full attention)" if r["variant"] == "exact" else "lean"
         lines.append(f"| {r['kind']} | {r['head_dim']} | {image} | {r['current']} | {r['winner']} | {r.get('changed')} "
                      f"| {cands} |")
     return "\n".join(lines)
+
+
+def _slower_text(scored: dict) -> str:
+    if not _slower(scored):
+        return ""
+    ratio, seqlen, causal = scored["slowest"]
+    return f" (+{(ratio - 1) * 100:.0f} % at {seqlen} {'causal' if causal else 'full'}: kept out)"
 
 
 def main(args) -> int:

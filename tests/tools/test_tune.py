@@ -156,6 +156,31 @@ def test_fold_keeps_an_entry_within_noise(tmp_path, interpreter_candidates):
     assert {r["kind"]: r["winner"] for r in rows} == {"fwd": "32x16w1s1", "bwd_fused": "16x32w1s1"}
 
 
+def test_fold_keeps_out_a_candidate_slower_than_the_entry_on_any_shape(tmp_path):
+    """One entry serves every length: a candidate with the best geometric mean that is slower than
+    the current entry on one shape beyond noise (here 7 % at 16k causal, as the d64 forward's TMA
+    tile measured) does not replace it; the fastest candidate that loses nowhere does (2 % at one
+    shape is noise). The summary says which shape kept a candidate out."""
+    rows = [{"event": "start", "family": "sm90"}]
+    current = tune._config_text(configs.pick("bwd_fused", 64, "sm90"))
+    times = {current: {1024: (2.0, 1.4), 4096: (5.3, 3.0), 16384: (18.8, 9.5)},
+             "64x128w8s2": {1024: (1.8, 1.15), 4096: (5.1, 3.0), 16384: (18.7, 9.7)},  # 2 % slower at 16k causal
+             "64x128w8s1": {1024: (1.2, 0.8), 4096: (4.0, 2.5), 16384: (19.0, 10.2)}}  # 7 % slower there
+    for config, by_length in times.items():
+        for seqlen, (full, causal) in by_length.items():
+            for is_causal, ms in ((False, full), (True, causal)):
+                rows.append({"impl": "flash_attn", "kind": "bwd_fused", "head_dim": 64, "seqlen": seqlen,
+                             "causal": is_causal, "config": config, "ok": True, "ms": ms})
+    (lean, exact), module = _fold_copy(tmp_path, rows)
+    by_config = {c["config"]: c for c in lean["candidates"]}
+    assert by_config["64x128w8s1"]["geomean_ms"] < by_config["64x128w8s2"]["geomean_ms"]  # the best mean...
+    assert (lean["winner"], lean["changed"]) == ("64x128w8s2", True)  # ...kept out: 16k causal loses 7 %
+    assert module["pick"]("bwd_fused", 64, "sm90") == C(64, 128, 8, 2)
+    # full attention alone (the exact-call image): 64x128w8s1 loses 1 % at 16k, noise: it wins there
+    assert exact["winner"] == "64x128w8s1"
+    assert "64x128w8s1 " in tune.summary([lean]) and "(+7 % at 16384 causal: kept out)" in tune.summary([lean])
+
+
 def test_fold_edits_the_real_table(tmp_path):
     """Rows as a GPU run of sm90 writes them: the d128 fused-backward entry of the package's own
     table is rewritten, and the rewritten module still gives every other entry unchanged."""
