@@ -1020,7 +1020,7 @@ def test_overhead_stage_breakdown_nests_the_stages(stubbed_launches):
     for case, entry in (("forward", "custom op entry"), ("decode step", "custom op entry (kv cache)")):
         for _ in range(2):  # the signature's lane is made at its second call
             calls[case]()
-        rows = overhead.stage_breakdown(calls[case], calls=100, repeats=3)  # its third call: the Python lane
+        rows = overhead.stage_breakdown(calls[case], calls=100, repeats=5)  # its third call: the Python lane
         names = [(r["depth"], r["stage"]) for r in rows]
         op = "forward" if case == "forward" else "forward_kvcache"
         # the op library holds no lane yet: the Python route, then its plan held for the next calls
