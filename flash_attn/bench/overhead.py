@@ -71,14 +71,14 @@ EMPTY_KERNEL_PTX = """\
 .target sm_80
 .address_size 64
 
-.visible .entry flash_attn_empty(
-\t.param .u64 flash_attn_empty_param_0
+.visible .entry {0}(
+\t.param .u64 {0}_param_0
 )
-.reqntid 32
-{
+.reqntid {1}
+{{
 \tret;
-}
-"""
+}}
+""".format(EMPTY_KERNEL[0], 32 * EMPTY_KERNEL[2])
 # ... and what a forward's op call is made of besides its launch: the op library's call itself, and
 # out and lse allocated by PyTorch (against "its buffers made": the library's allocation of the same)
 PART_CASES = ("an empty op of the op library", "out and lse by torch.empty")
