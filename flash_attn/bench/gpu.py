@@ -14,9 +14,11 @@ errors (relative to the reference's largest magnitude) go into the row's ``err_o
 and ``check``; a result of this package beyond :data:`CHECK_TOLERANCE` is an ``error`` row and is
 not timed.
 
-Every timed row also has the host's CPU time per call (``host_ms``) and, on a GPU where that is a
-large share of the event time, the GPU's own time per call (``gpu_ms``); ``host_bound`` where the
-host's time exceeds the GPU's (:func:`host_bound`).
+Every timed row also has the host's CPU time per call (``host_ms``, calls back to back; and
+``host_alone_ms``, the calling thread's for one call timed alone, after a synchronisation, as the
+event time is: an event time above ``host_alone_ms`` plus the GPU's is time neither spends on the
+call) and, on a GPU where ``host_ms`` is a large share of the event time, the GPU's own time per
+call (``gpu_ms``); ``host_bound`` where the host's time exceeds the GPU's (:func:`host_bound`).
 
 Rows are written as they are measured (``bench-gpu.jsonl`` and ``bench-gpu.csv``), so a run cut
 short keeps what it measured. A row of this package's backends that crashed, or that another
@@ -61,6 +63,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Optional
@@ -470,8 +473,6 @@ def cuda_event_timer(fn: Callable[[], None], warmup: int, repeats: int) -> list:
 
 
 def wall_timer(fn: Callable[[], None], warmup: int, repeats: int) -> list:
-    import time  # noqa: PLC0415
-
     for _ in range(warmup):
         fn()
     times = []
@@ -1023,18 +1024,33 @@ def _gpu_span(device) -> Optional[Callable]:
 
 def host_fields(call: Callable[[], None], device, event_ms: float) -> dict:
     """``host_ms``: the process's CPU time per call of ``call`` in milliseconds (:data:`HOST_CALLS`
-    calls); where that is at least :data:`GPU_SPAN_SHARE` of ``event_ms`` and the device has a GPU
-    span, ``gpu_ms`` (the GPU's time per call, kernels back to back) and ``gpu_covered``."""
+    calls back to back); ``host_alone_ms``: the calling thread's for one call timed alone, as the
+    event time is (:func:`_alone_us`); where ``host_ms`` is at least :data:`GPU_SPAN_SHARE` of
+    ``event_ms`` and the device has a GPU span, ``gpu_ms`` (the GPU's time per call, kernels back to
+    back) and ``gpu_covered``."""
     import torch  # noqa: PLC0415
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     host_us = common.host_and_gpu(call, HOST_CALLS, sync)["host_us"]
-    fields = {"host_ms": host_us / 1e3}
+    fields = {"host_ms": host_us / 1e3, "host_alone_ms": _alone_us(call, sync) / 1e3}
     span = _gpu_span(device)
     if span is not None and fields["host_ms"] >= GPU_SPAN_SHARE * event_ms:
         ms, covered = span(call, HOST_CALLS, host_us * HOST_CALLS / 1e6)
         fields.update(gpu_ms=ms / HOST_CALLS, gpu_covered=covered)
     return fields
+
+
+def _alone_us(call: Callable[[], None], sync: Callable[[], None], calls: int = HOST_CALLS) -> float:
+    """The calling thread's CPU time of one call right after a device synchronisation, as the event
+    timer times a call (the host's caches as a model's call finds them between other work, not
+    warm from the same call), median of ``calls``, in microseconds."""
+    times = []
+    for _ in range(calls):
+        sync()
+        start = time.thread_time()
+        call()
+        times.append(time.thread_time() - start)
+    return statistics.median(times) * 1e6
 
 
 def host_bound(row: dict) -> Optional[bool]:
@@ -1266,7 +1282,7 @@ def plot(rows: list[dict], out_dir: Path, stem: str, title: str) -> list[Path]:
 
 COLUMNS = ("impl", "what", "family", "proxy", "held_out", "dtype", "headdim", "headdim_v", "sinks", "causal", "pass", "seqlen", "cachelen", "batch",
            "heads", "kv_heads", "time_ms", "time_ms_min", "repeats", "spread_pct", "tflops", "gbytes", "gbps", "bw_pct", "nominal_pct",
-           "host_ms", "gpu_ms", "gpu_covered", "host_bound", "check", "err_out", "err_grad", "status", "note")
+           "host_ms", "host_alone_ms", "gpu_ms", "gpu_covered", "host_bound", "check", "err_out", "err_grad", "status", "note")
 
 
 class RowWriter:

@@ -286,17 +286,36 @@ def test_gpu_held_out_shapes_are_checked_and_named(monkeypatch):
 
 
 def test_gpu_rows_flag_a_time_that_is_the_hosts():
-    """Every timed row has the host's CPU time per call (``host_ms``); a row whose event time is
-    not clearly above it is flagged ``host_bound`` (stand-in timers: one far below any host time,
-    one far above)."""
+    """Every timed row has the host's CPU time per call (``host_ms``, and ``host_alone_ms`` for one
+    call timed alone); a row whose event time is not clearly above it is flagged ``host_bound``
+    (stand-in timers: one far below any host time, one far above)."""
     config = _gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False],
                          impls=["flash_attn[reference]", "sdpa[math]"])
     for event_ms, bound in ((1e-6, True), (1e6, False)):
         rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [event_ms])
         assert len(rows) == 2
         for r in rows:
-            assert r["status"] == "ok" and r["host_ms"] > 0 and r["host_bound"] is bound, r
+            assert r["status"] == "ok" and r["host_ms"] > 0 and r["host_alone_ms"] > 0 and r["host_bound"] is bound, r
     assert "(host-bound" in gpu._progress_line(dict(rows[0], host_bound=True))
+
+
+def test_the_host_time_of_a_call_alone_follows_each_synchronisation():
+    """``host_alone_ms``'s measure: each call timed alone right after a device synchronisation (as
+    the event timer times one), the calling thread's CPU time, the median: a call that computes for
+    a while is measured at about that, whatever the others."""
+    import time as clock  # noqa: PLC0415
+
+    order = []
+
+    def busy():
+        order.append("call")
+        end = clock.thread_time() + (0.02 if len(order) == 6 else 0.002)  # one slow call of five
+        while clock.thread_time() < end:
+            pass
+
+    us = gpu._alone_us(busy, lambda: order.append("sync"), calls=5)
+    assert order == ["sync", "call"] * 5
+    assert 1500 < us < 15000
 
 
 def test_gpu_rows_compare_the_host_with_the_gpus_own_time(monkeypatch):
