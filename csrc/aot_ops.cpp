@@ -822,19 +822,30 @@ constexpr size_t kLanesPerKey = 16;  // shapes met under one key's scalars (then
 std::mutex g_lanes_mutex;
 std::unordered_map<int64_t, std::vector<Lane>> g_lanes;
 
-void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tensors) {
+// The metadata of each of `tensors`, or nothing where one is not a lane's (undefined, too many
+// dims, or with `aligned` a pointer not aligned to limits::kPointerAlignment).
+std::optional<std::vector<TensorMeta>> metas_of(const std::vector<Tensor>& tensors, bool aligned) {
   std::vector<TensorMeta> metas;
   metas.reserve(tensors.size());
   for (const Tensor& t : tensors) {
     const std::optional<TensorMeta> m = meta_of(t);
-    if (!m) {
-      throw AotError("a lane's tensors are all defined (absent ones are part of its key), of at most " +
-                     std::to_string(kMaxDims) + " dims");
+    if (!m || (aligned && reinterpret_cast<uint64_t>(t.data_ptr()) % uint64_t(limits::kPointerAlignment) != 0)) {
+      return std::nullopt;
     }
     metas.push_back(*m);
   }
+  return metas;
+}
+
+void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tensors) {
+  std::optional<std::vector<TensorMeta>> metas = metas_of(tensors, /*aligned=*/false);
+  if (!metas) {
+    throw AotError("a lane's tensors are all defined (absent ones are part of its key), of at most " +
+                   std::to_string(kMaxDims) + " dims");
+  }
   const auto [entries, size] = plan_entries(plan);
-  Lane lane{std::make_shared<const ReadPlan>(read_plan(entries, size, int64_t(tensors.size()), {})), std::move(metas)};
+  Lane lane{std::make_shared<const ReadPlan>(read_plan(entries, size, int64_t(tensors.size()), {})),
+            std::move(*metas)};
   std::lock_guard<std::mutex> lock(g_lanes_mutex);
   std::vector<Lane>& held = g_lanes[key];
   for (Lane& l : held) {
@@ -849,18 +860,13 @@ void hold_lane(int64_t key, const Tensor& plan, const std::vector<Tensor>& tenso
 
 // The plan of the lane under `key` that `tensors` fit (held by the caller: the lane may go meanwhile), or null.
 std::shared_ptr<const ReadPlan> lane_plan(int64_t key, const std::vector<Tensor>& tensors) {
-  std::vector<TensorMeta> metas;
-  metas.reserve(tensors.size());
-  for (const Tensor& t : tensors) {
-    std::optional<TensorMeta> m = meta_of(t);
-    if (!m || reinterpret_cast<uint64_t>(t.data_ptr()) % uint64_t(limits::kPointerAlignment) != 0) return nullptr;
-    metas.push_back(*m);
-  }
+  const std::optional<std::vector<TensorMeta>> metas = metas_of(tensors, /*aligned=*/true);
+  if (!metas) return nullptr;
   std::lock_guard<std::mutex> lock(g_lanes_mutex);
   const auto found = g_lanes.find(key);
   if (found == g_lanes.end()) return nullptr;
   for (const Lane& l : found->second) {
-    if (l.tensors == metas) return l.plan;
+    if (l.tensors == *metas) return l.plan;
   }
   return nullptr;
 }
