@@ -14,11 +14,11 @@ errors (relative to the reference's largest magnitude) go into the row's ``err_o
 and ``check``; a result of this package beyond :data:`CHECK_TOLERANCE` is an ``error`` row and is
 not timed.
 
-Every timed row also has the host's CPU time per call (``host_ms``, calls back to back; and
-``host_alone_ms``, the calling thread's for one call timed alone, after a synchronisation, as the
-event time is: an event time above ``host_alone_ms`` plus the GPU's is time neither spends on the
-call) and, on a GPU where ``host_ms`` is a large share of the event time, the GPU's own time per
-call (``gpu_ms``); ``host_bound`` where the host's time exceeds the GPU's (:func:`host_bound`).
+Every timed row also has the host's CPU time per call (``host_ms``, calls back to back) and, where
+that is a large share of the event time, ``host_alone_ms`` (the calling thread's for one call timed
+alone, after a synchronisation, as the event time is: an event time above ``host_alone_ms`` plus the
+GPU's is time neither spends on the call) and, on a GPU, the GPU's own time per call (``gpu_ms``);
+``host_bound`` where the host's time exceeds the GPU's (:func:`host_bound`).
 
 Rows are written as they are measured (``bench-gpu.jsonl`` and ``bench-gpu.csv``), so a run cut
 short keeps what it measured. A row of this package's backends that crashed, or that another
@@ -1024,17 +1024,20 @@ def _gpu_span(device) -> Optional[Callable]:
 
 def host_fields(call: Callable[[], None], device, event_ms: float) -> dict:
     """``host_ms``: the process's CPU time per call of ``call`` in milliseconds (:data:`HOST_CALLS`
-    calls back to back); ``host_alone_ms``: the calling thread's for one call timed alone, as the
-    event time is (:func:`_alone_us`); where ``host_ms`` is at least :data:`GPU_SPAN_SHARE` of
-    ``event_ms`` and the device has a GPU span, ``gpu_ms`` (the GPU's time per call, kernels back to
-    back) and ``gpu_covered``."""
+    calls back to back); where that is at least :data:`GPU_SPAN_SHARE` of ``event_ms``,
+    ``host_alone_ms`` (the calling thread's for one call timed alone, as the event time is:
+    :func:`_alone_us`) and, where the device has a GPU span, ``gpu_ms`` (the GPU's time per call,
+    kernels back to back) and ``gpu_covered``."""
     import torch  # noqa: PLC0415
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     host_us = common.host_and_gpu(call, HOST_CALLS, sync)["host_us"]
-    fields = {"host_ms": host_us / 1e3, "host_alone_ms": _alone_us(call, sync) / 1e3}
+    fields = {"host_ms": host_us / 1e3}
+    if fields["host_ms"] < GPU_SPAN_SHARE * event_ms:
+        return fields  # the GPU's time is the row's: no more calls spent on the host's
+    fields["host_alone_ms"] = _alone_us(call, sync) / 1e3
     span = _gpu_span(device)
-    if span is not None and fields["host_ms"] >= GPU_SPAN_SHARE * event_ms:
+    if span is not None:
         ms, covered = span(call, HOST_CALLS, host_us * HOST_CALLS / 1e6)
         fields.update(gpu_ms=ms / HOST_CALLS, gpu_covered=covered)
     return fields

@@ -286,16 +286,18 @@ def test_gpu_held_out_shapes_are_checked_and_named(monkeypatch):
 
 
 def test_gpu_rows_flag_a_time_that_is_the_hosts():
-    """Every timed row has the host's CPU time per call (``host_ms``, and ``host_alone_ms`` for one
-    call timed alone); a row whose event time is not clearly above it is flagged ``host_bound``
-    (stand-in timers: one far below any host time, one far above)."""
+    """Every timed row has the host's CPU time per call (``host_ms``) and, where that is a large
+    share of the event time, ``host_alone_ms`` (one call timed alone); a row whose event time is not
+    clearly above it is flagged ``host_bound`` (stand-in timers: one far below any host time, one
+    far above)."""
     config = _gpu_config(seqlens=[32], headdims=[32], causal=[False], backward=[False],
                          impls=["flash_attn[reference]", "sdpa[math]"])
     for event_ms, bound in ((1e-6, True), (1e6, False)):
         rows = gpu.run(config, device="cpu", timer=lambda fn, w, r: [event_ms])
         assert len(rows) == 2
         for r in rows:
-            assert r["status"] == "ok" and r["host_ms"] > 0 and r["host_alone_ms"] > 0 and r["host_bound"] is bound, r
+            assert r["status"] == "ok" and r["host_ms"] > 0 and r["host_bound"] is bound, r
+            assert r["host_alone_ms"] > 0 if bound else r.get("host_alone_ms") is None, r
     assert "(host-bound" in gpu._progress_line(dict(rows[0], host_bound=True))
 
 
